@@ -1,0 +1,62 @@
+"""The catalog of bound Programs a runtime can drive.
+
+A runtime resolves every Process's exact ProgramRef through its catalog. Programs
+are registered explicitly (with every child binding they reach); a *loader* can also
+rebuild a Program from the configuration document a tree stored in its
+``TreeStarted`` (for example a scenario), so later commands work without the file.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+
+from domain.canonical import JSON
+from domain.errors import NotFound
+from domain.ids import Digest
+from domain.program import Program, ProgramRef
+
+Loader = Callable[[JSON], Program]
+
+
+class Catalog:
+    def __init__(self, programs: Iterable[Program] = (), loaders: Mapping[str, Loader] | None = None) -> None:
+        self._programs: dict[Digest, Program] = {}
+        self._loaders = dict(loaders or {})
+        self._lock = threading.Lock()
+        for program in programs:
+            self.add(program)
+
+    def add(self, program: Program) -> Program:
+        """Register a Program and every Program reachable through its child bindings."""
+        with self._lock:
+            for bound in program.walk():
+                self._programs.setdefault(bound.ref.digest, bound)
+        return program
+
+    def resolve(self, ref: ProgramRef) -> Program | None:
+        return self._programs.get(ref.digest)
+
+    def load(self, ref: ProgramRef, configuration: JSON) -> Program:
+        """The Program for ``ref``, rebuilt from ``configuration`` by its loader if needed."""
+        program = self.resolve(ref)
+        if program is not None:
+            return program
+        loader = self._loaders.get(ref.name)
+        if loader is None or configuration is None:
+            raise NotFound(
+                "engine.program.unavailable",
+                f"no program bound for {ref.name} ({ref.digest})",
+                hint="run with a catalog (or scenario) that binds this exact program",
+            )
+        program = loader(configuration)
+        if program.ref != ref:
+            raise NotFound(
+                "engine.program.unavailable",
+                f"the stored configuration rebuilds {program.ref.digest}, not {ref.digest}",
+                hint="the program's code changed since this tree started; run the version that started it",
+            )
+        return self.add(program)
+
+    def __contains__(self, ref: object) -> bool:
+        return isinstance(ref, ProgramRef) and ref.digest in self._programs

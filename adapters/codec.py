@@ -1,0 +1,134 @@
+"""The eventsourcing mapper and transcoder for tree events.
+
+* :class:`OrjsonTranscoder` encodes with orjson, sorted keys (canonical JSON), never pickle;
+* :class:`PydanticMapper` maps a :class:`RecordedEvent` (a frozen pydantic model: tree
+  UUID, position, timestamp, digest and the domain event) to eventsourcing's
+  ``StoredEvent`` and back, sealing the digest into the stored state
+  (``domain.integrity``) and validating every field on the way back.
+
+The topic of a stored event is ``domain.events:<EventType>``; decoding resolves it
+against the event catalogue, never by importing what the database names.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import Mapper, MapperDeserialisationError, StoredEvent, Transcoder
+from pydantic import BaseModel, ConfigDict, SerializeAsAny
+
+from domain.events import EVENT_TYPES, SCHEMA_VERSION, TreeEvent, event_body, event_from_body, event_type
+from domain.integrity import SealError, chain_digest, content_bytes, seal, unseal
+
+TOPIC_PREFIX = "domain.events:"
+
+
+class OrjsonTranscoder(Transcoder):
+    """Canonical JSON via orjson (sorted keys, no whitespace)."""
+
+    def encode(self, obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+    def decode(self, data: bytes) -> Any:
+        return orjson.loads(data)
+
+
+class RecordedEvent(BaseModel):
+    """One event as stored: its tree, position, timestamp, chained digest and domain event."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    originator_id: uuid.UUID
+    originator_version: int
+    timestamp: str
+    digest: str
+    event: SerializeAsAny[TreeEvent]
+
+    @property
+    def position(self) -> int:
+        return self.originator_version
+
+    @property
+    def type(self) -> str:
+        return event_type(self.event)
+
+
+class DecodeError(ValueError):
+    """A stored event that cannot be decoded or whose digest chain is broken."""
+
+    def __init__(self, position: int, rule: str, detail: str) -> None:
+        super().__init__(f"position {position}: {rule}: {detail}")
+        self.position = position
+        self.rule = rule
+        self.detail = detail
+
+
+class PydanticMapper(Mapper[uuid.UUID]):
+    """Seals and unseals tree events (see ``domain.integrity``)."""
+
+    def encode(
+        self, tree_id: str, tree_uuid: uuid.UUID, position: int, event: TreeEvent, timestamp: str, previous: str | None
+    ) -> tuple[StoredEvent, str]:
+        """Encode one event at ``position``; returns the StoredEvent and its chained digest."""
+        name = event_type(event)
+        content = content_bytes(event_body(event), SCHEMA_VERSION, timestamp)
+        digest = chain_digest(previous, tree_id, position, name, content)
+        state = seal(content, digest)
+        if self.compressor:
+            state = self.compressor.compress(state)
+        if self.cipher:
+            state = self.cipher.encrypt(state)
+        return StoredEvent(tree_uuid, position, TOPIC_PREFIX + name, state), digest
+
+    def decode(
+        self, tree_id: str, stored: StoredEvent, previous: str | None, *, verify: bool = True
+    ) -> RecordedEvent:
+        """Decode and (by default) verify the digest chain of one stored event."""
+        position = stored.originator_version
+        topic = stored.topic
+        name = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
+        if name not in EVENT_TYPES:
+            raise DecodeError(position, "stream.event_type", f"unknown topic {topic!r}")
+        state = stored.state
+        try:
+            if self.cipher:
+                state = self.cipher.decrypt(state)
+            if self.compressor:
+                state = self.compressor.decompress(state)
+            unsealed = unseal(state)
+        except SealError as exc:
+            raise DecodeError(position, "integrity.format", str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - cipher/compressor failures
+            raise DecodeError(position, "integrity.format", f"{type(exc).__name__}: {exc}") from exc
+        if verify:
+            expected = chain_digest(previous, tree_id, position, name, unsealed.content)
+            if expected != unsealed.digest:
+                raise DecodeError(
+                    position, "integrity.digest_chain", f"recorded digest {unsealed.digest} but the chain gives {expected}"
+                )
+        if unsealed.schema_version != SCHEMA_VERSION:
+            raise DecodeError(position, "stream.schema_version", f"unsupported schema version {unsealed.schema_version}")
+        try:
+            event = event_from_body(name, unsealed.body)
+        except Exception as exc:  # noqa: BLE001 - pydantic validation of untrusted bytes
+            raise DecodeError(position, "stream.event_invalid", f"{name}: {exc}") from exc
+        return RecordedEvent(
+            originator_id=stored.originator_id,  # type: ignore[arg-type]
+            originator_version=position,
+            timestamp=unsealed.timestamp,
+            digest=unsealed.digest,
+            event=event,
+        )
+
+    # eventsourcing's Mapper interface, for library tooling (projection runners) ----
+
+    def to_stored_event(self, domain_event: Any) -> StoredEvent:
+        raise NotImplementedError("tree events are encoded with their chain: use PydanticMapper.encode")
+
+    def to_domain_event(self, stored_event: StoredEvent) -> Any:
+        """Decode without the chain check (the caller has no previous digest)."""
+        try:
+            return self.decode("", stored_event, None, verify=False)
+        except DecodeError as exc:
+            raise MapperDeserialisationError(str(exc)) from exc

@@ -1,0 +1,301 @@
+"""eventsourcing application recorders that also keep the tree index, atomically.
+
+Every append writes the tree's events and, in the same transaction, upserts one row
+of ``agentfold_trees`` (the tree's head: version, head digest, root status,
+classification, unknown effect ids) and inserts one row of ``agentfold_processes``
+per new Process. The index is therefore never ahead of or behind the events, and it
+anchors the digest chain: a truncated stream no longer reaches the recorded head.
+
+Tables (documented in docs/read-models.md):
+
+* ``agentfold_events``  (eventsourcing's events table; notification ids are the feed order)
+* ``agentfold_snapshots`` (folded tree states, so a long tree loads without folding from zero)
+* ``agentfold_trees``, ``agentfold_processes`` (the index described above)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import StoredEvent
+from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
+from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
+from psycopg.sql import SQL
+from eventsourcing.sqlite import SQLiteAggregateRecorder, SQLiteApplicationRecorder, SQLiteCursor
+
+EVENTS_TABLE = "agentfold_events"
+SNAPSHOTS_TABLE = "agentfold_snapshots"
+TREES_TABLE = "agentfold_trees"
+PROCESSES_TABLE = "agentfold_processes"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeHead:
+    """One row of ``agentfold_trees``."""
+
+    tree_id: str
+    start_id: str
+    root_process_id: str
+    program: str
+    status: str
+    classification: str
+    version: int
+    head_digest: str
+    unknown_effect_ids: tuple[str, ...] = ()
+    created_at: str = ""
+    updated_at: str = ""
+    new_processes: tuple[str, ...] = field(default=(), compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tree_id": self.tree_id,
+            "start_id": self.start_id,
+            "root_process_id": self.root_process_id,
+            "program": self.program,
+            "status": self.status,
+            "classification": self.classification,
+            "version": self.version,
+            "head_digest": self.head_digest,
+            "unknown_effect_ids": list(self.unknown_effect_ids),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
+            self.version, self.head_digest, orjson.dumps(list(self.unknown_effect_ids)).decode(),
+            self.created_at or self.updated_at, self.updated_at,
+        )
+
+
+HEAD_COLUMNS = (
+    "tree_id, start_id, root_process_id, program, status, classification, version, head_digest, "
+    "unknown_effect_ids, created_at, updated_at"
+)
+
+
+def head_from_row(row: Any) -> TreeHead:
+    return TreeHead(
+        row["tree_id"], row["start_id"], row["root_process_id"], row["program"], row["status"],
+        row["classification"], int(row["version"]), row["head_digest"],
+        tuple(orjson.loads(row["unknown_effect_ids"])), str(row["created_at"]), str(row["updated_at"]),
+    )
+
+
+class IndexQueries:
+    """Queries over the tree index, implemented per backend."""
+
+    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+        raise NotImplementedError
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        raise NotImplementedError
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        raise NotImplementedError
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------
+# SQLite
+
+
+class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
+    def __init__(self, datastore: Any, events_table_name: str = EVENTS_TABLE) -> None:
+        super().__init__(datastore, events_table_name)
+
+    def construct_create_table_statements(self) -> list[str]:
+        statements = super().construct_create_table_statements()
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {TREES_TABLE} (tree_id TEXT PRIMARY KEY, start_id TEXT NOT NULL, "
+            "root_process_id TEXT NOT NULL, program TEXT NOT NULL, status TEXT NOT NULL, "
+            "classification TEXT NOT NULL, version INTEGER NOT NULL, head_digest TEXT NOT NULL, "
+            "unknown_effect_ids TEXT NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL)"
+        )
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {PROCESSES_TABLE} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL)"
+        )
+        return statements
+
+    def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        ids = super()._insert_events(c, stored_events, **kwargs)
+        head: TreeHead | None = kwargs.get("head")
+        if head is not None:
+            c.execute(
+                f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT(tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
+                "version=excluded.version, head_digest=excluded.head_digest, "
+                "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at",
+                head.row(),
+            )
+            for pid in head.new_processes:
+                c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
+        return ids
+
+    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+        sql = f"SELECT {HEAD_COLUMNS} FROM {TREES_TABLE}"
+        if live_only:
+            sql += " WHERE classification != 'terminal'"
+        sql += " ORDER BY created_at, tree_id"
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(sql)
+            return [head_from_row(r) for r in c.fetchall()]
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT {HEAD_COLUMNS} FROM {TREES_TABLE} WHERE tree_id = ?", (tree_id,))
+            row = c.fetchone()
+        return head_from_row(row) if row else None
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT tree_id FROM {PROCESSES_TABLE} WHERE process_id = ?", (process_id,))
+            row = c.fetchone()
+        return str(row[0]) if row else None
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(
+                f"SELECT tree_id FROM {TREES_TABLE} WHERE unknown_effect_ids LIKE ?", (f'%"{effect_id}"%',)
+            )
+            row = c.fetchone()
+        return str(row[0]) if row else None
+
+
+class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
+    def __init__(self, datastore: Any) -> None:
+        super().__init__(datastore, SNAPSHOTS_TABLE)
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL
+
+
+class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
+    def __init__(self, datastore: Any, *, events_table_name: str = EVENTS_TABLE) -> None:
+        super().__init__(datastore, events_table_name=events_table_name)
+        schema = self.datastore.schema
+        self.sql_create_statements.append(
+            SQL(
+                f'CREATE TABLE IF NOT EXISTS "{schema}".{TREES_TABLE} (tree_id text PRIMARY KEY, '
+                "start_id text NOT NULL, root_process_id text NOT NULL, program text NOT NULL, "
+                "status text NOT NULL, classification text NOT NULL, version bigint NOT NULL, "
+                "head_digest text NOT NULL, unknown_effect_ids text NOT NULL, created_at text NOT NULL, "
+                "updated_at text NOT NULL)"
+            )
+        )
+        self.sql_create_statements.append(
+            SQL(
+                f'CREATE TABLE IF NOT EXISTS "{schema}".{PROCESSES_TABLE} '
+                "(process_id text PRIMARY KEY, tree_id text NOT NULL)"
+            )
+        )
+        self._upsert_head = (
+            f'INSERT INTO "{schema}".{TREES_TABLE} ({HEAD_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) '
+            "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
+            "version=excluded.version, head_digest=excluded.head_digest, "
+            "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at"
+        )
+        self._insert_process = f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) VALUES (%s, %s)'
+        self._schema = schema
+
+    def _insert_events(self, curs: Any, stored_events: Sequence[StoredEvent], **kwargs: Any) -> None:
+        head: TreeHead | None = kwargs.get("head")
+        if head is not None:
+            curs.execute(self._upsert_head, head.row(), prepare=True)
+            for pid in head.new_processes:
+                curs.execute(self._insert_process, (pid, head.tree_id), prepare=True)
+
+    def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(sql, params, prepare=True)
+            return list(curs.fetchall())
+
+    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+        sql = f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE}'
+        if live_only:
+            sql += " WHERE classification <> 'terminal'"
+        return [head_from_row(r) for r in self._select(sql + " ORDER BY created_at, tree_id")]
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        rows = self._select(f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = %s', (tree_id,))
+        return head_from_row(rows[0]) if rows else None
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        rows = self._select(
+            f'SELECT tree_id FROM "{self._schema}".{PROCESSES_TABLE} WHERE process_id = %s', (process_id,)
+        )
+        return str(rows[0]["tree_id"]) if rows else None
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        rows = self._select(
+            f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} WHERE unknown_effect_ids LIKE %s',
+            (f'%"{effect_id}"%',),
+        )
+        return str(rows[0]["tree_id"]) if rows else None
+
+
+class PostgresSnapshotRecorder(PostgresAggregateRecorder):
+    def __init__(self, datastore: Any) -> None:
+        super().__init__(datastore, events_table_name=SNAPSHOTS_TABLE)
+
+
+# ---------------------------------------------------------------------------
+# Memory
+
+
+class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
+    def __init__(self) -> None:
+        super().__init__()
+        self._heads: dict[str, TreeHead] = {}
+        self._processes: dict[str, str] = {}
+        self._index_lock = threading.Lock()
+
+    def _update_table(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        ids = super()._update_table(stored_events, **kwargs)
+        head: TreeHead | None = kwargs.get("head")
+        if head is not None:
+            with self._index_lock:
+                previous = self._heads.get(head.tree_id)
+                created = previous.created_at if previous else head.updated_at
+                self._heads[head.tree_id] = TreeHead(
+                    head.tree_id, head.start_id, head.root_process_id, head.program, head.status,
+                    head.classification, head.version, head.head_digest, head.unknown_effect_ids,
+                    created, head.updated_at,
+                )
+                for pid in head.new_processes:
+                    self._processes[pid] = head.tree_id
+        return ids
+
+    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+        with self._index_lock:
+            heads = list(self._heads.values())
+        if live_only:
+            heads = [h for h in heads if h.classification != "terminal"]
+        return sorted(heads, key=lambda h: (h.created_at, h.tree_id))
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        with self._index_lock:
+            return self._heads.get(tree_id)
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        with self._index_lock:
+            return self._processes.get(process_id)
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        with self._index_lock:
+            for head in self._heads.values():
+                if effect_id in head.unknown_effect_ids:
+                    return head.tree_id
+        return None
+
+
+class MemorySnapshotRecorder(POPOAggregateRecorder):
+    pass

@@ -1,0 +1,1084 @@
+"""The Runtime: drives process trees over an event store.
+
+One owner drives a tree at a time (an owner lease plus version fencing). The owner
+turns the kernel's decisions into appends and calls dispatchers only after the
+append that grants their dispatch permission is committed (write-ahead). Outcomes
+come back to the owner, which records them, runs the next Steps and grants the next
+permissions, all in one append: in steady state one Effect costs one append.
+
+Any runtime may admit input to any tree (signals, answers, controls, resolutions)
+by appending at the tree's current version; a version conflict means reload and
+validate again. When nobody owns the tree, the admitting runtime takes ownership
+(``WriterActivated``) and drives it.
+
+Recovery never calls anything: a dispatched Effect whose outcome was not recorded is
+dispatched again only when its policy is ``same_identity``; otherwise it settles
+unknown and waits for a host (``resolve_unknown_effect``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import uuid
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from adapters.catalog import Catalog
+from adapters.dispatch import DispatchCancelled, DispatchContext
+from adapters.eventstore import EventStore, LoadedTree, VersionConflict
+from adapters.recorders import TreeHead
+from domain.budget import Budget
+from domain.canonical import JSON, digest_of, normalize
+from domain.errors import (
+    AgentfoldError,
+    EngineCode,
+    Failure,
+    FailureKind,
+    Fenced,
+    InvalidInput,
+    NotFound,
+    Rejected,
+    StoreFailure,
+)
+from domain.events import (
+    EffectDeclared,
+    EffectDispatched,
+    EffectSettled,
+    ProcessStarted,
+    TreeEvent,
+    TreeLimits,
+    TreeStarted,
+    WriterActivated,
+)
+from domain.ids import (
+    EffectAttemptID,
+    EffectID,
+    ProcessID,
+    StartID,
+    TreeID,
+    TreeIncarnationID,
+    root_process_id,
+)
+from domain.kernel import Dispatch, Kernel, start_tree
+from domain.program import Program, ProgramRef, SettlementStatus, SignalRequest
+from domain.requests import EffectRequest, Settlement, effect_request
+from domain.tree import TERMINAL, ProcessState, TreeState
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class RandomIds:
+    """Fresh attempt and incarnation ids from the operating system's randomness."""
+
+    def attempt_id(self) -> EffectAttemptID:
+        return EffectAttemptID.from_bytes(os.urandom(16))
+
+    def incarnation_id(self) -> TreeIncarnationID:
+        return TreeIncarnationID.from_bytes(os.urandom(16))
+
+    def root_process_id(self) -> ProcessID:
+        return root_process_id(os.urandom(16))
+
+    def start_id(self) -> StartID:
+        return StartID("start:" + os.urandom(16).hex())
+
+
+# ---------------------------------------------------------------------------
+# Crash plans (tests and `agentfold run --crash-after`)
+
+
+@dataclass(slots=True)
+class CrashPlan:
+    """End the process with ``os._exit(code)`` at one chosen point.
+
+    Points: ``declared:N``, ``dispatched:N``, ``in-dispatch:N``, ``settled:N`` count
+    dispatcher Effects in the order their declarations are committed by this process;
+    ``after:<EventType>:N`` ends right after the append holding the N-th event of that
+    type; ``before:<EventType>:N`` ends instead of making that append.
+    """
+
+    point: str
+    code: int = 75
+
+    @classmethod
+    def parse(cls, text: str, code: int = 75) -> CrashPlan:
+        parts = text.split(":")
+        valid = (
+            len(parts) == 2 and parts[0] in ("declared", "dispatched", "in-dispatch", "settled") and parts[1].isdigit()
+        ) or (len(parts) == 3 and parts[0] in ("after", "before") and parts[2].isdigit())
+        if not valid or int(parts[-1]) < 1:
+            raise InvalidInput(
+                "crash.point_invalid",
+                f"invalid crash point {text!r}",
+                hint="use declared:N, dispatched:N, in-dispatch:N, settled:N, after:<Event>:N or before:<Event>:N",
+            )
+        return cls(text, code)
+
+    @property
+    def kind(self) -> str:
+        return self.point.split(":")[0]
+
+    @property
+    def n(self) -> int:
+        return int(self.point.split(":")[-1])
+
+    @property
+    def event_type(self) -> str:
+        return self.point.split(":")[1]
+
+    def exit(self) -> None:
+        os._exit(self.code)
+
+
+# ---------------------------------------------------------------------------
+# Results and handles
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    process_id: ProcessID
+    status: str
+    output: JSON
+    termination: dict[str, Any] | None
+    usage: dict[str, int]
+
+    @classmethod
+    def of(cls, process: ProcessState) -> Result:
+        return cls(
+            process.process_id,
+            process.status,
+            process.output,
+            process.termination.to_json() if process.termination else None,
+            process.usage,
+        )
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "process_id": self.process_id,
+            "status": self.status,
+            "output": self.output,
+            "termination": self.termination,
+            "usage": self.usage,
+        }
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """A started or recovered tree."""
+
+    runtime: Runtime
+    tree_id: TreeID
+    root_process_id: ProcessID
+    start_id: StartID
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until the root Process is terminal and return its Result."""
+        return self.runtime.result(self.tree_id, timeout)
+
+    def status(self) -> str:
+        return self.runtime.status(self.tree_id)
+
+
+class RuntimeStopped(AgentfoldError):
+    """This runtime stopped driving a tree (store failure or fencing); recover it elsewhere."""
+
+    http_status = 503
+
+
+# ---------------------------------------------------------------------------
+# Driver internals
+
+
+@dataclass(slots=True)
+class _Done:
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    status: SettlementStatus
+    payload: JSON
+    diagnostic: Failure | None
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]
+    future: Future[Any]
+
+
+@dataclass(slots=True)
+class _Refresh:
+    pass
+
+
+@dataclass(slots=True)
+class _Kick:
+    """Advance again (the previous cycle hit the per-append event cap)."""
+
+
+MAX_EVENTS_PER_APPEND = 2048
+
+
+@dataclass(slots=True)
+class _Flight:
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    context: DispatchContext
+    cancel_deadline: float | None = None
+
+
+class _Driver:
+    """The serial owner line of one tree inside a Runtime."""
+
+    def __init__(self, runtime: Runtime, tree_id: TreeID, loaded: LoadedTree, incarnation: TreeIncarnationID) -> None:
+        self.runtime = runtime
+        self.tree_id = tree_id
+        self.tree = loaded.state
+        self.digest = loaded.digest
+        self.committed = loaded.state.version
+        self.incarnation = incarnation
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._scheduled = False
+        self.flights: dict[EffectID, _Flight] = {}
+        self.stopped: AgentfoldError | None = None
+        self.idle = False
+        self.last_snapshot = loaded.snapshot_version
+
+    # -- inbox ---------------------------------------------------------------
+
+    def submit(self, item: Any) -> None:
+        with self._inbox_lock:
+            self._inbox.append(item)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.runtime._owner_pool.submit(self._run)
+
+    def call(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], timeout: float | None = 60.0) -> Any:
+        future: Future[Any] = Future()
+        self.submit(_Call(fn, future))
+        return future.result(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._inbox_lock:
+                items = list(self._inbox)
+                self._inbox.clear()
+                if not items:
+                    self._scheduled = False
+                    return
+            try:
+                with self.lock:
+                    self._cycle(items)
+            except BaseException as exc:  # noqa: BLE001 - never lose the owner line silently
+                self._stop(RuntimeStopped("engine.runtime.failed", f"owner of {self.tree_id} failed: {exc!r}"), items)
+
+    # -- the cycle -----------------------------------------------------------
+
+    def _cycle(self, items: list[Any]) -> None:
+        if self.stopped is not None:
+            self._reject(items, self.stopped)
+            return
+        if any(isinstance(i, _Refresh) for i in items):
+            self._catch_up()
+            if self.stopped is not None:
+                self._reject(items, self.stopped)
+                return
+        for _attempt in range(64):
+            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids)
+            events: list[TreeEvent] = []
+            replies: list[tuple[Future[Any], Any]] = []
+            settled: list[EffectID] = []
+            for item in items:
+                if isinstance(item, _Done):
+                    produced = kernel.settle_dispatch(
+                        item.process_id, item.effect_id, item.attempt_id, item.status, item.payload, item.diagnostic
+                    )
+                    events.extend(produced)
+                    settled.append(item.effect_id)
+                elif isinstance(item, _Call):
+                    if item.future.done():
+                        continue
+                    version = self.tree.version
+                    try:
+                        produced, value = item.fn(kernel)
+                    except AgentfoldError as exc:
+                        if self.tree.version != version:  # pragma: no cover - functions validate before applying
+                            raise
+                        item.future.set_exception(exc)
+                        continue
+                    events.extend(produced)
+                    replies.append((item.future, value))
+            progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+            events.extend(progress.events)
+            if not events:
+                for eid in settled:
+                    self.flights.pop(eid, None)
+                self._after_commit([], replies)
+                return
+            try:
+                self._append(events)
+            except VersionConflict:
+                self._reload()
+                if self.stopped is not None:
+                    self._reject(items, self.stopped)
+                    return
+                continue
+            except (Fenced, StoreFailure) as exc:
+                self._stop(exc, items)
+                return
+            for eid in settled:
+                self.flights.pop(eid, None)
+            self._launch(progress.dispatches)
+            self._after_commit(events, replies)
+            if len(progress.events) >= MAX_EVENTS_PER_APPEND:
+                self.submit(_Kick())
+            return
+        self._stop(RuntimeStopped("engine.tree.contention", f"tree {self.tree_id} kept changing under its owner"), items)
+
+    def _after_commit(self, events: list[TreeEvent], replies: list[tuple[Future[Any], Any]]) -> None:
+        for future, value in replies:
+            if not future.done():
+                future.set_result(value)
+        self._cancel_stopping_flights()
+        self.idle = not self.flights and not self._inbox
+        self.cond.notify_all()
+
+    def _reject(self, items: Iterable[Any], exc: AgentfoldError) -> None:
+        for item in items:
+            if isinstance(item, _Call) and not item.future.done():
+                item.future.set_exception(exc)
+
+    def _stop(self, exc: AgentfoldError, items: Iterable[Any] = ()) -> None:
+        with self.lock:
+            if self.stopped is None:
+                self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message)
+            self._reject(items, self.stopped)
+            for flight in self.flights.values():
+                flight.context.cancelled.set()
+            self.idle = True
+            self.cond.notify_all()
+        self.runtime._forget(self)
+
+    # -- appends -------------------------------------------------------------
+
+    def _append(self, events: list[TreeEvent]) -> None:
+        runtime = self.runtime
+        crash = runtime.crash
+        exit_after = False
+        if crash is not None:
+            events, exit_after = runtime._crash_check(events)
+        expected = self.committed
+        head = self._head(events)
+        result = runtime.store.append(
+            self.tree_id, expected, events, previous_digest=self.digest, timestamp=runtime.clock(), head=head
+        )
+        if crash is not None and exit_after:
+            crash.exit()
+        self.digest = result.digest
+        self.committed = expected + len(events)
+        runtime.appends += 1
+        runtime.events_appended += len(events)
+        if self.committed != self.tree.version:  # pragma: no cover - defensive
+            raise RuntimeStopped("engine.runtime.failed", "the folded tree and the committed version diverged")
+        every = runtime.snapshot_every
+        if every and self.committed - self.last_snapshot >= every and self.tree._expect is None:
+            runtime.store.save_snapshot(self.tree_id, self.tree, result.digest)
+            self.last_snapshot = self.committed
+
+    def _head(self, events: Sequence[TreeEvent]) -> TreeHead:
+        return index_head(self.tree, self.tree_id, events, self.runtime.clock())
+
+    def _reload(self) -> None:
+        """Discard uncommitted state and fold the tree again from the store."""
+        try:
+            loaded = self.runtime.store.load(self.tree_id, self.runtime._resolve)
+        except AgentfoldError as exc:
+            self._stop(exc)
+            return
+        self.tree = loaded.state
+        self.digest = loaded.digest
+        self.committed = loaded.state.version
+        self._check_fence()
+
+    def _catch_up(self) -> None:
+        """Fold events other writers appended after our committed version."""
+        try:
+            records = self.runtime.store.read(self.tree_id, after=self.committed, previous_digest=self.digest)
+            for record in records:
+                self.tree.apply(record.event, record.position)
+                self.digest = record.digest
+                self.committed = record.position
+        except Exception:  # noqa: BLE001 - fall back to a full reload
+            self._reload()
+            return
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self.tree.incarnation != self.incarnation:
+            self._stop(
+                Fenced(
+                    "engine.tree.incarnation_conflict",
+                    f"tree {self.tree_id} was activated by incarnation {self.tree.incarnation}; "
+                    f"this writer ({self.incarnation}) stops",
+                )
+            )
+
+    # -- dispatch ------------------------------------------------------------
+
+    def _launch(self, dispatches: Sequence[Dispatch]) -> None:
+        for dispatch in dispatches:
+            process = self.tree.processes[dispatch.process_id]
+            program = self.runtime._resolve(process.program)
+            context = DispatchContext()
+            flight = _Flight(dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, context)
+            self.flights[dispatch.effect_id] = flight
+            try:
+                request = effect_request(self.tree, dispatch.process_id, dispatch.effect_id, program, dispatch.attempt_id)
+            except Exception as exc:  # noqa: BLE001
+                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, f"cannot build the request: {exc}"))
+                continue
+            dispatcher = program.dispatcher if program is not None else None
+            if dispatcher is None:
+                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
+                continue
+            self.runtime._dispatch_pool.submit(self._call_dispatcher, dispatch, dispatcher, request, context)
+
+    def _call_dispatcher(self, dispatch: Dispatch, dispatcher: Any, request: EffectRequest, context: DispatchContext) -> None:
+        runtime = self.runtime
+        try:
+            settlement = dispatcher.dispatch(request, context)
+            done = _settled(dispatch, settlement)
+        except DispatchCancelled as exc:
+            done = _unknown(dispatch, EngineCode.DISPATCH_CANCELED, str(exc) or "canceled")
+        except TimeoutError as exc:
+            done = _unknown(dispatch, EngineCode.DISPATCH_DEADLINE, f"timed out: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every raised error leaves the outcome unknown
+            code = EngineCode.DISPATCH_CANCELED if context.cancelled.is_set() else EngineCode.DISPATCH_FAILED
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+        crash = runtime.crash
+        if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
+            crash.exit()
+        self.submit(done)
+
+    def _cancel_stopping_flights(self) -> None:
+        now = time.monotonic()
+        for flight in list(self.flights.values()):
+            process = self.tree.processes.get(flight.process_id)
+            stopping = process is None or process.terminal_intent is not None or process.terminal
+            if not stopping:
+                continue
+            if not flight.context.cancelled.is_set():
+                flight.context.cancelled.set()
+                flight.cancel_deadline = now + self.runtime.cancel_grace
+                timer = threading.Timer(self.runtime.cancel_grace, self._abandon, (flight,))
+                timer.daemon = True
+                timer.start()
+
+    def _abandon(self, flight: _Flight) -> None:
+        """A dispatcher ignored cancellation past the grace period: its outcome is unknown."""
+        if flight.effect_id in self.flights:
+            self.submit(
+                _Done(
+                    flight.process_id, flight.effect_id, flight.attempt_id, SettlementStatus.UNKNOWN, None,
+                    Failure(FailureKind.EXTERNAL, EngineCode.DISPATCH_CANCELED,
+                            "the dispatcher did not return within the cancellation grace period"),
+                )
+            )
+
+
+def _unknown(dispatch: Dispatch, code: str, message: str) -> _Done:
+    return _Done(
+        dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, SettlementStatus.UNKNOWN, None,
+        Failure(FailureKind.EXTERNAL if code != EngineCode.DISPATCH_SETTLEMENT_INVALID else FailureKind.CONTRACT,
+                code, message or code),
+    )
+
+
+def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
+    if not isinstance(settlement, Settlement) or not isinstance(settlement.status, SettlementStatus):
+        return _unknown(dispatch, EngineCode.DISPATCH_SETTLEMENT_INVALID, f"dispatcher returned {type(settlement).__name__}")
+    if settlement.status is SettlementStatus.UNKNOWN:
+        return _unknown(dispatch, EngineCode.DISPATCH_FAILED, "the dispatcher reported an unknown outcome")
+    try:
+        payload = normalize(settlement.payload, what="settlement payload")
+    except InvalidInput as exc:
+        return _unknown(dispatch, EngineCode.DISPATCH_SETTLEMENT_INVALID, exc.message)
+    return _Done(dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, settlement.status, payload, None)
+
+
+# ---------------------------------------------------------------------------
+# The Runtime
+
+
+class Runtime:
+    """Starts, drives, recovers and serves process trees over one event store."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        catalog: Catalog | None = None,
+        *,
+        dispatch_workers: int = 32,
+        owner_workers: int = 4,
+        snapshot_every: int = 500,
+        poll_interval: float = 0.2,
+        cancel_grace: float = 5.0,
+        crash: CrashPlan | None = None,
+        clock: Callable[[], str] = utc_now,
+        ids: RandomIds | None = None,
+        adopt_on_admit: bool = True,
+    ) -> None:
+        self.store = store
+        self.catalog = catalog or Catalog()
+        self.snapshot_every = snapshot_every
+        self.poll_interval = poll_interval
+        self.cancel_grace = cancel_grace
+        self.crash = crash
+        self.clock = clock
+        self.ids = ids or RandomIds()
+        self.adopt_on_admit = adopt_on_admit
+        self.appends = 0
+        self.events_appended = 0
+        self._dispatch_pool = ThreadPoolExecutor(dispatch_workers, thread_name_prefix="agentfold-dispatch")
+        self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
+        self._drivers: dict[TreeID, _Driver] = {}
+        self._lock = threading.RLock()
+        self._leases = store.leases()
+        self._ordinal: dict[EffectID, int] = {}
+        self._counts: dict[str, int] = collections.Counter()
+        self._closed = False
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
+
+    # -- programs ------------------------------------------------------------
+
+    def _resolve(self, ref: ProgramRef) -> Program | None:
+        return self.catalog.resolve(ref)
+
+    def _load(self, tree_id: TreeID) -> LoadedTree:
+        """Load a tree with its Programs bound (rebuilding a stored configuration if needed)."""
+        self._bind_programs(tree_id)
+        return self.store.load(tree_id, self._resolve)
+
+    def _bind_programs(self, tree_id: TreeID) -> None:
+        first = self.store.read(tree_id, upto=1)
+        if not first:
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+        started = first[0].event
+        assert isinstance(started, TreeStarted)
+        self.catalog.load(started.program, started.configuration)
+
+    # -- lookups -------------------------------------------------------------
+
+    def tree_of(self, ref: str) -> TreeID:
+        """Resolve a tree id, a start id or a process id to a tree id."""
+        if ref.startswith("tree:"):
+            tree_id = TreeID(ref)
+            if self.store.head(tree_id) is None:
+                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
+            return tree_id
+        found = self.store.tree_of_process(ref)
+        if found is not None:
+            return found
+        tree_id = TreeID.for_start(StartID(ref))
+        if self.store.head(tree_id) is None:
+            raise NotFound(
+                "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
+                hint="list trees with `agentfold trees`",
+            )
+        return tree_id
+
+    def tree_of_process(self, process_id: ProcessID) -> TreeID:
+        found = self.store.tree_of_process(process_id)
+        if found is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        return found
+
+    # -- start ---------------------------------------------------------------
+
+    def start(
+        self,
+        program: Program,
+        input: JSON = None,
+        *,
+        start_id: str | None = None,
+        budget: Budget | None = None,
+        capabilities: Sequence[str] = (),
+        limits: TreeLimits | None = None,
+        configuration: JSON = None,
+    ) -> RunHandle:
+        """Start a root Process; starting again with the same start id returns the same tree.
+
+        The same start id with a different program or input is refused with
+        ``engine.start.conflict``.
+        """
+        self._check_open()
+        self.catalog.add(program)
+        sid = StartID(start_id) if start_id is not None else self.ids.start_id()
+        tree_id = TreeID.for_start(sid)
+        started = start_tree(
+            program, input, start_id=sid, root_id=self.ids.root_process_id(), incarnation_id=self.ids.incarnation_id(),
+            budget=budget, capabilities=capabilities, limits=limits,
+            configuration=configuration if configuration is not None else program.configuration,
+        )
+        existing = self.store.head(tree_id)
+        if existing is not None:
+            return self._existing_start(tree_id, started)
+        if not self._leases.acquire(tree_id):
+            return self._existing_start(tree_id, started)
+        tree = TreeState(self._resolve)
+        tree.apply(started)
+        driver = _Driver(self, tree_id, LoadedTree(TreeState(self._resolve), None), started.incarnation_id)
+        with driver.lock:
+            driver.tree = tree
+            driver.committed = 0
+            progress = Kernel(tree, self._resolve, self.ids).advance()
+            try:
+                driver._append([started, *progress.events])
+            except VersionConflict:
+                self._leases.release(tree_id)
+                return self._existing_start(tree_id, started)
+            except AgentfoldError:
+                self._leases.release(tree_id)
+                raise
+            with self._lock:
+                self._drivers[tree_id] = driver
+            driver._launch(progress.dispatches)
+            driver._after_commit([], [])
+        self._ensure_watcher()
+        return RunHandle(self, tree_id, started.process_id, sid)
+
+    def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
+        first = self.store.read(tree_id, upto=1)
+        if not first:
+            raise Rejected("engine.start.in_progress", f"start {started.start_id} is being created by another runtime")
+        original = first[0].event
+        assert isinstance(original, TreeStarted)
+        if original.program != started.program or digest_of(original.input) != digest_of(started.input):
+            raise Rejected(
+                "engine.start.conflict",
+                f"start id {started.start_id} already started {original.program.name} with a different input or program",
+                hint="use a new start id for a different run",
+            )
+        handle = RunHandle(self, tree_id, original.process_id, original.start_id)
+        if tree_id not in self._drivers and self.adopt_on_admit:
+            self._try_adopt(tree_id)
+        return handle
+
+    # -- ownership -----------------------------------------------------------
+
+    def _try_adopt(self, tree_id: TreeID) -> _Driver | None:
+        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does."""
+        with self._lock:
+            driver = self._drivers.get(tree_id)
+            if driver is not None:
+                return driver
+            if not self._leases.acquire(tree_id):
+                return None
+        try:
+            return self._activate(tree_id)
+        except BaseException:
+            self._leases.release(tree_id)
+            raise
+
+    def _activate(self, tree_id: TreeID) -> _Driver:
+        loaded = self._load(tree_id)
+        incarnation = self.ids.incarnation_id()
+        base_incarnation = loaded.state.incarnation
+        for _ in range(64):
+            driver = _Driver(self, tree_id, loaded, incarnation)
+            with driver.lock:
+                kernel = Kernel(driver.tree, self._resolve, self.ids)
+                activation = kernel.activate(incarnation)
+                progress = kernel.advance()
+                try:
+                    driver._append([*activation.events, *progress.events])
+                except VersionConflict:
+                    loaded = self._load(tree_id)
+                    if loaded.state.incarnation != base_incarnation:
+                        raise Fenced(
+                            "engine.tree.incarnation_conflict",
+                            f"tree {tree_id} was activated by another writer ({loaded.state.incarnation})",
+                        ) from None
+                    continue
+                with self._lock:
+                    self._drivers[tree_id] = driver
+                driver._launch([*activation.dispatches, *progress.dispatches])
+                driver._after_commit([], [])
+            self._ensure_watcher()
+            return driver
+        raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
+
+    def recover(self, tree: str | None = None) -> list[RunHandle]:
+        """Take ownership of one tree, or of every live tree nobody owns, and drive them.
+
+        Nothing is called again: in-flight Effects are re-dispatched only under a
+        ``same_identity`` policy, otherwise they settle unknown.
+        """
+        self._check_open()
+        if tree is not None:
+            tree_ids = [self.tree_of(tree)]
+        else:
+            tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True)]
+        handles = []
+        for tree_id in tree_ids:
+            driver = self._try_adopt(tree_id)
+            if driver is None:
+                if tree is not None:
+                    raise Fenced(
+                        "engine.tree.owned", f"tree {tree_id} is owned by another live runtime",
+                        hint="that runtime drives it; send input instead, or stop it first",
+                    )
+                continue
+            handles.append(RunHandle(self, tree_id, driver.tree.root.process_id, driver.tree.start_id))  # type: ignore[arg-type]
+        return handles
+
+    def owns(self, tree_id: TreeID) -> bool:
+        with self._lock:
+            return tree_id in self._drivers
+
+    def release(self, tree_id: TreeID) -> None:
+        """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
+        with self._lock:
+            driver = self._drivers.pop(tree_id, None)
+        if driver is not None:
+            driver._stop(RuntimeStopped("engine.runtime.released", f"tree {tree_id} was released by its owner"))
+        self._leases.release(tree_id)
+
+    def _forget(self, driver: _Driver) -> None:
+        with self._lock:
+            if self._drivers.get(driver.tree_id) is driver:
+                del self._drivers[driver.tree_id]
+        self._leases.release(driver.tree_id)
+
+    # -- admission -----------------------------------------------------------
+
+    def _admit(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> Any:
+        self._check_open()
+        driver = self._drivers.get(tree_id)
+        if driver is None and self.adopt_on_admit:
+            driver = self._try_adopt(tree_id)
+        if driver is not None:
+            return driver.call(fn)
+        for _ in range(64):
+            loaded = self._load(tree_id)
+            kernel = Kernel(loaded.state, self._resolve, self.ids)
+            base = loaded.state.version
+            events, value = fn(kernel)
+            if not events:
+                return value
+            try:
+                self.store.append(
+                    tree_id, base, events, previous_digest=loaded.digest, timestamp=self.clock(),
+                    head=index_head(loaded.state, tree_id, events, self.clock()),
+                )
+            except VersionConflict:
+                continue
+            self._counts["remote_admissions"] += 1
+            return value
+        raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
+        """Admit signals to a Process, all or nothing; False when all were already admitted."""
+        pid = ProcessID(process_id)
+        tree_id = self.tree_of_process(pid)
+
+        def admit(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            events = kernel.admit_signals(pid, requests)
+            return events, bool(events)
+
+        return bool(self._admit(tree_id, admit))
+
+    def _control(self, process_id: ProcessID | str, control: str, reason: str) -> bool:
+        pid = ProcessID(process_id)
+        tree_id = self.tree_of_process(pid)
+
+        def request(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            events = kernel.request_control(pid, control, reason)
+            return events, bool(events)
+
+        return bool(self._admit(tree_id, request))
+
+    def pause(self, process_id: ProcessID | str, reason: str = "paused by host") -> bool:
+        return self._control(process_id, "pause", reason)
+
+    def resume(self, process_id: ProcessID | str) -> bool:
+        return self._control(process_id, "resume", "")
+
+    def cancel(self, process_id: ProcessID | str, reason: str = "canceled by host") -> bool:
+        return self._control(process_id, "cancel", reason)
+
+    def kill(self, process_id: ProcessID | str, reason: str = "killed by host") -> bool:
+        return self._control(process_id, "kill", reason)
+
+    def deadline(self, process_id: ProcessID | str, reason: str = "deadline reached") -> bool:
+        return self._control(process_id, "deadline", reason)
+
+    def resolve_unknown_effect(
+        self, effect_id: EffectID | str, settlement: Settlement, *, process_id: ProcessID | str | None = None
+    ) -> None:
+        """Settle an unknown Effect with the definite outcome a host established."""
+        eid = EffectID(effect_id)
+        if not isinstance(settlement, Settlement) or not settlement.status.definite:
+            raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement")
+        tree_id = self._tree_of_effect(eid, process_id)
+        pid = ProcessID(process_id) if process_id is not None else None
+
+        def resolve(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            return kernel.resolve_effect(eid, settlement.status, settlement.payload, process_id=pid), None
+
+        self._admit(tree_id, resolve)
+
+    def _tree_of_effect(self, eid: EffectID, process_id: ProcessID | str | None) -> TreeID:
+        if process_id is not None:
+            return self.tree_of_process(ProcessID(process_id))
+        found = self.store.tree_of_unknown_effect(eid)
+        if found is None:
+            raise NotFound(
+                "engine.effect.not_pending", f"effect {eid} is not an unknown effect of any tree",
+                hint="list unknown effects with `agentfold unknown`",
+            )
+        return found
+
+    def replay_unknown_effect(self, effect_id: EffectID | str, *, process_id: ProcessID | str | None = None) -> Settlement:
+        """Dispatch an unknown Effect again under its EffectID (only with ``same_identity``).
+
+        A definite outcome resolves it; an uncertain one raises
+        ``engine.effect.outcome_unknown`` and leaves it unknown.
+        """
+        eid = EffectID(effect_id)
+        tree_id = self._tree_of_effect(eid, process_id)
+        loaded = self._load(tree_id)
+        found = loaded.state.find_effect(eid)
+        if found is None or not found[1].unknown or found[1].resolved_by is not None:
+            raise Rejected("engine.effect.not_pending", f"effect {eid} is not an unknown effect")
+        process, record = found
+        if process.terminal or process.terminal_intent is not None:
+            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing")
+        if record.target != "dispatcher" or record.replay != "same_identity":
+            raise Rejected(
+                "engine.effect.replay_forbidden",
+                f"effect {eid} has replay policy {record.replay!r}; only same_identity effects may be replayed",
+                hint="investigate the outcome and resolve it instead",
+            )
+        program = self._resolve(process.program)
+        attempt = self.ids.attempt_id()
+        request = effect_request(loaded.state, process.process_id, eid, program, attempt)
+        dispatch = Dispatch(process.process_id, eid, attempt)
+        dispatcher = program.dispatcher if program is not None else None
+        try:
+            if dispatcher is None:
+                raise RuntimeError("no dispatcher is bound")
+            done = _settled(dispatch, dispatcher.dispatch(request, DispatchContext()))
+        except Exception as exc:  # noqa: BLE001
+            done = _unknown(dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+        if not done.status.definite:
+            raise Rejected(
+                "engine.effect.outcome_unknown",
+                f"the replay of {eid} did not establish an outcome: {done.diagnostic}",
+                hint="the effect stays unknown; investigate and resolve it",
+            )
+        settlement = Settlement(done.status, done.payload)
+
+        def resolve(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            return kernel.resolve_effect(
+                eid, settlement.status, settlement.payload, resolved_by="replay", attempt_id=attempt
+            ), None
+
+        self._admit(tree_id, resolve)
+        return settlement
+
+    # -- observation ---------------------------------------------------------
+
+    def capture(self, tree: str | TreeID) -> TreeState:
+        """The committed folded tree (a private copy for an owned tree)."""
+        tree_id = tree if isinstance(tree, TreeID) else self.tree_of(tree)
+        driver = self._drivers.get(tree_id)
+        if driver is not None:
+            with driver.lock:
+                return TreeState.from_json(driver.tree.to_json(), self._resolve)
+        return self._load(tree_id).state
+
+    def status(self, tree_id: TreeID) -> str:
+        head = self.store.head(tree_id)
+        if head is None:
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+        return head.status
+
+    def result(self, tree_id: TreeID, timeout: float | None = None) -> Result:
+        """Wait for the root Process to be terminal; return its Result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            driver = self._drivers.get(tree_id)
+            if driver is not None:
+                with driver.cond:
+                    ok = driver.cond.wait_for(
+                        lambda: driver.tree.root.terminal or driver.stopped is not None,
+                        None if deadline is None else max(0.0, deadline - time.monotonic()),
+                    )
+                    if driver.tree.root.terminal:
+                        return Result.of(driver.tree.root)
+                    if driver.stopped is not None and not ok:
+                        raise driver.stopped
+                    if not ok:
+                        raise TimeoutError(f"tree {tree_id} is not finished")
+                    if driver.stopped is not None:
+                        raise driver.stopped
+            head = self.store.head(tree_id)
+            if head is not None and head.status in TERMINAL:
+                return Result.of(self.store.load(tree_id).state.root)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"tree {tree_id} is not finished")
+            time.sleep(0.05)
+
+    def wait_idle(self, tree_id: TreeID, timeout: float = 30.0) -> TreeState:
+        """Wait until this runtime's owner of ``tree_id`` has nothing left to do now.
+
+        The tree is then terminal or parked (waiting for input, paused, or blocked on
+        an unknown Effect), with no dispatch in flight.
+        """
+        driver = self._drivers.get(tree_id)
+        if driver is None:
+            return self._load(tree_id).state
+        deadline = time.monotonic() + timeout
+        with driver.cond:
+            while True:
+                quiet = driver.idle and not driver.flights and not driver._scheduled
+                if quiet or driver.stopped is not None:
+                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"tree {tree_id} is still busy")
+                driver.cond.wait(min(remaining, 0.05))
+
+    # -- crash plans ---------------------------------------------------------
+
+    def _crash_check(self, events: list[TreeEvent]) -> tuple[list[TreeEvent], bool]:
+        """Apply the crash plan to one append: maybe cut it, and say whether to exit after it."""
+        plan = self.crash
+        assert plan is not None
+        counts = self._counts
+        for event in events:
+            if isinstance(event, EffectDeclared) and event.target == "dispatcher":
+                counts["dispatcher"] += 1
+                self._ordinal[event.effect_id] = counts["dispatcher"]
+        if plan.kind in ("after", "before"):
+            hit = False
+            for event in events:
+                key = "type:" + type(event).__name__
+                counts[key] += 1
+                if type(event).__name__ == plan.event_type and counts[key] == plan.n:
+                    hit = True
+            if hit and plan.kind == "before":
+                plan.exit()
+            return events, hit
+        for index, event in enumerate(events):
+            eid = getattr(event, "effect_id", None)
+            if eid is None or self._ordinal.get(eid) != plan.n:
+                continue
+            if plan.kind == "declared" and isinstance(event, EffectDeclared):
+                for later in range(index + 1, len(events)):
+                    other = events[later]
+                    if isinstance(other, EffectDispatched) and other.effect_id == event.effect_id:
+                        return events[:later], True
+                return events, True
+            if plan.kind == "dispatched" and isinstance(event, EffectDispatched):
+                return events, True
+            if plan.kind == "settled" and isinstance(event, EffectSettled):
+                return events, True
+        return events, False
+
+    # -- watching other writers ----------------------------------------------
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is not None or self.poll_interval <= 0:
+            return
+        self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        last = self.store.max_notification_id()
+        while not self._watch_stop.wait(self.poll_interval):
+            try:
+                latest = self.store.max_notification_id()
+                if latest <= last:
+                    continue
+                changed: dict[TreeID, int] = {}
+                for note in self.store.notifications(last, 1000):
+                    origin = note.originator_id
+                    key = TreeID.from_uuid(origin if isinstance(origin, uuid.UUID) else uuid.UUID(str(origin)))
+                    changed[key] = max(changed.get(key, 0), note.originator_version)
+                    last = max(last, note.id)
+                for tree_id, version in changed.items():
+                    driver = self._drivers.get(tree_id)
+                    if driver is not None and version > driver.committed:
+                        driver.submit(_Refresh())
+            except Exception:  # noqa: BLE001 - the watcher must survive transient store errors
+                continue
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeStopped("engine.runtime.closed", "this runtime is closed")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop driving every tree and release every lease; in-flight dispatches are abandoned."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watch_stop.set()
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for driver in drivers:
+            with driver.lock:
+                if driver.stopped is None:
+                    driver.stopped = RuntimeStopped("engine.runtime.closed", "the runtime was closed")
+                for flight in driver.flights.values():
+                    flight.context.cancelled.set()
+                driver.cond.notify_all()
+            self._forget(driver)
+        self._owner_pool.shutdown(wait=True, cancel_futures=False)
+        self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
+        self._leases.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def index_head(tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str) -> TreeHead:
+    """The ``agentfold_trees`` row after ``events`` (the store fills in the head digest)."""
+    root = tree.root
+    assert tree.start_id is not None
+    return TreeHead(
+        tree_id=tree_id,
+        start_id=tree.start_id,
+        root_process_id=root.process_id,
+        program=root.program.name,
+        status=root.status,
+        classification=tree.classification(),
+        version=tree.version,
+        head_digest="",
+        unknown_effect_ids=tuple(sorted(r.effect_id for p in tree.processes.values() for r in p.unknown_effects())),
+        created_at=now,
+        updated_at=now,
+        new_processes=tuple(e.process_id for e in events if isinstance(e, (ProcessStarted, TreeStarted))),
+    )
+
+
+__all__ = ["CrashPlan", "RandomIds", "Result", "RunHandle", "Runtime", "RuntimeStopped", "index_head"]

@@ -1,0 +1,104 @@
+"""Canonical JSON and bounded payloads.
+
+Canonical JSON is orjson with sorted object keys and no whitespace. Digests of
+payloads and events are SHA-256 over exactly those bytes. A payload is any JSON
+value (objects with string keys, arrays, strings, finite numbers, booleans, null);
+non-finite floats, integers beyond 64 bits and non-string keys are refused, so a
+value always survives a round trip through the store unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+from domain.errors import InvalidInput
+from domain.ids import Digest
+
+JSON = Any
+"""A JSON value as Python objects (dict, list, str, int, float, bool, None)."""
+
+MAX_PAYLOAD_BYTES = 4 << 20
+"""Upper bound of one payload (input, output, signal, settlement) in canonical bytes."""
+
+MAX_TOOL_INPUT_BYTES = 1 << 20
+"""Upper bound of a Tool input prompt or answer (seed: tool.MaxInputBytes, 1 MiB)."""
+
+_OPTIONS = orjson.OPT_SORT_KEYS
+
+
+def canonical_bytes(value: JSON) -> bytes:
+    """Canonical JSON bytes of an already valid JSON value."""
+    return orjson.dumps(value, option=_OPTIONS)
+
+
+def digest_of(value: JSON) -> Digest:
+    return Digest.of(canonical_bytes(value))
+
+
+def _check(value: Any, path: str) -> None:
+    # Walks the value once; orjson alone would silently turn NaN into null.
+    if value is None or value is True or value is False or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise InvalidInput("payload.invalid", f"integer at {path} exceeds 64 bits")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput("payload.invalid", f"non-finite number at {path}")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput("payload.invalid", f"non-string object key at {path}")
+            _check(item, f"{path}.{key}")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]")
+        return
+    raise InvalidInput("payload.invalid", f"value of type {type(value).__name__} at {path} is not JSON")
+
+
+def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
+    """Validate a JSON value and return its normalized form (tuples become lists).
+
+    Raises ``payload.invalid`` for non-JSON values and ``payload.too_large`` when the
+    canonical encoding exceeds ``limit`` bytes.
+    """
+    _check(value, "$")
+    data = canonical_bytes(value)
+    if len(data) > limit:
+        raise InvalidInput(
+            "payload.too_large",
+            f"{what} is {len(data)} bytes, above the limit of {limit}",
+            hint="send a smaller value or store large content elsewhere and pass a reference",
+        )
+    if isinstance(value, (dict, list, tuple)) and _has_tuple(value):
+        return orjson.loads(data)
+    return value
+
+
+def _has_tuple(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tuple(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_tuple(v) for v in value)
+    return False
+
+
+def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
+    """Parse JSON text supplied by a caller, then normalize it."""
+    raw = text.encode("utf-8") if isinstance(text, str) else text
+    if len(raw) > limit * 4 + 1024:
+        raise InvalidInput("payload.too_large", f"{what} text is {len(raw)} bytes, above the limit")
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
+    return normalize(value, limit=limit, what=what)

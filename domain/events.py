@@ -1,0 +1,247 @@
+"""The event catalogue: every fact of a root tree's history (DESIGN.md "The event stream").
+
+Events are frozen pydantic models with a schema version. Payloads are JSON values;
+each piece of content is stored once, in the event that brought it:
+
+* a dispatcher result lives in its ``EffectSettled``; the settlement Signal a Step
+  later sees is derived from it by the fold, never stored again;
+* a child's input lives in the start-child ``EffectDeclared``; ``ProcessStarted``
+  refers to that Effect;
+* a child-wait satisfaction is derived by the fold from the children's terminations.
+
+``SignalAdmitted`` therefore records only input that enters a mailbox from outside
+the fold's own derivations: host signals, steering, tool-input answers, and signals
+a parent delivers with ``signal_child``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from domain.budget import Budget
+from domain.errors import Failure
+from domain.ids import (
+    ChildKey,
+    EffectAttemptID,
+    EffectID,
+    ProcessID,
+    SignalID,
+    StartID,
+    TreeID,
+    TreeIncarnationID,
+    WaitID,
+)
+from domain.program import ProgramRef
+
+SCHEMA_VERSION = 1
+
+
+class TreeEvent(BaseModel):
+    """Base of every event: the Process it concerns and the schema version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=False)
+    schema_version: ClassVar[int] = SCHEMA_VERSION
+    process_id: ProcessID
+
+
+class TreeLimits(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_depth: int = 16
+    max_children: int | None = None
+    max_active_children: int = 16
+    max_tree_processes: int | None = None
+    max_pending_signals: int = 10_000
+
+
+class TreeStarted(TreeEvent):
+    """A root Process is started (always position 1). ``process_id`` is the root."""
+
+    tree_id: TreeID
+    start_id: StartID
+    incarnation_id: TreeIncarnationID
+    program: ProgramRef
+    input: Any = None
+    budget: Budget = Budget()
+    capabilities: tuple[str, ...] = ()
+    limits: TreeLimits = TreeLimits()
+    configuration: Any = None
+    """The program's configuration document (e.g. a scenario), so later commands need no file."""
+
+
+class WriterActivated(TreeEvent):
+    """A runtime takes ownership of an existing tree (recovery). ``process_id`` is the root."""
+
+    incarnation_id: TreeIncarnationID
+    previous_incarnation_id: TreeIncarnationID
+
+
+class ProcessStarted(TreeEvent):
+    """A child joins the tree; its input is the start-child Effect's ``input``."""
+
+    parent_id: ProcessID
+    child_key: ChildKey
+    start_effect_id: EffectID
+    program: ProgramRef
+    budget: Budget = Budget()
+    capabilities: tuple[str, ...] = ()
+
+
+class SignalAdmitted(TreeEvent):
+    signal_id: SignalID
+    wait_id: WaitID | None = None
+    payload: Any = None
+    source: Literal["host", "parent"] = "host"
+
+
+TransitionKind = Literal["continue", "checkpoint", "wait", "pause", "complete", "fail"]
+
+
+class StepCommitted(TreeEvent):
+    """A Step's decision is adopted: its facts are applied and ``consumed`` signals leave the mailbox.
+
+    ``effects`` EffectDeclared events follow immediately. ``complete`` and ``fail``
+    are followed by the Process's ``ProcessTerminated``; ``checkpoint`` by its
+    ``CheckpointCommitted``.
+    """
+
+    step: int
+    consumed: int
+    kind: TransitionKind
+    facts: Any = None
+    effects: int = 0
+    wait_id: WaitID | None = None
+    reason: str | None = None
+    output: Any = None
+    failure: Failure | None = None
+
+
+class EffectDeclared(TreeEvent):
+    effect_id: EffectID
+    step: int
+    index: int
+    target: Literal["framework", "dispatcher"]
+    payload: Any = None
+    replay: Literal["never", "same_identity"] = "never"
+    capabilities: tuple[str, ...] = ()
+
+
+class EffectDispatched(TreeEvent):
+    """Dispatch permission, committed before the dispatcher is called."""
+
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    incarnation_id: TreeIncarnationID
+
+
+class EffectSettled(TreeEvent):
+    """An outcome: succeeded / failed (definite) or unknown (with a diagnostic)."""
+
+    effect_id: EffectID
+    status: Literal["succeeded", "failed", "unknown"]
+    payload: Any = None
+    attempt_id: EffectAttemptID | None = None
+    diagnostic: Failure | None = None
+
+
+class EffectResolved(TreeEvent):
+    """A host (or a definite replay) settles an unknown Effect."""
+
+    effect_id: EffectID
+    status: Literal["succeeded", "failed"]
+    payload: Any = None
+    resolved_by: Literal["host", "replay"] = "host"
+    attempt_id: EffectAttemptID | None = None
+
+
+class CheckpointCommitted(TreeEvent):
+    step: int
+    kind: str
+    acknowledges: Any = None
+
+
+ControlKind = Literal["pause", "resume", "cancel", "kill", "deadline"]
+
+
+class ControlRequested(TreeEvent):
+    control: ControlKind
+    reason: str = ""
+    owner: Literal["host", "parent"] = "host"
+
+
+TerminalStatus = Literal["completed", "failed", "canceled", "timed_out", "killed"]
+Cause = Literal[
+    "completion",
+    "engine_kill",
+    "host_deadline",
+    "parent_deadline",
+    "host_cancellation",
+    "parent_cancellation",
+    "execution_failure",
+    "contract_failure",
+    "external_failure",
+    "panic",
+]
+
+
+class ProcessTerminated(TreeEvent):
+    """First terminal outcome wins; the status never changes afterwards."""
+
+    status: TerminalStatus
+    cause: Cause
+    reason: str = ""
+    failure: Failure | None = None
+    output: Any = None
+    unresolved_effect_ids: tuple[EffectID, ...] = ()
+
+
+EVENT_TYPES: dict[str, type[TreeEvent]] = {
+    cls.__name__: cls
+    for cls in (
+        TreeStarted,
+        WriterActivated,
+        ProcessStarted,
+        SignalAdmitted,
+        StepCommitted,
+        EffectDeclared,
+        EffectDispatched,
+        EffectSettled,
+        EffectResolved,
+        CheckpointCommitted,
+        ControlRequested,
+        ProcessTerminated,
+    )
+}
+
+AnyEvent = (
+    TreeStarted
+    | WriterActivated
+    | ProcessStarted
+    | SignalAdmitted
+    | StepCommitted
+    | EffectDeclared
+    | EffectDispatched
+    | EffectSettled
+    | EffectResolved
+    | CheckpointCommitted
+    | ControlRequested
+    | ProcessTerminated
+)
+
+
+def event_type(event: TreeEvent) -> str:
+    return type(event).__name__
+
+
+def event_body(event: TreeEvent) -> dict[str, Any]:
+    """The event's fields as JSON values (what is stored and digested)."""
+    return event.model_dump(mode="json")
+
+
+def event_from_body(type_name: str, body: dict[str, Any]) -> TreeEvent:
+    """Rebuild an event from its stored type name and body, validating every field."""
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise ValueError(f"unknown event type {type_name!r}")
+    return cls.model_validate(body)

@@ -1,0 +1,70 @@
+"""Shared fixtures: one store URL per backend (memory, SQLite file, PostgreSQL database).
+
+PostgreSQL tests use the server named by AGENTFOLD_TEST_PG (scripts/test starts a
+throwaway one) and a fresh database per test. Without it they are skipped, except
+under CI=true, where a missing PostgreSQL fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BACKENDS = ["memory", "sqlite", "postgresql"]
+
+
+def _pg_admin_url() -> str | None:
+    return os.environ.get("AGENTFOLD_TEST_PG")
+
+
+def require_postgres() -> str:
+    url = _pg_admin_url()
+    if url:
+        return url
+    if os.environ.get("CI") == "true":
+        pytest.fail("AGENTFOLD_TEST_PG is not set and CI=true: PostgreSQL tests must run")
+    pytest.skip("PostgreSQL not available (set AGENTFOLD_TEST_PG or run scripts/test)")
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database; yields its URL and drops it afterwards."""
+    import psycopg
+
+    admin = require_postgres()
+    name = "t_" + uuid.uuid4().hex[:16]
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = admin.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def make_store_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if backend == "memory":
+        return "memory:"
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'agentfold.db'}"
+    return str(request.getfixturevalue("pg_database"))
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store URL, once per backend."""
+    return make_store_url(request.param, tmp_path, request)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def durable_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store URL on a backend that survives process death."""
+    return make_store_url(request.param, tmp_path, request)
