@@ -1,0 +1,177 @@
+"""Chat models: a scripted model and an OpenAI-compatible chat-completions client.
+
+A model receives a :class:`ModelRequest` (messages, options, tool definitions, the
+call's attribution) and returns a response in agentfold's canonical shape
+(``{"message", "finish_reason", "usage"?}``). Raising anything means the outcome of
+the call is unknown: the runtime records it and a host must settle it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from domain.canonical import JSON
+from domain.ids import EffectAttemptID, EffectID, ProcessID
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    process_id: ProcessID
+    model_call_sequence: int
+    effect_id: EffectID
+    attempt_id: EffectAttemptID | None
+    messages: tuple[dict[str, Any], ...]
+    options: dict[str, Any] = field(default_factory=dict)
+    tools: tuple[dict[str, Any], ...] = ()
+    applied_steer_signal_ids: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "process_id": self.process_id,
+            "model_call_sequence": self.model_call_sequence,
+            "effect_id": self.effect_id,
+            "messages": list(self.messages),
+            "options": self.options,
+            "tools": list(self.tools),
+            "applied_steer_signal_ids": list(self.applied_steer_signal_ids),
+        }
+
+
+class Model(Protocol):
+    def call(self, request: ModelRequest) -> dict[str, Any]: ...
+
+
+class ModelError(Exception):
+    """The model call failed; its outcome is unknown."""
+
+
+class ScriptedModel:
+    """Returns scripted responses in order, per Interaction Process.
+
+    The n-th model call of a Process (its model call sequence n) receives entry n-1, so
+    a recovered or resolved run sees exactly the same script. An entry
+    ``{"error": "..."}`` raises: that call's outcome is unknown.
+    """
+
+    def __init__(self, responses: Sequence[dict[str, Any]]) -> None:
+        self.responses = list(responses)
+        self.requests: list[ModelRequest] = []
+
+    def call(self, request: ModelRequest) -> dict[str, Any]:
+        self.requests.append(request)
+        index = request.model_call_sequence - 1
+        if index >= len(self.responses):
+            raise ModelError(f"the script has {len(self.responses)} responses; call {request.model_call_sequence} has none")
+        entry = self.responses[index]
+        if "error" in entry:
+            raise ModelError(str(entry["error"]))
+        return dict(entry)
+
+
+# ---------------------------------------------------------------------------
+# OpenAI-compatible chat completions
+
+
+def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = "".join(p.get("text", "") for p in m.get("content", []))
+        role = m["role"]
+        if role == "tool":
+            for r in m.get("tool_results", []):
+                output = r.get("output") or {}
+                content = "".join(p.get("text", "") for p in output.get("content", []))
+                if output.get("details") is not None:
+                    details = json.dumps(output["details"], sort_keys=True)
+                    content = f"{content}\n{details}" if content else details
+                out.append({"role": "tool", "tool_call_id": r["id"], "content": content})
+            continue
+        entry: dict[str, Any] = {"role": role, "content": text if text or role != "assistant" else None}
+        if role == "assistant" and m.get("tool_calls"):
+            entry["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", "")}}
+                for c in m["tool_calls"]
+            ]
+        out.append(entry)
+    return out
+
+
+def from_openai_response(body: Any) -> dict[str, Any]:
+    """Map an OpenAI chat-completions response to agentfold's response shape."""
+    try:
+        choice = body["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ModelError(f"the response has no choices[0].message: {str(body)[:200]}") from exc
+    result_message: dict[str, Any] = {"role": "assistant"}
+    if message.get("content"):
+        result_message["content"] = [{"type": "text", "text": message["content"]}]
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        calls.append({"id": call.get("id", ""), "name": fn.get("name", ""), "arguments": fn.get("arguments") or ""})
+    if calls:
+        result_message["tool_calls"] = calls
+    response: dict[str, Any] = {"message": result_message, "finish_reason": choice.get("finish_reason") or "stop"}
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        response["usage"] = {
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "total_tokens": int(usage.get("total_tokens") or 0),
+        }
+    return response
+
+
+class OpenAIChatModel:
+    """A client of an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint.
+
+    Tools are sent as function definitions with ``tool_choice`` ``"auto"`` when the
+    bound ToolSet or Delegates offer any. Transport errors, HTTP errors and malformed
+    bodies raise :class:`ModelError` (the effect becomes unknown).
+    """
+
+    def __init__(self, base_url: str, model: str, api_key: str = "", timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def payload(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": to_openai_messages(request.messages)}
+        for key, value in request.options.items():
+            if key not in ("messages", "tools", "tool_choice", "model"):
+                body[key] = value
+        if request.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t["parameters"]},
+                }
+                for t in request.tools
+            ]
+            body["tool_choice"] = "auto"
+        return body
+
+    def call(self, request: ModelRequest) -> dict[str, Any]:
+        data = json.dumps(self.payload(request)).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(http, timeout=self.timeout) as response:  # noqa: S310 - configured endpoint
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}") from exc
+        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+            raise ModelError(f"the model server is unreachable: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
+        return from_openai_response(body)

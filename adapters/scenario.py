@@ -1,0 +1,341 @@
+"""Scenario files: a JSON description of an Interaction run with a scripted model and tools.
+
+The format is documented in docs/scenarios.md. A scenario is validated completely
+before anything runs; a fault is refused with the JSON path where it lies
+(``scenario.invalid``, e.g. ``$.tools[1].result.failure.kind``). The normalized
+scenario is stored with the tree (``TreeStarted.configuration``) and its digest is in
+the ProgramRef, so every later command rebuilds the exact Program without the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from adapters.catalog import Catalog
+from adapters.interaction import Delegate, InteractionConfig, compile_interaction
+from adapters.models import ScriptedModel
+from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput
+from domain.canonical import JSON, normalize
+from domain.errors import InvalidInput
+from domain.interaction.chat import ChatInput, parse_response
+from domain.json_schema import check_schema
+from domain.program import Program
+
+PROGRAM_NAME = "agentfold.scenario"
+
+
+class ScenarioError(InvalidInput):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__("scenario.invalid", f"{path}: {message}", hint="fix the scenario file", path=path)
+
+
+def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ScenarioError(path, "must be an object")
+    for name in required:
+        if name not in value:
+            raise ScenarioError(f"{path}.{name}", "is required")
+    extra = set(value) - set(required) - set(optional)
+    if extra:
+        raise ScenarioError(f"{path}.{sorted(extra)[0]}", "is not a scenario member")
+    return value
+
+
+def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> None:
+    if not isinstance(value, dict) or not value:
+        raise ScenarioError(path, "a result is an object with one of output, echo, failure, error, input, cases")
+    keys = set(value)
+    if keys == {"output"}:
+        return
+    if keys == {"echo"}:
+        if value["echo"] is not True:
+            raise ScenarioError(f"{path}.echo", "must be true")
+        return
+    if keys == {"answer"} and answer_allowed:
+        if value["answer"] is not True:
+            raise ScenarioError(f"{path}.answer", "must be true")
+        return
+    if keys == {"failure"}:
+        failure = _obj(value["failure"], f"{path}.failure", ("kind", "output"))
+        if failure["kind"] not in ("failed", "rejected"):
+            raise ScenarioError(f"{path}.failure.kind", "must be failed or rejected")
+        if not isinstance(failure["output"], str):
+            raise ScenarioError(f"{path}.failure.output", "must be a string")
+        return
+    if keys == {"error"}:
+        if not isinstance(value["error"], str):
+            raise ScenarioError(f"{path}.error", "must be a string")
+        return
+    if keys == {"input", "then"}:
+        spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"))
+        try:
+            check_schema(spec["response_schema"], "#")
+        except InvalidInput as exc:
+            raise ScenarioError(f"{path}.input.response_schema", exc.message) from exc
+        _check_result(value["then"], f"{path}.then", answer_allowed=True)
+        return
+    if keys <= {"cases", "otherwise"} and "cases" in keys:
+        if not isinstance(value["cases"], list):
+            raise ScenarioError(f"{path}.cases", "must be a list")
+        for i, case in enumerate(value["cases"]):
+            case = _obj(case, f"{path}.cases[{i}]", ("when", "result"))
+            _obj(case["when"], f"{path}.cases[{i}].when", (), tuple(case["when"]) if isinstance(case["when"], dict) else ())
+            _check_result(case["result"], f"{path}.cases[{i}].result", answer_allowed=answer_allowed)
+        if "otherwise" in value:
+            _check_result(value["otherwise"], f"{path}.otherwise", answer_allowed=answer_allowed)
+        return
+    raise ScenarioError(path, f"unknown result form with members {sorted(keys)}")
+
+
+def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -> dict[str, Any]:
+    """Validate a scenario document; return its normalized form (side_effect_log made absolute)."""
+    doc = _obj(
+        doc, path, ("name", "model"),
+        ("input", "tools", "delegates", "limits", "side_effect_log", "description"),
+    )
+    if not isinstance(doc["name"], str) or not doc["name"]:
+        raise ScenarioError(f"{path}.name", "must be a non-empty string")
+    if "input" in doc:
+        try:
+            ChatInput.parse(doc["input"], f"{path}.input")
+        except InvalidInput as exc:
+            raise ScenarioError(f"{path}.input", exc.message) from exc
+    model = _obj(doc["model"], f"{path}.model", ("responses",))
+    if not isinstance(model["responses"], list):
+        raise ScenarioError(f"{path}.model.responses", "must be a list")
+    for i, response in enumerate(model["responses"]):
+        where = f"{path}.model.responses[{i}]"
+        if isinstance(response, dict) and set(response) == {"error"}:
+            if not isinstance(response["error"], str):
+                raise ScenarioError(f"{where}.error", "must be a string")
+            continue
+        response = _obj(response, where, ("finish_reason", "message"), ("usage",))
+        message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"))
+        try:
+            parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
+                            **({"usage": response["usage"]} if "usage" in response else {})}, where)
+        except InvalidInput as exc:
+            raise ScenarioError(where, exc.message) from exc
+    names: set[str] = set()
+    for i, tool in enumerate(doc.get("tools", [])):
+        where = f"{path}.tools[{i}]"
+        tool = _obj(
+            tool, where, ("name", "result"),
+            ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"),
+        )
+        if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
+            raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
+        names.add(tool["name"])
+        if "parameters" in tool:
+            try:
+                check_schema(tool["parameters"], "#")
+            except InvalidInput as exc:
+                raise ScenarioError(f"{where}.parameters", exc.message) from exc
+        if "concurrency" in tool:
+            conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"))
+            if not isinstance(conc["key"], str) or not isinstance(conc["concurrent"], bool):
+                raise ScenarioError(f"{where}.concurrency", "needs a string key and a boolean concurrent")
+        for flag in ("direct_result", "deferred"):
+            if flag in tool and not isinstance(tool[flag], bool):
+                raise ScenarioError(f"{where}.{flag}", "must be a boolean")
+        _check_result(tool["result"], f"{where}.result")
+    deferred = {t["name"] for t in doc.get("tools", []) if t.get("deferred")}
+    for i, tool in enumerate(doc.get("tools", [])):
+        for j, name in enumerate(tool.get("advertises", [])):
+            if name not in deferred:
+                raise ScenarioError(f"{path}.tools[{i}].advertises[{j}]", f"{name!r} is not a deferred tool")
+    for i, delegate in enumerate(doc.get("delegates", [])):
+        where = f"{path}.delegates[{i}]"
+        delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+        if delegate["name"] in names:
+            raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
+        names.add(delegate["name"])
+        try:
+            check_schema(delegate["input_schema"], "#")
+        except InvalidInput as exc:
+            raise ScenarioError(f"{where}.input_schema", exc.message) from exc
+        if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
+            raise ScenarioError(f"{where}.input_schema", "must be an object schema")
+        delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir)
+    limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"))
+    for name in ("max_model_calls", "max_concurrent_tool_calls"):
+        if name in limits and (not isinstance(limits[name], int) or isinstance(limits[name], bool) or limits[name] < 0):
+            raise ScenarioError(f"{path}.limits.{name}", "must be a non-negative integer")
+    if limits.get("max_model_calls") == 0:
+        raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
+    if "side_effect_log" in doc:
+        if not isinstance(doc["side_effect_log"], str) or not doc["side_effect_log"]:
+            raise ScenarioError(f"{path}.side_effect_log", "must be a file path")
+        log = Path(doc["side_effect_log"])
+        if not log.is_absolute():
+            log = (base_dir or Path.cwd()) / log
+        doc = {**doc, "side_effect_log": str(log.resolve())}
+    try:
+        return normalize(doc, what="scenario")  # type: ignore[no-any-return]
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+
+
+def load_scenario_file(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_bytes()
+    except OSError as exc:
+        raise InvalidInput("scenario.unreadable", f"cannot read scenario {path}: {exc.strerror}") from exc
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ScenarioError("$", f"not valid JSON: {exc}") from exc
+    return validate_scenario(doc, "$", file.parent.resolve())
+
+
+# ---------------------------------------------------------------------------
+# Scenario tools
+
+
+class SideEffectLog:
+    """Every real tool execution appends one JSON line ``{"tool", "call_id", "arguments"}``."""
+
+    _locks: dict[str, threading.Lock] = {}
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = SideEffectLog._locks.setdefault(path, threading.Lock())
+
+    def record(self, tool: str, call_id: str, arguments: str) -> None:
+        line = json.dumps({"tool": tool, "call_id": call_id, "arguments": arguments}, sort_keys=True) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _subset(when: dict[str, Any], arguments: Any) -> bool:
+    return isinstance(arguments, dict) and all(k in arguments and arguments[k] == v for k, v in when.items())
+
+
+def _output(value: JSON) -> ToolOutput:
+    if isinstance(value, str):
+        return ToolOutput.text(value)
+    return ToolOutput((), value)
+
+
+class ScenarioTool:
+    """A tool whose behaviour the scenario scripts."""
+
+    def __init__(self, spec: dict[str, Any], log: SideEffectLog | None) -> None:
+        self.spec = spec
+        self.name: str = spec["name"]
+        self.description: str = spec.get("description", "")
+        self.parameters: JSON = spec.get("parameters", {"type": "object"})
+        self.direct_result = bool(spec.get("direct_result", False))
+        self.log = log
+        conc = spec.get("concurrency")
+        if conc is not None:
+            key, concurrent = str(conc["key"]), bool(conc["concurrent"])
+
+            def classify(call: Any, arguments: JSON) -> tuple[str, bool]:
+                return key, concurrent
+
+            self.concurrency = classify
+        advertised = list(spec.get("advertises", ()))
+        if advertised:
+
+            def advertise(invocation: ToolInvocation, output: ToolOutput) -> list[str]:
+                return advertised
+
+            self.advertise = advertise
+
+    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        if self.log is not None:
+            self.log.record(self.name, invocation.call.id, invocation.call.arguments)
+        return self._run(self.spec["result"], invocation, arguments)
+
+    def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        if "output" in result:
+            return _output(result["output"])
+        if "echo" in result:
+            return ToolOutput((json.dumps(arguments, sort_keys=True),), arguments)
+        if "failure" in result:
+            raise ToolFailure(result["failure"]["kind"], result["failure"]["output"])
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        if "input" in result:
+            if invocation.continuation is None:
+                raise ToolInputRequired(result["input"]["prompt"], result["input"]["response_schema"], {})
+            then = result["then"]
+            if then == {"answer": True}:
+                return _output(invocation.continuation.response)
+            return self._run(then, invocation, arguments)
+        for case in result.get("cases", []):
+            if _subset(case["when"], arguments):
+                return self._run(case["result"], invocation, arguments)
+        if "otherwise" in result:
+            return self._run(result["otherwise"], invocation, arguments)
+        raise RuntimeError(f"no case of tool {self.name} matches its arguments")
+
+
+def scenario_program(doc: dict[str, Any]) -> Program:
+    """Build the exact Program of a validated scenario (deterministic: same doc, same ProgramRef)."""
+    log = SideEffectLog(doc["side_effect_log"]) if doc.get("side_effect_log") else None
+    tools = [ScenarioTool(t, log) for t in doc.get("tools", []) if not t.get("deferred")]
+    deferred = [ScenarioTool(t, log) for t in doc.get("tools", []) if t.get("deferred")]
+    delegates = []
+    for spec in doc.get("delegates", []):
+        nested = spec["scenario"]
+        fixed_input = nested.get("input")
+
+        def build_input(arguments: JSON, fixed: Any = fixed_input) -> JSON:
+            if fixed is not None:
+                return fixed
+            return {"messages": [{"role": "user", "content": json.dumps(arguments, sort_keys=True)}]}
+
+        delegates.append(
+            Delegate(
+                name=spec["name"],
+                description=spec.get("description", ""),
+                program=scenario_program(nested),
+                input_schema=spec["input_schema"],
+                build_input=build_input,
+            )
+        )
+    limits = doc.get("limits", {})
+    responses = [
+        r if "error" in r else {**r, "message": {"role": "assistant", **r["message"]}}
+        for r in doc["model"]["responses"]
+    ]
+    return compile_interaction(
+        InteractionConfig(
+            name=PROGRAM_NAME,
+            description=doc.get("description", ""),
+            model=ScriptedModel(responses),
+            tools=tools,
+            deferred_tools=deferred,
+            delegates=delegates,
+            max_model_calls=limits.get("max_model_calls"),
+            max_concurrent_tool_calls=limits.get("max_concurrent_tool_calls", 0),
+            model_identity="scripted",  # type: ignore[arg-type]
+            tool_identity="scenario",  # type: ignore[arg-type]
+            callback_identity="none",  # type: ignore[arg-type]
+            configuration=doc,
+        )
+    )
+
+
+def scenario_input(doc: dict[str, Any]) -> JSON:
+    return doc.get("input") or {"messages": [{"role": "user", "content": doc["name"]}]}
+
+
+def scenario_catalog(*programs: Program) -> Catalog:
+    """A Catalog that rebuilds scenario Programs from the document stored with each tree."""
+    return Catalog(programs, loaders={PROGRAM_NAME: scenario_program})

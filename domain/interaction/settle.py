@@ -1,0 +1,127 @@
+"""Recovery helpers: build the settlement of an unknown Interaction Effect without calling anything.
+
+A host that investigated an unknown outcome builds the definite settlement with one of
+these and submits it with ``Runtime.resolve_unknown_effect``. Each validates the
+request against the exact Program that made it (another ToolSet or Interaction is
+refused), and the result against the same rules live dispatch follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from domain.canonical import JSON, normalize
+from domain.errors import InvalidInput
+from domain.interaction.chat import ToolCall, parse_messages, parse_response
+from domain.interaction.interaction import InteractionStrategy
+from domain.interaction.tool_call import ToolCallStrategy
+from domain.program import Program
+from domain.requests import EffectRequest, Settlement
+
+DISPOSITIONS = ("succeeded", "failed", "rejected")
+
+
+def _refuse(message: str) -> InvalidInput:
+    return InvalidInput("interaction.settlement.invalid", message)
+
+
+def _check_program(program: Program, request: EffectRequest) -> None:
+    if request.program != program.ref:
+        raise _refuse(
+            f"the effect was requested by {request.program.name} ({request.program.digest}), "
+            f"not by this program ({program.ref.digest})"
+        )
+
+
+def tool_output_json(output: JSON) -> dict[str, Any]:
+    """Accept text, ``{content?, details?}`` and return the canonical tool output."""
+    if isinstance(output, str):
+        return {"content": [{"type": "text", "text": output}]}
+    if not isinstance(output, dict) or set(output) - {"content", "details"}:
+        raise _refuse("a tool output is text or an object with content and/or details")
+    out: dict[str, Any] = {}
+    content = output.get("content")
+    if content:
+        if isinstance(content, str):
+            content = [content]
+        out["content"] = [
+            {"type": "text", "text": c if isinstance(c, str) else str(c.get("text", ""))} for c in content
+        ]
+    if output.get("details") is not None:
+        out["details"] = normalize(output["details"], what="tool details")
+    return out
+
+
+def settle_tool_result(
+    program: Program,
+    request: EffectRequest,
+    output: JSON,
+    disposition: str = "succeeded",
+    advertised_tool_names: Sequence[str] = (),
+) -> Settlement:
+    """The settlement of an investigated tool call; the call must still be admitted by the binding."""
+    _check_program(program, request)
+    strategy = program.strategy
+    if not isinstance(strategy, ToolCallStrategy):
+        raise _refuse("this program does not run tool calls")
+    body = request.payload.get("tool_call") if isinstance(request.payload, dict) else None
+    if not isinstance(body, dict) or not isinstance(body.get("invocation"), dict):
+        raise _refuse("the request is not a tool call")
+    call = ToolCall.from_json(body["invocation"].get("call"))
+    spec = strategy.manifest.tool(call.name)
+    if spec is None:
+        raise _refuse(f'tool "{call.name}" is not bound to this ToolSet')
+    _, problem = spec.prepare(call)
+    if problem is not None:
+        raise _refuse(f"the call's arguments are not admitted: {problem}")
+    if disposition not in DISPOSITIONS:
+        raise _refuse(f"disposition must be one of {list(DISPOSITIONS)}")
+    names = list(dict.fromkeys(advertised_tool_names))
+    if names and disposition != "succeeded":
+        raise _refuse("a failed or rejected result cannot advertise tools")
+    for name in names:
+        if not strategy.manifest.is_deferred(name):
+            raise _refuse(f"{name!r} is not a bound deferred tool")
+    completion: dict[str, Any] = {"disposition": disposition, "output": tool_output_json(output)}
+    if names:
+        completion["advertised_tool_names"] = sorted(names)
+    return Settlement.succeeded({"tool_result": {"completion": completion}})
+
+
+def settle_model_result(
+    program: Program,
+    request: EffectRequest,
+    response: JSON,
+    effective_messages: Sequence[dict[str, Any]] | None = None,
+) -> Settlement:
+    """The settlement of an investigated model call: the response and, if they differ, the
+    messages actually sent (made durable as the new working context)."""
+    _check_program(program, request)
+    if not isinstance(program.strategy, InteractionStrategy):
+        raise _refuse("this program does not call a model")
+    body = request.payload.get("model_call") if isinstance(request.payload, dict) else None
+    if not isinstance(body, dict) or not isinstance(body.get("request"), dict):
+        raise _refuse("the request is not a model call (rebuild it with its program to expand it)")
+    if response is None:
+        raise _refuse("a model settlement needs a response")
+    try:
+        parsed = parse_response(response)
+    except InvalidInput as exc:
+        raise _refuse(f"invalid model response: {exc.message}") from exc
+    result: dict[str, Any] = {"response": parsed}
+    if effective_messages is not None:
+        messages = parse_messages(list(effective_messages), "effective_messages")
+        if messages != list(body["request"]["messages"]):
+            result["replacement_messages"] = messages
+    return Settlement.succeeded({"model_result": result})
+
+
+def settle_prepared_context(program: Program, request: EffectRequest, messages: Sequence[dict[str, Any]]) -> Settlement:
+    """The settlement of an investigated context preparation (never re-running the processor)."""
+    _check_program(program, request)
+    if not isinstance(program.strategy, InteractionStrategy):
+        raise _refuse("this program does not prepare model context")
+    if not isinstance(request.payload, dict) or "prepare_context" not in request.payload:
+        raise _refuse("the request is not a context preparation")
+    return Settlement.succeeded({"prepared_context": {"messages": parse_messages(list(messages), "messages")}})
