@@ -108,15 +108,68 @@ class Tool(Protocol):
 
 
 def tool_spec(tool: Tool) -> ToolSpec:
-    """The frozen, pure scheduling view of an executable tool."""
-    classifier: Classifier | None = getattr(tool, "concurrency", None)
+    """The frozen, pure scheduling view of an executable tool.
+
+    Reading the optional declarations runs the tool's own code (properties); any error
+    there rejects the ToolSet at construction, never later at a Step.
+    """
+    try:
+        classifier: Classifier | None = getattr(tool, "concurrency", None)
+        direct = bool(getattr(tool, "direct_result", False))
+        name = tool.name
+        description = getattr(tool, "description", "")
+        parameters = getattr(tool, "parameters", {"type": "object"})
+    except Exception as exc:  # noqa: BLE001 - a failing declaration is an invalid ToolSet
+        raise InvalidInput(
+            "interaction.toolset.invalid",
+            f"reading the declarations of tool {getattr(type(tool), '__name__', tool)!r} failed: "
+            f"{type(exc).__name__}: {exc}",
+        ) from exc
+    if classifier is not None and not callable(classifier):
+        raise InvalidInput("interaction.toolset.invalid", f"tool {name!r} declares a concurrency policy that is not callable")
     return ToolSpec(
-        name=tool.name,
-        description=getattr(tool, "description", ""),
-        parameters=getattr(tool, "parameters", {"type": "object"}),
-        direct_result=bool(getattr(tool, "direct_result", False)),
+        name=name,
+        description=description,
+        parameters=parameters,
+        direct_result=direct,
         concurrency=classifier,
     )
+
+
+def tool_invocation_from_request(request: EffectRequest) -> ToolInvocation:
+    """The attribution retained by a Tool Effect request (e.g. one rebuilt for recovery).
+
+    Performs no call and resolves nothing; a request that is not a tool call (a model
+    call, say) is refused. A retained request has no attempt id until dispatched again.
+    """
+    body = request.payload.get("tool_call") if isinstance(request, EffectRequest) and isinstance(request.payload, dict) else None
+    if not isinstance(body, dict) or not isinstance(body.get("invocation"), dict):
+        raise InvalidInput("interaction.tool_invocation.invalid", "the request is not a tool call")
+    call = ToolCall.from_json(body["invocation"].get("call"))
+    return ToolInvocation(
+        call=call,
+        effect_id=request.effect_id,
+        attempt_id=request.attempt_id,
+        relation=request.relation,
+        step=request.step,
+        reference=tool_call_ref_of_child(request.relation.parent_id, request.relation.child_key),
+    )
+
+
+def _in_cause_chain(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in the explicit cause chain (``raise X from Y``) of ``exc``.
+
+    A single-cause wrapper keeps its cause's outcome (spec 3.2: "the error chain contains");
+    implicit context and exception groups (independent joined errors) do not count.
+    """
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 32:
+        if isinstance(current, kind):
+            return current
+        current = current.__cause__
+        seen += 1
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,10 +260,17 @@ class ToolDispatcher:
         try:
             try:
                 output = tool.call(invocation, arguments)
-            except ToolFailure as failure:
-                observed = ToolSettlementObservation(failure.kind)
-                return Settlement.succeeded(completion(failure.kind, failure.output))
-            except ToolInputRequired as required:
+            except Exception as raised:
+                failure = _in_cause_chain(raised, ToolFailure)
+                if failure is not None:
+                    # A definite outcome even when caused by a cancellation or a deadline.
+                    assert isinstance(failure, ToolFailure)
+                    observed = ToolSettlementObservation(failure.kind)
+                    return Settlement.succeeded(completion(failure.kind, failure.output))
+                required = _in_cause_chain(raised, ToolInputRequired)
+                if required is None:
+                    raise
+                assert isinstance(required, ToolInputRequired)
                 observed = ToolSettlementObservation(None, input_required=True)
                 try:
                     check_input_request(normalize(required.request, what="input request"))

@@ -750,11 +750,14 @@ class Kernel:
             if process.status == "paused":
                 return []
             if process.status not in ("running", "waiting") or process.terminal_intent is not None:
-                raise Rejected("engine.process.control_invalid", f"cannot pause a {process.status} process")
+                state = f"{process.terminal_intent} requested" if process.terminal_intent else process.status
+                raise Rejected("engine.process.control_invalid", f"cannot pause process {pid}: it is {state}")
             reason = check_reason(reason or "paused by host")
         elif control == "resume":
             if process.status != "paused":
-                raise Rejected("engine.process.control_invalid", f"cannot resume a {process.status} process")
+                raise Rejected(
+                    "engine.process.control_invalid", f"cannot resume process {pid}: it is {process.status}, not paused"
+                )
         elif control in ("cancel", "kill", "deadline"):
             if control in process.intents:
                 return []

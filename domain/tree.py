@@ -396,6 +396,7 @@ class TreeState:
         self._expect: tuple[str, ProcessID, int, int] | None = None
         self._pending_declarations = 0
         self._finished_effects: set[EffectID] = set()
+        self._resolved_effects: set[EffectID] = set()
 
     # -- queries -----------------------------------------------------------
 
@@ -474,6 +475,7 @@ class TreeState:
     def _check_expectation(self, pos: int, event: TreeEvent, expect: tuple[str, ProcessID, int, int]) -> None:
         kind, pid, step, index = expect
         ok = False
+        rule = "step.sequence"
         if kind == "declare":
             ok = (
                 isinstance(event, EffectDeclared)
@@ -482,14 +484,16 @@ class TreeState:
                 and event.index == index
             )
             detail = f"expected EffectDeclared #{index} of step {step} of {pid}"
+            rule = "effect.declaration"  # a Step's declarations follow it, complete and in order
         elif kind == "checkpoint":
             ok = isinstance(event, CheckpointCommitted) and event.process_id == pid and event.step == step
             detail = f"expected CheckpointCommitted for step {step} of {pid}"
+            rule = "checkpoint.pairing"
         else:  # terminate
             ok = isinstance(event, ProcessTerminated) and event.process_id == pid
             detail = f"expected ProcessTerminated of {pid} after its terminal step"
         if not ok:
-            raise self.fail(pos, "step.sequence", f"{detail}, got {type(event).__name__} of {event.process_id}")
+            raise self.fail(pos, rule, f"{detail}, got {type(event).__name__} of {event.process_id}")
 
     def _process(self, pos: int, pid: ProcessID) -> ProcessState:
         process = self.processes.get(pid)
@@ -622,6 +626,8 @@ class TreeState:
         process = self._process(pos, e.process_id)
         if e.signal_id in process.signal_index:
             raise self.fail(pos, "signal.dedup", f"signal {e.signal_id} was already admitted to {e.process_id}")
+        if e.source == "parent":
+            self._check_parent_command(pos, process, Operation.SIGNAL_CHILD, "signal.source", e)
         try:
             request = SignalRequest(e.signal_id, e.payload, e.wait_id)
             schema: object = None
@@ -634,7 +640,11 @@ class TreeState:
             check_admission(process, [request], source=e.source, signal_schema=schema, check_signal_schema=check_schema)
         except Exception as exc:  # noqa: BLE001 - every refusal is a broken admission rule
             code = getattr(exc, "code", type(exc).__name__)
-            raise self.fail(pos, "signal.admission", f"{code}: {exc}") from exc
+            over_budget = not process.budget.signals.allows(
+                process.accepted_signals + process.allocated.signals + process.reserved_signals, 1
+            )
+            rule = "budget.signals" if code == "engine.limit.signals" and over_budget else "signal.admission"
+            raise self.fail(pos, rule, f"{code}: {exc}") from exc
         self._append_signal(process, e.signal_id, e.wait_id, e.payload, e.source)
         process.accepted_signals += 1
 
@@ -767,13 +777,16 @@ class TreeState:
         process = self._process(pos, e.process_id)
         record = process.effect(e.effect_id)
         if record is None:
+            if e.effect_id in self._finished_effects:
+                raise self.fail(pos, "dispatch.after_settlement", f"effect {e.effect_id} is already settled")
             raise self.fail(pos, "effect.declared", f"effect {e.effect_id} is not declared in the current batch")
         if record.target != "dispatcher":
             raise self.fail(pos, "dispatch.target", f"effect {e.effect_id} is a framework effect")
-        if process.frontier() is not record:
-            raise self.fail(pos, "effect.frontier", f"effect {e.effect_id} is not the frontier of its batch")
+        # Before the frontier check: a definitely settled effect is behind the frontier.
         if record.phase == "settled":
             raise self.fail(pos, "dispatch.after_settlement", f"effect {e.effect_id} is already settled")
+        if process.frontier() is not record:
+            raise self.fail(pos, "effect.frontier", f"effect {e.effect_id} is not the frontier of its batch")
         if e.incarnation_id != self.incarnation:
             raise self.fail(pos, "dispatch.incarnation", f"dispatch by {e.incarnation_id}, owner is {self.incarnation}")
         if record.phase == "pending":
@@ -940,10 +953,11 @@ class TreeState:
     def _on_effect_resolved(self, pos: int, e: EffectResolved, _: Any) -> None:
         process = self._process(pos, e.process_id)
         record = process.effect(e.effect_id)
+        # Checked first: a resolved effect is definite (or gone with its batch), not unknown.
+        if e.effect_id in self._resolved_effects or (record is not None and record.resolved_by is not None):
+            raise self.fail(pos, "resolution.once", f"effect {e.effect_id} was already resolved")
         if record is None or not record.unknown:
             raise self.fail(pos, "resolution.only_unknown", f"effect {e.effect_id} is not an unknown effect")
-        if record.resolved_by is not None:
-            raise self.fail(pos, "resolution.once", f"effect {e.effect_id} was already resolved")
         if process.terminal or process.terminal_intent is not None:
             raise self.fail(pos, "resolution.process_finished", f"process {e.process_id} is finished or finishing")
         if e.resolved_by == "replay" and record.replay != "same_identity":
@@ -951,6 +965,7 @@ class TreeState:
         record.status = SettlementStatus(e.status)
         record.result = e.payload
         record.resolved_by = e.resolved_by
+        self._resolved_effects.add(e.effect_id)
         self._maybe_finish_batch(process)
 
     # CheckpointCommitted ----------------------------------------------------
@@ -966,6 +981,10 @@ class TreeState:
         process = self._process(pos, e.process_id)
         if process.terminal:
             raise self.fail(pos, "control.process_terminal", f"process {e.process_id} is {process.status}")
+        if e.owner == "parent":
+            if e.control != "cancel":
+                raise self.fail(pos, "control.owner", f"a parent only cancels its children, not {e.control}")
+            self._check_parent_command(pos, process, Operation.CANCEL_CHILD, "control.owner")
         if e.control == "pause":
             if process.status not in ("running", "waiting") or process.terminal_intent is not None:
                 raise self.fail(pos, "control.pause_state", f"cannot pause a {process.status} process")
@@ -1043,6 +1062,30 @@ class TreeState:
                 child.intents[kind] = ("parent", f"parent {process.process_id} ended {e.status}")
         # Ancestors' child waits may be satisfied now.
         self._notify_waiters(process)
+
+    def _check_parent_command(
+        self, pos: int, child: ProcessState, op: Operation, rule: str, signal: SignalAdmitted | None = None
+    ) -> None:
+        """Parent-owned input is recorded only while its parent's frontier signal_child/cancel_child settles."""
+        parent = self.processes.get(child.parent_id) if child.parent_id is not None else None
+        record = parent.frontier() if parent is not None else None
+        payload = record.payload if record is not None and isinstance(record.payload, dict) else {}
+        ok = (
+            record is not None
+            and record.phase == "planned"
+            and record.operation == op
+            and payload.get("child") == child.process_id
+        )
+        if ok and signal is not None:
+            body = payload.get("signal")
+            ok = (
+                isinstance(body, dict)
+                and body.get("id") == signal.signal_id
+                and body.get("wait_id") == signal.wait_id
+                and body.get("payload") == signal.payload
+            )
+        if not ok:
+            raise self.fail(pos, rule, f"no frontier {op.value} effect of the parent of {child.process_id} matches")
 
     def _notify_waiters(self, process: ProcessState) -> None:
         current: ProcessState | None = process

@@ -71,7 +71,14 @@ STEER_SCHEMA: JSON = {
             "type": "object",
             "required": ["messages"],
             "additionalProperties": False,
-            "properties": {"messages": {"type": "array", "minItems": 1}},
+            "properties": {
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    # Only user messages steer: anything else is refused before admission.
+                    "items": {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "user"}}},
+                }
+            },
         }
     },
 }

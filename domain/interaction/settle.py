@@ -27,6 +27,10 @@ def _refuse(message: str) -> InvalidInput:
 
 
 def _check_program(program: Program, request: EffectRequest) -> None:
+    if not isinstance(program, Program):
+        raise _refuse("the exact Program that made the request is required")
+    if not isinstance(request, EffectRequest):
+        raise _refuse("the original EffectRequest of the unknown effect is required")
     if request.program != program.ref:
         raise _refuse(
             f"the effect was requested by {request.program.name} ({request.program.digest}), "
@@ -110,8 +114,17 @@ def settle_model_result(
     except InvalidInput as exc:
         raise _refuse(f"invalid model response: {exc.message}") from exc
     result: dict[str, Any] = {"response": parsed}
+    if effective_messages is None and program.strategy.definition.context_policy is not None:
+        # The policy may have changed what was sent; only the host knows the messages the
+        # model actually received, and the working context must become exactly those.
+        raise _refuse("this program reduces its context: give the effective messages the model received")
     if effective_messages is not None:
-        messages = parse_messages(list(effective_messages), "effective_messages")
+        try:
+            messages = parse_messages(list(effective_messages), "effective_messages")
+        except (InvalidInput, TypeError) as exc:
+            raise _refuse(f"invalid effective messages: {getattr(exc, 'message', exc)}") from exc
+        if not messages:
+            raise _refuse("the effective messages cannot be empty")
         if messages != list(body["request"]["messages"]):
             result["replacement_messages"] = messages
     return Settlement.succeeded({"model_result": result})
@@ -124,4 +137,10 @@ def settle_prepared_context(program: Program, request: EffectRequest, messages: 
         raise _refuse("this program does not prepare model context")
     if not isinstance(request.payload, dict) or "prepare_context" not in request.payload:
         raise _refuse("the request is not a context preparation")
-    return Settlement.succeeded({"prepared_context": {"messages": parse_messages(list(messages), "messages")}})
+    try:
+        parsed = parse_messages(list(messages), "messages")
+    except (InvalidInput, TypeError) as exc:
+        raise _refuse(f"invalid prepared messages: {getattr(exc, 'message', exc)}") from exc
+    if not parsed:
+        raise _refuse("the prepared context cannot be empty")
+    return Settlement.succeeded({"prepared_context": {"messages": parsed}})

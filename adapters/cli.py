@@ -1,0 +1,580 @@
+"""The ``agentfold`` command line (docs/cli.md).
+
+Commands (every one accepts ``--json`` and ``--store URL``):
+
+* ``trees`` - the tree index (one row per root tree);
+* ``show TREE`` - one folded tree: processes, mailboxes, waits, effects, budgets;
+* ``unknown`` - every unknown Effect of the live trees, waiting for a host;
+* ``resolve EFFECT_ID --output JSON [--status succeeded|failed]`` - settle an unknown
+  Effect with the outcome the host established, then drive the tree until it parks;
+* ``recover`` - adopt every live tree nobody owns and drive each until it parks;
+* ``kernel-demo-run`` - start the kernel demo Program (``scripts/demo`` uses it).
+
+Exit status: 0 on success, 2 when the input was refused (one line on stderr saying
+why; nothing was appended), 1 for anything else (store failures, timeouts, a tree
+that could not be recovered).
+
+Programs: commands that drive a tree need the exact Program its processes run. The
+CLI builds its :class:`~adapters.catalog.Catalog` from a :class:`ProgramSources`
+value: bound Programs plus loaders that rebuild a Program from the configuration a
+tree stored in its ``TreeStarted``. :func:`default_sources` is what the console
+script uses; another front end passes its own to :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from adapters.catalog import Catalog, Loader
+from adapters.eventstore import CorruptStream, EventStore, parse_store_url, redact, store_url_from_env
+from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
+from adapters.recorders import TreeHead
+from adapters.runtime import CrashPlan, RandomIds, Runtime
+from domain.canonical import JSON, parse_json_text
+from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
+from domain.events import TreeStarted
+from domain.ids import EffectID, TreeID
+from domain.kernel import Kernel
+from domain.program import Program
+from domain.requests import Settlement
+from domain.tree import ProcessState, TreeState
+
+PROG = "agentfold"
+DEFAULT_TIMEOUT = 60.0
+
+
+# ---------------------------------------------------------------------------
+# Programs the CLI can bind
+
+
+@dataclass(frozen=True)
+class ProgramSources:
+    """The Programs trees in a store may use: bound Programs and configuration loaders.
+
+    ``loaders`` maps a program name to a function that rebuilds the Program from the
+    configuration document stored in ``TreeStarted`` (see ``adapters.catalog``).
+    """
+
+    programs: tuple[Program, ...] = ()
+    loaders: Mapping[str, Loader] = field(default_factory=dict)
+
+    def catalog(self) -> Catalog:
+        return Catalog(self.programs, self.loaders)
+
+    def plus(self, other: ProgramSources) -> ProgramSources:
+        return ProgramSources(self.programs + other.programs, {**self.loaders, **other.loaders})
+
+
+def default_sources() -> ProgramSources:
+    """What the console script binds: the kernel demo Program."""
+    return ProgramSources(programs=(payment_program(),))
+
+
+# ---------------------------------------------------------------------------
+# Command plumbing
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a command prints: ``data`` under ``--json``, ``text`` otherwise."""
+
+    data: JSON
+    text: str
+    status: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    store_url: str
+    sources: ProgramSources
+    timeout: float
+
+    def open_store(self, *, create: bool = False) -> EventStore:
+        """Open the store; an SQLite file that does not exist is refused unless ``create``."""
+        backend, settings = parse_store_url(self.store_url)
+        if backend == "sqlite" and not create and not Path(settings["SQLITE_DBNAME"]).exists():
+            raise NotFound(
+                "store.not_found",
+                f"no store at {redact(self.store_url)}",
+                hint="pass --store or set AGENTFOLD_STORE to the store your runs use",
+            )
+        return EventStore(self.store_url)
+
+    def runtime(self, store: EventStore, crash: CrashPlan | None = None) -> Runtime:
+        # poll_interval=0: no watcher thread following other writers. A command owns its
+        # trees only while it drives them; input others append meanwhile makes this
+        # owner's next append conflict (reload, validate again), or is taken up by the
+        # next owner once the command has exited.
+        return Runtime(store, self.sources.catalog(), crash=crash, poll_interval=0)
+
+
+Command = Callable[[Context, argparse.Namespace], Outcome]
+
+
+class _UsageError(InvalidInput):
+    """Bad command-line usage (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a classified error instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError("cli.usage", message, f"see `{self.prog} --help`")
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    return "--json" in argv
+
+
+def _report(exc: AgentfoldError, as_json: bool) -> None:
+    if as_json:
+        line = json.dumps({"error": exc.to_json()}, sort_keys=True, default=str)
+    else:
+        line = f"{PROG}: error: {exc}"
+    sys.stderr.write(" ".join(line.split("\n")) + "\n")
+
+
+def _json_text(value: JSON) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "))
+
+
+def _short(value: JSON, limit: int = 160) -> str:
+    text = _json_text(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---------------------------------------------------------------------------
+# Shared views
+
+
+def tree_summary(tree: TreeState) -> dict[str, JSON]:
+    """A tree's head as the CLI reports it after driving (recover, resolve, kernel-demo-run)."""
+    root = tree.root
+    return {
+        "tree_id": tree.tree_id,
+        "start_id": tree.start_id,
+        "root_process_id": root.process_id,
+        "program": root.program.name,
+        "status": root.status,
+        "classification": tree.classification(),
+        "version": tree.version,
+        "unknown_effect_ids": sorted(r.effect_id for p in tree.processes.values() for r in p.unknown_effects()),
+    }
+
+
+def _summary_text(summary: Mapping[str, Any]) -> str:
+    unknown = summary.get("unknown_effect_ids") or []
+    text = (
+        f"{summary['tree_id']} (start {summary['start_id']}): root {summary['status']}, "
+        f"tree {summary['classification']}"
+    )
+    if unknown:
+        text += f"; unknown effects: {', '.join(unknown)}"
+    return text
+
+
+def _load_for_reading(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> TreeState:
+    """Fold a tree with its Programs when the catalog binds them (adds strategy state), else without."""
+    catalog = sources.catalog()
+    first = store.read(tree_id, upto=1)
+    started = first[0].event if first else None
+    if isinstance(started, TreeStarted):
+        try:
+            catalog.load(started.program, started.configuration)
+            return store.load(tree_id, catalog.resolve).state
+        except (NotFound, CorruptStream):
+            pass  # an unbound or changed program: the kernel's own view is still complete
+    return store.load(tree_id).state
+
+
+def _unknown_entries(tree: TreeState) -> list[dict[str, JSON]]:
+    entries: list[dict[str, JSON]] = []
+    for process in tree.processes.values():
+        if process.terminal:
+            continue  # a terminal process keeps its unknowns as evidence; they cannot be resolved
+        for record in process.unknown_effects():
+            entries.append(
+                {
+                    "tree_id": tree.tree_id,
+                    "start_id": tree.start_id,
+                    "process_id": process.process_id,
+                    "program": process.program.name,
+                    "effect_id": record.effect_id,
+                    "step": record.step,
+                    "index": record.index,
+                    "replay": record.replay,
+                    "attempt_id": record.attempt_id,
+                    "attempts": record.attempts,
+                    "payload": record.payload,
+                    "diagnostic": record.diagnostic.to_json() if record.diagnostic else None,
+                }
+            )
+    return entries
+
+
+# ---------------------------------------------------------------------------
+# Commands
+
+
+def cmd_trees(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        heads = store.heads(live_only=args.live)
+    finally:
+        store.close()
+    data = {"trees": [h.to_json() for h in heads]}
+    if not heads:
+        return Outcome(data, f"no {'live ' if args.live else ''}trees in {redact(ctx.store_url)}")
+    rows = [("TREE", "START", "PROGRAM", "STATUS", "TREE STATE", "VERSION", "UNKNOWN")]
+    rows += [
+        (h.tree_id, h.start_id, h.program, h.status, h.classification, str(h.version), str(len(h.unknown_effect_ids)))
+        for h in heads
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
+    return Outcome(data, text)
+
+
+def cmd_show(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        with ctx.runtime(store) as runtime:
+            tree_id = runtime.tree_of(args.tree)
+        tree = _load_for_reading(store, ctx.sources, tree_id)
+    finally:
+        store.close()
+    return Outcome(tree.to_json(), _show_text(tree))
+
+
+def _show_text(tree: TreeState) -> str:
+    lines = [
+        f"tree {tree.tree_id}  start {tree.start_id}  version {tree.version}  {tree.classification()}",
+        f"writer {tree.incarnation} ({len(tree.incarnations)} incarnation(s) so far)",
+    ]
+    for process in tree.processes.values():
+        lines.append("")
+        lines.extend(_process_text(process))
+    return "\n".join(lines)
+
+
+def _budget_text(process: ProcessState) -> str:
+    parts = []
+    for name, quota in (("steps", process.budget.steps), ("effects", process.budget.effects),
+                        ("signals", process.budget.signals)):
+        if quota.maximum is not None:
+            parts.append(f"{name} <= {quota.maximum}")
+    return ", ".join(parts) if parts else "unlimited"
+
+
+def _process_text(p: ProcessState) -> list[str]:
+    relation = "root" if p.parent_id is None else f"child {p.child_key} of {p.parent_id} (depth {p.depth})"
+    usage = p.usage
+    lines = [
+        f"process {p.process_id}  {p.program.name}  {p.status}",
+        f"  {relation}; program {p.program}",
+        f"  usage: {usage['steps']} steps, {usage['effects']} effects, {usage['signals']} signals; "
+        f"budget: {_budget_text(p)}",
+    ]
+    consumed = sum(1 for r in p.mailbox if r.consumed)
+    lines.append(f"  mailbox: {len(p.mailbox)} signal(s), {consumed} consumed, {len(p.mailbox) - p.cursor} pending")
+    for record in p.pending():
+        lines.append(f"    pending {record.signal_id} from {record.source}: {_short(record.payload)}")
+    for wait in p.waits.values():
+        state = "closed" if wait.closed else ("answered" if wait.answered_by is not None else "open")
+        current = " (current)" if wait.wait_id == p.current_wait else ""
+        lines.append(f"  wait {wait.wait_id} key {wait.key} ({wait.kind}) {state}{current}")
+    if p.pause_reason:
+        lines.append(f"  paused: {p.pause_reason}")
+    for kind, (owner, reason) in p.intents.items():
+        lines.append(f"  pending {kind} from {owner}: {reason}")
+    if p.batch:
+        lines.append(f"  effects of step {p.batch_step}:")
+        for r in p.batch:
+            outcome = r.phase if r.status is None else f"{r.phase} {r.status.value}"
+            if r.resolved_by:
+                outcome += f" (resolved by {r.resolved_by})"
+            lines.append(f"    #{r.index} {r.effect_id}  {r.target}  replay {r.replay}  {outcome}")
+            lines.append(f"       request: {_short(r.payload)}")
+            if r.status is not None and r.status.value != "unknown":
+                lines.append(f"       result: {_short(r.result)}")
+            if r.diagnostic is not None:
+                lines.append(f"       diagnostic: {r.diagnostic}")
+    if p.children:
+        lines.append(f"  children: {', '.join(p.children)}")
+    if p.termination is not None:
+        t = p.termination
+        lines.append(f"  termination: {t.status} ({t.cause}){': ' + t.reason if t.reason else ''}")
+        if t.unresolved_effect_ids:
+            lines.append(f"  unresolved effects: {', '.join(t.unresolved_effect_ids)}")
+    if p.status == "completed":
+        lines.append(f"  output: {_short(p.output, 400)}")
+    return lines
+
+
+def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    entries: list[dict[str, JSON]] = []
+    try:
+        for head in store.heads(live_only=True):
+            if head.unknown_effect_ids:  # the index is updated with every append: skip trees without any
+                entries.extend(_unknown_entries(store.load(TreeID(head.tree_id)).state))
+    finally:
+        store.close()
+    data = {"unknown_effects": entries}
+    if not entries:
+        return Outcome(data, "no unknown effects: nothing waits for a host")
+    lines: list[str] = []
+    for e in entries:
+        diagnostic = e["diagnostic"]
+        lines += [
+            f"{e['effect_id']}",
+            f"  tree {e['tree_id']} (start {e['start_id']}), process {e['process_id']} ({e['program']})",
+            f"  step {e['step']}, index {e['index']}, replay {e['replay']}, {e['attempts']} attempt(s)",
+            f"  request: {_short(e['payload'], 400)}",
+        ]
+        if isinstance(diagnostic, dict):
+            lines.append(f"  diagnostic: {diagnostic['kind']} {diagnostic['code']}: {diagnostic['message']}")
+    lines.append("")
+    lines.append(f"resolve each with: {PROG} resolve EFFECT_ID --output JSON [--status succeeded|failed]")
+    return Outcome(data, "\n".join(lines))
+
+
+def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
+    effect_id = EffectID(args.effect_id)
+    value = parse_json_text(args.output, what="--output")
+    settlement = Settlement.succeeded(value) if args.status == "succeeded" else Settlement.failed(value)
+    store = ctx.open_store()
+    try:
+        tree_id = store.tree_of_unknown_effect(effect_id)
+        if tree_id is None:
+            raise NotFound(
+                "engine.effect.not_pending",
+                f"effect {effect_id} is not an unknown effect of any tree in {redact(ctx.store_url)}",
+                hint=f"list unknown effects with `{PROG} unknown`",
+            )
+        # Validate on a private fold first, with the kernel's own rules: a refused
+        # resolution must not even make this command take ownership (WriterActivated).
+        probe = store.load(tree_id).state
+        found = probe.find_effect(effect_id)
+        process_id = found[0].process_id if found is not None else None
+        Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
+            effect_id, settlement.status, settlement.payload, process_id=process_id
+        )
+        with ctx.runtime(store) as runtime:
+            runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id)
+            owned = runtime.owns(tree_id)
+            try:
+                tree = runtime.wait_idle(tree_id, ctx.timeout)
+            except (TimeoutError, AgentfoldError) as exc:
+                # The resolution is recorded; only driving the tree on did not finish.
+                raise AgentfoldError(
+                    "cli.drive_failed",
+                    f"resolved {effect_id}, but driving tree {tree_id} on did not finish: {exc}",
+                    hint=f"look with `{PROG} show {tree_id}`; `{PROG} recover` drives it on",
+                ) from exc
+    finally:
+        store.close()
+    summary = tree_summary(tree)
+    data = {
+        "effect_id": effect_id,
+        "process_id": process_id,
+        "resolution": {"status": settlement.status.value, "payload": settlement.payload},
+        "driven": owned,
+        "tree": summary,
+    }
+    text = f"resolved {effect_id} as {settlement.status.value}\n" + _summary_text(summary)
+    if not owned:
+        text += "\n(another runtime owns this tree and drives it on)"
+    return Outcome(data, text)
+
+
+def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    entries: list[dict[str, JSON]] = []
+    failed = False
+    try:
+        heads = store.heads(live_only=True)
+        with ctx.runtime(store) as runtime:
+            adopted: list[tuple[TreeHead, TreeID]] = []
+            for head in heads:
+                try:
+                    handles = runtime.recover(head.tree_id)
+                except Fenced:
+                    entries.append({**_head_summary(head), "outcome": "owned"})
+                    continue
+                except AgentfoldError as exc:
+                    failed = True
+                    entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
+                    continue
+                adopted.extend((head, h.tree_id) for h in handles)
+            # Every adopted tree runs concurrently; wait for each to park or end.
+            for head, tree_id in adopted:
+                try:
+                    tree = runtime.wait_idle(tree_id, ctx.timeout)
+                except TimeoutError:
+                    failed = True
+                    entries.append({**_head_summary(head), "outcome": "error",
+                                    "error": {"code": "cli.timeout", "message": f"still busy after {ctx.timeout} s"}})
+                    continue
+                except AgentfoldError as exc:  # this runtime stopped driving it (fenced, store failure)
+                    failed = True
+                    entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
+                    continue
+                entries.append({**tree_summary(tree), "outcome": "recovered"})
+    finally:
+        store.close()
+    order = {h.tree_id: i for i, h in enumerate(heads)}
+    entries.sort(key=lambda e: order.get(str(e["tree_id"]), 0))
+    data = {"trees": entries}
+    if not entries:
+        return Outcome(data, "no live trees to recover")
+    lines = []
+    for entry in entries:
+        if entry["outcome"] == "recovered":
+            lines.append("recovered " + _summary_text(entry))
+        elif entry["outcome"] == "owned":
+            lines.append(f"skipped {entry['tree_id']} (start {entry['start_id']}): another live runtime owns it")
+        else:
+            error = entry["error"]
+            assert isinstance(error, dict)
+            lines.append(f"failed {entry['tree_id']} (start {entry['start_id']}): {error['code']}: {error['message']}")
+    return Outcome(data, "\n".join(lines), 1 if failed else 0)
+
+
+def _head_summary(head: TreeHead) -> dict[str, JSON]:
+    return {
+        "tree_id": head.tree_id,
+        "start_id": head.start_id,
+        "root_process_id": head.root_process_id,
+        "program": head.program,
+        "status": head.status,
+        "classification": head.classification,
+        "version": head.version,
+        "unknown_effect_ids": list(head.unknown_effect_ids),
+    }
+
+
+def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
+    crash = CrashPlan.parse(args.crash_after) if args.crash_after else None
+    if args.amount_cents < 1:
+        raise InvalidInput("cli.argument_invalid", f"--amount-cents must be positive, got {args.amount_cents}")
+    program = next((p for p in ctx.sources.programs if p.ref.name == PROGRAM_NAME), None) or payment_program()
+    order = payment_input(args.customer, args.amount_cents, args.side_effect_log)
+    store = ctx.open_store(create=True)
+    try:
+        with ctx.runtime(store, crash) as runtime:
+            handle = runtime.start(program, order, start_id=args.start_id)
+            tree = runtime.wait_idle(handle.tree_id, ctx.timeout)
+    finally:
+        store.close()
+    summary = tree_summary(tree)
+    text = "kernel demo " + _summary_text(summary)
+    if tree.root.status == "completed":
+        text += f"\noutput: {_short(tree.root.output, 400)}"
+    return Outcome(summary, text)
+
+
+# ---------------------------------------------------------------------------
+# Parser and entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--store", metavar="URL", default=argparse.SUPPRESS,
+        help="event store URL: sqlite:///path.db, postgresql://user:pass@host:port/db or memory: "
+        "(default: $AGENTFOLD_STORE, else sqlite:///./agentfold.db)",
+    )
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON (docs/cli.md)")
+    parser = _Parser(
+        prog=PROG, parents=[common],
+        description="Operate agentfold process trees: list, inspect, recover, and settle unknown effects.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+
+    def command(name: str, fn: Command, help: str, timeout: bool = False) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, parents=[common], help=help, description=help)
+        sub.set_defaults(handler=fn)
+        if timeout:
+            sub.add_argument(
+                "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                help=f"how long to wait for a tree to park (default {DEFAULT_TIMEOUT:g})",
+            )
+        return sub
+
+    trees = command("trees", cmd_trees, "list the trees in the store (the tree index)")
+    trees.add_argument("--live", action="store_true", help="only trees that are not terminal")
+    show = command("show", cmd_show, "show one folded tree: processes, mailboxes, waits, effects, budgets")
+    show.add_argument("tree", metavar="TREE", help="a tree id (tree:...), a start id or a process id")
+    command("unknown", cmd_unknown, "list every unknown effect of the live trees")
+    resolve = command(
+        "resolve", cmd_resolve, "settle an unknown effect with a definite outcome, then drive its tree", timeout=True
+    )
+    resolve.add_argument("effect_id", metavar="EFFECT_ID", help="an effect id listed by `agentfold unknown`")
+    resolve.add_argument("--output", required=True, metavar="JSON", help="the settlement payload (JSON text)")
+    resolve.add_argument(
+        "--status", choices=("succeeded", "failed"), default="succeeded", help="the outcome (default succeeded)"
+    )
+    command("recover", cmd_recover, "adopt every live tree nobody owns and drive each until it parks", timeout=True)
+    demo = command(
+        "kernel-demo-run", cmd_kernel_demo_run,
+        "start the kernel demo program demo.payment and drive it until it parks (used by scripts/demo)", timeout=True,
+    )
+    demo.add_argument("--side-effect-log", required=True, metavar="PATH",
+                      help="file the demo's charge and receipt append to (stands in for the outside world)")
+    demo.add_argument("--start-id", metavar="ID", default=None, help="idempotent start id (default: a fresh one)")
+    demo.add_argument("--customer", default="ada", help="customer name (default ada)")
+    demo.add_argument("--amount-cents", type=int, default=1250, help="amount to charge (default 1250)")
+    demo.add_argument(
+        "--crash-after", metavar="POINT", default=None,
+        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = None) -> int:
+    """Run one command; returns the exit status (0 ok, 2 refused input, 1 otherwise)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(args_list)
+    try:
+        args = build_parser().parse_args(args_list)
+    except _UsageError as exc:
+        _report(exc, as_json)
+        return exc.exit_status
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    as_json = bool(getattr(args, "json", False))
+    ctx = Context(
+        store_url=store_url_from_env(getattr(args, "store", None)),
+        sources=sources or default_sources(),
+        timeout=float(getattr(args, "timeout", DEFAULT_TIMEOUT)),
+    )
+    try:
+        outcome: Outcome = args.handler(ctx, args)
+    except AgentfoldError as exc:
+        _report(exc, as_json)
+        return exc.exit_status
+    except TimeoutError as exc:
+        _report(AgentfoldError("cli.timeout", str(exc) or "timed out", "raise --timeout or look with `show`"), as_json)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI reports every failure as one line
+        _report(AgentfoldError("cli.internal", f"{type(exc).__name__}: {exc}"), as_json)
+        return 1
+    if as_json:
+        sys.stdout.write(json.dumps(outcome.data, sort_keys=True, ensure_ascii=False, default=str) + "\n")
+    else:
+        sys.stdout.write(outcome.text + "\n")
+    sys.stdout.flush()
+    return outcome.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The OpenAI-compatible client through a real local HTTP server (issue 3, acceptance 6)."""
+
+from __future__ import annotations
+
+import json
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.interaction import InteractionConfig, compile_interaction
+from adapters.models import OpenAIChatModel
+from adapters.runtime import Runtime
+from adapters.tools import ToolOutput
+from domain.interaction.settle import settle_model_result
+from domain.requests import effect_request
+from projections.host_views import unknown_effects
+from tests.interaction_io.fake_openai import FakeOpenAI, completion
+
+
+class Weather:
+    name = "weather"
+    description = "Current weather for a city."
+    parameters = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def call(self, invocation, arguments):
+        self.calls.append(arguments)
+        return ToolOutput.text(f"sunny in {arguments['city']}", {"celsius": 21})
+
+
+def _program(server: FakeOpenAI, tool: Weather):
+    model = OpenAIChatModel(server.base_url, model="gpt-test", api_key="sk-test", timeout=5)
+    return compile_interaction(InteractionConfig(name="test.openai", model=model, tools=[tool]))
+
+
+def test_tool_calls_arguments_and_results_pass_through_the_openai_protocol(tmp_path) -> None:
+    script = [
+        completion(tool_calls=[{"id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}'}],
+                   finish_reason="tool_calls"),
+        completion(content="It is sunny in Oslo.", usage={"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}),
+    ]
+    tool = Weather()
+    with FakeOpenAI(script) as server:
+        program = _program(server, tool)
+        store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            result = runtime.start(program, {"messages": [{"role": "user", "content": "weather in Oslo?"}]}).result(30)
+    assert result.status == "completed"
+    response = result.output["model_response"]
+    assert response["message"]["content"][0]["text"] == "It is sunny in Oslo."
+    assert response["usage"] == {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}
+    assert tool.calls == [{"city": "Oslo"}]
+    first, second = server.requests
+    assert server.headers[0]["Authorization"] == "Bearer sk-test"
+    assert first["model"] == "gpt-test"
+    assert first["tool_choice"] == "auto"
+    assert first["tools"] == [{"type": "function", "function": {
+        "name": "weather", "description": "Current weather for a city.", "parameters": Weather.parameters}}]
+    assert first["messages"] == [{"role": "user", "content": "weather in Oslo?"}]
+    assistant, tool_msg = second["messages"][1], second["messages"][2]
+    assert assistant["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    ]
+    assert tool_msg["role"] == "tool" and tool_msg["tool_call_id"] == "call_1"
+    assert "sunny in Oslo" in tool_msg["content"] and json.loads(tool_msg["content"].split("\n", 1)[1]) == {"celsius": 21}
+
+
+def test_a_server_error_leaves_the_model_effect_unknown_until_a_host_resolves_it(tmp_path) -> None:
+    tool = Weather()
+    with FakeOpenAI([]) as server:
+        server.fail_with = 500
+        program = _program(server, tool)
+        store = EventStore(f"sqlite:///{tmp_path / 'b.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
+            tree = runtime.wait_idle(handle.tree_id)
+            unknown = unknown_effects(tree, runtime.catalog.resolve)
+            assert len(unknown) == 1 and unknown[0]["kind"] == "model"
+            assert unknown[0]["diagnostic"]["code"] == "engine.dispatch.failed"
+            assert "HTTP 500" in unknown[0]["diagnostic"]["message"]
+            assert tree.root.status == "running" and tree.classification() == "parked"
+            assert len(server.requests) == 1  # never retried on its own
+            request = effect_request(tree, handle.root_process_id, unknown[0]["effect_id"], program)
+            settlement = settle_model_result(
+                program, request, {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+            )
+            runtime.resolve_unknown_effect(unknown[0]["effect_id"], settlement)
+            result = handle.result(30)
+    assert result.status == "completed"
+    assert result.output["model_response"]["message"]["content"][0]["text"] == "hi"
+    assert len(server.requests) == 1

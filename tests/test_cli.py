@@ -1,0 +1,439 @@
+"""The ``agentfold`` CLI, run as a real subprocess against real stores (docs/cli.md).
+
+Every test drives the command line the way an operator does: a child Python process
+runs ``python -m adapters.cli`` (or the installed console script) on an SQLite file
+(and, for the main flow, on PostgreSQL too). Crashes are real process deaths
+(``os._exit(75)`` inside the charge dispatch); external calls are counted in the demo
+program's side-effect log, outside the processes that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.kernel_demo import payment_program, read_log
+from adapters.runtime import Runtime
+from domain.ids import TreeID
+from tests.kernel_programs import asker_program
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Ran:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+    def error(self) -> dict[str, Any]:
+        """The one-line JSON error a ``--json`` command writes to stderr."""
+        lines = self.stderr.strip().splitlines()
+        assert len(lines) == 1, self.stderr
+        return json.loads(lines[0])["error"]  # type: ignore[no-any-return]
+
+
+def agentfold(*args: str, store: str | None = None, cwd: Path | None = None,
+              env: dict[str, str] | None = None, timeout: float = 120) -> Ran:
+    """Run ``python -m adapters.cli ARGS [--store STORE]`` in a child process."""
+    child_env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    child_env["PYTHONPATH"] = str(ROOT)
+    child_env.update(env or {})
+    command = [sys.executable, "-m", "adapters.cli", *args]
+    if store is not None:
+        command += ["--store", store]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd or ROOT, env=child_env, timeout=timeout)
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+def ok(ran: Ran) -> Ran:
+    assert ran.code == 0, f"exit {ran.code}\nstdout: {ran.stdout}\nstderr: {ran.stderr}"
+    return ran
+
+
+def refused(ran: Ran) -> Ran:
+    """Exit status 2 with exactly one line on stderr."""
+    assert ran.code == 2, f"exit {ran.code}\nstdout: {ran.stdout}\nstderr: {ran.stderr}"
+    assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert ran.stdout == ""
+    return ran
+
+
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'agentfold.db'}"
+
+
+def count(log: Path, action: str) -> int:
+    return sum(1 for line in read_log(log) if line["action"] == action)
+
+
+def start_crashing_run(store: str, log: Path, start_id: str = "order-1", point: str = "in-dispatch:1") -> None:
+    ran = agentfold("kernel-demo-run", "--start-id", start_id, "--side-effect-log", str(log),
+                    "--crash-after", point, store=store)
+    assert ran.code == 75, f"expected the crash exit status 75, got {ran.code}: {ran.stderr}"
+
+
+def store_version(store: str, tree_id: str) -> tuple[int, int]:
+    """(index head version, number of stored events) of one tree."""
+    events = EventStore(store)
+    try:
+        head = events.head(TreeID(tree_id))
+        assert head is not None
+        return head.version, len(events.read_raw(TreeID(tree_id)))
+    finally:
+        events.close()
+
+
+# ---------------------------------------------------------------------------
+# The main flow: crash inside the charge, recover, list the unknown, resolve, complete
+
+
+def test_crash_inside_the_charge_recovers_to_an_unknown_that_a_host_resolves(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    store = durable_store_url
+    log = tmp_path / "side-effects.jsonl"
+    start_crashing_run(store, log)
+    assert count(log, "charge") == 1  # the side effect happened before the crash
+
+    trees = ok(agentfold("trees", "--json", store=store)).json()["trees"]
+    assert len(trees) == 1
+    tree_id = trees[0]["tree_id"]
+    assert trees[0]["start_id"] == "order-1"
+    assert trees[0]["program"] == "demo.payment"
+    assert trees[0]["status"] == "running"
+    assert trees[0]["unknown_effect_ids"] == []
+    # Before recovery the charge is in flight, not unknown: nothing waits for a host yet.
+    assert ok(agentfold("unknown", "--json", store=store)).json() == {"unknown_effects": []}
+
+    recovered = ok(agentfold("recover", "--json", store=store)).json()["trees"]
+    assert len(recovered) == 1
+    entry = recovered[0]
+    assert entry["outcome"] == "recovered"
+    assert entry["tree_id"] == tree_id
+    assert entry["status"] == "running"
+    assert entry["classification"] == "parked"
+    assert len(entry["unknown_effect_ids"]) == 1
+    effect_id = entry["unknown_effect_ids"][0]
+    assert count(log, "charge") == 1  # recovery called nothing
+
+    unknown = ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"]
+    assert len(unknown) == 1
+    u = unknown[0]
+    assert u["effect_id"] == effect_id
+    assert u["tree_id"] == tree_id
+    assert u["start_id"] == "order-1"
+    assert u["process_id"] == entry["root_process_id"]
+    assert (u["step"], u["index"], u["replay"], u["attempts"]) == (1, 0, "never", 1)
+    assert u["payload"]["action"] == "charge"
+    assert u["payload"]["amount_cents"] == 1250
+    assert u["diagnostic"]["code"] == "engine.dispatch.interrupted"
+    assert u["diagnostic"]["kind"] == "external"
+    human = ok(agentfold("unknown", store=store)).stdout
+    assert effect_id in human and "engine.dispatch.interrupted" in human
+
+    charge = next(line for line in read_log(log) if line["action"] == "charge")
+    assert charge["effect_id"] == effect_id
+    receipt = {"charge_id": charge["charge_id"], "customer": "ada", "amount_cents": 1250}
+    resolved = ok(agentfold("resolve", effect_id, "--output", json.dumps(receipt), "--json", store=store)).json()
+    assert resolved["effect_id"] == effect_id
+    assert resolved["process_id"] == entry["root_process_id"]
+    assert resolved["resolution"] == {"status": "succeeded", "payload": receipt}
+    assert resolved["driven"] is True
+    assert resolved["tree"]["status"] == "completed"
+    assert resolved["tree"]["classification"] == "terminal"
+    assert resolved["tree"]["unknown_effect_ids"] == []
+
+    assert count(log, "charge") == 1  # exactly once, across the crash
+    assert count(log, "send_receipt") == 1
+    shown = ok(agentfold("show", "order-1", "--json", store=store)).json()
+    root = shown["processes"][0]
+    assert root["status"] == "completed"
+    assert root["output"]["charge"] == receipt
+    assert root["output"]["receipt_sent"] is True
+    assert root["termination"]["cause"] == "completion"
+    assert len(shown["incarnations"]) == 3  # the crashed writer, `recover`, `resolve`
+    assert ok(agentfold("unknown", "--json", store=store)).json() == {"unknown_effects": []}
+    assert ok(agentfold("recover", "--json", store=store)).json() == {"trees": []}
+
+
+def test_a_same_identity_effect_interrupted_by_a_crash_is_dispatched_again_not_left_unknown(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    log = tmp_path / "side-effects.jsonl"
+    start_crashing_run(store, log, point="in-dispatch:2")  # inside send_receipt
+    assert (count(log, "charge"), count(log, "send_receipt")) == (1, 1)
+
+    recovered = ok(agentfold("recover", "--json", store=store)).json()["trees"]
+    assert [(t["status"], t["unknown_effect_ids"]) for t in recovered] == [("completed", [])]
+    # Re-dispatched under the same effect id; the mailer deduplicates by message id.
+    assert (count(log, "charge"), count(log, "send_receipt")) == (1, 1)
+
+
+def test_resolving_as_failed_fails_the_run_with_the_programs_own_code(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    log = tmp_path / "side-effects.jsonl"
+    start_crashing_run(store, log)
+    effect_id = ok(agentfold("recover", "--json", store=store)).json()["trees"][0]["unknown_effect_ids"][0]
+
+    ran = ok(agentfold("resolve", effect_id, "--status", "failed", "--output", '{"declined": true}', store=store))
+    assert f"resolved {effect_id} as failed" in ran.stdout
+    root = ok(agentfold("show", "order-1", "--json", store=store)).json()["processes"][0]
+    assert root["status"] == "failed"
+    assert root["termination"]["failure"]["code"] == "demo.payment.charge_failed"
+    assert count(log, "send_receipt") == 0
+
+
+# ---------------------------------------------------------------------------
+# Refused input: exit 2, one line, and nothing appended
+
+
+def test_refused_resolutions_exit_2_and_leave_the_store_unchanged(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    log = tmp_path / "side-effects.jsonl"
+    start_crashing_run(store, log)
+    entry = ok(agentfold("recover", "--json", store=store)).json()["trees"][0]
+    tree_id, effect_id = entry["tree_id"], entry["unknown_effect_ids"][0]
+    before = store_version(store, tree_id)
+
+    assert refused(agentfold("resolve", "not an id!", "--output", "{}", "--json", store=store)).error()["code"] == (
+        "identity.invalid"
+    )
+    assert refused(agentfold("resolve", effect_id, "--output", '{"charge_id": ', "--json", store=store)).error()[
+        "code"
+    ] == "payload.invalid"
+    assert refused(agentfold("resolve", "effect:does-not-exist", "--output", "{}", "--json", store=store)).error()[
+        "code"
+    ] == "engine.effect.not_pending"
+    assert refused(agentfold("resolve", effect_id, "--output", "{}", "--status", "unknown", store=store)).stderr.startswith(
+        "agentfold: error: cli.usage:"
+    )
+    assert refused(agentfold("resolve", effect_id, store=store)).stderr.startswith("agentfold: error: cli.usage:")
+    assert store_version(store, tree_id) == before
+    assert [u["effect_id"] for u in ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"]] == [
+        effect_id
+    ]
+
+    ok(agentfold("resolve", effect_id, "--output", "{}", store=store))
+    after = store_version(store, tree_id)
+    # The same effect again: it is no longer unknown.
+    again = refused(agentfold("resolve", effect_id, "--output", "{}", store=store))
+    assert again.stderr.startswith("agentfold: error: engine.effect.not_pending:")
+    assert store_version(store, tree_id) == after
+
+
+def test_an_unknown_left_by_a_canceled_process_cannot_be_resolved_and_nothing_is_appended(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    start_crashing_run(store, tmp_path / "side-effects.jsonl")
+    entry = ok(agentfold("recover", "--json", store=store)).json()["trees"][0]
+    tree_id, effect_id = entry["tree_id"], entry["unknown_effect_ids"][0]
+    events = EventStore(store)
+    with Runtime(events, Catalog([payment_program()]), poll_interval=0) as runtime:
+        runtime.cancel(entry["root_process_id"], "the customer called off the order")
+        runtime.wait_idle(TreeID(tree_id))
+    events.close()
+    shown = ok(agentfold("show", tree_id, "--json", store=store)).json()
+    assert shown["processes"][0]["termination"]["unresolved_effect_ids"] == [effect_id]
+    before = store_version(store, tree_id)
+
+    error = refused(agentfold("resolve", effect_id, "--output", "{}", "--json", store=store)).error()
+    assert error["code"] == "engine.process.finished"
+    # Not even an ownership change (WriterActivated) was appended.
+    assert store_version(store, tree_id) == before
+    # A terminal process's unknowns are evidence, not work: `unknown` does not list them.
+    assert ok(agentfold("unknown", "--json", store=store)).json() == {"unknown_effects": []}
+
+
+def test_usage_errors_exit_2_with_one_line_in_text_or_json(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    assert refused(agentfold()).stderr.startswith("agentfold: error: cli.usage:")
+    assert refused(agentfold("frobnicate", store=store)).stderr.startswith("agentfold: error: cli.usage:")
+    assert refused(agentfold("show", "--json", store=store)).error()["code"] == "cli.usage"
+    assert refused(agentfold("kernel-demo-run", "--side-effect-log", "x", "--crash-after", "sometime",
+                             store=store)).stderr.startswith("agentfold: error: crash.point_invalid:")
+    assert refused(agentfold("trees", store="ftp://example")).stderr.startswith("agentfold: error: store.url_invalid:")
+
+
+def test_commands_refuse_an_sqlite_store_that_does_not_exist_without_creating_it(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    for command in (["trees"], ["show", "order-1"], ["unknown"], ["recover"], ["resolve", "effect:x", "--output", "{}"]):
+        ran = refused(agentfold(*command, "--json", store=store))
+        assert ran.error()["code"] == "store.not_found"
+    assert not (tmp_path / "agentfold.db").exists()
+
+
+def test_show_refuses_invalid_and_unknown_tree_references(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    ok(agentfold("kernel-demo-run", "--start-id", "order-1", "--side-effect-log", str(tmp_path / "l"), store=store))
+    assert refused(agentfold("show", "tree:not-hex", "--json", store=store)).error()["code"] == "identity.invalid"
+    assert refused(agentfold("show", "tree:" + "0" * 32, "--json", store=store)).error()["code"] == (
+        "engine.tree.not_found"
+    )
+    assert refused(agentfold("show", "order-2", "--json", store=store)).error()["code"] == "engine.tree.not_found"
+    assert refused(agentfold("show", "has space", store=store)).stderr.startswith("agentfold: error: identity.invalid:")
+
+
+def test_a_store_that_fails_exits_1(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"this is not an sqlite database" * 100)
+    ran = agentfold("trees", store=f"sqlite:///{broken}")
+    assert ran.code == 1
+    assert len(ran.stderr.strip().splitlines()) == 1
+    assert ran.stderr.startswith("agentfold: error:")
+
+
+# ---------------------------------------------------------------------------
+# trees, show, recover: text and JSON
+
+
+def test_trees_lists_the_index_in_text_and_json(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    done = ok(agentfold("kernel-demo-run", "--start-id", "order-1", "--side-effect-log", str(tmp_path / "l"),
+                        "--json", store=store)).json()
+    assert done["status"] == "completed" and done["classification"] == "terminal"
+    start_crashing_run(store, tmp_path / "l2", start_id="order-2")
+
+    trees = ok(agentfold("trees", "--json", store=store)).json()["trees"]
+    assert [t["start_id"] for t in trees] == ["order-1", "order-2"]
+    first = trees[0]
+    assert set(first) == {
+        "tree_id", "start_id", "root_process_id", "program", "status", "classification", "version",
+        "head_digest", "unknown_effect_ids", "created_at", "updated_at",
+    }
+    assert first["tree_id"] == done["tree_id"] and first["status"] == "completed"
+    assert first["version"] == done["version"]
+    assert first["head_digest"].startswith("sha256:")
+    live = ok(agentfold("trees", "--live", "--json", store=store)).json()["trees"]
+    assert [t["start_id"] for t in live] == ["order-2"]
+
+    text = ok(agentfold("trees", store=store)).stdout
+    assert text.splitlines()[0].split()[:3] == ["TREE", "START", "PROGRAM"]
+    assert done["tree_id"] in text and "order-2" in text and "completed" in text
+
+
+def test_show_accepts_a_tree_id_a_start_id_or_a_process_id(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    done = ok(agentfold("kernel-demo-run", "--start-id", "order-1", "--side-effect-log", str(tmp_path / "l"),
+                        "--json", store=store)).json()
+    by_start = ok(agentfold("show", "order-1", "--json", store=store)).json()
+    assert ok(agentfold("show", done["tree_id"], "--json", store=store)).json() == by_start
+    assert ok(agentfold("show", done["root_process_id"], "--json", store=store)).json() == by_start
+
+    assert by_start["tree_id"] == done["tree_id"]
+    assert by_start["start_id"] == "order-1"
+    assert by_start["classification"] == "terminal"
+    assert by_start["version"] == done["version"]
+    root = by_start["processes"][0]
+    assert root["process_id"] == done["root_process_id"]
+    assert root["program"]["name"] == "demo.payment"
+    assert root["usage"] == {"steps": 3, "effects": 2, "signals": 2}
+    assert root["state"]["phase"] == "done"  # the CLI binds demo.payment, so the strategy state is shown
+    assert [s["consumed"] for s in root["mailbox"]["signals"]] == [True, True]
+
+    text = ok(agentfold("show", "order-1", store=store)).stdout
+    assert f"process {done['root_process_id']}  demo.payment  completed" in text
+    assert "termination: completed (completion)" in text
+
+
+def test_show_of_a_parked_run_lists_the_unknown_effect_and_its_diagnostic(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    start_crashing_run(store, tmp_path / "l")
+    effect_id = ok(agentfold("recover", "--json", store=store)).json()["trees"][0]["unknown_effect_ids"][0]
+    root = ok(agentfold("show", "order-1", "--json", store=store)).json()["processes"][0]
+    assert root["status"] == "running"
+    assert root["prepared"]["step"] == 1
+    [record] = root["prepared"]["effects"]
+    assert record["effect_id"] == effect_id
+    assert (record["phase"], record["status"], record["replay"]) == ("settled", "unknown", "never")
+    assert record["diagnostic"]["code"] == "engine.dispatch.interrupted"
+    text = ok(agentfold("show", "order-1", store=store)).stdout
+    assert f"#0 {effect_id}  dispatcher  replay never  settled unknown" in text
+
+
+def test_recover_skips_a_tree_another_runtime_owns_and_reports_one_it_cannot_bind(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    events = EventStore(store)
+    asker = asker_program()
+    # A tree whose program the CLI does not bind, left parked by a runtime that is gone.
+    with Runtime(events, Catalog([asker]), poll_interval=0) as runtime:
+        orphan = runtime.start(asker, None, start_id="asker-orphan")
+        runtime.wait_idle(orphan.tree_id)
+    owner = Runtime(events, Catalog([asker]), poll_interval=0)
+    try:
+        owned = owner.start(asker, None, start_id="asker-owned")
+        owner.wait_idle(owned.tree_id)
+        before = store_version(store, owned.tree_id)
+        ran = agentfold("recover", "--json", store=store)
+        assert ran.code == 1, ran.stderr
+        entries = {e["start_id"]: e for e in ran.json()["trees"]}
+        assert entries["asker-owned"]["outcome"] == "owned"
+        assert entries["asker-orphan"]["outcome"] == "error"
+        assert entries["asker-orphan"]["error"]["code"] == "engine.program.unavailable"
+        assert store_version(store, owned.tree_id) == before
+        text = agentfold("recover", store=store).stdout
+        assert "skipped " + owned.tree_id in text and "failed " + orphan.tree_id in text
+    finally:
+        owner.close()
+        events.close()
+    # `show` needs no program: the kernel's fold alone describes the tree.
+    shown = ok(agentfold("show", "asker-orphan", "--json", store=store)).json()
+    assert shown["processes"][0]["status"] == "waiting"
+    assert "state" not in shown["processes"][0]
+
+
+# ---------------------------------------------------------------------------
+# Store selection and entry points
+
+
+def test_the_store_comes_from_the_option_then_the_environment_then_the_default(tmp_path: Path) -> None:
+    here = tmp_path / "work"
+    here.mkdir()
+    other = tmp_path / "other.db"
+    ok(agentfold("kernel-demo-run", "--start-id", "in-default", "--side-effect-log", "l", cwd=here))
+    assert (here / "agentfold.db").exists()  # sqlite:///./agentfold.db
+    ok(agentfold("kernel-demo-run", "--start-id", "in-env", "--side-effect-log", "l", cwd=here,
+                 env={"AGENTFOLD_STORE": f"sqlite:///{other}"}))
+
+    def starts(*args: str, env: dict[str, str] | None = None) -> list[str]:
+        return [t["start_id"] for t in ok(agentfold("trees", "--json", *args, cwd=here, env=env)).json()["trees"]]
+
+    assert starts() == ["in-default"]
+    assert starts(env={"AGENTFOLD_STORE": f"sqlite:///{other}"}) == ["in-env"]
+    # --store wins over the environment, before or after the command.
+    assert starts("--store", "sqlite:///./agentfold.db", env={"AGENTFOLD_STORE": f"sqlite:///{other}"}) == [
+        "in-default"
+    ]
+    before = ok(agentfold("--store", f"sqlite:///{other}", "--json", "trees", cwd=here)).json()["trees"]
+    assert [t["start_id"] for t in before] == ["in-env"]
+
+
+def test_help_and_the_installed_console_script(tmp_path: Path) -> None:
+    ran = ok(agentfold("--help"))
+    for command in ("trees", "show", "unknown", "resolve", "recover"):
+        assert command in ran.stdout
+    script = Path(sys.executable).parent / "agentfold"
+    assert script.exists(), "pip install -e . installs the agentfold console script"
+    proc = subprocess.run([str(script), "trees", "--json", "--store", sqlite_url(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "store.not_found" in proc.stderr
+
+
+@pytest.mark.slow
+def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
+    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "charges in the ledger: 1" in proc.stdout
+    assert "receipts sent: 1" in proc.stdout
+    assert "run: completed" in proc.stdout
+    assert proc.stdout.rstrip().endswith("scripts/demo: OK")

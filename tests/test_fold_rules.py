@@ -1,0 +1,1482 @@
+"""Every fold rule of DESIGN.md "Rules the fold enforces", proved on hand-built bad streams.
+
+Each test starts from a valid stream (built event by event with the pydantic models of
+``domain.events`` and the derived ids of ``domain.ids``, or recorded by a real Runtime),
+corrupts it in one place, and asserts that :func:`domain.tree.fold_tree` raises
+:class:`FoldError` with the exact rule name and the exact position (one-based) of the
+offending event. Every corrupt stream's prefix before the bad event must fold cleanly,
+so the error is known to come from that event and not from an earlier mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.budget import Budget
+from domain.errors import Failure, FailureKind
+from domain.events import (
+    CheckpointCommitted,
+    ControlRequested,
+    EffectDeclared,
+    EffectDispatched,
+    EffectResolved,
+    EffectSettled,
+    ProcessStarted,
+    ProcessTerminated,
+    SignalAdmitted,
+    StepCommitted,
+    TreeEvent,
+    TreeLimits,
+    TreeStarted,
+    WriterActivated,
+)
+from domain.ids import (
+    ChildKey,
+    Digest,
+    EffectAttemptID,
+    EffectID,
+    ProcessID,
+    SignalID,
+    StartID,
+    TreeID,
+    TreeIncarnationID,
+    WaitID,
+    child_process_id,
+    effect_id,
+    root_process_id,
+    wait_id_for,
+)
+from domain.program import (
+    ChildSpec,
+    Complete,
+    Continue,
+    Descriptor,
+    Program,
+    ProgramRef,
+    Signal,
+    SignalRequest,
+    Step,
+    cancel_child_effect,
+    signal_child_effect,
+    start_child_effect,
+)
+from domain.tree import FoldError, TreeState, fold_tree
+from tests.bad_input_programs import listener_program
+from tests.kernel_programs import IMPL, JsonStrategy, asker_program, chain_program, config_digest, parent_program
+
+# ---------------------------------------------------------------------------
+# Hand-built streams
+
+START = StartID("fold-rules")
+TREE = TreeID.for_start(START)
+ROOT = root_process_id(bytes(range(16)))
+INC1 = TreeIncarnationID.from_bytes(b"\x01" * 16)
+INC2 = TreeIncarnationID.from_bytes(b"\x02" * 16)
+INC3 = TreeIncarnationID.from_bytes(b"\x03" * 16)
+REF = ProgramRef(
+    name="test.fold",
+    contract_digest=Digest.of(b"contract"),
+    implementation_digest=Digest.of(b"implementation"),
+    configuration_digest=Digest.of(b"configuration"),
+    bindings_digest=ProgramRef.bindings_of([]),
+)
+DIAGNOSTIC = Failure(FailureKind.EXTERNAL, "engine.dispatch.interrupted", "the writer stopped")
+BOOM = Failure(FailureKind.EXECUTION, "test.fold.boom", "the strategy gave up")
+
+
+def attempt(n: int) -> EffectAttemptID:
+    return EffectAttemptID.from_bytes(n.to_bytes(16, "big"))
+
+
+def eid(step: int, index: int = 0, pid: ProcessID = ROOT) -> EffectID:
+    return effect_id(pid, step, index)
+
+
+def started(
+    budget: Budget | None = None,
+    capabilities: Sequence[str] = (),
+    limits: TreeLimits | None = None,
+    pid: ProcessID = ROOT,
+    **extra: Any,
+) -> TreeStarted:
+    return TreeStarted(
+        process_id=pid,
+        tree_id=extra.pop("tree_id", TREE),
+        start_id=START,
+        incarnation_id=INC1,
+        program=REF,
+        input={"n": 1},
+        budget=budget or Budget(),
+        capabilities=tuple(capabilities),
+        limits=limits or TreeLimits(),
+    )
+
+
+def step(
+    n: int, kind: str = "continue", *, consumed: int = 0, effects: int = 0, pid: ProcessID = ROOT, **extra: Any
+) -> StepCommitted:
+    return StepCommitted(process_id=pid, step=n, consumed=consumed, kind=kind, effects=effects, **extra)
+
+
+def declared(
+    n: int,
+    index: int = 0,
+    *,
+    target: str = "dispatcher",
+    payload: Any = None,
+    replay: str = "never",
+    pid: ProcessID = ROOT,
+    effect: EffectID | None = None,
+) -> EffectDeclared:
+    return EffectDeclared(
+        process_id=pid,
+        effect_id=effect or eid(n, index, pid),
+        step=n,
+        index=index,
+        target=target,
+        payload=payload if payload is not None else {"call": f"{n}/{index}"},
+        replay=replay,
+    )
+
+
+def dispatched(
+    n: int, index: int = 0, *, att: int = 1, inc: TreeIncarnationID = INC1, pid: ProcessID = ROOT
+) -> EffectDispatched:
+    return EffectDispatched(process_id=pid, effect_id=eid(n, index, pid), attempt_id=attempt(att), incarnation_id=inc)
+
+
+def settled(
+    n: int,
+    index: int = 0,
+    status: str = "succeeded",
+    *,
+    att: int | None = 1,
+    payload: Any = None,
+    diagnostic: Failure | None = None,
+    pid: ProcessID = ROOT,
+    effect: EffectID | None = None,
+) -> EffectSettled:
+    if status == "unknown" and diagnostic is None:
+        diagnostic = DIAGNOSTIC
+    return EffectSettled(
+        process_id=pid,
+        effect_id=effect or eid(n, index, pid),
+        status=status,
+        payload=payload if payload is not None or status == "unknown" else {"value": 1},
+        attempt_id=attempt(att) if att is not None else None,
+        diagnostic=diagnostic,
+    )
+
+
+def resolved(
+    n: int, index: int = 0, status: str = "succeeded", *, by: str = "host", pid: ProcessID = ROOT
+) -> EffectResolved:
+    return EffectResolved(
+        process_id=pid, effect_id=eid(n, index, pid), status=status, payload={"value": 2}, resolved_by=by
+    )
+
+
+def admitted(
+    sid: str, payload: Any = None, *, wait: WaitID | None = None, pid: ProcessID = ROOT, source: str = "host"
+) -> SignalAdmitted:
+    return SignalAdmitted(
+        process_id=pid,
+        signal_id=SignalID(sid),
+        wait_id=wait,
+        payload=payload if payload is not None else {"text": sid},
+        source=source,
+    )
+
+
+def terminated(
+    status: str = "completed",
+    cause: str = "completion",
+    *,
+    pid: ProcessID = ROOT,
+    failure: Failure | None = None,
+    output: Any = None,
+    unresolved: Sequence[EffectID] = (),
+) -> ProcessTerminated:
+    if status == "completed" and output is None:
+        output = {"ok": True}
+    return ProcessTerminated(
+        process_id=pid,
+        status=status,
+        cause=cause,
+        failure=failure,
+        output=output,
+        reason="" if cause == "completion" else cause,
+        unresolved_effect_ids=tuple(unresolved),
+    )
+
+
+def activated(new: TreeIncarnationID, previous: TreeIncarnationID, pid: ProcessID = ROOT) -> WriterActivated:
+    return WriterActivated(process_id=pid, incarnation_id=new, previous_incarnation_id=previous)
+
+
+def control(kind: str, reason: str = "by test", *, owner: str = "host", pid: ProcessID = ROOT) -> ControlRequested:
+    return ControlRequested(process_id=pid, control=kind, reason=reason, owner=owner)
+
+
+def wait_payload(key: str = "answer") -> dict[str, Any]:
+    return {"operation": "wait", "key": key}
+
+
+CHILD_EFFECT = eid(1, 0)
+CHILD = child_process_id(CHILD_EFFECT)
+
+
+def child_payload(budget: Budget | None = None, key: str = "kid", capabilities: Sequence[str] = ()) -> dict[str, Any]:
+    spec = ChildSpec(ChildKey(key), REF, {"n": 1}, budget or Budget(), frozenset(capabilities))
+    return {"operation": "start_child", **spec.to_json()}
+
+
+def child_started(
+    budget: Budget | None = None,
+    key: str = "kid",
+    capabilities: Sequence[str] = (),
+    pid: ProcessID = CHILD,
+    program: ProgramRef = REF,
+) -> ProcessStarted:
+    return ProcessStarted(
+        process_id=pid,
+        parent_id=ROOT,
+        child_key=ChildKey(key),
+        start_effect_id=CHILD_EFFECT,
+        program=program,
+        budget=budget or Budget(),
+        capabilities=tuple(sorted(capabilities)),
+    )
+
+
+def child_settled(status: str = "succeeded", payload: Any = None) -> EffectSettled:
+    body = payload if payload is not None else {"key": "kid", "program": REF.to_json(), "process_id": CHILD}
+    return EffectSettled(process_id=ROOT, effect_id=CHILD_EFFECT, status=status, payload=body)
+
+
+# Valid streams, one per area of the rules.
+
+
+def one_effect() -> list[TreeEvent]:
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1),  # 3
+        dispatched(1),  # 4
+        settled(1),  # 5
+        step(2, "complete", consumed=1),  # 6
+        terminated(),  # 7
+    ]
+
+
+def two_effects(replay: str = "never") -> list[TreeEvent]:
+    return [
+        started(),  # 1
+        step(1, effects=2),  # 2
+        declared(1, 0, replay=replay),  # 3
+        declared(1, 1, replay=replay),  # 4
+        dispatched(1, 0, att=1),  # 5
+        settled(1, 0, att=1),  # 6
+        dispatched(1, 1, att=2),  # 7
+        settled(1, 1, att=2),  # 8
+        step(2, "complete", consumed=2),  # 9
+        terminated(),  # 10
+    ]
+
+
+def unknown_then_resolved() -> list[TreeEvent]:
+    """A writer dies mid-dispatch; the next one settles unknown; a host resolves it."""
+    return [
+        started(),  # 1
+        step(1, effects=2),  # 2
+        declared(1, 0),  # 3
+        declared(1, 1),  # 4
+        dispatched(1, 0, att=1),  # 5
+        activated(INC2, INC1),  # 6
+        settled(1, 0, "unknown", att=1),  # 7
+        resolved(1, 0),  # 8
+        dispatched(1, 1, att=2, inc=INC2),  # 9
+        settled(1, 1, att=2),  # 10
+        step(2, "complete", consumed=2),  # 11
+        terminated(),  # 12
+    ]
+
+
+def replayed_after_activation() -> list[TreeEvent]:
+    """A same_identity effect is dispatched again by the new writer under a new attempt."""
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1, replay="same_identity"),  # 3
+        dispatched(1, att=1),  # 4
+        activated(INC2, INC1),  # 5
+        dispatched(1, att=2, inc=INC2),  # 6
+        settled(1, att=2),  # 7
+        step(2, "complete", consumed=1),  # 8
+        terminated(),  # 9
+    ]
+
+
+WAIT_EFFECT = eid(1, 0)
+WAIT = wait_id_for(WAIT_EFFECT)
+
+
+def waiting() -> list[TreeEvent]:
+    """Open an external wait, wait on it, receive the answer, complete."""
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1, target="framework", payload=wait_payload()),  # 3
+        settled(1, att=None, payload={"wait_id": WAIT}),  # 4
+        step(2, "wait", consumed=1, wait_id=WAIT),  # 5
+        admitted("answer-1", {"name": "ada"}, wait=WAIT),  # 6
+        step(3, "complete", consumed=1),  # 7
+        terminated(),  # 8
+    ]
+
+
+def signals() -> list[TreeEvent]:
+    return [
+        started(),  # 1
+        admitted("s1"),  # 2
+        admitted("s2"),  # 3
+        step(1, "complete", consumed=2),  # 4
+        terminated(),  # 5
+    ]
+
+
+def with_child(parent_budget: Budget | None = None, child_budget: Budget | None = None) -> list[TreeEvent]:
+    """The root starts one child, which completes; then the root completes."""
+    return [
+        started(parent_budget),  # 1
+        step(1, effects=1),  # 2
+        declared(1, target="framework", payload=child_payload(child_budget)),  # 3
+        child_started(child_budget),  # 4
+        child_settled(),  # 5
+        step(1, "complete", pid=CHILD),  # 6
+        terminated(pid=CHILD),  # 7
+        step(2, "complete", consumed=1),  # 8
+        terminated(),  # 9
+    ]
+
+
+HELLO = {"id": "hello", "wait_id": None, "payload": {"text": "hi"}}
+
+
+def commanding() -> list[TreeEvent]:
+    """The root starts a child, signals it and cancels it (parent-owned input), then completes."""
+    commands = [
+        {"operation": "signal_child", "child": str(CHILD), "signal": HELLO},
+        {"operation": "cancel_child", "child": str(CHILD), "reason": "enough"},
+    ]
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1, target="framework", payload=child_payload()),  # 3
+        child_started(),  # 4
+        child_settled(),  # 5
+        step(2, consumed=1, effects=2),  # 6
+        declared(2, 0, target="framework", payload=commands[0]),  # 7
+        declared(2, 1, target="framework", payload=commands[1]),  # 8
+        admitted("hello", {"text": "hi"}, pid=CHILD, source="parent"),  # 9
+        settled(2, 0, att=None, payload={"child": str(CHILD), "signal_id": "hello"}),  # 10
+        control("cancel", "enough", owner="parent", pid=CHILD),  # 11
+        settled(2, 1, att=None, payload={"child": str(CHILD)}),  # 12
+        terminated("canceled", "parent_cancellation", pid=CHILD),  # 13
+        step(3, "complete", consumed=2),  # 14
+        terminated(),  # 15
+    ]
+
+
+def checkpointed_and_controlled() -> list[TreeEvent]:
+    return [
+        started(),  # 1
+        step(1, "checkpoint"),  # 2
+        CheckpointCommitted(process_id=ROOT, step=1, kind="progress"),  # 3
+        control("pause", "host pause"),  # 4
+        control("resume", ""),  # 5
+        step(2, "pause", reason="strategy pause"),  # 6
+        control("resume", ""),  # 7
+        step(3, "fail", failure=BOOM),  # 8
+        terminated("failed", "execution_failure", failure=BOOM),  # 9
+    ]
+
+
+def canceled_with_unknown() -> list[TreeEvent]:
+    """An unknown effect stays unresolved as evidence when the host cancels."""
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1),  # 3
+        dispatched(1),  # 4
+        settled(1, status="unknown"),  # 5
+        control("cancel"),  # 6
+        terminated("canceled", "host_cancellation", unresolved=[eid(1)]),  # 7
+    ]
+
+
+VALID_STREAMS = {
+    "one_effect": one_effect,
+    "two_effects": two_effects,
+    "unknown_then_resolved": unknown_then_resolved,
+    "replayed_after_activation": replayed_after_activation,
+    "waiting": waiting,
+    "signals": signals,
+    "with_child": with_child,
+    "checkpointed_and_controlled": checkpointed_and_controlled,
+    "canceled_with_unknown": canceled_with_unknown,
+    "commanding": commanding,
+}
+
+
+# ---------------------------------------------------------------------------
+# Assertions
+
+
+def assert_corrupt(events: Sequence[TreeEvent], bad: TreeEvent, rule: str, programs: Any = None) -> FoldError:
+    """Folding ``events`` fails at ``bad`` (by identity) with ``rule``; everything before it folds."""
+    index = next(i for i, e in enumerate(events) if e is bad)
+    fold_tree(events[:index], programs)  # the prefix is valid: the error belongs to ``bad``
+    with pytest.raises(FoldError) as caught:
+        fold_tree(events, programs)
+    error = caught.value
+    assert (error.rule, error.position) == (rule, index + 1), str(error)
+    first = events[0]
+    if index > 0 and isinstance(first, TreeStarted):
+        assert error.tree_id == first.tree_id  # the error names the tree it belongs to
+    return error
+
+
+def replace(events: list[TreeEvent], index: int, bad: TreeEvent) -> list[TreeEvent]:
+    out = list(events)
+    out[index] = bad
+    return out
+
+
+def insert(events: list[TreeEvent], index: int, bad: TreeEvent) -> list[TreeEvent]:
+    out = list(events)
+    out.insert(index, bad)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Valid streams fold, deterministically
+
+
+@pytest.mark.parametrize("name", sorted(VALID_STREAMS))
+def test_valid_hand_built_streams_fold_without_error(name: str) -> None:
+    events = VALID_STREAMS[name]()
+    tree = fold_tree(events)
+    assert tree.version == len(events)
+    assert tree.root.terminal
+
+
+@pytest.mark.parametrize("name", sorted(VALID_STREAMS))
+def test_folding_the_same_events_twice_gives_identical_state(name: str) -> None:
+    events = VALID_STREAMS[name]()
+    assert fold_tree(events).to_json() == fold_tree(list(events)).to_json()
+
+
+def test_valid_streams_fold_to_the_states_their_rules_describe() -> None:
+    tree = fold_tree(unknown_then_resolved())
+    root = tree.root
+    assert root.batch == []  # the batch finished once the unknown was resolved and #1 settled
+    assert (root.status, root.usage) == ("completed", {"steps": 2, "effects": 2, "signals": 2})
+    assert tree.incarnations == [INC1, INC2]
+    child_tree = fold_tree(with_child(Budget.of(steps=4), Budget.of(steps=2)))
+    assert child_tree.root.allocated.steps == 2
+    assert child_tree.processes[CHILD].status == "completed"
+    canceled = fold_tree(canceled_with_unknown()).root
+    assert canceled.termination is not None and canceled.termination.unresolved_effect_ids == (eid(1),)
+
+
+class Commander(JsonStrategy):
+    """Start a listener child, signal it and cancel it in one batch, then complete."""
+
+    def __init__(self, child: Program) -> None:
+        self.child = child
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        if state["phase"] == "start":
+            spec = ChildSpec(ChildKey("kid"), self.child.ref, None)
+            return Step(0, Continue((start_child_effect(spec),)), {"phase": "starting"})
+        if state["phase"] == "starting":
+            child = ProcessID(window[0].payload["process_id"])
+            hello = SignalRequest(SignalID("hello"), {"text": "hi"})
+            effects = (signal_child_effect(child, hello), cancel_child_effect(child, "enough"))
+            return Step(1, Continue(effects), {"phase": "commanding"})
+        return Step(len(window), Complete({"receipts": len(window)}), {"phase": "done"})
+
+
+def commander_program() -> Program:
+    child = listener_program()
+    return Program(Descriptor("test.commander"), Commander(child), IMPL, config_digest("commander"), children=(child,))
+
+
+def recorded_streams() -> dict[str, tuple[list[TreeEvent], Catalog]]:
+    """Streams a real Runtime wrote on a memory store: a chain, an answered wait, a parent with children."""
+    store = EventStore("memory:")
+    out: dict[str, tuple[list[TreeEvent], Catalog]] = {}
+    chain = chain_program()
+    with Runtime(store) as runtime:
+        handle = runtime.start(chain, {"n": 3})
+        handle.result(timeout=30)
+        out["chain"] = ([r.event for r in store.read(handle.tree_id)], Catalog([chain]))
+    asker = asker_program()
+    parent = parent_program(asker, 2)
+    with Runtime(store, Catalog([parent])) as runtime:
+        handle = runtime.start(parent, None)
+        tree = runtime.wait_idle(handle.tree_id)
+        for i, child in enumerate(p for p in tree.processes.values() if p.parent_id):
+            runtime.deliver_signals(
+                child.process_id, [SignalRequest(SignalID(f"a-{i}"), {"name": f"n{i}"}, child.current_wait)]
+            )
+        assert runtime.result(handle.tree_id, timeout=30).status == "completed"
+        out["parent"] = ([r.event for r in store.read(handle.tree_id)], Catalog([parent]))
+    commander = commander_program()
+    with Runtime(store, Catalog([commander])) as runtime:
+        handle = runtime.start(commander, None)
+        assert handle.result(timeout=30).output == {"receipts": 2}
+        out["commander"] = ([r.event for r in store.read(handle.tree_id)], Catalog([commander]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, tuple[list[TreeEvent], Catalog]]:
+    return recorded_streams()
+
+
+def test_recorded_streams_fold_deterministically_with_and_without_programs(recorded: Any) -> None:
+    for events, catalog in recorded.values():
+        bare = [fold_tree(events).to_json() for _ in range(2)]
+        assert bare[0] == bare[1]
+        bound = [fold_tree(events, catalog.resolve).to_json() for _ in range(2)]
+        assert bound[0] == bound[1]
+        assert bound[0]["processes"][0]["status"] == "completed"
+        # Strategy state is the only difference a bound fold adds.
+        for process in bound[0]["processes"]:
+            assert "state" in process
+            process.pop("state")
+        assert bound[0] == bare[0]
+
+
+def test_folding_event_by_event_equals_folding_the_whole_stream(recorded: Any) -> None:
+    events, catalog = recorded["parent"]
+    tree = TreeState(catalog.resolve)
+    for position, event in enumerate(events, start=1):
+        tree.apply(event, position)
+    assert tree.to_json() == fold_tree(events, catalog.resolve).to_json()
+    # A snapshot taken mid-stream and folded on yields the same state again.
+    middle = len(events) // 2
+    head = fold_tree(events[:middle], catalog.resolve)
+    while head._expect is not None:  # snapshots are taken only between whole Steps
+        middle += 1
+        head = fold_tree(events[:middle], catalog.resolve)
+    resumed = TreeState.from_json(head.to_json(), catalog.resolve)
+    resumed.apply_all(events[middle:])
+    assert resumed.to_json() == tree.to_json()
+
+
+# ---------------------------------------------------------------------------
+# DESIGN rule: an effect is settled only after it was declared
+
+
+def test_settlement_declared_an_effect_never_declared_cannot_settle() -> None:
+    bad = settled(1)
+    events = [started(), step(1), bad]
+    assert_corrupt(events, bad, "settlement.declared")
+
+
+def test_settlement_declared_a_settlement_for_another_process_is_not_a_declaration() -> None:
+    base = one_effect()
+    bad = settled(1, effect=eid(1, 0, CHILD))  # well-formed id, but nobody declared it
+    assert_corrupt(replace(base, 4, bad), bad, "settlement.declared")
+
+
+def test_effect_declaration_a_dropped_declaration_breaks_its_step() -> None:
+    base = one_effect()
+    events = base[:2] + base[3:]  # the step announced one declaration; it is missing
+    assert_corrupt(events, events[2], "effect.declaration")
+
+
+def test_effect_declared_a_dispatch_needs_a_declared_effect() -> None:
+    base = one_effect()
+    events = [base[0], step(1), *base[3:]]  # the declaration and the step's count both removed
+    assert_corrupt(events, events[2], "effect.declared")
+
+
+def test_effect_declaration_a_declaration_without_its_step() -> None:
+    bad = declared(1)
+    assert_corrupt([started(), bad], bad, "effect.declaration")
+
+
+def test_effect_identity_the_effect_id_must_be_derived_from_process_step_and_index() -> None:
+    base = one_effect()
+    for wrong in (eid(1, 1), eid(2, 0), eid(1, 0, CHILD)):
+        bad = declared(1, effect=wrong)
+        assert_corrupt(replace(base, 2, bad), bad, "effect.identity")
+
+
+# DESIGN rule: a dispatcher effect settles only after EffectDispatched
+
+
+def test_settlement_after_dispatch_a_dispatcher_effect_never_dispatched_cannot_settle() -> None:
+    base = one_effect()
+    events = base[:3] + base[4:]  # EffectDispatched dropped
+    assert_corrupt(events, events[3], "settlement.after_dispatch")
+
+
+def test_settlement_after_dispatch_applies_to_unknown_settlements_too() -> None:
+    bad = settled(1, status="unknown")
+    events = [started(), step(1, effects=1), declared(1), bad]
+    assert_corrupt(events, bad, "settlement.after_dispatch")
+
+
+# DESIGN rule: the frontier rule, and an unknown blocks the rest of the batch
+
+
+def test_effect_frontier_dispatch_out_of_declaration_order() -> None:
+    base = two_effects()
+    bad = dispatched(1, 1, att=2)
+    assert_corrupt(replace(base, 4, bad), bad, "effect.frontier")
+
+
+def test_effect_frontier_at_most_one_pending_effect_per_process() -> None:
+    base = two_effects()
+    bad = dispatched(1, 1, att=2)
+    assert_corrupt(insert(base, 5, bad), bad, "effect.frontier")  # #0 is still pending
+
+
+def test_effect_frontier_an_unknown_blocks_the_rest_of_the_batch() -> None:
+    base = two_effects()
+    events = replace(base, 5, settled(1, 0, "unknown", att=1))
+    assert_corrupt(events, events[6], "effect.frontier")  # dispatch of #1 behind the unknown
+
+
+def test_effect_frontier_a_later_effect_cannot_settle_before_the_frontier() -> None:
+    base = two_effects()
+    bad = settled(1, 1, att=2)
+    assert_corrupt(replace(base, 5, bad), bad, "effect.frontier")
+
+
+def test_step_batch_outstanding_an_unknown_blocks_the_process() -> None:
+    events = [started(), step(1, effects=1), declared(1), dispatched(1), settled(1, status="unknown")]
+    bad = step(2, "complete", consumed=1)
+    assert_corrupt([*events, bad], bad, "step.batch_outstanding")
+
+
+# DESIGN rule: at most one settlement per effect
+
+
+def test_settlement_once_an_effect_settles_twice_while_its_batch_is_open() -> None:
+    base = two_effects()
+    bad = settled(1, 0, att=1, payload={"value": 99})
+    assert_corrupt(insert(base, 6, bad), bad, "settlement.once")
+
+
+def test_settlement_once_an_effect_settles_again_after_its_batch_finished() -> None:
+    base = one_effect()
+    bad = settled(1)
+    assert_corrupt(insert(base, 5, bad), bad, "settlement.once")
+
+
+def test_settlement_once_an_unknown_settlement_is_not_replaced_by_a_later_settlement() -> None:
+    base = unknown_then_resolved()
+    bad = settled(1, 0, att=1)  # must be a resolution, never a second settlement
+    assert_corrupt(replace(base, 7, bad), bad, "settlement.once")
+
+
+# DESIGN rule: then at most one resolution, and only of an unknown
+
+
+def test_resolution_only_unknown_a_definite_effect_cannot_be_resolved() -> None:
+    base = two_effects()
+    bad = resolved(1, 0)
+    assert_corrupt(insert(base, 6, bad), bad, "resolution.only_unknown")
+
+
+def test_resolution_only_unknown_a_pending_effect_cannot_be_resolved() -> None:
+    base = one_effect()
+    bad = resolved(1)
+    assert_corrupt(insert(base, 4, bad), bad, "resolution.only_unknown")
+
+
+def test_resolution_only_unknown_a_finished_definite_effect_cannot_be_resolved() -> None:
+    base = one_effect()
+    bad = resolved(1)
+    assert_corrupt(insert(base, 5, bad), bad, "resolution.only_unknown")
+
+
+def test_resolution_only_unknown_an_undeclared_effect_cannot_be_resolved() -> None:
+    bad = resolved(5)
+    assert_corrupt([started(), bad], bad, "resolution.only_unknown")
+
+
+def test_resolution_once_an_unknown_is_resolved_twice_while_its_batch_is_open() -> None:
+    base = unknown_then_resolved()
+    bad = resolved(1, 0, "failed")
+    assert_corrupt(insert(base, 8, bad), bad, "resolution.once")
+
+
+def test_resolution_once_an_unknown_is_resolved_again_after_its_batch_finished() -> None:
+    events = [started(), step(1, effects=1), declared(1), dispatched(1), settled(1, status="unknown"), resolved(1)]
+    bad = resolved(1, status="failed")
+    assert_corrupt([*events, bad], bad, "resolution.once")
+
+
+def test_resolution_process_finished_an_unknown_kept_as_evidence_cannot_be_resolved() -> None:
+    bad = resolved(1)
+    events = [*canceled_with_unknown(), bad]
+    assert_corrupt(events, bad, "resolution.process_finished")
+
+
+def test_dispatch_replay_policy_a_replay_resolution_needs_same_identity() -> None:
+    base = unknown_then_resolved()
+    bad = resolved(1, 0, by="replay")
+    assert_corrupt(replace(base, 7, bad), bad, "dispatch.replay_policy")
+
+
+# DESIGN rule: a signal id is admitted once
+
+
+@pytest.mark.parametrize("payload", [{"text": "s1"}, {"text": "different"}], ids=["identical", "conflicting"])
+def test_signal_dedup_a_signal_id_is_admitted_once(payload: Any) -> None:
+    base = signals()
+    bad = admitted("s1", payload)
+    assert_corrupt(insert(base, 3, bad), bad, "signal.dedup")
+
+
+def test_signal_dedup_holds_after_the_signal_was_consumed() -> None:
+    events = [started(), admitted("s1"), step(1, consumed=1)]
+    bad = admitted("s1")
+    assert_corrupt([*events, bad], bad, "signal.dedup")
+
+
+def test_signal_admission_engine_owned_ids_are_never_admitted_from_outside() -> None:
+    bad = admitted("signal:engine:forged")
+    assert_corrupt([started(), bad], bad, "signal.admission")
+
+
+def test_signal_admission_an_answer_must_address_an_open_wait() -> None:
+    base = waiting()
+    bad = admitted("answer-2", {"name": "bob"}, wait=WAIT)  # already answered at position 6
+    assert_corrupt(insert(base, 6, bad), bad, "signal.admission")
+    bad = admitted("answer-0", {"name": "x"}, wait=wait_id_for(eid(9)))  # no such wait
+    assert_corrupt(insert(base, 4, bad), bad, "signal.admission")
+
+
+def test_signal_admission_unaddressed_input_is_refused_while_an_external_wait_is_current() -> None:
+    base = waiting()
+    bad = admitted("chatter")
+    assert_corrupt(insert(base, 5, bad), bad, "signal.admission")
+
+
+def test_signal_admission_a_terminal_process_admits_nothing() -> None:
+    bad = admitted("late")
+    assert_corrupt([*signals(), bad], bad, "signal.admission")
+
+
+def test_signal_admission_the_program_signal_schema_is_enforced_when_programs_are_bound(recorded: Any) -> None:
+    events, catalog = recorded["chain"]
+    bad = admitted("host-input", pid=events[0].process_id)  # the chain program accepts no unaddressed input
+    error = assert_corrupt([events[0], bad], bad, "signal.admission", catalog.resolve)
+    assert "engine.signal.rejected" in error.detail
+
+
+# DESIGN rule: terminal status never changes
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        terminated(),
+        terminated("failed", "execution_failure", failure=BOOM),
+        terminated("killed", "engine_kill"),
+    ],
+    ids=["same-status-again", "completed-becomes-failed", "completed-becomes-killed"],
+)
+def test_terminal_once_a_terminal_status_never_changes(bad: ProcessTerminated) -> None:
+    assert_corrupt([*one_effect(), bad], bad, "terminal.once")
+
+
+def test_terminal_once_holds_for_children_too() -> None:
+    base = with_child()
+    bad = terminated("canceled", "parent_cancellation", pid=CHILD)
+    assert_corrupt(insert(base, 7, bad), bad, "terminal.once")
+
+
+@pytest.mark.parametrize(
+    ("bad", "rule"),
+    [
+        (step(3, "complete"), "step.process_terminal"),
+        (control("cancel"), "control.process_terminal"),
+        (control("pause"), "control.process_terminal"),
+    ],
+    ids=["step", "cancel", "pause"],
+)
+def test_a_terminal_process_takes_no_more_steps_or_controls(bad: TreeEvent, rule: str) -> None:
+    assert_corrupt([*one_effect(), bad], bad, rule)
+
+
+# DESIGN rule: budgets (steps, effects, signals) are never exceeded
+
+
+def test_budget_steps_a_step_beyond_the_steps_budget() -> None:
+    bad = step(3, "complete")
+    events = [started(Budget.of(steps=2)), step(1), step(2), bad]
+    assert_corrupt(events, bad, "budget.steps")
+
+
+def test_budget_steps_zero_steps_forbid_any_computation() -> None:
+    bad = step(1, "complete")
+    assert_corrupt([started(Budget.of(steps=0)), bad], bad, "budget.steps")
+
+
+def test_budget_effects_a_declaration_beyond_the_effects_budget() -> None:
+    base = two_effects()
+    events = replace(base, 0, started(Budget.of(effects=1)))
+    assert_corrupt(events, events[3], "budget.effects")
+
+
+def test_budget_effects_counts_effects_across_steps() -> None:
+    events = [started(Budget.of(effects=1)), *one_effect()[1:6]]
+    events[5] = step(2, effects=1, consumed=1)
+    bad = declared(2)
+    assert_corrupt([*events, bad], bad, "budget.effects")
+
+
+def test_budget_signals_an_admitted_signal_beyond_the_signals_budget() -> None:
+    base = signals()
+    events = replace(base, 0, started(Budget.of(signals=1)))
+    assert_corrupt(events, events[2], "budget.signals")
+
+
+def test_budget_signals_a_declaration_cannot_reserve_its_settlement_signal() -> None:
+    bad = declared(1)
+    events = [started(Budget.of(signals=1)), admitted("s1"), step(1, consumed=1, effects=1), bad]
+    assert_corrupt(events, bad, "budget.signals")
+
+
+def test_budget_signals_a_child_wait_reserves_two_signals() -> None:
+    spec = {
+        "operation": "wait_children",
+        "key": "kids",
+        "children": [str(CHILD)],
+        "boundary": "terminal_result",
+        "condition": "all",
+    }
+    bad = declared(1, target="framework", payload=spec)
+    assert_corrupt([started(Budget.of(signals=1)), step(1, effects=1), bad], bad, "budget.signals")
+
+
+# DESIGN rule: child allocations are permanent
+
+
+def test_budget_child_allocation_a_grant_larger_than_the_parent_budget() -> None:
+    events = with_child(Budget.of(steps=3), Budget.of(steps=5))
+    assert_corrupt(events, events[3], "budget.child_allocation")
+
+
+def test_budget_child_allocation_a_grant_that_does_not_fit_what_is_left() -> None:
+    # The parent used one step and needs one more to observe the start: 1 + 1 + 3 > 4.
+    events = with_child(Budget.of(steps=4), Budget.of(steps=3))
+    assert_corrupt(events, events[3], "budget.child_allocation")
+
+
+def test_budget_child_allocation_an_unlimited_grant_from_a_finite_parent() -> None:
+    events = with_child(Budget.of(effects=5), Budget())
+    assert_corrupt(events, events[3], "budget.child_allocation")
+
+
+def test_budget_child_allocation_is_permanent_after_the_child_ended() -> None:
+    # 4 steps: the root's 2 steps + the child's grant of 2, never refunded when the child ends.
+    events = with_child(Budget.of(steps=4), Budget.of(steps=2))
+    events[7] = step(2, consumed=1)  # continue instead of complete
+    fold_tree(events[:8])
+    bad = step(3, "complete")
+    assert_corrupt([*events[:8], bad], bad, "budget.steps")
+
+
+def test_budget_child_allocation_counts_against_the_signals_budget_too() -> None:
+    # Signals: the root's 1 reserved settlement + a grant of 3 > 3.
+    events = with_child(Budget.of(signals=3), Budget.of(signals=3))
+    assert_corrupt(events, events[3], "budget.child_allocation")
+
+
+# ---------------------------------------------------------------------------
+# Writers and incarnations
+
+
+def test_writer_previous_incarnation_an_activation_must_name_the_current_writer() -> None:
+    base = unknown_then_resolved()
+    bad = activated(INC3, INC3)
+    assert_corrupt(replace(base, 5, bad), bad, "writer.previous_incarnation")
+
+
+def test_writer_previous_incarnation_a_stale_writer_cannot_activate_after_a_newer_one() -> None:
+    base = unknown_then_resolved()
+    bad = activated(INC3, INC1)  # INC2 took over at position 6
+    assert_corrupt(insert(base, 6, bad), bad, "writer.previous_incarnation")
+
+
+def test_writer_new_incarnation_an_incarnation_is_never_reused() -> None:
+    base = unknown_then_resolved()
+    bad = activated(INC1, INC2)
+    assert_corrupt(insert(base, 6, bad), bad, "writer.new_incarnation")
+
+
+def test_writer_root_an_activation_names_the_root() -> None:
+    bad = activated(INC2, INC1, pid=CHILD)
+    assert_corrupt([started(), bad], bad, "writer.root")
+
+
+def test_settlement_attempt_a_stale_attempt_cannot_settle_definitely_after_reactivation() -> None:
+    base = unknown_then_resolved()
+    bad = settled(1, 0, att=1)  # the dead writer's attempt reports success after INC2 took over
+    assert_corrupt(replace(base, 6, bad), bad, "settlement.attempt")
+
+
+def test_settlement_attempt_a_replaced_attempt_cannot_settle_after_the_replay() -> None:
+    base = replayed_after_activation()
+    bad = settled(1, att=1)  # attempt 2 is the current one
+    assert_corrupt(replace(base, 6, bad), bad, "settlement.attempt")
+
+
+def test_settlement_attempt_must_name_the_dispatched_attempt() -> None:
+    base = one_effect()
+    bad = settled(1, att=7)
+    assert_corrupt(replace(base, 4, bad), bad, "settlement.attempt")
+
+
+def test_dispatch_incarnation_only_the_current_writer_dispatches() -> None:
+    base = unknown_then_resolved()
+    bad = dispatched(1, 1, att=2, inc=INC1)
+    assert_corrupt(replace(base, 8, bad), bad, "dispatch.incarnation")
+
+
+def test_dispatch_replay_policy_a_never_effect_is_not_dispatched_again() -> None:
+    base = replayed_after_activation()
+    events = [*base[:2], declared(1, replay="never"), *base[3:]]
+    assert_corrupt(events, events[5], "dispatch.replay_policy")
+
+
+def test_dispatch_once_one_writer_dispatches_an_effect_once() -> None:
+    base = one_effect()
+    bad = dispatched(1, att=2)
+    assert_corrupt(insert(base, 4, bad), bad, "dispatch.once")
+
+
+def test_dispatch_target_framework_effects_are_never_dispatched() -> None:
+    base = waiting()
+    bad = dispatched(1)
+    assert_corrupt(insert(base, 3, bad), bad, "dispatch.target")
+
+
+@pytest.mark.parametrize("status", ["succeeded", "unknown"])
+def test_dispatch_after_settlement_a_settled_effect_is_not_dispatched_again(status: str) -> None:
+    base = two_effects()
+    events = replace(base, 5, settled(1, 0, status, att=1))
+    bad = dispatched(1, 0, att=3)
+    assert_corrupt(insert(events, 6, bad), bad, "dispatch.after_settlement")
+
+
+def test_dispatch_after_settlement_holds_after_the_batch_finished() -> None:
+    base = one_effect()
+    bad = dispatched(1, att=2)
+    assert_corrupt(insert(base, 5, bad), bad, "dispatch.after_settlement")
+
+
+@pytest.mark.parametrize("blocker", [control("pause", "hold"), control("cancel")], ids=["paused", "canceling"])
+def test_dispatch_process_state_no_dispatch_while_paused_or_terminating(blocker: ControlRequested) -> None:
+    base = one_effect()
+    bad = dispatched(1)
+    assert_corrupt([*base[:3], blocker, bad], bad, "dispatch.process_state")
+
+
+# ---------------------------------------------------------------------------
+# Stream shape
+
+
+def test_stream_position_events_apply_at_consecutive_positions() -> None:
+    events = one_effect()
+    tree = TreeState()
+    tree.apply(events[0], 1)
+    tree.apply(events[1], 2)
+    with pytest.raises(FoldError) as caught:
+        tree.apply(events[2], 4)  # position 3 is missing
+    assert (caught.value.rule, caught.value.position) == ("stream.position", 4)
+    with pytest.raises(FoldError) as caught:
+        tree.apply(events[2], 2)  # position 2 again
+    assert (caught.value.rule, caught.value.position) == ("stream.position", 2)
+    tree.apply(events[2], 3)
+    assert tree.version == 3
+
+
+def test_stream_first_event_a_stream_starts_with_tree_started() -> None:
+    bad = step(1)
+    with pytest.raises(FoldError) as caught:
+        fold_tree([bad])
+    assert (caught.value.rule, caught.value.position) == ("stream.first_event", 1)
+    again = started()
+    assert_corrupt([started(), again], again, "stream.first_event")
+
+
+def test_stream_event_type_unknown_event_types_are_refused() -> None:
+    class Forged(TreeEvent):
+        pass
+
+    bad = Forged(process_id=ROOT)
+    assert_corrupt([started(), bad], bad, "stream.event_type")
+
+
+def test_tree_identity_the_tree_id_is_derived_from_the_start_id() -> None:
+    bad = started(tree_id=TreeID.for_start(StartID("another-start")))
+    with pytest.raises(FoldError) as caught:
+        fold_tree([bad])
+    assert (caught.value.rule, caught.value.position) == ("tree.identity", 1)
+
+
+def test_process_unknown_events_name_processes_of_the_tree() -> None:
+    bad = admitted("s1", pid=CHILD)
+    assert_corrupt([started(), bad], bad, "process.unknown")
+
+
+# ---------------------------------------------------------------------------
+# Steps
+
+
+@pytest.mark.parametrize("number", [0, 1, 3, 1_000])
+def test_step_sequence_steps_are_numbered_one_by_one(number: int) -> None:
+    base = one_effect()
+    bad = step(number, "complete", consumed=1)
+    assert_corrupt(replace(base, 5, bad), bad, "step.sequence")
+
+
+def test_step_sequence_a_terminal_step_is_followed_by_its_termination() -> None:
+    base = one_effect()
+    bad = admitted("between")
+    assert_corrupt(insert(base, 6, bad), bad, "step.sequence")
+
+
+def test_step_consumed_a_step_consumes_only_pending_signals() -> None:
+    base = one_effect()
+    bad = step(2, "complete", consumed=2)
+    assert_corrupt(replace(base, 5, bad), bad, "step.consumed")
+
+
+def test_step_effects_only_continue_declares_effects() -> None:
+    bad = step(1, "complete", effects=1)
+    assert_corrupt([started(), bad], bad, "step.effects")
+
+
+def test_step_transition_a_pause_step_needs_a_reason() -> None:
+    bad = step(1, "pause")
+    assert_corrupt([started(), bad], bad, "step.transition")
+
+
+def test_step_wait_a_wait_step_names_an_open_wait() -> None:
+    base = waiting()
+    bad = step(2, "wait", consumed=1, wait_id=wait_id_for(eid(9)))
+    assert_corrupt(replace(base, 4, bad), bad, "step.wait")
+
+
+def test_step_not_runnable_no_step_while_waiting_or_paused() -> None:
+    base = waiting()
+    bad = step(3, "complete")
+    assert_corrupt(insert(base, 5, bad), bad, "step.not_runnable")
+    paused = [started(), control("pause", "hold")]
+    bad = step(1, "complete")
+    assert_corrupt([*paused, bad], bad, "step.not_runnable")
+
+
+def test_step_terminal_intent_no_step_after_a_cancel_was_requested() -> None:
+    bad = step(1, "complete")
+    assert_corrupt([started(), control("cancel"), bad], bad, "step.terminal_intent")
+
+
+def test_step_batch_outstanding_no_step_while_effects_are_unsettled() -> None:
+    base = one_effect()
+    bad = step(2, "complete")
+    assert_corrupt(insert(base, 4, bad), bad, "step.batch_outstanding")
+
+
+def test_step_evolve_a_stream_whose_facts_the_strategy_cannot_evolve(recorded: Any) -> None:
+    events, catalog = recorded["chain"]
+    index = next(i for i, e in enumerate(events) if isinstance(e, StepCommitted))
+    bad = events[index].model_copy(update={"facts": ["not", "an", "object"]})
+    assert_corrupt(replace(events, index, bad), bad, "step.evolve", catalog.resolve)
+
+
+def test_checkpoint_pairing_a_checkpoint_step_is_followed_by_its_checkpoint() -> None:
+    base = checkpointed_and_controlled()
+    events = base[:2] + base[3:]
+    assert_corrupt(events, events[2], "checkpoint.pairing")
+    bad = CheckpointCommitted(process_id=ROOT, step=4, kind="progress")
+    assert_corrupt([started(), bad], bad, "checkpoint.pairing")
+
+
+# ---------------------------------------------------------------------------
+# Settlement shapes
+
+
+def test_settlement_diagnostic_an_unknown_settlement_says_why() -> None:
+    base = one_effect()
+    bad = EffectSettled(process_id=ROOT, effect_id=eid(1), status="unknown", attempt_id=attempt(1))
+    assert_corrupt(replace(base, 4, bad), bad, "settlement.diagnostic")
+
+
+def test_settlement_framework_a_framework_effect_always_settles_definitely() -> None:
+    base = waiting()
+    bad = settled(1, status="unknown", att=None)
+    assert_corrupt(replace(base, 3, bad), bad, "settlement.framework")
+
+
+def test_settlement_process_terminal_a_planned_effect_of_a_terminal_process_never_settles() -> None:
+    events = [
+        started(),
+        step(1, effects=1),
+        declared(1, target="framework", payload=wait_payload()),
+        control("cancel"),
+        terminated("canceled", "host_cancellation"),
+    ]
+    bad = settled(1, att=None, payload={"wait_id": WAIT})
+    assert_corrupt([*events, bad], bad, "settlement.process_terminal")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        settled(1, att=None, payload={"wait_id": wait_id_for(eid(9))}),
+        settled(1, status="failed", att=None, payload={"wait_id": WAIT}),
+    ],
+    ids=["wrong-wait-id", "failed"],
+)
+def test_wait_settlement_a_wait_effect_settles_succeeded_with_its_derived_wait_id(bad: EffectSettled) -> None:
+    assert_corrupt(replace(waiting(), 3, bad), bad, "wait.settlement")
+
+
+def test_effect_framework_unknown_framework_operations_are_refused() -> None:
+    base = waiting()
+    bad = declared(1, target="framework", payload={"operation": "teleport"})
+    assert_corrupt(replace(base, 2, bad), bad, "effect.framework")
+
+
+# ---------------------------------------------------------------------------
+# Children
+
+
+def test_child_start_effect_a_child_starts_only_from_its_frontier_start_effect() -> None:
+    bad = child_started()
+    assert_corrupt([started(), bad], bad, "child.start_effect")
+    base = with_child()
+    again = child_started()
+    assert_corrupt(insert(base, 5, again), again, "child.start_effect")
+
+
+def test_child_identity_the_child_id_is_derived_from_its_start_effect() -> None:
+    base = with_child()
+    bad = child_started(pid=ProcessID("process:forged"))
+    assert_corrupt(replace(base, 3, bad), bad, "child.identity")
+
+
+def test_child_key_the_child_key_matches_its_start_effect() -> None:
+    base = with_child()
+    bad = child_started(key="other")
+    assert_corrupt(replace(base, 3, bad), bad, "child.key")
+
+
+def test_child_spec_the_child_program_matches_its_start_effect() -> None:
+    other = ProgramRef(
+        "test.other", REF.contract_digest, REF.implementation_digest, REF.configuration_digest, REF.bindings_digest
+    )
+    bad = child_started(program=other)
+    assert_corrupt(replace(with_child(), 3, bad), bad, "child.spec")
+
+
+def test_child_capabilities_a_child_never_holds_more_than_its_parent() -> None:
+    base = with_child()
+    base[2] = declared(1, target="framework", payload=child_payload(capabilities=["net"]))
+    bad = child_started(capabilities=["net"])
+    assert_corrupt(replace(base, 3, bad), bad, "child.capabilities")
+    base[0] = started(capabilities=["net"])
+    fold_tree(replace(base, 3, bad))  # the parent holds it: valid
+
+
+def test_child_tree_limit_the_depth_limit_holds() -> None:
+    events = replace(with_child(), 0, started(limits=TreeLimits(max_depth=0)))
+    assert_corrupt(events, events[3], "child.tree_limit")
+
+
+def test_child_parent_state_a_terminating_parent_starts_no_child() -> None:
+    base = with_child()
+    events = insert(base, 3, control("cancel"))
+    assert_corrupt(events, events[4], "child.parent_state")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        child_settled(payload={"key": "kid", "process_id": str(child_process_id(eid(9)))}),
+        child_settled("failed", payload={"key": "kid", "failure": BOOM.to_json()}),
+    ],
+    ids=["wrong-child", "failed-but-started"],
+)
+def test_child_start_settlement_names_the_started_child(bad: EffectSettled) -> None:
+    assert_corrupt(replace(with_child(), 4, bad), bad, "child.start_settlement")
+
+
+def test_child_start_settlement_a_success_without_process_started() -> None:
+    base = with_child()
+    events = base[:3] + base[4:]
+    assert_corrupt(events, events[3], "child.start_settlement")
+
+
+def test_child_control_settlement_a_receipt_names_the_child_of_its_effect() -> None:
+    base = with_child()[:7]
+    cancel_payload = {"operation": "cancel_child", "child": str(CHILD), "reason": "enough"}
+    events = [*base, step(2, consumed=1, effects=1), declared(2, target="framework", payload=cancel_payload)]
+    bad = settled(2, att=None, payload={"child": str(ROOT)})
+    assert_corrupt([*events, bad], bad, "child.control_settlement")
+
+
+@pytest.mark.parametrize(
+    ("bad", "index"),
+    [
+        (admitted("forged", pid=CHILD, source="parent"), 5),  # no signal_child effect at all
+        (admitted("hello", {"text": "changed"}, pid=CHILD, source="parent"), 8),  # not what the effect says
+        (admitted("other", {"text": "hi"}, pid=CHILD, source="parent"), 8),  # another signal id
+        (admitted("hello", {"text": "hi"}, source="parent"), 8),  # the root has no parent
+    ],
+    ids=["no-effect", "other-payload", "other-id", "root"],
+)
+def test_signal_source_parent_input_comes_only_from_the_parent_signal_child_effect(bad: TreeEvent, index: int) -> None:
+    events = commanding()
+    assert_corrupt(replace(events, index, bad) if index == 8 else insert(events, index, bad), bad, "signal.source")
+
+
+@pytest.mark.parametrize(
+    ("bad", "index"),
+    [
+        (control("cancel", "rogue", owner="parent", pid=CHILD), 5),  # no cancel_child effect
+        (control("kill", "rogue", owner="parent", pid=CHILD), 10),  # a parent never kills
+        (control("cancel", "rogue", owner="parent"), 10),  # the root has no parent
+    ],
+    ids=["no-effect", "kill", "root"],
+)
+def test_control_owner_parent_controls_come_only_from_the_parent_cancel_child_effect(
+    bad: TreeEvent, index: int
+) -> None:
+    events = commanding()
+    assert_corrupt(replace(events, index, bad) if index == 10 else insert(events, index, bad), bad, "control.owner")
+
+
+# ---------------------------------------------------------------------------
+# Controls
+
+
+def test_control_pause_state_a_paused_process_is_not_paused_again() -> None:
+    bad = control("pause", "again")
+    assert_corrupt([started(), control("pause", "hold"), bad], bad, "control.pause_state")
+
+
+def test_control_reason_a_pause_needs_a_reason() -> None:
+    bad = control("pause", "")
+    assert_corrupt([started(), bad], bad, "control.reason")
+
+
+def test_control_resume_state_only_a_paused_process_resumes() -> None:
+    bad = control("resume", "")
+    assert_corrupt([started(), bad], bad, "control.resume_state")
+
+
+def test_control_duplicate_intent_a_terminal_intent_is_recorded_once() -> None:
+    bad = control("kill", "twice")
+    assert_corrupt([started(), control("kill"), bad], bad, "control.duplicate_intent")
+
+
+# ---------------------------------------------------------------------------
+# Termination
+
+
+def test_terminal_in_flight_no_termination_while_an_effect_is_dispatched() -> None:
+    bad = terminated("canceled", "host_cancellation")
+    events = [*one_effect()[:4], control("cancel"), bad]
+    assert_corrupt(events, bad, "terminal.in_flight")
+
+
+def test_terminal_cause_the_status_follows_from_the_cause() -> None:
+    base = one_effect()
+    bad = terminated("killed", "completion")
+    assert_corrupt(replace(base, 6, bad), bad, "terminal.cause")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "bad"),
+    [
+        ([started()], terminated()),  # completion without a complete step
+        ([started(), control("kill")], terminated("canceled", "host_cancellation")),  # kill outranks cancel
+        ([started(), control("cancel"), control("kill")], terminated("canceled", "host_cancellation")),
+        ([started(), control("cancel")], terminated()),  # an intent outranks completion
+        ([started(), step(1, "complete")], terminated("failed", "execution_failure", failure=BOOM)),
+        ([started()], terminated("canceled", "host_cancellation")),  # no cancel was requested
+    ],
+    ids=[
+        "completion-without-step",
+        "kill-over-cancel",
+        "kill-after-cancel",
+        "cancel-over-completion",
+        "complete-step-ends-failed",
+        "cancellation-without-intent",
+    ],
+)
+def test_terminal_priority_the_first_terminal_outcome_follows_the_priority(
+    prefix: list[TreeEvent], bad: ProcessTerminated
+) -> None:
+    assert_corrupt([*prefix, bad], bad, "terminal.priority")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [None, Failure(FailureKind.CONTRACT, "test.fold.contract", "wrong kind")],
+    ids=["missing", "wrong-kind"],
+)
+def test_terminal_failure_a_failure_cause_carries_a_failure_of_its_kind(failure: Failure | None) -> None:
+    bad = terminated("failed", "execution_failure", failure=failure)
+    assert_corrupt([started(), step(1, "fail", failure=BOOM), bad], bad, "terminal.failure")
+
+
+def test_terminal_output_only_a_completed_process_has_an_output() -> None:
+    bad = terminated("killed", "engine_kill", output={"partial": True})
+    assert_corrupt([started(), control("kill"), bad], bad, "terminal.output")
+
+
+def test_terminal_unresolved_a_termination_lists_exactly_its_unknown_effects() -> None:
+    base = canceled_with_unknown()
+    bad = terminated("canceled", "host_cancellation")
+    assert_corrupt(replace(base, 6, bad), bad, "terminal.unresolved")
+
+
+def test_terminal_output_schema_a_completed_output_satisfies_the_output_schema() -> None:
+    from domain.program import Descriptor
+    from tests.kernel_programs import IMPL, Chain, config_digest
+
+    program = Program(
+        Descriptor("test.schema", output_schema={"type": "object", "required": ["total"]}),
+        Chain(),
+        IMPL,
+        config_digest("schema"),
+    )
+    catalog = Catalog([program])
+    store = EventStore("memory:")
+    with Runtime(store, catalog) as runtime:
+        handle = runtime.start(program, {"n": 0})
+        assert handle.result(timeout=30).status == "completed"
+        events = [r.event for r in store.read(handle.tree_id)]
+    last = events[-1]
+    assert isinstance(last, ProcessTerminated)
+    bad = last.model_copy(update={"output": {"effects": 0}})
+    assert_corrupt(replace(events, len(events) - 1, bad), bad, "terminal.output_schema", catalog.resolve)
+
+
+# ---------------------------------------------------------------------------
+# Programs bound to the fold
+
+
+def test_program_unavailable_a_bound_fold_needs_every_program(recorded: Any) -> None:
+    events, _ = recorded["chain"]
+    with pytest.raises(FoldError) as caught:
+        fold_tree(events, lambda ref: None)
+    assert (caught.value.rule, caught.value.position) == ("program.unavailable", 1)
+
+
+def test_program_initial_a_stream_whose_program_refuses_its_input(recorded: Any) -> None:
+    events, catalog = recorded["chain"]
+    bad = events[0].model_copy(update={"input": {"m": 1}})
+    with pytest.raises(FoldError) as caught:
+        fold_tree(replace(events, 0, bad), catalog.resolve)
+    assert (caught.value.rule, caught.value.position) == ("program.initial", 1)
+
+
+# ---------------------------------------------------------------------------
+# Corruptions of streams a real Runtime recorded
+
+
+def _first(events: Sequence[TreeEvent], kind: type, after: int = 0) -> int:
+    return next(i for i, e in enumerate(events) if isinstance(e, kind) and i >= after)
+
+
+@pytest.mark.parametrize(
+    ("corruption", "rule"),
+    [
+        ("drop-dispatch", "settlement.after_dispatch"),
+        ("settle-twice", "settlement.once"),
+        ("swap-settlement-status", "settlement.once"),
+        ("wrong-effect-id", "effect.identity"),
+        ("terminate-twice", "terminal.once"),
+        ("duplicate-answer", "signal.dedup"),
+        ("stale-incarnation", "dispatch.incarnation"),
+        ("forged-parent-signal", "signal.source"),
+        ("forged-parent-cancel", "control.owner"),
+    ],
+)
+def test_recorded_streams_corrupted_in_one_place_name_the_broken_rule(
+    recorded: Any, corruption: str, rule: str
+) -> None:
+    chain, chain_catalog = recorded["chain"]
+    parent, parent_catalog = recorded["parent"]
+    events, catalog = list(chain), chain_catalog
+    if corruption == "drop-dispatch":
+        i = _first(events, EffectDispatched)
+        del events[i]
+        bad = events[i]
+    elif corruption in ("settle-twice", "swap-settlement-status"):
+        i = _first(events, EffectSettled)
+        original = events[i]
+        bad = original.model_copy(update={"status": "failed"} if corruption.startswith("swap") else {})
+        events.insert(i + 1, bad)
+    elif corruption == "wrong-effect-id":
+        i = _first(events, EffectDeclared)
+        bad = events[i].model_copy(update={"effect_id": effect_id(events[i].process_id, 99, 0)})
+        events[i] = bad
+    elif corruption == "terminate-twice":
+        bad = events[-1].model_copy(update={"status": "killed", "cause": "engine_kill", "output": None})
+        events.append(bad)
+    elif corruption == "duplicate-answer":
+        events, catalog = list(parent), parent_catalog
+        i = _first(events, SignalAdmitted)
+        bad = events[i].model_copy(update={"payload": {"name": "someone else"}})
+        events.insert(i + 1, bad)
+    elif corruption == "forged-parent-signal":
+        events, catalog = list(recorded["commander"][0]), recorded["commander"][1]
+        i = _first(events, SignalAdmitted)
+        bad = events[i].model_copy(update={"signal_id": SignalID("forged")})
+        events.insert(i, bad)  # parent input that the parent's signal_child effect never carried
+    elif corruption == "forged-parent-cancel":
+        events, catalog = list(recorded["commander"][0]), recorded["commander"][1]
+        bad = events[_first(events, ControlRequested)].model_copy()
+        events.insert(_first(events, ProcessStarted) + 1, bad)  # before the parent declared its cancel_child
+    else:  # a dispatch signed by an incarnation that never activated
+        i = _first(events, EffectDispatched)
+        bad = events[i].model_copy(update={"incarnation_id": INC3})
+        events[i] = bad
+    assert_corrupt(events, bad, rule)
+    assert_corrupt(events, bad, rule, catalog.resolve)
+
+
+def test_event_store_load_reports_the_fold_rule_of_a_corrupt_stream() -> None:
+    """A corrupt stream written past the runtime is refused on load with its position and rule."""
+    from adapters.eventstore import CorruptStream
+
+    store = EventStore("memory:")
+    events = one_effect()
+    events.insert(5, settled(1))  # a second settlement at position 6
+    store.append(TREE, 0, events, previous_digest=None, timestamp="2024-01-01T00:00:00.000000Z")
+    with pytest.raises(CorruptStream) as caught:
+        store.load(TREE)
+    assert (caught.value.position, caught.value.rule) == (6, "settlement.once")
