@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,17 +34,23 @@ from typing import Any, NoReturn
 
 from adapters.catalog import Catalog, Loader
 from adapters.eventstore import CorruptStream, EventStore, parse_store_url, redact, store_url_from_env
+from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
+from adapters.scenario import PROGRAM_NAME as SCENARIO_PROGRAM
+from adapters.scenario import load_scenario_file, scenario_input, scenario_program
 from adapters.recorders import TreeHead
 from adapters.runtime import CrashPlan, RandomIds, Runtime
 from domain.canonical import JSON, parse_json_text
-from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
+from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
 from domain.events import TreeStarted
-from domain.ids import EffectID, TreeID
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
+from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
 from domain.program import Program
-from domain.requests import Settlement
+from domain.requests import Settlement, effect_request
 from domain.tree import ProcessState, TreeState
+from projections.host_views import delegate_attributions, pending_tool_inputs, unknown_effects
+from projections.settled_results import settled_results
 
 PROG = "agentfold"
 DEFAULT_TIMEOUT = 60.0
@@ -72,8 +79,9 @@ class ProgramSources:
 
 
 def default_sources() -> ProgramSources:
-    """What the console script binds: the kernel demo Program."""
-    return ProgramSources(programs=(payment_program(),))
+    """What the console script binds: the kernel demo Program and scenario Programs
+    (rebuilt from the scenario each tree stored)."""
+    return ProgramSources(programs=(payment_program(),), loaders={SCENARIO_PROGRAM: scenario_program})
 
 
 # ---------------------------------------------------------------------------
@@ -106,12 +114,15 @@ class Context:
             )
         return EventStore(self.store_url)
 
-    def runtime(self, store: EventStore, crash: CrashPlan | None = None) -> Runtime:
+    def runtime(self, store: EventStore, crash: CrashPlan | None = None, *extra: Program) -> Runtime:
         # poll_interval=0: no watcher thread following other writers. A command owns its
         # trees only while it drives them; input others append meanwhile makes this
         # owner's next append conflict (reload, validate again), or is taken up by the
         # next owner once the command has exited.
-        return Runtime(store, self.sources.catalog(), crash=crash, poll_interval=0)
+        catalog = self.sources.catalog()
+        for program in extra:
+            catalog.add(program)
+        return Runtime(store, catalog, crash=crash, poll_interval=0)
 
 
 Command = Callable[[Context, argparse.Namespace], Outcome]
@@ -193,29 +204,42 @@ def _load_for_reading(store: EventStore, sources: ProgramSources, tree_id: TreeI
     return store.load(tree_id).state
 
 
-def _unknown_entries(tree: TreeState) -> list[dict[str, JSON]]:
+def _unknown_entries(tree: TreeState, catalog: Catalog | None = None) -> list[dict[str, JSON]]:
+    """Unknown effects of live processes, with kind, ToolCallRef and the retained request."""
+    resolver = catalog.resolve if catalog is not None else None
     entries: list[dict[str, JSON]] = []
-    for process in tree.processes.values():
+    for entry in unknown_effects(tree, resolver):
+        process = tree.processes[ProcessID(str(entry["process_id"]))]
         if process.terminal:
             continue  # a terminal process keeps its unknowns as evidence; they cannot be resolved
-        for record in process.unknown_effects():
-            entries.append(
-                {
-                    "tree_id": tree.tree_id,
-                    "start_id": tree.start_id,
-                    "process_id": process.process_id,
-                    "program": process.program.name,
-                    "effect_id": record.effect_id,
-                    "step": record.step,
-                    "index": record.index,
-                    "replay": record.replay,
-                    "attempt_id": record.attempt_id,
-                    "attempts": record.attempts,
-                    "payload": record.payload,
-                    "diagnostic": record.diagnostic.to_json() if record.diagnostic else None,
-                }
-            )
+        record = process.effect(EffectID(str(entry["effect_id"])))
+        assert record is not None
+        entries.append(
+            {
+                **entry,
+                "start_id": tree.start_id,
+                "program": process.program.name,
+                "replay": record.replay,
+                "attempt_id": record.attempt_id,
+                "attempts": record.attempts,
+                "payload": record.payload,
+            }
+        )
     return entries
+
+
+def _catalog_for(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> tuple[TreeState, Catalog | None]:
+    """Fold a tree with its Programs when they can be bound, else the kernel's view."""
+    catalog = sources.catalog()
+    first = store.read(tree_id, upto=1)
+    started = first[0].event if first else None
+    if isinstance(started, TreeStarted):
+        try:
+            catalog.load(started.program, started.configuration)
+            return store.load(tree_id, catalog.resolve).state, catalog
+        except (NotFound, CorruptStream):
+            pass
+    return store.load(tree_id).state, None
 
 
 # ---------------------------------------------------------------------------
@@ -323,7 +347,8 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
     try:
         for head in store.heads(live_only=True):
             if head.unknown_effect_ids:  # the index is updated with every append: skip trees without any
-                entries.extend(_unknown_entries(store.load(TreeID(head.tree_id)).state))
+                tree, catalog = _catalog_for(store, ctx.sources, TreeID(head.tree_id))
+                entries.extend(_unknown_entries(tree, catalog))
     finally:
         store.close()
     data = {"unknown_effects": entries}
@@ -332,23 +357,52 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
     lines: list[str] = []
     for e in entries:
         diagnostic = e["diagnostic"]
+        ref = f", tool call {e['tool_call_ref']}" if e.get("tool_call_ref") else ""
         lines += [
-            f"{e['effect_id']}",
+            f"{e['effect_id']}  ({e['kind']}{ref})",
             f"  tree {e['tree_id']} (start {e['start_id']}), process {e['process_id']} ({e['program']})",
             f"  step {e['step']}, index {e['index']}, replay {e['replay']}, {e['attempts']} attempt(s)",
-            f"  request: {_short(e['payload'], 400)}",
+            f"  request: {_short(e['request'], 400)}",
         ]
         if isinstance(diagnostic, dict):
             lines.append(f"  diagnostic: {diagnostic['kind']} {diagnostic['code']}: {diagnostic['message']}")
     lines.append("")
-    lines.append(f"resolve each with: {PROG} resolve EFFECT_ID --output JSON [--status succeeded|failed]")
+    lines.append(
+        f"resolve each with: {PROG} resolve EFFECT_ID --output JSON [--disposition D]  (tool calls), "
+        "--model-response JSON (model calls), or --output JSON [--status S] (other effects)"
+    )
     return Outcome(data, "\n".join(lines))
+
+
+def _settlement_for(args: argparse.Namespace, tree: TreeState, catalog: Catalog | None, effect_id: EffectID) -> Settlement:
+    """Build the definite settlement the host describes, with the Program's own settle helper."""
+    found = tree.find_effect(effect_id)
+    program = catalog.resolve(found[0].program) if (found is not None and catalog is not None) else None
+    request = None
+    if found is not None and program is not None and found[1].target == "dispatcher":
+        request = effect_request(tree, found[0].process_id, effect_id, program)
+    payload = request.payload if request is not None else None
+    is_tool = isinstance(payload, dict) and "tool_call" in payload
+    is_model = isinstance(payload, dict) and "model_call" in payload
+    if args.model_response is not None:
+        if not is_model or program is None or request is None:
+            raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is not a model call; use --output")
+        response = parse_json_text(args.model_response, what="--model-response")
+        return settle_model_result(program, request, response)
+    if args.output is None:
+        raise InvalidInput("cli.argument_invalid", "give --output JSON (or --model-response JSON for a model call)")
+    value = parse_json_text(args.output, what="--output")
+    if is_tool and program is not None and request is not None:
+        return settle_tool_result(program, request, value, args.disposition or "succeeded")
+    if is_model:
+        raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is a model call; use --model-response JSON")
+    if args.disposition is not None:
+        raise InvalidInput("cli.argument_invalid", "--disposition applies to tool calls only; use --status")
+    return Settlement.succeeded(value) if args.status == "succeeded" else Settlement.failed(value)
 
 
 def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
     effect_id = EffectID(args.effect_id)
-    value = parse_json_text(args.output, what="--output")
-    settlement = Settlement.succeeded(value) if args.status == "succeeded" else Settlement.failed(value)
     store = ctx.open_store()
     try:
         tree_id = store.tree_of_unknown_effect(effect_id)
@@ -358,9 +412,10 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
                 f"effect {effect_id} is not an unknown effect of any tree in {redact(ctx.store_url)}",
                 hint=f"list unknown effects with `{PROG} unknown`",
             )
+        probe, catalog = _catalog_for(store, ctx.sources, tree_id)
+        settlement = _settlement_for(args, probe, catalog, effect_id)
         # Validate on a private fold first, with the kernel's own rules: a refused
         # resolution must not even make this command take ownership (WriterActivated).
-        probe = store.load(tree_id).state
         found = probe.find_effect(effect_id)
         process_id = found[0].process_id if found is not None else None
         Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
@@ -369,15 +424,7 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         with ctx.runtime(store) as runtime:
             runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id)
             owned = runtime.owns(tree_id)
-            try:
-                tree = runtime.wait_idle(tree_id, ctx.timeout)
-            except (TimeoutError, AgentfoldError) as exc:
-                # The resolution is recorded; only driving the tree on did not finish.
-                raise AgentfoldError(
-                    "cli.drive_failed",
-                    f"resolved {effect_id}, but driving tree {tree_id} on did not finish: {exc}",
-                    hint=f"look with `{PROG} show {tree_id}`; `{PROG} recover` drives it on",
-                ) from exc
+            tree = _drive(ctx, runtime, tree_id, f"resolved {effect_id}")
     finally:
         store.close()
     summary = tree_summary(tree)
@@ -392,6 +439,18 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
     if not owned:
         text += "\n(another runtime owns this tree and drives it on)"
     return Outcome(data, text)
+
+
+def _drive(ctx: Context, runtime: Runtime, tree_id: TreeID, done: str) -> TreeState:
+    """Wait until the tree parks again (the command's input is already recorded)."""
+    try:
+        return runtime.wait_idle(tree_id, ctx.timeout)
+    except (TimeoutError, AgentfoldError) as exc:
+        raise AgentfoldError(
+            "cli.drive_failed",
+            f"{done}, but driving tree {tree_id} on did not finish: {exc}",
+            hint=f"look with `{PROG} show {tree_id}`; `{PROG} recover` drives it on",
+        ) from exc
 
 
 def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -480,6 +539,205 @@ def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(summary, text)
 
 
+def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
+    """Start a scenario and drive it until it is terminal or parks (input wait, unknown, pause)."""
+    doc = load_scenario_file(args.scenario)
+    program = scenario_program(doc)
+    crash = CrashPlan.parse(args.crash_after) if args.crash_after else None
+    store = ctx.open_store(create=True)
+    try:
+        with ctx.runtime(store, crash, program) as runtime:
+            handle = runtime.start(program, scenario_input(doc), start_id=args.start_id, configuration=doc)
+            tree = _drive(ctx, runtime, handle.tree_id, f"started {handle.tree_id}")
+    finally:
+        store.close()
+    data = {"tree_id": tree.tree_id, "root_process_id": tree.root.process_id, "status": tree.root.status}
+    summary = tree_summary(tree)
+    text = f"run {doc['name']}: " + _summary_text(summary)
+    pending = pending_tool_inputs(tree)
+    if pending:
+        text += f"\n{len(pending)} tool input(s) wait for an answer: `{PROG} pending`"
+    if tree.root.status == "completed":
+        text += f"\noutput: {_short(tree.root.output, 400)}"
+    return Outcome(data, text)
+
+
+def _pending_entries(store: EventStore, sources: ProgramSources) -> list[dict[str, JSON]]:
+    entries: list[dict[str, JSON]] = []
+    for head in store.heads(live_only=True):
+        if head.classification != "parked":
+            continue
+        tree, catalog = _catalog_for(store, sources, TreeID(head.tree_id))
+        if catalog is not None:
+            entries.extend(p.to_json() for p in pending_tool_inputs(tree))
+    return entries
+
+
+def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        entries = _pending_entries(store, ctx.sources)
+    finally:
+        store.close()
+    data = {"pending": entries}
+    if not entries:
+        return Outcome(data, "no tool waits for input")
+    lines = []
+    for e in entries:
+        lines += [
+            f"process {e['process_id']}  wait {e['wait_id']}",
+            f"  tool call {e['tool_call_ref']} in tree {e['tree_id']}",
+            f"  prompt: {_short(e['prompt'], 400)}",
+            f"  response schema: {_short(e['response_schema'], 400)}",
+        ]
+    lines.append("")
+    lines.append(f"answer with: {PROG} answer PROCESS_ID WAIT_ID JSON")
+    return Outcome(data, "\n".join(lines))
+
+
+def _signal_id(given: str | None, prefix: str) -> SignalID:
+    return SignalID(given) if given else SignalID(f"{prefix}:{os.urandom(16).hex()}")
+
+
+def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
+    process_id = ProcessID(args.process_id)
+    wait_id = WaitID(args.wait_id)
+    response = parse_json_text(args.response, what="the answer")
+    store = ctx.open_store()
+    try:
+        tree_id = store.tree_of_process(process_id)
+        if tree_id is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+        match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
+        if match is None or match.wait_id != wait_id:
+            process = tree.processes.get(process_id)
+            current = process.current_wait if process is not None else None
+            raise Rejected(
+                "engine.signal.rejected",
+                f"wait {wait_id} is not a pending tool input of process {process_id}"
+                + (f" (its current wait is {current})" if current else ""),
+                hint=f"list pending inputs with `{PROG} pending`",
+            )
+        signal = match.response_signal(_signal_id(args.signal_id, "answer"), response)
+        with ctx.runtime(store) as runtime:
+            accepted = runtime.deliver_signals(process_id, [signal])
+            after = _drive(ctx, runtime, tree_id, f"answered {wait_id}")
+    finally:
+        store.close()
+    summary = tree_summary(after)
+    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "wait_id": wait_id, "tree": summary}
+    verb = "answered" if accepted else "already answered with this signal id (nothing changed)"
+    return Outcome(data, f"{verb} {wait_id}\n" + _summary_text(summary))
+
+
+def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
+    process_id = ProcessID(args.process_id)
+    signal = steer_signal(_signal_id(args.signal_id, "steer"), {"role": "user", "content": args.text})
+    store = ctx.open_store()
+    try:
+        tree_id = store.tree_of_process(process_id)
+        if tree_id is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        with ctx.runtime(store) as runtime:
+            accepted = runtime.deliver_signals(process_id, [signal])
+            after = _drive(ctx, runtime, tree_id, f"steered {process_id}")
+    finally:
+        store.close()
+    summary = tree_summary(after)
+    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "tree": summary}
+    verb = "steering queued for the next model request" if accepted else "this steering was already admitted"
+    return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary))
+
+
+def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
+    process_id = ProcessID(args.process_id)
+    store = ctx.open_store()
+    try:
+        tree_id = store.tree_of_process(process_id)
+        if tree_id is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        with ctx.runtime(store) as runtime:
+            recorded = runtime.cancel(process_id, args.reason)
+            after = _drive(ctx, runtime, tree_id, f"canceled {process_id}")
+    finally:
+        store.close()
+    summary = tree_summary(after)
+    data = {"recorded": recorded, "process_id": process_id, "tree": summary}
+    return Outcome(data, ("cancellation recorded" if recorded else "already canceling") + "\n" + _summary_text(summary))
+
+
+def cmd_results(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        with ctx.runtime(store) as runtime:
+            tree_id = runtime.tree_of(args.tree)
+        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+    finally:
+        store.close()
+    if catalog is None:
+        raise NotFound("engine.program.unavailable", f"tree {tree_id} does not run an Interaction this CLI can bind")
+    rounds = settled_results(tree)
+    data = {
+        "tree_id": tree_id,
+        "rounds": [
+            {
+                **r.json_value(),
+                "complete": r.complete,
+                "digest": r.digest(),
+                "references": [str(r.reference(i)) for i in range(r.call_count)],
+            }
+            for r in rounds
+        ],
+    }
+    if not rounds:
+        return Outcome(data, "no open round has settled results")
+    lines = []
+    for r in rounds:
+        lines.append(
+            f"process {r.process_id} model call {r.model_call_sequence}: {len(r.entries)} of {r.call_count} "
+            f"result(s){' (complete)' if r.complete else ''}  {r.digest()}"
+        )
+        for e in r.entries:
+            lines.append(f"  #{e.tool_call_index} {e.call.name} {e.disposition}: {_short(e.output, 200)}")
+    return Outcome(data, "\n".join(lines))
+
+
+def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
+    process_id = ProcessID(args.process_id)
+    store = ctx.open_store()
+    try:
+        tree_id = store.tree_of_process(process_id)
+        if tree_id is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+    finally:
+        store.close()
+    attributions, found = delegate_attributions(tree, process_id)
+    data = {"process_id": process_id, "found": found, "delegates": [a.to_json() for a in attributions]}
+    if not found:
+        return Outcome(data, f"process {process_id} is not an Interaction")
+    if not attributions:
+        return Outcome(data, "no delegated calls")
+    lines = [
+        f"{a.reference}  {a.call.name}({a.call.arguments}) -> {a.child_process_id} "
+        f"[{tree.processes[a.child_process_id].status}]"
+        for a in attributions
+    ]
+    return Outcome(data, "\n".join(lines))
+
+
+def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:
+    from adapters.demo import DemoFailed, run_demo
+
+    as_json = bool(getattr(args, "json", False))
+    try:
+        observed = run_demo(say=(lambda line: None) if as_json else print)
+    except DemoFailed as exc:
+        raise AgentfoldError("demo.failed", str(exc)) from exc
+    return Outcome(observed, "demo finished: the run completed and the hotel was booked exactly once")
+
+
 # ---------------------------------------------------------------------------
 # Parser and entry point
 
@@ -517,9 +775,18 @@ def build_parser() -> argparse.ArgumentParser:
         "resolve", cmd_resolve, "settle an unknown effect with a definite outcome, then drive its tree", timeout=True
     )
     resolve.add_argument("effect_id", metavar="EFFECT_ID", help="an effect id listed by `agentfold unknown`")
-    resolve.add_argument("--output", required=True, metavar="JSON", help="the settlement payload (JSON text)")
     resolve.add_argument(
-        "--status", choices=("succeeded", "failed"), default="succeeded", help="the outcome (default succeeded)"
+        "--output", metavar="JSON", default=None,
+        help="the outcome (JSON text): a tool call's output (text or {content, details}), or another effect's payload",
+    )
+    resolve.add_argument(
+        "--disposition", choices=("succeeded", "failed", "rejected"), default=None,
+        help="a tool call's disposition (default succeeded)",
+    )
+    resolve.add_argument("--model-response", metavar="JSON", default=None, help="a model call's response (JSON)")
+    resolve.add_argument(
+        "--status", choices=("succeeded", "failed"), default="succeeded",
+        help="the outcome of an effect that is neither a tool nor a model call (default succeeded)",
     )
     command("recover", cmd_recover, "adopt every live tree nobody owns and drive each until it parks", timeout=True)
     demo = command(
@@ -535,6 +802,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--crash-after", metavar="POINT", default=None,
         help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N",
     )
+    run = command("run", cmd_run, "start a scenario and drive it until it ends or parks", timeout=True)
+    run.add_argument("scenario", metavar="SCENARIO", help="a scenario file (docs/scenarios.md)")
+    run.add_argument("--start-id", metavar="ID", default=None, help="idempotent start id (default: a fresh one)")
+    run.add_argument(
+        "--crash-after", metavar="POINT", default=None,
+        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N",
+    )
+    command("pending", cmd_pending, "list tool calls that wait for a human answer")
+    answer = command("answer", cmd_answer, "answer a pending tool input, then drive the run on", timeout=True)
+    answer.add_argument("process_id", metavar="PROCESS_ID", help="the Tool child process (from `pending`)")
+    answer.add_argument("wait_id", metavar="WAIT_ID", help="its current wait (from `pending`)")
+    answer.add_argument("response", metavar="JSON", help="the answer; it must satisfy the wait's response schema")
+    answer.add_argument("--signal-id", metavar="ID", default=None, help="deduplication id (resend it to retry safely)")
+    steer = command("steer", cmd_steer, "add a user message to the next model request of an Interaction", timeout=True)
+    steer.add_argument("process_id", metavar="PROCESS_ID", help="the Interaction process")
+    steer.add_argument("text", metavar="TEXT", help="the steering message")
+    steer.add_argument("--signal-id", metavar="ID", default=None, help="deduplication id (resend it to retry safely)")
+    results = command("results", cmd_results, "the settled tool results of each open round (SettledResults)")
+    results.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
+    delegates = command("delegates", cmd_delegates, "which child process each delegated tool call started")
+    delegates.add_argument("process_id", metavar="PROCESS_ID", help="the Interaction process")
+    cancel = command("cancel", cmd_cancel, "cancel a process and its subtree, then drive the tree on", timeout=True)
+    cancel.add_argument("process_id", metavar="PROCESS_ID", help="the process to cancel")
+    cancel.add_argument("--reason", default="canceled by host", help="why (recorded with the cancellation)")
+    command("demo", cmd_demo, "run the bundled trip-planner scenario through a crash, a recovery and a human answer",
+            timeout=True)
     return parser
 
 

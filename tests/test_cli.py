@@ -430,10 +430,22 @@ def test_help_and_the_installed_console_script(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
-    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+def test_scripts_kernel_demo_runs_the_kernel_story_end_to_end() -> None:
+    proc = subprocess.run([str(ROOT / "scripts" / "kernel-demo")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "charges in the ledger: 1" in proc.stdout
     assert "receipts sent: 1" in proc.stdout
     assert "run: completed" in proc.stdout
-    assert proc.stdout.rstrip().endswith("scripts/demo: OK")
+    assert proc.stdout.rstrip().endswith("scripts/kernel-demo: OK")
+
+
+def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
+    """README's first command: `agentfold demo` on a temporary SQLite store, no services."""
+    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "the process died with exit status 75; the outside world saw 1 booking(s)" in out
+    assert "engine.dispatch.interrupted" in out
+    assert "exit status 2: agentfold: error: engine.signal.schema" in out
+    assert "the run is completed after 3 model calls" in out
+    assert "the hotel was booked 1 time(s)" in out

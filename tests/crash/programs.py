@@ -1,0 +1,134 @@
+"""The Programs the crash tests drive, built identically in the worker and in the test.
+
+A crashed tree is recovered by another process, which must bind the very same
+ProgramRef: every builder here is a pure function of its arguments, and every
+dispatcher records its real calls in a :class:`~tests.kernel_programs.CallLog` file
+so the test counts calls made by a process that later died.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from adapters.catalog import Catalog
+from adapters.dispatch import FunctionDispatcher
+from domain.ids import ChildKey, WaitKey
+from domain.program import (
+    Boundary,
+    ChildSpec,
+    ChildWaitSpec,
+    Complete,
+    Continue,
+    Descriptor,
+    Program,
+    Replay,
+    Signal,
+    Step,
+    Wait,
+    dispatcher_effect,
+    start_child_effect,
+    wait_children_effect,
+    wait_effect,
+)
+from tests.kernel_programs import IMPL, CallLog, JsonStrategy, chain_program, config_digest, logged_call
+
+PROGRAMS = ("chain", "chain-same", "ask-call", "prep-parent")
+
+
+# ---------------------------------------------------------------------------
+# ask-call: open an input wait, and once answered make one dispatcher call with the answer
+
+
+class AskThenCall(JsonStrategy):
+    """Admitting the answer commits the next Step and its dispatch permission in one append."""
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        phase = state["phase"]
+        if phase == "start":
+            effect = wait_effect(
+                WaitKey("answer"),
+                prompt={"question": "name?"},
+                response_schema={"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+            )
+            return Step(0, Continue((effect,)), {"phase": "opening"})
+        if phase == "opening":
+            return Step(1, Wait(window[0].wait_id), {"phase": "waiting", "wait_id": window[0].wait_id})  # type: ignore[arg-type]
+        if phase == "waiting":
+            answer = window[0]
+            name = answer.payload["name"]
+            return Step(1, Continue((dispatcher_effect({"greet": name}),)), {"phase": "calling", "name": name})
+        if phase == "calling":
+            value = (window[0].payload or {}).get("value")
+            return Step(1, Complete({"hello": state["name"], "value": value}), {"phase": "done"})
+        raise RuntimeError(f"unexpected phase {phase}")
+
+
+# ---------------------------------------------------------------------------
+# prep-parent: one dispatcher call, then start two chain children (so the children
+# start in an append of their own, after the first one), wait for both, collect outputs
+
+
+class PreparingParent(JsonStrategy):
+    def __init__(self, child: Program, count: int) -> None:
+        self.child = child
+        self.count = count
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        phase = state["phase"]
+        if phase == "start":
+            return Step(0, Continue((dispatcher_effect({"prepare": True}),)), {"phase": "preparing"})
+        if phase == "preparing":
+            prepared = (window[0].payload or {}).get("value")
+            effects = tuple(
+                start_child_effect(ChildSpec(ChildKey(f"child-{i}"), self.child.ref, {"n": 1})) for i in range(self.count)
+            )
+            return Step(1, Continue(effects), {"phase": "starting", "prepared": prepared})
+        if phase == "starting":
+            started = [s.payload["process_id"] for s in window]
+            spec = ChildWaitSpec(WaitKey("children"), tuple(started), Boundary.TERMINAL_RESULT, "all")
+            return Step(len(window), Continue((wait_children_effect(spec),)), {"phase": "opening"})
+        if phase == "opening":
+            return Step(1, Wait(window[0].wait_id), {"phase": "waiting"})  # type: ignore[arg-type]
+        if phase == "waiting":
+            outcomes = window[0].payload["outcomes"]
+            return Step(
+                1,
+                Complete({
+                    "prepared": state["prepared"],
+                    "children": [o["result"].get("output") for o in outcomes],
+                }),
+                {"phase": "done"},
+            )
+        raise RuntimeError(f"unexpected phase {phase}")
+
+
+def build(kind: str, log_path: str | Path) -> Program:
+    """The Program named ``kind`` whose dispatchers log to ``log_path``."""
+    log = CallLog(log_path)
+    if kind == "chain":
+        return chain_program(logged_call(log), name="crash.chain")
+    if kind == "chain-same":
+        return chain_program(logged_call(log), replay=Replay.SAME_IDENTITY, name="crash.chain")
+    if kind == "ask-call":
+        name = "crash.ask-call"
+        return Program(
+            Descriptor(name), AskThenCall(), IMPL, config_digest(name), dispatcher=FunctionDispatcher(logged_call(log, 7))
+        )
+    if kind == "prep-parent":
+        child = chain_program(logged_call(log), name="crash.child")
+        name = "crash.prep-parent"
+        return Program(
+            Descriptor(name),
+            PreparingParent(child, 2),
+            IMPL,
+            config_digest(name),
+            children=(child,),
+            dispatcher=FunctionDispatcher(logged_call(log, 5)),
+        )
+    raise ValueError(f"unknown program {kind!r}; expected one of {PROGRAMS}")
+
+
+def catalog(kind: str, log_path: str | Path) -> Catalog:
+    return Catalog([build(kind, log_path)])
