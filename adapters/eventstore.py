@@ -286,6 +286,9 @@ class EventStore:
             self.snapshots.insert_events([StoredEvent(tree_id.uuid, state.version, SNAPSHOT_TOPIC, body)])
         except IntegrityError:
             return  # the same version was already snapshotted
+        # Only the newest snapshot is ever read; keeping the others would grow storage
+        # with the square of a long conversation.
+        self.snapshots.prune(tree_id.uuid, state.version)
 
     def latest_snapshot(self, tree_id: TreeID, programs: ProgramResolver | None) -> tuple[TreeState, str] | None:
         rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1)

@@ -173,6 +173,14 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
         super().__init__(datastore, SNAPSHOTS_TABLE)
 
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
+        with self.datastore.transaction(commit=True) as c:
+            c.execute(
+                f"DELETE FROM {SNAPSHOTS_TABLE} WHERE originator_id = ? AND originator_version < ?",
+                (originator_id.hex, below_version),
+            )
+
 
 # ---------------------------------------------------------------------------
 # PostgreSQL
@@ -197,21 +205,62 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
                 "(process_id text PRIMARY KEY, tree_id text NOT NULL)"
             )
         )
-        self._upsert_head = (
-            f'INSERT INTO "{schema}".{TREES_TABLE} ({HEAD_COLUMNS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) '
-            "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
-            "version=excluded.version, head_digest=excluded.head_digest, "
-            "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at"
+        events = f'"{schema}".{events_table_name}'
+        # One statement per append: lock (insert order = commit order for followers),
+        # notify, upsert the index, insert the events. In autocommit it is one round
+        # trip and one commit, where the library's default path needs a pipeline, a
+        # sync and a separate COMMIT.
+        self.sql_create_statements.append(
+            SQL(
+                f'CREATE OR REPLACE FUNCTION "{schema}".agentfold_append('
+                "p_originator uuid, p_versions bigint[], p_topics text[], p_states bytea[], "
+                "p_head text[], p_new_processes text[]) RETURNS SETOF bigint LANGUAGE plpgsql AS $body$ "
+                "BEGIN "
+                f"LOCK TABLE {events} IN EXCLUSIVE MODE; "
+                f"NOTIFY {events_table_name}; "
+                "IF p_head IS NOT NULL THEN "
+                f'INSERT INTO "{schema}".{TREES_TABLE} ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], p_head[3], '
+                "p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], p_head[11]) "
+                "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
+                "classification=excluded.classification, version=excluded.version, "
+                "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
+                "updated_at=excluded.updated_at; "
+                f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
+                "SELECT unnest(p_new_processes), p_head[1]; "
+                "END IF; "
+                f"RETURN QUERY INSERT INTO {events} (originator_id, originator_version, topic, state) "
+                "SELECT p_originator, x.v, x.t, x.s FROM unnest(p_versions, p_topics, p_states) AS x(v, t, s) "
+                "ORDER BY x.v RETURNING notification_id; "
+                "END $body$"
+            )
         )
-        self._insert_process = f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) VALUES (%s, %s)'
+        self._append = f'SELECT * FROM "{schema}".agentfold_append(%s, %s, %s, %s, %s, %s)'
         self._schema = schema
 
-    def _insert_events(self, curs: Any, stored_events: Sequence[StoredEvent], **kwargs: Any) -> None:
+    def _create_table(self, curs: Any) -> None:
+        # Two processes opening one new database race on CREATE OR REPLACE FUNCTION
+        # ("tuple concurrently updated"): serialize schema creation.
+        curs.execute("SELECT pg_advisory_xact_lock(7406170100)")
+        super()._create_table(curs)
+
+    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        if not stored_events:
+            return []
         head: TreeHead | None = kwargs.get("head")
-        if head is not None:
-            curs.execute(self._upsert_head, head.row(), prepare=True)
-            for pid in head.new_processes:
-                curs.execute(self._insert_process, (pid, head.tree_id), prepare=True)
+        originator = stored_events[0].originator_id
+        if any(e.originator_id != originator for e in stored_events):
+            raise ValueError("one append writes one tree's stream")
+        params = (
+            originator,
+            [e.originator_version for e in stored_events],
+            [e.topic for e in stored_events],
+            [e.state for e in stored_events],
+            [str(v) for v in head.row()] if head is not None else None,
+            list(head.new_processes) if head is not None else [],
+        )
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(self._append, params, prepare=True)
+            return [row["agentfold_append"] for row in curs.fetchall()]
 
     def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
@@ -245,6 +294,16 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
 class PostgresSnapshotRecorder(PostgresAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
         super().__init__(datastore, events_table_name=SNAPSHOTS_TABLE)
+
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(
+                f'DELETE FROM "{self.datastore.schema}".{SNAPSHOTS_TABLE} '
+                "WHERE originator_id = %s AND originator_version < %s",
+                (originator_id, below_version),
+                prepare=True,
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -298,4 +357,9 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
 
 
 class MemorySnapshotRecorder(POPOAggregateRecorder):
-    pass
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Forget snapshots older than ``below_version`` (they stay in the list, unreachable by id)."""
+        with self._database_lock:
+            index = self._stored_events_index[str(originator_id)]
+            for version in [v for v in index if v < below_version]:
+                del index[version]

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import collections
 import os
-import uuid
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -254,6 +254,9 @@ class _Driver:
         self.stopped: AgentfoldError | None = None
         self.idle = False
         self.last_snapshot = loaded.snapshot_version
+        # The root's Result, set only once an acknowledged append holds its termination:
+        # the folded tree may be ahead of the store while an append is in flight or failed.
+        self.final: Result | None = None
 
     # -- inbox ---------------------------------------------------------------
 
@@ -271,6 +274,16 @@ class _Driver:
         return future.result(timeout)
 
     def _run(self) -> None:
+        with self.runtime._busy_cond:
+            self.runtime._busy += 1
+        try:
+            self._drain()
+        finally:
+            with self.runtime._busy_cond:
+                self.runtime._busy -= 1
+                self.runtime._busy_cond.notify_all()
+
+    def _drain(self) -> None:
         while True:
             with self._inbox_lock:
                 items = list(self._inbox)
@@ -340,7 +353,10 @@ class _Driver:
                 return
             for eid in settled:
                 self.flights.pop(eid, None)
-            self._launch(progress.dispatches)
+            if self.stopped is None and not self.runtime._closed:
+                # Closing: a call whose outcome nobody would record is not started; the
+                # committed permission is decided by recovery (replay or unknown).
+                self._launch(progress.dispatches)
             self._after_commit(events, replies)
             if len(progress.events) >= MAX_EVENTS_PER_APPEND:
                 self.submit(_Kick())
@@ -352,6 +368,8 @@ class _Driver:
             if not future.done():
                 future.set_result(value)
         self._cancel_stopping_flights()
+        if self.final is None and self.tree.root.terminal:
+            self.final = Result.of(self.tree.root)
         self.idle = not self.flights and not self._inbox
         self.cond.notify_all()
 
@@ -364,12 +382,18 @@ class _Driver:
         with self.lock:
             if self.stopped is None:
                 self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message)
-            self._reject(items, self.stopped)
+            if self.stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
+                # Later result()/wait_idle() calls on this runtime report the failure (Scope:
+                # every published Process's Await returns a RuntimeError), not a stale state.
+                self.runtime._failed[self.tree_id] = self.stopped
             for flight in self.flights.values():
                 flight.context.cancelled.set()
             self.idle = True
+            # Give up the tree (and its lease) before anyone hears of the stop: a caller
+            # told "stopped" may recover the tree at once, from another runtime.
+            self.runtime._forget(self)
+            self._reject(items, self.stopped)
             self.cond.notify_all()
-        self.runtime._forget(self)
 
     # -- appends -------------------------------------------------------------
 
@@ -381,6 +405,10 @@ class _Driver:
             events, exit_after = runtime._crash_check(events)
         expected = self.committed
         head = self._head(events)
+        if head.version != expected + len(events):
+            # A crash plan cut this append short (``declared:N``): the folded tree is ahead of
+            # what is stored, so the index row must carry the stored version, not the folded one.
+            head = replace(head, version=expected + len(events))
         result = runtime.store.append(
             self.tree_id, expected, events, previous_digest=self.digest, timestamp=runtime.clock(), head=head
         )
@@ -407,16 +435,22 @@ class _Driver:
         except AgentfoldError as exc:
             self._stop(exc)
             return
+        if loaded.state.incarnation != self.incarnation:
+            # Fenced: never adopt (or publish) a state another writer produced.
+            self._fence(loaded.state.incarnation)
+            return
         self.tree = loaded.state
         self.digest = loaded.digest
         self.committed = loaded.state.version
-        self._check_fence()
 
     def _catch_up(self) -> None:
         """Fold events other writers appended after our committed version."""
         try:
             records = self.runtime.store.read(self.tree_id, after=self.committed, previous_digest=self.digest)
             for record in records:
+                if isinstance(record.event, WriterActivated):
+                    self._fence(record.event.incarnation_id)
+                    return
                 self.tree.apply(record.event, record.position)
                 self.digest = record.digest
                 self.committed = record.position
@@ -427,13 +461,15 @@ class _Driver:
 
     def _check_fence(self) -> None:
         if self.tree.incarnation != self.incarnation:
-            self._stop(
-                Fenced(
-                    "engine.tree.incarnation_conflict",
-                    f"tree {self.tree_id} was activated by incarnation {self.tree.incarnation}; "
-                    f"this writer ({self.incarnation}) stops",
-                )
+            self._fence(self.tree.incarnation)
+
+    def _fence(self, other: TreeIncarnationID | None) -> None:
+        self._stop(
+            Fenced(
+                "engine.tree.incarnation_conflict",
+                f"tree {self.tree_id} was activated by incarnation {other}; this writer ({self.incarnation}) stops",
             )
+        )
 
     # -- dispatch ------------------------------------------------------------
 
@@ -554,6 +590,10 @@ class Runtime:
         self._dispatch_pool = ThreadPoolExecutor(dispatch_workers, thread_name_prefix="agentfold-dispatch")
         self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
         self._drivers: dict[TreeID, _Driver] = {}
+        self._failed: dict[TreeID, AgentfoldError] = {}
+        self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
+        self._busy_cond = threading.Condition()
+        self._shut = False
         self._lock = threading.RLock()
         self._leases = store.leases()
         self._ordinal: dict[EffectID, int] = {}
@@ -655,6 +695,7 @@ class Runtime:
                 raise
             with self._lock:
                 self._drivers[tree_id] = driver
+                self._failed.pop(tree_id, None)
             driver._launch(progress.dispatches)
             driver._after_commit([], [])
         self._ensure_watcher()
@@ -687,6 +728,11 @@ class Runtime:
                 return driver
             if not self._leases.acquire(tree_id):
                 return None
+        head = self.store.head(tree_id)
+        if head is not None and head.classification == "terminal":
+            # A finished tree needs no writer: activating it would append to a closed history.
+            self._leases.release(tree_id)
+            return None
         try:
             return self._activate(tree_id)
         except BaseException:
@@ -715,6 +761,7 @@ class Runtime:
                     continue
                 with self._lock:
                     self._drivers[tree_id] = driver
+                    self._failed.pop(tree_id, None)
                 driver._launch([*activation.dispatches, *progress.dispatches])
                 driver._after_commit([], [])
             self._ensure_watcher()
@@ -734,6 +781,11 @@ class Runtime:
             tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True)]
         handles = []
         for tree_id in tree_ids:
+            head = self.store.head(tree_id)
+            if head is not None and head.classification == "terminal":
+                # Nothing to drive; its result is in the store.
+                handles.append(RunHandle(self, tree_id, ProcessID(head.root_process_id), StartID(head.start_id)))
+                continue
             driver = self._try_adopt(tree_id)
             if driver is None:
                 if tree is not None:
@@ -769,6 +821,7 @@ class Runtime:
         self._check_open()
         driver = self._drivers.get(tree_id)
         if driver is None and self.adopt_on_admit:
+            self._precheck(tree_id, fn)
             driver = self._try_adopt(tree_id)
         if driver is not None:
             return driver.call(fn)
@@ -789,6 +842,20 @@ class Runtime:
             self._counts["remote_admissions"] += 1
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def _precheck(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
+        """Validate an admission before adopting the tree for it.
+
+        A refused request appends nothing, not even the ``WriterActivated`` adoption
+        would write; the request is run against a scratch copy of the stored tree as
+        the new owner would see it (activated, advanced), and its refusal raised here.
+        """
+        scratch = self._load(tree_id).state
+        kernel = Kernel(scratch, self._resolve, self.ids)
+        if not scratch.terminal:  # a finished tree is not adopted (see _try_adopt)
+            kernel.activate(self.ids.incarnation_id())
+            kernel.advance(MAX_EVENTS_PER_APPEND)
+        fn(kernel)
 
     def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
         """Admit signals to a Process, all or nothing; False when all were already admitted."""
@@ -908,7 +975,8 @@ class Runtime:
         driver = self._drivers.get(tree_id)
         if driver is not None:
             with driver.lock:
-                return TreeState.from_json(driver.tree.to_json(), self._resolve)
+                if driver.stopped is None:  # else its tree may hold events no append acknowledged
+                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
         return self._load(tree_id).state
 
     def status(self, tree_id: TreeID) -> str:
@@ -920,22 +988,29 @@ class Runtime:
     def result(self, tree_id: TreeID, timeout: float | None = None) -> Result:
         """Wait for the root Process to be terminal; return its Result."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         while True:
             driver = self._drivers.get(tree_id)
             if driver is not None:
-                with driver.cond:
-                    ok = driver.cond.wait_for(
-                        lambda: driver.tree.root.terminal or driver.stopped is not None,
-                        None if deadline is None else max(0.0, deadline - time.monotonic()),
-                    )
-                    if driver.tree.root.terminal:
-                        return Result.of(driver.tree.root)
-                    if driver.stopped is not None and not ok:
-                        raise driver.stopped
-                    if not ok:
-                        raise TimeoutError(f"tree {tree_id} is not finished")
+                # Bounded even while the owner line holds the lock inside a blocked store call.
+                if not driver.cond.acquire(timeout=-1 if deadline is None else remaining()):  # type: ignore[arg-type]
+                    raise TimeoutError(f"tree {tree_id} is not finished")
+                try:
+                    driver.cond.wait_for(lambda d=driver: d.final is not None or d.stopped is not None, remaining())
+                    # Only an acknowledged termination is published, never the folded tree's.
+                    if driver.final is not None:
+                        return driver.final
                     if driver.stopped is not None:
                         raise driver.stopped
+                    raise TimeoutError(f"tree {tree_id} is not finished")
+                finally:
+                    driver.cond.release()
+            failed = self._failed.get(tree_id)
+            if failed is not None:
+                raise failed
             head = self.store.head(tree_id)
             if head is not None and head.status in TERMINAL:
                 return Result.of(self.store.load(tree_id).state.root)
@@ -951,17 +1026,30 @@ class Runtime:
         """
         driver = self._drivers.get(tree_id)
         if driver is None:
+            failed = self._failed.get(tree_id)
+            if failed is not None:
+                raise failed
             return self._load(tree_id).state
         deadline = time.monotonic() + timeout
-        with driver.cond:
+        # Bounded even while the owner line holds the lock inside a blocked store call.
+        if not driver.cond.acquire(timeout=timeout):
+            raise TimeoutError(f"tree {tree_id} is still busy")
+        try:
             while True:
+                if driver.stopped is not None:
+                    failed = self._failed.get(tree_id)
+                    if failed is not None:
+                        raise failed
+                    return self._load(tree_id).state
                 quiet = driver.idle and not driver.flights and not driver._scheduled
-                if quiet or driver.stopped is not None:
+                if quiet:
                     return TreeState.from_json(driver.tree.to_json(), self._resolve)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")
                 driver.cond.wait(min(remaining, 0.05))
+        finally:
+            driver.cond.release()
 
     # -- crash plans ---------------------------------------------------------
 
@@ -1035,11 +1123,26 @@ class Runtime:
             raise RuntimeStopped("engine.runtime.closed", "this runtime is closed")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop driving every tree and release every lease; in-flight dispatches are abandoned."""
-        if self._closed:
+        """Stop driving every tree and release every lease; in-flight dispatches are abandoned.
+
+        An owner line inside a store call is waited for (up to ``timeout`` seconds): the
+        outcome of its append decides what the tree holds and what its callers are told.
+        If one is still inside after ``timeout``, close refuses with
+        ``engine.runtime.busy`` and the runtime takes no new work; call close again once
+        the store call has returned or failed.
+        """
+        if self._shut:
             return
         self._closed = True
         self._watch_stop.set()
+        with self._busy_cond:
+            if not self._busy_cond.wait_for(lambda: self._busy == 0, timeout):
+                raise RuntimeStopped(
+                    "engine.runtime.busy",
+                    f"{self._busy} owner line(s) of this runtime are still inside a store call",
+                    hint="close again once the store call returns or fails",
+                )
+        self._shut = True
         with self._lock:
             drivers = list(self._drivers.values())
         for driver in drivers:
@@ -1052,6 +1155,11 @@ class Runtime:
             self._forget(driver)
         self._owner_pool.shutdown(wait=True, cancel_futures=False)
         self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            # The watcher may be inside a store query; a caller that closes the store right
+            # after us would pull the connection from under it (SQLite: a segfault).
+            watcher.join(timeout)
         self._leases.close()
 
     def __enter__(self) -> Runtime:

@@ -692,10 +692,6 @@ def test_a_spent_steps_or_effects_budget_fails_the_process_durably(
 # A runtime that does not own the tree
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Runtime._admit adopts an unowned tree (appends WriterActivated) before validating the input",
-)
 def test_bad_input_through_a_runtime_that_does_not_own_the_tree_appends_nothing(store: EventStore) -> None:
     asker = asker_program()
     with Runtime(store, Catalog([asker])) as first:
