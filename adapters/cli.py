@@ -4,11 +4,19 @@ Commands (every one accepts ``--json`` and ``--store URL``):
 
 * ``trees`` - the tree index (one row per root tree);
 * ``show TREE`` - one folded tree: processes, mailboxes, waits, effects, budgets;
-* ``unknown`` - every unknown Effect of the live trees, waiting for a host;
-* ``resolve EFFECT_ID --output JSON [--status succeeded|failed]`` - settle an unknown
-  Effect with the outcome the host established, then drive the tree until it parks;
+* ``unknown`` - every unknown Effect of the live trees, waiting for a host (with its
+  kind and, for a tool call, its ToolCallRef);
+* ``resolve EFFECT_ID (--output JSON [--disposition D] | --model-response JSON)`` for
+  Interaction effects, ``--output JSON [--status succeeded|failed]`` for others - settle
+  an unknown Effect with the outcome the host established, then drive the tree until it parks;
 * ``recover`` - adopt every live tree nobody owns and drive each until it parks;
-* ``kernel-demo-run`` - start the kernel demo Program (``scripts/demo`` uses it).
+* ``run SCENARIO`` - start a scenario (docs/scenarios.md) and drive it until it parks or ends;
+* ``pending``, ``answer PROCESS_ID WAIT_ID JSON`` - tool input waits and their answers;
+* ``steer PROCESS_ID TEXT`` - a user message for an Interaction's next model request;
+* ``results TREE``, ``delegates PROCESS_ID`` - SettledResults and Delegate attributions;
+* ``cancel PROCESS_ID`` - cancel a process and its subtree;
+* ``demo`` - the narrated trip-planner demo (``scripts/demo``);
+* ``kernel-demo-run`` - start the kernel demo Program (``scripts/kernel-demo`` uses it).
 
 Exit status: 0 on success, 2 when the input was refused (one line on stderr saying
 why; nothing was appended), 1 for anything else (store failures, timeouts, a tree
@@ -36,17 +44,17 @@ from adapters.catalog import Catalog, Loader
 from adapters.eventstore import CorruptStream, EventStore, parse_store_url, redact, store_url_from_env
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
-from adapters.scenario import PROGRAM_NAME as SCENARIO_PROGRAM
-from adapters.scenario import load_scenario_file, scenario_input, scenario_program
 from adapters.recorders import TreeHead
 from adapters.runtime import CrashPlan, RandomIds, Runtime
-from domain.canonical import JSON, parse_json_text
+from adapters.scenario import PROGRAM_NAME as SCENARIO_PROGRAM
+from adapters.scenario import load_scenario_file, scenario_input, scenario_program
+from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
 from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
 from domain.events import TreeStarted
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
 from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
-from domain.program import Program
+from domain.program import Program, SignalRequest
 from domain.requests import Settlement, effect_request
 from domain.tree import ProcessState, TreeState
 from projections.host_views import delegate_attributions, pending_tool_inputs, unknown_effects
@@ -385,20 +393,28 @@ def _settlement_for(args: argparse.Namespace, tree: TreeState, catalog: Catalog 
     is_tool = isinstance(payload, dict) and "tool_call" in payload
     is_model = isinstance(payload, dict) and "model_call" in payload
     if args.model_response is not None:
+        if args.output is not None or args.disposition is not None or args.status is not None:
+            raise _UsageError("cli.usage", "--model-response takes no --output, --disposition or --status")
         if not is_model or program is None or request is None:
             raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is not a model call; use --output")
         response = parse_json_text(args.model_response, what="--model-response")
+        if isinstance(response, dict) and isinstance(response.get("message"), dict):
+            # The shape of a scenario's model response: the message role may be left out.
+            response = {**response, "message": {"role": "assistant", **response["message"]}}
         return settle_model_result(program, request, response)
     if args.output is None:
-        raise InvalidInput("cli.argument_invalid", "give --output JSON (or --model-response JSON for a model call)")
+        raise _UsageError("cli.usage", "give --output JSON (or --model-response JSON for a model call)")
     value = parse_json_text(args.output, what="--output")
-    if is_tool and program is not None and request is not None:
-        return settle_tool_result(program, request, value, args.disposition or "succeeded")
     if is_model:
         raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is a model call; use --model-response JSON")
+    if is_tool and program is not None and request is not None:
+        # A tool call's outcome is its disposition; --status would silently be ignored.
+        if args.status is not None:
+            raise _UsageError("cli.usage", "a tool call is resolved with --disposition, not --status")
+        return settle_tool_result(program, request, value, args.disposition or "succeeded")
     if args.disposition is not None:
-        raise InvalidInput("cli.argument_invalid", "--disposition applies to tool calls only; use --status")
-    return Settlement.succeeded(value) if args.status == "succeeded" else Settlement.failed(value)
+        raise _UsageError("cli.usage", "--disposition applies to tool calls only; use --status")
+    return Settlement.failed(value) if args.status == "failed" else Settlement.succeeded(value)
 
 
 def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -608,10 +624,17 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
         tree_id = store.tree_of_process(process_id)
         if tree_id is None:
             raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+        tree, _ = _catalog_for(store, ctx.sources, tree_id)
         match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
-        if match is None or match.wait_id != wait_id:
-            process = tree.processes.get(process_id)
+        process = tree.processes.get(process_id)
+        resent = process.signal_index.get(SignalID(args.signal_id)) if process and args.signal_id else None
+        if resent is not None:
+            # A retry of an answer already admitted (its wait is no longer pending): hand it to
+            # the kernel, which deduplicates identical content (accepted false) and refuses a
+            # different answer under the same id (engine.signal.conflict).
+            value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
+            signal = SignalRequest(SignalID(args.signal_id), {"input_response": value}, wait_id)
+        elif match is None or match.wait_id != wait_id:
             current = process.current_wait if process is not None else None
             raise Rejected(
                 "engine.signal.rejected",
@@ -619,7 +642,8 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
                 + (f" (its current wait is {current})" if current else ""),
                 hint=f"list pending inputs with `{PROG} pending`",
             )
-        signal = match.response_signal(_signal_id(args.signal_id, "answer"), response)
+        else:
+            signal = match.response_signal(_signal_id(args.signal_id, "answer"), response)
         with ctx.runtime(store) as runtime:
             accepted = runtime.deliver_signals(process_id, [signal])
             after = _drive(ctx, runtime, tree_id, f"answered {wait_id}")
@@ -710,7 +734,7 @@ def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
         tree_id = store.tree_of_process(process_id)
         if tree_id is None:
             raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+        tree, _ = _catalog_for(store, ctx.sources, tree_id)
     finally:
         store.close()
     attributions, found = delegate_attributions(tree, process_id)
@@ -785,13 +809,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resolve.add_argument("--model-response", metavar="JSON", default=None, help="a model call's response (JSON)")
     resolve.add_argument(
-        "--status", choices=("succeeded", "failed"), default="succeeded",
+        "--status", choices=("succeeded", "failed"), default=None,
         help="the outcome of an effect that is neither a tool nor a model call (default succeeded)",
     )
     command("recover", cmd_recover, "adopt every live tree nobody owns and drive each until it parks", timeout=True)
     demo = command(
         "kernel-demo-run", cmd_kernel_demo_run,
-        "start the kernel demo program demo.payment and drive it until it parks (used by scripts/demo)", timeout=True,
+        "start the kernel demo program demo.payment and drive it until it parks (used by scripts/kernel-demo)", timeout=True,
     )
     demo.add_argument("--side-effect-log", required=True, metavar="PATH",
                       help="file the demo's charge and receipt append to (stands in for the outside world)")
@@ -826,8 +850,9 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = command("cancel", cmd_cancel, "cancel a process and its subtree, then drive the tree on", timeout=True)
     cancel.add_argument("process_id", metavar="PROCESS_ID", help="the process to cancel")
     cancel.add_argument("--reason", default="canceled by host", help="why (recorded with the cancellation)")
-    command("demo", cmd_demo, "run the bundled trip-planner scenario through a crash, a recovery and a human answer",
-            timeout=True)
+    # No --timeout: each step of the demo is its own `agentfold` process with its own bound.
+    command("demo", cmd_demo, "run the bundled trip-planner scenario through a crash, a recovery and a human answer "
+            "(on its own temporary SQLite store; --store is ignored)")
     return parser
 
 

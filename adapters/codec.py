@@ -6,18 +6,20 @@
   ``StoredEvent`` and back, sealing the digest into the stored state
   (``domain.integrity``) and validating every field on the way back.
 
-The topic of a stored event is ``domain.events:<EventType>``; decoding resolves it
-against the event catalogue, never by importing what the database names.
+The topic of a stored event is ``domain.events:<EventType>`` for schema version 1 and
+``domain.events:<EventType>@<n>`` for a later version n (the version lives in the topic,
+not in every event's bytes); decoding resolves it against the event catalogue, never
+by importing what the database names.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from eventsourcing.persistence import Mapper, MapperDeserialisationError, StoredEvent, Transcoder
-from pydantic import BaseModel, ConfigDict, SerializeAsAny
 
 from domain.events import EVENT_TYPES, SCHEMA_VERSION, TreeEvent, event_body, event_from_body, event_type
 from domain.integrity import SealError, chain_digest, content_bytes, seal, unseal
@@ -35,15 +37,18 @@ class OrjsonTranscoder(Transcoder):
         return orjson.loads(data)
 
 
-class RecordedEvent(BaseModel):
-    """One event as stored: its tree, position, timestamp, chained digest and domain event."""
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """One event as stored: its tree, position, timestamp, chained digest and domain event.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    The domain event itself is validated when decoded; this wrapper only carries it.
+    """
+
     originator_id: uuid.UUID
     originator_version: int
     timestamp: str
     digest: str
-    event: SerializeAsAny[TreeEvent]
+    event: TreeEvent
 
     @property
     def position(self) -> int:
@@ -72,14 +77,15 @@ class PydanticMapper(Mapper[uuid.UUID]):
     ) -> tuple[StoredEvent, str]:
         """Encode one event at ``position``; returns the StoredEvent and its chained digest."""
         name = event_type(event)
-        content = content_bytes(event_body(event), SCHEMA_VERSION, timestamp)
-        digest = chain_digest(previous, tree_id, position, name, content)
+        tag = name if SCHEMA_VERSION == 1 else f"{name}@{SCHEMA_VERSION}"
+        content = content_bytes(event_body(event), timestamp)
+        digest = chain_digest(previous, tree_id, position, tag, content)
         state = seal(content, digest)
         if self.compressor:
             state = self.compressor.compress(state)
         if self.cipher:
             state = self.cipher.encrypt(state)
-        return StoredEvent(tree_uuid, position, TOPIC_PREFIX + name, state), digest
+        return StoredEvent(tree_uuid, position, TOPIC_PREFIX + tag, state), digest
 
     def decode(
         self, tree_id: str, stored: StoredEvent, previous: str | None, *, verify: bool = True
@@ -87,7 +93,9 @@ class PydanticMapper(Mapper[uuid.UUID]):
         """Decode and (by default) verify the digest chain of one stored event."""
         position = stored.originator_version
         topic = stored.topic
-        name = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
+        tag = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
+        name, _, version_text = tag.partition("@")
+        schema_version = int(version_text) if version_text.isdigit() else (1 if not version_text else -1)
         if name not in EVENT_TYPES:
             raise DecodeError(position, "stream.event_type", f"unknown topic {topic!r}")
         state = stored.state
@@ -102,13 +110,13 @@ class PydanticMapper(Mapper[uuid.UUID]):
         except Exception as exc:  # noqa: BLE001 - cipher/compressor failures
             raise DecodeError(position, "integrity.format", f"{type(exc).__name__}: {exc}") from exc
         if verify:
-            expected = chain_digest(previous, tree_id, position, name, unsealed.content)
+            expected = chain_digest(previous, tree_id, position, tag, unsealed.content)
             if expected != unsealed.digest:
                 raise DecodeError(
                     position, "integrity.digest_chain", f"recorded digest {unsealed.digest} but the chain gives {expected}"
                 )
-        if unsealed.schema_version != SCHEMA_VERSION:
-            raise DecodeError(position, "stream.schema_version", f"unsupported schema version {unsealed.schema_version}")
+        if schema_version != SCHEMA_VERSION:
+            raise DecodeError(position, "stream.schema_version", f"unsupported schema version in topic {topic!r}")
         try:
             event = event_from_body(name, unsealed.body)
         except Exception as exc:  # noqa: BLE001 - pydantic validation of untrusted bytes

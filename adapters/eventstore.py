@@ -305,6 +305,10 @@ class EventStore:
     def head(self, tree_id: TreeID) -> TreeHead | None:
         return self.index.select_head(tree_id)
 
+    def versions(self, tree_ids: Sequence[TreeID]) -> dict[TreeID, int]:
+        """The stored version of each tree (from the tree index), in one query."""
+        return {TreeID(k): v for k, v in self.index.select_versions([str(t) for t in tree_ids]).items()}
+
     def tree_of_process(self, process_id: str) -> TreeID | None:
         found = self.index.tree_of_process(process_id)
         return TreeID(found) if found else None

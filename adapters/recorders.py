@@ -96,6 +96,9 @@ class IndexQueries:
     def select_head(self, tree_id: str) -> TreeHead | None:
         raise NotImplementedError
 
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        raise NotImplementedError
+
     def tree_of_process(self, process_id: str) -> str | None:
         raise NotImplementedError
 
@@ -153,6 +156,18 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             c.execute(f"SELECT {HEAD_COLUMNS} FROM {TREES_TABLE} WHERE tree_id = ?", (tree_id,))
             row = c.fetchone()
         return head_from_row(row) if row else None
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self.datastore.transaction(commit=False) as c:
+            for start in range(0, len(tree_ids), 500):
+                chunk = list(tree_ids[start : start + 500])
+                c.execute(
+                    f"SELECT tree_id, version FROM {TREES_TABLE} WHERE tree_id IN ({','.join('?' * len(chunk))})",
+                    chunk,
+                )
+                out.update({str(r[0]): int(r[1]) for r in c.fetchall()})
+        return out
 
     def tree_of_process(self, process_id: str) -> str | None:
         with self.datastore.transaction(commit=False) as c:
@@ -277,6 +292,12 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         rows = self._select(f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = %s', (tree_id,))
         return head_from_row(rows[0]) if rows else None
 
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        rows = self._select(
+            f'SELECT tree_id, version FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)', (list(tree_ids),)
+        )
+        return {str(r["tree_id"]): int(r["version"]) for r in rows}
+
     def tree_of_process(self, process_id: str) -> str | None:
         rows = self._select(
             f'SELECT tree_id FROM "{self._schema}".{PROCESSES_TABLE} WHERE process_id = %s', (process_id,)
@@ -343,6 +364,10 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
     def select_head(self, tree_id: str) -> TreeHead | None:
         with self._index_lock:
             return self._heads.get(tree_id)
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        with self._index_lock:
+            return {t: self._heads[t].version for t in tree_ids if t in self._heads}
 
     def tree_of_process(self, process_id: str) -> str | None:
         with self._index_lock:

@@ -22,7 +22,6 @@ import collections
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -226,6 +225,16 @@ class _Kick:
 MAX_EVENTS_PER_APPEND = 2048
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One dispatcher call whose permission is committed."""
+
+    dispatch: Dispatch
+    dispatcher: Any
+    request: EffectRequest
+    context: DispatchContext
+
+
 @dataclass(slots=True)
 class _Flight:
     process_id: ProcessID
@@ -251,6 +260,8 @@ class _Driver:
         self._inbox_lock = threading.Lock()
         self._scheduled = False
         self.flights: dict[EffectID, _Flight] = {}
+        self._launched: list[_Job] = []
+        self._launched_lock = threading.Lock()
         self.stopped: AgentfoldError | None = None
         self.idle = False
         self.last_snapshot = loaded.snapshot_version
@@ -274,6 +285,11 @@ class _Driver:
         return future.result(timeout)
 
     def _run(self) -> None:
+        """Owner-pool entry: run the cycles, then start every launched dispatcher call."""
+        self._run_cycles()
+        self.start_jobs(keep_last=False)
+
+    def _run_cycles(self) -> None:
         with self.runtime._busy_cond:
             self.runtime._busy += 1
         try:
@@ -281,7 +297,33 @@ class _Driver:
         finally:
             with self.runtime._busy_cond:
                 self.runtime._busy -= 1
-                self.runtime._busy_cond.notify_all()
+                if self.runtime._busy == 0:
+                    self.runtime._busy_cond.notify_all()
+
+    def start_jobs(self, *, keep_last: bool) -> _Job | None:
+        """Start the launched calls on the dispatch pool; optionally keep the last for this thread."""
+        with self._launched_lock:
+            jobs = self._launched
+            self._launched = []
+        if not jobs:
+            return None
+        keep = jobs.pop() if keep_last else None
+        for job in jobs:
+            self.runtime._dispatch_pool.submit(self._dispatch_loop, job)
+        return keep
+
+    def _dispatch_loop(self, job: _Job | None) -> None:
+        """A dispatch thread: call, record the outcome, and when nobody else is driving the
+        tree, drive it here and take the next call too (a chain runs without hand-offs)."""
+        while job is not None:
+            done = self._call_dispatcher(job)
+            with self._inbox_lock:
+                self._inbox.append(done)
+                if self._scheduled:
+                    return
+                self._scheduled = True
+            self._run_cycles()
+            job = self.start_jobs(keep_last=True)
 
     def _drain(self) -> None:
         while True:
@@ -368,10 +410,16 @@ class _Driver:
             if not future.done():
                 future.set_result(value)
         self._cancel_stopping_flights()
+        notify = bool(replies)
         if self.final is None and self.tree.root.terminal:
             self.final = Result.of(self.tree.root)
-        self.idle = not self.flights and not self._inbox
-        self.cond.notify_all()
+            notify = True
+        idle = not self.flights and not self._inbox
+        if idle != self.idle:
+            notify = True
+        self.idle = idle
+        if notify:  # waking result()/wait_idle() on every append costs more than the append
+            self.cond.notify_all()
 
     def _reject(self, items: Iterable[Any], exc: AgentfoldError) -> None:
         for item in items:
@@ -421,7 +469,10 @@ class _Driver:
         if self.committed != self.tree.version:  # pragma: no cover - defensive
             raise RuntimeStopped("engine.runtime.failed", "the folded tree and the committed version diverged")
         every = runtime.snapshot_every
-        if every and self.committed - self.last_snapshot >= every and self.tree._expect is None:
+        # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
+        # the tree's size, so this keeps the amortized cost per event constant, while a load
+        # still folds at most ~1/8 of the history after the newest snapshot.
+        if every and self.committed - self.last_snapshot >= max(every, self.committed // 8) and self.tree._expect is None:
             runtime.store.save_snapshot(self.tree_id, self.tree, result.digest)
             self.last_snapshot = self.committed
 
@@ -489,10 +540,12 @@ class _Driver:
             if dispatcher is None:
                 self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
                 continue
-            self.runtime._dispatch_pool.submit(self._call_dispatcher, dispatch, dispatcher, request, context)
+            with self._launched_lock:
+                self._launched.append(_Job(dispatch, dispatcher, request, context))
 
-    def _call_dispatcher(self, dispatch: Dispatch, dispatcher: Any, request: EffectRequest, context: DispatchContext) -> None:
+    def _call_dispatcher(self, job: _Job) -> _Done:
         runtime = self.runtime
+        dispatch, dispatcher, request, context = job.dispatch, job.dispatcher, job.request, job.context
         try:
             settlement = dispatcher.dispatch(request, context)
             done = _settled(dispatch, settlement)
@@ -506,7 +559,7 @@ class _Driver:
         crash = runtime.crash
         if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
             crash.exit()
-        self.submit(done)
+        return done
 
     def _cancel_stopping_flights(self) -> None:
         now = time.monotonic()
@@ -698,6 +751,7 @@ class Runtime:
                 self._failed.pop(tree_id, None)
             driver._launch(progress.dispatches)
             driver._after_commit([], [])
+        driver.start_jobs(keep_last=False)
         self._ensure_watcher()
         return RunHandle(self, tree_id, started.process_id, sid)
 
@@ -764,6 +818,7 @@ class Runtime:
                     self._failed.pop(tree_id, None)
                 driver._launch([*activation.dispatches, *progress.dispatches])
                 driver._after_commit([], [])
+            driver.start_jobs(keep_last=False)
             self._ensure_watcher()
             return driver
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
@@ -1097,22 +1152,23 @@ class Runtime:
         self._watcher.start()
 
     def _watch(self) -> None:
-        last = self.store.max_notification_id()
+        """Notice appends other writers made to trees this runtime owns (input admitted elsewhere).
+
+        One query per poll reads the owned trees' versions from the tree index; a tree
+        whose stored version is ahead of its owner's is caught up by its owner.
+        """
         while not self._watch_stop.wait(self.poll_interval):
             try:
-                latest = self.store.max_notification_id()
-                if latest <= last:
+                with self._lock:
+                    owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
+                if not owned:
                     continue
-                changed: dict[TreeID, int] = {}
-                for note in self.store.notifications(last, 1000):
-                    origin = note.originator_id
-                    key = TreeID.from_uuid(origin if isinstance(origin, uuid.UUID) else uuid.UUID(str(origin)))
-                    changed[key] = max(changed.get(key, 0), note.originator_version)
-                    last = max(last, note.id)
-                for tree_id, version in changed.items():
-                    driver = self._drivers.get(tree_id)
-                    if driver is not None and version > driver.committed:
-                        driver.submit(_Refresh())
+                versions = self.store.versions(list(owned))
+                for tree_id, version in versions.items():
+                    if version > owned[tree_id]:
+                        driver = self._drivers.get(tree_id)
+                        if driver is not None and version > driver.committed:
+                            driver.submit(_Refresh())
             except Exception:  # noqa: BLE001 - the watcher must survive transient store errors
                 continue
 
@@ -1182,7 +1238,7 @@ def index_head(tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], no
         classification=tree.classification(),
         version=tree.version,
         head_digest="",
-        unknown_effect_ids=tuple(sorted(r.effect_id for p in tree.processes.values() for r in p.unknown_effects())),
+        unknown_effect_ids=tuple(sorted(tree.unknown_ids)),
         created_at=now,
         updated_at=now,
         new_processes=tuple(e.process_id for e in events if isinstance(e, (ProcessStarted, TreeStarted))),

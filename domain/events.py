@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict
 from domain.budget import Budget
 from domain.errors import Failure
 from domain.ids import (
-    ChildKey,
     EffectAttemptID,
     EffectID,
     ProcessID,
@@ -78,14 +77,14 @@ class WriterActivated(TreeEvent):
 
 
 class ProcessStarted(TreeEvent):
-    """A child joins the tree; its input is the start-child Effect's ``input``."""
+    """A child joins the tree and settles its parent's start-child Effect (succeeded).
+
+    Everything else about the child (key, program, input, grant, capabilities) is the
+    start-child Effect's payload, stored once with its declaration.
+    """
 
     parent_id: ProcessID
-    child_key: ChildKey
     start_effect_id: EffectID
-    program: ProgramRef
-    budget: Budget = Budget()
-    capabilities: tuple[str, ...] = ()
 
 
 class SignalAdmitted(TreeEvent):
@@ -113,8 +112,6 @@ class StepCommitted(TreeEvent):
     effects: int = 0
     wait_id: WaitID | None = None
     reason: str | None = None
-    output: Any = None
-    failure: Failure | None = None
 
 
 class EffectDeclared(TreeEvent):
@@ -128,7 +125,8 @@ class EffectDeclared(TreeEvent):
 
 
 class EffectDispatched(TreeEvent):
-    """Dispatch permission, committed before the dispatcher is called."""
+    """Dispatch permission, committed before the dispatcher is called, by the writer
+    (incarnation) that holds the tree."""
 
     effect_id: EffectID
     attempt_id: EffectAttemptID
@@ -235,8 +233,12 @@ def event_type(event: TreeEvent) -> str:
 
 
 def event_body(event: TreeEvent) -> dict[str, Any]:
-    """The event's fields as JSON values (what is stored and digested)."""
-    return event.model_dump(mode="json")
+    """The event's fields as JSON values (what is stored and digested); defaults are omitted.
+
+    A field's default is therefore part of the event's schema version: changing one
+    needs a new schema version and an upcaster.
+    """
+    return event.model_dump(mode="json", exclude_defaults=True)
 
 
 def event_from_body(type_name: str, body: dict[str, Any]) -> TreeEvent:

@@ -37,7 +37,7 @@ class _Identity(str):
 
     def __new__(cls, value: str) -> Self:
         if type(value) is cls:
-            return value  # type: ignore[return-value]
+            return value
         if not isinstance(value, str):
             raise InvalidInput("identity.invalid", f"{cls.kind} must be a string, got {type(value).__name__}")
         cls._check(value)
@@ -104,6 +104,10 @@ class EffectID(_Identity):
     kind = "effect id"
 
 
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 class _HexIdentity(_Identity):
     prefix: ClassVar[str] = ""
     width: ClassVar[int] = 16  # bytes
@@ -111,11 +115,8 @@ class _HexIdentity(_Identity):
     @classmethod
     def _check(cls, value: str) -> None:
         body = value[len(cls.prefix) :]
-        if (
-            not value.startswith(cls.prefix)
-            or len(body) != cls.width * 2
-            or not all(c in "0123456789abcdef" for c in body)
-        ):
+        pattern = _HEX32 if cls.width == 16 else _HEX64
+        if not value.startswith(cls.prefix) or len(body) != cls.width * 2 or not pattern.fullmatch(body):
             raise InvalidInput(
                 "identity.invalid",
                 f"invalid {cls.kind} {value[:80]!r}",
@@ -131,7 +132,7 @@ class _HexIdentity(_Identity):
         """Build from ``width`` random or derived bytes (the caller owns randomness)."""
         if len(raw) != cls.width:
             raise InvalidInput("identity.invalid", f"{cls.kind} needs {cls.width} bytes, got {len(raw)}")
-        return cls(cls.prefix + raw.hex())
+        return str.__new__(cls, cls.prefix + raw.hex())  # well formed by construction
 
 
 class Digest(_HexIdentity):

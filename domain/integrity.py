@@ -2,7 +2,7 @@
 
 Each stored event's state is the canonical JSON object
 
-    {"digest": "sha256:...", "event": {...}, "schema_version": 1, "timestamp": "..."}
+    {"digest": "sha256:...", "event": {...}, "timestamp": "..."}
 
 and its digest chains it to the previous event of the same tree:
 
@@ -33,8 +33,8 @@ _DIGEST_LEN = len("sha256:") + 64
 _SPLIT = len(_PREFIX) + _DIGEST_LEN + 2  # closing quote and comma
 
 
-def content_bytes(body: dict[str, Any], schema_version: int, timestamp: str) -> bytes:
-    return canonical_bytes({"event": body, "schema_version": schema_version, "timestamp": timestamp})
+def content_bytes(body: dict[str, Any], timestamp: str) -> bytes:
+    return canonical_bytes({"event": body, "timestamp": timestamp})
 
 
 def chain_digest(previous: str | None, tree_id: str, position: int, type_name: str, content: bytes) -> Digest:
@@ -61,7 +61,6 @@ class Unsealed:
     digest: str
     content: bytes
     body: dict[str, Any]
-    schema_version: int
     timestamp: str
 
 
@@ -79,6 +78,6 @@ def unseal(state: bytes) -> Unsealed:
         value = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
         raise SealError(f"stored state is not JSON: {exc}") from exc
-    if not isinstance(value, dict) or set(value) != {"event", "schema_version", "timestamp"}:
-        raise SealError("stored state must hold exactly event, schema_version and timestamp")
-    return Unsealed(digest, content, value["event"], int(value["schema_version"]), str(value["timestamp"]))
+    if not isinstance(value, dict) or set(value) != {"event", "timestamp"}:
+        raise SealError("stored state must hold exactly event and timestamp")
+    return Unsealed(digest, content, value["event"], str(value["timestamp"]))

@@ -67,6 +67,7 @@ from domain.ids import (
 from domain.json_schema import schema_errors
 from domain.mailbox import check_admission
 from domain.program import (
+    NO_STATE,
     TRANSITION_KINDS,
     Checkpoint,
     ChildSpec,
@@ -203,7 +204,7 @@ class Kernel:
         moved = True
         while moved and len(progress.events) < max_events:
             moved = False
-            for process in list(self.tree.processes.values()):
+            for process in list(self.tree.live.values()):
                 if self._advance_process(process, progress):
                     moved = True
                 if len(progress.events) >= max_events:
@@ -228,13 +229,13 @@ class Kernel:
             if record is None or record.phase != "planned":
                 return False
             if record.target == Target.FRAMEWORK:
-                self._settle_framework(progress, process, record)
+                return self._settle_framework(progress, process, record)
             else:
                 attempt = self.ids.attempt_id()
                 assert self.tree.incarnation is not None
                 self._emit(
                     progress,
-                    EffectDispatched(
+                    EffectDispatched.model_construct(
                         process_id=process.process_id,
                         effect_id=record.effect_id,
                         attempt_id=attempt,
@@ -260,7 +261,7 @@ class Kernel:
         unresolved = tuple(sorted(r.effect_id for r in process.unknown_effects()))
         self._emit(
             progress,
-            ProcessTerminated(
+            ProcessTerminated.model_construct(
                 process_id=process.process_id,
                 status=CAUSE_STATUS[cause],  # type: ignore[arg-type]
                 cause=cause,  # type: ignore[arg-type]
@@ -305,7 +306,10 @@ class Kernel:
             return
         consumed = window[: step.consumed]
         try:
-            next_state = program.strategy.evolve(process.state, checked.facts, consumed)
+            if step.next_state is not NO_STATE:
+                next_state = step.next_state
+            else:
+                next_state = program.strategy.evolve(process.state, checked.facts, consumed)
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
@@ -322,7 +326,7 @@ class Kernel:
         effects = transition.effects if isinstance(transition, Continue) else ()
         self._emit(
             progress,
-            StepCommitted(
+            StepCommitted.model_construct(
                 process_id=process.process_id,
                 step=seq,
                 consumed=step.consumed,
@@ -337,7 +341,7 @@ class Kernel:
         if isinstance(transition, Checkpoint):
             self._emit(
                 progress,
-                CheckpointCommitted(
+                CheckpointCommitted.model_construct(
                     process_id=process.process_id, step=seq, kind=transition.kind, acknowledges=checked.acknowledges
                 ),
             )
@@ -345,7 +349,7 @@ class Kernel:
             policy = checked.policies[index]
             self._emit(
                 progress,
-                EffectDeclared(
+                EffectDeclared.model_construct(
                     process_id=process.process_id,
                     effect_id=derive_effect_id(process.process_id, seq, index),
                     step=seq,
@@ -481,18 +485,18 @@ class Kernel:
 
     # -- framework effects ---------------------------------------------------
 
-    def _settle_framework(self, progress: Progress, process: ProcessState, record: EffectRecord) -> None:
+    def _settle_framework(self, progress: Progress, process: ProcessState, record: EffectRecord) -> bool:
         op = Operation(record.operation)
         payload = record.payload
         pid = process.process_id
         eid = record.effect_id
         if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
-            self._emit(
-                progress,
-                EffectSettled(process_id=pid, effect_id=eid, status="succeeded", payload={"wait_id": wait_id_for(eid)}),
-            )
+            # Settled by the fold as soon as it reaches the frontier of a running Process
+            # (domain.tree: _settle_implicit); reaching here means the Process is not running.
+            return False
         elif op is Operation.START_CHILD:
             self._start_child(progress, process, record)
+            return True
         elif op is Operation.SIGNAL_CHILD:
             child_id = ProcessID(payload["child"])
             signal = payload["signal"]
@@ -503,24 +507,24 @@ class Kernel:
                 receipt["failure"] = _failure(
                     FailureKind.CONTRACT, EngineCode.CHILD_CONTROL_NOT_OWNED, f"{child_id} is not a child of {pid}"
                 ).to_json()
-                self._emit(progress, EffectSettled(process_id=pid, effect_id=eid, status="failed", payload=receipt))
-                return
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
             try:
                 admission = check_admission(child, [request], source="parent")
             except (Rejected, InvalidInput) as exc:
                 receipt["failure"] = _failure(
                     FailureKind.EXECUTION, EngineCode.CHILD_SIGNAL_REJECTED, exc.message
                 ).to_json()
-                self._emit(progress, EffectSettled(process_id=pid, effect_id=eid, status="failed", payload=receipt))
-                return
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
             for new in admission.new:
                 self._emit(
                     progress,
-                    SignalAdmitted(
+                    SignalAdmitted.model_construct(
                         process_id=child_id, signal_id=new.id, wait_id=new.wait_id, payload=new.payload, source="parent"
                     ),
                 )
-            self._emit(progress, EffectSettled(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
+            self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
         else:
             child_id = ProcessID(payload["child"])
             receipt = {"child": child_id}
@@ -529,14 +533,15 @@ class Kernel:
                 receipt["failure"] = _failure(
                     FailureKind.CONTRACT, EngineCode.CHILD_CONTROL_NOT_OWNED, f"{child_id} is not a child of {pid}"
                 ).to_json()
-                self._emit(progress, EffectSettled(process_id=pid, effect_id=eid, status="failed", payload=receipt))
-                return
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
             if not child.terminal and "cancel" not in child.intents:
                 self._emit(
                     progress,
-                    ControlRequested(process_id=child_id, control="cancel", reason=payload["reason"], owner="parent"),
+                    ControlRequested.model_construct(process_id=child_id, control="cancel", reason=payload["reason"], owner="parent"),
                 )
-            self._emit(progress, EffectSettled(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
+            self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
+        return True
 
     def _start_child(self, progress: Progress, parent: ProcessState, record: EffectRecord) -> None:
         spec = ChildSpec.from_json(record.payload)
@@ -547,7 +552,7 @@ class Kernel:
             body = {**base, "failure": _failure(kind, code, message).to_json()}
             self._emit(
                 progress,
-                EffectSettled(process_id=parent.process_id, effect_id=record.effect_id, status="failed", payload=body),
+                EffectSettled.model_construct(process_id=parent.process_id, effect_id=record.effect_id, status="failed", payload=body),
             )
 
         tree = self.tree
@@ -614,26 +619,10 @@ class Kernel:
         except Exception as exc:  # noqa: BLE001
             refused(FailureKind.EXECUTION, EngineCode.PROCESS_START_FAILED, f"{type(exc).__name__}: {exc}")
             return
+        # ProcessStarted also settles the start-child Effect (the fold derives its result).
         self._emit(
             progress,
-            ProcessStarted(
-                process_id=child_id,
-                parent_id=parent.process_id,
-                child_key=ChildKey(spec.key),
-                start_effect_id=record.effect_id,
-                program=spec.program,
-                budget=spec.budget,
-                capabilities=tuple(sorted(spec.capabilities)),
-            ),
-        )
-        self._emit(
-            progress,
-            EffectSettled(
-                process_id=parent.process_id,
-                effect_id=record.effect_id,
-                status="succeeded",
-                payload={**base, "process_id": child_id},
-            ),
+            ProcessStarted.model_construct(process_id=child_id, parent_id=parent.process_id, start_effect_id=record.effect_id),
         )
 
     # -- dispatcher outcomes ---------------------------------------------------
@@ -654,7 +643,7 @@ class Kernel:
             return []
         if record.incarnation_id != self.tree.incarnation:
             return []
-        event = EffectSettled(
+        event = EffectSettled.model_construct(
             process_id=process_id,
             effect_id=effect_id,
             status=status.value,  # type: ignore[arg-type]
@@ -678,7 +667,7 @@ class Kernel:
         assert self.tree.root_id is not None and self.tree.incarnation is not None
         self._emit(
             progress,
-            WriterActivated(
+            WriterActivated.model_construct(
                 process_id=self.tree.root_id,
                 incarnation_id=incarnation,
                 previous_incarnation_id=self.tree.incarnation,
@@ -691,7 +680,7 @@ class Kernel:
                     attempt = self.ids.attempt_id()
                     self._emit(
                         progress,
-                        EffectDispatched(
+                        EffectDispatched.model_construct(
                             process_id=process.process_id,
                             effect_id=record.effect_id,
                             attempt_id=attempt,
@@ -702,7 +691,7 @@ class Kernel:
                 else:
                     self._emit(
                         progress,
-                        EffectSettled(
+                        EffectSettled.model_construct(
                             process_id=process.process_id,
                             effect_id=record.effect_id,
                             status="unknown",
@@ -732,7 +721,7 @@ class Kernel:
         admission = check_admission(process, requests, source="host", signal_schema=program.descriptor.signal_schema)
         events: list[TreeEvent] = []
         for request in admission.new:
-            event = SignalAdmitted(
+            event = SignalAdmitted.model_construct(
                 process_id=pid, signal_id=request.id, wait_id=request.wait_id, payload=request.payload, source="host"
             )
             self.tree.apply(event)
@@ -764,7 +753,7 @@ class Kernel:
             reason = check_reason(reason or f"{control} requested by {owner}")
         else:
             raise InvalidInput("control.invalid", f"unknown control {control!r}")
-        event = ControlRequested(process_id=pid, control=control, reason=reason, owner=owner)  # type: ignore[arg-type]
+        event = ControlRequested.model_construct(process_id=pid, control=control, reason=reason, owner=owner)  # type: ignore[arg-type]
         self.tree.apply(event)
         return [event]
 
@@ -804,7 +793,7 @@ class Kernel:
         if not status.definite:
             raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be succeeded or failed")
         value = normalize(payload, what="resolution payload")
-        event = EffectResolved(
+        event = EffectResolved.model_construct(
             process_id=process.process_id,
             effect_id=effect_id,
             status=status.value,  # type: ignore[arg-type]

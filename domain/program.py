@@ -435,13 +435,22 @@ TRANSITION_KINDS: dict[type, str] = {
 }
 
 
+NO_STATE: Any = object()
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
-    """What ``decide`` returns: the consumed prefix, the transition and the facts."""
+    """What ``decide`` returns: the consumed prefix, the transition and the facts.
+
+    ``next_state`` is an optional shortcut for a Strategy that computes its next state
+    while deciding: it must equal ``evolve(state, facts, consumed)`` exactly (the fold of
+    the stored facts, which is what recovery and audit use, must reach the same state).
+    """
 
     consumed: int
     transition: Transition
     facts: JSON = None
+    next_state: Any = field(default=NO_STATE, compare=False, repr=False)
 
 
 def check_reason(reason: str) -> str:

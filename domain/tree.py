@@ -397,6 +397,10 @@ class TreeState:
         self._pending_declarations = 0
         self._finished_effects: set[EffectID] = set()
         self._resolved_effects: set[EffectID] = set()
+        self.live: dict[ProcessID, ProcessState] = {}
+        """Non-terminal Processes in creation order (kept so per-append work ignores finished ones)."""
+        self.unknown_ids: set[EffectID] = set()
+        """Effects whose outcome is unknown and not resolved (terminal processes keep theirs)."""
 
     # -- queries -----------------------------------------------------------
 
@@ -439,10 +443,9 @@ class TreeState:
 
     def classification(self) -> str:
         """``progress``, ``parked`` or ``terminal`` (kernel spec 4.3 shared rule)."""
-        live = [p for p in self.processes.values() if not p.terminal]
-        if not live:
+        if not self.live:
             return "terminal"
-        for p in live:
+        for p in self.live.values():
             if p.status not in ("waiting", "paused") and not p.unknown_effects():
                 return "progress"
         return "parked"
@@ -529,6 +532,7 @@ class TreeState:
         )
         self._init_state(pos, process)
         self.processes[e.process_id] = process
+        self.live[e.process_id] = process
 
     def _init_state(self, pos: int, process: ProcessState) -> None:
         if self.programs is None:
@@ -576,15 +580,18 @@ class TreeState:
         if e.process_id in self.processes:
             raise self.fail(pos, "child.identity", f"process {e.process_id} already exists")
         payload = record.payload
-        if e.child_key != payload.get("key") or e.child_key in parent.child_keys:
-            raise self.fail(pos, "child.key", f"child key {e.child_key} does not match the effect or is reused")
-        if e.program.to_json() != payload.get("program") or e.budget.to_json() != Budget.from_json(
-            payload.get("budget")
-        ).to_json() or list(e.capabilities) != sorted(payload.get("capabilities", [])):
-            raise self.fail(pos, "child.spec", "ProcessStarted does not match its start-child effect")
-        if not set(e.capabilities) <= set(parent.capabilities):
+        try:
+            key = ChildKey(payload.get("key"))
+            program = ProgramRef.from_json(payload.get("program"))
+            budget = Budget.from_json(payload.get("budget"))
+            capabilities = tuple(sorted(payload.get("capabilities", [])))
+        except Exception as exc:  # noqa: BLE001 - a malformed start payload is a corrupt stream
+            raise self.fail(pos, "child.spec", f"the start-child effect's spec is invalid: {exc}") from exc
+        if key in parent.child_keys:
+            raise self.fail(pos, "child.key", f"child key {key} is already used by this parent")
+        if not set(capabilities) <= set(parent.capabilities):
             raise self.fail(pos, "child.capabilities", "child capabilities exceed the parent's")
-        debit = child_debit(parent.budget, e.budget)
+        debit = child_debit(parent.budget, budget)
         if isinstance(debit, str):
             raise self.fail(pos, "budget.child_allocation", debit)
         allocated = parent.allocated.plus(debit)
@@ -603,19 +610,25 @@ class TreeState:
             process_id=e.process_id,
             root_id=parent.root_id,
             parent_id=parent.process_id,
-            child_key=e.child_key,
+            child_key=key,
             depth=parent.depth + 1,
-            program=e.program,
+            program=program,
             input=payload.get("input"),
-            budget=e.budget,
-            capabilities=tuple(e.capabilities),
+            budget=budget,
+            capabilities=capabilities,
             limits_max_pending=parent.limits_max_pending,
             start_effect_id=e.start_effect_id,
         )
         self._init_state(pos, child)
         self.processes[e.process_id] = child
+        self.live[e.process_id] = child
         parent.children.append(e.process_id)
-        parent.child_keys[e.child_key] = e.process_id
+        parent.child_keys[key] = e.process_id
+        # The start is settled by the child's existence: ChildStartResult, derived.
+        record.phase = "settled"
+        record.status = SettlementStatus.SUCCEEDED
+        record.result = {"key": key, "program": payload.get("program"), "process_id": e.process_id}
+        self._settle_implicit(parent)
 
     # SignalAdmitted ---------------------------------------------------------
 
@@ -770,6 +783,8 @@ class TreeState:
         remaining = self._pending_declarations - 1
         self._pending_declarations = remaining
         self._expect = ("declare", e.process_id, e.step, e.index + 1) if remaining else None
+        if not remaining:
+            self._settle_implicit(process)
 
     # EffectDispatched -------------------------------------------------------
 
@@ -787,18 +802,18 @@ class TreeState:
             raise self.fail(pos, "dispatch.after_settlement", f"effect {e.effect_id} is already settled")
         if process.frontier() is not record:
             raise self.fail(pos, "effect.frontier", f"effect {e.effect_id} is not the frontier of its batch")
-        if e.incarnation_id != self.incarnation:
-            raise self.fail(pos, "dispatch.incarnation", f"dispatch by {e.incarnation_id}, owner is {self.incarnation}")
         if record.phase == "pending":
             if record.incarnation_id == self.incarnation:
                 raise self.fail(pos, "dispatch.once", f"effect {e.effect_id} was already dispatched by this writer")
             if record.replay != "same_identity":
                 raise self.fail(pos, "dispatch.replay_policy", f"effect {e.effect_id} may not be dispatched again")
+        if e.incarnation_id != self.incarnation:
+            raise self.fail(pos, "dispatch.incarnation", f"dispatch by {e.incarnation_id}, owner is {self.incarnation}")
         if process.terminal or process.terminal_intent is not None or process.status == "paused":
             raise self.fail(pos, "dispatch.process_state", f"process {e.process_id} may not dispatch now")
         record.phase = "pending"
         record.attempt_id = e.attempt_id
-        record.incarnation_id = e.incarnation_id
+        record.incarnation_id = self.incarnation
         record.attempts += 1
 
     # EffectSettled ----------------------------------------------------------
@@ -836,26 +851,44 @@ class TreeState:
         record.status = status
         record.result = e.payload
         record.diagnostic = e.diagnostic
-        self._maybe_finish_batch(process)
+        if status is SettlementStatus.UNKNOWN:
+            self.unknown_ids.add(e.effect_id)
+        self._settle_implicit(process)
 
     def _check_framework_settlement(self, pos: int, process: ProcessState, record: EffectRecord, e: EffectSettled) -> None:
         op = record.operation
         payload = e.payload if isinstance(e.payload, dict) else {}
         if op == Operation.START_CHILD:
-            child_id = child_process_id(record.effect_id)
-            started = child_id in self.processes
             if e.status == "succeeded":
-                if not started or payload.get("process_id") != child_id:
-                    raise self.fail(pos, "child.start_settlement", "a successful start must name the started child")
-            elif started or "failure" not in payload:
+                raise self.fail(
+                    pos, "child.start_settlement", "a successful start is recorded by ProcessStarted, not EffectSettled"
+                )
+            if "failure" not in payload:
                 raise self.fail(pos, "child.start_settlement", "a failed start carries a failure and starts no child")
         elif op in (Operation.WAIT, Operation.WAIT_CHILDREN):
-            if e.status != "succeeded" or payload.get("wait_id") != wait_id_for(record.effect_id):
-                raise self.fail(pos, "wait.settlement", "a wait effect settles succeeded with its derived wait id")
+            raise self.fail(pos, "wait.settlement", "a wait settles by itself when it reaches the frontier")
         elif op in (Operation.SIGNAL_CHILD, Operation.CANCEL_CHILD) and (
             payload.get("child") != record.payload.get("child") or (e.status == "failed") != ("failure" in payload)
         ):
             raise self.fail(pos, "child.control_settlement", "a child control receipt must match its effect")
+
+    def _settle_implicit(self, process: ProcessState) -> None:
+        """Settle waits at the frontier (they need no outside work), then finish the batch if done.
+
+        A ``wait`` or ``wait_children`` Effect settles the moment it reaches the frontier
+        of a running Process without a terminal intent; nothing is stored for it.
+        """
+        if process.status == "running" and process.terminal_intent is None:
+            for record in process.batch:
+                if record.definite:
+                    continue
+                if record.phase == "planned" and record.operation in (Operation.WAIT, Operation.WAIT_CHILDREN):
+                    record.phase = "settled"
+                    record.status = SettlementStatus.SUCCEEDED
+                    record.result = {"wait_id": wait_id_for(record.effect_id)}
+                    continue
+                break
+        self._maybe_finish_batch(process)
 
     def _maybe_finish_batch(self, process: ProcessState) -> None:
         if not process.batch or not all(r.definite for r in process.batch):
@@ -966,7 +999,8 @@ class TreeState:
         record.result = e.payload
         record.resolved_by = e.resolved_by
         self._resolved_effects.add(e.effect_id)
-        self._maybe_finish_batch(process)
+        self.unknown_ids.discard(e.effect_id)
+        self._settle_implicit(process)
 
     # CheckpointCommitted ----------------------------------------------------
 
@@ -997,6 +1031,7 @@ class TreeState:
                 raise self.fail(pos, "control.resume_state", f"cannot resume a {process.status} process")
             process.pause_reason = None
             process.status = "waiting" if process.current_wait is not None else "running"
+            self._settle_implicit(process)
         else:
             if e.control in process.intents:
                 raise self.fail(pos, "control.duplicate_intent", f"{e.control} was already requested")
@@ -1044,6 +1079,7 @@ class TreeState:
             raise self.fail(pos, "terminal.unresolved", f"unresolved effects must be {list(unresolved)}")
         self._expect = None
         process.status = e.status
+        self.live.pop(process.process_id, None)
         process.termination = Termination(e.status, e.cause, e.reason, e.failure, unresolved)
         process.output = e.output if e.status == "completed" else None
         process.current_wait = None
@@ -1228,6 +1264,9 @@ class TreeState:
                     p.state = program.strategy.decode_state(body["state"])
                     p.has_state = True
             tree.processes[p.process_id] = p
+            if not p.terminal:
+                tree.live[p.process_id] = p
+            tree.unknown_ids.update(r.effect_id for r in p.batch if r.unknown)
         for p in tree.processes.values():
             for cid in p.children:
                 child = tree.processes[cid]

@@ -180,7 +180,8 @@ class _Plan:
         self.ops.append(op)
 
     def step(self, transition: Transition) -> Step:
-        return Step(len(self.consumed), transition, {"ops": self.ops})
+        # The working copy is exactly evolve(state, facts, consumed): decide applied the same ops.
+        return Step(len(self.consumed), transition, {"ops": self.ops}, next_state=self.state)
 
 
 def _fail(kind: FailureKind, code: str, message: str) -> Fail:

@@ -1264,7 +1264,8 @@ def test_i20_answer_admitted_before_the_tool_child_adopts_its_wait_is_consumed_a
     the answer and complete with usage exactly 5 steps, 3 effects, 4 signals.
     Adaptation: our owner never stops between opening and adopting a wait, so this
     interleaving is produced by driving the real Kernel by hand (the rules the owner
-    applies; ``advance(max_events=3)`` stops right after the wait opened) with the real
+    applies; ``advance(max_events=2)`` stops right after the wait opened - a wait settles
+    by itself when it reaches the frontier, so its declaration opens it) with the real
     ToolDispatcher; the resulting events are appended to a real store, folded by a
     Runtime and driven to the end by it.
     """
@@ -1289,7 +1290,7 @@ def test_i20_answer_admitted_before_the_tool_child_adopts_its_wait_is_consumed_a
                                              settlement.payload, None))
 
     dispatch_once()  # the tool asks for input
-    opened = kernel.advance(max_events=3)  # input-request Step, wait Effect, wait opened - not adopted
+    opened = kernel.advance(max_events=2)  # input-request Step, wait Effect (opened at once) - not adopted
     events.extend(opened.events)
     root = tree.root
     [wait_id] = list(root.waits)
