@@ -64,32 +64,33 @@ def _check(value: Any, path: str) -> None:
 
 
 def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
-    """Validate a JSON value and return its normalized form (tuples become lists).
+    """Validate a JSON value and return its normalized form (fresh lists and dicts).
 
     Raises ``payload.invalid`` for non-JSON values and ``payload.too_large`` when the
     canonical encoding exceeds ``limit`` bytes.
     """
-    _check(value, "$")
-    data = canonical_bytes(value)
+    if value is None or value is True or value is False or isinstance(value, str):
+        data = canonical_bytes(value) if isinstance(value, str) and len(value) > limit // 4 else b""
+    else:
+        try:
+            data = canonical_bytes(value)
+        except (TypeError, orjson.JSONEncodeError):
+            _check(value, "$")  # names the offending path
+            raise InvalidInput("payload.invalid", f"{what} is not JSON") from None
+        if b"null" in data:
+            # orjson writes NaN and infinities as null; only then is a walk needed.
+            _check(value, "$")
     if len(data) > limit:
         raise InvalidInput(
             "payload.too_large",
             f"{what} is {len(data)} bytes, above the limit of {limit}",
             hint="send a smaller value or store large content elsewhere and pass a reference",
         )
-    if isinstance(value, (dict, list, tuple)) and _has_tuple(value):
+    if isinstance(value, (dict, list, tuple)):
         return orjson.loads(data)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput("payload.invalid", "non-finite number at $")
     return value
-
-
-def _has_tuple(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return True
-    if isinstance(value, dict):
-        return any(_has_tuple(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_tuple(v) for v in value)
-    return False
 
 
 def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:

@@ -67,6 +67,9 @@ class TreeStarted(TreeEvent):
     limits: TreeLimits = TreeLimits()
     configuration: Any = None
     """The program's configuration document (e.g. a scenario), so later commands need no file."""
+    programs: tuple[ProgramRef, ...] = ()
+    """Every ProgramRef bound under the root program (its child bindings, recursively); child
+    starts name their program by text ref, resolved here."""
 
 
 class WriterActivated(TreeEvent):

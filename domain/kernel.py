@@ -169,6 +169,7 @@ def start_tree(
         capabilities=tuple(sorted(set(capabilities))),
         limits=limits or TreeLimits(),
         configuration=normalize(configuration, what="configuration"),
+        programs=tuple(sorted((p.ref for p in program.walk() if p is not program), key=lambda r: r.digest)),
     )
 
 
@@ -462,7 +463,7 @@ class Kernel:
                             if child is None or child.parent_id != process.process_id:
                                 raise refuse(EngineCode.EFFECT_INVALID, f"{cid} is not a direct child of the waiter")
                 elif op is Operation.START_CHILD:
-                    ChildSpec.from_json(payload)
+                    ChildSpec.from_json(payload, self.tree.bound)
                 elif op is Operation.SIGNAL_CHILD:
                     ProcessID(payload["child"])
                     signal = payload["signal"]
@@ -544,9 +545,9 @@ class Kernel:
         return True
 
     def _start_child(self, progress: Progress, parent: ProcessState, record: EffectRecord) -> None:
-        spec = ChildSpec.from_json(record.payload)
+        spec = ChildSpec.from_json(record.payload, self.tree.bound)
         child_id = child_process_id(record.effect_id)
-        base = {"key": spec.key, "program": spec.program.to_json()}
+        base = {"key": spec.key, "program": str(spec.program)}
 
         def refused(kind: FailureKind, code: str, message: str) -> None:
             body = {**base, "failure": _failure(kind, code, message).to_json()}

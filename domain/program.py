@@ -77,7 +77,7 @@ class Descriptor:
         return digest_of(self.to_json())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ProgramRef:
     """The value identity of one exact behaviour binding (kernel spec 1.4).
 
@@ -96,6 +96,9 @@ class ProgramRef:
             raise InvalidInput("program.invalid", f"program name {self.name!r} is not a qualified name")
         for name in ("contract_digest", "implementation_digest", "configuration_digest", "bindings_digest"):
             object.__setattr__(self, name, Digest(getattr(self, name)))
+        # Cached outside the dataclass fields (not serialized, not compared): refs are looked
+        # up by digest on every Step.
+        object.__setattr__(self, "_digest", Digest.of(canonical_bytes(self.components())))
 
     def components(self) -> dict[str, str]:
         return {
@@ -108,7 +111,7 @@ class ProgramRef:
 
     @property
     def digest(self) -> Digest:
-        return Digest.of(canonical_bytes(self.components()))
+        return self.__dict__["_digest"]  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
         return f"{self.name}+{self.digest}"
@@ -276,23 +279,36 @@ class ChildSpec:
     capabilities: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, JSON]:
-        return {
-            "key": self.key,
-            "program": self.program.to_json(),
-            "input": self.input,
-            "budget": self.budget.to_json(),
-            "capabilities": sorted(self.capabilities),
-        }
+        """The program by its text ref (its components are in ``TreeStarted.programs``);
+        an unlimited budget and an empty capability set are omitted."""
+        body: dict[str, JSON] = {"key": self.key, "program": str(self.program), "input": self.input}
+        if self.budget != Budget():
+            body["budget"] = self.budget.to_json()
+        if self.capabilities:
+            body["capabilities"] = sorted(self.capabilities)
+        return body
 
     @classmethod
-    def from_json(cls, value: Mapping[str, Any]) -> ChildSpec:
+    def from_json(cls, value: Mapping[str, Any], programs: Mapping[str, ProgramRef]) -> ChildSpec:
+        """Parse a stored spec; ``programs`` maps ref digests to the tree's bound ProgramRefs."""
         return cls(
             ChildKey(value["key"]),
-            ProgramRef.from_json(value["program"]),
+            program_ref_of(value["program"], programs),
             value.get("input"),
             Budget.from_json(value.get("budget")),
             frozenset(value.get("capabilities", ())),
         )
+
+
+def program_ref_of(text: Any, programs: Mapping[str, ProgramRef]) -> ProgramRef:
+    """Resolve a ``name+sha256:...`` text ref against the bound ProgramRefs."""
+    if not isinstance(text, str) or "+" not in text:
+        raise InvalidInput("program.invalid", f"a program ref is name+sha256:<hex>, got {str(text)[:120]!r}")
+    name, _, digest = text.partition("+")
+    ref = programs.get(digest)
+    if ref is None or ref.name != name:
+        raise InvalidInput("program.unbound", f"program {text} is not bound in this tree")
+    return ref
 
 
 def start_child_effect(spec: ChildSpec) -> Effect:

@@ -60,6 +60,7 @@ from domain.ids import (
     wait_opened_signal_id,
 )
 from domain.program import (
+    program_ref_of,
     Boundary,
     ChildWaitSpec,
     Operation,
@@ -133,8 +134,9 @@ class MailboxRecord:
     _digest: Digest | None = None
 
     @property
-    def digest(self) -> Digest:
-        if self._digest is None:
+    def digest(self) -> Digest | None:
+        """The payload digest; a consumed engine signal keeps none (its payload is in its event)."""
+        if self._digest is None and not (self.consumed and self.source == "engine"):
             self._digest = digest_of(self.payload)
         return self._digest
 
@@ -142,14 +144,17 @@ class MailboxRecord:
         return Signal(self.signal_id, self.payload, self.wait_id, self.status, self.effect_id)
 
     def to_json(self, with_payload: bool = True) -> dict[str, JSON]:
-        body: dict[str, JSON] = {
-            "arrival": self.arrival,
-            "signal_id": self.signal_id,
-            "wait_id": self.wait_id,
-            "source": self.source,
-            "digest": self.digest,
-            "consumed": self.consumed,
-        }
+        """A receipt; members without a value are omitted (snapshots hold many of these)."""
+        body: dict[str, JSON] = {"arrival": self.arrival, "source": self.source}
+        if not (self.effect_id is not None and self.signal_id == settlement_signal_id(self.effect_id)):
+            body["signal_id"] = self.signal_id  # a settlement signal's id derives from its effect
+        if self.wait_id is not None:
+            body["wait_id"] = self.wait_id
+        digest = self.digest
+        if digest is not None:
+            body["digest"] = digest
+        if self.consumed:
+            body["consumed"] = True
         if self.status is not None:
             body["status"] = self.status.value
         if self.effect_id is not None:
@@ -391,6 +396,8 @@ class TreeState:
         self.incarnations: list[TreeIncarnationID] = []
         self.limits = TreeLimits()
         self.configuration: JSON = None
+        self.bound: dict[str, ProgramRef] = {}
+        """The tree's bound ProgramRefs by digest (TreeStarted.program and .programs)."""
         self.version = 0
         self.processes: dict[ProcessID, ProcessState] = {}
         self._expect: tuple[str, ProcessID, int, int] | None = None
@@ -518,6 +525,7 @@ class TreeState:
         self.incarnations.append(e.incarnation_id)
         self.limits = e.limits
         self.configuration = e.configuration
+        self.bound = {ref.digest: ref for ref in (e.program, *e.programs)}
         process = ProcessState(
             process_id=e.process_id,
             root_id=e.process_id,
@@ -582,7 +590,7 @@ class TreeState:
         payload = record.payload
         try:
             key = ChildKey(payload.get("key"))
-            program = ProgramRef.from_json(payload.get("program"))
+            program = program_ref_of(payload.get("program"), self.bound)
             budget = Budget.from_json(payload.get("budget"))
             capabilities = tuple(sorted(payload.get("capabilities", [])))
         except Exception as exc:  # noqa: BLE001 - a malformed start payload is a corrupt stream
@@ -711,7 +719,10 @@ class TreeState:
         consumed = [r.signal() for r in consumed_records]
         process.cursor += e.consumed
         for record in consumed_records:
-            record.digest  # noqa: B018 - fix the digest before the payload is released
+            if record.source != "engine":
+                # Fix the digest before the payload is released: a host resending this signal
+                # id is deduplicated by it. Engine signals are never resent (reserved ids).
+                record.digest  # noqa: B018
             record.consumed = True
             record.payload = None
             if record.wait_id is not None:
@@ -1175,6 +1186,7 @@ class TreeState:
             "version": self.version,
             "limits": self.limits.model_dump(mode="json"),
             "configuration": self.configuration,
+            "programs": [ref.to_json() for ref in self.bound.values()],
             "classification": self.classification() if self.processes else None,
             "processes": processes,
         }
@@ -1191,6 +1203,7 @@ class TreeState:
         tree.version = int(data["version"])
         tree.limits = TreeLimits.model_validate(data["limits"])
         tree.configuration = data.get("configuration")
+        tree.bound = {ref.digest: ref for ref in (ProgramRef.from_json(r) for r in data.get("programs", []))}
         for body in data["processes"]:
             p = ProcessState(
                 process_id=ProcessID(body["process_id"]),
@@ -1214,12 +1227,13 @@ class TreeState:
             p.last_kind = body["last_kind"]
             p.cursor = body["mailbox"]["cursor"]
             for r in body["mailbox"]["signals"]:
+                eid = EffectID(r["effect_id"]) if r.get("effect_id") else None
+                sid = SignalID(r["signal_id"]) if "signal_id" in r else settlement_signal_id(eid)  # type: ignore[arg-type]
                 record = MailboxRecord(
-                    r["arrival"], SignalID(r["signal_id"]), WaitID(r["wait_id"]) if r["wait_id"] else None,
+                    r["arrival"], sid, WaitID(r["wait_id"]) if r.get("wait_id") else None,
                     r.get("payload"), r["source"],
                     SettlementStatus(r["status"]) if r.get("status") else None,
-                    EffectID(r["effect_id"]) if r.get("effect_id") else None,
-                    r["consumed"], Digest(r["digest"]),
+                    eid, bool(r.get("consumed", False)), Digest(r["digest"]) if r.get("digest") else None,
                 )
                 p.mailbox.append(record)
                 p.signal_index[record.signal_id] = record

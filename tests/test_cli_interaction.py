@@ -243,7 +243,7 @@ def test_a_crash_at_any_point_of_a_two_call_round_runs_no_tool_twice_and_leaves_
     # the model was given: both results, in call order, after the assistant's tool calls.
     call = model_call(entry)
     assert call["model_call_sequence"] == 2
-    assert call["applied_steer_signal_ids"] == []
+    assert call.get("applied_steer_signal_ids", []) == []  # omitted when empty
     # Interrupted by the crash, or (every other point) the scripted failure of the call.
     model2_interrupted = interrupted is not None and interrupted[0] == "model2"
     assert entry["diagnostic"]["code"] == (

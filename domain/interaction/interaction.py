@@ -282,16 +282,12 @@ class InteractionStrategy:
         return plan.step(Continue((self._model_effect(plan.state, sequence, steer),)))
 
     def _model_effect(self, state: InteractionState, sequence: int, steer: Sequence[str]) -> Effect:
-        return dispatcher_effect(
-            {
-                "model_call": {
-                    "model_call_sequence": sequence,
-                    "message_count": len(state.messages),
-                    "advertised_tool_names": list(state.advertised),
-                    "applied_steer_signal_ids": list(steer),
-                }
-            }
-        )
+        body: dict[str, Any] = {"model_call_sequence": sequence, "message_count": len(state.messages)}
+        if state.advertised:
+            body["advertised_tool_names"] = list(state.advertised)
+        if steer:
+            body["applied_steer_signal_ids"] = list(steer)
+        return dispatcher_effect({"model_call": body})
 
     def _accept_context(self, plan: _Plan, settlement: Signal) -> Step:
         if settlement.status is not None and settlement.status.value == "failed":
@@ -481,7 +477,7 @@ class InteractionStrategy:
                 # The ToolSet is required infrastructure: a refused Tool child fails the Interaction.
                 return plan.step(Fail(parsed))
             rejected[str(offset)] = f"error: delegated worker child start failed: {parsed.code}: {parsed.message}"
-        plan.add({"op": "record_starts", "rejected": rejected})
+        plan.add({"op": "record_starts", "rejected": rejected} if rejected else {"op": "record_starts"})
         return self._after_batch_change(plan, refill=False)
 
     def _record_outcomes(self, plan: _Plan, satisfied: Signal) -> Step:
@@ -524,7 +520,7 @@ class InteractionStrategy:
                 if termination.get("reason"):
                     text += f": {termination['reason']}"
                 failed[str(offset)] = text
-        plan.add({"op": "record_outcomes", "failed": failed})
+        plan.add({"op": "record_outcomes", "failed": failed} if failed else {"op": "record_outcomes"})
         return self._after_batch_change(plan, refill=True)
 
     def _after_batch_change(self, plan: _Plan, *, refill: bool) -> Step:
