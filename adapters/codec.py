@@ -107,7 +107,7 @@ class PydanticMapper(Mapper[uuid.UUID]):
             unsealed = unseal(state)
         except SealError as exc:
             raise DecodeError(position, "integrity.format", str(exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - cipher/compressor failures
+        except Exception as exc:
             raise DecodeError(position, "integrity.format", f"{type(exc).__name__}: {exc}") from exc
         if verify:
             expected = chain_digest(previous, tree_id, position, tag, unsealed.content)
@@ -119,7 +119,7 @@ class PydanticMapper(Mapper[uuid.UUID]):
             raise DecodeError(position, "stream.schema_version", f"unsupported schema version in topic {topic!r}")
         try:
             event = event_from_body(name, unsealed.body)
-        except Exception as exc:  # noqa: BLE001 - pydantic validation of untrusted bytes
+        except Exception as exc:
             raise DecodeError(position, "stream.event_invalid", f"{name}: {exc}") from exc
         return RecordedEvent(
             originator_id=stored.originator_id,  # type: ignore[arg-type]

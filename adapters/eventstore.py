@@ -281,7 +281,7 @@ class EventStore:
     # -- snapshots ---------------------------------------------------------
 
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
-        body = orjson.dumps({"tree": state.to_json(), "digest": digest})
+        body = orjson.dumps({"tree": state.to_json(compact=True), "digest": digest})
         try:
             self.snapshots.insert_events([StoredEvent(tree_id.uuid, state.version, SNAPSHOT_TOPIC, body)])
         except IntegrityError:

@@ -347,7 +347,7 @@ class _AdapterStrategy:
         if phase == "start":
             try:
                 child_input = self.build_input(state["input"])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise ClassifiedError(FailureKind.EXECUTION, "adapter.input.failed", f"build_input failed: {exc}") from exc
             spec = ChildSpec(ChildKey("adapter.interaction"), self.interaction.ref, child_input, self.budget, self.capabilities)
             return Step(0, Continue((start_child_effect(spec),)), {"phase": "starting"})

@@ -9,7 +9,6 @@ the call is unknown: the runtime records it and a host must settle it.
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -166,11 +165,11 @@ class OpenAIChatModel:
             headers["Authorization"] = f"Bearer {self.api_key}"
         http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(http, timeout=self.timeout) as response:  # noqa: S310 - configured endpoint
+            with urllib.request.urlopen(http, timeout=self.timeout) as response:
                 body = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             raise ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}") from exc
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
             raise ModelError(f"the model server is unreachable: {exc}") from exc
         except json.JSONDecodeError as exc:
             raise ModelError(f"the model server returned invalid JSON: {exc}") from exc

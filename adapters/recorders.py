@@ -24,8 +24,8 @@ import orjson
 from eventsourcing.persistence import StoredEvent
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
-from psycopg.sql import SQL
 from eventsourcing.sqlite import SQLiteAggregateRecorder, SQLiteApplicationRecorder, SQLiteCursor
+from psycopg.sql import SQL
 
 EVENTS_TABLE = "agentfold_events"
 SNAPSHOTS_TABLE = "agentfold_snapshots"

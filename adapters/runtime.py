@@ -621,7 +621,7 @@ class Runtime:
         *,
         dispatch_workers: int = 32,
         owner_workers: int = 4,
-        snapshot_every: int = 500,
+        snapshot_every: int = 1000,
         poll_interval: float = 0.2,
         cancel_grace: float = 5.0,
         crash: CrashPlan | None = None,

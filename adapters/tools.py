@@ -119,7 +119,7 @@ def tool_spec(tool: Tool) -> ToolSpec:
         name = tool.name
         description = getattr(tool, "description", "")
         parameters = getattr(tool, "parameters", {"type": "object"})
-    except Exception as exc:  # noqa: BLE001 - a failing declaration is an invalid ToolSet
+    except Exception as exc:
         raise InvalidInput(
             "interaction.toolset.invalid",
             f"reading the declarations of tool {getattr(type(tool), '__name__', tool)!r} failed: "
@@ -274,7 +274,7 @@ class ToolDispatcher:
                 observed = ToolSettlementObservation(None, input_required=True)
                 try:
                     check_input_request(normalize(required.request, what="input request"))
-                except Exception as exc:  # noqa: BLE001 - an invalid continuation request leaves the outcome unknown
+                except Exception as exc:
                     raise RuntimeError(f"invalid input request: {exc}") from exc
                 return Settlement.succeeded({"tool_result": {"input_request": required.request}})
             if not isinstance(output, ToolOutput):

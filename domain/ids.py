@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-import uuid
+import uuid as _uuid
 from typing import Any, ClassVar, Self
 
 from pydantic import GetCoreSchemaHandler
@@ -163,11 +163,11 @@ class TreeID(_HexIdentity):
     prefix = "tree:"
 
     @property
-    def uuid(self) -> uuid.UUID:
-        return uuid.UUID(hex=self.hex)
+    def uuid(self) -> _uuid.UUID:
+        return _uuid.UUID(hex=self.hex)
 
     @classmethod
-    def from_uuid(cls, value: uuid.UUID) -> TreeID:
+    def from_uuid(cls, value: _uuid.UUID) -> TreeID:
         return cls(cls.prefix + value.hex)
 
     @classmethod

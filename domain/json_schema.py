@@ -155,7 +155,7 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
     if "type" in schema:
         names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_type_ok(value, n) for n in names):
-            return out + [f"{path}: expected {' or '.join(names)}, got {_json_type(value)}"]
+            return [*out, f"{path}: expected {' or '.join(names)}, got {_json_type(value)}"]
     if "enum" in schema and not any(_equal(value, option) for option in schema["enum"]):
         out.append(f"{path}: value is not one of {schema['enum']!r}")
     if "const" in schema and not _equal(value, schema["const"]):

@@ -50,7 +50,6 @@ from domain.events import (
     WriterActivated,
 )
 from domain.ids import (
-    ChildKey,
     EffectAttemptID,
     EffectID,
     ProcessID,
@@ -61,8 +60,9 @@ from domain.ids import (
     WaitID,
     WaitKey,
     child_process_id,
+)
+from domain.ids import (
     effect_id as derive_effect_id,
-    wait_id_for,
 )
 from domain.json_schema import schema_errors
 from domain.mailbox import check_admission
@@ -156,7 +156,7 @@ def start_tree(
         program.strategy.initial(value)
     except ClassifiedError as exc:
         raise InvalidInput(exc.failure.code, f"the program refused its input: {exc.failure.message}") from exc
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise InvalidInput(EngineCode.PROCESS_START_FAILED, f"the program refused its input: {exc}") from exc
     return TreeStarted(
         process_id=root_id,
@@ -355,7 +355,7 @@ class Kernel:
                     effect_id=derive_effect_id(process.process_id, seq, index),
                     step=seq,
                     index=index,
-                    target=effect.target.value,  # type: ignore[arg-type]
+                    target=effect.target.value,
                     payload=effect.payload,
                     replay=policy[0],  # type: ignore[arg-type]
                     capabilities=policy[1],
@@ -446,7 +446,7 @@ class Kernel:
             reserve += 1
             payload = effect.payload if isinstance(effect.payload, dict) else {}
             try:
-                op = Operation(payload.get("operation"))
+                op = Operation(str(payload.get("operation")))
             except ValueError:
                 raise refuse(EngineCode.EFFECT_INVALID, f"unknown framework operation {payload.get('operation')!r}") from None
             try:
@@ -487,7 +487,7 @@ class Kernel:
     # -- framework effects ---------------------------------------------------
 
     def _settle_framework(self, progress: Progress, process: ProcessState, record: EffectRecord) -> bool:
-        op = Operation(record.operation)
+        op = Operation(str(record.operation))
         payload = record.payload
         pid = process.process_id
         eid = record.effect_id
@@ -647,7 +647,7 @@ class Kernel:
         event = EffectSettled.model_construct(
             process_id=process_id,
             effect_id=effect_id,
-            status=status.value,  # type: ignore[arg-type]
+            status=status.value,
             payload=payload,
             attempt_id=attempt_id,
             diagnostic=diagnostic,

@@ -54,13 +54,14 @@ from domain.ids import (
     WaitKey,
     child_process_id,
     child_wait_satisfied_signal_id,
-    effect_id as derive_effect_id,
     settlement_signal_id,
     wait_id_for,
     wait_opened_signal_id,
 )
+from domain.ids import (
+    effect_id as derive_effect_id,
+)
 from domain.program import (
-    program_ref_of,
     Boundary,
     ChildWaitSpec,
     Operation,
@@ -68,6 +69,7 @@ from domain.program import (
     ProgramResolver,
     SettlementStatus,
     Signal,
+    program_ref_of,
 )
 
 TERMINAL = frozenset({"completed", "failed", "canceled", "timed_out", "killed"})
@@ -313,6 +315,7 @@ class ProcessState:
     output: JSON = None
     state: Any = None
     has_state: bool = False
+    json_cache: tuple[Any, dict[str, Any]] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -550,7 +553,7 @@ class TreeState:
             raise self.fail(pos, "program.unavailable", f"no program bound for {process.program}")
         try:
             process.state = program.strategy.initial(process.input)
-        except Exception as exc:  # noqa: BLE001 - a stream whose program refuses its input is corrupt
+        except Exception as exc:
             raise self.fail(pos, "program.initial", f"{type(exc).__name__}: {exc}") from exc
         process.has_state = True
 
@@ -593,7 +596,7 @@ class TreeState:
             program = program_ref_of(payload.get("program"), self.bound)
             budget = Budget.from_json(payload.get("budget"))
             capabilities = tuple(sorted(payload.get("capabilities", [])))
-        except Exception as exc:  # noqa: BLE001 - a malformed start payload is a corrupt stream
+        except Exception as exc:
             raise self.fail(pos, "child.spec", f"the start-child effect's spec is invalid: {exc}") from exc
         if key in parent.child_keys:
             raise self.fail(pos, "child.key", f"child key {key} is already used by this parent")
@@ -659,7 +662,7 @@ class TreeState:
                     schema = program.descriptor.signal_schema
                     check_schema = True
             check_admission(process, [request], source=e.source, signal_schema=schema, check_signal_schema=check_schema)
-        except Exception as exc:  # noqa: BLE001 - every refusal is a broken admission rule
+        except Exception as exc:
             code = getattr(exc, "code", type(exc).__name__)
             over_budget = not process.budget.signals.allows(
                 process.accepted_signals + process.allocated.signals + process.reserved_signals, 1
@@ -740,7 +743,7 @@ class TreeState:
                 assert program is not None
                 try:
                     process.state = program.strategy.evolve(process.state, e.facts, consumed)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     raise self.fail(pos, "step.evolve", f"{type(exc).__name__}: {exc}") from exc
         process.committed_steps = e.step
         process.last_kind = e.kind
@@ -1145,13 +1148,22 @@ class TreeState:
 
     # -- snapshots ---------------------------------------------------------
 
-    def to_json(self, *, with_state: bool = True) -> dict[str, JSON]:
-        """The whole folded tree as JSON (used for ``show``, capture and storage snapshots)."""
+    def to_json(self, *, with_state: bool = True, compact: bool = False) -> dict[str, JSON]:
+        """The whole folded tree as JSON (used for ``show``, capture and storage snapshots).
+
+        ``compact`` (storage snapshots) names each process's program by its text ref (the
+        tree's bound refs are written once). A finished process never changes, so its JSON
+        is built once and reused; callers must not mutate what this returns.
+        """
         processes = []
         for p in self.processes.values():
+            cache_key = (with_state, compact, self.programs is not None)
+            if p.terminal and p.json_cache is not None and p.json_cache[0] == cache_key:
+                processes.append(p.json_cache[1])
+                continue
             body: dict[str, JSON] = {
                 **p.relation_json(),
-                "program": p.program.to_json(),
+                "program": str(p.program) if compact else p.program.to_json(),
                 "status": p.status,
                 "input": p.input,
                 "budget": p.budget.to_json(),
@@ -1176,6 +1188,8 @@ class TreeState:
                 program = self.programs(p.program)
                 if program is not None:
                     body["state"] = program.strategy.encode_state(p.state)
+            if p.terminal:
+                p.json_cache = (cache_key, body)
             processes.append(body)
         return {
             "tree_id": self.tree_id,
@@ -1211,7 +1225,11 @@ class TreeState:
                 parent_id=ProcessID(body["parent_id"]) if body["parent_id"] else None,
                 child_key=ChildKey(body["child_key"]) if body["child_key"] else None,
                 depth=int(body["depth"]),
-                program=ProgramRef.from_json(body["program"]),
+                program=(
+                    program_ref_of(body["program"], tree.bound)
+                    if isinstance(body["program"], str)
+                    else ProgramRef.from_json(body["program"])
+                ),
                 input=body["input"],
                 budget=Budget.from_json(body["budget"]),
                 capabilities=tuple(body["capabilities"]),

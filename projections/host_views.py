@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from domain.canonical import MAX_TOOL_INPUT_BYTES, JSON, canonical_bytes, normalize
+from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, canonical_bytes, normalize
 from domain.errors import InvalidInput, NotFound
 from domain.ids import ProcessID, SignalID, WaitID
 from domain.interaction.chat import ToolCall

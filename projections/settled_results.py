@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from domain.canonical import canonical_bytes
-from domain.ids import Digest, ProcessID, child_process_id
+from domain.ids import ChildKey, Digest, ProcessID, child_process_id
 from domain.interaction.chat import ToolCall
 from domain.interaction.refs import ToolCallRef, delegate_child_key, tool_child_key
 from domain.interaction.state import InteractionState, Round
@@ -86,21 +86,21 @@ class RoundResults:
 
 
 def _child(tree: TreeState, parent: ProcessState, key: str) -> ProcessState | None:
-    pid = parent.child_keys.get(key)  # type: ignore[call-overload]
+    pid = parent.child_keys.get(ChildKey(key))
     return tree.processes.get(pid) if pid is not None else None
 
 
 def _tool_result(child: ProcessState) -> dict[str, Any] | None:
     if child.status == "completed" and isinstance(child.output, dict):
-        return child.output  # type: ignore[no-any-return]
+        return child.output
     for record in child.batch:
         if record.target == "dispatcher" and record.definite and record.status is not None and record.status.value == "succeeded":
             completion = (record.result or {}).get("tool_result", {}).get("completion")
             if completion is not None:
                 return completion  # type: ignore[no-any-return]
-    for record in child.pending():
-        if record.status is not None and record.status.value == "succeeded":
-            completion = (record.payload or {}).get("tool_result", {}).get("completion") if isinstance(record.payload, dict) else None
+    for signal in child.pending():
+        if signal.status is not None and signal.status.value == "succeeded" and isinstance(signal.payload, dict):
+            completion = signal.payload.get("tool_result", {}).get("completion")
             if completion is not None:
                 return completion  # type: ignore[no-any-return]
     return None
@@ -125,9 +125,9 @@ def _start_refusals(parent: ProcessState) -> dict[str, dict[str, Any]]:
     for record in parent.batch:
         if record.operation == "start_child" and record.definite and record.status is not None and record.status.value == "failed":
             refusals[str(record.payload.get("key"))] = record.result or {}
-    for record in parent.pending():
-        payload = record.payload
-        if record.source == "engine" and isinstance(payload, dict) and "key" in payload and payload.get("failure"):
+    for signal in parent.pending():
+        payload = signal.payload
+        if signal.source == "engine" and isinstance(payload, dict) and "key" in payload and payload.get("failure"):
             refusals[str(payload["key"])] = payload
     return refusals
 

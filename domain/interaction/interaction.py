@@ -246,8 +246,9 @@ class InteractionStrategy:
         if phase in (Phase.AWAITING_MODEL, Phase.AWAITING_CONTEXT):
             return 1, is_dispatch_settlement
         if phase is Phase.AWAITING_CHILD_STARTS:
-            b = state.round.batch  # type: ignore[union-attr]
-            return sum(1 for i in b.invocations if i.starting), is_child_start  # type: ignore[union-attr]
+            assert state.round is not None and state.round.batch is not None
+            starting = sum(1 for i in state.round.batch.invocations if i.starting)
+            return starting, is_child_start
         if phase is Phase.AWAITING_CHILD_WAIT_OPEN:
             return 1, is_wait_opened
         if phase is Phase.WAITING_CHILDREN:

@@ -226,7 +226,7 @@ def steer_messages(signal: Signal) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages") if isinstance(body, dict) else None
     try:
         parsed = parse_messages(messages, "steer.messages")
-    except Exception as exc:  # noqa: BLE001 - any malformed steer is a classified contract failure
+    except Exception as exc:
         raise ClassifiedError(FailureKind.CONTRACT, "interaction.signal.invalid", f"invalid steer: {exc}") from exc
     if not parsed or any(m["role"] != "user" for m in parsed):
         raise ClassifiedError(
@@ -349,9 +349,9 @@ def apply_op(
         return replace(state, round=replace(r, results=(*r.results, result)))
     if name == "start_batch":
         size, requested = int(op["size"]), int(op["request"])
-        invocations = tuple(Invocation(requested=i < requested) for i in range(size))
+        fresh = tuple(Invocation(requested=i < requested) for i in range(size))
         r = _round(state)
-        new = _with_batch(state, Batch(str(op["kind"]), r.cursor, invocations))
+        new = _with_batch(state, Batch(str(op["kind"]), r.cursor, fresh))
         if op["kind"] == "delegate":
             from domain.interaction.refs import delegate_child_key
 
@@ -371,25 +371,25 @@ def apply_op(
     if name == "request":
         b = _batch(state)
         count = int(op["count"])
-        invocations = list(b.invocations)
-        for offset, inv in enumerate(invocations):
+        marked: list[Invocation] = list(b.invocations)
+        for offset, inv in enumerate(marked):
             if count and not inv.requested:
-                invocations[offset] = replace(inv, requested=True)
+                marked[offset] = replace(inv, requested=True)
                 count -= 1
-        return _with_batch(state, replace(b, invocations=tuple(invocations)))
+        return _with_batch(state, replace(b, invocations=tuple(marked)))
     if name == "record_starts":
         b = _batch(state)
         starts = [s for s in consumed if is_child_start(s)]
         rejected = {int(k): v for k, v in (op.get("rejected") or {}).items()}
-        invocations = list(b.invocations)
-        pending = [offset for offset, inv in enumerate(invocations) if inv.starting]
+        started: list[Invocation] = list(b.invocations)
+        pending = [offset for offset, inv in enumerate(started) if inv.starting]
         if len(starts) != len(pending):
             raise state_error(f"expected {len(pending)} child start results, got {len(starts)}")
         delegations = list(state.delegations)
         for offset, signal in zip(pending, starts, strict=True):
             pid = signal.payload.get("process_id")
             if pid is not None:
-                invocations[offset] = replace(invocations[offset], process_id=pid)
+                started[offset] = replace(started[offset], process_id=pid)
                 if b.kind == "delegate":
                     key = signal.payload.get("key")
                     for i, entry in enumerate(delegations):
@@ -397,12 +397,12 @@ def apply_op(
                             delegations[i] = {**entry, "process_id": pid}
             else:
                 text = rejected.get(offset, "error: child start failed")
-                invocations[offset] = replace(
-                    invocations[offset],
+                started[offset] = replace(
+                    started[offset],
                     result={"disposition": "rejected", "output": {"content": [{"type": "text", "text": text}]}},
                 )
         state = replace(state, delegations=tuple(delegations))
-        return _with_batch(state, replace(b, invocations=tuple(invocations)))
+        return _with_batch(state, replace(b, invocations=tuple(started)))
     if name == "open_wait":
         return _with_batch(state, replace(_batch(state), wait_key=str(op["key"]), wait_id=None))
     if name == "set_wait":
@@ -412,20 +412,20 @@ def apply_op(
         b = _batch(state)
         signal = _first(consumed, lambda s: is_child_wait_satisfied(s, b.wait_id), "child wait satisfaction")
         failed = {int(k): v for k, v in (op.get("failed") or {}).items()}
-        invocations = list(b.invocations)
+        settled: list[Invocation] = list(b.invocations)
         for outcome in signal.payload["outcomes"]:
-            offset = b.offset_of(outcome["process_id"])
-            if offset is None:
+            position = b.offset_of(outcome["process_id"])
+            if position is None:
                 raise state_error(f"outcome for unknown child {outcome['process_id']}")
             result = outcome["result"]
-            if offset in failed:
-                record = {"disposition": "failed", "output": {"content": [{"type": "text", "text": failed[offset]}]}}
+            if position in failed:
+                record = {"disposition": "failed", "output": {"content": [{"type": "text", "text": failed[position]}]}}
             elif b.kind == "tool":
                 record = tool_completion(result.get("output"))
             else:
                 record = {"disposition": "succeeded", "output": {"details": result.get("output")}}
-            invocations[offset] = replace(invocations[offset], result=record)
-        return _with_batch(state, replace(b, invocations=tuple(invocations), wait_key=None, wait_id=None))
+            settled[position] = replace(settled[position], result=record)
+        return _with_batch(state, replace(b, invocations=tuple(settled), wait_key=None, wait_id=None))
     if name == "finish_batch":
         r = _round(state)
         b = _batch(state)
@@ -443,14 +443,14 @@ def apply_op(
     if name == "finish_round":
         r = _round(state)
         artifacts = list(state.artifacts)
-        for call, result in zip(r.calls, r.results, strict=True):
-            if call.name in delegate_names and result["disposition"] == "succeeded":
+        for call, outcome_record in zip(r.calls, r.results, strict=True):
+            if call.name in delegate_names and outcome_record["disposition"] == "succeeded":
                 artifacts.append(
                     {
                         "model_call_sequence": r.sequence,
                         "tool_call_id": call.id,
                         "delegate_name": call.name,
-                        "output": result["output"].get("details"),
+                        "output": outcome_record["output"].get("details"),
                     }
                 )
         messages = (*state.messages, r.response["message"], tool_message(round_tool_results(r)))

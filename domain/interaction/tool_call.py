@@ -17,7 +17,13 @@ from typing import Any
 from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, canonical_bytes
 from domain.errors import ClassifiedError, Failure, FailureKind
 from domain.interaction.chat import ToolCall
-from domain.interaction.state import is_dispatch_settlement, is_wait_opened, protocol_error, state_error, tool_completion
+from domain.interaction.state import (
+    is_dispatch_settlement,
+    is_wait_opened,
+    protocol_error,
+    state_error,
+    tool_completion,
+)
 from domain.interaction.toolset import ToolManifest
 from domain.json_schema import check_schema
 from domain.program import Complete, Continue, Descriptor, Fail, Signal, Step, Wait, dispatcher_effect, wait_effect
@@ -100,7 +106,7 @@ def check_input_request(value: Any) -> dict[str, Any]:
             raise protocol_error(f"the input request's {name} exceeds {MAX_TOOL_INPUT_BYTES} bytes")
     try:
         check_schema(value["response_schema"], "#response_schema")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise protocol_error(f"invalid response schema: {exc}") from exc
     return value
 
