@@ -463,7 +463,14 @@ class Kernel:
                             if child is None or child.parent_id != process.process_id:
                                 raise refuse(EngineCode.EFFECT_INVALID, f"{cid} is not a direct child of the waiter")
                 elif op is Operation.START_CHILD:
-                    ChildSpec.from_json(payload, self.tree.bound)
+                    try:
+                        ChildSpec.from_json(payload, self.tree.bound)
+                    except InvalidInput as exc:
+                        # An unbound Program is a failed start the parent observes
+                        # (engine.child.deployment_unavailable), not a refused Step.
+                        if exc.code != "program.unbound":
+                            raise
+                        Budget.from_json(payload.get("budget"))
                 elif op is Operation.SIGNAL_CHILD:
                     ProcessID(payload["child"])
                     signal = payload["signal"]
@@ -545,7 +552,16 @@ class Kernel:
         return True
 
     def _start_child(self, progress: Progress, parent: ProcessState, record: EffectRecord) -> None:
-        spec = ChildSpec.from_json(record.payload, self.tree.bound)
+        try:
+            spec = ChildSpec.from_json(record.payload, self.tree.bound)
+        except InvalidInput as exc:  # program.unbound: everything else was checked at the Step
+            failure = _failure(FailureKind.EXTERNAL, EngineCode.CHILD_DEPLOYMENT_UNAVAILABLE, exc.message)
+            body = {"key": record.payload["key"], "program": record.payload["program"], "failure": failure.to_json()}
+            self._emit(
+                progress,
+                EffectSettled.model_construct(process_id=parent.process_id, effect_id=record.effect_id, status="failed", payload=body),
+            )
+            return
         child_id = child_process_id(record.effect_id)
         base = {"key": spec.key, "program": str(spec.program)}
 

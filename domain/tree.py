@@ -138,7 +138,11 @@ class MailboxRecord:
     @property
     def digest(self) -> Digest | None:
         """The payload digest; a consumed engine signal keeps none (its payload is in its event)."""
-        if self._digest is None and not (self.consumed and self.source == "engine"):
+        if self.consumed and self.source == "engine":
+            # Even if one was cached while it was pending (to_json for show or a snapshot):
+            # the state must not depend on whether it was observed mid-stream.
+            return None
+        if self._digest is None:
             self._digest = digest_of(self.payload)
         return self._digest
 
@@ -789,6 +793,19 @@ class TreeState:
             op = e.payload.get("operation") if isinstance(e.payload, dict) else None
             if op not in {o.value for o in Operation}:
                 raise self.fail(pos, "effect.framework", f"unknown framework operation {op!r}")
+            try:
+                if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
+                    key = WaitKey(e.payload["key"])
+                    if key in process.open_wait_keys:
+                        raise ValueError(f"wait key {key} is already open")
+                if op == Operation.WAIT_CHILDREN:
+                    spec = ChildWaitSpec.from_json(e.payload)
+                    for cid in spec.children:
+                        child = self.processes.get(cid)
+                        if child is None or child.parent_id != process.process_id:
+                            raise ValueError(f"{cid} is not a direct child of {process.process_id}")
+            except Exception as exc:
+                raise self.fail(pos, "effect.framework", f"invalid {op} effect: {exc}") from exc
         process.batch.append(
             EffectRecord(e.effect_id, e.step, e.index, e.target, e.payload, e.replay, tuple(e.capabilities))
         )

@@ -63,8 +63,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -76,7 +76,7 @@ class Skip(Exception):
 # Workload: scripted model and tool, shared by every system.
 # --------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tool_payload(round_idx: int, B: int) -> str:
     """B bytes of deterministic, poorly compressible ASCII text, unique per round.
 
@@ -364,9 +364,10 @@ def run_baseline(R: int, B: int, backend: str, pg_url: str | None) -> dict:
 # System 2: LangGraph StateGraph (add_messages), durability="sync".
 # --------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _langgraph_builder(R: int, B: int):
     from typing import Annotated, TypedDict
+
     from langchain_core.messages import AIMessage, ToolMessage
     from langgraph.graph import END, START, StateGraph
     from langgraph.graph.message import add_messages
@@ -415,8 +416,8 @@ def run_langgraph(R: int, B: int, backend: str, pg_url: str | None) -> dict:
 
     if backend == "postgres":
         import psycopg
-        from psycopg.rows import dict_row
         from langgraph.checkpoint.postgres import PostgresSaver
+        from psycopg.rows import dict_row
         with fresh_pg_db(pg_url, "lg") as (db_url, dbname):
             kw = dict(autocommit=True, prepare_threshold=0, row_factory=dict_row)
             with psycopg.connect(db_url, **kw) as conn:  # migrations, not timed
@@ -458,7 +459,7 @@ def run_langgraph(R: int, B: int, backend: str, pg_url: str | None) -> dict:
 # System 3: DBOS workflow whose model and tool calls are @DBOS.step()s.
 # --------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dbos_app():
     """Register the DBOS workflow and steps once (before the first DBOS())."""
     from dbos import DBOS

@@ -48,9 +48,12 @@ from domain.ids import (
     TreeIncarnationID,
     WaitID,
     child_process_id,
+    child_wait_satisfied_signal_id,
     effect_id,
     root_process_id,
+    settlement_signal_id,
     wait_id_for,
+    wait_opened_signal_id,
 )
 from domain.program import (
     ChildSpec,
@@ -86,6 +89,16 @@ REF = ProgramRef(
     configuration_digest=Digest.of(b"configuration"),
     bindings_digest=ProgramRef.bindings_of([]),
 )
+CHILD_REF = ProgramRef(
+    name="test.fold.child",
+    contract_digest=Digest.of(b"child contract"),
+    implementation_digest=Digest.of(b"implementation"),
+    configuration_digest=Digest.of(b"child configuration"),
+    bindings_digest=ProgramRef.bindings_of([]),
+)
+UNBOUND_REF = ProgramRef(
+    "test.fold.unbound", REF.contract_digest, REF.implementation_digest, REF.configuration_digest, REF.bindings_digest
+)
 DIAGNOSTIC = Failure(FailureKind.EXTERNAL, "engine.dispatch.interrupted", "the writer stopped")
 BOOM = Failure(FailureKind.EXECUTION, "test.fold.boom", "the strategy gave up")
 
@@ -103,8 +116,10 @@ def started(
     capabilities: Sequence[str] = (),
     limits: TreeLimits | None = None,
     pid: ProcessID = ROOT,
+    programs: Sequence[ProgramRef] = (CHILD_REF,),
     **extra: Any,
 ) -> TreeStarted:
+    """The root runs REF; CHILD_REF is bound under it, so start effects may name it by text ref."""
     return TreeStarted(
         process_id=pid,
         tree_id=extra.pop("tree_id", TREE),
@@ -115,6 +130,7 @@ def started(
         budget=budget or Budget(),
         capabilities=tuple(capabilities),
         limits=limits or TreeLimits(),
+        programs=tuple(programs),
     )
 
 
@@ -233,31 +249,19 @@ CHILD = child_process_id(CHILD_EFFECT)
 
 
 def child_payload(budget: Budget | None = None, key: str = "kid", capabilities: Sequence[str] = ()) -> dict[str, Any]:
-    spec = ChildSpec(ChildKey(key), REF, {"n": 1}, budget or Budget(), frozenset(capabilities))
+    spec = ChildSpec(ChildKey(key), CHILD_REF, {"n": 1}, budget or Budget(), frozenset(capabilities))
     return {"operation": "start_child", **spec.to_json()}
 
 
-def child_started(
-    budget: Budget | None = None,
-    key: str = "kid",
-    capabilities: Sequence[str] = (),
-    pid: ProcessID = CHILD,
-    program: ProgramRef = REF,
-) -> ProcessStarted:
-    return ProcessStarted(
-        process_id=pid,
-        parent_id=ROOT,
-        child_key=ChildKey(key),
-        start_effect_id=CHILD_EFFECT,
-        program=program,
-        budget=budget or Budget(),
-        capabilities=tuple(sorted(capabilities)),
-    )
+def child_started(pid: ProcessID = CHILD, start: EffectID = CHILD_EFFECT) -> ProcessStarted:
+    """The child's key, program, input, grant and capabilities are its start effect's payload."""
+    return ProcessStarted(process_id=pid, parent_id=ROOT, start_effect_id=start)
 
 
-def child_settled(status: str = "succeeded", payload: Any = None) -> EffectSettled:
-    body = payload if payload is not None else {"key": "kid", "program": REF.to_json(), "process_id": CHILD}
-    return EffectSettled(process_id=ROOT, effect_id=CHILD_EFFECT, status=status, payload=body)
+def child_settled(status: str = "failed", payload: Any = None, effect: EffectID = CHILD_EFFECT) -> EffectSettled:
+    """An explicit settlement of a start-child effect: only a failed start is stored this way."""
+    body = payload if payload is not None else {"key": "kid", "program": str(CHILD_REF), "failure": BOOM.to_json()}
+    return EffectSettled(process_id=ROOT, effect_id=effect, status=status, payload=body)
 
 
 # Valid streams, one per area of the rules.
@@ -328,16 +332,44 @@ WAIT = wait_id_for(WAIT_EFFECT)
 
 
 def waiting() -> list[TreeEvent]:
-    """Open an external wait, wait on it, receive the answer, complete."""
+    """Open an external wait, wait on it, receive the answer, complete.
+
+    Nothing is stored for the wait's settlement: it settles (and the wait opens) as soon
+    as its declaration is applied, at the frontier of a running Process.
+    """
     return [
         started(),  # 1
         step(1, effects=1),  # 2
-        declared(1, target="framework", payload=wait_payload()),  # 3
-        settled(1, att=None, payload={"wait_id": WAIT}),  # 4
-        step(2, "wait", consumed=1, wait_id=WAIT),  # 5
-        admitted("answer-1", {"name": "ada"}, wait=WAIT),  # 6
-        step(3, "complete", consumed=1),  # 7
-        terminated(),  # 8
+        declared(1, target="framework", payload=wait_payload()),  # 3 (the wait opens here)
+        step(2, "wait", consumed=1, wait_id=WAIT),  # 4
+        admitted("answer-1", {"name": "ada"}, wait=WAIT),  # 5
+        step(3, "complete", consumed=1),  # 6
+        terminated(),  # 7
+    ]
+
+
+PAUSED_WAIT = wait_id_for(eid(1, 1))
+
+
+def wait_behind_a_pause() -> list[TreeEvent]:
+    """A wait behind a dispatcher effect reaches the frontier while the Process is paused.
+
+    It stays planned until the resume, which settles it and finishes the batch: the
+    next Step sees the dispatcher's settlement and the wait's opening, and waits on it.
+    """
+    return [
+        started(),  # 1
+        step(1, effects=2),  # 2
+        declared(1, 0),  # 3
+        declared(1, 1, target="framework", payload=wait_payload()),  # 4
+        dispatched(1, 0),  # 5
+        control("pause", "hold"),  # 6
+        settled(1, 0),  # 7 (the wait is now the frontier of a paused Process)
+        control("resume", ""),  # 8 (the wait settles and opens here)
+        step(2, "wait", consumed=2, wait_id=PAUSED_WAIT),  # 9
+        admitted("answer-1", {"name": "ada"}, wait=PAUSED_WAIT),  # 10
+        step(3, "complete", consumed=1),  # 11
+        terminated(),  # 12
     ]
 
 
@@ -352,17 +384,59 @@ def signals() -> list[TreeEvent]:
 
 
 def with_child(parent_budget: Budget | None = None, child_budget: Budget | None = None) -> list[TreeEvent]:
-    """The root starts one child, which completes; then the root completes."""
+    """The root starts one child (ProcessStarted also settles the start), which completes; then the root."""
     return [
         started(parent_budget),  # 1
         step(1, effects=1),  # 2
         declared(1, target="framework", payload=child_payload(child_budget)),  # 3
-        child_started(child_budget),  # 4
-        child_settled(),  # 5
-        step(1, "complete", pid=CHILD),  # 6
-        terminated(pid=CHILD),  # 7
-        step(2, "complete", consumed=1),  # 8
-        terminated(),  # 9
+        child_started(),  # 4
+        step(1, "complete", pid=CHILD),  # 5
+        terminated(pid=CHILD),  # 6
+        step(2, "complete", consumed=1),  # 7
+        terminated(),  # 8
+    ]
+
+
+def failed_child_start() -> list[TreeEvent]:
+    """A start the kernel refused is stored as a failed EffectSettled; no child exists."""
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1, target="framework", payload=child_payload()),  # 3
+        child_settled(),  # 4
+        step(2, "complete", consumed=1),  # 5
+        terminated(),  # 6
+    ]
+
+
+KIDS_EFFECT = eid(2, 0)
+KIDS = wait_id_for(KIDS_EFFECT)
+
+
+def kids_payload(key: str = "kids") -> dict[str, Any]:
+    return {
+        "operation": "wait_children",
+        "key": key,
+        "children": [str(CHILD)],
+        "boundary": "terminal_result",
+        "condition": "all",
+    }
+
+
+def waiting_for_a_child() -> list[TreeEvent]:
+    """The root starts a child, opens a child wait and waits on it; the child's end satisfies it."""
+    return [
+        started(),  # 1
+        step(1, effects=1),  # 2
+        declared(1, target="framework", payload=child_payload()),  # 3
+        child_started(),  # 4
+        step(2, consumed=1, effects=1),  # 5
+        declared(2, target="framework", payload=kids_payload()),  # 6 (the child wait opens here)
+        step(3, "wait", consumed=1, wait_id=KIDS),  # 7
+        step(1, "complete", pid=CHILD),  # 8
+        terminated(pid=CHILD),  # 9 (the satisfaction is derived here)
+        step(4, "complete", consumed=1),  # 10
+        terminated(),  # 11
     ]
 
 
@@ -380,17 +454,16 @@ def commanding() -> list[TreeEvent]:
         step(1, effects=1),  # 2
         declared(1, target="framework", payload=child_payload()),  # 3
         child_started(),  # 4
-        child_settled(),  # 5
-        step(2, consumed=1, effects=2),  # 6
-        declared(2, 0, target="framework", payload=commands[0]),  # 7
-        declared(2, 1, target="framework", payload=commands[1]),  # 8
-        admitted("hello", {"text": "hi"}, pid=CHILD, source="parent"),  # 9
-        settled(2, 0, att=None, payload={"child": str(CHILD), "signal_id": "hello"}),  # 10
-        control("cancel", "enough", owner="parent", pid=CHILD),  # 11
-        settled(2, 1, att=None, payload={"child": str(CHILD)}),  # 12
-        terminated("canceled", "parent_cancellation", pid=CHILD),  # 13
-        step(3, "complete", consumed=2),  # 14
-        terminated(),  # 15
+        step(2, consumed=1, effects=2),  # 5
+        declared(2, 0, target="framework", payload=commands[0]),  # 6
+        declared(2, 1, target="framework", payload=commands[1]),  # 7
+        admitted("hello", {"text": "hi"}, pid=CHILD, source="parent"),  # 8
+        settled(2, 0, att=None, payload={"child": str(CHILD), "signal_id": "hello"}),  # 9
+        control("cancel", "enough", owner="parent", pid=CHILD),  # 10
+        settled(2, 1, att=None, payload={"child": str(CHILD)}),  # 11
+        terminated("canceled", "parent_cancellation", pid=CHILD),  # 12
+        step(3, "complete", consumed=2),  # 13
+        terminated(),  # 14
     ]
 
 
@@ -403,7 +476,7 @@ def checkpointed_and_controlled() -> list[TreeEvent]:
         control("resume", ""),  # 5
         step(2, "pause", reason="strategy pause"),  # 6
         control("resume", ""),  # 7
-        step(3, "fail", failure=BOOM),  # 8
+        step(3, "fail"),  # 8 (the failure is stored once, in ProcessTerminated)
         terminated("failed", "execution_failure", failure=BOOM),  # 9
     ]
 
@@ -427,6 +500,9 @@ VALID_STREAMS = {
     "unknown_then_resolved": unknown_then_resolved,
     "replayed_after_activation": replayed_after_activation,
     "waiting": waiting,
+    "wait_behind_a_pause": wait_behind_a_pause,
+    "failed_child_start": failed_child_start,
+    "waiting_for_a_child": waiting_for_a_child,
     "signals": signals,
     "with_child": with_child,
     "checkpointed_and_controlled": checkpointed_and_controlled,
@@ -494,6 +570,151 @@ def test_valid_streams_fold_to_the_states_their_rules_describe() -> None:
     assert child_tree.processes[CHILD].status == "completed"
     canceled = fold_tree(canceled_with_unknown()).root
     assert canceled.termination is not None and canceled.termination.unresolved_effect_ids == (eid(1),)
+
+
+# ---------------------------------------------------------------------------
+# What the fold derives instead of storing
+
+
+def test_a_wait_opens_when_its_declaration_is_applied() -> None:
+    """A Step that declares only a wait opens it at once, so the next Step can Wait on it."""
+    root = fold_tree(waiting()[:3]).root
+    assert root.batch == []
+    assert list(root.waits) == [WAIT] and root.open_wait_keys == {"answer": WAIT}
+    (opened,) = root.pending()
+    assert (opened.signal_id, opened.wait_id, opened.source) == (wait_opened_signal_id(WAIT), WAIT, "engine")
+    assert opened.payload == {"operation": "wait", "wait_id": WAIT, "key": "answer"}
+    assert root.reserved_signals == 0 and root.accepted_signals == 1
+
+
+def test_a_wait_at_the_frontier_of_a_paused_process_opens_when_it_resumes() -> None:
+    events = wait_behind_a_pause()
+    paused = fold_tree(events[:7]).root  # the dispatcher effect settled while paused
+    assert [r.phase for r in paused.batch] == ["settled", "planned"]
+    assert paused.waits == {} and paused.pending() == []
+    resumed = fold_tree(events[:8]).root
+    assert resumed.batch == [] and list(resumed.waits) == [PAUSED_WAIT]
+    assert [r.signal_id for r in resumed.pending()] == [
+        settlement_signal_id(eid(1, 0)),
+        wait_opened_signal_id(PAUSED_WAIT),
+    ]
+
+
+def test_a_wait_at_the_frontier_of_a_terminating_process_never_opens() -> None:
+    events = [
+        started(),
+        step(1, effects=2),
+        declared(1, 0),
+        declared(1, 1, target="framework", payload=wait_payload()),
+        dispatched(1, 0),
+        control("cancel"),
+        settled(1, 0),
+        terminated("canceled", "host_cancellation"),
+    ]
+    root = fold_tree(events).root
+    assert root.waits == {} and root.pending() == []
+    assert [(r.effect_id, r.phase) for r in root.batch] == [(eid(1, 0), "settled"), (eid(1, 1), "planned")]
+
+
+def test_process_started_settles_the_start_effect_with_the_derived_child_start_result() -> None:
+    tree = fold_tree(with_child()[:4])
+    root, child = tree.root, tree.processes[CHILD]
+    assert root.batch == []
+    (settlement,) = root.pending()
+    assert settlement.signal_id == settlement_signal_id(CHILD_EFFECT)
+    assert settlement.payload == {"key": "kid", "program": str(CHILD_REF), "process_id": CHILD}
+    assert settlement.status is None  # framework settlements carry no dispatcher status
+    # Everything about the child comes from the start effect's payload.
+    assert (child.child_key, child.program, child.input) == ("kid", CHILD_REF, {"n": 1})
+    assert (child.parent_id, child.start_effect_id, child.depth) == (ROOT, CHILD_EFFECT, 1)
+
+
+def test_a_failed_start_settles_with_its_stored_failure_and_starts_no_child() -> None:
+    tree = fold_tree(failed_child_start()[:4])
+    assert list(tree.processes) == [ROOT]
+    (settlement,) = tree.root.pending()
+    assert settlement.payload == {"key": "kid", "program": str(CHILD_REF), "failure": BOOM.to_json()}
+
+
+def test_a_child_wait_is_satisfied_by_the_childs_termination() -> None:
+    events = waiting_for_a_child()
+    before = fold_tree(events[:8]).root
+    assert before.status == "waiting" and before.current_wait == KIDS
+    after = fold_tree(events[:9]).root
+    assert after.status == "running" and after.current_wait is None
+    (satisfied,) = after.pending()
+    assert (satisfied.signal_id, satisfied.wait_id) == (child_wait_satisfied_signal_id(KIDS), KIDS)
+    (outcome,) = satisfied.payload["outcomes"]
+    assert (outcome["key"], outcome["result"]["status"]) == ("kid", "completed")
+
+
+def test_a_terminating_parent_gives_its_live_children_a_parent_owned_intent() -> None:
+    events = [*waiting_for_a_child()[:7], control("kill"), terminated("killed", "engine_kill")]
+    child = fold_tree(events).processes[CHILD]
+    assert child.intents == {"cancel": ("parent", f"parent {ROOT} ended killed")}
+
+
+def test_recorded_streams_store_no_settlement_for_waits_or_started_children(recorded: Any) -> None:
+    """The kernel stores neither wait settlements nor successful start settlements."""
+    for events, _ in recorded.values():
+        declared_ops = {
+            e.effect_id: e.payload.get("operation")
+            for e in events
+            if isinstance(e, EffectDeclared) and e.target == "framework"
+        }
+        stored = [
+            (declared_ops[e.effect_id], e.status)
+            for e in events
+            if isinstance(e, EffectSettled) and e.effect_id in declared_ops
+        ]
+        assert not [s for s in stored if s[0] in ("wait", "wait_children") or s == ("start_child", "succeeded")]
+    # The parent stream exercises both: two children started, then a child wait opened and answered.
+    parent_events = recorded["parent"][0]
+    assert sum(isinstance(e, ProcessStarted) for e in parent_events) == 2
+    parent_ops = [
+        e.payload["operation"] for e in parent_events if isinstance(e, EffectDeclared) and e.target == "framework"
+    ]
+    assert parent_ops.count("wait_children") == 1 and parent_ops.count("wait") == 2
+
+
+class UnboundStarter(JsonStrategy):
+    """Start a child whose Program is not bound anywhere in the tree, then report the start."""
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        if state["phase"] == "start":
+            spec = ChildSpec(ChildKey("kid"), asker_program().ref, None)
+            return Step(0, Continue((start_child_effect(spec),)), {"phase": "starting"})
+        return Step(len(window), Complete({"start": window[0].payload}), {"phase": "done"})
+
+
+def test_a_start_of_an_unbound_program_is_stored_as_a_failed_start() -> None:
+    """Kernel spec: an unresolvable child Program is a failed start (deployment_unavailable),
+    which the parent observes; it is not a refused Step."""
+    program = Program(Descriptor("test.unbound_starter"), UnboundStarter(), IMPL, config_digest("unbound-starter"))
+    store = EventStore("memory:")
+    with Runtime(store, Catalog([program])) as runtime:
+        handle = runtime.start(program, None)
+        result = handle.result(timeout=30)
+        events = [r.event for r in store.read(handle.tree_id)]
+    assert result.status == "completed", result.termination
+    start = result.output["start"]
+    assert (start["key"], start["program"]) == ("kid", str(asker_program().ref))
+    assert (start["failure"]["kind"], start["failure"]["code"]) == ("external", "engine.child.deployment_unavailable")
+    (settled_start,) = [e for e in events if isinstance(e, EffectSettled)]
+    assert settled_start.status == "failed" and settled_start.payload == start
+    assert not [e for e in events if isinstance(e, ProcessStarted)]
+    fold_tree(events)
+
+
+@pytest.mark.parametrize("name", sorted(VALID_STREAMS))
+def test_observing_the_state_mid_stream_does_not_change_it(name: str) -> None:
+    """``to_json`` (show, snapshots) after every event leaves the final state as a plain fold's."""
+    events = VALID_STREAMS[name]()
+    observed = TreeState()
+    for event in events:
+        observed.apply(event)
+        observed.to_json()
+    assert observed.to_json() == fold_tree(events).to_json()
 
 
 class Commander(JsonStrategy):
@@ -765,16 +986,16 @@ def test_signal_admission_engine_owned_ids_are_never_admitted_from_outside() -> 
 
 def test_signal_admission_an_answer_must_address_an_open_wait() -> None:
     base = waiting()
-    bad = admitted("answer-2", {"name": "bob"}, wait=WAIT)  # already answered at position 6
-    assert_corrupt(insert(base, 6, bad), bad, "signal.admission")
+    bad = admitted("answer-2", {"name": "bob"}, wait=WAIT)  # already answered at position 5
+    assert_corrupt(insert(base, 5, bad), bad, "signal.admission")
     bad = admitted("answer-0", {"name": "x"}, wait=wait_id_for(eid(9)))  # no such wait
-    assert_corrupt(insert(base, 4, bad), bad, "signal.admission")
+    assert_corrupt(insert(base, 3, bad), bad, "signal.admission")
 
 
 def test_signal_admission_unaddressed_input_is_refused_while_an_external_wait_is_current() -> None:
     base = waiting()
     bad = admitted("chatter")
-    assert_corrupt(insert(base, 5, bad), bad, "signal.admission")
+    assert_corrupt(insert(base, 4, bad), bad, "signal.admission")
 
 
 def test_signal_admission_a_terminal_process_admits_nothing() -> None:
@@ -808,7 +1029,7 @@ def test_terminal_once_a_terminal_status_never_changes(bad: ProcessTerminated) -
 def test_terminal_once_holds_for_children_too() -> None:
     base = with_child()
     bad = terminated("canceled", "parent_cancellation", pid=CHILD)
-    assert_corrupt(insert(base, 7, bad), bad, "terminal.once")
+    assert_corrupt(insert(base, 6, bad), bad, "terminal.once")
 
 
 @pytest.mark.parametrize(
@@ -897,10 +1118,10 @@ def test_budget_child_allocation_an_unlimited_grant_from_a_finite_parent() -> No
 def test_budget_child_allocation_is_permanent_after_the_child_ended() -> None:
     # 4 steps: the root's 2 steps + the child's grant of 2, never refunded when the child ends.
     events = with_child(Budget.of(steps=4), Budget.of(steps=2))
-    events[7] = step(2, consumed=1)  # continue instead of complete
-    fold_tree(events[:8])
+    events[6] = step(2, consumed=1)  # continue instead of complete
+    fold_tree(events[:7])
     bad = step(3, "complete")
-    assert_corrupt([*events[:8], bad], bad, "budget.steps")
+    assert_corrupt([*events[:7], bad], bad, "budget.steps")
 
 
 def test_budget_child_allocation_counts_against_the_signals_budget_too() -> None:
@@ -973,9 +1194,11 @@ def test_dispatch_once_one_writer_dispatches_an_effect_once() -> None:
 
 
 def test_dispatch_target_framework_effects_are_never_dispatched() -> None:
-    base = waiting()
-    bad = dispatched(1)
-    assert_corrupt(insert(base, 3, bad), bad, "dispatch.target")
+    bad = dispatched(1)  # the start-child effect, before its ProcessStarted
+    assert_corrupt(insert(with_child(), 3, bad), bad, "dispatch.target")
+    # A wait still planned behind the paused Process's frontier is no dispatcher effect either.
+    bad = dispatched(1, 1, att=2)
+    assert_corrupt(insert(wait_behind_a_pause(), 7, bad), bad, "dispatch.target")
 
 
 @pytest.mark.parametrize("status", ["succeeded", "unknown"])
@@ -1083,13 +1306,13 @@ def test_step_transition_a_pause_step_needs_a_reason() -> None:
 def test_step_wait_a_wait_step_names_an_open_wait() -> None:
     base = waiting()
     bad = step(2, "wait", consumed=1, wait_id=wait_id_for(eid(9)))
-    assert_corrupt(replace(base, 4, bad), bad, "step.wait")
+    assert_corrupt(replace(base, 3, bad), bad, "step.wait")
 
 
 def test_step_not_runnable_no_step_while_waiting_or_paused() -> None:
     base = waiting()
     bad = step(3, "complete")
-    assert_corrupt(insert(base, 5, bad), bad, "step.not_runnable")
+    assert_corrupt(insert(base, 4, bad), bad, "step.not_runnable")
     paused = [started(), control("pause", "hold")]
     bad = step(1, "complete")
     assert_corrupt([*paused, bad], bad, "step.not_runnable")
@@ -1132,33 +1355,68 @@ def test_settlement_diagnostic_an_unknown_settlement_says_why() -> None:
 
 
 def test_settlement_framework_a_framework_effect_always_settles_definitely() -> None:
-    base = waiting()
-    bad = settled(1, status="unknown", att=None)
-    assert_corrupt(replace(base, 3, bad), bad, "settlement.framework")
+    bad = child_settled("unknown", payload={"key": "kid"})
+    bad = bad.model_copy(update={"diagnostic": DIAGNOSTIC})
+    assert_corrupt(replace(with_child(), 3, bad), bad, "settlement.framework")
+    bad = settled(2, 0, status="unknown", att=None)  # the signal_child receipt
+    assert_corrupt(replace(commanding(), 8, bad), bad, "settlement.framework")
 
 
 def test_settlement_process_terminal_a_planned_effect_of_a_terminal_process_never_settles() -> None:
     events = [
         started(),
         step(1, effects=1),
-        declared(1, target="framework", payload=wait_payload()),
+        declared(1, target="framework", payload=child_payload()),
         control("cancel"),
         terminated("canceled", "host_cancellation"),
     ]
-    bad = settled(1, att=None, payload={"wait_id": WAIT})
+    bad = child_settled()
     assert_corrupt([*events, bad], bad, "settlement.process_terminal")
 
 
+WAIT_SETTLEMENT = settled(1, 1, att=None, payload={"wait_id": PAUSED_WAIT})
+
+
 @pytest.mark.parametrize(
-    "bad",
+    ("blocker", "bad"),
     [
-        settled(1, att=None, payload={"wait_id": wait_id_for(eid(9))}),
-        settled(1, status="failed", att=None, payload={"wait_id": WAIT}),
+        (control("pause", "hold"), WAIT_SETTLEMENT),
+        (control("cancel"), WAIT_SETTLEMENT),
+        (control("pause", "hold"), settled(1, 1, "failed", att=None, payload={"wait_id": PAUSED_WAIT})),
     ],
-    ids=["wrong-wait-id", "failed"],
+    ids=["paused", "canceling", "failed"],
 )
-def test_wait_settlement_a_wait_effect_settles_succeeded_with_its_derived_wait_id(bad: EffectSettled) -> None:
-    assert_corrupt(replace(waiting(), 3, bad), bad, "wait.settlement")
+def test_wait_settlement_a_wait_effect_is_never_settled_by_a_stored_event(
+    blocker: ControlRequested, bad: EffectSettled
+) -> None:
+    """A wait at the frontier of a paused or terminating Process stays planned: nothing may settle it."""
+    events = [
+        started(),
+        step(1, effects=2),
+        declared(1, 0),
+        declared(1, 1, target="framework", payload=wait_payload()),
+        dispatched(1, 0),
+        blocker,
+        settled(1, 0),  # the wait is now the frontier, but the fold does not settle it
+    ]
+    assert_corrupt([*events, bad], bad, "wait.settlement")
+
+
+def test_wait_settlement_a_child_wait_is_never_settled_by_a_stored_event() -> None:
+    events = [*waiting_for_a_child()[:4], step(2, consumed=1, effects=2)]
+    events += [declared(2, 0), declared(2, 1, target="framework", payload=kids_payload())]
+    events += [dispatched(2, 0), control("pause", "hold"), settled(2, 0)]
+    bad = settled(2, 1, att=None, payload={"wait_id": wait_id_for(eid(2, 1))})
+    assert_corrupt([*events, bad], bad, "wait.settlement")
+
+
+def test_settlement_once_a_wait_settled_on_declaration_is_not_settled_again() -> None:
+    """The pre-compaction shape (an explicit settlement after the wait's declaration) is refused."""
+    bad = settled(1, att=None, payload={"wait_id": WAIT})
+    assert_corrupt(insert(waiting(), 3, bad), bad, "settlement.once")
+    # In a batch still open behind the wait, the wait is already settled too.
+    events = [started(), step(1, effects=2), declared(1, 0, target="framework", payload=wait_payload()), declared(1, 1)]
+    assert_corrupt([*events, bad], bad, "settlement.once")
 
 
 def test_effect_framework_unknown_framework_operations_are_refused() -> None:
@@ -1176,7 +1434,20 @@ def test_child_start_effect_a_child_starts_only_from_its_frontier_start_effect()
     assert_corrupt([started(), bad], bad, "child.start_effect")
     base = with_child()
     again = child_started()
-    assert_corrupt(insert(base, 5, again), again, "child.start_effect")
+    assert_corrupt(insert(base, 4, again), again, "child.start_effect")  # ProcessStarted settled it
+    behind = [
+        started(),
+        step(1, effects=2),
+        declared(1, 0),
+        declared(1, 1, target="framework", payload=child_payload()),
+    ]
+    early = child_started(child_process_id(eid(1, 1)), eid(1, 1))  # #0 is still the frontier
+    assert_corrupt([*behind, early], early, "child.start_effect")
+    refused = failed_child_start()
+    late = child_started()
+    assert_corrupt(insert(refused, 4, late), late, "child.start_effect")  # a refused start starts no child
+    not_a_start = child_started(child_process_id(eid(1, 1)), eid(1, 1))  # the frontier is a wait
+    assert_corrupt(insert(wait_behind_a_pause(), 7, not_a_start), not_a_start, "child.start_effect")
 
 
 def test_child_identity_the_child_id_is_derived_from_its_start_effect() -> None:
@@ -1185,27 +1456,49 @@ def test_child_identity_the_child_id_is_derived_from_its_start_effect() -> None:
     assert_corrupt(replace(base, 3, bad), bad, "child.identity")
 
 
-def test_child_key_the_child_key_matches_its_start_effect() -> None:
+def test_child_key_a_parent_never_reuses_a_child_key() -> None:
+    second = eid(1, 1)
+    events = [
+        started(),
+        step(1, effects=2),
+        declared(1, 0, target="framework", payload=child_payload()),
+        declared(1, 1, target="framework", payload=child_payload()),  # the same key "kid"
+        child_started(),
+    ]
+    bad = child_started(child_process_id(second), second)
+    assert_corrupt([*events, bad], bad, "child.key")
+    # Another key is fine.
+    events[3] = declared(1, 1, target="framework", payload=child_payload(key="kid-2"))
+    tree = fold_tree([*events, bad])
+    assert tree.processes[child_process_id(second)].child_key == "kid-2"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"operation": "start_child", "key": "kid", "input": {"n": 1}},  # no program
+        {**child_payload(), "program": "test.fold.child"},  # a name without its digest
+        {**child_payload(), "program": CHILD_REF.to_json()},  # an object, not a text ref
+        {**child_payload(), "program": str(UNBOUND_REF)},  # not bound in TreeStarted
+        {**child_payload(), "program": f"test.fold.other+{CHILD_REF.digest}"},  # a bound digest, another name
+        {**child_payload(), "key": ""},  # not a child key
+        {**child_payload(), "budget": {"steps": "many"}},  # not a grant
+    ],
+    ids=["no-program", "name-only", "object", "unbound", "renamed", "empty-key", "bad-budget"],
+)
+def test_child_spec_a_start_effect_with_a_malformed_spec_starts_no_child(payload: dict[str, Any]) -> None:
     base = with_child()
-    bad = child_started(key="other")
-    assert_corrupt(replace(base, 3, bad), bad, "child.key")
-
-
-def test_child_spec_the_child_program_matches_its_start_effect() -> None:
-    other = ProgramRef(
-        "test.other", REF.contract_digest, REF.implementation_digest, REF.configuration_digest, REF.bindings_digest
-    )
-    bad = child_started(program=other)
-    assert_corrupt(replace(with_child(), 3, bad), bad, "child.spec")
+    events = replace(base, 2, declared(1, target="framework", payload=payload))
+    assert_corrupt(events, events[3], "child.spec")
 
 
 def test_child_capabilities_a_child_never_holds_more_than_its_parent() -> None:
     base = with_child()
     base[2] = declared(1, target="framework", payload=child_payload(capabilities=["net"]))
-    bad = child_started(capabilities=["net"])
-    assert_corrupt(replace(base, 3, bad), bad, "child.capabilities")
+    assert_corrupt(base, base[3], "child.capabilities")
     base[0] = started(capabilities=["net"])
-    fold_tree(replace(base, 3, bad))  # the parent holds it: valid
+    tree = fold_tree(base)  # the parent holds it: valid
+    assert tree.processes[CHILD].capabilities == ("net",)
 
 
 def test_child_tree_limit_the_depth_limit_holds() -> None:
@@ -1222,23 +1515,27 @@ def test_child_parent_state_a_terminating_parent_starts_no_child() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        child_settled(payload={"key": "kid", "process_id": str(child_process_id(eid(9)))}),
-        child_settled("failed", payload={"key": "kid", "failure": BOOM.to_json()}),
+        child_settled("succeeded", payload={"key": "kid", "program": str(CHILD_REF), "process_id": str(CHILD)}),
+        child_settled("succeeded", payload={"key": "kid", "process_id": str(child_process_id(eid(9)))}),
+        child_settled("failed", payload={"key": "kid", "program": str(CHILD_REF)}),
     ],
-    ids=["wrong-child", "failed-but-started"],
+    ids=["success-as-settlement", "success-naming-another-child", "failed-without-failure"],
 )
-def test_child_start_settlement_names_the_started_child(bad: EffectSettled) -> None:
-    assert_corrupt(replace(with_child(), 4, bad), bad, "child.start_settlement")
+def test_child_start_settlement_only_a_failed_start_is_an_effect_settled(bad: EffectSettled) -> None:
+    """A successful start is recorded by ProcessStarted alone; a failed one carries its failure."""
+    assert_corrupt(replace(with_child(), 3, bad), bad, "child.start_settlement")
 
 
-def test_child_start_settlement_a_success_without_process_started() -> None:
-    base = with_child()
-    events = base[:3] + base[4:]
-    assert_corrupt(events, events[3], "child.start_settlement")
+def test_child_start_settlement_a_started_child_is_not_also_settled() -> None:
+    """After ProcessStarted the start is settled; the old shape's EffectSettled is a second settlement."""
+    bad = child_settled("succeeded", payload={"key": "kid", "program": str(CHILD_REF), "process_id": str(CHILD)})
+    assert_corrupt(insert(with_child(), 4, bad), bad, "settlement.once")
+    failed = child_settled()
+    assert_corrupt(insert(with_child(), 4, failed), failed, "settlement.once")
 
 
 def test_child_control_settlement_a_receipt_names_the_child_of_its_effect() -> None:
-    base = with_child()[:7]
+    base = with_child()[:6]
     cancel_payload = {"operation": "cancel_child", "child": str(CHILD), "reason": "enough"}
     events = [*base, step(2, consumed=1, effects=1), declared(2, target="framework", payload=cancel_payload)]
     bad = settled(2, att=None, payload={"child": str(ROOT)})
@@ -1248,24 +1545,24 @@ def test_child_control_settlement_a_receipt_names_the_child_of_its_effect() -> N
 @pytest.mark.parametrize(
     ("bad", "index"),
     [
-        (admitted("forged", pid=CHILD, source="parent"), 5),  # no signal_child effect at all
-        (admitted("hello", {"text": "changed"}, pid=CHILD, source="parent"), 8),  # not what the effect says
-        (admitted("other", {"text": "hi"}, pid=CHILD, source="parent"), 8),  # another signal id
-        (admitted("hello", {"text": "hi"}, source="parent"), 8),  # the root has no parent
+        (admitted("forged", pid=CHILD, source="parent"), 4),  # no signal_child effect at all
+        (admitted("hello", {"text": "changed"}, pid=CHILD, source="parent"), 7),  # not what the effect says
+        (admitted("other", {"text": "hi"}, pid=CHILD, source="parent"), 7),  # another signal id
+        (admitted("hello", {"text": "hi"}, source="parent"), 7),  # the root has no parent
     ],
     ids=["no-effect", "other-payload", "other-id", "root"],
 )
 def test_signal_source_parent_input_comes_only_from_the_parent_signal_child_effect(bad: TreeEvent, index: int) -> None:
     events = commanding()
-    assert_corrupt(replace(events, index, bad) if index == 8 else insert(events, index, bad), bad, "signal.source")
+    assert_corrupt(replace(events, index, bad) if index == 7 else insert(events, index, bad), bad, "signal.source")
 
 
 @pytest.mark.parametrize(
     ("bad", "index"),
     [
-        (control("cancel", "rogue", owner="parent", pid=CHILD), 5),  # no cancel_child effect
-        (control("kill", "rogue", owner="parent", pid=CHILD), 10),  # a parent never kills
-        (control("cancel", "rogue", owner="parent"), 10),  # the root has no parent
+        (control("cancel", "rogue", owner="parent", pid=CHILD), 4),  # no cancel_child effect
+        (control("kill", "rogue", owner="parent", pid=CHILD), 9),  # a parent never kills
+        (control("cancel", "rogue", owner="parent"), 9),  # the root has no parent
     ],
     ids=["no-effect", "kill", "root"],
 )
@@ -1273,7 +1570,7 @@ def test_control_owner_parent_controls_come_only_from_the_parent_cancel_child_ef
     bad: TreeEvent, index: int
 ) -> None:
     events = commanding()
-    assert_corrupt(replace(events, index, bad) if index == 10 else insert(events, index, bad), bad, "control.owner")
+    assert_corrupt(replace(events, index, bad) if index == 9 else insert(events, index, bad), bad, "control.owner")
 
 
 # ---------------------------------------------------------------------------
@@ -1348,7 +1645,7 @@ def test_terminal_priority_the_first_terminal_outcome_follows_the_priority(
 )
 def test_terminal_failure_a_failure_cause_carries_a_failure_of_its_kind(failure: Failure | None) -> None:
     bad = terminated("failed", "execution_failure", failure=failure)
-    assert_corrupt([started(), step(1, "fail", failure=BOOM), bad], bad, "terminal.failure")
+    assert_corrupt([started(), step(1, "fail"), bad], bad, "terminal.failure")
 
 
 def test_terminal_output_only_a_completed_process_has_an_output() -> None:
