@@ -313,8 +313,8 @@ def _process_text(p: ProcessState) -> list[str]:
         f"  usage: {usage['steps']} steps, {usage['effects']} effects, {usage['signals']} signals; "
         f"budget: {_budget_text(p)}",
     ]
-    consumed = sum(1 for r in p.mailbox if r.consumed)
-    lines.append(f"  mailbox: {len(p.mailbox)} signal(s), {consumed} consumed, {len(p.mailbox) - p.cursor} pending")
+    pending = len(p.mailbox) - p.cursor
+    lines.append(f"  mailbox: {p.arrivals} signal(s) admitted, {p.arrivals - pending} consumed, {pending} pending")
     for record in p.pending():
         lines.append(f"    pending {record.signal_id} from {record.source}: {_short(record.payload)}")
     for wait in p.waits.values():
@@ -439,7 +439,8 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         )
         with ctx.runtime(store) as runtime:
             runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id)
-            owned = runtime.owns(tree_id)
+            head = store.head(tree_id)
+            owned = runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
             tree = _drive(ctx, runtime, tree_id, f"resolved {effect_id}")
     finally:
         store.close()

@@ -280,15 +280,24 @@ class EventStore:
 
     # -- snapshots ---------------------------------------------------------
 
+    @staticmethod
+    def encode_snapshot(state: TreeState, digest: str) -> bytes:
+        """The snapshot bytes of a folded tree at its version (serialize under the owner's lock)."""
+        return orjson.dumps({"tree": state.to_json(compact=True), "digest": digest})
+
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
-        body = orjson.dumps({"tree": state.to_json(compact=True), "digest": digest})
+        self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
+
+    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
+        """Store snapshot bytes taken at ``version`` and drop older snapshots of the tree."""
+        state_version = version
         try:
-            self.snapshots.insert_events([StoredEvent(tree_id.uuid, state.version, SNAPSHOT_TOPIC, body)])
+            self.snapshots.insert_events([StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)])
         except IntegrityError:
             return  # the same version was already snapshotted
         # Only the newest snapshot is ever read; keeping the others would grow storage
         # with the square of a long conversation.
-        self.snapshots.prune(tree_id.uuid, state.version)
+        self.snapshots.prune(tree_id.uuid, state_version)
 
     def latest_snapshot(self, tree_id: TreeID, programs: ProgramResolver | None) -> tuple[TreeState, str] | None:
         rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1)

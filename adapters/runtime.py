@@ -223,6 +223,7 @@ class _Kick:
 
 
 MAX_EVENTS_PER_APPEND = 2048
+_RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +261,7 @@ class _Driver:
         self._inbox_lock = threading.Lock()
         self._scheduled = False
         self.flights: dict[EffectID, _Flight] = {}
+        self.finished = False
         self._launched: list[_Job] = []
         self._launched_lock = threading.Lock()
         self.stopped: AgentfoldError | None = None
@@ -299,6 +301,8 @@ class _Driver:
                 self.runtime._busy -= 1
                 if self.runtime._busy == 0:
                     self.runtime._busy_cond.notify_all()
+        if self.finished and self.stopped is None:
+            self.runtime._forget(self)
 
     def start_jobs(self, *, keep_last: bool) -> _Job | None:
         """Start the launched calls on the dispatch pool; optionally keep the last for this thread."""
@@ -418,6 +422,10 @@ class _Driver:
         if idle != self.idle:
             notify = True
         self.idle = idle
+        if idle and self.tree.terminal:
+            # A finished tree needs no owner: give up the lease and the memory it holds;
+            # result() and wait_idle() read it from the store from now on.
+            self.finished = True
         if notify:  # waking result()/wait_idle() on every append costs more than the append
             self.cond.notify_all()
 
@@ -473,8 +481,22 @@ class _Driver:
         # the tree's size, so this keeps the amortized cost per event constant, while a load
         # still folds at most ~1/8 of the history after the newest snapshot.
         if every and self.committed - self.last_snapshot >= max(every, self.committed // 8) and self.tree._expect is None:
-            runtime.store.save_snapshot(self.tree_id, self.tree, result.digest)
+            # Off the owner line: a snapshot costs in proportion to the tree, and the next
+            # dispatch must not wait for it (it is a cache; the events are the truth).
             self.last_snapshot = self.committed
+            runtime._snapshot_pool.submit(self._write_snapshot)
+
+    def _write_snapshot(self) -> None:
+        with self.lock:
+            if self.stopped is not None or self.tree._expect is not None or self.committed != self.tree.version:
+                return
+            version, digest = self.committed, self.digest
+            assert digest is not None
+            body = self.runtime.store.encode_snapshot(self.tree, digest)
+        try:
+            self.runtime.store.write_snapshot(self.tree_id, version, body)
+        except Exception:  # noqa: BLE001 - a snapshot is a cache; the next one will be taken later
+            self.last_snapshot = 0
 
     def _head(self, events: Sequence[TreeEvent]) -> TreeHead:
         return index_head(self.tree, self.tree_id, events, self.runtime.clock())
@@ -642,8 +664,11 @@ class Runtime:
         self.events_appended = 0
         self._dispatch_pool = ThreadPoolExecutor(dispatch_workers, thread_name_prefix="agentfold-dispatch")
         self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
+        self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="agentfold-snapshot")
         self._drivers: dict[TreeID, _Driver] = {}
         self._failed: dict[TreeID, AgentfoldError] = {}
+        # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
+        self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
         self._busy_cond = threading.Condition()
         self._shut = False
@@ -868,6 +893,10 @@ class Runtime:
         with self._lock:
             if self._drivers.get(driver.tree_id) is driver:
                 del self._drivers[driver.tree_id]
+            if driver.final is not None and driver.stopped is None:
+                self._results[driver.tree_id] = driver.final
+                while len(self._results) > _RESULTS_KEPT:
+                    self._results.popitem(last=False)
         self._leases.release(driver.tree_id)
 
     # -- admission -----------------------------------------------------------
@@ -1066,6 +1095,9 @@ class Runtime:
             failed = self._failed.get(tree_id)
             if failed is not None:
                 raise failed
+            kept = self._results.get(tree_id)
+            if kept is not None:
+                return kept
             head = self.store.head(tree_id)
             if head is not None and head.status in TERMINAL:
                 return Result.of(self.store.load(tree_id).state.root)
@@ -1210,6 +1242,7 @@ class Runtime:
                 driver.cond.notify_all()
             self._forget(driver)
         self._owner_pool.shutdown(wait=True, cancel_futures=False)
+        self._snapshot_pool.shutdown(wait=True, cancel_futures=False)
         self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
         watcher = self._watcher
         if watcher is not None and watcher is not threading.current_thread():

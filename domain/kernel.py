@@ -388,7 +388,12 @@ class Kernel:
             wait = process.waits.get(transition.wait_id)
             consumed_answer = False
             if wait is not None and wait.answered_by is not None:
-                consumed_answer = wait.answered_by <= process.cursor + step.consumed
+                last = (
+                    process.mailbox[process.cursor + step.consumed - 1].arrival
+                    if step.consumed
+                    else process.consumed_through
+                )
+                consumed_answer = wait.answered_by <= last
             if wait is None or wait.closed or consumed_answer:
                 raise refuse(EngineCode.TRANSITION_INVALID, f"wait {transition.wait_id} is not an open wait")
         elif isinstance(transition, Pause):

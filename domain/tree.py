@@ -152,7 +152,7 @@ class MailboxRecord:
     def to_json(self, with_payload: bool = True) -> dict[str, JSON]:
         """A receipt; members without a value are omitted (snapshots hold many of these)."""
         body: dict[str, JSON] = {"arrival": self.arrival, "source": self.source}
-        if not (self.effect_id is not None and self.signal_id == settlement_signal_id(self.effect_id)):
+        if not (self.source == "engine" and self.effect_id is not None):
             body["signal_id"] = self.signal_id  # a settlement signal's id derives from its effect
         if self.wait_id is not None:
             body["wait_id"] = self.wait_id
@@ -303,7 +303,14 @@ class ProcessState:
     reserved_signals: int = 0
     allocated: Allocation = field(default_factory=Allocation)
     mailbox: list[MailboxRecord] = field(default_factory=list)
+    """Pending records, preceded by consumed host and parent records (receipts). A consumed
+    engine record (settlement, wait opening) is dropped: its payload lives in its event and
+    its id is derived, so keeping it would only grow the state with every Step."""
     cursor: int = 0
+    arrivals: int = 0
+    """Records ever admitted (the next record's arrival number is ``arrivals + 1``)."""
+    consumed_through: int = 0
+    """Arrival number of the last consumed record."""
     signal_index: dict[SignalID, MailboxRecord] = field(default_factory=dict)
     waits: dict[WaitID, WaitRecord] = field(default_factory=dict)
     open_wait_keys: dict[WaitKey, WaitID] = field(default_factory=dict)
@@ -687,7 +694,8 @@ class TreeState:
         eid: EffectID | None = None,
         answers: bool = True,
     ) -> None:
-        record = MailboxRecord(len(process.mailbox) + 1, sid, wid, payload, source, status, eid)
+        process.arrivals += 1
+        record = MailboxRecord(process.arrivals, sid, wid, payload, source, status, eid)
         process.mailbox.append(record)
         process.signal_index[sid] = record
         if wid is not None and answers:
@@ -722,9 +730,9 @@ class TreeState:
         if e.kind == "pause" and not e.reason:
             raise self.fail(pos, "step.transition", "a pause transition needs a reason")
         # Consume the window prefix.
-        consumed_records = process.mailbox[process.cursor : process.cursor + e.consumed]
+        start = process.cursor
+        consumed_records = process.mailbox[start : start + e.consumed]
         consumed = [r.signal() for r in consumed_records]
-        process.cursor += e.consumed
         for record in consumed_records:
             if record.source != "engine":
                 # Fix the digest before the payload is released: a host resending this signal
@@ -738,6 +746,18 @@ class TreeState:
                     wait.closed = True
                     if process.open_wait_keys.get(wait.key) == wait.wait_id:
                         del process.open_wait_keys[wait.key]
+                    if wait.kind == "children":
+                        # Engine-internal and answered: nothing will address it again.
+                        del process.waits[wait.wait_id]
+        if consumed_records:
+            process.consumed_through = consumed_records[-1].arrival
+            kept = [r for r in consumed_records if r.source != "engine"]
+            if len(kept) != len(consumed_records):
+                process.mailbox[start : start + e.consumed] = kept
+                for record in consumed_records:
+                    if record.source == "engine":
+                        process.signal_index.pop(record.signal_id, None)
+            process.cursor = start + len(kept)
         if process.has_state:
             if next_state is not _MISSING:
                 process.state = next_state
@@ -1190,7 +1210,12 @@ class TreeState:
                 "capabilities": list(p.capabilities),
                 "committed_steps": p.committed_steps,
                 "last_kind": p.last_kind,
-                "mailbox": {"signals": [r.to_json() for r in p.mailbox], "cursor": p.cursor},
+                "mailbox": {
+                    "signals": [r.to_json() for r in p.mailbox],
+                    "cursor": p.cursor,
+                    "arrivals": p.arrivals,
+                    "consumed_through": p.consumed_through,
+                },
                 "waits": [w.to_json() for w in p.waits.values()],
                 "current_wait_id": p.current_wait,
                 "pause_reason": p.pause_reason,
@@ -1261,6 +1286,8 @@ class TreeState:
             p.allocated = Allocation(**body["allocated"])
             p.last_kind = body["last_kind"]
             p.cursor = body["mailbox"]["cursor"]
+            p.arrivals = int(body["mailbox"].get("arrivals", len(body["mailbox"]["signals"])))
+            p.consumed_through = int(body["mailbox"].get("consumed_through", 0))
             for r in body["mailbox"]["signals"]:
                 eid = EffectID(r["effect_id"]) if r.get("effect_id") else None
                 sid = SignalID(r["signal_id"]) if "signal_id" in r else settlement_signal_id(eid)  # type: ignore[arg-type]
