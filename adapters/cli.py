@@ -32,64 +32,37 @@ script uses; another front end passes its own to :func:`main`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from adapters.catalog import Catalog, Loader
-from adapters.eventstore import CorruptStream, EventStore, parse_store_url, redact, store_url_from_env
+from adapters.eventstore import EventStore, parse_store_url, redact, store_url_from_env
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
+from adapters.queries import HostQueries
 from adapters.recorders import TreeHead
 from adapters.runtime import CrashPlan, RandomIds, Runtime
-from adapters.scenario import PROGRAM_NAME as SCENARIO_PROGRAM
 from adapters.scenario import load_scenario_file, scenario_input, scenario_program
+from adapters.sources import ProgramSources, default_sources
 from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
 from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
-from domain.events import TreeStarted
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
 from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
-from domain.program import Program, SignalRequest
+from domain.program import Program, ProgramResolver, SignalRequest
 from domain.requests import Settlement, effect_request
 from domain.tree import ProcessState, TreeState
-from projections.host_views import delegate_attributions, pending_tool_inputs, unknown_effects
-from projections.settled_results import settled_results
+from projections.host_views import pending_tool_inputs
 
 PROG = "agentfold"
+# Modules that add commands: each defines ``register(command)`` (see build_parser).
+COMMAND_MODULES = ("adapters.cli_serve", "adapters.cli_audit", "adapters.cli_feed")
 DEFAULT_TIMEOUT = 60.0
-
-
-# ---------------------------------------------------------------------------
-# Programs the CLI can bind
-
-
-@dataclass(frozen=True)
-class ProgramSources:
-    """The Programs trees in a store may use: bound Programs and configuration loaders.
-
-    ``loaders`` maps a program name to a function that rebuilds the Program from the
-    configuration document stored in ``TreeStarted`` (see ``adapters.catalog``).
-    """
-
-    programs: tuple[Program, ...] = ()
-    loaders: Mapping[str, Loader] = field(default_factory=dict)
-
-    def catalog(self) -> Catalog:
-        return Catalog(self.programs, self.loaders)
-
-    def plus(self, other: ProgramSources) -> ProgramSources:
-        return ProgramSources(self.programs + other.programs, {**self.loaders, **other.loaders})
-
-
-def default_sources() -> ProgramSources:
-    """What the console script binds: the kernel demo Program and scenario Programs
-    (rebuilt from the scenario each tree stored)."""
-    return ProgramSources(programs=(payment_program(),), loaders={SCENARIO_PROGRAM: scenario_program})
 
 
 # ---------------------------------------------------------------------------
@@ -198,56 +171,9 @@ def _summary_text(summary: Mapping[str, Any]) -> str:
     return text
 
 
-def _load_for_reading(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> TreeState:
-    """Fold a tree with its Programs when the catalog binds them (adds strategy state), else without."""
-    catalog = sources.catalog()
-    first = store.read(tree_id, upto=1)
-    started = first[0].event if first else None
-    if isinstance(started, TreeStarted):
-        try:
-            catalog.load(started.program, started.configuration)
-            return store.load(tree_id, catalog.resolve).state
-        except (NotFound, CorruptStream):
-            pass  # an unbound or changed program: the kernel's own view is still complete
-    return store.load(tree_id).state
-
-
-def _unknown_entries(tree: TreeState, catalog: Catalog | None = None) -> list[dict[str, JSON]]:
-    """Unknown effects of live processes, with kind, ToolCallRef and the retained request."""
-    resolver = catalog.resolve if catalog is not None else None
-    entries: list[dict[str, JSON]] = []
-    for entry in unknown_effects(tree, resolver):
-        process = tree.processes[ProcessID(str(entry["process_id"]))]
-        if process.terminal:
-            continue  # a terminal process keeps its unknowns as evidence; they cannot be resolved
-        record = process.effect(EffectID(str(entry["effect_id"])))
-        assert record is not None
-        entries.append(
-            {
-                **entry,
-                "start_id": tree.start_id,
-                "program": process.program.name,
-                "replay": record.replay,
-                "attempt_id": record.attempt_id,
-                "attempts": record.attempts,
-                "payload": record.payload,
-            }
-        )
-    return entries
-
-
-def _catalog_for(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> tuple[TreeState, Catalog | None]:
+def _fold(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> tuple[TreeState, ProgramResolver | None]:
     """Fold a tree with its Programs when they can be bound, else the kernel's view."""
-    catalog = sources.catalog()
-    first = store.read(tree_id, upto=1)
-    started = first[0].event if first else None
-    if isinstance(started, TreeStarted):
-        try:
-            catalog.load(started.program, started.configuration)
-            return store.load(tree_id, catalog.resolve).state, catalog
-        except (NotFound, CorruptStream):
-            pass
-    return store.load(tree_id).state, None
+    return HostQueries(store, sources).fold(tree_id)
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +204,7 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> Outcome:
     try:
         with ctx.runtime(store) as runtime:
             tree_id = runtime.tree_of(args.tree)
-        tree = _load_for_reading(store, ctx.sources, tree_id)
+        tree, _ = _fold(store, ctx.sources, tree_id)
     finally:
         store.close()
     return Outcome(tree.to_json(), _show_text(tree))
@@ -351,12 +277,8 @@ def _process_text(p: ProcessState) -> list[str]:
 
 def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
-    entries: list[dict[str, JSON]] = []
     try:
-        for head in store.heads(live_only=True):
-            if head.unknown_effect_ids:  # the index is updated with every append: skip trees without any
-                tree, catalog = _catalog_for(store, ctx.sources, TreeID(head.tree_id))
-                entries.extend(_unknown_entries(tree, catalog))
+        entries = HostQueries(store, ctx.sources).unknown()
     finally:
         store.close()
     data = {"unknown_effects": entries}
@@ -382,10 +304,12 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(data, "\n".join(lines))
 
 
-def _settlement_for(args: argparse.Namespace, tree: TreeState, catalog: Catalog | None, effect_id: EffectID) -> Settlement:
+def _settlement_for(
+    args: argparse.Namespace, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID
+) -> Settlement:
     """Build the definite settlement the host describes, with the Program's own settle helper."""
     found = tree.find_effect(effect_id)
-    program = catalog.resolve(found[0].program) if (found is not None and catalog is not None) else None
+    program = programs(found[0].program) if (found is not None and programs is not None) else None
     request = None
     if found is not None and program is not None and found[1].target == "dispatcher":
         request = effect_request(tree, found[0].process_id, effect_id, program)
@@ -428,8 +352,8 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
                 f"effect {effect_id} is not an unknown effect of any tree in {redact(ctx.store_url)}",
                 hint=f"list unknown effects with `{PROG} unknown`",
             )
-        probe, catalog = _catalog_for(store, ctx.sources, tree_id)
-        settlement = _settlement_for(args, probe, catalog, effect_id)
+        probe, programs = _fold(store, ctx.sources, tree_id)
+        settlement = _settlement_for(args, probe, programs, effect_id)
         # Validate on a private fold first, with the kernel's own rules: a refused
         # resolution must not even make this command take ownership (WriterActivated).
         found = probe.find_effect(effect_id)
@@ -579,21 +503,10 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(data, text)
 
 
-def _pending_entries(store: EventStore, sources: ProgramSources) -> list[dict[str, JSON]]:
-    entries: list[dict[str, JSON]] = []
-    for head in store.heads(live_only=True):
-        if head.classification != "parked":
-            continue
-        tree, catalog = _catalog_for(store, sources, TreeID(head.tree_id))
-        if catalog is not None:
-            entries.extend(p.to_json() for p in pending_tool_inputs(tree))
-    return entries
-
-
 def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
-        entries = _pending_entries(store, ctx.sources)
+        entries = HostQueries(store, ctx.sources).pending()
     finally:
         store.close()
     data = {"pending": entries}
@@ -625,7 +538,7 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
         tree_id = store.tree_of_process(process_id)
         if tree_id is None:
             raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        tree, _ = _catalog_for(store, ctx.sources, tree_id)
+        tree, _ = _fold(store, ctx.sources, tree_id)
         match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
         process = tree.processes.get(process_id)
         resent = process.signal_index.get(SignalID(args.signal_id)) if process and args.signal_id else None
@@ -695,61 +608,83 @@ def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
 def cmd_results(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
-        with ctx.runtime(store) as runtime:
-            tree_id = runtime.tree_of(args.tree)
-        tree, catalog = _catalog_for(store, ctx.sources, tree_id)
+        queries = HostQueries(store, ctx.sources)
+        data = queries.results(queries.tree_of(args.tree))
     finally:
         store.close()
-    if catalog is None:
-        raise NotFound("engine.program.unavailable", f"tree {tree_id} does not run an Interaction this CLI can bind")
-    rounds = settled_results(tree)
-    data = {
-        "tree_id": tree_id,
-        "rounds": [
-            {
-                **r.json_value(),
-                "complete": r.complete,
-                "digest": r.digest(),
-                "references": [str(r.reference(i)) for i in range(r.call_count)],
-            }
-            for r in rounds
-        ],
-    }
+    rounds = data["rounds"]
     if not rounds:
         return Outcome(data, "no open round has settled results")
     lines = []
     for r in rounds:
         lines.append(
-            f"process {r.process_id} model call {r.model_call_sequence}: {len(r.entries)} of {r.call_count} "
-            f"result(s){' (complete)' if r.complete else ''}  {r.digest()}"
+            f"process {r['process_id']} model call {r['model_call_sequence']}: {len(r['entries'])} of "
+            f"{r['call_count']} result(s){' (complete)' if r['complete'] else ''}  {r['digest']}"
         )
-        for e in r.entries:
-            lines.append(f"  #{e.tool_call_index} {e.call.name} {e.disposition}: {_short(e.output, 200)}")
+        for e in r["entries"]:
+            lines.append(f"  #{e['tool_call_index']} {e['call']['name']} {e['disposition']}: {_short(e['result']['output'], 200)}")
     return Outcome(data, "\n".join(lines))
 
 
 def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
-    process_id = ProcessID(args.process_id)
     store = ctx.open_store()
     try:
-        tree_id = store.tree_of_process(process_id)
-        if tree_id is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        tree, _ = _catalog_for(store, ctx.sources, tree_id)
+        queries = HostQueries(store, ctx.sources)
+        data = queries.delegates(args.process_id)
+        statuses = {}
+        if data["delegates"]:
+            run = queries.run(queries.tree_of_process(args.process_id))
+            statuses = {p["process_id"]: p["status"] for p in run["processes"]}
     finally:
         store.close()
-    attributions, found = delegate_attributions(tree, process_id)
-    data = {"process_id": process_id, "found": found, "delegates": [a.to_json() for a in attributions]}
-    if not found:
-        return Outcome(data, f"process {process_id} is not an Interaction")
-    if not attributions:
+    if not data["found"]:
+        return Outcome(data, f"process {args.process_id} is not an Interaction")
+    if not data["delegates"]:
         return Outcome(data, "no delegated calls")
     lines = [
-        f"{a.reference}  {a.call.name}({a.call.arguments}) -> {a.child_process_id} "
-        f"[{tree.processes[a.child_process_id].status}]"
-        for a in attributions
+        f"{a['tool_call_ref']}  {a['tool_call']['name']}({a['tool_call']['arguments']}) -> {a['child_process_id']} "
+        f"[{statuses.get(a['child_process_id'], '?')}]"
+        for a in data["delegates"]
     ]
     return Outcome(data, "\n".join(lines))
+
+
+def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
+    """Bring the read models up to date (once, or following), or rebuild them from zero."""
+    import signal
+    import threading
+    import time
+
+    from adapters.follower import Follower
+
+    store = ctx.open_store()
+    try:
+        follower = Follower(store, ctx.sources.catalog(), batch_size=args.batch)
+        started = time.perf_counter()
+        applied = follower.rebuild() if args.rebuild else follower.catch_up()
+        seconds = time.perf_counter() - started
+        data: dict[str, JSON] = {
+            "rebuilt": bool(args.rebuild), "events": applied, "position": follower.position,
+            "seconds": round(seconds, 3),
+        }
+        text = (
+            f"{'rebuilt' if args.rebuild else 'projected'} {applied} event(s) in {seconds:.2f} s; "
+            f"read models at position {follower.position}"
+        )
+        if args.follow:
+            stop = threading.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            if not getattr(args, "json", False):
+                sys.stdout.write(text + "\nfollowing (Ctrl-C to stop)\n")
+                sys.stdout.flush()
+            follower.follow(stop)
+            data["events"] = follower.events_applied
+            data["position"] = follower.position
+            text = f"stopped at position {follower.position} after {follower.events_applied} event(s)"
+    finally:
+        store.close()
+    return Outcome(data, text)
 
 
 def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -851,6 +786,15 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = command("cancel", cmd_cancel, "cancel a process and its subtree, then drive the tree on", timeout=True)
     cancel.add_argument("process_id", metavar="PROCESS_ID", help="the process to cancel")
     cancel.add_argument("--reason", default="canceled by host", help="why (recorded with the cancellation)")
+    project = command(
+        "project", cmd_project,
+        "bring the read-model tables up to date with the event store (docs/read-models.md)",
+    )
+    project.add_argument("--follow", action="store_true", help="keep following new events until interrupted")
+    project.add_argument("--rebuild", action="store_true", help="empty the tables and project every event again")
+    project.add_argument("--batch", type=int, default=1000, metavar="N", help="events per transaction (default 1000)")
+    for module in COMMAND_MODULES:  # commands kept in their own modules (each has register(command))
+        importlib.import_module(module).register(command)
     # No --timeout: each step of the demo is its own `agentfold` process with its own bound.
     command("demo", cmd_demo, "run the bundled trip-planner scenario through a crash, a recovery and a human answer "
             "(on its own temporary SQLite store; --store is ignored)")

@@ -260,8 +260,8 @@ class EventStore:
         state: TreeState | None = None
         digest: str | None = None
         snapshot_version = 0
-        if use_snapshot and upto is None:
-            snapshot = self.latest_snapshot(tree_id, programs)
+        if use_snapshot:
+            snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
             if snapshot is not None:
                 state, digest = snapshot
                 snapshot_version = state.version
@@ -299,8 +299,11 @@ class EventStore:
         # with the square of a long conversation.
         self.snapshots.prune(tree_id.uuid, state_version)
 
-    def latest_snapshot(self, tree_id: TreeID, programs: ProgramResolver | None) -> tuple[TreeState, str] | None:
-        rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1)
+    def latest_snapshot(
+        self, tree_id: TreeID, programs: ProgramResolver | None, *, upto: int | None = None
+    ) -> tuple[TreeState, str] | None:
+        """The newest snapshot (at or before ``upto``), folded back into a tree."""
+        rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1, lte=upto)
         if not rows:
             return None
         data = orjson.loads(rows[0].state)

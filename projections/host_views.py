@@ -180,6 +180,7 @@ def run_summary(tree: TreeState) -> dict[str, Any]:
                 "parent_id": p.parent_id,
                 "child_key": p.child_key,
                 "program": p.program.name,
+                "interaction": p.has_state and isinstance(p.state, InteractionState),
                 "status": p.status,
                 "usage": p.usage,
                 "unknown_effect_ids": [r.effect_id for r in p.unknown_effects() if r.resolved_by is None],

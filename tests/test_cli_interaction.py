@@ -541,6 +541,7 @@ def test_delegates_reports_the_child_process_each_delegated_call_started(tmp_pat
     [d] = listed["delegates"]
     key_hash = hashlib.sha256(b"1\x00call_w\x00writer").hexdigest()
     assert d == {
+        "tree_id": started["tree_id"],
         "tool_call_ref": f"{root}/1/0",
         "process_id": root,
         "model_call_sequence": 1,

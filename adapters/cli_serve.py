@@ -1,0 +1,9 @@
+"""CLI commands: `serve`: the HTTP API (docs/http-api.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def register(command: Any) -> None:
+    """Add this module's commands with ``command(name, handler, help, timeout=False)`` (adapters.cli)."""

@@ -1,0 +1,223 @@
+"""The read-model follower: folds the notification log into the read-model tables.
+
+It reads the store's notification log (every event of every tree, in commit order)
+after its tracking position, folds each touched tree forward (trees stay folded in a
+bounded cache, so a batch costs the new events plus one projection per touched tree),
+recomputes that tree's rows with the pure projections (``projections.read_models``)
+and writes them with the new tracking position in one transaction
+(``adapters.read_models``). Nothing else is ever written, so the tables are a pure
+function of the log up to the tracking position: a follower that dies at any point
+resumes from the last committed position, and ``rebuild`` reproduces the same rows.
+
+SQLite followers poll (``poll_interval``); PostgreSQL followers LISTEN on the channel
+every append notifies (``agentfold_events``) and also poll, as a safety net.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from eventsourcing.persistence import IntegrityError, Notification
+
+from adapters.catalog import Catalog
+from adapters.codec import DecodeError
+from adapters.eventstore import CorruptStream, EventStore
+from adapters.read_models import ReadModels, TreeUpdate, crash_hook_from_env
+from adapters.recorders import EVENTS_TABLE
+from domain.errors import NotFound
+from domain.events import TreeStarted
+from domain.ids import TreeID
+from domain.program import ProgramResolver
+from domain.tree import FoldError, TreeState
+from projections.read_models import project_tree
+
+
+@dataclass(slots=True)
+class _Folded:
+    state: TreeState
+    digest: str | None
+    programs: ProgramResolver | None
+    created_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReport:
+    events: int
+    trees: int
+    position: int
+
+
+class Follower:
+    """Keeps one store's read models current."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        catalog: Catalog | None = None,
+        read_models: ReadModels | None = None,
+        *,
+        batch_size: int = 1000,
+        cache_trees: int = 1024,
+        poll_interval: float = 0.05,
+    ) -> None:
+        self.store = store
+        self.catalog = catalog or Catalog()
+        self.read_models = read_models or ReadModels(store)
+        self.batch_size = batch_size
+        self.cache_trees = cache_trees
+        self.poll_interval = poll_interval
+        self._cache: collections.OrderedDict[TreeID, _Folded] = collections.OrderedDict()
+        self._position = self.read_models.position()
+        self._batches = 0
+        self._crash = crash_hook_from_env()
+        self.events_applied = 0
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    # -- one batch -------------------------------------------------------------
+
+    def step(self) -> BatchReport:
+        """Project the next batch of notifications (at most ``batch_size``)."""
+        notifications = self.store.notifications(self._position, self.batch_size)
+        if not notifications:
+            return BatchReport(0, 0, self._position)
+        by_tree: dict[TreeID, list[Notification]] = {}
+        for n in notifications:
+            tree_id = TreeID.from_uuid(n.originator_id if isinstance(n.originator_id, uuid.UUID) else uuid.UUID(str(n.originator_id)))
+            by_tree.setdefault(tree_id, []).append(n)
+        updates = [self._advance(tree_id, items) for tree_id, items in by_tree.items()]
+        last = notifications[-1].id
+        self._batches += 1
+        try:
+            self.read_models.write(updates, last, before_tracking=self._crash(self._batches))
+        except IntegrityError:
+            # Another follower committed this position first: start again from the tables.
+            self._cache.clear()
+            self._position = self.read_models.position()
+            return BatchReport(0, 0, self._position)
+        except BaseException:
+            self._cache.clear()  # the folded trees are ahead of what was committed
+            raise
+        self._position = last
+        self.events_applied += len(notifications)
+        return BatchReport(len(notifications), len(updates), last)
+
+    def _advance(self, tree_id: TreeID, items: Sequence[Notification]) -> TreeUpdate:
+        first = items[0].originator_version
+        folded = self._cache.get(tree_id)
+        if folded is None or folded.state.version != first - 1:
+            folded = self._load(tree_id, first - 1, items)
+        else:
+            self._cache.move_to_end(tree_id)
+        for n in items:
+            try:
+                record = self.store.mapper.decode(tree_id, n, folded.digest)
+                folded.state.apply(record.event, record.position)
+            except DecodeError as exc:
+                self._cache.pop(tree_id, None)
+                raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+            except FoldError as exc:
+                self._cache.pop(tree_id, None)
+                raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+            folded.digest = record.digest
+        return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
+
+    def _load(self, tree_id: TreeID, upto: int, items: Sequence[Notification]) -> _Folded:
+        """Fold a tree up to ``upto`` (empty when the batch starts it) and cache it."""
+        if upto == 0:
+            first = self.store.mapper.decode(tree_id, items[0], None).event
+            created = items[0].id
+        else:
+            read = self.store.read(tree_id, upto=1)
+            first = read[0].event if read else None
+            created = self.read_models.created_position(str(tree_id))
+        programs = self._programs(first)
+        if upto == 0:
+            state, digest = TreeState(programs), None
+        else:
+            loaded = self.store.load(tree_id, programs, upto=upto)
+            state, digest = loaded.state, loaded.digest
+        folded = _Folded(state, digest, programs, created)
+        self._cache[tree_id] = folded
+        while len(self._cache) > self.cache_trees:
+            self._cache.popitem(last=False)
+        return folded
+
+    def _programs(self, started: Any) -> ProgramResolver | None:
+        """The tree's Programs when this follower's catalog binds them, else the kernel's view."""
+        if not isinstance(started, TreeStarted):
+            return None
+        try:
+            self.catalog.load(started.program, started.configuration)
+        except NotFound:
+            return None
+        return self.catalog.resolve
+
+    # -- loops -----------------------------------------------------------------
+
+    def catch_up(self) -> int:
+        """Project everything committed so far; returns the number of events applied."""
+        total = 0
+        while True:
+            report = self.step()
+            total += report.events
+            if report.events < self.batch_size and self._position >= self.store.max_notification_id():
+                return total
+
+    def rebuild(self) -> int:
+        """Empty the tables and project the whole log again from position zero."""
+        self.read_models.reset()
+        self._cache.clear()
+        self._position = 0
+        return self.catch_up()
+
+    def follow(self, stop: threading.Event, on_batch: Callable[[BatchReport], None] | None = None) -> None:
+        """Project new events as they are committed, until ``stop`` is set."""
+        listener = _Listener(self.store) if self.store.backend == "postgresql" else None
+        try:
+            while not stop.is_set():
+                report = self.step()
+                if report.events:
+                    if on_batch is not None:
+                        on_batch(report)
+                    continue
+                if listener is not None:
+                    listener.wait(self.poll_interval * 10)
+                else:
+                    stop.wait(self.poll_interval)
+        finally:
+            if listener is not None:
+                listener.close()
+
+
+class _Listener:
+    """LISTEN on the channel every PostgreSQL append notifies."""
+
+    def __init__(self, store: EventStore) -> None:
+        s = store._settings
+        self._conn = psycopg.connect(
+            dbname=s["POSTGRES_DBNAME"], host=s["POSTGRES_HOST"], port=s["POSTGRES_PORT"],
+            user=s["POSTGRES_USER"], password=s["POSTGRES_PASSWORD"], autocommit=True,
+        )
+        self._conn.execute(f"LISTEN {EVENTS_TABLE}")
+
+    def wait(self, timeout: float) -> None:
+        started = time.monotonic()
+        for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+            break
+        # Drain what else arrived: one step reads every committed event anyway.
+        if time.monotonic() - started < timeout:
+            for _ in self._conn.notifies(timeout=0.0, stop_after=64):
+                pass
+
+    def close(self) -> None:
+        self._conn.close()

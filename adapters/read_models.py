@@ -1,0 +1,354 @@
+"""Materialized read models: the projections' tables in the store's own database.
+
+One table per projection (docs/read-models.md), each row holding the exact JSON entry
+the pure projection produces (``projections.read_models``), plus the columns a host
+filters on. A follower (``adapters.follower``) writes them; every update of a batch
+of notifications is committed **in one transaction with its tracking position**
+(the eventsourcing tracking table, application name ``agentfold.read_models``), so a
+crash between the view write and the tracking write loses the whole batch, and the
+follower simply does it again: exactly once, resumable, rebuildable from zero.
+
+Supported on SQLite and PostgreSQL stores. The memory store has no database to put
+tables in: hosts of a memory store fold (``adapters.queries`` does that by itself).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import Tracking
+from eventsourcing.postgres import PostgresTrackingRecorder
+from eventsourcing.sqlite import SQLiteTrackingRecorder
+
+from adapters.eventstore import EventStore
+from domain.errors import InvalidInput
+from projections.read_models import Entry, TreeRows
+
+APPLICATION = "agentfold.read_models"
+TRACKING_TABLE = "agentfold_tracking"
+RUNS = "agentfold_rm_runs"
+ROUNDS = "agentfold_rm_settled_results"
+DELEGATES = "agentfold_rm_delegates"
+PENDING = "agentfold_rm_pending_inputs"
+UNKNOWN = "agentfold_rm_unknown_effects"
+TABLES = (RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN)
+
+# Column lists (the DDL below adds types); ``body`` is the entry's JSON text.
+_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {RUNS} (tree_id TEXT PRIMARY KEY, start_id TEXT NOT NULL, "
+    "root_process_id TEXT NOT NULL, program TEXT NOT NULL, status TEXT NOT NULL, classification TEXT NOT NULL, "
+    "version BIGINT NOT NULL, events_projected BIGINT NOT NULL, created_position BIGINT NOT NULL, "
+    "position BIGINT NOT NULL, unknown_count INTEGER NOT NULL, pending_count INTEGER NOT NULL, body TEXT NOT NULL)",
+    f"CREATE INDEX IF NOT EXISTS {RUNS}_by_created ON {RUNS} (created_position)",
+    f"CREATE INDEX IF NOT EXISTS {RUNS}_by_status ON {RUNS} (status, created_position)",
+    f"CREATE TABLE IF NOT EXISTS {ROUNDS} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, process_id TEXT NOT NULL, "
+    "model_call_sequence BIGINT NOT NULL, call_count INTEGER NOT NULL, entry_count INTEGER NOT NULL, "
+    "complete BOOLEAN NOT NULL, digest TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
+    f"CREATE TABLE IF NOT EXISTS {DELEGATES} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, process_id TEXT NOT NULL, "
+    "model_call_sequence BIGINT NOT NULL, tool_call_index INTEGER NOT NULL, tool_call_ref TEXT NOT NULL, "
+    "child_key TEXT NOT NULL, child_process_id TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
+    f"CREATE INDEX IF NOT EXISTS {DELEGATES}_by_process ON {DELEGATES} (process_id)",
+    f"CREATE TABLE IF NOT EXISTS {PENDING} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, "
+    "created_position BIGINT NOT NULL, process_id TEXT NOT NULL, wait_id TEXT NOT NULL, tool_call_ref TEXT, "
+    "body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
+    f"CREATE INDEX IF NOT EXISTS {PENDING}_by_created ON {PENDING} (created_position, ord)",
+    f"CREATE INDEX IF NOT EXISTS {PENDING}_by_wait ON {PENDING} (wait_id)",
+    f"CREATE TABLE IF NOT EXISTS {UNKNOWN} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, "
+    "created_position BIGINT NOT NULL, process_id TEXT NOT NULL, effect_id TEXT NOT NULL, kind TEXT NOT NULL, "
+    "tool_call_ref TEXT, body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
+    f"CREATE INDEX IF NOT EXISTS {UNKNOWN}_by_created ON {UNKNOWN} (created_position, ord)",
+    f"CREATE INDEX IF NOT EXISTS {UNKNOWN}_by_effect ON {UNKNOWN} (effect_id)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeUpdate:
+    """The new rows of one tree after a batch, and how many of its events the batch held."""
+
+    rows: TreeRows
+    events: int
+    created_position: int
+
+
+class ProjectionCrash(BaseException):
+    """Raised by a crash hook in tests; never caught by the follower."""
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+class _SQLiteTracking(SQLiteTrackingRecorder):
+    """eventsourcing's SQLite tracking recorder, on our table name."""
+
+    def __init__(self, datastore: Any) -> None:
+        super().__init__(datastore)
+        self.insert_tracking_statement = self.insert_tracking_statement.replace(
+            "INTO tracking", f"INTO {TRACKING_TABLE}"
+        ).replace("WHERE tracking.", f"WHERE {TRACKING_TABLE}.")
+        self.select_max_tracking_id_statement = self.select_max_tracking_id_statement.replace(
+            "FROM tracking", f"FROM {TRACKING_TABLE}"
+        )
+
+    def construct_create_table_statements(self) -> list[str]:
+        return [s.replace("EXISTS tracking", f"EXISTS {TRACKING_TABLE}") for s in super().construct_create_table_statements()]
+
+
+class ReadModels:
+    """The read-model tables of one store, their tracking position, and their queries."""
+
+    def __init__(self, store: EventStore) -> None:
+        if store.backend not in ("sqlite", "postgresql"):
+            raise InvalidInput(
+                "projection.store_unsupported",
+                f"read models live in the store's database; a {store.backend} store has none",
+                hint="use a sqlite:/// or postgresql:// store (hosts of a memory store fold instead)",
+            )
+        self.store = store
+        self.backend = store.backend
+        datastore = store.factory.datastore
+        self.datastore = datastore
+        if self.backend == "sqlite":
+            self.tracking: Any = _SQLiteTracking(datastore)
+        else:
+            self.tracking = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
+        self.tracking.create_table()
+        with datastore.transaction(commit=True) as c:
+            if self.backend == "postgresql":
+                c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens
+            for statement in _DDL:
+                c.execute(self._sql(statement))
+
+    def _sql(self, statement: str) -> str:
+        # The tables live in the connection's default schema (PostgreSQL: public, as the events).
+        return statement if self.backend == "sqlite" else statement.replace("?", "%s")
+
+    @staticmethod
+    def exist(store: EventStore) -> bool:
+        """Whether a follower ever created the tables in this store (without creating them)."""
+        if store.backend not in ("sqlite", "postgresql"):
+            return False
+        datastore = store.factory.datastore
+        with datastore.transaction(commit=False) as c:
+            if store.backend == "sqlite":
+                c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (RUNS,))
+                return c.fetchone() is not None
+            c.execute("SELECT to_regclass(%s) AS t", (RUNS,))
+            row = c.fetchone()
+            return row is not None and row["t"] is not None
+
+    # -- position ------------------------------------------------------------
+
+    def position(self) -> int:
+        """The notification id of the last event the tables reflect (0: none)."""
+        return int(self.tracking.max_tracking_id(APPLICATION) or 0)
+
+    def is_current(self) -> bool:
+        return self.position() >= self.store.max_notification_id()
+
+    def wait_for(self, position: int, timeout: float = 5.0, interval: float = 0.01) -> bool:
+        """Wait until the tables reflect ``position`` (read your own writes); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.position() >= position:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval)
+
+    # -- writes --------------------------------------------------------------
+
+    def write(
+        self,
+        updates: Sequence[TreeUpdate],
+        notification_id: int,
+        *,
+        before_tracking: Callable[[], None] | None = None,
+    ) -> None:
+        """Replace the rows of every updated tree and advance the tracking position, atomically."""
+        with self.datastore.transaction(commit=True) as c:
+            for update in updates:
+                self._write_tree(c, update, notification_id)
+            if before_tracking is not None:
+                before_tracking()
+            self.tracking._insert_tracking(c, Tracking(APPLICATION, notification_id))
+
+    def _write_tree(self, c: Any, update: TreeUpdate, position: int) -> None:
+        rows = update.rows
+        tree_id = rows.tree_id
+        run = rows.run
+        sql = self._sql
+        for table in (ROUNDS, DELEGATES, PENDING, UNKNOWN):
+            c.execute(sql(f"DELETE FROM {table} WHERE tree_id = ?"), (tree_id,))
+        c.execute(
+            sql(
+                f"INSERT INTO {RUNS} (tree_id, start_id, root_process_id, program, status, classification, version, "
+                "events_projected, created_position, position, unknown_count, pending_count, body) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (tree_id) DO UPDATE SET status = excluded.status, "
+                "classification = excluded.classification, version = excluded.version, "
+                f"events_projected = {RUNS}.events_projected + excluded.events_projected, "
+                "position = excluded.position, unknown_count = excluded.unknown_count, "
+                "pending_count = excluded.pending_count, body = excluded.body"
+            ),
+            (
+                tree_id, str(run["start_id"]), str(run["root_process_id"]), str(run["program"]), str(run["status"]),
+                str(run["classification"]), rows.version, update.events, update.created_position, position,
+                len(rows.unknown), len(rows.pending), _dumps(run),
+            ),
+        )
+        self._insert(
+            c, ROUNDS, "tree_id, ord, process_id, model_call_sequence, call_count, entry_count, complete, digest, body",
+            [
+                (tree_id, i, r["process_id"], r["model_call_sequence"], r["call_count"], len(r["entries"]),
+                 bool(r["complete"]), r["digest"], _dumps(r))
+                for i, r in enumerate(rows.rounds)
+            ],
+        )
+        self._insert(
+            c, DELEGATES,
+            "tree_id, ord, process_id, model_call_sequence, tool_call_index, tool_call_ref, child_key, child_process_id, body",
+            [
+                (tree_id, i, d["process_id"], d["model_call_sequence"], d["tool_call_index"], d["tool_call_ref"],
+                 d["child_key"], d["child_process_id"], _dumps(d))
+                for i, d in enumerate(rows.delegates)
+            ],
+        )
+        self._insert(
+            c, PENDING, "tree_id, ord, created_position, process_id, wait_id, tool_call_ref, body",
+            [
+                (tree_id, i, update.created_position, p["process_id"], p["wait_id"], p["tool_call_ref"], _dumps(p))
+                for i, p in enumerate(rows.pending)
+            ],
+        )
+        self._insert(
+            c, UNKNOWN, "tree_id, ord, created_position, process_id, effect_id, kind, tool_call_ref, body",
+            [
+                (tree_id, i, update.created_position, u["process_id"], u["effect_id"], u["kind"], u["tool_call_ref"],
+                 _dumps(u))
+                for i, u in enumerate(rows.unknown)
+            ],
+        )
+
+    def _insert(self, c: Any, table: str, columns: str, rows: list[tuple[Any, ...]]) -> None:
+        if not rows:
+            return
+        marks = ",".join("?" * (columns.count(",") + 1))
+        statement = self._sql(f"INSERT INTO {table} ({columns}) VALUES ({marks})")
+        c.executemany(statement, rows)
+
+    def reset(self) -> None:
+        """Empty every table and forget the tracking position (before a rebuild), atomically."""
+        with self.datastore.transaction(commit=True) as c:
+            for table in TABLES:
+                c.execute(self._sql(f"DELETE FROM {table} WHERE 1 = 1"))
+            c.execute(self._sql(f"DELETE FROM {TRACKING_TABLE} WHERE application_name = ?"), (APPLICATION,))
+
+    # -- queries ---------------------------------------------------------------
+
+    def _bodies(self, statement: str, params: Iterable[Any] = ()) -> list[Entry]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(statement), tuple(params))
+            rows = c.fetchall()
+        return [orjson.loads(r["body"]) for r in rows]
+
+    def runs(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
+             after: int = 0) -> list[Entry]:
+        """Runs in creation order, after the run created at ``after`` (a page cursor)."""
+        where = ["created_position > ?"]
+        params: list[Any] = [after]
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        if classification is not None:
+            where.append("classification = ?")
+            params.append(classification)
+        statement = (
+            f"SELECT body, created_position FROM {RUNS} WHERE {' AND '.join(where)} ORDER BY created_position LIMIT ?"
+        )
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(statement), (*params, limit))
+            rows = c.fetchall()
+        return [{**orjson.loads(r["body"]), "cursor": int(r["created_position"])} for r in rows]
+
+    def run(self, tree_id: str) -> Entry | None:
+        found = self._bodies(f"SELECT body FROM {RUNS} WHERE tree_id = ?", (tree_id,))
+        return found[0] if found else None
+
+    def created_position(self, tree_id: str) -> int:
+        """The notification id of the event that created the tree (0 if it has no row yet)."""
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(f"SELECT created_position FROM {RUNS} WHERE tree_id = ?"), (tree_id,))
+            row = c.fetchone()
+        return int(row["created_position"]) if row else 0
+
+    def rounds(self, tree_id: str) -> list[Entry]:
+        return self._bodies(f"SELECT body FROM {ROUNDS} WHERE tree_id = ? ORDER BY ord", (tree_id,))
+
+    def delegates(self, process_id: str) -> list[Entry]:
+        return self._bodies(f"SELECT body FROM {DELEGATES} WHERE process_id = ? ORDER BY ord", (process_id,))
+
+    def pending(self, tree_id: str | None = None, *, limit: int | None = None, after: int = 0) -> list[Entry]:
+        if tree_id is not None:
+            return self._bodies(f"SELECT body FROM {PENDING} WHERE tree_id = ? ORDER BY ord", (tree_id,))
+        statement = f"SELECT body FROM {PENDING} WHERE created_position > ? ORDER BY created_position, ord"
+        params: tuple[Any, ...] = (after,)
+        if limit is not None:
+            statement += " LIMIT ?"
+            params = (after, limit)
+        return self._bodies(statement, params)
+
+    def pending_wait(self, wait_id: str) -> Entry | None:
+        found = self._bodies(f"SELECT body FROM {PENDING} WHERE wait_id = ?", (wait_id,))
+        return found[0] if found else None
+
+    def unknown(self, tree_id: str | None = None) -> list[Entry]:
+        if tree_id is not None:
+            return self._bodies(f"SELECT body FROM {UNKNOWN} WHERE tree_id = ? ORDER BY ord", (tree_id,))
+        return self._bodies(f"SELECT body FROM {UNKNOWN} ORDER BY created_position, ord")
+
+    def tree_rows(self, tree_id: str) -> dict[str, Any]:
+        """Everything stored about one tree, shaped like ``TreeRows.to_json()`` (for checks)."""
+        run = self.run(tree_id)
+        return {
+            "tree_id": tree_id,
+            "version": run["version"] if run is not None else 0,
+            "run": run,
+            "rounds": self.rounds(tree_id),
+            "delegates": self._bodies(f"SELECT body FROM {DELEGATES} WHERE tree_id = ? ORDER BY ord", (tree_id,)),
+            "pending": self.pending(tree_id),
+            "unknown": self.unknown(tree_id),
+        }
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """Per tree: (version the run row reflects, events the follower applied to it)."""
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(f"SELECT tree_id, version, events_projected FROM {RUNS}"))
+            return {str(r["tree_id"]): (int(r["version"]), int(r["events_projected"])) for r in c.fetchall()}
+
+
+def crash_hook_from_env() -> Callable[[int], Callable[[], None] | None]:
+    """``AGENTFOLD_FOLLOWER_CRASH=view-written:N``: die after writing the N-th batch's views,
+    before its tracking record (real process death, for the follower crash tests)."""
+    spec = os.environ.get("AGENTFOLD_FOLLOWER_CRASH", "")
+    if not spec:
+        return lambda batch: None
+    kind, _, n = spec.partition(":")
+    if kind != "view-written" or not n.isdigit():
+        raise InvalidInput("projection.crash_spec", f"AGENTFOLD_FOLLOWER_CRASH={spec!r} is not view-written:N")
+    target = int(n)
+
+    def hook(batch: int) -> Callable[[], None] | None:
+        if batch != target:
+            return None
+
+        def die() -> None:
+            os._exit(75)
+
+        return die
+
+    return hook
