@@ -1,9 +1,212 @@
-"""CLI commands: `publish`, `transcripts`, `transcript`: the Kafka feed (docs/kafka.md)."""
+"""CLI commands: `publish`, `transcripts`, `transcript`: the Kafka feed (docs/kafka.md).
+
+* ``publish --bootstrap HOST:PORT --topic T [--once]`` - produce the store's events to a
+  topic (after the tracked position), then follow until SIGTERM/SIGINT (or stop once
+  drained with ``--once``);
+* ``transcripts --bootstrap ... --topic T --group G --db URL [--once | --idle-exit S]`` -
+  consume the topic in a consumer group and keep the transcript tables current;
+* ``transcript PROCESS_ID --db URL`` - print one transcript.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from adapters.cli import Context, Outcome
+from adapters.eventstore import redact
+from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, Publisher
+from adapters.transcripts import TranscriptConsumer, TranscriptStore
+from domain.errors import InvalidInput, NotFound
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM or SIGINT, so a follower ends its batch and exits cleanly."""
+    stop = threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield stop
+    finally:
+        for restored, old in previous.items():
+            signal.signal(restored, old)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
+
+
+def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        publisher = Publisher(
+            store, args.bootstrap, args.topic, partitions=args.partitions, replication_factor=args.replication_factor,
+            batch_size=args.batch_size,
+        )
+        start = publisher.position
+        try:
+            if args.once:
+                report = publisher.drain()
+            else:
+                with _stop_on_signals() as stop:
+                    report = publisher.follow(stop)
+        finally:
+            publisher.close()
+    finally:
+        store.close()
+    data = {
+        "topic": args.topic, "events": report.events, "batches": publisher.batches,
+        "from_position": start, "position": report.position,
+    }
+    text = (
+        f"published {report.events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
+        f"(notification ids {start + 1}..{report.position})" if report.events else
+        f"nothing to publish: topic {args.topic} has every event up to notification id {report.position}"
+    )
+    return Outcome(data, text)
+
+
+def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
+    if args.once and args.idle_exit is not None:
+        raise InvalidInput("cli.usage", "--once and --idle-exit are exclusive", "--once is --idle-exit 1")
+    idle = 1.0 if args.once else args.idle_exit
+    store = TranscriptStore(args.db)
+    try:
+        consumer = TranscriptConsumer(
+            store, args.bootstrap, args.topic, args.group, group_instance_id=args.group_instance_id,
+            max_records=args.max_records,
+        )
+        try:
+            with _stop_on_signals() as stop:
+                report = consumer.run(stop, idle_exit=idle)
+        finally:
+            consumer.close()
+    finally:
+        store.close()
+    data = {"topic": args.topic, "group": args.group, **report.to_json()}
+    t = report.totals
+    text = (
+        f"read {t.envelopes} envelope(s) from {args.topic} in {report.batches} batch(es): applied {t.applied}, "
+        f"skipped {t.duplicates} duplicate(s), wrote {t.entries} transcript entr{'y' if t.entries == 1 else 'ies'}"
+        + (f", rejected {t.rejected} invalid record(s)" if t.rejected else "")
+    )
+    return Outcome(data, text)
+
+
+def cmd_transcript(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = TranscriptStore(args.db)
+    try:
+        found = store.transcript(args.process_id)
+    finally:
+        store.close()
+    if found is None:
+        raise NotFound(
+            "transcripts.not_found", f"no transcript of {args.process_id} in {redact(args.db)}",
+            hint="only Interaction processes have transcripts; is `agentfold transcripts` running on this topic?",
+        )
+    return Outcome(found, transcript_text(found))
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def transcript_text(t: dict[str, Any]) -> str:
+    """A transcript for people: one line (or two) per entry."""
+    lines = [f"transcript {t['process_id']}  tree {t['tree_id']}  {t['status']}  {t['entry_count']} entries"]
+    if t.get("tool_call_ref"):
+        lines.append(f"  delegated by tool call {t['tool_call_ref']}")
+    for e in t["entries"]:
+        kind = e["kind"]
+        head = f"{e['seq']:>3} "
+        if kind == "input_message":
+            lines.append(head + f"[{e['role']}] {_short(e['text'])}")
+        elif kind == "assistant_message":
+            lines.append(head + f"[assistant #{e['model_call_sequence']}] {_short(e['text'])}")
+            for call in e["tool_calls"]:
+                lines.append(f"      -> {call['name']}({_short(call['arguments'], 120)})  {call['tool_call_ref']}")
+        elif kind == "tool_result":
+            shown = e["text"] or (_short(e["output"]) if e.get("output") is not None else e.get("status"))
+            lines.append(head + f"[tool {e['tool_name']}] {e['disposition'] or e['status']}: {_short(shown)}  {e['tool_call_ref']}")
+        elif kind == "input_prompt":
+            lines.append(head + f"[input asked] {_short(e['prompt'])}  {e['tool_call_ref']}")
+        elif kind == "input_answer":
+            lines.append(head + f"[input answered] {_short(e['answer'])}")
+        elif kind == "steering":
+            lines.append(head + f"[steering] {_short(e['text'])}")
+        elif kind == "delegate_start":
+            what = f"started {e['child_process_id']}" if e["started"] else f"refused: {_short(e.get('failure'))}"
+            lines.append(head + f"[delegate {e['delegate_name']}] {what}")
+        elif kind == "delegate_result":
+            lines.append(head + f"[delegate ended] {e['status']} {e['child_process_id']}")
+        elif kind == "unknown_outcome":
+            lines.append(head + f"[unknown {e['effect_kind']}] {_short(e.get('diagnostic'))}  {e['effect_id']}")
+        elif kind == "unknown_resolved":
+            lines.append(head + f"[resolved {e['effect_kind']}] {e['status']} by {e['resolved_by']}")
+        elif kind == "feedback":
+            lines.append(head + f"[feedback] {_short(e['text'])}")
+        elif kind == "final_output":
+            lines.append(head + f"[final] {_short(e['text'] or e['output'])}")
+        elif kind == "failure":
+            lines.append(head + f"[failed] {e['status']} {e.get('cause', '')} {_short(e.get('failure') or e.get('reason', ''))}")
+        else:
+            lines.append(head + f"[{kind}]")
+    return "\n".join(lines)
 
 
 def register(command: Any) -> None:
     """Add this module's commands with ``command(name, handler, help, timeout=False)`` (adapters.cli)."""
+    publish = command(
+        "publish", cmd_publish,
+        "produce every event of the store to a Kafka topic (keyed by tree id), storing the position after each "
+        "acknowledged batch; follows until SIGTERM unless --once",
+    )
+    publish.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
+    publish.add_argument("--topic", required=True, help="the topic (created if missing)")
+    publish.add_argument("--once", action="store_true", help="publish what is stored now, then exit")
+    publish.add_argument(
+        "--partitions", type=_positive, default=DEFAULT_PARTITIONS, metavar="N",
+        help=f"partitions of a topic this command creates (default {DEFAULT_PARTITIONS})",
+    )
+    publish.add_argument("--replication-factor", type=_positive, default=1, metavar="N",
+                         help="replication factor of a topic this command creates (default 1)")
+    publish.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH, metavar="N",
+                         help=f"events per acknowledged batch (default {DEFAULT_BATCH})")
+
+    transcripts = command(
+        "transcripts", cmd_transcripts,
+        "consume the feed in a consumer group and keep the transcript tables of --db current",
+    )
+    transcripts.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
+    transcripts.add_argument("--topic", required=True, help="the feed's topic")
+    transcripts.add_argument("--group", required=True, help="the consumer group id")
+    transcripts.add_argument("--db", required=True, metavar="URL", help="sqlite:///path.db or postgresql://... for the tables")
+    transcripts.add_argument("--group-instance-id", metavar="ID", help="static membership (faster restarts)")
+    transcripts.add_argument("--max-records", type=_positive, default=1000, metavar="N",
+                             help="records per batch (one database transaction each; default 1000)")
+    transcripts.add_argument("--once", action="store_true", help="exit once nothing new arrived for 1 s after joining")
+    transcripts.add_argument("--idle-exit", type=float, metavar="SECONDS",
+                             help="exit once nothing new arrived for this long after joining")
+
+    transcript = command("transcript", cmd_transcript, "print the transcript of one Interaction process")
+    transcript.add_argument("process_id", metavar="PROCESS_ID", help="the Interaction's process id")
+    transcript.add_argument("--db", required=True, metavar="URL", help="the transcript database (as given to `transcripts`)")

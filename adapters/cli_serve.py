@@ -2,8 +2,95 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
 from typing import Any
+
+from domain.errors import AgentfoldError, InvalidInput
+
+DEFAULT_PORT = 8080
 
 
 def register(command: Any) -> None:
     """Add this module's commands with ``command(name, handler, help, timeout=False)`` (adapters.cli)."""
+    serve = command("serve", cmd_serve, "serve the authenticated HTTP API over the store (docs/http-api.md)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
+    serve.add_argument("--no-follow", action="store_true",
+                       help="do not keep the read models current in this process (reads fold unless another "
+                       "follower keeps them current)")
+    serve.add_argument("--recover", action="store_true",
+                       help="at startup, adopt every live run nobody owns and drive it")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket first, so the address printed is the one served (also for port 0)."""
+    if not 0 <= port <= 65535:
+        raise InvalidInput("cli.argument_invalid", f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise AgentfoldError("http.listen_failed", f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                             hint="pick another --port or --host") from exc
+    return sock
+
+
+def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
+    # Imported here: the web stack is only loaded by the command that serves.
+    import uvicorn
+
+    from adapters.cli import Outcome
+    from adapters.eventstore import redact
+    from adapters.http_api import TOKEN_ENV, ApiService, create_app
+
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token.strip():
+        raise InvalidInput("http.token_missing", f"set {TOKEN_ENV} to the bearer token clients must send",
+                           hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
+    sock = _listen(args.host, args.port)
+    stopping: list[int] = []
+    try:
+        store = ctx.open_store(create=True)
+        try:
+            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow)
+            try:
+                recovered = service.recover() if args.recover else []
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                url = f"http://{shown}:{port}"
+                started = {
+                    "listening": url, "port": port, "store": redact(ctx.store_url),
+                    "follower": service.follower is not None, "recovered": recovered,
+                }
+                if getattr(args, "json", False):
+                    sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
+                else:
+                    sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
+                                     f"{', read models followed' if service.follower else ''}"
+                                     f"{f', {len(recovered)} live run(s) adopted' if recovered else ''})\n")
+                sys.stdout.flush()
+                config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                        lifespan="on", timeout_graceful_shutdown=10, server_header=False)
+                server = uvicorn.Server(config)
+                # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
+                # raises the signal again: ours only note it, so the cleanup below always runs.
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, lambda number, frame: stopping.append(number))
+                server.run(sockets=[sock])
+            finally:
+                service.close()
+        finally:
+            store.close()
+    finally:
+        sock.close()
+    return Outcome({"stopped": True, "signal": stopping[0] if stopping else None}, "agentfold: server stopped")

@@ -133,10 +133,20 @@ class HostQueries:
     def results(self, tree_id: TreeID, *, min_position: int | None = None) -> Entry:
         """SettledResults of every open round of the tree."""
         models = self.current(min_position)
-        if models is not None and models.run(str(tree_id)) is not None:
-            return {"tree_id": tree_id, "rounds": models.rounds(str(tree_id))}
-        tree, programs = self.fold(tree_id)
-        return {"tree_id": tree_id, "rounds": project_tree(tree, programs).rounds}
+        run = models.run(str(tree_id)) if models is not None else None
+        if models is not None and run is not None:
+            rounds = models.rounds(str(tree_id))
+        else:
+            tree, programs = self.fold(tree_id)
+            rows = project_tree(tree, programs)
+            run, rounds = rows.run, rows.rounds
+        if not any(p.get("interaction") for p in run["processes"]):
+            raise NotFound(
+                "engine.program.unavailable",
+                f"tree {tree_id} runs no Interaction this store's Programs can bind",
+                hint="results exist for Interaction runs (scenarios, compiled Interactions)",
+            )
+        return {"tree_id": tree_id, "rounds": rounds}
 
     def delegates(self, process_id: str, *, min_position: int | None = None) -> Entry:
         """Delegate attributions of one Interaction; ``found`` says whether it is one."""

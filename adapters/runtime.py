@@ -666,6 +666,7 @@ class Runtime:
         self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
         self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="agentfold-snapshot")
         self._drivers: dict[TreeID, _Driver] = {}
+        self._adopt_locks = [threading.Lock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
@@ -800,23 +801,32 @@ class Runtime:
     # -- ownership -----------------------------------------------------------
 
     def _try_adopt(self, tree_id: TreeID) -> _Driver | None:
-        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does."""
-        with self._lock:
-            driver = self._drivers.get(tree_id)
-            if driver is not None:
-                return driver
-            if not self._leases.acquire(tree_id):
+        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does.
+
+        Serialized per tree within this runtime: leases are re-entrant inside one process,
+        so two threads adopting the same tree would both activate it, and the loser's
+        failure would release the lease the winner holds.
+        """
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                driver = self._drivers.get(tree_id)
+                if driver is not None:
+                    return driver
+                if not self._leases.acquire(tree_id):
+                    return None
+            head = self.store.head(tree_id)
+            if head is not None and head.classification == "terminal":
+                # A finished tree needs no writer: activating it would append to a closed history.
+                self._leases.release(tree_id)
                 return None
-        head = self.store.head(tree_id)
-        if head is not None and head.classification == "terminal":
-            # A finished tree needs no writer: activating it would append to a closed history.
-            self._leases.release(tree_id)
-            return None
-        try:
-            return self._activate(tree_id)
-        except BaseException:
-            self._leases.release(tree_id)
-            raise
+            try:
+                return self._activate(tree_id)
+            except BaseException:
+                with self._lock:
+                    owned = tree_id in self._drivers
+                if not owned:
+                    self._leases.release(tree_id)
+                raise
 
     def _activate(self, tree_id: TreeID) -> _Driver:
         loaded = self._load(tree_id)

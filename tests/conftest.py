@@ -2,7 +2,8 @@
 
 PostgreSQL tests use the server named by AGENTFOLD_TEST_PG (scripts/test starts a
 throwaway one) and a fresh database per test. Without it they are skipped, except
-under CI=true, where a missing PostgreSQL fails them.
+under CI=true, where a missing PostgreSQL fails them. Kafka feed tests use the broker
+named by AGENTFOLD_TEST_KAFKA (``kafka_bootstrap``), with the same rule.
 """
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ BACKENDS = ["memory", "sqlite", "postgresql"]
 
 def _pg_admin_url() -> str | None:
     return os.environ.get("AGENTFOLD_TEST_PG")
+
+
+def require_kafka() -> str:
+    """The Kafka-protocol broker scripts/test starts (AGENTFOLD_TEST_KAFKA=host:port)."""
+    bootstrap = os.environ.get("AGENTFOLD_TEST_KAFKA")
+    if bootstrap:
+        return bootstrap
+    if os.environ.get("CI") == "true":
+        pytest.fail("AGENTFOLD_TEST_KAFKA is not set and CI=true: Kafka feed tests must run")
+    pytest.skip("Kafka broker not available (set AGENTFOLD_TEST_KAFKA, start one with scripts/kafka-throwaway, or run scripts/test)")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    """The broker's bootstrap address; skipped without one, failed under CI=true."""
+    return require_kafka()
 
 
 def require_postgres() -> str:

@@ -1,0 +1,332 @@
+"""The Kafka feed publisher: every stored event, in order, as a documented JSON envelope.
+
+The publisher follows the store's notification log (every event of every tree, in
+commit order) from its tracked position and produces each event to one topic with
+kafka-python (``acks="all"``, idempotent producer):
+
+* key: the root tree id (``tree:<32 hex>``), so one tree's events share a partition
+  and keep their order;
+* value: the envelope (docs/kafka.md), canonical JSON;
+* headers: ``type``, ``notification_id``, ``schema_version``.
+
+Delivery: a batch is produced, flushed, and every send is confirmed by the broker
+before the batch's last notification id is stored as the publisher's position (the
+eventsourcing tracking table ``agentfold_tracking``, application name
+``agentfold.publisher:<topic>``). A crash between the broker's acknowledgement and the
+position write re-sends that batch on restart: duplicates are possible inside the
+unacknowledged window, a gap never is. Consumers dedupe by ``notification_id`` (or by
+``(tree_id, position)``).
+
+Following: PostgreSQL stores wake the publisher with LISTEN/NOTIFY on the channel every
+append notifies (``agentfold_events``), with polling as a safety net; SQLite stores are
+polled. One publisher per (store, topic): a second one only duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import IntegrityError, Notification, Tracking
+from eventsourcing.postgres import PostgresTrackingRecorder
+
+from adapters.codec import TOPIC_PREFIX
+from adapters.eventstore import CorruptStream, EventStore
+from adapters.read_models import TRACKING_TABLE, _SQLiteTracking
+from domain.errors import AgentfoldError, InvalidInput, StoreFailure
+from domain.events import EVENT_TYPES
+from domain.ids import TreeID
+from domain.integrity import SealError, unseal
+
+APPLICATION_PREFIX = "agentfold.publisher:"
+DEFAULT_PARTITIONS = 3
+DEFAULT_BATCH = 500
+CRASH_EXIT = 75
+# One event may hold several payloads of up to 4 MiB each (TreeStarted: input and configuration).
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+Envelope = dict[str, Any]
+
+
+class FeedError(AgentfoldError):
+    """The broker did not acknowledge (or could not be reached); nothing was recorded as published."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("feed.unavailable", message, "check --bootstrap and the broker; the publisher resumes where it stopped")
+
+
+# ---------------------------------------------------------------------------
+# Envelopes
+
+
+def envelope_of(notification: Notification) -> Envelope:
+    """The feed envelope of one stored event (the body exactly as stored, defaults omitted)."""
+    originator = notification.originator_id
+    tree_id = TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
+    position = int(notification.originator_version)
+    tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
+    name, _, version_text = tag.partition("@")
+    if name not in EVENT_TYPES or (version_text and not version_text.isdigit()):
+        raise CorruptStream(tree_id, position, "stream.event_type", f"unknown topic {notification.topic!r}")
+    try:
+        sealed = unseal(notification.state)
+    except SealError as exc:
+        raise CorruptStream(tree_id, position, "integrity.format", str(exc)) from exc
+    body = sealed.body
+    return {
+        "notification_id": int(notification.id),
+        "tree_id": str(tree_id),
+        "position": position,
+        "process_id": str(body.get("process_id", "")),
+        "type": name,
+        "schema_version": int(version_text) if version_text else 1,
+        "timestamp": sealed.timestamp,
+        "payload": body,
+        "digest": sealed.digest,
+    }
+
+
+def envelope_bytes(envelope: Envelope) -> bytes:
+    """The record value: canonical JSON (sorted keys, no whitespace)."""
+    return orjson.dumps(envelope, option=orjson.OPT_SORT_KEYS)
+
+
+def envelope_headers(envelope: Envelope) -> list[tuple[str, bytes]]:
+    return [
+        ("type", str(envelope["type"]).encode()),
+        ("notification_id", str(envelope["notification_id"]).encode()),
+        ("schema_version", str(envelope["schema_version"]).encode()),
+    ]
+
+
+def store_envelopes(store: EventStore, after: int = 0, batch: int = 1000) -> Iterator[Envelope]:
+    """Every envelope the publisher would produce, read straight from the notification log."""
+    position = after
+    while True:
+        notifications = store.notifications(position, batch)
+        if not notifications:
+            return
+        for n in notifications:
+            yield envelope_of(n)
+        position = notifications[-1].id
+
+
+# ---------------------------------------------------------------------------
+# Position
+
+
+class PublisherPosition:
+    """The publisher's tracked position in the store's own database (eventsourcing tracking)."""
+
+    def __init__(self, store: EventStore, topic: str) -> None:
+        if store.backend not in ("sqlite", "postgresql"):
+            raise InvalidInput(
+                "feed.store_unsupported", f"a {store.backend} store has no database to track the publisher's position in",
+                hint="publish from a sqlite:/// or postgresql:// store",
+            )
+        self.application = APPLICATION_PREFIX + topic
+        datastore = store.factory.datastore
+        if store.backend == "sqlite":
+            self.tracking: Any = _SQLiteTracking(datastore)
+        else:
+            self.tracking = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
+        self.tracking.create_table()
+
+    def get(self) -> int:
+        return int(self.tracking.max_tracking_id(self.application) or 0)
+
+    def save(self, notification_id: int) -> None:
+        self.tracking.insert_tracking(Tracking(self.application, notification_id))
+
+
+# ---------------------------------------------------------------------------
+# Kafka
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS, replication_factor: int = 1) -> bool:
+    """Create the topic if it is missing; True when this call created it."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="agentfold-publisher-admin")
+    except KafkaError as exc:
+        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+    try:
+        admin.create_topics(
+            {topic: {"num_partitions": partitions, "replication_factor": replication_factor,
+                     "configs": {"max.message.bytes": str(MAX_RECORD_BYTES)}}},
+            wait_for_metadata=True,
+        )
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    except KafkaError as exc:
+        raise FeedError(f"cannot create topic {topic}: {exc}") from exc
+    finally:
+        admin.close()
+
+
+def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """The producer settings the feed relies on (acks=all, idempotence) plus ``extra``."""
+    config: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "client_id": "agentfold-publisher",
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": 2,
+        "batch_size": 256 * 1024,
+        "max_request_size": MAX_RECORD_BYTES,
+    }
+    config.update(extra)
+    return config
+
+
+def crash_hook_from_env() -> Callable[[int], None]:
+    """``AGENTFOLD_PUBLISHER_CRASH=after-produce:N``: die (os._exit) after the broker acknowledged
+    batch N and before its position is stored (real process death, for the crash tests)."""
+    spec = os.environ.get("AGENTFOLD_PUBLISHER_CRASH", "")
+    if not spec:
+        return lambda batch: None
+    kind, _, n = spec.partition(":")
+    if kind != "after-produce" or not n.isdigit():
+        raise InvalidInput("feed.crash_spec", f"AGENTFOLD_PUBLISHER_CRASH={spec!r} is not after-produce:N")
+    target = int(n)
+
+    def hook(batch: int) -> None:
+        if batch == target:
+            os._exit(CRASH_EXIT)
+
+    return hook
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    events: int
+    position: int
+
+
+class Publisher:
+    """Produces a store's events to a topic, storing its position after each acknowledged batch."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        bootstrap: str,
+        topic: str,
+        *,
+        partitions: int = DEFAULT_PARTITIONS,
+        replication_factor: int = 1,
+        batch_size: int = DEFAULT_BATCH,
+        poll_interval: float = 0.05,
+        ack_timeout: float = 60.0,
+        producer: Any = None,
+    ) -> None:
+        if batch_size < 1:
+            raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
+        self.store = store
+        self.topic = topic
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.ack_timeout = ack_timeout
+        self._position = PublisherPosition(store, topic)
+        self.position = self._position.get()
+        ensure_topic(bootstrap, topic, partitions, replication_factor)
+        if producer is None:
+            from kafka import KafkaProducer
+            from kafka.errors import KafkaError
+
+            try:
+                producer = KafkaProducer(**producer_config(bootstrap))
+            except KafkaError as exc:
+                raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+        self.producer = producer
+        self._crash = crash_hook_from_env()
+        self.batches = 0
+        self.events = 0
+        self.bytes = 0
+
+    # -- one batch ---------------------------------------------------------------
+
+    def step(self) -> int:
+        """Produce the next batch (at most ``batch_size`` events); returns how many."""
+        notifications = self.store.notifications(self.position, self.batch_size)
+        if not notifications:
+            return 0
+        self.produce([envelope_of(n) for n in notifications])
+        self.batches += 1
+        self._crash(self.batches)
+        last = int(notifications[-1].id)
+        try:
+            self._position.save(last)
+        except IntegrityError as exc:
+            # Someone stored a position at or past ours: another publisher runs on this topic.
+            raise StoreFailure(
+                "feed.position_conflict",
+                f"another publisher advanced {self._position.application} past {self.position}: {exc}",
+            ) from exc
+        self.position = last
+        self.events += len(notifications)
+        return len(notifications)
+
+    def produce(self, envelopes: Sequence[Envelope]) -> None:
+        """Send envelopes and wait until the broker acknowledged every one (else raise FeedError)."""
+        futures = []
+        for envelope in envelopes:
+            value = envelope_bytes(envelope)
+            self.bytes += len(value)
+            futures.append(
+                self.producer.send(
+                    self.topic, value=value, key=str(envelope["tree_id"]).encode(), headers=envelope_headers(envelope)
+                )
+            )
+        self.producer.flush(timeout=self.ack_timeout)
+        for future in futures:
+            try:
+                future.get(timeout=self.ack_timeout)
+            except Exception as exc:  # any failed send: the batch is not acknowledged
+                raise FeedError(f"the broker did not acknowledge a record of topic {self.topic}: {exc}") from exc
+
+    # -- loops -----------------------------------------------------------------
+
+    def drain(self) -> PublishReport:
+        """Publish everything committed so far, then return (``--once``)."""
+        before = self.events
+        while True:
+            count = self.step()
+            if count < self.batch_size and self.position >= self.store.max_notification_id():
+                return PublishReport(self.events - before, self.position)
+
+    def follow(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> PublishReport:
+        """Publish new events as they are committed, until ``stop`` is set (then return cleanly)."""
+        from adapters.follower import _Listener
+
+        before = self.events
+        listener = _Listener(self.store) if self.store.backend == "postgresql" else None
+        try:
+            while not stop.is_set():
+                count = self.step()
+                if count:
+                    if on_batch is not None:
+                        on_batch(count)
+                    continue
+                if listener is not None:
+                    listener.wait(self.poll_interval * 10)
+                else:
+                    stop.wait(self.poll_interval)
+        finally:
+            if listener is not None:
+                listener.close()
+        return PublishReport(self.events - before, self.position)
+
+    def close(self) -> None:
+        try:
+            self.producer.flush(timeout=self.ack_timeout)
+        finally:
+            self.producer.close(timeout=5)
+

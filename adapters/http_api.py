@@ -1,0 +1,1063 @@
+"""The authenticated HTTP API over one store (docs/http-api.md): ``agentfold serve``.
+
+One server process holds one :class:`~adapters.eventstore.EventStore`, one
+:class:`~adapters.runtime.Runtime` that drives the runs it starts or adopts (an
+answer, a steer, a resolution or a control adopts a tree nobody owns, as the CLI
+does), and, on SQLite and PostgreSQL, a read-model :class:`~adapters.follower.Follower`
+thread. Reads go through :class:`~adapters.queries.HostQueries`, so they answer
+exactly the JSON entries the CLI's ``--json`` prints, from the read models when they
+are current (or reached the caller's ``min_position``), else by folding.
+
+Writes validate completely before their single append, with the same rules and the
+same stable codes as the CLI commands (``answer``, ``steer``, ``resolve``, ``cancel``,
+``run``); a refused write appends nothing. Errors are ``application/problem+json``
+(RFC 9457) with the agentfold ``code``. Every endpoint but ``GET /health`` needs
+``Authorization: Bearer <AGENTFOLD_API_TOKEN>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from adapters.cli import tree_summary
+from adapters.eventstore import EventStore
+from adapters.follower import Follower
+from adapters.interaction import steer_signal
+from adapters.queries import HostQueries
+from adapters.read_models import ReadModels
+from adapters.runtime import RandomIds, Runtime
+from adapters.scenario import scenario_input, scenario_program, validate_scenario
+from adapters.sources import ProgramSources
+from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
+from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected
+from domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, WaitID
+from domain.interaction.settle import settle_model_result, settle_tool_result
+from domain.kernel import Kernel
+from domain.program import ProgramResolver, SignalRequest
+from domain.requests import Settlement, effect_request
+from domain.tree import TreeState
+from projections.host_views import pending_tool_inputs
+from projections.read_models import Entry
+
+API_VERSION = "1"
+TOKEN_ENV = "AGENTFOLD_API_TOKEN"
+PROBLEM_TYPE = "urn:agentfold:problem:"
+PROBLEM_JSON = "application/problem+json"
+MAX_WAIT = 300.0
+"""Upper bound of a write's ``wait`` (seconds to wait for the run to park or end)."""
+MAX_READ_WAIT = 60.0
+DEFAULT_READ_WAIT = 5.0
+"""How long a read with ``min_position`` waits for the read models before it folds."""
+MAX_BODY_BYTES = MAX_PAYLOAD_BYTES * 4 + 1024
+"""Request bodies above this are refused before they are read (the CLI's JSON text bound)."""
+MAX_RUNS_PAGE = 500
+WORKER_THREADS = 256
+"""Requests run on worker threads (they block on the store, or on ``wait``): this many at once."""
+
+log = logging.getLogger("agentfold.http")
+
+RunStatus = Literal["running", "waiting", "paused", "completed", "failed", "canceled", "timed_out", "killed"]
+Classification = Literal["progress", "parked", "terminal"]
+
+
+# ---------------------------------------------------------------------------
+# Errors of the HTTP surface (everything else is the domain's own AgentfoldError)
+
+
+class Unauthorized(AgentfoldError):
+    """No bearer token, or not the server's."""
+
+    exit_status = 2
+    http_status = 401
+
+
+class RequestInvalid(InvalidInput):
+    """A request that does not say what to do (the HTTP counterpart of ``cli.usage``)."""
+
+    def __init__(self, message: str, hint: str = "", **detail: Any) -> None:
+        super().__init__("http.request_invalid", message, hint, **detail)
+
+
+def problem_body(status: int, code: str, detail: str, hint: str = "", extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An RFC 9457 problem document with the agentfold code (docs/http-api.md#errors)."""
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE + code,
+        "title": HTTPStatus(status).phrase,
+        "status": status,
+        "code": code,
+        "detail": detail,
+    }
+    if hint:
+        body["hint"] = hint
+    for key, value in (extra or {}).items():
+        body.setdefault(key, value)
+    return body
+
+
+def _dumps(value: Any) -> bytes:
+    # Ids are str subclasses; anything else non-JSON in an entry is a bug, shown as text.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str).encode("utf-8")
+
+
+def json_response(value: Any, status: int = 200, headers: Mapping[str, str] | None = None,
+                  media_type: str = "application/json") -> Response:
+    return Response(_dumps(value), status_code=status, headers=dict(headers or {}), media_type=media_type)
+
+
+def problem_response(status: int, code: str, detail: str, hint: str = "", extra: Mapping[str, Any] | None = None,
+                     headers: Mapping[str, str] | None = None) -> Response:
+    return json_response(problem_body(status, code, detail, hint, extra), status, headers, PROBLEM_JSON)
+
+
+# ---------------------------------------------------------------------------
+# Request bodies (unknown members are refused: http.request_invalid)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartRun(_Body):
+    """Start a run: a scenario document, or a registered Program with its input."""
+
+    scenario: dict[str, Any] | None = Field(None, description="a scenario document (docs/scenarios.md)")
+    program: str | None = Field(None, description="the name of a Program this server binds (e.g. demo.payment)")
+    input: Any = Field(None, description="the registered Program's input (only with program)")
+    start_id: str | None = Field(None, description="idempotent start id (default: a fresh one)")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+class Answer(_Body):
+    response: Any = Field(..., description="the answer; it must satisfy the wait's response schema (at most 1 MiB)")
+    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+class Steer(_Body):
+    text: str | None = Field(None, description="one user message (give text or messages)")
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="user messages")
+    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+class Resolve(_Body):
+    output: Any = Field(None, description="a tool call's output (text or {content, details}), or another effect's payload")
+    disposition: Literal["succeeded", "failed", "rejected"] | None = Field(None, description="tool calls only")
+    model_response: Any = Field(None, description="a model call's response")
+    status: Literal["succeeded", "failed"] | None = Field(None, description="effects that are neither tool nor model calls")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+class Control(_Body):
+    reason: str | None = Field(None, description="why (recorded with the request)")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+class Resume(_Body):
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+
+
+# ---------------------------------------------------------------------------
+# Response documents (for the OpenAPI document; handlers return the entries as they are)
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Problem(_Doc):
+    type: str = Field(..., examples=["urn:agentfold:problem:engine.signal.rejected"])
+    title: str
+    status: int
+    code: str = Field(..., description="the stable agentfold error code")
+    detail: str
+    hint: str | None = None
+
+
+class Positions(_Doc):
+    store: int = Field(..., description="the store's last notification id")
+    read_models: int | None = Field(..., description="the read models' tracking position (null: no read models)")
+
+
+class Health(_Doc):
+    status: Literal["ok"]
+    backend: Literal["memory", "sqlite", "postgresql"]
+    follower: Literal["running", "restarting", "stopped", "off"]
+    positions: Positions
+
+
+class TreeSummary(_Doc):
+    tree_id: str
+    start_id: str
+    root_process_id: str
+    program: str
+    status: str
+    classification: Literal["progress", "parked", "terminal"]
+    version: int
+    unknown_effect_ids: list[str]
+
+
+class RunProcess(_Doc):
+    process_id: str
+    parent_id: str | None
+    child_key: str | None
+    program: str
+    interaction: bool
+    status: str
+    usage: dict[str, int]
+    unknown_effect_ids: list[str]
+
+
+class Run(_Doc):
+    tree_id: str
+    start_id: str
+    root_process_id: str
+    program: str
+    status: str
+    classification: Literal["progress", "parked", "terminal"]
+    version: int
+    output: Any
+    failure: dict[str, str] | None
+    processes: list[RunProcess]
+
+
+class ListedRun(Run):
+    cursor: str = Field(..., description="pass as `after` to list the runs created after this one")
+
+
+class RunList(_Doc):
+    runs: list[ListedRun]
+    next_after: str | None = Field(..., description="the cursor of the next page (null: this page is the last)")
+
+
+class Results(_Doc):
+    tree_id: str
+    rounds: list[dict[str, Any]] = Field(..., description="SettledResults of every open round (docs/cli.md#results)")
+
+
+class Delegates(_Doc):
+    process_id: str
+    found: bool = Field(..., description="false when the process is not an Interaction")
+    delegates: list[dict[str, Any]] = Field(..., description="Delegate attributions (docs/cli.md#delegates)")
+
+
+class PendingInput(_Doc):
+    tree_id: str
+    process_id: str = Field(..., description="the Tool child that waits: the process to answer")
+    wait_id: str
+    prompt: Any
+    response_schema: Any
+    tool_call_ref: str | None
+
+
+class PendingList(_Doc):
+    pending: list[PendingInput]
+
+
+class UnknownList(_Doc):
+    unknown_effects: list[dict[str, Any]] = Field(..., description="unknown effects (docs/cli.md#unknown)")
+
+
+class _Written(_Doc):
+    position: int = Field(..., description="a notification id at or after this write (use as min_position)")
+    idle: bool = Field(..., description="the run was parked or ended when the response was formed")
+    tree: TreeSummary
+
+
+class Started(_Written):
+    created: bool = Field(..., description="true: this request created the run; false: the start id existed")
+
+
+class Answered(_Written):
+    accepted: bool = Field(..., description="false: this signal id was already admitted with this answer")
+    signal_id: str
+    process_id: str
+    wait_id: str
+
+
+class Steered(_Written):
+    accepted: bool
+    signal_id: str
+    process_id: str
+
+
+class Resolved(_Written):
+    effect_id: str
+    process_id: str | None
+    resolution: dict[str, Any]
+    driven: bool = Field(..., description="false: another runtime owns the tree and drives it on")
+
+
+class Controlled(_Written):
+    recorded: bool = Field(..., description="false: the same request was already recorded (nothing changed)")
+    process_id: str
+
+
+# ---------------------------------------------------------------------------
+# The service: store, runtime, follower, queries
+
+
+class _StartIds(RandomIds):
+    """Fresh ids that remember, per thread, the last root process id they made.
+
+    ``Runtime.start`` draws a root process id for every call; the run it returns has
+    that id only if this call created it, so a start knows exactly whether it created
+    the run or found it (also when another process started it meanwhile).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def root_process_id(self) -> ProcessID:
+        pid = super().root_process_id()
+        self._local.last = pid
+        return pid
+
+    def last_root(self) -> ProcessID | None:
+        return getattr(self._local, "last", None)
+
+
+class FollowerThread:
+    """Keeps the read models current in a background thread; restarts after a failure."""
+
+    def __init__(self, store: EventStore, sources: ProgramSources, *, retry: float = 1.0) -> None:
+        self.store = store
+        self.sources = sources
+        self.retry = retry
+        self.state: Literal["running", "restarting", "stopped"] = "stopped"
+        self._stop = threading.Event()
+        # Created here, not in the thread, so the tables exist before the first request.
+        self._follower: Follower | None = Follower(store, sources.catalog())
+        self._thread = threading.Thread(target=self._run, name="agentfold-follower", daemon=True)
+
+    def start(self) -> None:
+        self.state = "running"
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                follower = self._follower or Follower(self.store, self.sources.catalog())
+                self._follower = None
+                self.state = "running"
+                follower.follow(self._stop)
+            except Exception as exc:  # noqa: BLE001 - reads fold meanwhile; try again
+                self.state = "restarting"
+                log.error("read-model follower failed (reads fold until it recovers): %s", exc)
+                self._stop.wait(self.retry)
+        self.state = "stopped"
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.state = "stopped"
+
+
+@dataclass
+class ApiService:
+    """What one server holds, and every operation its endpoints perform."""
+
+    store: EventStore
+    sources: ProgramSources
+    runtime: Runtime
+    ids: _StartIds
+    token: str
+    follower: FollowerThread | None = None
+    queries: HostQueries = field(init=False)
+    folding: HostQueries = field(init=False)
+    _adoption: tuple[threading.Lock, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.queries = HostQueries(self.store, self.sources)
+        self.folding = HostQueries(self.store, self.sources, use_read_models=False)
+        self._adoption = tuple(threading.Lock() for _ in range(64))
+
+    @contextmanager
+    def _admitting(self, tree_id: TreeID) -> Iterator[None]:
+        """Admit input to a tree this server may have to adopt, one request at a time per tree.
+
+        The runtime's owner lease is re-entrant inside one process, so two requests that
+        both find a tree unowned would both activate it, and the second would be refused
+        (``engine.tree.incarnation_conflict``) instead of being validated against the
+        first. Once the server owns the tree, its owner line serializes admissions.
+        """
+        if self.runtime.owns(tree_id):
+            yield
+            return
+        with self._adoption[hash(tree_id) % len(self._adoption)]:
+            yield
+
+    @classmethod
+    def open(cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True) -> ApiService:
+        ids = _StartIds()
+        runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids)
+        follower = None
+        try:
+            if follow and store.backend in ("sqlite", "postgresql"):
+                follower = FollowerThread(store, sources)
+                follower.start()
+        except BaseException:
+            runtime.close()
+            raise
+        return cls(store, sources, runtime, ids, token, follower)
+
+    def recover(self) -> list[dict[str, Any]]:
+        """Adopt every live tree nobody owns (``--recover``); one entry per live tree."""
+        entries: list[dict[str, Any]] = []
+        for head in self.store.heads(live_only=True):
+            try:
+                self.runtime.recover(head.tree_id)
+                entries.append({"tree_id": head.tree_id, "outcome": "adopted"})
+            except AgentfoldError as exc:
+                entries.append({"tree_id": head.tree_id, "outcome": "skipped", "error": exc.to_json()})
+        return entries
+
+    def close(self) -> None:
+        """Stop the follower, then the runtime (in-flight dispatches are abandoned)."""
+        if self.follower is not None:
+            self.follower.close()
+        try:
+            self.runtime.close()
+        except AgentfoldError as exc:
+            log.error("closing the runtime: %s", exc)
+
+    # -- reads -----------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "backend": self.store.backend,
+            "follower": self.follower.state if self.follower is not None else "off",
+            "positions": self.queries.position(),
+        }
+
+    def _reach(self, min_position: int | None, wait: float) -> None:
+        """Wait (bounded) for the read models to reflect ``min_position``; else reads fold."""
+        if min_position is None or wait <= 0 or self.follower is None:
+            return
+        models = self.queries.read_models()
+        if models is not None and models.position() < min_position:
+            models.wait_for(min_position, wait)
+
+    def _current_models(self, min_position: int | None, wait: float) -> ReadModels | None:
+        self._reach(min_position, wait)
+        return self.queries.current(min_position)
+
+    def runs(self, *, status: str | None, classification: str | None, limit: int, after: str | None,
+             min_position: int | None, wait: float) -> dict[str, Any]:
+        """Runs in creation order, a page at a time.
+
+        A page cursor names the path that produced it (``m`` read models, ``f`` fold):
+        the two number runs differently, and a listing must not skip or repeat runs
+        when one page came from the tables and the next from folding.
+        """
+        path, number = _parse_cursor(after)
+        models: ReadModels | None = None
+        if path in (None, "m"):
+            models = self._current_models(min_position, wait)
+            if models is None and path == "m":
+                models = self.queries.read_models()
+                if models is None:
+                    raise InvalidInput("http.cursor_invalid", f"cursor {after!r} names read models this store lacks",
+                                       hint="list again without after")
+                if min_position is not None and models.position() < min_position:
+                    raise TimeoutError(f"the read models did not reach position {min_position} within {wait:g} s")
+        if models is not None:
+            entries = models.runs(status=status, classification=classification, limit=limit, after=number)
+            tag = "m"
+        else:
+            entries = self.folding.runs(status=status, classification=classification, limit=limit, after=number)
+            tag = "f"
+        runs = [{**e, "cursor": f"{tag}{e['cursor']}"} for e in entries]
+        return {"runs": runs, "next_after": runs[-1]["cursor"] if len(runs) == limit else None}
+
+    def run(self, ref: str, min_position: int | None, wait: float) -> Entry:
+        tree_id = self.queries.tree_of(ref)
+        self._reach(min_position, wait)
+        return self.queries.run(tree_id, min_position=min_position)
+
+    def results(self, ref: str, min_position: int | None, wait: float) -> Entry:
+        tree_id = self.queries.tree_of(ref)
+        self._reach(min_position, wait)
+        return self.queries.results(tree_id, min_position=min_position)
+
+    def delegates(self, process_id: str, min_position: int | None, wait: float) -> Entry:
+        ProcessID(process_id)  # identity.invalid before any lookup
+        self._reach(min_position, wait)
+        return self.queries.delegates(process_id, min_position=min_position)
+
+    def pending(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
+        tree_id = self.queries.tree_of(ref) if ref is not None else None
+        self._reach(min_position, wait)
+        return {"pending": self.queries.pending(tree_id, min_position=min_position)}
+
+    def unknown(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
+        tree_id = self.queries.tree_of(ref) if ref is not None else None
+        self._reach(min_position, wait)
+        return {"unknown_effects": self.queries.unknown(tree_id, min_position=min_position)}
+
+    # -- writes ----------------------------------------------------------------
+
+    def _tree_of_process(self, process_id: ProcessID) -> TreeID:
+        tree_id = self.store.tree_of_process(process_id)
+        if tree_id is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        return tree_id
+
+    def _written(self, tree_id: TreeID, wait: float, **data: Any) -> dict[str, Any]:
+        """The answer to a write: the tree after waiting up to ``wait`` s, and a position."""
+        drive_error = None
+        try:
+            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001)
+            idle = tree.classification() != "progress"
+        except TimeoutError:
+            tree, idle = self.runtime.capture(tree_id), False
+        except AgentfoldError as exc:  # the write is recorded; driving it on failed here
+            tree, idle, drive_error = self.queries.fold(tree_id)[0], False, exc.to_json()
+        body = {**data, "tree": tree_summary(tree), "idle": idle, "position": self.store.max_notification_id()}
+        if drive_error is not None:
+            body["drive_error"] = drive_error
+        return body
+
+    def start(self, body: StartRun) -> tuple[dict[str, Any], bool]:
+        if (body.scenario is None) == (body.program is None):
+            raise RequestInvalid("give either scenario (a scenario document) or program (a registered Program name)")
+        if body.scenario is not None:
+            if "input" in body.model_fields_set:
+                raise RequestInvalid("a scenario carries its own input (its input member); drop input")
+            doc = validate_scenario(body.scenario)
+            program = scenario_program(doc)
+            run_input: JSON = scenario_input(doc)
+            configuration: JSON = doc
+        else:
+            assert body.program is not None
+            found = self.sources.named(body.program)
+            if found is None:
+                raise NotFound("engine.program.unavailable", f"this server binds no Program named {body.program!r}",
+                               hint="start a scenario, or a Program the server was started with")
+            program, run_input, configuration = found, normalize(body.input, what="input"), None
+        if body.start_id is not None:
+            with self._admitting(TreeID.for_start(StartID(body.start_id))):
+                handle = self.runtime.start(program, run_input, start_id=body.start_id, configuration=configuration)
+        else:
+            handle = self.runtime.start(program, run_input, configuration=configuration)
+        created = handle.root_process_id == self.ids.last_root()
+        return self._written(handle.tree_id, body.wait, created=created), created
+
+    def answer(self, process_id: str, wait_id: str, body: Answer) -> dict[str, Any]:
+        """``agentfold answer``: validated against the wait's schema and 1 MiB, then admitted."""
+        pid, wid = ProcessID(process_id), WaitID(wait_id)
+        sid = SignalID(body.signal_id) if body.signal_id is not None else None
+        tree_id = self._tree_of_process(pid)
+        tree, _ = self.queries.fold(tree_id)
+        match = next((p for p in pending_tool_inputs(tree) if p.process_id == pid), None)
+        process = tree.processes.get(pid)
+        resent = process.signal_index.get(sid) if process is not None and sid is not None else None
+        if resent is not None and sid is not None:
+            # A retry of an answer already admitted: the kernel deduplicates identical content
+            # (accepted false) and refuses a different answer under the same id (signal.conflict).
+            value = normalize(body.response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
+            signal = SignalRequest(sid, {"input_response": value}, wid)
+        elif match is None or match.wait_id != wid:
+            state = wait_state(tree, pid, wid)
+            if state is not None and state["state"] == "answered":
+                raise _answered_elsewhere(pid, wid, state)
+            current = process.current_wait if process is not None else None
+            raise Rejected(
+                "engine.signal.rejected",
+                f"wait {wid} is not a pending tool input of process {pid}"
+                + (f" (its current wait is {current})" if current else ""),
+                hint="list pending inputs with GET /pending-inputs",
+                wait=state,
+            )
+        else:
+            signal = match.response_signal(sid or _fresh_signal_id("answer"), body.response)
+        try:
+            with self._admitting(tree_id):
+                accepted = self.runtime.deliver_signals(pid, [signal])
+        except Rejected as exc:
+            if exc.code not in ("engine.signal.rejected", "engine.process.finished"):
+                raise
+            # Another answer won the race: say what the wait holds now. The owner refuses
+            # the loser inside the cycle that appends the winner; capture waits for that
+            # cycle, so the state shown is the committed one, winner included.
+            state = wait_state(self.runtime.capture(tree_id), pid, wid)
+            if state is not None and state["state"] == "answered":
+                # Whether the winner's Tool child has finished by now or not, the loser
+                # hears the same thing: the wait was answered by someone else.
+                raise _answered_elsewhere(pid, wid, state) from exc
+            raise Rejected(exc.code, exc.message, exc.hint, wait=state) from exc
+        return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
+
+    def steer(self, process_id: str, body: Steer) -> dict[str, Any]:
+        """``agentfold steer``: user messages for the Interaction's next model request."""
+        if (body.text is None) == (body.messages is None):
+            raise RequestInvalid("give either text (one user message) or messages")
+        pid = ProcessID(process_id)
+        messages = [{"role": "user", "content": body.text}] if body.text is not None else list(body.messages or [])
+        signal = steer_signal(body.signal_id or _fresh_signal_id("steer"), *messages)
+        tree_id = self._tree_of_process(pid)
+        with self._admitting(tree_id):
+            accepted = self.runtime.deliver_signals(pid, [signal])
+        return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
+
+    def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
+        """``agentfold resolve``: validated on a private fold first, then settled."""
+        eid = EffectID(effect_id)
+        tree_id = self.store.tree_of_unknown_effect(eid)
+        if tree_id is None:
+            raise NotFound(
+                "engine.effect.not_pending", f"effect {eid} is not an unknown effect of any tree in this store",
+                hint="list unknown effects with GET /unknown-effects",
+            )
+        probe, programs = self.queries.fold(tree_id)
+        settlement = settlement_for(body, probe, programs, eid)
+        found = probe.find_effect(eid)
+        process_id = found[0].process_id if found is not None else None
+        # The kernel's own rules on a private copy: a refused resolution must not even
+        # make this server take ownership (WriterActivated).
+        Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
+            eid, settlement.status, settlement.payload, process_id=process_id
+        )
+        with self._admitting(tree_id):
+            self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
+        head = self.store.head(tree_id)
+        driven = self.runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
+        return self._written(
+            tree_id, body.wait, effect_id=eid, process_id=process_id, driven=driven,
+            resolution={"status": settlement.status.value, "payload": settlement.payload},
+        )
+
+    def control(self, process_id: str, control: Literal["cancel", "pause", "resume"], reason: str | None,
+                wait: float) -> dict[str, Any]:
+        """``agentfold cancel`` (and pause, resume): record the request, then drive on."""
+        pid = ProcessID(process_id)
+        tree_id = self._tree_of_process(pid)
+        with self._admitting(tree_id):
+            if control == "cancel":
+                recorded = self.runtime.cancel(pid, reason or "canceled by host")
+            elif control == "pause":
+                recorded = self.runtime.pause(pid, reason or "paused by host")
+            else:
+                recorded = self.runtime.resume(pid)
+        return self._written(tree_id, wait, recorded=recorded, process_id=pid)
+
+
+def _answered_elsewhere(process_id: ProcessID, wait_id: WaitID, state: dict[str, Any]) -> Rejected:
+    return Rejected(
+        "engine.signal.rejected",
+        f"wait {wait_id} of process {process_id} was already answered (by {state['answered_by']})",
+        "read the run to see how it went on; resend with that signal id and answer to retry it",
+        wait=state,
+    )
+
+
+def _fresh_signal_id(prefix: str) -> SignalID:
+    return SignalID(f"{prefix}:{os.urandom(16).hex()}")
+
+
+def _parse_cursor(after: str | None) -> tuple[str | None, int]:
+    if after is None or after == "":
+        return None, 0
+    if after[0] in "mf" and after[1:].isdigit():
+        return after[0], int(after[1:])
+    raise InvalidInput("http.cursor_invalid", f"after={after!r} is not a cursor this API returned",
+                       hint="pass the cursor or next_after of a previous page")
+
+
+def wait_state(tree: TreeState, process_id: ProcessID, wait_id: WaitID) -> dict[str, Any] | None:
+    """What a wait holds now: open, answered (and by which signal id), or closed unanswered."""
+    process = tree.processes.get(process_id)
+    wait = process.waits.get(wait_id) if process is not None else None
+    if process is None or wait is None:
+        return None
+    answered_by = None
+    if wait.answered_by is not None:
+        # Host signals stay in the mailbox as receipts once consumed: their ids remain.
+        record = next((r for r in process.mailbox if r.arrival == wait.answered_by), None)
+        answered_by = record.signal_id if record is not None else None
+    state = "answered" if wait.answered_by is not None else ("closed" if wait.closed else "open")
+    return {"wait_id": wait_id, "process_id": process_id, "state": state, "answered_by": answered_by}
+
+
+def settlement_for(body: Resolve, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID) -> Settlement:
+    """The definite settlement a resolution describes (``agentfold resolve``'s rules)."""
+    given = body.model_fields_set
+    found = tree.find_effect(effect_id)
+    program = programs(found[0].program) if (found is not None and programs is not None) else None
+    request = None
+    if found is not None and program is not None and found[1].target == "dispatcher":
+        request = effect_request(tree, found[0].process_id, effect_id, program)
+    payload = request.payload if request is not None else None
+    is_tool = isinstance(payload, dict) and "tool_call" in payload
+    is_model = isinstance(payload, dict) and "model_call" in payload
+    if "model_response" in given:
+        if given & {"output", "disposition", "status"}:
+            raise RequestInvalid("model_response takes no output, disposition or status")
+        if not is_model or program is None or request is None:
+            raise RequestInvalid(f"effect {effect_id} is not a model call; give output")
+        response = normalize(body.model_response, what="model_response")
+        if isinstance(response, dict) and isinstance(response.get("message"), dict):
+            # The shape of a scenario's model response: the message role may be left out.
+            response = {**response, "message": {"role": "assistant", **response["message"]}}
+        return settle_model_result(program, request, response)
+    if "output" not in given:
+        raise RequestInvalid("give output (or model_response for a model call)")
+    value = normalize(body.output, what="output")
+    if is_model:
+        raise RequestInvalid(f"effect {effect_id} is a model call; give model_response")
+    if is_tool and program is not None and request is not None:
+        # A tool call's outcome is its disposition; a status would silently be ignored.
+        if body.status is not None:
+            raise RequestInvalid("a tool call is resolved with disposition, not status")
+        return settle_tool_result(program, request, value, body.disposition or "succeeded")
+    if body.disposition is not None:
+        raise RequestInvalid("disposition applies to tool calls only; use status")
+    return Settlement.failed(value) if body.status == "failed" else Settlement.succeeded(value)
+
+
+# ---------------------------------------------------------------------------
+# The application
+
+
+_bearer = HTTPBearer(auto_error=False, description=f"the server's token (${TOKEN_ENV})")
+
+
+def _service(request: Request) -> ApiService:
+    service: ApiService | None = request.app.state.service
+    if service is None:  # an app built only for its OpenAPI document
+        raise AgentfoldError("http.unavailable", "this application serves no store")
+    return service
+
+
+def authorized(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> ApiService:
+    """The service, for a request that carries the server's bearer token."""
+    service = _service(request)
+    if credentials is None:
+        raise Unauthorized("http.unauthorized", "this endpoint needs Authorization: Bearer <token>",
+                           hint=f"send the token the server was started with (${TOKEN_ENV})")
+    if not hmac.compare_digest(credentials.credentials.encode("utf-8"), service.token.encode("utf-8")):
+        raise Unauthorized("http.unauthorized", "the bearer token is not this server's",
+                           hint=f"send the token the server was started with (${TOKEN_ENV})", invalid_token=True)
+    return service
+
+
+Service = Annotated[ApiService, Depends(authorized)]
+MinPosition = Annotated[int | None, Query(ge=0, description="answer only once the reads reflect this position")]
+ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, description="seconds to wait for the read models to "
+                                  "reach min_position before answering by folding")]
+TreeRef = Annotated[str, Path(description="a tree id (tree:...), a start id or a process id")]
+ProcessRef = Annotated[str, Path(description="a process id (process:...)")]
+
+_PROBLEMS = {
+    401: "no or a wrong bearer token",
+    404: "not found (code says what)",
+    409: "refused by the current state (code says why)",
+    413: "request body too large",
+    422: "invalid request (code says what)",
+    503: "the store is unavailable",
+    504: "timed out",
+    500: "internal error",
+}
+
+
+def _problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": Problem, "description": _PROBLEMS[s]} for s in (401, 422, 503, 504, 500, *statuses)}
+
+
+def _ok(model: type[BaseModel], description: str, status: int = 200) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": model, "description": description}}
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, "Content Too Large")
+
+
+class BodyLimit:
+    """Refuses request bodies above ``MAX_BODY_BYTES``: a declared length at once, a streamed
+    (chunked) body as soon as it grows past the limit; both as ``payload.too_large``."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await problem_response(413, "payload.too_large", f"the request body is above {self.limit} bytes")(
+                scope, receive, send)
+            return
+        total = 0
+
+        async def counted() -> Message:
+            nonlocal total
+            message = await receive()
+            total += len(message.get("body", b""))
+            if total > self.limit:
+                raise _BodyTooLarge()  # rendered by the HTTP error handler, like any 413
+            return message
+
+        await self.app(scope, counted, send)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # Writes may wait for their run (up to MAX_WAIT s) on a worker thread; anyio's
+    # default of 40 threads would let 40 such waits starve every other request.
+    anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+    yield
+
+
+def create_app(service: ApiService | None = None) -> FastAPI:
+    """The FastAPI application; ``service`` None builds it for its OpenAPI document only."""
+    app = FastAPI(
+        lifespan=_lifespan,
+        title="agentfold",
+        version=API_VERSION,
+        summary="Durable agent runs: start, answer, steer, resolve, control and read them.",
+        description="The authenticated HTTP API of `agentfold serve` (docs/http-api.md). Every endpoint but "
+        "`GET /health` needs `Authorization: Bearer <token>`. Errors are `application/problem+json` with a "
+        "stable `code`. Reads accept `min_position` (read your own writes); writes answer a `position`.",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        generate_unique_id_function=lambda route: route.name,
+    )
+    app.state.service = service
+    app.add_middleware(BodyLimit)
+    _install_error_handlers(app)
+
+    @app.get("/health", tags=["health"], summary="store reachable; positions (no token needed)",
+             responses={**_ok(Health, "the server is up"), 503: _problems()[503], 500: _problems()[500]})
+    def health(request: Request) -> Response:
+        return json_response(_service(request).health())
+
+    api = APIRouter(responses=_problems())
+
+    @api.get("/openapi.json", tags=["health"], summary="this API's OpenAPI document",
+             responses={200: {"description": "the OpenAPI document", "content": {"application/json": {}}}})
+    def openapi(service: Service, request: Request) -> Response:
+        return json_response(request.app.openapi())
+
+    # -- reads ---------------------------------------------------------------
+
+    @api.get("/runs", tags=["runs"], summary="runs in creation order, a page at a time",
+             responses=_ok(RunList, "a page of runs"))
+    def list_runs(service: Service, status: RunStatus | None = None, classification: Classification | None = None,
+                  limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 100,
+                  after: Annotated[str | None, Query(description="a cursor from a previous page")] = None,
+                  min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.runs(status=status, classification=classification, limit=limit, after=after,
+                                          min_position=min_position, wait=wait))
+
+    @api.get("/runs/{tree}", tags=["runs"], summary="one run: status per process, output, failure, usage",
+             responses={**_ok(Run, "the run"), **_problems(404)})
+    def get_run(service: Service, tree: TreeRef, min_position: MinPosition = None,
+                wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.run(tree, min_position, wait))
+
+    @api.get("/runs/{tree}/results", tags=["runs"], summary="SettledResults of every open round",
+             responses={**_ok(Results, "the rounds"), **_problems(404)})
+    def get_results(service: Service, tree: TreeRef, min_position: MinPosition = None,
+                    wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.results(tree, min_position, wait))
+
+    @api.get("/runs/{tree}/pending-inputs", tags=["pending inputs"], summary="the run's tool input waits",
+             responses={**_ok(PendingList, "current tool input waits"), **_problems(404)})
+    def get_run_pending(service: Service, tree: TreeRef, min_position: MinPosition = None,
+                        wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.pending(tree, min_position, wait))
+
+    @api.get("/runs/{tree}/unknown-effects", tags=["unknown effects"], summary="the run's unknown effects",
+             responses={**_ok(UnknownList, "unknown effects of live processes"), **_problems(404)})
+    def get_run_unknown(service: Service, tree: TreeRef, min_position: MinPosition = None,
+                        wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.unknown(tree, min_position, wait))
+
+    @api.get("/processes/{process_id}/delegates", tags=["processes"],
+             summary="which child process each delegated tool call started",
+             responses={**_ok(Delegates, "Delegate attributions"), **_problems(404)})
+    def get_delegates(service: Service, process_id: ProcessRef, min_position: MinPosition = None,
+                      wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.delegates(process_id, min_position, wait))
+
+    @api.get("/pending-inputs", tags=["pending inputs"], summary="every tool input wait, runs in creation order",
+             responses=_ok(PendingList, "current tool input waits"))
+    def get_pending(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.pending(None, min_position, wait))
+
+    @api.get("/unknown-effects", tags=["unknown effects"], summary="every unknown effect of the live runs",
+             responses=_ok(UnknownList, "unknown effects of live processes"))
+    def get_unknown(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.unknown(None, min_position, wait))
+
+    # -- writes --------------------------------------------------------------
+
+    @api.post("/runs", tags=["runs"], summary="start a run (idempotent by start id)",
+              responses={**_ok(Started, "created", 201), **_ok(Started, "the start id existed: the same run"),
+                         **_problems(404, 409, 413)})
+    def start_run(service: Service, body: StartRun) -> Response:
+        data, created = service.start(body)
+        return json_response(data, 201 if created else 200)
+
+    @api.post("/processes/{process_id}/waits/{wait_id}/answer", tags=["pending inputs"],
+              summary="answer a pending tool input (validated against its response schema)",
+              responses={**_ok(Answered, "admitted, or a resend of an admitted answer"), **_problems(404, 409, 413)})
+    def answer(service: Service, process_id: ProcessRef,
+               wait_id: Annotated[str, Path(description="the wait to answer (wait:...)")], body: Answer) -> Response:
+        return json_response(service.answer(process_id, wait_id, body))
+
+    @api.post("/processes/{process_id}/steer", tags=["processes"],
+              summary="user messages for an Interaction's next model request",
+              responses={**_ok(Steered, "admitted, or a resend"), **_problems(404, 409, 413)})
+    def steer(service: Service, process_id: ProcessRef, body: Steer) -> Response:
+        return json_response(service.steer(process_id, body))
+
+    @api.post("/unknown-effects/{effect_id}/resolve", tags=["unknown effects"],
+              summary="settle an unknown effect with the outcome the host established",
+              responses={**_ok(Resolved, "resolved"), **_problems(404, 409, 413)})
+    def resolve(service: Service, effect_id: Annotated[str, Path(description="an effect id (effect:...)")],
+                body: Resolve) -> Response:
+        return json_response(service.resolve(effect_id, body))
+
+    @api.post("/processes/{process_id}/cancel", tags=["processes"], summary="cancel a process and its subtree",
+              responses={**_ok(Controlled, "recorded"), **_problems(404, 409, 413)})
+    def cancel(service: Service, process_id: ProcessRef, body: Annotated[Control | None, Body()] = None) -> Response:
+        body = body or Control()
+        return json_response(service.control(process_id, "cancel", body.reason, body.wait))
+
+    @api.post("/processes/{process_id}/pause", tags=["processes"], summary="pause a running or waiting process",
+              responses={**_ok(Controlled, "recorded"), **_problems(404, 409, 413)})
+    def pause(service: Service, process_id: ProcessRef, body: Annotated[Control | None, Body()] = None) -> Response:
+        body = body or Control()
+        return json_response(service.control(process_id, "pause", body.reason, body.wait))
+
+    @api.post("/processes/{process_id}/resume", tags=["processes"], summary="resume a paused process",
+              responses={**_ok(Controlled, "recorded"), **_problems(404, 409, 413)})
+    def resume(service: Service, process_id: ProcessRef, body: Annotated[Resume | None, Body()] = None) -> Response:
+        body = body or Resume()
+        return json_response(service.control(process_id, "resume", None, body.wait))
+
+    app.include_router(api)
+    _install_openapi(app)
+    return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Problems are documented as ``application/problem+json`` only (what the server sends)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            for operations in document.get("paths", {}).values():
+                for operation in operations.values():
+                    for status, response in operation.get("responses", {}).items():
+                        content = response.get("content", {})
+                        if int(status) >= 400 and "application/json" in content:
+                            response["content"] = {PROBLEM_JSON: content["application/json"]}
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    Handler = Callable[[Request, Any], Awaitable[Response]]
+
+    async def agentfold_error(request: Request, exc: AgentfoldError) -> Response:
+        headers = {}
+        if isinstance(exc, Unauthorized):
+            headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.detail.get("invalid_token") else "Bearer"
+            extra: dict[str, Any] = {}
+        else:
+            extra = dict(exc.detail)
+        return problem_response(exc.http_status, exc.code, exc.message, exc.hint, extra, headers)
+
+    async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = [
+            {"location": [str(part) for part in e.get("loc", ())], "message": str(e.get("msg", "invalid"))}
+            for e in exc.errors()
+        ]
+        first = errors[0] if errors else {"location": [], "message": "invalid request"}
+        detail = f"{'.'.join(first['location']) or 'request'}: {first['message']}"
+        if len(errors) > 1:
+            detail += f" (and {len(errors) - 1} more)"
+        return problem_response(422, "http.request_invalid", detail, "see the OpenAPI document (/openapi.json)",
+                                {"errors": errors})
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "http.not_found", 405: "http.method_not_allowed", 413: "payload.too_large"}.get(
+            exc.status_code, "http.error")
+        detail = {404: f"no endpoint {request.url.path}",
+                  405: f"{request.method} is not allowed on {request.url.path}",
+                  413: f"the request body is above {MAX_BODY_BYTES} bytes"}.get(exc.status_code, str(exc.detail))
+        return problem_response(exc.status_code, code, detail, headers=exc.headers)
+
+    async def timed_out(request: Request, exc: TimeoutError) -> Response:
+        return problem_response(504, "http.timeout", str(exc) or "timed out",
+                                "the request may still take effect; read the run to see")
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        # The server logs the traceback (uvicorn's "Exception in ASGI application"); the
+        # client only learns that it happened.
+        return problem_response(500, "http.internal", f"internal error ({type(exc).__name__})",
+                                "the server logged the details")
+
+    handlers: list[tuple[type[Exception], Handler]] = [
+        (AgentfoldError, agentfold_error),
+        (RequestValidationError, request_invalid),
+        (StarletteHTTPException, http_error),
+        (TimeoutError, timed_out),
+        (Exception, internal),
+    ]
+    for kind, handler in handlers:
+        app.add_exception_handler(kind, handler)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document the server serves (committed as docs/openapi.json)."""
+    return create_app(None).openapi()
+
+
+def openapi_text() -> str:
+    """docs/openapi.json, byte for byte (``scripts/openapi`` writes it)."""
+    return json.dumps(openapi_document(), indent=2, ensure_ascii=False) + "\n"
+
+
+__all__ = [
+    "ApiService",
+    "FollowerThread",
+    "Unauthorized",
+    "create_app",
+    "openapi_document",
+    "openapi_text",
+    "problem_body",
+    "settlement_for",
+    "wait_state",
+]

@@ -1,0 +1,108 @@
+"""Shared helpers for the feed tests: the documented envelope schema, an independent reader."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from domain.canonical import canonical_bytes
+from domain.integrity import chain_digest
+
+ROOT = Path(__file__).resolve().parents[2]
+KAFKA_DOC = ROOT / "docs" / "kafka.md"
+
+
+def documented_envelope_schema() -> dict[str, Any]:
+    """The JSON Schema block of docs/kafka.md (between the envelope-schema markers)."""
+    text = KAFKA_DOC.read_text()
+    found = re.search(r"<!-- envelope-schema:begin -->\s*```json\n(.*?)```\s*<!-- envelope-schema:end -->", text, re.S)
+    assert found, "docs/kafka.md has no envelope schema block"
+    schema: dict[str, Any] = json.loads(found.group(1))
+    return schema
+
+
+@dataclass(slots=True)
+class ReadRecord:
+    partition: int
+    offset: int
+    key: bytes
+    headers: dict[str, bytes]
+    envelope: dict[str, Any]
+
+
+@dataclass(slots=True)
+class TopicRead:
+    records: list[ReadRecord] = field(default_factory=list)
+
+    def notification_ids(self) -> list[int]:
+        return [r.envelope["notification_id"] for r in self.records]
+
+    def by_partition(self) -> dict[int, list[ReadRecord]]:
+        out: dict[int, list[ReadRecord]] = defaultdict(list)
+        for r in self.records:
+            out[r.partition].append(r)
+        for records in out.values():
+            records.sort(key=lambda r: r.offset)
+        return out
+
+    def envelopes_in_partition_order(self) -> list[dict[str, Any]]:
+        """Every envelope, partition by partition, each in offset order (per-tree order kept)."""
+        return [r.envelope for records in self.by_partition().values() for r in records]
+
+
+def read_topic_confluent(bootstrap: str, topic: str, *, expected: int, timeout: float = 60.0) -> TopicRead:
+    """Read a whole topic with confluent-kafka (librdkafka): a client independent of the publisher's.
+
+    Partitions are assigned explicitly from the beginning (no group join, no end offsets:
+    the test broker gets those wrong); reading stops once ``expected`` records arrived and
+    one more second brought nothing (so extra duplicates would be seen too).
+    """
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap, "group.id": f"independent-{uuid.uuid4()}",
+        "enable.auto.commit": False, "auto.offset.reset": "earliest",
+    })
+    out = TopicRead()
+    try:
+        metadata = consumer.list_topics(topic, timeout=10)
+        partitions = sorted(metadata.topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        deadline = time.monotonic() + timeout
+        quiet_since: float | None = None
+        while time.monotonic() < deadline:
+            messages = consumer.consume(num_messages=1000, timeout=0.5)
+            for m in messages:
+                assert m.error() is None, m.error()
+                out.records.append(ReadRecord(
+                    m.partition(), m.offset(), m.key(), {k: v for k, v in (m.headers() or [])}, json.loads(m.value()),
+                ))
+            if len(out.records) >= expected:
+                if messages:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > 1.0:
+                    break
+        return out
+    finally:
+        consumer.close()
+
+
+def verify_chain(envelopes: Iterable[dict[str, Any]]) -> int:
+    """Recompute every tree's digest chain from the envelopes alone; returns the trees verified."""
+    previous: dict[str, str] = {}
+    for e in envelopes:
+        content = canonical_bytes({"event": e["payload"], "timestamp": e["timestamp"]})
+        tag = e["type"] if e["schema_version"] == 1 else f"{e['type']}@{e['schema_version']}"
+        digest = chain_digest(previous.get(e["tree_id"]), e["tree_id"], e["position"], tag, content)
+        assert digest == e["digest"], f"{e['tree_id']} position {e['position']}: the payload is not the stored body"
+        previous[e["tree_id"]] = e["digest"]
+    return len(previous)
