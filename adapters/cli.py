@@ -15,6 +15,11 @@ Commands (every one accepts ``--json`` and ``--store URL``):
 * ``steer PROCESS_ID TEXT`` - a user message for an Interaction's next model request;
 * ``results TREE``, ``delegates PROCESS_ID`` - SettledResults and Delegate attributions;
 * ``cancel PROCESS_ID`` - cancel a process and its subtree;
+* ``project [--follow] [--rebuild]`` - keep the read-model tables current (docs/read-models.md);
+* ``serve`` - the HTTP API (``adapters/cli_serve.py``, docs/http-api.md);
+* ``publish``, ``transcripts``, ``transcript`` - the Kafka feed (``adapters/cli_feed.py``, docs/kafka.md);
+* ``audit verify``, ``audit drift``, ``replay``, ``export``, ``import`` - audit tooling
+  (``adapters/cli_audit.py``, docs/audit.md);
 * ``demo`` - the narrated trip-planner demo (``scripts/demo``);
 * ``kernel-demo-run`` - start the kernel demo Program (``scripts/kernel-demo`` uses it).
 

@@ -1,0 +1,159 @@
+"""`agentfold export` / `agentfold import`: exact JSON Lines histories between SQLite and PostgreSQL.
+
+Histories are recorded with the CLI (the trip-planner scenario), exported, imported into
+a store of the other backend, and exported again. Imports are idempotent, verify the
+whole file before they write, and refuse a different history of the same tree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from domain.ids import TreeID
+from tests.audit.support import Sql, record_demo
+from tests.conftest import make_store_url
+from tests.test_cli import Ran, agentfold, ok, refused
+
+
+def sqlite_store(tmp_path: Path, name: str) -> str:
+    return f"sqlite:///{tmp_path / name}"
+
+
+@pytest.fixture(params=[("sqlite", "postgresql"), ("postgresql", "sqlite")], ids=["sqlite-to-pg", "pg-to-sqlite"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    source_backend, target_backend = request.param
+    urls = []
+    for backend, name in ((source_backend, "source"), (target_backend, "target")):
+        if backend == "sqlite":
+            urls.append(sqlite_store(tmp_path, f"{name}.db"))
+        else:
+            urls.append(make_store_url("postgresql", tmp_path, request))
+    return urls[0], urls[1]
+
+
+def export(store: str, tree_id: TreeID, out: Path) -> bytes:
+    ran = ok(agentfold("export", str(tree_id), "--out", str(out), "--json", store=store))
+    assert ran.json()["events"] == len(out.read_bytes().splitlines())
+    return out.read_bytes()
+
+
+def import_file(path: Path, store: str) -> Ran:
+    return agentfold("import", str(path), "--json", store=store)
+
+
+def snapshot_of(store: str, tree_id: TreeID) -> tuple[Any, ...]:
+    """Everything an import could change: the events, the index row, the process rows."""
+    sql = Sql(store)
+    trees = sql._run("SELECT * FROM agentfold_trees ORDER BY tree_id")
+    processes = sql._run("SELECT * FROM agentfold_processes ORDER BY process_id")
+    return sql.rows(tree_id), [tuple(map(str, r)) for r in trees], [tuple(map(str, r)) for r in processes], sql.count(
+        "agentfold_events"
+    )
+
+
+def test_export_import_export_is_byte_identical_and_importing_twice_changes_nothing(
+    stores: tuple[str, str], tmp_path: Path
+) -> None:
+    source, target = stores
+    tree_id = record_demo(tmp_path / "run", source)
+    first = export(source, tree_id, tmp_path / "first.jsonl")
+    lines = [json.loads(line) for line in first.splitlines()]
+    assert [line["position"] for line in lines] == list(range(1, len(lines) + 1))
+    assert {line["tree"] for line in lines} == {str(tree_id)}
+    assert first.isascii()
+    # Each line holds the stored record exactly: topic and state bytes as the source stores them.
+    assert [(line["position"], line["topic"], line["state"].encode()) for line in lines] == Sql(source).rows(tree_id)
+
+    imported = ok(import_file(tmp_path / "first.jsonl", target)).json()
+    assert imported == {
+        "tree_id": str(tree_id), "events": len(lines), "written": len(lines), "already_present": 0, "changed": True,
+        "programs_bound": True,
+    }
+    second = export(target, tree_id, tmp_path / "second.jsonl")
+    assert second == first
+
+    before = snapshot_of(target, tree_id)
+    again = ok(import_file(tmp_path / "first.jsonl", target))
+    assert again.json()["changed"] is False and again.json()["written"] == 0
+    assert snapshot_of(target, tree_id) == before
+    text = ok(agentfold("import", str(tmp_path / "first.jsonl"), store=target)).stdout
+    assert "nothing changed" in text
+
+    # The imported tree is a first-class tree of the target: verified, indexed, shown alike.
+    verified = ok(agentfold("audit", "verify", "--all", "--json", store=target)).json()
+    assert verified["ok"] is True and verified["events"] == len(lines)
+    shown = [ok(agentfold("show", str(tree_id), "--json", store=s)).json() for s in (source, target)]
+    assert shown[0] == shown[1]
+    heads = [ok(agentfold("trees", "--json", store=s)).json()["trees"][0] for s in (source, target)]
+    for head in heads:
+        head.pop("created_at"), head.pop("updated_at")
+    assert heads[0] == heads[1]
+
+
+def test_a_tampered_file_is_refused_before_anything_is_written(stores: tuple[str, str], tmp_path: Path) -> None:
+    source, target = stores
+    tree_id = record_demo(tmp_path / "run", source)
+    lines = export(source, tree_id, tmp_path / "good.jsonl").decode().splitlines()
+    position = next(i for i, line in enumerate(lines, start=1) if "sunny, 24 C" in line)
+    bad = lines.copy()
+    bad[position - 1] = bad[position - 1].replace("sunny, 24 C", "rainy, 14 C")
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad) + "\n")
+    error = refused(import_file(tmp_path / "bad.jsonl", target)).error()
+    assert error["code"] == "import.corrupt"
+    assert error["detail"] == {"tree": str(tree_id), "position": position, "rule": "integrity.digest_chain"}
+    # A dropped line is a missing position.
+    (tmp_path / "gap.jsonl").write_text("\n".join(lines[:5] + lines[6:]) + "\n")
+    error = refused(import_file(tmp_path / "gap.jsonl", target)).error()
+    assert error["detail"] == {"tree": str(tree_id), "position": 6, "rule": "integrity.missing_event"}
+    # Nothing was written: the SQLite file was never created, the PostgreSQL database holds no table.
+    if target.startswith("sqlite:///"):
+        assert not Path(target.removeprefix("sqlite:///")).exists()
+    else:
+        assert not {"agentfold_events", "agentfold_trees"} & Sql(target).tables()
+
+
+def test_a_different_history_of_the_same_tree_is_refused(stores: tuple[str, str], tmp_path: Path) -> None:
+    source, target = stores
+    # The same start id gives the same tree id; two runs give two different histories.
+    mine = record_demo(tmp_path / "mine", source, start_id="same-start")
+    theirs = record_demo(tmp_path / "theirs", target, start_id="same-start")
+    assert mine == theirs
+    export(source, mine, tmp_path / "mine.jsonl")
+    before = snapshot_of(target, theirs)
+    error = refused(import_file(tmp_path / "mine.jsonl", target)).error()
+    assert error["code"] == "import.conflict"
+    assert error["detail"]["tree"] == str(mine)
+    assert snapshot_of(target, theirs) == before
+
+
+def test_an_import_continues_a_history_it_imported_before(tmp_path: Path) -> None:
+    source, target = sqlite_store(tmp_path, "source.db"), sqlite_store(tmp_path, "target.db")
+    tree_id = record_demo(tmp_path / "run", source, answer=False)  # parked on the human input
+    parked = export(source, tree_id, tmp_path / "parked.jsonl")
+    ok(import_file(tmp_path / "parked.jsonl", target))
+    (pending,) = ok(agentfold("pending", "--json", store=source)).json()["pending"]
+    ok(agentfold("answer", pending["process_id"], pending["wait_id"], '{"approved": true}', store=source))
+    finished = export(source, tree_id, tmp_path / "finished.jsonl")
+    assert finished.startswith(parked)
+    report = ok(import_file(tmp_path / "finished.jsonl", target)).json()
+    already = len(parked.splitlines())
+    assert (report["already_present"], report["written"]) == (already, len(finished.splitlines()) - already)
+    assert export(target, tree_id, tmp_path / "again.jsonl") == finished
+    assert ok(agentfold("trees", "--json", store=target)).json()["trees"][0]["status"] == "completed"
+
+
+def test_export_to_standard_output_and_refusals(tmp_path: Path) -> None:
+    store = sqlite_store(tmp_path, "store.db")
+    tree_id = record_demo(tmp_path / "run", store)
+    printed = ok(agentfold("export", str(tree_id), store=store)).stdout
+    assert printed.encode() == export(store, tree_id, tmp_path / "file.jsonl")
+    Sql(store).delete(tree_id, 10)
+    ran = agentfold("export", str(tree_id), "--out", str(tmp_path / "broken.jsonl"), "--json", store=store)
+    assert ran.code == 1 and ran.error()["code"] == "store.corrupt"
+    assert not (tmp_path / "broken.jsonl").exists()
+    (tmp_path / "junk.jsonl").write_text('{"tree": "x"}\n')
+    assert refused(import_file(tmp_path / "junk.jsonl", store)).error()["code"] == "import.format"

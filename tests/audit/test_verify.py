@@ -1,0 +1,230 @@
+"""`agentfold audit verify` on real SQLite files and PostgreSQL databases tampered with plain SQL.
+
+Each test records a real run, changes the store's tables directly (the sqlite3 module or
+psycopg, no agentfold code), and asserts what verification reports: the exit status,
+the tree, the position and the rule of the first error.
+
+The recorded chain run (3 dispatcher effects) has 15 events in four appends:
+1 TreeStarted, 2 StepCommitted, 3 EffectDeclared, 4 EffectDispatched | 5 EffectSettled,
+6 StepCommitted, 7 EffectDeclared, 8 EffectDispatched | 9-12 likewise | 13 EffectSettled,
+14 StepCommitted (complete), 15 ProcessTerminated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.read_models import RUNS
+from domain.events import EffectSettled, event_body
+from domain.ids import TreeID, effect_id
+from domain.integrity import chain_digest, content_bytes, seal
+from tests.audit.support import Sql, chain_sources, cli, digest_of_state, record_chain
+from tests.kernel_programs import chain_program
+from tests.test_cli import agentfold, ok
+
+LAST = 15
+
+
+@pytest.fixture
+def chain(durable_store_url: str) -> tuple[str, TreeID]:
+    return durable_store_url, record_chain(durable_store_url)
+
+
+def verify(capsys: pytest.CaptureFixture[str], store: str, *trees: str) -> tuple[int, dict[str, Any]]:
+    ran = cli(capsys, "audit", "verify", *(trees or ("--all",)), "--json", "--store", store, sources=chain_sources())
+    return ran.code, ran.json()
+
+
+def first_error(report: dict[str, Any]) -> tuple[str, int, str]:
+    error = report["first_error"]
+    return error["tree"], error["position"], error["rule"]
+
+
+def test_an_untouched_history_verifies_with_every_check(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    code, report = verify(capsys, store)
+    assert code == 0
+    assert report["ok"] is True and report["first_error"] is None
+    assert (report["trees"], report["events"]) == (1, LAST)
+    (result,) = report["results"]
+    assert result == {
+        "tree": str(tree_id), "ok": True, "events": LAST, "programs_bound": True, "read_model": "absent", "problems": []
+    }
+
+
+def test_one_changed_byte_of_a_payload_breaks_the_digest_chain_at_its_position(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    store, tree_id = chain
+    sql = Sql(store)
+    state = sql.state(tree_id, 9)
+    assert state.count(b'"value":1') == 1
+    sql.set_row(tree_id, 9, "domain.events:EffectSettled", state.replace(b'"value":1', b'"value":7'))
+    code, report = verify(capsys, store)
+    assert code == 1 and report["ok"] is False
+    assert first_error(report) == (str(tree_id), 9, "integrity.digest_chain")
+
+
+def test_a_deleted_event_is_reported_missing_at_its_position(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    Sql(store).delete(tree_id, 7)
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), 7, "integrity.missing_event")
+
+
+def test_two_swapped_events_break_the_chain_at_the_first_of_them(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    sql = Sql(store)
+    rows = {v: (t, s) for v, t, s in sql.rows(tree_id)}
+    sql.set_row(tree_id, 6, *rows[7])
+    sql.set_row(tree_id, 7, *rows[6])
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), 6, "integrity.digest_chain")
+
+
+def test_a_truncated_tail_no_longer_reaches_the_indexed_head(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    Sql(store).delete(tree_id, 14, 15)  # a whole Step: what is left is a valid, shorter history
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), 14, "index.head_mismatch")
+    assert "version 15" in report["first_error"]["detail"]
+
+
+def test_a_truncation_that_also_rewrites_the_index_still_leaves_a_step_unfinished(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    store, tree_id = chain
+    sql = Sql(store)
+    sql.delete(tree_id, 15)  # the complete Step stays, its ProcessTerminated is gone
+    sql.set_head(tree_id, 14, digest_of_state(sql.state(tree_id, 14)))
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), 15, "step.sequence")
+
+
+def _forged_settlement(sql: Sql, tree_id: TreeID, position: int) -> bytes:
+    """A second settlement of the first effect, chained with the documented digest formula."""
+
+    first = orjson.loads(sql.state(tree_id, 1))
+    root = first["event"]["process_id"]
+    event = EffectSettled(
+        process_id=root, effect_id=effect_id(root, 1, 0), status="succeeded", payload={"value": 1000},
+        attempt_id=orjson.loads(sql.state(tree_id, 4))["event"]["attempt_id"],
+    )
+    content = content_bytes(event_body(event), "2030-01-01T00:00:00.000000Z")
+    previous = digest_of_state(sql.state(tree_id, position - 1))
+    return seal(content, chain_digest(previous, str(tree_id), position, "EffectSettled", content))
+
+
+def test_a_forged_settlement_with_a_valid_chain_and_index_breaks_a_fold_rule(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    store, tree_id = chain
+    sql = Sql(store)
+    forged = _forged_settlement(sql, tree_id, LAST + 1)
+    sql.insert(tree_id, LAST + 1, "domain.events:EffectSettled", forged)
+    sql.set_head(tree_id, LAST + 1, digest_of_state(forged))  # the forger keeps the index consistent too
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), LAST + 1, "settlement.once")
+
+
+def test_a_settlement_inserted_without_rechaining_breaks_the_chain(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    sql = Sql(store)
+    sql.insert(tree_id, LAST + 1, "domain.events:EffectSettled", sql.state(tree_id, 5))  # a copied settlement
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), LAST + 1, "integrity.digest_chain")
+
+
+def test_an_index_row_that_disagrees_with_the_fold_is_reported(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    Sql(store)._run("UPDATE agentfold_trees SET status = 'running' WHERE tree_id = ?", (str(tree_id),))
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), LAST, "index.row_mismatch")
+    assert "status" in report["first_error"]["detail"]
+
+
+def test_only_the_broken_tree_fails_and_the_first_error_names_it(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, tree_id = chain
+    other = record_chain(store, n=2, start_id="audit-chain-2")
+    Sql(store).delete(other, 3)
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(other), 3, "integrity.missing_event")
+    by_tree = {r["tree"]: r for r in report["results"]}
+    assert by_tree[str(tree_id)]["ok"] is True and by_tree[str(other)]["ok"] is False
+    # Naming the intact tree alone (by its start id) verifies it alone.
+    code, report = verify(capsys, store, "audit-chain")
+    assert code == 0 and report["trees"] == 1
+
+
+def test_materialized_read_models_must_equal_the_pure_projections(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    store, tree_id = chain
+    ok(agentfold("project", store=store))
+    code, report = verify(capsys, store)
+    assert code == 0 and report["results"][0]["read_model"] == "equal"
+    sql = Sql(store)
+    body = sql.body(RUNS, tree_id)
+    body["status"] = "failed"
+    sql.update_body(RUNS, tree_id, body)
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), LAST, "read_model.mismatch")
+    assert ".run.status" in report["first_error"]["detail"]
+
+
+def test_a_snapshot_that_differs_from_the_fold_is_reported_at_its_version(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    store, tree_id = chain
+    events = EventStore(store)
+    try:  # a snapshot at position 8, written as a runtime writes one
+        loaded = events.load(tree_id, Catalog([chain_program()]).resolve, use_snapshot=False, upto=8)
+        assert loaded.digest is not None
+        events.save_snapshot(tree_id, loaded.state, loaded.digest)
+    finally:
+        events.close()
+    code, report = verify(capsys, store)
+    assert code == 0, report["first_error"]
+    sql = Sql(store)
+    ((body,),) = sql._run("SELECT state FROM agentfold_snapshots WHERE originator_id = ?", (sql._id(tree_id),))
+    snapshot = orjson.loads(bytes(body))
+    snapshot["tree"]["processes"][0]["committed_steps"] += 1  # what the next load would start from
+    sql._run(
+        "UPDATE agentfold_snapshots SET state = ? WHERE originator_id = ?", (orjson.dumps(snapshot), sql._id(tree_id))
+    )
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert first_error(report) == (str(tree_id), 8, "snapshot.mismatch")
+    assert "committed_steps" in report["first_error"]["detail"]
+
+
+def test_verify_refuses_an_unknown_tree_and_needs_trees_or_all(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
+    store, _ = chain
+    ran = cli(capsys, "audit", "verify", "no-such-start", "--json", "--store", store)
+    assert ran.code == 2 and ran.error()["code"] == "engine.tree.not_found" and ran.stdout == ""
+    ran = cli(capsys, "audit", "verify", "--json", "--store", store)
+    assert ran.code == 2 and ran.error()["code"] == "cli.usage"
+
+
+def test_verify_as_a_subprocess_prints_the_rule_and_position(chain: Any) -> None:
+    store, tree_id = chain
+    Sql(store).delete(tree_id, 7)
+    ran = agentfold("audit", "verify", str(tree_id), store=store)
+    assert ran.code == 1
+    assert "FAILED" in ran.stdout
+    assert "position 7: integrity.missing_event" in ran.stdout
+
