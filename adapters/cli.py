@@ -664,7 +664,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
 
     store = ctx.open_store()
     try:
-        follower = Follower(store, ctx.sources.catalog(), batch_size=args.batch)
+        follower = Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval)
         started = time.perf_counter()
         applied = follower.rebuild() if args.rebuild else follower.catch_up()
         seconds = time.perf_counter() - started
@@ -705,6 +705,16 @@ def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 # ---------------------------------------------------------------------------
 # Parser and entry point
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -797,7 +807,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     project.add_argument("--follow", action="store_true", help="keep following new events until interrupted")
     project.add_argument("--rebuild", action="store_true", help="empty the tables and project every event again")
-    project.add_argument("--batch", type=int, default=1000, metavar="N", help="events per transaction (default 1000)")
+    project.add_argument("--batch", type=_positive_int, default=1000, metavar="N",
+                         help="events per transaction (default 1000)")
+    project.add_argument("--poll-interval", type=float, default=0.05, metavar="SECONDS",
+                         help="with --follow: SQLite polls this often; PostgreSQL listens and re-checks every "
+                         "10 x SECONDS as a safety net (default 0.05)")
     for module in COMMAND_MODULES:  # commands kept in their own modules (each has register(command))
         importlib.import_module(module).register(command)
     # No --timeout: each step of the demo is its own `agentfold` process with its own bound.

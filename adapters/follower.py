@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from adapters.codec import DecodeError
 from adapters.eventstore import CorruptStream, EventStore
 from adapters.read_models import ReadModels, TreeUpdate, crash_hook_from_env
 from adapters.recorders import EVENTS_TABLE
-from domain.errors import NotFound
+from domain.errors import InvalidInput, NotFound
 from domain.events import TreeStarted
 from domain.ids import TreeID
 from domain.program import ProgramResolver
@@ -66,6 +67,10 @@ class Follower:
         cache_trees: int = 1024,
         poll_interval: float = 0.05,
     ) -> None:
+        if batch_size < 1:
+            raise InvalidInput("projection.batch_invalid", f"batch size {batch_size} must be at least 1")
+        if not poll_interval > 0:
+            raise InvalidInput("projection.poll_interval_invalid", f"poll interval {poll_interval} must be positive")
         self.store = store
         self.catalog = catalog or Catalog()
         self.read_models = read_models or ReadModels(store)
@@ -117,6 +122,20 @@ class Follower:
             folded = self._load(tree_id, first - 1, items)
         else:
             self._cache.move_to_end(tree_id)
+        try:
+            self._apply(tree_id, folded, items)
+        except FoldError:
+            if folded.programs is None:
+                raise
+            # The current Programs refuse this history (the code changed since it was
+            # recorded: see `agentfold audit drift`). Project the kernel's own view of
+            # the tree, as host queries do, rather than stopping every tree's read models.
+            self._cache.pop(tree_id, None)
+            folded = self._load(tree_id, first - 1, items, bind=False)
+            self._apply(tree_id, folded, items)
+        return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
+
+    def _apply(self, tree_id: TreeID, folded: _Folded, items: Sequence[Notification]) -> None:
         for n in items:
             try:
                 record = self.store.mapper.decode(tree_id, n, folded.digest)
@@ -126,11 +145,12 @@ class Follower:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             except FoldError as exc:
                 self._cache.pop(tree_id, None)
+                if folded.programs is not None:
+                    raise
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             folded.digest = record.digest
-        return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
 
-    def _load(self, tree_id: TreeID, upto: int, items: Sequence[Notification]) -> _Folded:
+    def _load(self, tree_id: TreeID, upto: int, items: Sequence[Notification], *, bind: bool = True) -> _Folded:
         """Fold a tree up to ``upto`` (empty when the batch starts it) and cache it."""
         if upto == 0:
             first = self.store.mapper.decode(tree_id, items[0], None).event
@@ -139,11 +159,17 @@ class Follower:
             read = self.store.read(tree_id, upto=1)
             first = read[0].event if read else None
             created = self.read_models.created_position(str(tree_id))
-        programs = self._programs(first)
+        programs = self._programs(first) if bind else None
         if upto == 0:
             state, digest = TreeState(programs), None
         else:
-            loaded = self.store.load(tree_id, programs, upto=upto)
+            try:
+                loaded = self.store.load(tree_id, programs, upto=upto)
+            except CorruptStream:
+                if programs is None:
+                    raise
+                programs = None  # the current Programs refuse the history: the kernel's view
+                loaded = self.store.load(tree_id, None, upto=upto)
             state, digest = loaded.state, loaded.digest
         folded = _Folded(state, digest, programs, created)
         self._cache[tree_id] = folded
@@ -190,7 +216,12 @@ class Follower:
                         on_batch(report)
                     continue
                 if listener is not None:
-                    listener.wait(self.poll_interval * 10)
+                    # Woken by NOTIFY; re-checks every 10 x poll_interval as a safety net, and
+                    # looks at ``stop`` at least every 0.25 s (a signal cannot interrupt the wait).
+                    deadline = time.monotonic() + self.poll_interval * 10
+                    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                        if listener.wait(min(left, 0.25)):
+                            break
                 else:
                     stop.wait(self.poll_interval)
         finally:
@@ -209,11 +240,12 @@ class _Listener:
         )
         self._conn.execute(f"LISTEN {EVENTS_TABLE}")
 
-    def wait(self, timeout: float) -> None:
-        """Return at the first notification (or after ``timeout``). Notifications that queue
+    def wait(self, timeout: float) -> bool:
+        """True at the first notification, False after ``timeout``. Notifications that queue
         up meanwhile each wake one more step, which finds nothing new: cheap, and never late."""
         for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-            break
+            return True
+        return False
 
     def close(self) -> None:
         self._conn.close()

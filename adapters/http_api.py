@@ -42,7 +42,6 @@ from adapters.eventstore import EventStore
 from adapters.follower import Follower
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries
-from adapters.read_models import ReadModels
 from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import scenario_input, scenario_program, validate_scenario
 from adapters.sources import ProgramSources
@@ -458,10 +457,6 @@ class ApiService:
         if models is not None and models.position() < min_position:
             models.wait_for(min_position, wait)
 
-    def _current_models(self, min_position: int | None, wait: float) -> ReadModels | None:
-        self._reach(min_position, wait)
-        return self.queries.current(min_position)
-
     def runs(self, *, status: str | None, classification: str | None, limit: int, after: str | None,
              min_position: int | None, wait: float) -> dict[str, Any]:
         """Runs in creation order, a page at a time.
@@ -471,18 +466,19 @@ class ApiService:
         when one page came from the tables and the next from folding.
         """
         path, number = _parse_cursor(after)
-        models: ReadModels | None = None
+        view = None
         if path in (None, "m"):
-            models = self._current_models(min_position, wait)
-            if models is None and path == "m":
-                models = self.queries.read_models()
-                if models is None:
+            self._reach(min_position, wait)
+            # The tables plus a fold of the trees they have not caught up with (never stale).
+            view = self.queries.view(min_position)
+            if view is None and path == "m":
+                if self.queries.read_models() is None:
                     raise InvalidInput("http.cursor_invalid", f"cursor {after!r} names read models this store lacks",
                                        hint="list again without after")
-                if min_position is not None and models.position() < min_position:
-                    raise TimeoutError(f"the read models did not reach position {min_position} within {wait:g} s")
-        if models is not None:
-            entries = models.runs(status=status, classification=classification, limit=limit, after=number)
+                raise TimeoutError(f"the read models are too far behind to page on within {wait:g} s")
+        if view is not None:
+            entries = self.queries.runs(status=status, classification=classification, limit=limit, after=number,
+                                        view=view)
             tag = "m"
         else:
             entries = self.folding.runs(status=status, classification=classification, limit=limit, after=number)
@@ -678,7 +674,7 @@ def _fresh_signal_id(prefix: str) -> SignalID:
 def _parse_cursor(after: str | None) -> tuple[str | None, int]:
     if after is None or after == "":
         return None, 0
-    if after[0] in "mf" and after[1:].isdigit():
+    if after[0] in "mf" and after[1:].isdigit() and len(after) <= 19:  # a cursor fits a signed 64-bit integer
         return after[0], int(after[1:])
     raise InvalidInput("http.cursor_invalid", f"after={after!r} is not a cursor this API returned",
                        hint="pass the cursor or next_after of a previous page")

@@ -9,21 +9,31 @@ store exactly what ``projections.read_models`` computes.
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.catalog import Catalog
 from adapters.eventstore import CorruptStream, EventStore
-from adapters.read_models import ReadModels
+from adapters.read_models import PENDING, UNKNOWN, ReadModels
 from adapters.sources import ProgramSources
 from domain.errors import NotFound, StoreFailure
 from domain.events import TreeStarted
 from domain.ids import ProcessID, StartID, TreeID
 from domain.program import ProgramResolver
 from domain.tree import TreeState
-from projections.host_views import delegate_attributions
-from projections.read_models import Entry, project_tree
+from projections.read_models import Entry, TreeRows, project_tree
 
 PROG = "agentfold"
+OVERLAY_LIMIT = 2000  # trees the tables may lag behind before a query folds everything instead
+
+
+@dataclass(slots=True)
+class Fresh:
+    """Rows of the trees the read models have not caught up with, folded at query time."""
+
+    rows: dict[str, TreeRows] = field(default_factory=dict)
+    created: dict[str, int] = field(default_factory=dict)
 
 
 class HostQueries:
@@ -101,14 +111,77 @@ class HostQueries:
             raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
         return found
 
+    # -- the tables, brought up to the store's head ----------------------------
+
+    def view(self, min_position: int | None = None) -> tuple[ReadModels, Fresh] | None:
+        """The read models plus fresh rows for every tree they have not caught up with.
+
+        The tables answer for every tree the follower has projected up to the store's
+        head; the trees with events after the tables' position (usually a handful: the
+        follower is milliseconds behind) are folded now. So an answer is never stale, and
+        its cost is the tables' plus the lag's, not a fold of every tree. None when there
+        are no tables, or when they lag so far behind that folding everything is cheaper.
+        """
+        models = self.read_models()
+        if models is None:
+            return None
+        position = models.position()
+        head = self.store.max_notification_id()
+        if min_position is not None:
+            head = max(head, min_position)
+        fresh = Fresh()
+        if position >= head:
+            return models, fresh
+        first_seen: dict[TreeID, int] = {}
+        after = position
+        while after < head:
+            batch = self.store.notifications(after, 1000)
+            if not batch:
+                break
+            for n in batch:
+                if n.id > head:
+                    break
+                tree_id = TreeID.from_uuid(uuid.UUID(str(n.originator_id)))
+                if tree_id not in first_seen:
+                    first_seen[tree_id] = n.id if n.originator_version == 1 else 0
+                    if len(first_seen) > OVERLAY_LIMIT:
+                        return None
+            after = batch[-1].id
+        for tree_id, first in first_seen.items():
+            tree, programs = self.fold(tree_id)
+            fresh.rows[str(tree_id)] = project_tree(tree, programs)
+            fresh.created[str(tree_id)] = first or models.created_position(str(tree_id))
+        return models, fresh
+
     # -- questions -------------------------------------------------------------
 
     def runs(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
-             after: int = 0, min_position: int | None = None) -> list[Entry]:
-        """Runs in creation order (``cursor`` of the last entry pages on)."""
-        models = self.current(min_position)
-        if models is not None:
-            return models.runs(status=status, classification=classification, limit=limit, after=after)
+             after: int = 0, min_position: int | None = None,
+             view: tuple[ReadModels, Fresh] | bool | None = True) -> list[Entry]:
+        """Runs in creation order (``cursor`` of the last entry pages on).
+
+        Cursors from the tables are the runs' ``created_position``; from folding (no
+        tables) they count runs in index order. ``view`` lets a caller that already
+        chose the path pass it (False: fold).
+        """
+        if view is True:
+            view = self.view(min_position)
+        if isinstance(view, tuple):
+            models, fresh = view
+            # Rows of refolded trees are replaced; ask for enough rows to fill the page anyway.
+            stored = models.runs(status=status, classification=classification, limit=limit + len(fresh.rows),
+                                 after=after)
+            entries = [e for e in stored if e["tree_id"] not in fresh.rows]
+            for tree_id, rows in fresh.rows.items():
+                run = rows.run
+                created = fresh.created[tree_id]
+                if created <= after or (status is not None and run["status"] != status):
+                    continue
+                if classification is not None and run["classification"] != classification:
+                    continue
+                entries.append({**run, "cursor": created})
+            entries.sort(key=lambda e: int(e["cursor"]))
+            return entries[:limit]
         out: list[Entry] = []
         for n, head in enumerate(self.store.heads(), start=1):
             if n <= after or (status is not None and head.status != status):
@@ -121,75 +194,81 @@ class HostQueries:
                 break
         return out
 
-    def run(self, tree_id: TreeID, *, min_position: int | None = None) -> Entry:
-        models = self.current(min_position)
-        if models is not None:
-            found = models.run(str(tree_id))
-            if found is not None:
-                return found
+    def _rows(self, tree_id: TreeID, min_position: int | None) -> tuple[Entry, TreeRows | None, ReadModels | None]:
+        """One tree's run entry, and either its fresh rows or the tables to read them from."""
+        view = self.view(min_position)
+        if view is not None:
+            models, fresh = view
+            rows = fresh.rows.get(str(tree_id))
+            if rows is not None:
+                return rows.run, rows, None
+            run = models.run(str(tree_id))
+            if run is not None:
+                return run, None, models
         tree, programs = self.fold(tree_id)
-        return project_tree(tree, programs).run
+        rows = project_tree(tree, programs)
+        return rows.run, rows, None
+
+    def run(self, tree_id: TreeID, *, min_position: int | None = None) -> Entry:
+        return self._rows(tree_id, min_position)[0]
 
     def results(self, tree_id: TreeID, *, min_position: int | None = None) -> Entry:
         """SettledResults of every open round of the tree."""
-        models = self.current(min_position)
-        run = models.run(str(tree_id)) if models is not None else None
-        if models is not None and run is not None:
-            rounds = models.rounds(str(tree_id))
-        else:
-            tree, programs = self.fold(tree_id)
-            rows = project_tree(tree, programs)
-            run, rounds = rows.run, rows.rounds
+        run, rows, models = self._rows(tree_id, min_position)
         if not any(p.get("interaction") for p in run["processes"]):
             raise NotFound(
                 "engine.program.unavailable",
                 f"tree {tree_id} runs no Interaction this store's Programs can bind",
                 hint="results exist for Interaction runs (scenarios, compiled Interactions)",
             )
+        rounds = rows.rounds if rows is not None else models.rounds(str(tree_id))  # type: ignore[union-attr]
         return {"tree_id": tree_id, "rounds": rounds}
 
     def delegates(self, process_id: str, *, min_position: int | None = None) -> Entry:
         """Delegate attributions of one Interaction; ``found`` says whether it is one."""
         tree_id = self.tree_of_process(process_id)
-        models = self.current(min_position)
-        if models is not None:
-            run = models.run(str(tree_id))
-            if run is not None:
-                found = any(p["process_id"] == process_id and p.get("interaction") for p in run["processes"])
-                return {"process_id": process_id, "found": found, "delegates": models.delegates(process_id)}
-        tree, _ = self.fold(tree_id)
-        attributions, found = delegate_attributions(tree, ProcessID(process_id))
-        entries = [{"tree_id": tree.tree_id, **a.to_json()} for a in attributions]
+        run, rows, models = self._rows(tree_id, min_position)
+        if not any(p["process_id"] == process_id for p in run["processes"]):
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in tree {tree_id}")
+        found = any(p["process_id"] == process_id and p.get("interaction") for p in run["processes"])
+        if rows is not None:
+            entries = [d for d in rows.delegates if d["process_id"] == process_id]
+        else:
+            entries = models.delegates(process_id)  # type: ignore[union-attr]
         return {"process_id": process_id, "found": found, "delegates": entries}
 
     def pending(self, tree_id: TreeID | None = None, *, min_position: int | None = None) -> list[Entry]:
         """Current tool input waits: of one tree, or of every run in creation order."""
-        models = self.current(min_position)
-        if models is not None:
-            return models.pending(str(tree_id) if tree_id is not None else None)
         if tree_id is not None:
-            tree, programs = self.fold(tree_id)
-            return project_tree(tree, programs).pending
-        entries: list[Entry] = []
-        for head in self.store.heads(live_only=True):
-            if head.classification == "parked":  # a tool waiting for input parks its tree
-                tree, programs = self.fold(TreeID(head.tree_id))
-                entries.extend(project_tree(tree, programs).pending)
-        return entries
+            _, rows, models = self._rows(tree_id, min_position)
+            return rows.pending if rows is not None else models.pending(str(tree_id))  # type: ignore[union-attr]
+        return self._listing("pending", PENDING, min_position)
 
     def unknown(self, tree_id: TreeID | None = None, *, min_position: int | None = None) -> list[Entry]:
         """Unknown effects of live Processes: of one tree, or of every run in creation order."""
-        models = self.current(min_position)
-        if models is not None:
-            return models.unknown(str(tree_id) if tree_id is not None else None)
         if tree_id is not None:
-            tree, programs = self.fold(tree_id)
-            return project_tree(tree, programs).unknown
+            _, rows, models = self._rows(tree_id, min_position)
+            return rows.unknown if rows is not None else models.unknown(str(tree_id))  # type: ignore[union-attr]
+        return self._listing("unknown", UNKNOWN, min_position)
+
+    def _listing(self, member: str, table: str, min_position: int | None) -> list[Entry]:
+        """Every run's entries of one kind, runs in creation order."""
+        view = self.view(min_position)
+        if view is not None:
+            models, fresh = view
+            listed = [(created, e) for created, tree, e in models.ordered(table) if tree not in fresh.rows]
+            for tree, rows in fresh.rows.items():
+                listed.extend((fresh.created[tree], e) for e in getattr(rows, member))
+            listed.sort(key=lambda pair: pair[0])  # stable: a tree's entries keep their order
+            return [e for _, e in listed]
         entries: list[Entry] = []
         for head in self.store.heads(live_only=True):
-            if head.unknown_effect_ids:  # the index is written with every append
-                tree, programs = self.fold(TreeID(head.tree_id))
-                entries.extend(project_tree(tree, programs).unknown)
+            # Only a tree with an unknown effect (per its index row) can list one; a tool
+            # input wait can exist in any live tree (a sibling call may still be running).
+            if member == "unknown" and not head.unknown_effect_ids:
+                continue
+            tree, programs = self.fold(TreeID(head.tree_id))
+            entries.extend(getattr(project_tree(tree, programs), member))
         return entries
 
     def position(self) -> dict[str, Any]:

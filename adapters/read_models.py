@@ -302,6 +302,15 @@ class ReadModels:
             params = (after, limit)
         return self._bodies(statement, params)
 
+    def ordered(self, table: str) -> list[tuple[int, str, Entry]]:
+        """Every row of the pending or unknown table as (created_position, tree_id, entry), in order."""
+        if table not in (PENDING, UNKNOWN):
+            raise ValueError(table)
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(f"SELECT created_position, tree_id, body FROM {table} ORDER BY created_position, ord"))
+            rows = c.fetchall()
+        return [(int(r["created_position"]), str(r["tree_id"]), orjson.loads(r["body"])) for r in rows]
+
     def pending_wait(self, wait_id: str) -> Entry | None:
         found = self._bodies(f"SELECT body FROM {PENDING} WHERE wait_id = ?", (wait_id,))
         return found[0] if found else None

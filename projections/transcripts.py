@@ -40,6 +40,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from domain.errors import AgentfoldError
 from domain.ids import EffectID, wait_id_for
 from domain.interaction.refs import DELEGATE_CHILD_PREFIX, TOOL_CHILD_PREFIX, delegate_child_key
 
@@ -66,6 +67,18 @@ class EnvelopeInvalid(ValueError):
     """An envelope that does not have the documented members and types."""
 
 
+class SchemaVersionUnsupported(AgentfoldError):
+    """An envelope of a schema version this code does not know: stop rather than skip it
+    (skipping would lose the event; setting it aside would leave its tree with a gap)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(
+            "feed.schema_version_unsupported",
+            f"an envelope has schema_version {version}; this consumer knows {SCHEMA_VERSION}",
+            hint="upgrade the consumer to a release that knows this schema version, then restart it",
+        )
+
+
 class TranscriptGap(ValueError):
     """An envelope arrived after a missing position of its tree: an event was lost upstream."""
 
@@ -88,6 +101,8 @@ def check_envelope(envelope: Any) -> Envelope:
         value = envelope[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise EnvelopeInvalid(f"{name} must be a positive integer, not {value!r}")
+    if envelope["schema_version"] != SCHEMA_VERSION:
+        raise SchemaVersionUnsupported(envelope["schema_version"])
     for name in ("tree_id", "process_id", "type", "timestamp", "digest"):
         if not isinstance(envelope[name], str) or not envelope[name]:
             raise EnvelopeInvalid(f"{name} must be a non-empty string")
@@ -177,6 +192,8 @@ class TreeTranscripts:
         """The entries this envelope adds; None when it is a duplicate (already applied)."""
         if envelope["tree_id"] != self.tree_id:
             raise EnvelopeInvalid(f"envelope of tree {envelope['tree_id']} given to tree {self.tree_id}")
+        if envelope.get("schema_version") != SCHEMA_VERSION:
+            raise SchemaVersionUnsupported(envelope.get("schema_version"))  # type: ignore[arg-type]
         position = int(envelope["position"])
         if position <= self.position:
             return None

@@ -24,6 +24,7 @@ from adapters.transcripts import TranscriptStore, transcripts_from_store
 from domain.json_schema import schema_errors
 from projections.transcripts import (
     EnvelopeInvalid,
+    SchemaVersionUnsupported,
     TranscriptGap,
     TreeTranscripts,
     build_transcripts,
@@ -225,6 +226,18 @@ def test_envelopes_without_the_documented_members_are_refused(runs_store: Any) -
         with pytest.raises(EnvelopeInvalid):
             check_envelope(broken)
         assert schema_errors(broken, documented_envelope_schema()) != []
+
+
+def test_an_unknown_schema_version_stops_the_builder_instead_of_being_skipped(runs_store: Any) -> None:
+    url, _ = runs_store
+    envelopes = _envelopes(url)
+    builder = TreeTranscripts(envelopes[0]["tree_id"])
+    builder.apply(envelopes[0])
+    with pytest.raises(SchemaVersionUnsupported) as refused:
+        builder.apply({**envelopes[1], "schema_version": 2})
+    assert refused.value.code == "feed.schema_version_unsupported"
+    assert not isinstance(refused.value, EnvelopeInvalid)  # not set aside like a malformed record
+    assert builder.position == 1
 
 
 def test_rejected_starts_failed_delegates_and_validator_feedback_are_reported() -> None:

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
         if draw(st.integers(0, 5)) == 0:
             responses.append({"error": "model call left to the host"})
             continue
-        names = draw(st.lists(st.sampled_from(["ok", "fail", "ask", "boom", "echo", "helper"]), min_size=1, max_size=3))
+        names = draw(st.lists(st.sampled_from(["ok", "fail", "ask", "ask", "boom", "echo", "helper"]), min_size=1,
+                              max_size=3))
         calls = [
             {"id": f"c{round_no}_{i}", "name": name, "arguments": json.dumps({"n": i})} for i, name in enumerate(names)
         ]
@@ -85,7 +87,8 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
 
 
 ACTIONS = st.lists(
-    st.sampled_from(["answer", "bad-answer", "resolve", "steer", "cancel", "recover"]), min_size=1, max_size=6
+    st.sampled_from(["answer", "answer", "bad-answer", "resolve", "resolve", "steer", "cancel", "recover"]),
+    min_size=1, max_size=6
 )
 CRASH_POINTS = st.one_of(
     st.none(),
@@ -103,10 +106,22 @@ def cli(store: str, *argv: str) -> tuple[int, Any]:
     return status, (json.loads(text) if text else None)
 
 
+OUTCOMES: Counter[str] = Counter()
+
+
+def version_of(store: str, tree_id: str) -> int:
+    s = EventStore(store)
+    try:
+        head = s.head(TreeID(tree_id))
+        return head.version if head is not None else 0
+    finally:
+        s.close()
+
+
 def host_action(store: str, action: str, tree_id: str) -> None:
     """One host decision, taken the way an operator takes it (refusals are part of histories)."""
     if action == "recover":
-        cli(store, "recover", "--timeout", "20")
+        OUTCOMES[f"recover:{cli(store, 'recover', '--timeout', '20')[0]}"] += 1
         return
     status, run = cli(store, "show", tree_id)
     if status != 0:
@@ -117,7 +132,12 @@ def host_action(store: str, action: str, tree_id: str) -> None:
         mine = [p for p in (pending or {}).get("pending", []) if p["tree_id"] == tree_id]
         if mine:
             answer = {"ok": True} if action == "answer" else {"ok": "yes"}  # the bad one breaks the schema
-            cli(store, "answer", mine[0]["process_id"], mine[0]["wait_id"], json.dumps(answer), "--timeout", "20")
+            before = version_of(store, tree_id)
+            status, _ = cli(store, "answer", mine[0]["process_id"], mine[0]["wait_id"], json.dumps(answer),
+                            "--timeout", "20")
+            OUTCOMES[f"{action}:{status}"] += 1
+            if action == "bad-answer":
+                assert status == 2 and version_of(store, tree_id) == before, "a refused answer appended"
     elif action == "resolve":
         _, unknown = cli(store, "unknown")
         mine = [u for u in (unknown or {}).get("unknown_effects", []) if u["tree_id"] == tree_id]
@@ -125,15 +145,17 @@ def host_action(store: str, action: str, tree_id: str) -> None:
             u = mine[0]
             if u["kind"] == "model":
                 response = {"finish_reason": "stop", "message": {"content": "resolved by the host"}}
-                cli(store, "resolve", u["effect_id"], "--model-response", json.dumps(response), "--timeout", "20")
+                status, _ = cli(store, "resolve", u["effect_id"], "--model-response", json.dumps(response),
+                                "--timeout", "20")
             elif u["kind"] == "tool":
-                cli(store, "resolve", u["effect_id"], "--output", '"settled by the host"', "--timeout", "20")
+                status, _ = cli(store, "resolve", u["effect_id"], "--output", '"settled by the host"', "--timeout", "20")
             else:
-                cli(store, "resolve", u["effect_id"], "--output", "{}", "--timeout", "20")
+                status, _ = cli(store, "resolve", u["effect_id"], "--output", "{}", "--timeout", "20")
+            OUTCOMES[f"resolve:{status}"] += 1
     elif action == "steer" and root:
-        cli(store, "steer", root, "please hurry", "--timeout", "20")
+        OUTCOMES[f"steer:{cli(store, 'steer', root, 'please hurry', '--timeout', '20')[0]}"] += 1
     elif action == "cancel" and root:
-        cli(store, "cancel", root, "--timeout", "20")
+        OUTCOMES[f"cancel:{cli(store, 'cancel', root, '--timeout', '20')[0]}"] += 1
 
 
 def make_history(store: str, tmp: Path, doc: dict[str, Any], crash: str | None, actions: list[str]) -> str:
@@ -190,7 +212,11 @@ def check_every_event(store_url: str) -> int:
             version, counted = models.counters()[str(tree_id)]
             assert version == counted == n.originator_version
             checked += 1
-        # The fold path of the host queries answers exactly what the tables hold.
+        # The fold path of the host queries answers exactly what the tables hold,
+        # per tree and in the global listings.
+        tabled = HostQueries(store, default_sources(), read_models=models)
+        assert canon(queries.pending()) == canon(tabled.pending())
+        assert canon(queries.unknown()) == canon(tabled.unknown())
         for head in store.heads():
             tid = TreeID(head.tree_id)
             assert canon(queries.results(tid)["rounds"]) == canon(models.rounds(head.tree_id))
@@ -210,7 +236,9 @@ def test_after_every_append_the_tables_equal_the_pure_projections_of_random_hist
     examples = {"sqlite": 40, "postgresql": 20}[backend]
     seen: list[int] = []
 
-    @settings(max_examples=examples, deadline=None, database=None,
+    # derandomize: the same histories on every run, so CI is reproducible (and the
+    # assertion below about which host decisions happened is stable).
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(doc=scenarios(), crash=CRASH_POINTS, actions=ACTIONS)
     def run(doc: dict[str, Any], crash: str | None, actions: list[str]) -> None:
@@ -222,8 +250,12 @@ def test_after_every_append_the_tables_equal_the_pure_projections_of_random_hist
         make_history(url, tmp, doc, crash, actions)
         seen.append(check_every_event(url))
 
+    OUTCOMES.clear()
     run()
     assert len(seen) == examples and sum(seen) > examples * 10
+    # The histories really contain host decisions that took effect (not only refusals).
+    accepted = {k.split(":")[0] for k, n in OUTCOMES.items() if k.endswith(":0") and n}
+    assert {"answer", "resolve", "steer", "cancel", "recover"} <= accepted, OUTCOMES
 
 
 def _fresh_pg(request: pytest.FixtureRequest) -> str:
@@ -326,27 +358,40 @@ def test_the_cli_reads_the_tables_when_current_and_folds_when_they_lag(tmp_path:
     db.close()
     assert json.loads(agentfold(url, "pending", "--json").stdout)["pending"][0]["prompt"] == "from the table"
 
-    # A new append the follower has not seen: the tables lag, so the CLI folds.
+    # A new run the follower has not seen: the tables answer for the first run, and the
+    # trees with events after the tables' position (the new run) are folded at query time.
     assert agentfold(url, "run", str(demo), "--start-id", "trip-2").returncode == 0
     lagging = json.loads(agentfold(url, "pending", "--json").stdout)["pending"]
-    assert len(lagging) == 2 and all(p["prompt"] != "from the table" for p in lagging)
+    assert [p["prompt"] for p in lagging] == ["from the table", folded["pending"][0]["prompt"]]
+    assert lagging[1]["tree_id"] == str(TreeID.for_start("trip-2"))  # type: ignore[arg-type]
+
+    # Without tables at all (a fresh store file's copy is not needed: drop them), the CLI folds.
+    db = sqlite3.connect(tmp_path / "agentfold.db")
+    db.execute("DROP TABLE agentfold_rm_runs")
+    db.commit()
+    db.close()
+    refolded = json.loads(agentfold(url, "pending", "--json").stdout)["pending"]
+    assert [p["prompt"] for p in refolded] == [folded["pending"][0]["prompt"]] * 2
 
 
 def test_a_postgresql_follower_wakes_on_notify_and_a_host_reads_its_own_write(pg_database: str) -> None:
     url = pg_database
     demo = ROOT / "adapters" / "scenarios" / "demo.json"
     assert agentfold(url, "project").returncode == 0  # creates the tables
+    # The safety-net re-check comes only every 1000 s: catching up within seconds proves NOTIFY woke it.
     follower = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow"],
+        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "100"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
+        assert follower.stdout is not None
+        assert "following" in follower.stdout.readline() + follower.stdout.readline()
         assert agentfold(url, "run", str(demo), "--start-id", "trip").returncode == 0
         store = EventStore(url)
         try:
             position = store.max_notification_id()
             models = ReadModels(store)
-            assert models.wait_for(position, timeout=20), "the follower never caught up"
+            assert models.wait_for(position, timeout=5), "the follower was not woken by NOTIFY"
             [pending] = models.pending()
             assert pending["prompt"] == {"question": "Approve spending 420 EUR on the hotel?"}
             assert HostQueries(store, default_sources(), read_models=models).current() is models
@@ -453,3 +498,33 @@ def test_a_finished_delegate_still_appears_in_the_delegate_attributions(tmp_path
     assert child["status"] == "completed"
     status, listed = cli(url, "delegates", started["root_process_id"])
     assert status == 0 and listed["found"] and listed["delegates"] == [attribution]
+
+
+def test_a_tree_the_current_programs_cannot_fold_is_projected_with_the_kernels_view_and_others_go_on(
+    tmp_path: Path,
+) -> None:
+    """Program drift (see `agentfold audit drift`) must not stop every tree's read models."""
+    from tests.audit.support import record_chain
+    from tests.audit.test_drift import EvolveRefusesStep2, same_ref
+
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    drifted = record_chain(url, n=4, start_id="drifted")
+    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    assert agentfold(url, "run", str(demo), "--start-id", "trip").returncode == 0
+
+    store = EventStore(url)
+    try:
+        catalog = default_sources().catalog()
+        catalog.add(same_ref(EvolveRefusesStep2()))  # the chain's ref, with an evolve that refuses step 2
+        models = ReadModels(store)
+        follower = Follower(store, catalog, models)
+        assert follower.catch_up() == store.max_notification_id()
+        run = models.run(str(drifted))
+        assert run is not None and run["status"] == "completed" and run["version"] == store.head(drifted).version
+        assert not any(p["interaction"] for p in run["processes"])
+        trip = models.run(str(TreeID.for_start("trip")))  # type: ignore[arg-type]
+        assert trip is not None and [p["prompt"] for p in models.pending()] == [
+            {"question": "Approve spending 420 EUR on the hotel?"}
+        ]
+    finally:
+        store.close()
