@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import Any
 
 from adapters.cli import Context, Outcome
 from adapters.eventstore import redact
-from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, Publisher
+from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher
 from adapters.transcripts import TranscriptConsumer, TranscriptStore
 from domain.errors import InvalidInput, NotFound
 
@@ -53,12 +54,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and math.isfinite(value)):  # NaN compares false
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return value
+
+
 def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         publisher = Publisher(
             store, args.bootstrap, args.topic, partitions=args.partitions, replication_factor=args.replication_factor,
-            batch_size=args.batch_size,
+            batch_size=args.batch_size, poll_interval=args.poll_interval,
         )
         start = publisher.position
         try:
@@ -191,6 +202,9 @@ def register(command: Any) -> None:
                          help="replication factor of a topic this command creates (default 1)")
     publish.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH, metavar="N",
                          help=f"events per acknowledged batch (default {DEFAULT_BATCH})")
+    publish.add_argument("--poll-interval", type=_positive_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
+                         help="when following: SQLite polls this often; PostgreSQL listens and re-checks every "
+                         f"10 x SECONDS as a safety net (default {DEFAULT_POLL_INTERVAL})")
 
     transcripts = command(
         "transcripts", cmd_transcripts,

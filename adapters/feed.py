@@ -24,8 +24,10 @@ polled. One publisher per (store, topic): a second one only duplicates.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from domain.integrity import SealError, unseal
 APPLICATION_PREFIX = "agentfold.publisher:"
 DEFAULT_PARTITIONS = 3
 DEFAULT_BATCH = 500
+DEFAULT_POLL_INTERVAL = 0.05  # seconds; a PostgreSQL follower's safety net is 10 x this
 CRASH_EXIT = 75
 # One event may hold several payloads of up to 4 MiB each (TreeStarted: input and configuration).
 MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -223,12 +226,14 @@ class Publisher:
         partitions: int = DEFAULT_PARTITIONS,
         replication_factor: int = 1,
         batch_size: int = DEFAULT_BATCH,
-        poll_interval: float = 0.05,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
         ack_timeout: float = 60.0,
         producer: Any = None,
     ) -> None:
         if batch_size < 1:
             raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
+        if not (poll_interval > 0 and math.isfinite(poll_interval)):  # NaN compares false
+            raise InvalidInput("feed.poll_interval_invalid", f"poll interval {poll_interval} must be positive and finite")
         self.store = store
         self.topic = topic
         self.batch_size = batch_size
@@ -316,7 +321,12 @@ class Publisher:
                         on_batch(count)
                     continue
                 if listener is not None:
-                    listener.wait(self.poll_interval * 10)
+                    # Woken by NOTIFY; re-checks every 10 x poll_interval as a safety net, and
+                    # looks at ``stop`` at least every 0.25 s (a signal cannot interrupt the wait).
+                    deadline = time.monotonic() + self.poll_interval * 10
+                    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                        if listener.wait(min(left, 0.25)):
+                            break
                 else:
                     stop.wait(self.poll_interval)
         finally:

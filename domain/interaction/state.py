@@ -309,6 +309,17 @@ def _batch(state: InteractionState) -> Batch:
     return b
 
 
+def _require_calls(r: Round, count: int) -> None:
+    """A result or a batch only for calls the round's model response made: a recorded history
+    that claims more (a forged or mismatched response) is refused at that Step, not at the
+    round's end, and also when the round never ends (a run waiting inside it)."""
+    if r.cursor + count > len(r.calls):
+        raise state_error(
+            f"model call {r.sequence} asked for {len(r.calls)} tool call(s); "
+            f"there is no call at index {r.cursor + count - 1}"
+        )
+
+
 def _with_batch(state: InteractionState, batch: Batch | None) -> InteractionState:
     return replace(state, round=replace(_round(state), batch=batch))
 
@@ -345,12 +356,14 @@ def apply_op(
         return replace(state, round=Round(state.model_call_count, response, calls))
     if name == "reject":
         r = _round(state)
+        _require_calls(r, 1)
         result = {"disposition": "rejected", "output": {"content": [{"type": "text", "text": str(op["text"])}]}}
         return replace(state, round=replace(r, results=(*r.results, result)))
     if name == "start_batch":
         size, requested = int(op["size"]), int(op["request"])
         fresh = tuple(Invocation(requested=i < requested) for i in range(size))
         r = _round(state)
+        _require_calls(r, size)
         new = _with_batch(state, Batch(str(op["kind"]), r.cursor, fresh))
         if op["kind"] == "delegate":
             from domain.interaction.refs import delegate_child_key

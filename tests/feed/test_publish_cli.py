@@ -1,0 +1,169 @@
+"""`agentfold publish` as a real subprocess: following a PostgreSQL store through LISTEN/NOTIFY,
+and `--partitions` for the topic it creates.
+
+Real Interactions are appended by an in-process Runtime (tests/feed/workload.py) while the
+publisher runs in its own process; the topic is read back with confluent-kafka (an
+independent client, explicit assignment from the beginning, no end offsets: the test
+broker gets those wrong). Each test uses its own topic.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from adapters.eventstore import EventStore
+from adapters.feed import Publisher, PublisherPosition, store_envelopes
+from domain.errors import InvalidInput
+from tests.feed.support import ROOT, read_topic_confluent
+from tests.feed.workload import Workload
+from tests.test_cli import agentfold, ok, refused
+
+# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
+]
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float, process: subprocess.Popen[str], what: str) -> float:
+    """Wait for ``condition`` while ``process`` stays alive; returns the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert process.poll() is None, f"the publisher exited early: {process.communicate()[1]}"
+        assert time.monotonic() - started < seconds, f"{what} within {seconds} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def _partition_count(bootstrap: str, topic: str) -> int:
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="test-describe")
+    try:
+        (described,) = admin.describe_topics([topic])
+        assert described["error_code"] == 0, described
+        return len(described["partitions"])
+    finally:
+        admin.close()
+
+
+def test_a_following_publisher_on_postgresql_is_woken_by_notify_and_exits_cleanly_on_sigterm(
+    kafka_bootstrap: str, pg_database: str
+) -> None:
+    url = pg_database
+    topic = f"notify-{uuid.uuid4().hex[:12]}"
+    publish = ["--store", url, "publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--json"]
+    store = EventStore(url)
+    workload = Workload(store)
+    try:
+        workload.runs(2)
+        drained = ok(agentfold(*publish[2:], "--once", store=url)).json()  # the topic and the position exist now
+        before = store.max_notification_id()
+        assert drained["position"] == before
+        position = PublisherPosition(store, topic)
+
+        # The safety-net re-check comes only every 10 x 100 s: anything published within
+        # seconds of its append was woken by NOTIFY.
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", *publish, "--poll-interval", "100"], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            time.sleep(1.0)  # let it start, LISTEN and find nothing new
+            assert follower.poll() is None, follower.communicate()[1]
+            assert position.get() == before
+            for index in range(2, 5):
+                run = workload.run(index)
+                appended = store.max_notification_id()
+                _wait_until(lambda n=appended: position.get() >= n, 5.0, follower,  # type: ignore[misc]
+                            f"run {index} ({run.tree_id}) was not published")
+            total = store.max_notification_id()
+            follower.send_signal(signal.SIGTERM)
+            out, err = follower.communicate(timeout=20)  # not 1000 s: SIGTERM ends the wait
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.communicate()
+        assert follower.returncode == 0, err
+        report = json.loads(out)
+        assert (report["from_position"], report["position"], report["events"]) == (before, total, total - before)
+        assert position.get() == total
+        ids = [e["notification_id"] for e in store_envelopes(store)]
+        new_trees = {e["tree_id"] for e in store_envelopes(store, after=before)}
+    finally:
+        workload.close()
+        store.close()
+    assert len(new_trees) == 3
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=len(ids))
+    assert sorted(read.notification_ids()) == ids  # every event exactly once, the followed ones included
+    assert new_trees <= {e["tree_id"] for e in read.envelopes_in_partition_order()}
+
+
+def test_publish_creates_a_missing_topic_with_the_requested_partitions_and_keeps_each_tree_in_one(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    topic = f"parts-{uuid.uuid4().hex[:12]}"
+    store = EventStore(url)
+    workload = Workload(store)
+    try:
+        workload.runs(12)
+        first = ok(agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--partitions", "5",
+                             "--once", "--json", store=url)).json()
+        assert _partition_count(kafka_bootstrap, topic) == 5
+        # An existing topic is used as it is: a different --partitions does not change it.
+        workload.run(12)
+        second = ok(agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--partitions", "2",
+                              "--once", "--json", store=url)).json()
+        assert _partition_count(kafka_bootstrap, topic) == 5
+        total = store.max_notification_id()
+        ids = [e["notification_id"] for e in store_envelopes(store)]
+        versions = {h.tree_id: h.version for h in store.heads()}
+    finally:
+        workload.close()
+        store.close()
+    assert (first["from_position"], second["position"], first["events"] + second["events"]) == (0, total, total)
+
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=total)
+    assert sorted(read.notification_ids()) == ids
+    tree_partition: dict[str, int] = {}
+    positions: dict[str, list[int]] = {}
+    for partition, records in read.by_partition().items():
+        assert 0 <= partition < 5
+        for r in records:
+            tree = r.envelope["tree_id"]
+            assert tree_partition.setdefault(tree, partition) == partition, f"{tree} is split over partitions"
+            positions.setdefault(tree, []).append(r.envelope["position"])
+    assert len(tree_partition) == 13
+    assert len(set(tree_partition.values())) > 1  # the trees are spread, each kept whole
+    for tree, seen in positions.items():
+        assert seen == list(range(1, versions[tree] + 1)), tree
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_publish_refuses_a_poll_interval_that_is_not_a_positive_number_of_seconds(tmp_path: Path, value: str) -> None:
+    # Refused while parsing: no store is opened (this one does not exist) and no broker is contacted.
+    ran = refused(agentfold("publish", "--bootstrap", "127.0.0.1:9", "--topic", "t", "--poll-interval", value,
+                            "--json", store=f"sqlite:///{tmp_path / 'missing.db'}"))
+    error = ran.error()
+    assert error["code"] == "cli.usage" and "--poll-interval" in error["message"], error
+
+
+def test_the_publisher_api_refuses_a_poll_interval_that_is_not_positive(tmp_path: Path) -> None:
+    store = EventStore(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        for value in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(InvalidInput) as refused_value:  # before any broker is contacted
+                Publisher(store, "127.0.0.1:9", "t", poll_interval=value)
+            assert refused_value.value.code == "feed.poll_interval_invalid"
+    finally:
+        store.close()
