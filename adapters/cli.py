@@ -540,9 +540,7 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     response = parse_json_text(args.response, what="the answer")
     store = ctx.open_store()
     try:
-        tree_id = store.tree_of_process(process_id)
-        if tree_id is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        tree_id = store.find_process_tree(process_id)
         tree, _ = _fold(store, ctx.sources, tree_id)
         match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
         process = tree.processes.get(process_id)
@@ -579,9 +577,7 @@ def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
     signal = steer_signal(_signal_id(args.signal_id, "steer"), {"role": "user", "content": args.text})
     store = ctx.open_store()
     try:
-        tree_id = store.tree_of_process(process_id)
-        if tree_id is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        tree_id = store.find_process_tree(process_id)
         with ctx.runtime(store) as runtime:
             accepted = runtime.deliver_signals(process_id, [signal])
             after = _drive(ctx, runtime, tree_id, f"steered {process_id}")
@@ -597,9 +593,7 @@ def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
     process_id = ProcessID(args.process_id)
     store = ctx.open_store()
     try:
-        tree_id = store.tree_of_process(process_id)
-        if tree_id is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        tree_id = store.find_process_tree(process_id)
         with ctx.runtime(store) as runtime:
             recorded = runtime.cancel(process_id, args.reason)
             after = _drive(ctx, runtime, tree_id, f"canceled {process_id}")

@@ -48,7 +48,7 @@ from adapters.recorders import (
 )
 from domain.errors import InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
-from domain.ids import TreeID
+from domain.ids import ProcessID, StartID, TreeID
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
 
@@ -324,6 +324,31 @@ class EventStore:
     def tree_of_process(self, process_id: str) -> TreeID | None:
         found = self.index.tree_of_process(process_id)
         return TreeID(found) if found else None
+
+    def find_tree(self, ref: str) -> TreeID:
+        """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
+        if ref.startswith("tree:"):
+            tree_id = TreeID(ref)
+            if self.head(tree_id) is None:
+                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
+            return tree_id
+        found = self.tree_of_process(ref)
+        if found is not None:
+            return found
+        tree_id = TreeID.for_start(StartID(ref))
+        if self.head(tree_id) is None:
+            raise NotFound(
+                "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
+                hint="list trees with `agentfold trees`",
+            )
+        return tree_id
+
+    def find_process_tree(self, process_id: str) -> TreeID:
+        """The tree of a process (InvalidInput for a malformed id, else NotFound)."""
+        found = self.tree_of_process(ProcessID(process_id))
+        if found is None:
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        return found
 
     def tree_of_unknown_effect(self, effect_id: str) -> TreeID | None:
         found = self.index.tree_of_unknown_effect(effect_id)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,11 +34,10 @@ from typing import Any
 
 import orjson
 from eventsourcing.persistence import IntegrityError, Notification, Tracking
-from eventsourcing.postgres import PostgresTrackingRecorder
 
 from adapters.codec import TOPIC_PREFIX
 from adapters.eventstore import CorruptStream, EventStore
-from adapters.read_models import TRACKING_TABLE, _SQLiteTracking
+from adapters.read_models import tracking_recorder
 from domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from domain.events import EVENT_TYPES
 from domain.ids import TreeID
@@ -133,12 +131,7 @@ class PublisherPosition:
                 hint="publish from a sqlite:/// or postgresql:// store",
             )
         self.application = APPLICATION_PREFIX + topic
-        datastore = store.factory.datastore
-        if store.backend == "sqlite":
-            self.tracking: Any = _SQLiteTracking(datastore)
-        else:
-            self.tracking = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
-        self.tracking.create_table()
+        self.tracking = tracking_recorder(store)
 
     def get(self) -> int:
         return int(self.tracking.max_tracking_id(self.application) or 0)
@@ -309,10 +302,10 @@ class Publisher:
 
     def follow(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> PublishReport:
         """Publish new events as they are committed, until ``stop`` is set (then return cleanly)."""
-        from adapters.follower import _Listener
+        from adapters.follower import NewEvents
 
         before = self.events
-        listener = _Listener(self.store) if self.store.backend == "postgresql" else None
+        waiter = NewEvents(self.store, self.poll_interval)
         try:
             while not stop.is_set():
                 count = self.step()
@@ -320,18 +313,9 @@ class Publisher:
                     if on_batch is not None:
                         on_batch(count)
                     continue
-                if listener is not None:
-                    # Woken by NOTIFY; re-checks every 10 x poll_interval as a safety net, and
-                    # looks at ``stop`` at least every 0.25 s (a signal cannot interrupt the wait).
-                    deadline = time.monotonic() + self.poll_interval * 10
-                    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                        if listener.wait(min(left, 0.25)):
-                            break
-                else:
-                    stop.wait(self.poll_interval)
+                waiter.wait(stop)
         finally:
-            if listener is not None:
-                listener.close()
+            waiter.close()
         return PublishReport(self.events - before, self.position)
 
     def close(self) -> None:

@@ -207,7 +207,7 @@ class Follower:
 
     def follow(self, stop: threading.Event, on_batch: Callable[[BatchReport], None] | None = None) -> None:
         """Project new events as they are committed, until ``stop`` is set."""
-        listener = _Listener(self.store) if self.store.backend == "postgresql" else None
+        waiter = NewEvents(self.store, self.poll_interval)
         try:
             while not stop.is_set():
                 report = self.step()
@@ -215,18 +215,35 @@ class Follower:
                     if on_batch is not None:
                         on_batch(report)
                     continue
-                if listener is not None:
-                    # Woken by NOTIFY; re-checks every 10 x poll_interval as a safety net, and
-                    # looks at ``stop`` at least every 0.25 s (a signal cannot interrupt the wait).
-                    deadline = time.monotonic() + self.poll_interval * 10
-                    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                        if listener.wait(min(left, 0.25)):
-                            break
-                else:
-                    stop.wait(self.poll_interval)
+                waiter.wait(stop)
         finally:
-            if listener is not None:
-                listener.close()
+            waiter.close()
+
+
+class NewEvents:
+    """Waiting for new events in a store's log, for its followers (read models, publisher).
+
+    PostgreSQL: woken by the NOTIFY every append sends, re-checking every 10 x
+    ``poll_interval`` as a safety net; SQLite: polling every ``poll_interval``. Either
+    way ``stop`` is looked at at least every 0.25 s (a signal cannot interrupt the wait).
+    """
+
+    def __init__(self, store: EventStore, poll_interval: float) -> None:
+        self.poll_interval = poll_interval
+        self._listener = _Listener(store) if store.backend == "postgresql" else None
+
+    def wait(self, stop: threading.Event) -> None:
+        if self._listener is None:
+            stop.wait(self.poll_interval)
+            return
+        deadline = time.monotonic() + self.poll_interval * 10
+        while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            if self._listener.wait(min(left, 0.25)):
+                return
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
 
 
 class _Listener:

@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
@@ -47,7 +47,7 @@ from adapters.scenario import scenario_input, scenario_program, validate_scenari
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected
-from domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, WaitID
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
 from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
 from domain.program import ProgramResolver, SignalRequest
@@ -383,27 +383,10 @@ class ApiService:
     follower: FollowerThread | None = None
     queries: HostQueries = field(init=False)
     folding: HostQueries = field(init=False)
-    _adoption: tuple[threading.Lock, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.queries = HostQueries(self.store, self.sources)
         self.folding = HostQueries(self.store, self.sources, use_read_models=False)
-        self._adoption = tuple(threading.Lock() for _ in range(64))
-
-    @contextmanager
-    def _admitting(self, tree_id: TreeID) -> Iterator[None]:
-        """Admit input to a tree this server may have to adopt, one request at a time per tree.
-
-        The runtime's owner lease is re-entrant inside one process, so two requests that
-        both find a tree unowned would both activate it, and the second would be refused
-        (``engine.tree.incarnation_conflict``) instead of being validated against the
-        first. Once the server owns the tree, its owner line serializes admissions.
-        """
-        if self.runtime.owns(tree_id):
-            yield
-            return
-        with self._adoption[hash(tree_id) % len(self._adoption)]:
-            yield
 
     @classmethod
     def open(cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True) -> ApiService:
@@ -514,10 +497,7 @@ class ApiService:
     # -- writes ----------------------------------------------------------------
 
     def _tree_of_process(self, process_id: ProcessID) -> TreeID:
-        tree_id = self.store.tree_of_process(process_id)
-        if tree_id is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        return tree_id
+        return self.store.find_process_tree(process_id)
 
     def _written(self, tree_id: TreeID, wait: float, **data: Any) -> dict[str, Any]:
         """The answer to a write: the tree after waiting up to ``wait`` s, and a position."""
@@ -552,8 +532,7 @@ class ApiService:
                                hint="start a scenario, or a Program the server was started with")
             program, run_input, configuration = found, normalize(body.input, what="input"), None
         if body.start_id is not None:
-            with self._admitting(TreeID.for_start(StartID(body.start_id))):
-                handle = self.runtime.start(program, run_input, start_id=body.start_id, configuration=configuration)
+            handle = self.runtime.start(program, run_input, start_id=body.start_id, configuration=configuration)
         else:
             handle = self.runtime.start(program, run_input, configuration=configuration)
         created = handle.root_process_id == self.ids.last_root()
@@ -588,8 +567,7 @@ class ApiService:
         else:
             signal = match.response_signal(sid or _fresh_signal_id("answer"), body.response)
         try:
-            with self._admitting(tree_id):
-                accepted = self.runtime.deliver_signals(pid, [signal])
+            accepted = self.runtime.deliver_signals(pid, [signal])
         except Rejected as exc:
             if exc.code not in ("engine.signal.rejected", "engine.process.finished"):
                 raise
@@ -612,8 +590,7 @@ class ApiService:
         messages = [{"role": "user", "content": body.text}] if body.text is not None else list(body.messages or [])
         signal = steer_signal(body.signal_id or _fresh_signal_id("steer"), *messages)
         tree_id = self._tree_of_process(pid)
-        with self._admitting(tree_id):
-            accepted = self.runtime.deliver_signals(pid, [signal])
+        accepted = self.runtime.deliver_signals(pid, [signal])
         return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
 
     def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
@@ -634,8 +611,7 @@ class ApiService:
         Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
             eid, settlement.status, settlement.payload, process_id=process_id
         )
-        with self._admitting(tree_id):
-            self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
+        self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
         head = self.store.head(tree_id)
         driven = self.runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
         return self._written(
@@ -648,13 +624,12 @@ class ApiService:
         """``agentfold cancel`` (and pause, resume): record the request, then drive on."""
         pid = ProcessID(process_id)
         tree_id = self._tree_of_process(pid)
-        with self._admitting(tree_id):
-            if control == "cancel":
-                recorded = self.runtime.cancel(pid, reason or "canceled by host")
-            elif control == "pause":
-                recorded = self.runtime.pause(pid, reason or "paused by host")
-            else:
-                recorded = self.runtime.resume(pid)
+        if control == "cancel":
+            recorded = self.runtime.cancel(pid, reason or "canceled by host")
+        elif control == "pause":
+            recorded = self.runtime.pause(pid, reason or "paused by host")
+        else:
+            recorded = self.runtime.resume(pid)
         return self._written(tree_id, wait, recorded=recorded, process_id=pid)
 
 

@@ -19,7 +19,7 @@ from adapters.read_models import PENDING, UNKNOWN, ReadModels
 from adapters.sources import ProgramSources
 from domain.errors import NotFound, StoreFailure
 from domain.events import TreeStarted
-from domain.ids import ProcessID, StartID, TreeID
+from domain.ids import TreeID
 from domain.program import ProgramResolver
 from domain.tree import TreeState
 from projections.read_models import Entry, TreeRows, project_tree
@@ -89,27 +89,10 @@ class HostQueries:
 
     def tree_of(self, ref: str) -> TreeID:
         """A tree id, a start id or a process id, to its tree id."""
-        if ref.startswith("tree:"):
-            tree_id = TreeID(ref)
-            if self.store.head(tree_id) is None:
-                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
-            return tree_id
-        found = self.store.tree_of_process(ref)
-        if found is not None:
-            return found
-        tree_id = TreeID.for_start(StartID(ref))
-        if self.store.head(tree_id) is None:
-            raise NotFound(
-                "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
-                hint=f"list trees with `{PROG} trees`",
-            )
-        return tree_id
+        return self.store.find_tree(ref)
 
     def tree_of_process(self, process_id: str) -> TreeID:
-        found = self.store.tree_of_process(ProcessID(process_id))
-        if found is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        return found
+        return self.store.find_process_tree(process_id)
 
     # -- the tables, brought up to the store's head ----------------------------
 

@@ -99,6 +99,18 @@ class _SQLiteTracking(SQLiteTrackingRecorder):
         return [s.replace("EXISTS tracking", f"EXISTS {TRACKING_TABLE}") for s in super().construct_create_table_statements()]
 
 
+def tracking_recorder(store: EventStore) -> Any:
+    """eventsourcing's tracking recorder on ``agentfold_tracking`` in a SQLite or PostgreSQL store
+    (one row per follower: the read models, each Kafka publisher), its table created."""
+    datastore = store.factory.datastore
+    if store.backend == "sqlite":
+        recorder: Any = _SQLiteTracking(datastore)
+    else:
+        recorder = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
+    recorder.create_table()
+    return recorder
+
+
 class ReadModels:
     """The read-model tables of one store, their tracking position, and their queries."""
 
@@ -113,11 +125,7 @@ class ReadModels:
         self.backend = store.backend
         datastore = store.factory.datastore
         self.datastore = datastore
-        if self.backend == "sqlite":
-            self.tracking: Any = _SQLiteTracking(datastore)
-        else:
-            self.tracking = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
-        self.tracking.create_table()
+        self.tracking = tracking_recorder(store)
         with datastore.transaction(commit=True) as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens

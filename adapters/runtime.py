@@ -703,27 +703,10 @@ class Runtime:
 
     def tree_of(self, ref: str) -> TreeID:
         """Resolve a tree id, a start id or a process id to a tree id."""
-        if ref.startswith("tree:"):
-            tree_id = TreeID(ref)
-            if self.store.head(tree_id) is None:
-                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
-            return tree_id
-        found = self.store.tree_of_process(ref)
-        if found is not None:
-            return found
-        tree_id = TreeID.for_start(StartID(ref))
-        if self.store.head(tree_id) is None:
-            raise NotFound(
-                "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
-                hint="list trees with `agentfold trees`",
-            )
-        return tree_id
+        return self.store.find_tree(ref)
 
     def tree_of_process(self, process_id: ProcessID) -> TreeID:
-        found = self.store.tree_of_process(process_id)
-        if found is None:
-            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
-        return found
+        return self.store.find_process_tree(process_id)
 
     # -- start ---------------------------------------------------------------
 
