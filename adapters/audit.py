@@ -40,7 +40,7 @@ from adapters.sources import ProgramSources
 from domain.canonical import JSON
 from domain.drift import DriftReport, find_drift, first_difference
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
-from domain.events import TreeEvent, TreeStarted, event_body
+from domain.events import TreeEvent, TreeStarted, event_body, event_version
 from domain.ids import ProcessID, StartID, TreeID
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
@@ -538,6 +538,7 @@ def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSo
     event = {
         "position": record.position,
         "type": record.type,
+        "schema_version": event_version(record.event),
         "process_id": record.event.process_id,
         "timestamp": record.timestamp,
         "digest": record.digest,

@@ -8,8 +8,9 @@
 
 The topic of a stored event is ``domain.events:<EventType>`` for schema version 1 and
 ``domain.events:<EventType>@<n>`` for a later version n (the version lives in the topic,
-not in every event's bytes); decoding resolves it against the event catalogue, never
-by importing what the database names.
+not in every event's bytes; each event is stored under the lowest version that can carry
+it, ``domain.events.event_version``); decoding resolves it against the event catalogue,
+never by importing what the database names, and refuses a version it does not know.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import orjson
 from eventsourcing.persistence import Mapper, MapperDeserialisationError, StoredEvent, Transcoder
 
-from domain.events import EVENT_TYPES, SCHEMA_VERSION, TreeEvent, event_body, event_from_body, event_type
+from domain.events import EVENT_TYPES, EVENT_VERSIONS, TreeEvent, event_body, event_from_body, event_type, event_version
 from domain.integrity import SealError, chain_digest, content_bytes, seal, unseal
 
 TOPIC_PREFIX = "domain.events:"
@@ -77,7 +78,8 @@ class PydanticMapper(Mapper[uuid.UUID]):
     ) -> tuple[StoredEvent, str]:
         """Encode one event at ``position``; returns the StoredEvent and its chained digest."""
         name = event_type(event)
-        tag = name if SCHEMA_VERSION == 1 else f"{name}@{SCHEMA_VERSION}"
+        version = event_version(event)
+        tag = name if version == 1 else f"{name}@{version}"
         content = content_bytes(event_body(event), timestamp)
         digest = chain_digest(previous, tree_id, position, tag, content)
         state = seal(content, digest)
@@ -116,12 +118,17 @@ class PydanticMapper(Mapper[uuid.UUID]):
                 raise DecodeError(
                     position, "integrity.digest_chain", f"recorded digest {unsealed.digest} but the chain gives {expected}"
                 )
-        if schema_version != SCHEMA_VERSION:
+        if not 1 <= schema_version <= EVENT_VERSIONS.get(name, 1):
             raise DecodeError(position, "stream.schema_version", f"unsupported schema version in topic {topic!r}")
         try:
             event = event_from_body(name, unsealed.body)
         except Exception as exc:
             raise DecodeError(position, "stream.event_invalid", f"{name}: {exc}") from exc
+        if event_version(event) != schema_version:
+            raise DecodeError(
+                position, "stream.schema_version",
+                f"topic {topic!r} says schema version {schema_version}, its body is version {event_version(event)}",
+            )
         return RecordedEvent(
             originator_id=stored.originator_id,  # type: ignore[arg-type]
             originator_version=position,

@@ -10,6 +10,7 @@ value always survives a round trip through the store unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -103,3 +104,12 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
     except orjson.JSONDecodeError as exc:
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
     return normalize(value, limit=limit, what=what)
+
+
+def value_at(value: JSON, path: Sequence[str]) -> tuple[bool, JSON]:
+    """``(True, value[path[0]][path[1]]...)``, or ``(False, None)`` when a key is missing."""
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return False, None
+        value = value[key]
+    return True, value

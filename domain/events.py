@@ -186,14 +186,30 @@ Cause = Literal[
 ]
 
 
+class OutputRef(BaseModel):
+    """A completed Process's output, stored where it already is: the result of one of the
+    Process's own settled Effects, at ``path`` (object keys, outermost first)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    effect_id: EffectID
+    path: tuple[str, ...] = ()
+
+
 class ProcessTerminated(TreeEvent):
-    """First terminal outcome wins; the status never changes afterwards."""
+    """First terminal outcome wins; the status never changes afterwards.
+
+    A completed Process's output is ``output``, or, when it is exactly a value its own
+    settled Effect already recorded (a Tool child ending with its tool's completion),
+    ``output_of`` points there and ``output`` is absent: the content is stored once.
+    Such an event is schema version 2 (topic ``ProcessTerminated@2``).
+    """
 
     status: TerminalStatus
     cause: Cause
     reason: str = ""
     failure: Failure | None = None
     output: Any = None
+    output_of: OutputRef | None = None
     unresolved_effect_ids: tuple[EffectID, ...] = ()
 
 
@@ -233,6 +249,20 @@ AnyEvent = (
 
 def event_type(event: TreeEvent) -> str:
     return type(event).__name__
+
+
+#: The newest schema version of each event type that has more than version 1.
+#: ``ProcessTerminated`` 2 adds ``output_of``; a version-1 reader must refuse it (it
+#: would take the missing ``output`` for null), so the version is in the topic.
+EVENT_VERSIONS: dict[str, int] = {"ProcessTerminated": 2}
+
+
+def event_version(event: TreeEvent) -> int:
+    """The schema version an event is stored under: the lowest that can carry it, so an
+    event without the newer fields stays byte-identical to what older releases wrote."""
+    if isinstance(event, ProcessTerminated) and event.output_of is not None:
+        return 2
+    return 1
 
 
 def event_body(event: TreeEvent) -> dict[str, Any]:

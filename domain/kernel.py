@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from domain.budget import Budget, child_debit
-from domain.canonical import JSON, normalize
+from domain.canonical import JSON, canonical_bytes, normalize, value_at
 from domain.errors import (
     ClassifiedError,
     EngineCode,
@@ -40,6 +40,7 @@ from domain.events import (
     EffectDispatched,
     EffectResolved,
     EffectSettled,
+    OutputRef,
     ProcessStarted,
     ProcessTerminated,
     SignalAdmitted,
@@ -77,10 +78,12 @@ from domain.program import (
     Effect,
     Fail,
     Operation,
+    OutputOf,
     Pause,
     Program,
     ProgramResolver,
     SettlementStatus,
+    Signal,
     SignalRequest,
     Step,
     Target,
@@ -258,6 +261,7 @@ class Kernel:
         reason: str,
         failure: Failure | None,
         output: JSON = None,
+        output_of: OutputRef | None = None,
     ) -> None:
         unresolved = tuple(sorted(r.effect_id for r in process.unknown_effects()))
         self._emit(
@@ -268,7 +272,8 @@ class Kernel:
                 cause=cause,  # type: ignore[arg-type]
                 reason=reason,
                 failure=failure,
-                output=output,
+                output=None if output_of is not None else output,
+                output_of=output_of,
                 unresolved_effect_ids=unresolved,
             ),
         )
@@ -302,6 +307,8 @@ class Kernel:
             return
         try:
             checked = self._check_step(process, program, step, len(window))
+            if isinstance(step.transition, Complete) and step.transition.output_of is not None:
+                checked.output_of = _output_ref(step.transition.output_of, window[: step.consumed], checked.output)
         except _StepRefused as refusal:
             self._fail(progress, process, refusal.failure)
             return
@@ -362,7 +369,7 @@ class Kernel:
                 ),
             )
         if isinstance(transition, Complete):
-            self._terminate(progress, process, "completion", "", None, checked.output)
+            self._terminate(progress, process, "completion", "", None, checked.output, checked.output_of)
         elif isinstance(transition, Fail):
             self._fail(progress, process, transition.failure)
 
@@ -837,8 +844,21 @@ class _StepRefused(Exception):
 class _CheckedStep:
     facts: JSON
     output: JSON = None
+    output_of: OutputRef | None = None
     acknowledges: JSON = None
     policies: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+
+def _output_ref(hint: OutputOf, consumed: Sequence[Signal], output: JSON) -> OutputRef | None:
+    """The reference to store for a completion's output, when the hint holds: the output is
+    exactly the value at ``hint.path`` of a succeeded settlement this Step consumes."""
+    for signal in consumed:
+        if signal.effect_id == hint.effect_id and signal.status is SettlementStatus.SUCCEEDED:
+            found, value = value_at(signal.payload, hint.path)
+            if found and canonical_bytes(value) == canonical_bytes(output):
+                return OutputRef(effect_id=hint.effect_id, path=tuple(hint.path))
+            return None
+    return None
 
 
 def check_budget_exceeded(process: ProcessState) -> ResourceLimitExceeded | None:

@@ -430,8 +430,27 @@ class Pause:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputOf:
+    """Where a completion's output is already stored: the result of one of the completing
+    Process's own settled Effects, at ``path`` (object keys, outermost first)."""
+
+    effect_id: EffectID
+    path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Complete:
+    """End the Process with ``output``.
+
+    ``output_of`` is a storage hint, not a second output: when the output is exactly the
+    value at that place of a settled Effect's result (a Tool child completing with its
+    tool's completion), ``ProcessTerminated`` refers to it instead of storing the same
+    bytes again. The kernel checks the equality; a hint that does not hold is ignored
+    and the output is stored inline.
+    """
+
     output: JSON = None
+    output_of: OutputOf | None = None
 
 
 @dataclass(frozen=True, slots=True)

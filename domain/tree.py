@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from domain.budget import Allocation, Budget, child_debit
-from domain.canonical import JSON, digest_of
+from domain.canonical import JSON, digest_of, value_at
 from domain.errors import Failure, FailureKind
 from domain.events import (
     CheckpointCommitted,
@@ -416,6 +416,9 @@ class TreeState:
         self.processes: dict[ProcessID, ProcessState] = {}
         self._expect: tuple[str, ProcessID, int, int] | None = None
         self._pending_declarations = 0
+        # The succeeded settlements a complete Step consumed, by effect id: where the
+        # ProcessTerminated right after it may take its output from (``output_of``).
+        self._completing: dict[EffectID, JSON] = {}
         self._finished_effects: set[EffectID] = set()
         self._resolved_effects: set[EffectID] = set()
         self.live: dict[ProcessID, ProcessState] = {}
@@ -789,6 +792,11 @@ class TreeState:
             self._expect = ("checkpoint", e.process_id, e.step, 0)
         elif e.kind in ("complete", "fail"):
             self._expect = ("terminate", e.process_id, e.step, 0)
+            self._completing = {
+                c.effect_id: c.payload
+                for c in consumed
+                if c.effect_id is not None and c.status is SettlementStatus.SUCCEEDED
+            } if e.kind == "complete" else {}
         else:
             self._expect = None
 
@@ -1090,6 +1098,24 @@ class TreeState:
 
     # ProcessTerminated ------------------------------------------------------
 
+    def _output_of(self, pos: int, e: ProcessTerminated, after_step: bool) -> JSON:
+        """The output an ``output_of`` reference names: a value of a succeeded settlement
+        that the complete Step right before consumed."""
+        ref = e.output_of
+        assert ref is not None
+        if e.status != "completed" or e.output is not None:
+            raise self.fail(pos, "terminal.output_of", "only a completion without an inline output refers to one")
+        settled = self._completing if after_step and self._expect is not None and self._expect[1] == e.process_id else {}
+        if ref.effect_id not in settled:
+            raise self.fail(
+                pos, "terminal.output_of",
+                f"effect {ref.effect_id} is not a succeeded settlement the completing step of {e.process_id} consumed",
+            )
+        found, value = value_at(settled[ref.effect_id], ref.path)
+        if not found:
+            raise self.fail(pos, "terminal.output_of", f"the result of {ref.effect_id} has no value at {list(ref.path)}")
+        return value
+
     def _on_terminated(self, pos: int, e: ProcessTerminated, _: Any) -> None:
         process = self._process(pos, e.process_id)
         if process.terminal:
@@ -1115,13 +1141,16 @@ class TreeState:
                 raise self.fail(pos, "terminal.failure", "a failure cause needs a failure of the matching kind")
             if after_step and process.last_kind != "fail":
                 raise self.fail(pos, "terminal.priority", "a complete step must end completed")
+        output = e.output
+        if e.output_of is not None:
+            output = self._output_of(pos, e, after_step)
         if e.status == "completed":
             if self.programs is not None and process.has_state:
                 program = self.programs(process.program)
                 if program is not None:
                     from domain.json_schema import schema_errors
 
-                    if schema_errors(e.output, program.descriptor.output_schema):
+                    if schema_errors(output, program.descriptor.output_schema):
                         raise self.fail(pos, "terminal.output_schema", "output does not satisfy the output schema")
         elif e.output is not None:
             raise self.fail(pos, "terminal.output", "only a completed process has an output")
@@ -1129,10 +1158,11 @@ class TreeState:
         if tuple(e.unresolved_effect_ids) != unresolved:
             raise self.fail(pos, "terminal.unresolved", f"unresolved effects must be {list(unresolved)}")
         self._expect = None
+        self._completing = {}
         process.status = e.status
         self.live.pop(process.process_id, None)
         process.termination = Termination(e.status, e.cause, e.reason, e.failure, unresolved)
-        process.output = e.output if e.status == "completed" else None
+        process.output = output if e.status == "completed" else None
         process.current_wait = None
         process.pause_reason = None
         process.reserved_signals = 0

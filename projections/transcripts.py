@@ -48,6 +48,15 @@ Entry = dict[str, Any]
 Envelope = Mapping[str, Any]
 
 SCHEMA_VERSION = 1
+#: The newest schema version this builder knows per event type (others: 1). Version 2 of
+#: ``ProcessTerminated`` may carry ``output_of`` instead of ``output`` (docs/events.md).
+SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2}
+#: Succeeded settlements kept per live Process, to resolve an ``output_of`` reference.
+SETTLED_KEPT = 4
+
+
+def supported_version(type_name: Any, version: Any) -> bool:
+    return isinstance(version, int) and 1 <= version <= SCHEMA_VERSIONS.get(str(type_name), 1)
 ENVELOPE_MEMBERS = (
     "notification_id", "tree_id", "position", "process_id", "type", "schema_version", "timestamp", "payload", "digest",
 )
@@ -74,7 +83,8 @@ class SchemaVersionUnsupported(AgentfoldError):
     def __init__(self, version: int) -> None:
         super().__init__(
             "feed.schema_version_unsupported",
-            f"an envelope has schema_version {version}; this consumer knows {SCHEMA_VERSION}",
+            f"an envelope has schema_version {version}; this consumer knows {SCHEMA_VERSION} "
+            f"({', '.join(f'{k} {v}' for k, v in SCHEMA_VERSIONS.items())})",
             hint="upgrade the consumer to a release that knows this schema version, then restart it",
         )
 
@@ -101,7 +111,7 @@ def check_envelope(envelope: Any) -> Envelope:
         value = envelope[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise EnvelopeInvalid(f"{name} must be a positive integer, not {value!r}")
-    if envelope["schema_version"] != SCHEMA_VERSION:
+    if not supported_version(envelope["type"], envelope["schema_version"]):
         raise SchemaVersionUnsupported(envelope["schema_version"])
     for name in ("tree_id", "process_id", "type", "timestamp", "digest"):
         if not isinstance(envelope[name], str) or not envelope[name]:
@@ -171,6 +181,9 @@ class TreeTranscripts:
         self._rounds: dict[str, dict[str, Any]] = s.get("rounds", {})
         # Transcript headers, by Interaction process id.
         self.headers: dict[str, dict[str, Any]] = s.get("transcripts", {})
+        # The last succeeded settlements of each live Process ([effect id, payload], oldest
+        # first): a ProcessTerminated may refer to one for its output (``output_of``).
+        self._settled: dict[str, list[list[Any]]] = s.get("settled", {})
         self._out: list[Entry] = []
         self._env: Envelope = {}
 
@@ -184,6 +197,7 @@ class TreeTranscripts:
             "effects": self._effects,
             "rounds": self._rounds,
             "transcripts": self.headers,
+            "settled": self._settled,
         }
 
     # -- entry point ---------------------------------------------------------
@@ -192,7 +206,7 @@ class TreeTranscripts:
         """The entries this envelope adds; None when it is a duplicate (already applied)."""
         if envelope["tree_id"] != self.tree_id:
             raise EnvelopeInvalid(f"envelope of tree {envelope['tree_id']} given to tree {self.tree_id}")
-        if envelope.get("schema_version") != SCHEMA_VERSION:
+        if not supported_version(envelope.get("type"), envelope.get("schema_version")):
             raise SchemaVersionUnsupported(envelope.get("schema_version"))  # type: ignore[arg-type]
         position = int(envelope["position"])
         if position <= self.position:
@@ -403,9 +417,29 @@ class TreeTranscripts:
             "disposition": disposition, "output": output, "text": content_text(_dict(output).get("content")),
         })
 
+    def _keep_settled(self, pid: str, effect_id: str, payload: Any) -> None:
+        kept = self._settled.setdefault(pid, [])
+        kept.append([effect_id, payload])
+        del kept[:-SETTLED_KEPT]
+
+    def _output(self, pid: str, p: dict[str, Any]) -> Any:
+        """A ProcessTerminated's output: inline, or where ``output_of`` says it is stored."""
+        ref = p.get("output_of")
+        if not isinstance(ref, Mapping):
+            return p.get("output")
+        for effect_id, payload in reversed(self._settled.get(pid, [])):
+            if effect_id == ref.get("effect_id"):
+                value = payload
+                for key in _list(ref.get("path")):
+                    value = _dict(value).get(str(key))
+                return value
+        raise EnvelopeInvalid(f"process {pid} ends with the output of {ref.get('effect_id')}, which it never settled")
+
     def _on_EffectSettled(self, pid: str, p: dict[str, Any]) -> None:
         effect_id = str(p.get("effect_id"))
         status = p.get("status")
+        if status == "succeeded":
+            self._keep_settled(pid, effect_id, p.get("payload"))
         start = self._starts.get(effect_id)
         if start is not None:
             if status == "failed":
@@ -474,6 +508,8 @@ class TreeTranscripts:
 
     def _on_EffectResolved(self, pid: str, p: dict[str, Any]) -> None:
         effect_id = str(p.get("effect_id"))
+        if p.get("status") == "succeeded":
+            self._keep_settled(pid, effect_id, p.get("payload"))
         effect = self._effects.pop(effect_id, None)
         if effect is None:
             return
@@ -492,6 +528,9 @@ class TreeTranscripts:
             self._definite(effect, p.get("payload"))
 
     def _on_ProcessTerminated(self, pid: str, p: dict[str, Any]) -> None:
+        if p.get("output_of") is not None:
+            p = {**p, "output": self._output(pid, p)}
+        self._settled.pop(pid, None)
         process = self._processes.pop(pid, {})
         status = str(p.get("status"))
         ending = {k: p[k] for k in ("cause", "reason", "failure") if p.get(k) not in (None, "")}

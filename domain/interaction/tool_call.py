@@ -26,7 +26,18 @@ from domain.interaction.state import (
 )
 from domain.interaction.toolset import ToolManifest
 from domain.json_schema import check_schema
-from domain.program import Complete, Continue, Descriptor, Fail, Signal, Step, Wait, dispatcher_effect, wait_effect
+from domain.program import (
+    Complete,
+    Continue,
+    Descriptor,
+    Fail,
+    OutputOf,
+    Signal,
+    Step,
+    Wait,
+    dispatcher_effect,
+    wait_effect,
+)
 
 TOOL_INPUT_WAIT_KEY = "interaction.tool_input"
 
@@ -151,7 +162,9 @@ class ToolCallStrategy:
                             "interaction.tool.advertisement_invalid",
                             f"advertised tool {name!r} is not a bound deferred tool",
                         )
-                return Step(1, Complete(completion), {"op": "complete"})
+                # Stored once: ProcessTerminated refers to the settlement when they are equal.
+                stored = OutputOf(signal.effect_id, ("tool_result", "completion")) if signal.effect_id else None
+                return Step(1, Complete(completion, stored), {"op": "complete"})
             request = check_input_request(body["input_request"])
             effect = wait_effect(
                 TOOL_INPUT_WAIT_KEY,

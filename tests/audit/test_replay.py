@@ -68,7 +68,9 @@ def test_replay_at_every_position_is_consistent_with_the_final_state_and_calls_n
         tree = data["tree"]
         assert (data["position"], tree["version"], data["event"]["position"]) == (position, position, position)
         assert data["version"] == last and data["programs_bound"] is True
-        assert "domain.events:" + data["event"]["type"] == topics[position - 1]
+        version = data["event"]["schema_version"]
+        suffix = "" if version == 1 else f"@{version}"
+        assert "domain.events:" + data["event"]["type"] + suffix == topics[position - 1]
         processes = {p["process_id"]: p for p in tree["processes"]}
         assert list(processes) == order[: len(processes)]  # processes appear in creation order, never vanish
         assert len(processes) >= len(previous)
