@@ -31,7 +31,7 @@ import orjson
 from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEvent
 
 from adapters.catalog import Catalog
-from adapters.codec import DecodeError, OrjsonTranscoder, PydanticMapper
+from adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
 from adapters.eventstore import CorruptStream, EventStore
 from adapters.read_models import ReadModels
 from adapters.recorders import EVENTS_TABLE, TreeHead
@@ -567,8 +567,9 @@ EXPORT_MEMBERS = frozenset({"tree", "position", "topic", "state"})
 
 
 def export_line(tree_id: TreeID, record: StoredEvent) -> str:
-    """One stored record as one JSON Lines line (ASCII; ``state`` is the stored UTF-8 text)."""
-    state = bytes(record.state)
+    """One stored record as one JSON Lines line (ASCII; ``state`` is the record's sealed JSON
+    text, inflated when it is stored compressed)."""
+    state = stored_json(record.state)
     try:
         text = state.decode("utf-8")
     except UnicodeDecodeError as exc:  # a verified history is canonical JSON, hence UTF-8
@@ -628,7 +629,8 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent]]:
                 "import.format", f"line {number} belongs to {this_tree}, the file started with {tree_id}",
                 hint="an export file holds one tree", line=number,
             )
-        stored.append(StoredEvent(tree_id.uuid, position, topic, state_bytes))
+        # Stored as the store's own writer stores it (compressed when that pays).
+        stored.append(StoredEvent(tree_id.uuid, position, topic, STATE_COMPRESSOR.compress(state_bytes)))
     assert tree_id is not None
     return tree_id, stored
 
@@ -679,8 +681,8 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
     for _ in range(3):
         existing = _raw(store, tree_id)
         for mine, theirs in zip(stored, existing, strict=False):
-            if (mine.originator_version, mine.topic, bytes(mine.state)) != (
-                theirs.originator_version, theirs.topic, bytes(theirs.state)
+            if (mine.originator_version, mine.topic, stored_json(mine.state)) != (
+                theirs.originator_version, theirs.topic, stored_json(theirs.state)
             ):
                 raise Rejected(
                     "import.conflict",

@@ -34,7 +34,7 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.utils import Environment
 
-from adapters.codec import DecodeError, OrjsonTranscoder, PydanticMapper, RecordedEvent
+from adapters.codec import DecodeError, OrjsonTranscoder, PydanticMapper, RecordedEvent, stored_json
 from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases
 from adapters.recorders import (
     IndexQueries,
@@ -209,8 +209,8 @@ class EventStore:
         existing = self.recorder.select_events(tree_id.uuid, gt=first - 1)
         if not existing or existing[-1].originator_version != last:
             return False
-        return [(s.originator_version, s.topic, s.state) for s in existing] == [
-            (s.originator_version, s.topic, s.state) for s in stored
+        return [(s.originator_version, s.topic, stored_json(s.state)) for s in existing] == [
+            (s.originator_version, s.topic, stored_json(s.state)) for s in stored
         ]
 
     # -- reads -------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from eventsourcing.persistence import IntegrityError, Notification, Tracking
 
-from adapters.codec import TOPIC_PREFIX
+from adapters.codec import TOPIC_PREFIX, stored_json
 from adapters.eventstore import CorruptStream, EventStore
 from adapters.read_models import tracking_recorder
 from domain.errors import AgentfoldError, InvalidInput, StoreFailure
@@ -75,7 +75,7 @@ def envelope_of(notification: Notification) -> Envelope:
     if name not in EVENT_TYPES or (version_text and not version_text.isdigit()):
         raise CorruptStream(tree_id, position, "stream.event_type", f"unknown topic {notification.topic!r}")
     try:
-        sealed = unseal(notification.state)
+        sealed = unseal(stored_json(notification.state))
     except SealError as exc:
         raise CorruptStream(tree_id, position, "integrity.format", str(exc)) from exc
     body = sealed.body

@@ -18,7 +18,7 @@ import pytest
 from eventsourcing.persistence import StoredEvent
 
 from adapters.catalog import Catalog
-from adapters.codec import TOPIC_PREFIX, DecodeError, PydanticMapper
+from adapters.codec import TOPIC_PREFIX, DecodeError, PydanticMapper, stored_json
 from adapters.dispatch import DispatchContext, FunctionDispatcher
 from adapters.eventstore import EventStore
 from adapters.feed import envelope_of
@@ -75,7 +75,7 @@ def test_a_tool_output_is_stored_once_and_every_reader_still_sees_it(tmp_path: P
         runtime.close()
     raw = store.read_raw(handle.tree_id)
     needle = TOOL_TEXT.encode()
-    holders = [s.topic for s in raw if needle in bytes(s.state)]
+    holders = [s.topic for s in raw if needle in stored_json(s.state)]
     assert holders == [TOPIC_PREFIX + "EffectSettled"], holders  # once, in the tool's settlement
 
     terminated_topics = [s.topic for s in raw if s.topic.startswith(TOPIC_PREFIX + "ProcessTerminated")]
@@ -146,7 +146,7 @@ def test_the_kernel_stores_a_reference_only_when_the_hint_holds(output: Any, pat
         runtime.close()
     assert result.status == "completed" and result.output == output
     last = store.read_raw(handle.tree_id)[-1]
-    body = orjson.loads(bytes(last.state))["event"]
+    body = orjson.loads(stored_json(last.state))["event"]
     if stored_as == "reference":
         assert last.topic == TOPIC_PREFIX + "ProcessTerminated@2"
         assert body["output_of"] == {"effect_id": str(eid(1, 0, handle.root_process_id)), "path": path}

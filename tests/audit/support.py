@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,13 +129,19 @@ class Sql:
     def _id(self, tree_id: TreeID) -> Any:
         return tree_id.uuid.hex if self.sqlite else tree_id.uuid
 
-    def rows(self, tree_id: TreeID) -> list[tuple[int, str, bytes]]:
+    def raw_rows(self, tree_id: TreeID) -> list[tuple[int, str, bytes]]:
+        """The rows as stored: a state is JSON, or 0x01 + raw DEFLATE of it (docs/events.md)."""
         found = self._run(
             "SELECT originator_version, topic, state FROM agentfold_events WHERE originator_id = ? "
             "ORDER BY originator_version",
             (self._id(tree_id),),
         )
         return [(int(v), str(t), bytes(s)) for v, t, s in found]
+
+    def rows(self, tree_id: TreeID) -> list[tuple[int, str, bytes]]:
+        """The rows with each state's JSON (inflated with zlib where it is stored compressed, as
+        a tamperer would); writing JSON back is a valid stored form."""
+        return [(v, t, zlib.decompress(s[1:], -15) if s[:1] == b"\x01" else s) for v, t, s in self.raw_rows(tree_id)]
 
     def state(self, tree_id: TreeID, position: int) -> bytes:
         return next(s for v, _, s in self.rows(tree_id) if v == position)

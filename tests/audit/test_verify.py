@@ -70,6 +70,27 @@ def test_one_changed_byte_of_a_payload_breaks_the_digest_chain_at_its_position(
     assert first_error(report) == (str(tree_id), 9, "integrity.digest_chain")
 
 
+def test_a_changed_byte_inside_a_compressed_state_is_reported_at_its_position(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    """States of 256 bytes or more are stored deflated (0x01 + raw DEFLATE); a byte changed in
+    the compressed bytes either no longer inflates or inflates to other JSON: either way the
+    event at that position is reported, and nothing before it."""
+    store, tree_id = chain
+    sql = Sql(store)
+    compressed = [(v, t, s) for v, t, s in sql.raw_rows(tree_id) if s[:1] == b"\x01"]
+    assert compressed
+    position, topic, state = compressed[len(compressed) // 2]
+    assert len(state) < len(sql.state(tree_id, position))  # it is stored smaller than its JSON
+    damaged = state[:-3] + bytes([state[-3] ^ 0x55]) + state[-2:]
+    sql.set_row(tree_id, position, topic, damaged)
+    code, report = verify(capsys, store)
+    assert code == 1
+    tree, at, rule = first_error(report)
+    assert (tree, at) == (str(tree_id), position)
+    assert rule in ("integrity.format", "integrity.digest_chain")
+
+
 def test_a_deleted_event_is_reported_missing_at_its_position(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
     store, tree_id = chain
     Sql(store).delete(tree_id, 7)

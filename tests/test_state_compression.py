@@ -1,0 +1,99 @@
+"""Stored states: sealed JSON, deflated when that pays (docs/events.md "Stored record format").
+
+A user observes: large events take less room in the events table, small ones stay readable
+JSON, stores written before compression existed still load, and damaged compressed bytes
+are an integrity error at their position, never a crash or a silently different event.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+from eventsourcing.persistence import StoredEvent
+
+from adapters.codec import COMPRESS_MIN_BYTES, COMPRESSED, MAX_STATE_BYTES, STATE_COMPRESSOR, stored_json
+from adapters.eventstore import CorruptStream, EventStore
+from domain.integrity import SealError
+from tests.test_fold_rules import TREE, one_effect, settled
+
+TIMESTAMP = "2026-01-01T00:00:00.000000Z"
+
+
+def test_small_and_incompressible_states_stay_json_and_large_ones_deflate() -> None:
+    small = b'{"digest":"sha256:' + b"0" * 64 + b'","event":{},"timestamp":"x"}'
+    assert len(small) < COMPRESS_MIN_BYTES and STATE_COMPRESSOR.compress(small) == small
+    noise = b'{"x":"' + os.urandom(600).hex().encode() + b'"}'  # hex of random bytes: deflates to ~55%
+    packed = STATE_COMPRESSOR.compress(noise)
+    assert packed[:1] == COMPRESSED and len(packed) < len(noise)
+    assert stored_json(packed) == noise
+    random_bytes = b"{" + os.urandom(4000)  # nothing to gain: kept as is
+    assert STATE_COMPRESSOR.compress(random_bytes) == random_bytes
+    big = b'{"x":"' + b"abc" * 200_000 + b'"}'  # a large state gets a large window
+    assert stored_json(STATE_COMPRESSOR.compress(big)) == big
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        (COMPRESSED + b"\xff\xff\xff", "does not inflate"),
+        (STATE_COMPRESSOR.compress(b'{"a":"' + b"x" * 1000 + b'"}')[:-4], "truncated"),
+        (STATE_COMPRESSOR.compress(b'{"a":"' + b"x" * 1000 + b'"}') + b"junk", "extra bytes"),
+    ],
+)
+def test_damaged_compressed_states_are_refused(state: bytes, why: str) -> None:
+    with pytest.raises(SealError):
+        stored_json(state)
+
+
+def test_a_compressed_state_cannot_inflate_beyond_the_bound() -> None:
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = COMPRESSED + deflate.compress(b"{" + b" " * (MAX_STATE_BYTES + 10)) + deflate.flush()
+    assert len(bomb) < 100_000
+    with pytest.raises(SealError, match="too large"):
+        stored_json(bomb)
+
+
+def _raw_store(tmp_path: Path) -> EventStore:
+    store = EventStore(f"sqlite:///{tmp_path / 'c.db'}")
+    events = one_effect()
+    events[4] = settled(1, payload={"text": "a fairly repetitive result " * 40})
+    store.append(TREE, 0, events, previous_digest=None, timestamp=TIMESTAMP)
+    return store
+
+
+def test_the_store_writes_large_states_deflated_and_reads_them_back(tmp_path: Path) -> None:
+    store = _raw_store(tmp_path)
+    raw = store.read_raw(TREE)
+    settlement = raw[4]
+    assert settlement.state[:1] == COMPRESSED
+    assert len(settlement.state) < len(stored_json(settlement.state)) // 3
+    assert store.load(TREE).state.version == len(raw)
+
+
+def test_a_history_stored_as_plain_json_still_loads(tmp_path: Path) -> None:
+    """Stores written before compression (or by an import of plain JSON) hold JSON states."""
+    store = _raw_store(tmp_path)
+    plain = [
+        StoredEvent(s.originator_id, s.originator_version, s.topic, stored_json(s.state)) for s in store.read_raw(TREE)
+    ]
+    other = EventStore(f"sqlite:///{tmp_path / 'plain.db'}")
+    other.recorder.insert_events(plain)
+    assert all(s.state[:1] == b"{" for s in other.read_raw(TREE))
+    assert other.load(TREE).state.to_json() == store.load(TREE).state.to_json()
+
+
+def test_a_damaged_compressed_state_is_an_integrity_error_at_its_position(tmp_path: Path) -> None:
+    store = _raw_store(tmp_path)
+    raw = store.read_raw(TREE)
+    damaged = [
+        StoredEvent(s.originator_id, s.originator_version, s.topic, s.state[:-2] if i == 4 else s.state)
+        for i, s in enumerate(raw)
+    ]
+    other = EventStore(f"sqlite:///{tmp_path / 'damaged.db'}")
+    other.recorder.insert_events(damaged)
+    with pytest.raises(CorruptStream) as caught:
+        other.load(TREE)
+    assert (caught.value.position, caught.value.rule) == (5, "integrity.format")
