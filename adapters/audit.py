@@ -42,6 +42,7 @@ from domain.drift import DriftReport, find_drift, first_difference
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent, TreeStarted, event_body, event_version
 from domain.ids import ProcessID, StartID, TreeID
+from domain.integrity import SealError
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
 from projections.read_models import project_tree
@@ -681,8 +682,12 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
     for _ in range(3):
         existing = _raw(store, tree_id)
         for mine, theirs in zip(stored, existing, strict=False):
+            try:
+                theirs_json = stored_json(theirs.state)
+            except SealError:
+                theirs_json = None  # a damaged row in the store: it is not what the file holds
             if (mine.originator_version, mine.topic, stored_json(mine.state)) != (
-                theirs.originator_version, theirs.topic, stored_json(theirs.state)
+                theirs.originator_version, theirs.topic, theirs_json
             ):
                 raise Rejected(
                     "import.conflict",

@@ -49,6 +49,7 @@ from adapters.recorders import (
 from domain.errors import InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
 from domain.ids import ProcessID, StartID, TreeID
+from domain.integrity import SealError
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
 
@@ -209,9 +210,12 @@ class EventStore:
         existing = self.recorder.select_events(tree_id.uuid, gt=first - 1)
         if not existing or existing[-1].originator_version != last:
             return False
-        return [(s.originator_version, s.topic, stored_json(s.state)) for s in existing] == [
-            (s.originator_version, s.topic, stored_json(s.state)) for s in stored
-        ]
+        try:
+            return [(s.originator_version, s.topic, stored_json(s.state)) for s in existing] == [
+                (s.originator_version, s.topic, stored_json(s.state)) for s in stored
+            ]
+        except SealError:
+            return False  # a damaged stored row is not our events: a conflict, found on load
 
     # -- reads -------------------------------------------------------------
 

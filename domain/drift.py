@@ -26,8 +26,16 @@ from typing import Any
 
 import orjson
 
-from domain.canonical import JSON, canonical_bytes
-from domain.events import ProcessTerminated, StepCommitted, TreeEvent, event_body, event_type
+from domain.canonical import JSON, canonical_bytes, value_at
+from domain.events import (
+    EffectResolved,
+    EffectSettled,
+    ProcessTerminated,
+    StepCommitted,
+    TreeEvent,
+    event_body,
+    event_type,
+)
 from domain.ids import EffectAttemptID, TreeIncarnationID
 from domain.kernel import Kernel, Progress
 from domain.program import ProgramResolver
@@ -152,8 +160,24 @@ def first_difference(recorded: JSON, current: JSON, path: str = "") -> str | Non
     return None if recorded == current else (path or "$")
 
 
-def _compare(recorded: Sequence[TreeEvent], current: Sequence[TreeEvent]) -> tuple[int, str] | None:
+def _inline(event: TreeEvent, settled: dict[str, JSON]) -> TreeEvent:
+    """A ``ProcessTerminated`` with its output inline: whether an output is stored by
+    reference (``output_of``, schema version 2) or inline (what older releases wrote) is a
+    storage form, not a decision, so drift compares both in the inline form."""
+    if isinstance(event, ProcessTerminated) and event.output_of is not None and event.output_of.effect_id in settled:
+        found, value = value_at(settled[event.output_of.effect_id], event.output_of.path)
+        if found:
+            return event.model_copy(update={"output": value, "output_of": None})
+    return event
+
+
+def _compare(
+    recorded: Sequence[TreeEvent], current: Sequence[TreeEvent], settled: dict[str, JSON] | None = None
+) -> tuple[int, str] | None:
     """(offset, path) of the first recorded event the current decision does not reproduce."""
+    if settled is not None:
+        recorded = [_inline(e, settled) for e in recorded]
+        current = [_inline(e, settled) for e in current]
     for offset, expected in enumerate(current):
         if offset >= len(recorded):
             return offset, f"{event_type(expected)} (missing from the history)"
@@ -193,6 +217,7 @@ def find_drift(
     """
     tree = TreeState(programs)
     probe = _DecisionProbe(tree, programs, _NoIdentities())
+    settled: dict[str, JSON] = {}  # succeeded results by effect id, to read outputs stored by reference
     decisions = 0
     covered = 0  # records[:covered] belong to decisions already compared
     for index, (position, event) in enumerate(records):
@@ -202,7 +227,7 @@ def find_drift(
                 current = probe.decision(process)
                 recorded = [e for _, e in records[index : index + len(current)]]
                 decisions += 1
-                found = _compare(recorded, current)
+                found = _compare(recorded, current, settled)
                 if found is not None:
                     offset, path = found
                     return DriftReport(
@@ -221,6 +246,8 @@ def find_drift(
                         ),
                     )
                 covered = index + len(current)
+        if isinstance(event, (EffectSettled, EffectResolved)) and event.status == "succeeded":
+            settled[str(event.effect_id)] = event.payload
         try:
             tree.apply(event, position)
         except FoldError as exc:

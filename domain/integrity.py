@@ -13,8 +13,8 @@ and ``previous_digest_text`` is empty for position 1. Because ``digest`` sorts f
 in canonical JSON, the stored bytes are exactly ``{"digest":"<d>",`` followed by the
 content without its opening brace: verification slices, it never re-serializes.
 
-Changing any byte of an event, deleting, reordering or inserting an event breaks
-the chain at that position.
+Changing any byte of an event's JSON, deleting, reordering or inserting an event
+breaks the chain at that position.
 """
 
 from __future__ import annotations

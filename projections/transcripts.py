@@ -51,7 +51,7 @@ SCHEMA_VERSION = 1
 #: The newest schema version this builder knows per event type (others: 1). Version 2 of
 #: ``ProcessTerminated`` may carry ``output_of`` instead of ``output`` (docs/events.md).
 SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2}
-#: Succeeded settlements kept per live Process, to resolve an ``output_of`` reference.
+#: Succeeded settlements kept per live Tool or Delegate child, to resolve ``output_of``.
 SETTLED_KEPT = 4
 
 
@@ -418,22 +418,34 @@ class TreeTranscripts:
         })
 
     def _keep_settled(self, pid: str, effect_id: str, payload: Any) -> None:
+        """Remember a succeeded result of a Tool or Delegate child (only their outputs are
+        reported), the last ``SETTLED_KEPT`` of each, until the child ends."""
+        if self._processes.get(pid, {}).get("role") not in ("tool", "delegate"):
+            return
         kept = self._settled.setdefault(pid, [])
         kept.append([effect_id, payload])
         del kept[:-SETTLED_KEPT]
 
-    def _output(self, pid: str, p: dict[str, Any]) -> Any:
-        """A ProcessTerminated's output: inline, or where ``output_of`` says it is stored."""
+    def _output(self, pid: str, p: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+        """A ProcessTerminated's output: inline, or where ``output_of`` says it is stored.
+
+        Returns ``(output, None)``, or ``(None, output_of)`` when the reference cannot be
+        resolved from what this builder kept (a settlement applied by an older release, or
+        one a custom Program completed with long after): the entry then says so
+        (``output_unresolved``) rather than stopping the consumer or inventing a null output.
+        """
         ref = p.get("output_of")
         if not isinstance(ref, Mapping):
-            return p.get("output")
+            return p.get("output"), None
         for effect_id, payload in reversed(self._settled.get(pid, [])):
             if effect_id == ref.get("effect_id"):
                 value = payload
                 for key in _list(ref.get("path")):
-                    value = _dict(value).get(str(key))
-                return value
-        raise EnvelopeInvalid(f"process {pid} ends with the output of {ref.get('effect_id')}, which it never settled")
+                    if not isinstance(value, Mapping) or str(key) not in value:
+                        return None, dict(ref)
+                    value = value[str(key)]
+                return value, None
+        return None, dict(ref)
 
     def _on_EffectSettled(self, pid: str, p: dict[str, Any]) -> None:
         effect_id = str(p.get("effect_id"))
@@ -528,8 +540,10 @@ class TreeTranscripts:
             self._definite(effect, p.get("payload"))
 
     def _on_ProcessTerminated(self, pid: str, p: dict[str, Any]) -> None:
+        unresolved: dict[str, Any] | None = None
         if p.get("output_of") is not None:
-            p = {**p, "output": self._output(pid, p)}
+            output, unresolved = self._output(pid, p)
+            p = {**p, "output": output}
         self._settled.pop(pid, None)
         process = self._processes.pop(pid, {})
         status = str(p.get("status"))
@@ -547,6 +561,8 @@ class TreeTranscripts:
                 "text": content_text(_dict(completion.get("output")).get("content")) if status == "completed" else "",
             }
             body.update(ending)
+            if unresolved is not None:
+                body["output_unresolved"] = unresolved
             self._emit(str(parent), "tool_result", body)
             r = self._rounds.get(str(parent))
             ref = str(process.get("ref") or "")
@@ -556,6 +572,8 @@ class TreeTranscripts:
             body = {"tool_call_ref": process.get("ref"), "child_process_id": pid, "status": status}
             if status == "completed":
                 body["output"] = p.get("output")
+                if unresolved is not None:
+                    body["output_unresolved"] = unresolved
             body.update(ending)
             if p.get("unresolved_effect_ids"):
                 body["unresolved_effect_ids"] = p["unresolved_effect_ids"]
@@ -568,9 +586,12 @@ class TreeTranscripts:
             if status == "completed":
                 output = p.get("output")
                 response = _dict(_dict(output).get("model_response"))
-                self._emit(pid, "final_output", {
+                final: dict[str, Any] = {
                     "output": output, "text": content_text(_dict(response.get("message")).get("content")),
-                })
+                }
+                if unresolved is not None:
+                    final["output_unresolved"] = unresolved
+                self._emit(pid, "final_output", final)
             else:
                 body = {"status": status, **ending}
                 if p.get("unresolved_effect_ids"):

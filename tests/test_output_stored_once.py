@@ -31,7 +31,7 @@ from domain.integrity import chain_digest, content_bytes, seal
 from domain.program import Complete, Continue, Descriptor, OutputOf, Program, Signal, Step, dispatcher_effect
 from domain.requests import EffectRequest, Settlement
 from domain.tree import fold_tree
-from projections.transcripts import EnvelopeInvalid, SchemaVersionUnsupported, TreeTranscripts, check_envelope
+from projections.transcripts import SchemaVersionUnsupported, TreeTranscripts, check_envelope
 from tests.kernel_programs import IMPL, JsonStrategy, config_digest
 from tests.test_fold_rules import assert_corrupt, eid, one_effect, settled, step, terminated
 
@@ -236,7 +236,7 @@ def test_a_topic_whose_schema_version_does_not_fit_its_body_is_refused(event: Pr
     assert event_version(terminated()) == 1 and event_version(_by_ref(OutputRef(effect_id=eid(1)))) == 2
 
 
-def test_the_transcript_builder_refuses_what_it_cannot_resolve_or_does_not_know() -> None:
+def test_the_transcript_builder_refuses_schema_versions_it_does_not_know() -> None:
     base = {
         "notification_id": 1, "tree_id": "tree:00000000000000000000000000000001", "position": 1,
         "process_id": "process:00000000000000000000000000000001", "type": "ProcessTerminated",
@@ -251,5 +251,82 @@ def test_the_transcript_builder_refuses_what_it_cannot_resolve_or_does_not_know(
         "status": "completed", "cause": "completion", "process_id": base["process_id"],
         "output_of": {"effect_id": "effect:" + "1" * 64, "path": []},
     }}
-    with pytest.raises(EnvelopeInvalid, match="never settled"):
-        builder.apply(check_envelope(dangling))
+    assert builder.apply(check_envelope(dangling)) == []  # not a child whose output is reported
+
+
+def test_a_reference_the_transcript_builder_cannot_resolve_is_reported_not_fatal(tmp_path: Path) -> None:
+    """A consumer upgraded in the middle of a tree: its saved state (written by a release that
+    kept no settlements) cannot resolve the Tool child's reference. The entry says so and the
+    consumer goes on; with the settlement kept, the same envelopes give the output."""
+    store = EventStore(f"sqlite:///{tmp_path / 'upgrade.db'}")
+    program = _interaction()
+    runtime = Runtime(store, Catalog([program]))
+    try:
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="upgrade-1")
+        assert handle.result(timeout=60).status == "completed"
+        runtime.wait_idle(handle.tree_id)
+    finally:
+        runtime.close()
+    envelopes = [check_envelope(envelope_of(n)) for n in store.recorder.select_notifications(start=1, limit=1000)]
+    cut = next(i for i, e in enumerate(envelopes) if e["type"] == "ProcessTerminated" and "output_of" in e["payload"])
+
+    def results(forget: bool) -> list[dict[str, Any]]:
+        builder = TreeTranscripts(str(handle.tree_id))
+        entries: list[dict[str, Any]] = []
+        for e in envelopes[:cut]:
+            entries.extend(builder.apply(e) or [])
+        state = builder.to_json()
+        if forget:
+            state.pop("settled")  # as saved by the release before output_of existed
+        resumed = TreeTranscripts(str(handle.tree_id), state)
+        for e in envelopes[cut:]:
+            entries.extend(resumed.apply(e) or [])
+        return [e for e in entries if e["kind"] == "tool_result"]
+
+    (kept,) = results(forget=False)
+    assert kept["text"] == TOOL_TEXT and "output_unresolved" not in kept
+    (lost,) = results(forget=True)
+    assert lost["output"] is None and lost["text"] == ""
+    assert lost["output_unresolved"] == envelopes[cut]["payload"]["output_of"]
+    # The transcript goes on after it: the final answer is still reported.
+
+
+def test_drift_compares_outputs_not_their_storage_form() -> None:
+    """A history written before outputs were stored by reference (inline output) shows no drift
+    against the current code, which stores a reference; a different output still does."""
+    from domain.drift import find_drift
+
+    store = EventStore("memory:")
+    program = _interaction()
+    catalog = Catalog([program])
+    runtime = Runtime(store, catalog)
+    try:
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="drift-1")
+        assert handle.result(timeout=60).status == "completed"
+        runtime.wait_idle(handle.tree_id)
+    finally:
+        runtime.close()
+    records = [(r.position, r.event) for r in store.read(handle.tree_id)]
+    tree = fold_tree([e for _, e in records])
+    by_ref = [i for i, (_, e) in enumerate(records) if isinstance(e, ProcessTerminated) and e.output_of is not None]
+    assert by_ref
+
+    current = find_drift(records, catalog.resolve)
+    assert current.ok and current.decisions > 3
+
+    def inline(output: Any) -> list[tuple[int, Any]]:
+        out = list(records)
+        for i in by_ref:
+            position, event = out[i]
+            out[i] = (position, event.model_copy(update={"output": output(event), "output_of": None}))
+        return out
+
+    old_form = inline(lambda e: tree.processes[e.process_id].output)
+    assert fold_tree([e for _, e in old_form]).to_json() == tree.to_json()
+    report = find_drift(old_form, catalog.resolve)
+    assert report.ok, report.drift
+    assert report.decisions == current.decisions
+
+    changed = inline(lambda e: {"disposition": "succeeded", "output": {"content": []}})
+    drifted = find_drift(changed, catalog.resolve)
+    assert drifted.drift is not None and drifted.drift.path.startswith("ProcessTerminated.output")

@@ -130,6 +130,22 @@ def test_a_different_history_of_the_same_tree_is_refused(stores: tuple[str, str]
     assert snapshot_of(target, theirs) == before
 
 
+def test_importing_over_a_damaged_compressed_row_is_a_conflict_not_a_crash(tmp_path: Path) -> None:
+    source, target = sqlite_store(tmp_path, "source.db"), sqlite_store(tmp_path, "target.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    exported = tmp_path / "tree.jsonl"
+    export(source, tree_id, exported)
+    ok(import_file(exported, target))
+    sql = Sql(target)
+    position, topic, state = next((v, t, s) for v, t, s in sql.raw_rows(tree_id) if s[:1] == b"\x01")
+    sql.set_row(tree_id, position, topic, state[:-5])  # no longer inflates
+    before = sql.raw_rows(tree_id)
+    error = refused(import_file(exported, target)).error()
+    assert error["code"] == "import.conflict"
+    assert error["detail"]["position"] == position
+    assert sql.raw_rows(tree_id) == before
+
+
 def test_an_import_continues_a_history_it_imported_before(tmp_path: Path) -> None:
     source, target = sqlite_store(tmp_path, "source.db"), sqlite_store(tmp_path, "target.db")
     tree_id = record_demo(tmp_path / "run", source, answer=False)  # parked on the human input

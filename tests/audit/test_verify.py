@@ -73,7 +73,7 @@ def test_one_changed_byte_of_a_payload_breaks_the_digest_chain_at_its_position(
 def test_a_changed_byte_inside_a_compressed_state_is_reported_at_its_position(
     capsys: pytest.CaptureFixture[str], chain: Any
 ) -> None:
-    """States of 256 bytes or more are stored deflated (0x01 + raw DEFLATE); a byte changed in
+    """States of 384 bytes or more are stored deflated (0x01 + raw DEFLATE); a byte changed in
     the compressed bytes either no longer inflates or inflates to other JSON: either way the
     event at that position is reported, and nothing before it."""
     store, tree_id = chain
