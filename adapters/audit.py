@@ -380,9 +380,9 @@ def _snapshot_findings(
                         f"a snapshot claims version {version}; the stream ends at position {last}")]
     folded_tree, digest, bound = seen
     try:
-        stored = orjson.loads(body)
+        stored = orjson.loads(stored_json(body))
         stored_tree, stored_digest = stored["tree"], stored["digest"]
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+    except (orjson.JSONDecodeError, KeyError, TypeError, SealError) as exc:
         return [Finding(name, version, "snapshot.mismatch", f"the snapshot at version {version} is malformed: {exc}")]
     if stored_digest != digest:
         return [Finding(name, version, "snapshot.mismatch",

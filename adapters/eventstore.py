@@ -34,7 +34,14 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.utils import Environment
 
-from adapters.codec import DecodeError, OrjsonTranscoder, PydanticMapper, RecordedEvent, stored_json
+from adapters.codec import (
+    STATE_COMPRESSOR,
+    DecodeError,
+    OrjsonTranscoder,
+    PydanticMapper,
+    RecordedEvent,
+    stored_json,
+)
 from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases
 from adapters.recorders import (
     IndexQueries,
@@ -286,15 +293,22 @@ class EventStore:
 
     @staticmethod
     def encode_snapshot(state: TreeState, digest: str) -> bytes:
-        """The snapshot bytes of a folded tree at its version (serialize under the owner's lock)."""
+        """The snapshot JSON of a folded tree at its version (serialize under the owner's lock)."""
         return orjson.dumps({"tree": state.to_json(compact=True), "digest": digest})
 
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
 
+    @staticmethod
+    def snapshot_json(stored: bytes) -> bytes:
+        """A stored snapshot's JSON (snapshots are deflated like event states)."""
+        return stored_json(stored)
+
     def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
-        """Store snapshot bytes taken at ``version`` and drop older snapshots of the tree."""
+        """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
+        states are: a long conversation's snapshot holds every message) and drop older ones."""
         state_version = version
+        body = STATE_COMPRESSOR.compress(body)
         try:
             self.snapshots.insert_events([StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)])
         except IntegrityError:
@@ -310,7 +324,7 @@ class EventStore:
         rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1, lte=upto)
         if not rows:
             return None
-        data = orjson.loads(rows[0].state)
+        data = orjson.loads(stored_json(rows[0].state))
         return TreeState.from_json(data["tree"], programs), str(data["digest"])
 
     # -- index and feed ----------------------------------------------------
