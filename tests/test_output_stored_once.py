@@ -27,6 +27,7 @@ from adapters.models import ScriptedModel
 from adapters.runtime import Runtime
 from adapters.tools import ToolOutput
 from domain.events import OutputRef, ProcessTerminated, event_body, event_version
+from domain.ids import TreeID
 from domain.integrity import chain_digest, content_bytes, seal
 from domain.program import Complete, Continue, Descriptor, OutputOf, Program, Signal, Step, dispatcher_effect
 from domain.requests import EffectRequest, Settlement
@@ -60,20 +61,26 @@ def _interaction() -> Program:
     return compile_interaction(InteractionConfig(name="test.once", model=model, tools=[Fetch()]))
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
-def test_a_tool_output_is_stored_once_and_every_reader_still_sees_it(tmp_path: Path, kind: str) -> None:
-    url = "memory:" if kind == "memory" else f"sqlite:///{tmp_path / 'once.db'}"
-    store = EventStore(url)
+def run_interaction(store: EventStore, start_id: str) -> tuple[TreeID, Catalog]:
+    """Run the one-tool-round Interaction to completion on ``store``; its tree and Programs."""
     program = _interaction()
     catalog = Catalog([program])
     runtime = Runtime(store, catalog)
     try:
-        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="once-1")
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id=start_id)
         assert handle.result(timeout=60).status == "completed"
         runtime.wait_idle(handle.tree_id)
     finally:
         runtime.close()
-    raw = store.read_raw(handle.tree_id)
+    return handle.tree_id, catalog
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_a_tool_output_is_stored_once_and_every_reader_still_sees_it(tmp_path: Path, kind: str) -> None:
+    url = "memory:" if kind == "memory" else f"sqlite:///{tmp_path / 'once.db'}"
+    store = EventStore(url)
+    tree_id, catalog = run_interaction(store, "once-1")
+    raw = store.read_raw(tree_id)
     needle = TOOL_TEXT.encode()
     holders = [s.topic for s in raw if needle in stored_json(s.state)]
     assert holders == [TOPIC_PREFIX + "EffectSettled"], holders  # once, in the tool's settlement
@@ -82,14 +89,14 @@ def test_a_tool_output_is_stored_once_and_every_reader_still_sees_it(tmp_path: P
     assert TOPIC_PREFIX + "ProcessTerminated@2" in terminated_topics  # the Tool child refers to it
 
     # The fold (show, read models, replay) gives the Tool child its output.
-    tree = store.load(handle.tree_id, catalog.resolve).state
+    tree = store.load(tree_id, catalog.resolve).state
     tool = next(p for p in tree.processes.values() if p.parent_id is not None)
     assert tool.output["disposition"] == "succeeded"
     assert tool.output["output"]["content"][0]["text"] == TOOL_TEXT
 
     # The Kafka envelopes carry the stored bodies; the transcript builder resolves the reference.
     if kind == "sqlite":
-        builder = TreeTranscripts(str(handle.tree_id))
+        builder = TreeTranscripts(str(tree_id))
         entries: list[dict[str, Any]] = []
         for n in store.recorder.select_notifications(start=1, limit=1000):
             envelope = check_envelope(envelope_of(n))
@@ -259,26 +266,19 @@ def test_a_reference_the_transcript_builder_cannot_resolve_is_reported_not_fatal
     kept no settlements) cannot resolve the Tool child's reference. The entry says so and the
     consumer goes on; with the settlement kept, the same envelopes give the output."""
     store = EventStore(f"sqlite:///{tmp_path / 'upgrade.db'}")
-    program = _interaction()
-    runtime = Runtime(store, Catalog([program]))
-    try:
-        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="upgrade-1")
-        assert handle.result(timeout=60).status == "completed"
-        runtime.wait_idle(handle.tree_id)
-    finally:
-        runtime.close()
+    tree_id, _ = run_interaction(store, "upgrade-1")
     envelopes = [check_envelope(envelope_of(n)) for n in store.recorder.select_notifications(start=1, limit=1000)]
     cut = next(i for i, e in enumerate(envelopes) if e["type"] == "ProcessTerminated" and "output_of" in e["payload"])
 
     def results(forget: bool) -> list[dict[str, Any]]:
-        builder = TreeTranscripts(str(handle.tree_id))
+        builder = TreeTranscripts(str(tree_id))
         entries: list[dict[str, Any]] = []
         for e in envelopes[:cut]:
             entries.extend(builder.apply(e) or [])
         state = builder.to_json()
         if forget:
             state.pop("settled")  # as saved by the release before output_of existed
-        resumed = TreeTranscripts(str(handle.tree_id), state)
+        resumed = TreeTranscripts(str(tree_id), state)
         for e in envelopes[cut:]:
             entries.extend(resumed.apply(e) or [])
         return [e for e in entries if e["kind"] == "tool_result"]
@@ -297,16 +297,8 @@ def test_drift_compares_outputs_not_their_storage_form() -> None:
     from domain.drift import find_drift
 
     store = EventStore("memory:")
-    program = _interaction()
-    catalog = Catalog([program])
-    runtime = Runtime(store, catalog)
-    try:
-        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="drift-1")
-        assert handle.result(timeout=60).status == "completed"
-        runtime.wait_idle(handle.tree_id)
-    finally:
-        runtime.close()
-    records = [(r.position, r.event) for r in store.read(handle.tree_id)]
+    tree_id, catalog = run_interaction(store, "drift-1")
+    records = [(r.position, r.event) for r in store.read(tree_id)]
     tree = fold_tree([e for _, e in records])
     by_ref = [i for i, (_, e) in enumerate(records) if isinstance(e, ProcessTerminated) and e.output_of is not None]
     assert by_ref

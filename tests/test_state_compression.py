@@ -100,32 +100,22 @@ def test_a_damaged_compressed_state_is_an_integrity_error_at_its_position(tmp_pa
 
 
 def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_path: Path) -> None:
-    from adapters.catalog import Catalog
-    from adapters.runtime import Runtime
-    from tests.test_output_stored_once import _interaction
+    from tests.test_output_stored_once import run_interaction
 
     store = EventStore(f"sqlite:///{tmp_path / 'snap.db'}")
-    program = _interaction()
-    catalog = Catalog([program])
-    runtime = Runtime(store, catalog)
-    try:
-        handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="snap-1")
-        assert handle.result(timeout=60).status == "completed"
-        runtime.wait_idle(handle.tree_id)
-    finally:
-        runtime.close()
-    plain = store.load(handle.tree_id, catalog.resolve, use_snapshot=False)
+    tree_id, catalog = run_interaction(store, "snap-1")
+    plain = store.load(tree_id, catalog.resolve, use_snapshot=False)
     assert plain.digest is not None
-    store.save_snapshot(handle.tree_id, plain.state, plain.digest)
-    (row,) = store.snapshots.select_events(handle.tree_id.uuid)
+    store.save_snapshot(tree_id, plain.state, plain.digest)
+    (row,) = store.snapshots.select_events(tree_id.uuid)
     body = EventStore.encode_snapshot(plain.state, plain.digest)
     assert row.state[:1] == COMPRESSED and len(row.state) < len(body)
-    loaded = store.load(handle.tree_id, catalog.resolve)
+    loaded = store.load(tree_id, catalog.resolve)
     assert loaded.snapshot_version == plain.state.version
     assert loaded.state.to_json() == plain.state.to_json()
 
     # A snapshot row as an earlier release wrote it (plain JSON) loads the same.
-    store.snapshots.prune(handle.tree_id.uuid, plain.state.version + 1)
-    store.snapshots.insert_events([StoredEvent(handle.tree_id.uuid, plain.state.version, row.topic, body)])
-    again = store.load(handle.tree_id, catalog.resolve)
+    store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
+    store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, body)])
+    again = store.load(tree_id, catalog.resolve)
     assert again.snapshot_version == plain.state.version and again.state.to_json() == plain.state.to_json()

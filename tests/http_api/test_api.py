@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,20 @@ def pending_of(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
 
 
 def unknown_of(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
-    listed = ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]
-    everywhere = [e for e in ok(c.get("/unknown-effects"))["unknown_effects"] if e["tree_id"] == tree_id]
-    assert listed == everywhere
-    return listed  # type: ignore[no-any-return]
+    """The run's unknown effects, the same in its own listing and in the global one.
+
+    The global listing is read between two reads of the run's own: while the run is still
+    moving (an unknown being recorded between two requests), the reads are taken again;
+    two requests at different moments may rightly differ."""
+    for _ in range(100):
+        listed = ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]
+        everywhere = [e for e in ok(c.get("/unknown-effects"))["unknown_effects"] if e["tree_id"] == tree_id]
+        again = ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]
+        if listed == again:
+            assert listed == everywhere
+            return listed  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"the unknown effects of {tree_id} kept changing")
 
 
 def parked_approval(c: httpx.Client, prefix: str, final: dict[str, Any] = FINAL) -> tuple[dict[str, Any], dict[str, Any]]:
