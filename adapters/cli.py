@@ -51,16 +51,16 @@ from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries
 from adapters.recorders import TreeHead
+from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import CrashPlan, RandomIds, Runtime
 from adapters.scenario import load_scenario_file, scenario_input, scenario_program
 from adapters.sources import ProgramSources, default_sources
 from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
 from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
-from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
 from domain.program import Program, ProgramResolver, SignalRequest
-from domain.requests import Settlement, effect_request
+from domain.requests import Settlement
 from domain.tree import ProcessState, TreeState
 from projections.host_views import pending_tool_inputs
 
@@ -313,37 +313,16 @@ def _settlement_for(
     args: argparse.Namespace, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID
 ) -> Settlement:
     """Build the definite settlement the host describes, with the Program's own settle helper."""
-    found = tree.find_effect(effect_id)
-    program = programs(found[0].program) if (found is not None and programs is not None) else None
-    request = None
-    if found is not None and program is not None and found[1].target == "dispatcher":
-        request = effect_request(tree, found[0].process_id, effect_id, program)
-    payload = request.payload if request is not None else None
-    is_tool = isinstance(payload, dict) and "tool_call" in payload
-    is_model = isinstance(payload, dict) and "model_call" in payload
-    if args.model_response is not None:
-        if args.output is not None or args.disposition is not None or args.status is not None:
-            raise _UsageError("cli.usage", "--model-response takes no --output, --disposition or --status")
-        if not is_model or program is None or request is None:
-            raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is not a model call; use --output")
-        response = parse_json_text(args.model_response, what="--model-response")
-        if isinstance(response, dict) and isinstance(response.get("message"), dict):
-            # The shape of a scenario's model response: the message role may be left out.
-            response = {**response, "message": {"role": "assistant", **response["message"]}}
-        return settle_model_result(program, request, response)
-    if args.output is None:
-        raise _UsageError("cli.usage", "give --output JSON (or --model-response JSON for a model call)")
-    value = parse_json_text(args.output, what="--output")
-    if is_model:
-        raise InvalidInput("cli.argument_invalid", f"effect {effect_id} is a model call; use --model-response JSON")
-    if is_tool and program is not None and request is not None:
-        # A tool call's outcome is its disposition; --status would silently be ignored.
-        if args.status is not None:
-            raise _UsageError("cli.usage", "a tool call is resolved with --disposition, not --status")
-        return settle_tool_result(program, request, value, args.disposition or "succeeded")
-    if args.disposition is not None:
-        raise _UsageError("cli.usage", "--disposition applies to tool calls only; use --status")
-    return Settlement.failed(value) if args.status == "failed" else Settlement.succeeded(value)
+    return settlement_for(
+        tree, programs, effect_id,
+        model_response=ABSENT if args.model_response is None
+        else parse_json_text(args.model_response, what="--model-response"),
+        output=ABSENT if args.output is None else parse_json_text(args.output, what="--output"),
+        disposition=args.disposition, status=args.status,
+        name=lambda member: "--" + member.replace("_", "-"),
+        usage=lambda message: _UsageError("cli.usage", message),
+        wrong_kind=lambda message: InvalidInput("cli.argument_invalid", message),
+    )
 
 
 def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:

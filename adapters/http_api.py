@@ -42,16 +42,16 @@ from adapters.eventstore import EventStore
 from adapters.follower import Follower
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries
+from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import scenario_input, scenario_program, validate_scenario
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
-from domain.interaction.settle import settle_model_result, settle_tool_result
 from domain.kernel import Kernel
 from domain.program import ProgramResolver, SignalRequest
-from domain.requests import Settlement, effect_request
+from domain.requests import Settlement
 from domain.tree import TreeState
 from projections.host_views import pending_tool_inputs
 from projections.read_models import Entry
@@ -603,7 +603,7 @@ class ApiService:
                 hint="list unknown effects with GET /unknown-effects",
             )
         probe, programs = self.queries.fold(tree_id)
-        settlement = settlement_for(body, probe, programs, eid)
+        settlement = resolution_settlement(body, probe, programs, eid)
         found = probe.find_effect(eid)
         process_id = found[0].process_id if found is not None else None
         # The kernel's own rules on a private copy: a refused resolution must not even
@@ -670,40 +670,18 @@ def wait_state(tree: TreeState, process_id: ProcessID, wait_id: WaitID) -> dict[
     return {"wait_id": wait_id, "process_id": process_id, "state": state, "answered_by": answered_by}
 
 
-def settlement_for(body: Resolve, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID) -> Settlement:
-    """The definite settlement a resolution describes (``agentfold resolve``'s rules)."""
+def resolution_settlement(
+    body: Resolve, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID
+) -> Settlement:
+    """The definite settlement a resolution body describes (``agentfold resolve``'s rules)."""
     given = body.model_fields_set
-    found = tree.find_effect(effect_id)
-    program = programs(found[0].program) if (found is not None and programs is not None) else None
-    request = None
-    if found is not None and program is not None and found[1].target == "dispatcher":
-        request = effect_request(tree, found[0].process_id, effect_id, program)
-    payload = request.payload if request is not None else None
-    is_tool = isinstance(payload, dict) and "tool_call" in payload
-    is_model = isinstance(payload, dict) and "model_call" in payload
-    if "model_response" in given:
-        if given & {"output", "disposition", "status"}:
-            raise RequestInvalid("model_response takes no output, disposition or status")
-        if not is_model or program is None or request is None:
-            raise RequestInvalid(f"effect {effect_id} is not a model call; give output")
-        response = normalize(body.model_response, what="model_response")
-        if isinstance(response, dict) and isinstance(response.get("message"), dict):
-            # The shape of a scenario's model response: the message role may be left out.
-            response = {**response, "message": {"role": "assistant", **response["message"]}}
-        return settle_model_result(program, request, response)
-    if "output" not in given:
-        raise RequestInvalid("give output (or model_response for a model call)")
-    value = normalize(body.output, what="output")
-    if is_model:
-        raise RequestInvalid(f"effect {effect_id} is a model call; give model_response")
-    if is_tool and program is not None and request is not None:
-        # A tool call's outcome is its disposition; a status would silently be ignored.
-        if body.status is not None:
-            raise RequestInvalid("a tool call is resolved with disposition, not status")
-        return settle_tool_result(program, request, value, body.disposition or "succeeded")
-    if body.disposition is not None:
-        raise RequestInvalid("disposition applies to tool calls only; use status")
-    return Settlement.failed(value) if body.status == "failed" else Settlement.succeeded(value)
+    return settlement_for(
+        tree, programs, effect_id,
+        model_response=normalize(body.model_response, what="model_response") if "model_response" in given else ABSENT,
+        output=normalize(body.output, what="output") if "output" in given else ABSENT,
+        disposition=body.disposition, status=body.status,
+        usage=RequestInvalid, wrong_kind=RequestInvalid,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1029,6 +1007,6 @@ __all__ = [
     "openapi_document",
     "openapi_text",
     "problem_body",
-    "settlement_for",
+    "resolution_settlement",
     "wait_state",
 ]
