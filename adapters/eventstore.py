@@ -299,10 +299,6 @@ class EventStore:
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
 
-    @staticmethod
-    def snapshot_json(stored: bytes) -> bytes:
-        """A stored snapshot's JSON (snapshots are deflated like event states)."""
-        return stored_json(stored)
 
     def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
