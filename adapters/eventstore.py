@@ -15,7 +15,6 @@ only the events after it, verifying the digest chain of every event read.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import uuid
@@ -52,6 +51,7 @@ from adapters.recorders import (
     SQLiteSnapshotRecorder,
     SQLiteTreeRecorder,
     TreeHead,
+    cache_statements,
 )
 from domain.errors import InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
@@ -159,6 +159,7 @@ class EventStore:
                 env = Environment("AGENTFOLD", settings)
                 self.factory = InfrastructureFactory.construct(env)
                 if self.backend == "sqlite":
+                    cache_statements(self.factory.datastore)
                     self.recorder = SQLiteTreeRecorder(self.factory.datastore)
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
@@ -200,7 +201,7 @@ class EventStore:
             stored.append(record)
         assert digest is not None
         if head is not None:
-            head = dataclasses.replace(head, head_digest=digest)
+            head = head.with_digest(digest)
         try:
             ids = self.recorder.insert_events(stored, head=head)
         except IntegrityError as exc:

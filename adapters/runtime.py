@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -460,13 +460,12 @@ class _Driver:
         if crash is not None:
             events, exit_after = runtime._crash_check(events)
         expected = self.committed
-        head = self._head(events)
-        if head.version != expected + len(events):
-            # A crash plan cut this append short (``declared:N``): the folded tree is ahead of
-            # what is stored, so the index row must carry the stored version, not the folded one.
-            head = replace(head, version=expected + len(events))
+        now = runtime.clock()  # one reading: the events' timestamp and the index row's updated_at
+        # A crash plan may cut this append short (``declared:N``): the folded tree is then ahead
+        # of what is stored, so the index row carries the stored version, not the folded one.
+        head = index_head(self.tree, self.tree_id, events, now, version=expected + len(events))
         result = runtime.store.append(
-            self.tree_id, expected, events, previous_digest=self.digest, timestamp=runtime.clock(), head=head
+            self.tree_id, expected, events, previous_digest=self.digest, timestamp=now, head=head
         )
         if crash is not None and exit_after:
             crash.exit()
@@ -497,9 +496,6 @@ class _Driver:
             self.runtime.store.write_snapshot(self.tree_id, version, body)
         except Exception:  # noqa: BLE001 - a snapshot is a cache; the next one will be taken later
             self.last_snapshot = 0
-
-    def _head(self, events: Sequence[TreeEvent]) -> TreeHead:
-        return index_head(self.tree, self.tree_id, events, self.runtime.clock())
 
     def _reload(self) -> None:
         """Discard uncommitted state and fold the tree again from the store."""
@@ -910,9 +906,10 @@ class Runtime:
             if not events:
                 return value
             try:
+                now = self.clock()
                 self.store.append(
-                    tree_id, base, events, previous_digest=loaded.digest, timestamp=self.clock(),
-                    head=index_head(loaded.state, tree_id, events, self.clock()),
+                    tree_id, base, events, previous_digest=loaded.digest, timestamp=now,
+                    head=index_head(loaded.state, tree_id, events, now),
                 )
             except VersionConflict:
                 continue
@@ -1251,8 +1248,11 @@ class Runtime:
         self.close()
 
 
-def index_head(tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str) -> TreeHead:
-    """The ``agentfold_trees`` row after ``events`` (the store fills in the head digest)."""
+def index_head(
+    tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str, *, version: int | None = None
+) -> TreeHead:
+    """The ``agentfold_trees`` row after ``events`` (the store fills in the head digest);
+    ``version`` when the stored version differs from the folded one."""
     root = tree.root
     assert tree.start_id is not None
     return TreeHead(
@@ -1262,7 +1262,7 @@ def index_head(tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], no
         program=root.program.name,
         status=root.status,
         classification=tree.classification(),
-        version=tree.version,
+        version=tree.version if version is None else version,
         head_digest="",
         unknown_effect_ids=tuple(sorted(tree.unknown_ids)),
         created_at=now,

@@ -38,17 +38,8 @@ def content_bytes(body: dict[str, Any], timestamp: str) -> bytes:
 
 
 def chain_digest(previous: str | None, tree_id: str, position: int, type_name: str, content: bytes) -> Digest:
-    h = hashlib.sha256()
-    h.update((previous or "").encode("ascii"))
-    h.update(b"\x00")
-    h.update(tree_id.encode("ascii"))
-    h.update(b"\x00")
-    h.update(str(position).encode("ascii"))
-    h.update(b"\x00")
-    h.update(type_name.encode("ascii"))
-    h.update(b"\x00")
-    h.update(content)
-    return str.__new__(Digest, "sha256:" + h.hexdigest())
+    header = f"{previous or ''}\x00{tree_id}\x00{position}\x00{type_name}\x00".encode("ascii")
+    return str.__new__(Digest, "sha256:" + hashlib.sha256(header + content).hexdigest())
 
 
 def seal(content: bytes, digest: str) -> bytes:

@@ -1,0 +1,115 @@
+"""The hot path's shortcuts give exactly what the general code gives.
+
+* ``TreeEvent.model_construct`` (the kernel builds every event with it) must build the
+  same event as validation does, and refuse a missing or unknown field instead of
+  silently dropping it (pydantic's own ``model_construct`` drops unknown fields).
+* ``TreeHead.with_digest`` must keep every other field of the index row.
+* SQLite connections keep the statements of an append prepared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from adapters.eventstore import EventStore
+from adapters.recorders import SQLITE_STATEMENT_CACHE, TreeHead
+from domain.events import EVENT_TYPES, EffectDeclared, StepCommitted, TreeStarted, event_body, event_from_body
+from domain.ids import ProcessID
+from domain.ids import effect_id as derive_effect_id
+
+PID = ProcessID("process:" + "a1" * 16)
+
+
+def test_constructed_events_equal_validated_ones_and_dump_the_same() -> None:
+    eid = derive_effect_id(PID, 3, 0)
+    cases = [
+        StepCommitted.model_construct(process_id=PID, step=3, consumed=1, kind="continue", facts={"n": 1}, effects=1),
+        EffectDeclared.model_construct(
+            process_id=PID, effect_id=eid, step=3, index=0, target="dispatcher", payload={"x": [1, 2]}
+        ),
+    ]
+    for event in cases:
+        body = event_body(event)
+        validated = event_from_body(type(event).__name__, body)
+        assert validated == event
+        assert event_body(validated) == body
+        assert validated.model_dump() == event.model_dump()
+    # defaults are filled in and only the given fields count as set
+    step = cases[0]
+    assert step.wait_id is None and step.reason is None
+    assert step.model_fields_set == {"process_id", "step", "consumed", "kind", "facts", "effects"}
+
+
+def test_constructing_an_event_with_an_unknown_or_missing_field_raises() -> None:
+    with pytest.raises(TypeError, match="unknown fields \\['stpe'\\]"):
+        StepCommitted.model_construct(process_id=PID, stpe=1, step=1, consumed=0, kind="continue")
+    with pytest.raises(TypeError, match="needs consumed"):
+        StepCommitted.model_construct(process_id=PID, step=1, kind="continue")
+
+
+def test_every_event_type_constructs_with_its_defaults() -> None:
+    # Shared default instances are only safe when they are immutable.
+    for cls in EVENT_TYPES.values():
+        for name, field in cls.model_fields.items():
+            if field.is_required():
+                continue
+            default = field.get_default(call_default_factory=True)
+            assert _immutable(default), f"{cls.__name__}.{name} has a mutable default {default!r}"
+    assert TreeStarted.model_construct.__func__ is StepCommitted.model_construct.__func__  # type: ignore[attr-defined]
+
+
+def _immutable(value: object) -> bool:
+    if value is None or isinstance(value, (str, int, frozenset)):
+        return True
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return bool(value.__dataclass_params__.frozen) and all(  # type: ignore[attr-defined]
+            _immutable(getattr(value, f.name)) for f in dataclasses.fields(value)
+        )
+    config = getattr(value, "model_config", None)
+    if isinstance(config, dict) and config.get("frozen"):
+        return all(_immutable(getattr(value, n)) for n in type(value).model_fields)  # type: ignore[attr-defined]
+    return False
+
+
+def test_a_head_with_its_digest_keeps_every_other_field() -> None:
+    head = TreeHead(
+        tree_id="tree:1", start_id="start:1", root_process_id=str(PID), program="p", status="running",
+        classification="progress", version=7, head_digest="", unknown_effect_ids=("effect:x",),
+        created_at="2026-01-01T00:00:00.000000Z", updated_at="2026-01-02T00:00:00.000000Z",
+        new_processes=(str(PID),),
+    )
+    digested = head.with_digest("sha256:" + "0" * 64)
+    expected = dataclasses.replace(head, head_digest="sha256:" + "0" * 64)
+    assert [getattr(digested, f.name) for f in dataclasses.fields(TreeHead)] == [
+        getattr(expected, f.name) for f in dataclasses.fields(TreeHead)
+    ]
+
+
+def test_sqlite_connections_cache_the_statements_of_an_append(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # eventsourcing passes cached_statements=True (a cache of one statement); every
+    # connection of the store must be opened with a real cache, in WAL mode.
+    opened: list[dict[str, object]] = []
+    real_connect = sqlite3.connect
+
+    def spy(*args: object, **kwargs: object) -> sqlite3.Connection:
+        opened.append(kwargs)
+        return real_connect(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite3, "connect", spy)
+    store = EventStore(f"sqlite:///{tmp_path / 'x.db'}")
+    try:
+        store.recorder.select_heads()
+        with store.factory.datastore.transaction(commit=False) as cursor:
+            cursor.execute("PRAGMA journal_mode")
+            assert str(cursor.fetchone()[0]).lower() == "wal"
+    finally:
+        store.close()
+    assert opened, "the store opened no SQLite connection through sqlite3.connect"
+    assert {k.get("cached_statements") for k in opened} == {SQLITE_STATEMENT_CACHE}
+    assert SQLITE_STATEMENT_CACHE >= 16
