@@ -57,7 +57,7 @@ from adapters.scenario import load_scenario_file, scenario_input, scenario_progr
 from adapters.sources import ProgramSources, default_sources
 from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
 from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
-from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
 from domain.kernel import Kernel
 from domain.program import Program, ProgramResolver, SignalRequest
 from domain.requests import Settlement
@@ -326,7 +326,7 @@ def _settlement_for(
 
 
 def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
-    effect_id = EffectID(args.effect_id)
+    effect_id = parse_effect_id(args.effect_id)
     store = ctx.open_store()
     try:
         tree_id = store.tree_of_unknown_effect(effect_id)
@@ -748,14 +748,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--amount-cents", type=int, default=1250, help="amount to charge (default 1250)")
     demo.add_argument(
         "--crash-after", metavar="POINT", default=None,
-        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N",
+        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N, "
+        "after:<Event>:N or before:<Event>:N (docs/cli.md)",
     )
     run = command("run", cmd_run, "start a scenario and drive it until it ends or parks", timeout=True)
     run.add_argument("scenario", metavar="SCENARIO", help="a scenario file (docs/scenarios.md)")
     run.add_argument("--start-id", metavar="ID", default=None, help="idempotent start id (default: a fresh one)")
     run.add_argument(
         "--crash-after", metavar="POINT", default=None,
-        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N",
+        help="end the process with exit status 75 at POINT: declared:N, dispatched:N, in-dispatch:N, settled:N, "
+        "after:<Event>:N or before:<Event>:N (docs/cli.md)",
     )
     command("pending", cmd_pending, "list tool calls that wait for a human answer")
     answer = command("answer", cmd_answer, "answer a pending tool input, then drive the run on", timeout=True)

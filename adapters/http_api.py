@@ -48,7 +48,7 @@ from adapters.scenario import scenario_input, scenario_program, validate_scenari
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected
-from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
 from domain.kernel import Kernel
 from domain.program import ProgramResolver, SignalRequest
 from domain.requests import Settlement
@@ -595,7 +595,7 @@ class ApiService:
 
     def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
         """``agentfold resolve``: validated on a private fold first, then settled."""
-        eid = EffectID(effect_id)
+        eid = parse_effect_id(effect_id)
         tree_id = self.store.tree_of_unknown_effect(eid)
         if tree_id is None:
             raise NotFound(

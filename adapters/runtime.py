@@ -62,6 +62,7 @@ from domain.ids import (
     StartID,
     TreeID,
     TreeIncarnationID,
+    parse_effect_id,
     root_process_id,
 )
 from domain.kernel import Dispatch, Kernel, start_tree
@@ -971,7 +972,7 @@ class Runtime:
         self, effect_id: EffectID | str, settlement: Settlement, *, process_id: ProcessID | str | None = None
     ) -> None:
         """Settle an unknown Effect with the definite outcome a host established."""
-        eid = EffectID(effect_id)
+        eid = parse_effect_id(effect_id)
         if not isinstance(settlement, Settlement) or not settlement.status.definite:
             raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement")
         tree_id = self._tree_of_effect(eid, process_id)
@@ -999,7 +1000,7 @@ class Runtime:
         A definite outcome resolves it; an uncertain one raises
         ``engine.effect.outcome_unknown`` and leaves it unknown.
         """
-        eid = EffectID(effect_id)
+        eid = parse_effect_id(effect_id)
         tree_id = self._tree_of_effect(eid, process_id)
         loaded = self._load(tree_id)
         found = loaded.state.find_effect(eid)

@@ -194,6 +194,19 @@ def effect_id(process_id: ProcessID, step: int, index: int) -> EffectID:
     return str.__new__(EffectID, derive("effect:", "effect", process_id, step, index))
 
 
+def parse_effect_id(text: str) -> EffectID:
+    """An EffectID a host names (to resolve or replay it): the kernel derives every EffectID,
+    so anything but ``effect:`` + 64 lowercase hex digits cannot name an Effect."""
+    value = EffectID(text)
+    if not (value.startswith("effect:") and _HEX64.fullmatch(value, len("effect:"))):
+        raise InvalidInput(
+            "identity.invalid",
+            f"invalid effect id {value[:80]!r}",
+            hint="expected 'effect:' followed by 64 lowercase hex digits (`agentfold unknown` lists them)",
+        )
+    return value
+
+
 def wait_id_for(effect: EffectID) -> WaitID:
     """The WaitID a wait or child-wait Effect opens."""
     return str.__new__(WaitID, derive("wait:", "wait", effect))

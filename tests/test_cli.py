@@ -215,6 +215,9 @@ def test_refused_resolutions_exit_2_and_leave_the_store_unchanged(tmp_path: Path
     ] == "payload.invalid"
     assert refused(agentfold("resolve", "effect:does-not-exist", "--output", "{}", "--json", store=store)).error()[
         "code"
+    ] == "identity.invalid"
+    assert refused(agentfold("resolve", "effect:" + "0" * 64, "--output", "{}", "--json", store=store)).error()[
+        "code"
     ] == "engine.effect.not_pending"
     assert refused(agentfold("resolve", effect_id, "--output", "{}", "--status", "unknown", store=store)).stderr.startswith(
         "agentfold: error: cli.usage:"
@@ -267,7 +270,7 @@ def test_usage_errors_exit_2_with_one_line_in_text_or_json(tmp_path: Path) -> No
 
 def test_commands_refuse_an_sqlite_store_that_does_not_exist_without_creating_it(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
-    for command in (["trees"], ["show", "order-1"], ["unknown"], ["recover"], ["resolve", "effect:x", "--output", "{}"]):
+    for command in (["trees"], ["show", "order-1"], ["unknown"], ["recover"], ["resolve", "effect:" + "0" * 64, "--output", "{}"]):
         ran = refused(agentfold(*command, "--json", store=store))
         assert ran.error()["code"] == "store.not_found"
     assert not (tmp_path / "agentfold.db").exists()

@@ -13,7 +13,7 @@ from typing import Any
 
 from domain.canonical import JSON, normalize
 from domain.errors import InvalidInput
-from domain.interaction.chat import ToolCall, parse_messages, parse_response
+from domain.interaction.chat import FINISH_REASONS, ToolCall, parse_messages, parse_response
 from domain.interaction.interaction import InteractionStrategy
 from domain.interaction.tool_call import ToolCallStrategy
 from domain.program import Program
@@ -113,6 +113,13 @@ def settle_model_result(
         parsed = parse_response(response)
     except InvalidInput as exc:
         raise _refuse(f"invalid model response: {exc.message}") from exc
+    if parsed["finish_reason"] not in FINISH_REASONS:
+        # A model adapter may pass a provider's own reason through (the run then ends on it);
+        # a host states what happened in this vocabulary, so a typo never ends a run.
+        raise _refuse(
+            f"invalid model response: unknown finish reason {parsed['finish_reason']!r} "
+            f"(one of {', '.join(FINISH_REASONS)})"
+        )
     result: dict[str, Any] = {"response": parsed}
     if effective_messages is None and program.strategy.definition.context_policy is not None:
         # The policy may have changed what was sent; only the host knows the messages the

@@ -430,7 +430,10 @@ def test_unknown_tool_and_model_calls_are_resolved_and_the_run_completes(api: Ap
     problem(c.post(url, json={}), 422, "http.request_invalid")
     problem(c.post(url, json={"output": "x", "disposition": "maybe"}), 422, "http.request_invalid")
     problem(c.post(url, json={"output": {"beta": "B"}}), 422, "interaction.settlement.invalid")
-    problem(c.post("/unknown-effects/effect:nope/resolve", json={"output": "x"}), 404, "engine.effect.not_pending")
+    problem(c.post(f"/unknown-effects/effect:{'0' * 64}/resolve", json={"output": "x"}), 404,
+            "engine.effect.not_pending")
+    # Effect ids are derived: anything but effect:<64 hex> cannot name one.
+    problem(c.post("/unknown-effects/effect:nope/resolve", json={"output": "x"}), 422, "identity.invalid")
     problem(c.post("/unknown-effects/has space/resolve", json={"output": "x"}), 422, "identity.invalid")
     assert run(c, tree_id)["version"] == version
 
@@ -449,6 +452,11 @@ def test_unknown_tool_and_model_calls_are_resolved_and_the_run_completes(api: Ap
     assert tool_message["tool_results"][1]["output"] == {"details": HOST_BETA}
     model_url = f"/unknown-effects/{model['effect_id']}/resolve"
     problem(c.post(model_url, json={"output": "text"}), 422, "http.request_invalid")
+    # A finish reason outside the vocabulary is a typo, not an outcome: refused, nothing appended.
+    bogus = problem(c.post(model_url, json={"model_response": {**FINAL, "finish_reason": "bogus"}}), 422,
+                    "interaction.settlement.invalid")
+    assert "unknown finish reason 'bogus'" in bogus["detail"]
+    assert [u["effect_id"] for u in unknown_of(c, tree_id)] == [model["effect_id"]]
     done = ok(c.post(model_url, json={"model_response": FINAL, "wait": 30}))
     assert (done["tree"]["status"], done["tree"]["unknown_effect_ids"]) == ("completed", [])
     entry = run(c, tree_id, min_position=done["position"])
