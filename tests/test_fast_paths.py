@@ -113,3 +113,22 @@ def test_sqlite_connections_cache_the_statements_of_an_append(tmp_path: Path, mo
     assert opened, "the store opened no SQLite connection through sqlite3.connect"
     assert {k.get("cached_statements") for k in opened} == {SQLITE_STATEMENT_CACHE}
     assert SQLITE_STATEMENT_CACHE >= 16
+
+
+def test_the_sqlite_pool_hands_out_the_most_recently_used_connection(tmp_path: Path) -> None:
+    # One writer thread must keep using one connection (its page cache stays valid), even
+    # once a second connection exists.
+    store = EventStore(f"sqlite:///{tmp_path / 'x.db'}")
+    try:
+        pool = store.factory.datastore.pool
+        first = pool.get_connection(is_writer=False)
+        second = pool.get_connection(is_writer=False)
+        assert first is not second
+        pool.put_connection(first)
+        pool.put_connection(second)
+        for _ in range(3):
+            again = pool.get_connection(is_writer=True)
+            assert again is second
+            pool.put_connection(again)
+    finally:
+        store.close()
