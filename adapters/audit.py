@@ -482,7 +482,7 @@ def verify(store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSource
     read_models: ReadModels | None = None
     current = False
     if ReadModels.exist(store):
-        read_models = ReadModels(store)
+        read_models = ReadModels(store, create=False)
         current = read_models.is_current()
     checks = [
         verify_tree(store, tree_id, catalog, read_models, models_current=current)[0] for tree_id in tree_ids

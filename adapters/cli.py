@@ -43,10 +43,9 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
-from adapters.eventstore import EventStore, parse_store_url, redact, store_url_from_env
+from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, store_url_from_env
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries
@@ -68,6 +67,12 @@ PROG = "agentfold"
 # Modules that add commands: each defines ``register(command)`` (see build_parser).
 COMMAND_MODULES = ("adapters.cli_serve", "adapters.cli_audit", "adapters.cli_feed")
 DEFAULT_TIMEOUT = 60.0
+# The commands that create a store that does not exist yet (docs/cli.md); every other one refuses it.
+CREATING_COMMANDS = ("run", "kernel-demo-run", "import", "serve")
+STORE_NOT_FOUND_HINT = (
+    "pass --store or set AGENTFOLD_STORE to the store your runs use; "
+    + ", ".join(f"`{c}`" for c in CREATING_COMMANDS[:-1]) + f" and `{CREATING_COMMANDS[-1]}` create a new store"
+)
 
 
 # ---------------------------------------------------------------------------
@@ -81,6 +86,9 @@ class Outcome:
     data: JSON
     text: str
     status: int = 0
+    exit_now: bool = False
+    """End the process right after printing, without waiting for other threads (a server
+    whose abandoned dispatcher calls are still running)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +98,14 @@ class Context:
     timeout: float
 
     def open_store(self, *, create: bool = False) -> EventStore:
-        """Open the store; an SQLite file that does not exist is refused unless ``create``."""
-        backend, settings = parse_store_url(self.store_url)
-        if backend == "sqlite" and not create and not Path(settings["SQLITE_DBNAME"]).exists():
-            raise NotFound(
-                "store.not_found",
-                f"no store at {redact(self.store_url)}",
-                hint="pass --store or set AGENTFOLD_STORE to the store your runs use",
-            )
-        return EventStore(self.store_url)
+        """Open the store. Unless ``create``, nothing is created: a missing SQLite file or a
+        PostgreSQL database without agentfold's tables is refused (``store.not_found``)."""
+        try:
+            return EventStore(self.store_url, create=create)
+        except NotFound as exc:
+            if exc.hint != NOT_FOUND_HINT:  # a missing database or a partial store: its own hint
+                raise
+            raise NotFound(exc.code, exc.message, hint=STORE_NOT_FOUND_HINT) from None
 
     def runtime(self, store: EventStore, crash: CrashPlan | None = None, *extra: Program) -> Runtime:
         # poll_interval=0: no watcher thread following other writers. A command owns its
@@ -633,11 +640,14 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
     import threading
     import time
 
-    from adapters.follower import Follower
+    from adapters.follower import Follower, follow_until_stopped
 
     store = ctx.open_store()
     try:
-        follower = Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval)
+        def make() -> Follower:
+            return Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval)
+
+        follower = make()
         started = time.perf_counter()
         applied = follower.rebuild() if args.rebuild else follower.catch_up()
         seconds = time.perf_counter() - started
@@ -656,10 +666,19 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
             if not getattr(args, "json", False):
                 sys.stdout.write(text + "\nfollowing (Ctrl-C to stop)\n")
                 sys.stdout.flush()
-            follower.follow(stop)
-            data["events"] = follower.events_applied
-            data["position"] = follower.position
-            text = f"stopped at position {follower.position} after {follower.events_applied} event(s)"
+            # Store failures while following (a server restart, terminated sessions) are
+            # reported on stderr and retried from the committed tracking position.
+            def say(line: str) -> None:
+                sys.stderr.write(f"{PROG}: project: {line}\n")
+                sys.stderr.flush()
+
+            report = follow_until_stopped(make, stop, say, first=follower)
+            data["events"] = report.events
+            data["position"] = report.position
+            data["failures"] = report.failures
+            text = f"stopped at position {report.position} after {report.events} event(s)" + (
+                f" ({report.failures} store failure(s) retried)" if report.failures else ""
+            )
     finally:
         store.close()
     return Outcome(data, text)
@@ -830,6 +849,9 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     else:
         sys.stdout.write(outcome.text + "\n")
     sys.stdout.flush()
+    if outcome.exit_now:
+        sys.stderr.flush()
+        os._exit(outcome.status)
     return outcome.status
 
 

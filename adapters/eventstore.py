@@ -4,7 +4,16 @@ Store URLs:
 
 * ``memory:`` - a volatile store inside this process (tests);
 * ``sqlite:///path/to/file.db`` (``sqlite:////abs/path.db``) - the embedded default;
-* ``postgresql://user:password@host:port/dbname`` - production.
+* ``postgresql://user:password@host:port/dbname`` - production. No query string: TLS and
+  other connection settings come from libpq's environment variables (``PGSSLMODE``,
+  ``PGSSLROOTCERT``, ``PGCONNECT_TIMEOUT``, ...; docs/cli.md).
+
+``EventStore(url)`` creates agentfold's tables in a new database (or a new SQLite file);
+``EventStore(url, create=False)`` creates nothing and refuses a store without them
+(``store.not_found``), so a role that may only read can open an existing store.
+Opening a PostgreSQL store first makes one direct connection with a short timeout, so a
+wrong password, a missing database or an unreachable server is reported at once with the
+server's own reason (not after the connection pool's 30 s wait).
 
 An append writes a list of events atomically at an expected version (optimistic
 concurrency). A duplicate version raises :class:`VersionConflict`, unless the very
@@ -15,11 +24,14 @@ only the events after it, verifying the digest chain of every event read.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -43,6 +55,10 @@ from adapters.codec import (
 )
 from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases
 from adapters.recorders import (
+    EVENTS_TABLE,
+    PROCESSES_TABLE,
+    SNAPSHOTS_TABLE,
+    TREES_TABLE,
     IndexQueries,
     MemorySnapshotRecorder,
     MemoryTreeRecorder,
@@ -62,6 +78,16 @@ from domain.tree import FoldError, TreeState
 
 DEFAULT_STORE = "sqlite:///./agentfold.db"
 SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
+# The tables every store has (created together by ``EventStore(url)``).
+STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
+# Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
+PG_CONNECT_TIMEOUT = 10
+NOT_FOUND_HINT = "check the store URL; a store is created by opening it with create=True"
+PG_URL_HINT = "write it as postgresql://user:password@host:port/dbname, percent-encoding @ : / ? # in the user or password"
+PG_ENVIRONMENT_HINT = (
+    "set libpq's environment variables instead, e.g. PGSSLMODE, PGSSLROOTCERT, PGCONNECT_TIMEOUT: "
+    "see the store URLs in docs/cli.md"
+)
 
 
 class VersionConflict(Rejected):
@@ -115,18 +141,51 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
             "SQLITE_LOCK_TIMEOUT": "30",
         }
     if url.startswith(("postgresql://", "postgres://")):
-        parts = urlsplit(url)
-        dbname = parts.path.lstrip("/")
-        if not parts.hostname or not dbname:
+        if "?" in url or "#" in url:
+            # Parameters were silently dropped before (a `?sslmode=require` connected in
+            # plain text): refuse them rather than ignore a security setting.
+            base = redact(url.split("?", 1)[0].split("#", 1)[0])
             raise InvalidInput(
-                "store.url_invalid", f"PostgreSQL URL {url!r} needs a host and a database",
-                hint="postgresql://user:password@host:port/dbname",
+                "store.url_invalid",
+                f"PostgreSQL URL {base} has parameters after '?' or '#', which agentfold does not pass on",
+                hint=f"remove them; {PG_ENVIRONMENT_HINT}",
+            )
+        # urllib's own messages may quote parts of the password (an unencoded '/' in it
+        # makes the rest look like a port): say what is wrong in our words.
+        try:
+            parts = urlsplit(url)
+            hostname = parts.hostname
+        except ValueError:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} is malformed: its host is not a name, an IPv4 address "
+                "or an IPv6 address in [brackets]",
+                hint=PG_URL_HINT,
+            ) from None
+        try:
+            port = parts.port
+        except ValueError:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} has no valid port: a port is a number from 1 to 65535",
+                hint=PG_URL_HINT,
+            ) from None
+        dbname = unquote(parts.path.lstrip("/"))
+        if not hostname or not dbname:
+            raise InvalidInput(
+                "store.url_invalid", f"PostgreSQL URL {redact(url)} needs a host and a database", hint=PG_URL_HINT,
+            )
+        if port == 0:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} has no valid port: a port is a number from 1 to 65535",
+                hint=PG_URL_HINT,
             )
         return "postgresql", {
             "PERSISTENCE_MODULE": "eventsourcing.postgres",
             "POSTGRES_DBNAME": dbname,
-            "POSTGRES_HOST": parts.hostname,
-            "POSTGRES_PORT": str(parts.port or 5432),
+            "POSTGRES_HOST": hostname,
+            "POSTGRES_PORT": str(port or 5432),
             "POSTGRES_USER": unquote(parts.username or "postgres"),
             "POSTGRES_PASSWORD": unquote(parts.password or ""),
             "POSTGRES_POOL_SIZE": "4",
@@ -141,12 +200,21 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
 
 
 class EventStore:
-    """Tree streams, snapshots and the tree index over one eventsourcing database."""
+    """Tree streams, snapshots and the tree index over one eventsourcing database.
 
-    def __init__(self, url: str = DEFAULT_STORE) -> None:
+    ``create``: make the tables (and the SQLite file) when they are missing; when False,
+    nothing is created and a store without agentfold's tables is refused
+    (``store.not_found``). A memory store is always new.
+    """
+
+    def __init__(self, url: str = DEFAULT_STORE, *, create: bool = True) -> None:
         self.url = url
         self.backend, settings = parse_store_url(url)
         self._settings = settings
+        if self.backend == "sqlite" and not create:
+            self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
+        if self.backend == "postgresql":
+            check_postgres(url, settings)
         self.mapper = PydanticMapper(transcoder=OrjsonTranscoder())
         self._memory_leases: dict[TreeID, object] = {}
         self._memory_lock = threading.Lock()
@@ -165,19 +233,60 @@ class EventStore:
                 else:
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
-                self.recorder.create_table()
-                self.snapshots.create_table()
-        except InvalidInput:
+                if create:
+                    self.recorder.create_table()
+                    self.snapshots.create_table()
+                elif self.backend == "postgresql":
+                    self._require_tables()
+        except (InvalidInput, NotFound):
+            self.close()
             raise
         except (PersistenceError, OSError) as exc:
+            self.close()
             raise StoreFailure("store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+
+    def _require_sqlite_store(self, path: Path) -> None:
+        """Refuse a missing file, or one without agentfold's tables, before eventsourcing opens
+        it: its connections would create the file and switch it to WAL journaling."""
+        if not path.exists():
+            raise NotFound("store.not_found", f"no store at {redact(self.url)}: the file does not exist",
+                           hint=NOT_FOUND_HINT)
+        try:
+            with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
+                present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.Error as exc:
+            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
+        self._check_tables(present)
+
+    def _require_tables(self) -> None:
+        """Refuse a PostgreSQL database without agentfold's tables (``create=False`` creates nothing)."""
+        with self.factory.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = ANY(%s)",
+                (self.factory.datastore.schema, list(STORE_TABLES)),
+            )
+            present = {str(row["relname"]) for row in c.fetchall()}
+        self._check_tables(present)
+
+    def _check_tables(self, present: set[str]) -> None:
+        missing = [t for t in STORE_TABLES if t not in present]
+        if len(missing) == len(STORE_TABLES):
+            raise NotFound("store.not_found", f"no agentfold store in {redact(self.url)}: it has none of its tables",
+                           hint=NOT_FOUND_HINT)
+        if missing:
+            raise NotFound(
+                "store.not_found",
+                f"{redact(self.url)} is not a complete agentfold store: tables {', '.join(missing)} are missing",
+                hint="open it once with a command that creates a store, as a role that may create tables",
+            )
 
     @property
     def index(self) -> IndexQueries:
         return self.recorder  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        if self.factory is not None:
+        if getattr(self, "factory", None) is not None:
             self.factory.close()
 
     # -- appends -----------------------------------------------------------
@@ -395,11 +504,79 @@ class EventStore:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+    """The URL without its password, for messages (also when the URL is malformed)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host_and_path = rest.rpartition("@")
+    # The last '@' ends the user and password, even when an unencoded '/', '?' or '#' in
+    # the password would make a URL parser cut the host part earlier: never show a secret.
+    if not sep or rest.startswith("/") or not at or ":" not in userinfo:  # sqlite:///path has no user
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host_and_path}"
+
+
+def check_postgres(url: str, settings: dict[str, str]) -> None:
+    """Connect once, directly, with a short timeout, and explain a failure.
+
+    The connection pool would retry a failing connection for 30 s and then say only that
+    it got none; this says why at once. psycopg gives no SQLSTATE for a failed connection
+    (libpq keeps only the message), so a missing database (3D000) is recognized by the
+    server's message, which is English unless the server's ``lc_messages`` says otherwise
+    (a translated message is still reported, as ``store.unavailable``).
+    """
+    import psycopg
+
+    params: dict[str, Any] = {
+        "dbname": settings["POSTGRES_DBNAME"], "host": settings["POSTGRES_HOST"],
+        "port": settings["POSTGRES_PORT"], "user": settings["POSTGRES_USER"],
+        "password": settings["POSTGRES_PASSWORD"],
+    }
+    if not os.environ.get("PGCONNECT_TIMEOUT"):
+        params["connect_timeout"] = PG_CONNECT_TIMEOUT
+    try:
+        psycopg.connect(**params).close()
+    except psycopg.Error as exc:
+        raise connect_failure(url, settings, exc) from exc
+
+
+def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFound | StoreFailure:
+    """A classified error for a failed PostgreSQL connection, with the server's reason on one line."""
+    text = str(exc)
+    text = text.removeprefix("connection failed: ")
+    if settings["POSTGRES_PASSWORD"]:
+        text = text.replace(settings["POSTGRES_PASSWORD"], "***")
+    lines: list[str] = []
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if line and line not in lines:  # libpq repeats the reason for each SSL/non-SSL attempt
+            lines.append(line)
+    reason = "; ".join(lines) or type(exc).__name__
+    shown = redact(url)
+    dbname = settings["POSTGRES_DBNAME"]
+    if f'database "{dbname}" does not exist' in reason:
+        return NotFound(
+            "store.not_found", f"no database {dbname!r} on the PostgreSQL server of {shown}: {reason}",
+            hint="check the database name in the URL, or create the database first with CREATE DATABASE",
+        )
+    login = ("password authentication failed", "no password supplied", "authentication failed",
+             "pg_hba.conf", "not permitted to log in", "role \"")
+    if any(marker in reason for marker in login):
+        return StoreFailure(
+            "store.unavailable", f"PostgreSQL refused the login to {shown}: {reason}",
+            hint="check the user and password in the URL; without a password libpq reads ~/.pgpass or PGPASSFILE",
+        )
+    if "SSL" in reason or "certificate" in reason:
+        return StoreFailure(
+            "store.unavailable", f"cannot connect to the PostgreSQL server of {shown}: {reason}",
+            hint="check PGSSLMODE, PGSSLROOTCERT, which names the CA that signed the server's certificate, and the "
+            "host name in the URL: verify-full compares it with the certificate",
+        )
+    timeout = os.environ.get("PGCONNECT_TIMEOUT") or str(PG_CONNECT_TIMEOUT)
+    return StoreFailure(
+        "store.unavailable", f"cannot connect to the PostgreSQL server of {shown}: {reason}",
+        hint=f"check that the server runs and is reachable at the URL's host and port; "
+        f"the first connection waits at most {timeout} s, PGCONNECT_TIMEOUT sets it",
+    )
 
 
 def store_url_from_env(explicit: str | None = None) -> str:

@@ -11,11 +11,16 @@ resumes from the last committed position, and ``rebuild`` reproduces the same ro
 
 SQLite followers poll (``poll_interval``); PostgreSQL followers LISTEN on the channel
 every append notifies (``agentfold_events``) and also poll, as a safety net.
+
+``follow_until_stopped`` keeps following through store failures (a restarted or
+failed-over server, terminated sessions, a dropped network): it reports each failure,
+waits (backing off), and goes on with a new follower from the committed tracking position.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 import uuid
@@ -24,14 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from eventsourcing.persistence import IntegrityError, Notification
+from eventsourcing.persistence import IntegrityError, Notification, PersistenceError
 
 from adapters.catalog import Catalog
 from adapters.codec import DecodeError
-from adapters.eventstore import CorruptStream, EventStore
+from adapters.eventstore import PG_CONNECT_TIMEOUT, CorruptStream, EventStore
 from adapters.read_models import ReadModels, TreeUpdate, crash_hook_from_env
 from adapters.recorders import EVENTS_TABLE
-from domain.errors import InvalidInput, NotFound
+from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from domain.events import TreeStarted
 from domain.ids import TreeID
 from domain.program import ProgramResolver
@@ -220,6 +225,69 @@ class Follower:
             waiter.close()
 
 
+@dataclass(frozen=True, slots=True)
+class FollowReport:
+    events: int
+    position: int
+    failures: int
+
+
+def follow_until_stopped(
+    make: Callable[[], Follower],
+    stop: threading.Event,
+    say: Callable[[str], None],
+    *,
+    first: Follower | None = None,
+    backoff: float = 0.5,
+    max_backoff: float = 30.0,
+) -> FollowReport:
+    """Follow until ``stop`` is set, through store failures.
+
+    A failure of the store (or of the LISTEN connection) is reported with ``say`` (one
+    line) and, after a wait that doubles from ``backoff`` up to ``max_backoff``, a new
+    follower made by ``make`` goes on from the tables' committed tracking position: a
+    batch is committed with its position or not at all, so nothing is applied twice or
+    skipped. A corrupt stream and refused input are not retried: they are raised.
+    """
+    follower = first
+    applied = 0
+    position = first.position if first is not None else 0
+    failures = 0
+    delay = backoff
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            if follower is None:
+                follower = make()
+                say(f"following again from position {follower.position}")
+            position = follower.position
+            follower.follow(stop)
+        except CorruptStream:
+            raise
+        except (StoreFailure, PersistenceError, psycopg.Error, OSError) as exc:
+            failures += 1
+            if follower is not None:
+                applied += follower.events_applied
+                position = follower.position
+            follower = None
+            if time.monotonic() - started > max_backoff:
+                delay = backoff  # it had been working: a new outage starts with a short wait
+            say(f"following failed: {_one_line(exc)}; retrying in {delay:g} s")
+            deadline = time.monotonic() + delay
+            while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                stop.wait(min(left, 0.25))  # a signal handler sets stop; look at least every 0.25 s
+            delay = min(delay * 2, max_backoff)
+    if follower is not None:
+        applied += follower.events_applied
+        position = follower.position
+    return FollowReport(applied, position, failures)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, AgentfoldError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
 class NewEvents:
     """Waiting for new events in a store's log, for its followers (read models, publisher).
 
@@ -251,9 +319,10 @@ class _Listener:
 
     def __init__(self, store: EventStore) -> None:
         s = store._settings
+        timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
         self._conn = psycopg.connect(
             dbname=s["POSTGRES_DBNAME"], host=s["POSTGRES_HOST"], port=s["POSTGRES_PORT"],
-            user=s["POSTGRES_USER"], password=s["POSTGRES_PASSWORD"], autocommit=True,
+            user=s["POSTGRES_USER"], password=s["POSTGRES_PASSWORD"], autocommit=True, **timeout,
         )
         self._conn.execute(f"LISTEN {EVENTS_TABLE}")
 

@@ -55,7 +55,7 @@ class HostQueries:
         if self._read_models is None:
             if not ReadModels.exist(self.store):
                 return None
-            self._read_models = ReadModels(self.store)
+            self._read_models = ReadModels(self.store, create=False)
         return self._read_models
 
     def current(self, min_position: int | None = None, wait: float = 0.0) -> ReadModels | None:

@@ -99,22 +99,27 @@ class _SQLiteTracking(SQLiteTrackingRecorder):
         return [s.replace("EXISTS tracking", f"EXISTS {TRACKING_TABLE}") for s in super().construct_create_table_statements()]
 
 
-def tracking_recorder(store: EventStore) -> Any:
+def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     """eventsourcing's tracking recorder on ``agentfold_tracking`` in a SQLite or PostgreSQL store
-    (one row per follower: the read models, each Kafka publisher), its table created."""
+    (one row per follower: the read models, each Kafka publisher), its table created unless not ``create``."""
     datastore = store.factory.datastore
     if store.backend == "sqlite":
         recorder: Any = _SQLiteTracking(datastore)
     else:
         recorder = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
-    recorder.create_table()
+    if create:
+        recorder.create_table()
     return recorder
 
 
 class ReadModels:
-    """The read-model tables of one store, their tracking position, and their queries."""
+    """The read-model tables of one store, their tracking position, and their queries.
 
-    def __init__(self, store: EventStore) -> None:
+    ``create=False``: the tables exist (``exist``) and are only read; no DDL is run, so a
+    role that may only read can query them.
+    """
+
+    def __init__(self, store: EventStore, *, create: bool = True) -> None:
         if store.backend not in ("sqlite", "postgresql"):
             raise InvalidInput(
                 "projection.store_unsupported",
@@ -125,7 +130,9 @@ class ReadModels:
         self.backend = store.backend
         datastore = store.factory.datastore
         self.datastore = datastore
-        self.tracking = tracking_recorder(store)
+        self.tracking = tracking_recorder(store, create=create)
+        if not create:
+            return
         with datastore.transaction(commit=True) as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens

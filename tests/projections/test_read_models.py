@@ -377,7 +377,8 @@ def test_the_cli_reads_the_tables_when_current_and_folds_when_they_lag(tmp_path:
 def test_a_postgresql_follower_wakes_on_notify_and_a_host_reads_its_own_write(pg_database: str) -> None:
     url = pg_database
     demo = ROOT / "adapters" / "scenarios" / "demo.json"
-    assert agentfold(url, "project").returncode == 0  # creates the tables
+    EventStore(url).close()  # an empty store (`project` refuses a database without one, as on SQLite)
+    assert agentfold(url, "project").returncode == 0  # creates the read-model tables
     # The safety-net re-check comes only every 1000 s: catching up within seconds proves NOTIFY woke it.
     follower = subprocess.Popen(
         [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "100"],

@@ -1,0 +1,447 @@
+"""Opening a store from the command line: bad URLs, unreachable servers, empty databases,
+read-only roles, and a standalone follower whose sessions are terminated (docs/cli.md,
+"Options every command accepts" and "project"; docs/read-models.md).
+
+Every test runs the ``agentfold`` CLI as a real subprocess against real stores: SQLite
+files and PostgreSQL databases of the server named by AGENTFOLD_TEST_PG (fresh per test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import psycopg
+import pytest
+
+from adapters.cli import CREATING_COMMANDS
+from adapters.eventstore import EventStore
+from adapters.read_models import ReadModels
+from adapters.sources import default_sources
+from domain.errors import NotFound
+from domain.ids import TreeID
+from projections.read_models import project_tree
+from tests.conftest import require_postgres
+from tests.test_cli import ROOT, Ran, agentfold, ok, refused
+
+DEMO = ROOT / "adapters" / "scenarios" / "demo.json"
+FAST = 15.0  # seconds: the pool's wait was 30 s; a direct connection fails at once or within 10 s
+
+
+def canon(value: object) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def failed(ran: Ran) -> Ran:
+    """Exit status 1 with exactly one line on stderr and nothing on stdout."""
+    assert ran.code == 1, f"exit {ran.code}\nstdout: {ran.stdout}\nstderr: {ran.stderr}"
+    assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert ran.stdout == ""
+    return ran
+
+
+def timed(*args: str, store: str, env: dict[str, str] | None = None) -> tuple[Ran, float]:
+    started = time.monotonic()
+    ran = agentfold(*args, "--json", store=store, env=env)
+    return ran, time.monotonic() - started
+
+
+def pg_server(url: str) -> tuple[str, str]:
+    """(host, port) of a PostgreSQL URL."""
+    host_port = url.split("@", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.rpartition(":")
+    return host, port
+
+
+def agentfold_objects(url: str) -> list[str]:
+    """agentfold's tables and functions in a database's public schema."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        tables = [r[0] for r in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename LIKE 'agentfold%' ORDER BY 1"
+        )]
+        functions = [r[0] for r in conn.execute(
+            "SELECT proname FROM pg_proc WHERE proname LIKE 'agentfold%' ORDER BY 1"
+        )]
+    return tables + functions
+
+
+# ---------------------------------------------------------------------------
+# 1. Malformed PostgreSQL URLs
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://postgres@127.0.0.1:notaport/ops", "has no valid port"),
+        ("postgresql://postgres:hunter2secret@127.0.0.1:99999/ops", "has no valid port"),
+        ("postgresql://[::1:5432/x", "IPv6 address in [brackets]"),
+        ("postgresql://u:hunter2/secret@db.example/ops", "has no valid port"),  # an unencoded '/'
+        ("postgresql://postgres@127.0.0.1:0/ops", "has no valid port"),
+    ],
+)
+def test_a_malformed_postgresql_url_is_refused_as_url_invalid_without_showing_its_password(
+    url: str, reason: str
+) -> None:
+    ran = refused(agentfold("trees", "--json", store=url))
+    error = ran.error()
+    assert error["code"] == "store.url_invalid"
+    assert reason in error["message"]
+    assert "postgresql://user:password@host:port/dbname" in error["hint"]
+    assert "hunter2" not in ran.stderr
+    text = refused(agentfold("trees", store=url))
+    assert text.stderr.startswith("agentfold: error: store.url_invalid: ")
+
+
+# ---------------------------------------------------------------------------
+# 2. URL parameters are refused, and libpq's environment variables do apply
+
+
+@pytest.mark.parametrize("suffix", ["?sslmode=require", "?", "#main", "?sslmode=verify-full&password=hunter2"])
+def test_url_parameters_are_refused_instead_of_silently_dropped(pg_database: str, suffix: str) -> None:
+    ran = refused(agentfold("trees", "--json", store=pg_database + suffix))
+    error = ran.error()
+    assert error["code"] == "store.url_invalid"
+    assert "does not pass on" in error["message"]
+    assert "PGSSLMODE" in error["hint"] and "PGCONNECT_TIMEOUT" in error["hint"]
+    assert "hunter2" not in ran.stderr
+
+
+def test_libpq_environment_variables_apply_to_the_store_connections(pg_database: str) -> None:
+    # verify-full with a root certificate that does not exist can never connect: against a
+    # server without TLS ("SSL was required"), and against one with TLS (no root to verify
+    # with). Without the variables the same command succeeds: libpq read them.
+    ok(agentfold("run", str(DEMO), "--start-id", "trip", store=pg_database))
+    env = {"PGSSLMODE": "verify-full", "PGSSLROOTCERT": "/nonexistent/agentfold-root.crt"}
+    ran, seconds = timed("trees", store=pg_database, env=env)
+    error = failed(ran).error()
+    assert error["code"] == "store.unavailable"
+    assert "SSL" in error["message"] or "certificate" in error["message"], error
+    assert "PGSSLMODE" in error["hint"]
+    assert seconds < FAST
+    assert ok(agentfold("trees", "--json", store=pg_database, env={"PGSSLMODE": "disable"})).json()["trees"]
+
+
+# ---------------------------------------------------------------------------
+# 3. Connection failures: at once, classified, with the server's reason
+
+
+def test_a_database_that_does_not_exist_is_store_not_found_at_once(pg_database: str) -> None:
+    missing = pg_database.rsplit("/", 1)[0] + "/no_such_db_" + uuid.uuid4().hex[:8]
+    ran, seconds = timed("trees", store=missing)
+    error = refused(ran).error()
+    assert error["code"] == "store.not_found"
+    assert re.search(r'database "no_such_db_[0-9a-f]{8}" does not exist', error["message"]), error
+    assert "CREATE DATABASE" in error["hint"]
+    assert seconds < FAST
+
+
+def test_a_login_the_server_refuses_is_store_unavailable_with_its_reason_and_no_password(pg_database: str) -> None:
+    host, port = pg_server(pg_database)
+    role = "no_such_role_" + uuid.uuid4().hex[:8]
+    url = f"postgresql://{role}:hunter2secret@{host}:{port}/{pg_database.rsplit('/', 1)[1]}"
+    ran, seconds = timed("trees", store=url)
+    error = failed(ran).error()
+    assert error["code"] == "store.unavailable"
+    assert f'role "{role}" does not exist' in error["message"]
+    assert "user and password" in error["hint"]
+    assert "hunter2secret" not in ran.stderr and ":***@" in error["message"]
+    assert seconds < FAST
+
+
+def test_a_refused_connection_is_store_unavailable_with_the_reason_at_once() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ran, seconds = timed("trees", store=f"postgresql://postgres@127.0.0.1:{port}/ops")
+    error = failed(ran).error()
+    assert error["code"] == "store.unavailable"
+    assert "Connection refused" in error["message"]
+    assert seconds < FAST
+
+
+def test_an_unresolvable_host_is_store_unavailable_with_the_reason() -> None:
+    ran, seconds = timed("trees", store="postgresql://postgres@no-such-host.invalid:5432/ops")
+    error = failed(ran).error()
+    assert error["code"] == "store.unavailable"
+    assert "no-such-host.invalid" in error["message"] and "resolve" in error["message"]
+    assert seconds < FAST
+
+
+def test_a_server_that_never_answers_is_given_up_after_pgconnect_timeout() -> None:
+    # The socket listens but nobody accepts or answers: libpq waits for the server's reply
+    # to its startup packet until the connect timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        ran, seconds = timed("trees", store=f"postgresql://postgres@127.0.0.1:{port}/ops",
+                             env={"PGCONNECT_TIMEOUT": "2"})
+    error = failed(ran).error()
+    assert error["code"] == "store.unavailable"
+    assert "timeout" in error["message"]
+    assert "at most 2 s" in error["hint"]
+    assert 1.5 < seconds < 10
+
+
+# ---------------------------------------------------------------------------
+# 4. Only the commands that create a store create one
+
+
+NOT_CREATING = [
+    ("trees",), ("show", "trip"), ("unknown",), ("pending",), ("results", "trip"),
+    ("delegates", "process:" + "0" * 32), ("recover",), ("cancel", "process:" + "0" * 32),
+    ("audit", "verify", "--all"), ("export", "trip", "--out", os.devnull), ("project",),
+    ("publish", "--bootstrap", "127.0.0.1:1", "--topic", "t", "--once"),
+]
+
+
+def test_commands_that_do_not_create_refuse_an_empty_postgresql_database_and_create_nothing(
+    pg_database: str,
+) -> None:
+    for argv in NOT_CREATING:
+        error = refused(agentfold(*argv, "--json", store=pg_database)).error()
+        assert error["code"] == "store.not_found", (argv, error)
+        assert "none of its tables" in error["message"]
+        assert "`run`, `kernel-demo-run`, `import` and `serve` create a new store" in error["hint"]
+    assert agentfold_objects(pg_database) == []
+
+
+def test_commands_that_do_not_create_refuse_a_sqlite_file_without_a_store_and_change_nothing(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    for argv in NOT_CREATING[:4]:
+        error = refused(agentfold(*argv, "--json", store=f"sqlite:///{empty}")).error()
+        assert error["code"] == "store.not_found", (argv, error)
+    assert empty.stat().st_size == 0
+    missing = tmp_path / "user:name@missing.db"  # shown as it is: a file name has no password
+    error = refused(agentfold("trees", "--json", store=f"sqlite:///{missing}")).error()
+    assert error["code"] == "store.not_found" and "does not exist" in error["message"]
+    assert f"sqlite:///{missing}" in error["message"]
+    assert not missing.exists()
+
+
+def test_the_commands_that_create_a_store_create_it_in_an_empty_database(pg_database: str, tmp_path: Path) -> None:
+    source = f"sqlite:///{tmp_path / 'source.db'}"
+    ok(agentfold("run", str(DEMO), "--start-id", "trip", store=source))
+    exported = tmp_path / "trip.jsonl"
+    exported.write_text(ok(agentfold("export", "trip", store=source)).stdout)
+    admin = require_postgres()
+    base = admin.rsplit("/", 1)[0]
+    created: list[str] = []
+    try:
+        for argv in (("run", str(DEMO), "--start-id", "trip"), ("import", str(exported)),
+                     ("kernel-demo-run", "--side-effect-log", str(tmp_path / "log.jsonl"))):
+            name = "t_" + uuid.uuid4().hex[:16]
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{name}"')
+            created.append(name)
+            ok(agentfold(*argv, store=f"{base}/{name}"))
+            assert "agentfold_events" in agentfold_objects(f"{base}/{name}"), argv
+            assert len(ok(agentfold("trees", "--json", store=f"{base}/{name}")).json()["trees"]) == 1
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            for name in created:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_the_python_api_creates_by_default_and_not_with_create_false(pg_database: str) -> None:
+    with pytest.raises(NotFound) as refused_open:
+        EventStore(pg_database, create=False)
+    assert refused_open.value.code == "store.not_found"
+    assert agentfold_objects(pg_database) == []
+    EventStore(pg_database).close()
+    assert "agentfold_events" in agentfold_objects(pg_database)
+    store = EventStore(pg_database, create=False)
+    assert store.heads() == []
+    store.close()
+
+
+def test_a_store_missing_some_of_its_tables_is_refused_naming_them(pg_database: str) -> None:
+    ok(agentfold("run", str(DEMO), "--start-id", "trip", store=pg_database))
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute("DROP TABLE agentfold_snapshots")
+    error = refused(agentfold("trees", "--json", store=pg_database)).error()
+    assert error["code"] == "store.not_found"
+    assert "agentfold_snapshots" in error["message"] and "missing" in error["message"]
+    assert "agentfold_snapshots" not in agentfold_objects(pg_database)
+
+
+@pytest.fixture
+def reader_role(pg_database: str) -> Iterator[str]:
+    """A login role that may only read the store's tables; yields its URL."""
+    role = "reader_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}" LOGIN')
+        conn.execute('REVOKE CREATE ON SCHEMA public FROM PUBLIC')  # as PostgreSQL 15+ does by default
+        conn.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{role}"')
+    host, port = pg_server(pg_database)
+    yield f"postgresql://{role}@{host}:{port}/{pg_database.rsplit('/', 1)[1]}"
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+@pytest.fixture
+def readable_store(pg_database: str) -> str:
+    """A store with a parked run and current read models."""
+    ok(agentfold("run", str(DEMO), "--start-id", "trip", store=pg_database))
+    ok(agentfold("project", store=pg_database))
+    return pg_database
+
+
+def test_a_read_only_role_runs_the_read_commands_on_an_existing_store(readable_store: str, reader_role: str) -> None:
+    before = agentfold_objects(readable_store)
+    owner = ok(agentfold("pending", "--json", store=readable_store)).json()
+    [pending] = owner["pending"]
+    assert ok(agentfold("pending", "--json", store=reader_role)).json() == owner
+    assert [t["start_id"] for t in ok(agentfold("trees", "--json", store=reader_role)).json()["trees"]] == ["trip"]
+    shown = ok(agentfold("show", "trip", "--json", store=reader_role)).json()
+    assert shown == ok(agentfold("show", "trip", "--json", store=readable_store)).json()
+    ok(agentfold("unknown", store=reader_role))
+    ok(agentfold("results", "trip", store=reader_role))
+    ok(agentfold("delegates", pending["process_id"], store=reader_role))
+    ok(agentfold("audit", "verify", "--all", store=reader_role))
+    ok(agentfold("audit", "drift", "trip", store=reader_role))
+    ok(agentfold("replay", "trip", "--at", "10", store=reader_role))
+    assert ok(agentfold("export", "trip", store=reader_role)).stdout == ok(
+        agentfold("export", "trip", store=readable_store)).stdout
+    assert agentfold_objects(readable_store) == before
+
+
+# ---------------------------------------------------------------------------
+# 5. `project --follow` keeps going when its sessions are terminated
+
+
+def _lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        into.put(line)
+
+
+def _expect(lines: queue.Queue[str], needle: str, timeout: float, seen: list[str]) -> str:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no line with {needle!r} within {timeout} s: {seen}")
+
+
+def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_duplicates(
+    pg_database: str,
+) -> None:
+    url = pg_database
+    ok(agentfold("run", str(DEMO), "--start-id", "before", store=url))
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    env["PYTHONPATH"] = str(ROOT)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "0.05"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    out: queue.Queue[str] = queue.Queue()
+    err: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_lines, args=(follower.stdout, out), daemon=True).start()
+    threading.Thread(target=_lines, args=(follower.stderr, err), daemon=True).start()
+    stdout: list[str] = []
+    stderr: list[str] = []
+    try:
+        _expect(out, "following", 30, stdout)
+        with psycopg.connect(url, autocommit=True) as conn:
+            killed = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+        assert killed is not None and killed[0] >= 1
+        failure = _expect(err, "following failed", 15, stderr)
+        assert failure.startswith("agentfold: project: following failed: ") and "retrying in" in failure
+        _expect(err, "following again from position", 30, stderr)
+        assert follower.poll() is None, "the follower exited"
+
+        ok(agentfold("run", str(DEMO), "--start-id", "after", store=url))
+        store = EventStore(url, create=False)
+        try:
+            models = ReadModels(store, create=False)
+            total = store.max_notification_id()
+            assert models.wait_for(total, timeout=30), f"read models stuck at {models.position()} of {total}"
+            counters = models.counters()
+            assert set(counters) == {str(TreeID.for_start(s)) for s in ("before", "after")}  # type: ignore[arg-type]
+            for tree_id, (version, applied) in counters.items():
+                assert version == applied, f"{tree_id}: {applied} events applied for version {version}"
+            from adapters.queries import HostQueries
+
+            queries = HostQueries(store, default_sources(), use_read_models=False)
+            for tree_id in counters:
+                tree, programs = queries.fold(TreeID(tree_id))
+                assert canon(models.tree_rows(tree_id)) == canon(project_tree(tree, programs).to_json()), tree_id
+        finally:
+            store.close()
+        assert follower.poll() is None, "the follower exited"
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        follower.wait(timeout=60)
+    time.sleep(0.2)  # let the reader threads drain the pipes
+    while not out.empty():
+        stdout.append(out.get())
+    assert follower.returncode == 0, (stdout, stderr)
+    assert re.search(r"stopped at position \d+ after \d+ event\(s\) \(\d+ store failure\(s\) retried\)", stdout[-1])
+
+
+# ---------------------------------------------------------------------------
+# 6. The documentation names exactly the commands that create a store
+
+
+def test_exactly_the_documented_commands_create_a_missing_sqlite_file(tmp_path: Path) -> None:
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    sentence = re.search(r"created only by ((?:`[a-z-]+`(?:, | and )?)+)", doc)
+    assert sentence is not None, "docs/cli.md no longer says which commands create a store"
+    assert tuple(re.findall(r"`([a-z-]+)`", sentence.group(1))) == CREATING_COMMANDS
+
+    source = f"sqlite:///{tmp_path / 'source.db'}"
+    ok(agentfold("run", str(DEMO), "--start-id", "trip", store=source))
+    exported = tmp_path / "trip.jsonl"
+    exported.write_text(ok(agentfold("export", "trip", store=source)).stdout)
+    creating = {
+        "run": ("run", str(DEMO), "--start-id", "trip"),
+        "kernel-demo-run": ("kernel-demo-run", "--side-effect-log", str(tmp_path / "log.jsonl")),
+        "import": ("import", str(exported)),
+    }
+    for name, argv in creating.items():
+        path = tmp_path / f"{name}.db"
+        ok(agentfold(*argv, store=f"sqlite:///{path}"))
+        assert path.exists(), name
+
+    # serve: listens, prints its address, stops on SIGTERM; the file exists by then.
+    path = tmp_path / "serve.db"
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    env.update({"PYTHONPATH": str(ROOT), "AGENTFOLD_API_TOKEN": "t" * 32})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "adapters.cli", "--store", f"sqlite:///{path}", "serve", "--port", "0", "--json"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert server.stdout is not None
+        assert "listening" in json.loads(server.stdout.readline())
+        assert path.exists()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=60)
+
+    for argv in NOT_CREATING:
+        path = tmp_path / "never.db"
+        refused(agentfold(*argv, store=f"sqlite:///{path}"))
+        assert not path.exists(), argv
