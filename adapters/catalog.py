@@ -9,7 +9,7 @@ rebuild a Program from the configuration document a tree stored in its
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from domain.canonical import JSON
 from domain.errors import NotFound
@@ -20,7 +20,9 @@ Loader = Callable[[JSON], Program]
 
 
 class Catalog:
-    def __init__(self, programs: Iterable[Program] = (), loaders: Mapping[str, Loader] | None = None) -> None:
+    def __init__(
+        self, programs: Iterable[Program] = (), loaders: Mapping[str, Loader | Sequence[Loader]] | None = None
+    ) -> None:
         self._programs: dict[Digest, Program] = {}
         self._loaders = dict(loaders or {})
         self._lock = threading.Lock()
@@ -42,20 +44,27 @@ class Catalog:
         program = self.resolve(ref)
         if program is not None:
             return program
-        loader = self._loaders.get(ref.name)
-        if loader is None or configuration is None:
+        loaders = self._loaders.get(ref.name)
+        if loaders is None or configuration is None:
             raise NotFound(
                 "engine.program.unavailable",
                 f"no program bound for {ref.name} ({ref.digest})",
                 hint="run with a catalog (or scenario) that binds this exact program",
             )
-        program = loader(configuration)
-        if program.ref != ref:
+        # Several loaders: the current way of building the Program first, then the ways
+        # earlier releases built it (their trees name the identity those gave).
+        rebuilt: list[Program] = []
+        for loader in loaders if isinstance(loaders, Sequence) else (loaders,):
+            rebuilt.append(loader(configuration))
+            if rebuilt[-1].ref == ref:
+                break
+        else:
             raise NotFound(
                 "engine.program.unavailable",
-                f"the stored configuration rebuilds {program.ref.digest}, not {ref.digest}",
+                f"the stored configuration rebuilds {rebuilt[0].ref.digest}, not {ref.digest}",
                 hint="the program's code changed since this tree started; run the version that started it",
             )
+        program = rebuilt[-1]
         return self.add(program)
 
     def __contains__(self, ref: object) -> bool:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 from domain.errors import AgentfoldError, InvalidInput
@@ -59,6 +60,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                            hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
     sock = _listen(args.host, args.port)
     stopping: list[int] = []
+    abandoned = 0
     try:
         store = ctx.open_store(create=True)
         try:
@@ -89,8 +91,27 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                 server.run(sockets=[sock])
             finally:
                 service.close()
+                abandoned = _abandoned_calls(service.runtime)
         finally:
             store.close()
     finally:
         sock.close()
-    return Outcome({"stopped": True, "signal": stopping[0] if stopping else None}, "agentfold: server stopped")
+    if abandoned:
+        # Their threads cannot be stopped from outside, and the interpreter would wait for
+        # them at exit; what they did is decided by recovery (replay or unknown), as after a crash.
+        sys.stderr.write(
+            f"agentfold: abandoning {abandoned} dispatcher call(s) still running; "
+            "recovery decides their outcomes\n"
+        )
+    return Outcome({"stopped": True, "signal": stopping[0] if stopping else None,
+                    "abandoned_dispatches": abandoned},
+                   "agentfold: server stopped", exit_now=abandoned > 0)
+
+
+def _abandoned_calls(runtime: Any, grace: float = 2.0) -> int:
+    """Dispatcher calls still running after the runtime closed (each was told to cancel),
+    once they had ``grace`` seconds to return."""
+    deadline = time.monotonic() + grace
+    while runtime.dispatches_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return int(runtime.dispatches_running())

@@ -29,6 +29,8 @@ from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
+import psycopg
+from eventsourcing.persistence import PersistenceError
 from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -47,7 +49,7 @@ from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import scenario_input, scenario_program, validate_scenario
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
-from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected
+from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
 from domain.kernel import Kernel
 from domain.program import ProgramResolver, SignalRequest
@@ -425,11 +427,19 @@ class ApiService:
     # -- reads -----------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        positions = self.queries.position()  # reads the store: a store that is down answers 503
+        if not self.runtime.leases_healthy():
+            raise StoreFailure(
+                "store.unavailable",
+                "the owner-lease session to the store is down: runs cannot be adopted until it is back",
+                hint="the server reconnects by itself; check that PostgreSQL is reachable",
+            )
         return {
             "status": "ok",
             "backend": self.store.backend,
             "follower": self.follower.state if self.follower is not None else "off",
-            "positions": self.queries.position(),
+            "leases": "ok",
+            "positions": positions,
         }
 
     def _reach(self, min_position: int | None, wait: float) -> None:
@@ -972,6 +982,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return problem_response(504, "http.timeout", str(exc) or "timed out",
                                 "the request may still take effect; read the run to see")
 
+    async def store_unavailable(request: Request, exc: Exception) -> Response:
+        # A store error that reached the HTTP layer unclassified (a dropped connection, a
+        # server restart): the request did not take effect, or its outcome is unknown.
+        log.warning("store error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return problem_response(503, "store.unavailable", f"the store failed ({type(exc).__name__})",
+                                "retry; read the run first if the request may have taken effect")
+
     async def internal(request: Request, exc: Exception) -> Response:
         # The server logs the traceback (uvicorn's "Exception in ASGI application"); the
         # client only learns that it happened.
@@ -983,6 +1000,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         (RequestValidationError, request_invalid),
         (StarletteHTTPException, http_error),
         (TimeoutError, timed_out),
+        (PersistenceError, store_unavailable),
+        (psycopg.Error, store_unavailable),
         (Exception, internal),
     ]
     for kind, handler in handlers:

@@ -22,6 +22,7 @@ import threading
 import uuid
 from typing import Any, Protocol
 
+from domain.errors import StoreFailure
 from domain.ids import TreeID
 
 
@@ -32,10 +33,28 @@ class LeaseManager(Protocol):
 
     def held(self) -> set[TreeID]: ...
 
+    def check(self) -> set[TreeID]:
+        """Trees whose lease this manager lost since the last check (each reported once)."""
+        ...
+
+    def healthy(self) -> bool:
+        """Whether new leases can be taken now."""
+        ...
+
     def close(self) -> None: ...
 
 
-class MemoryLeases:
+class _Durable:
+    """Leases that last as long as this process: none is ever lost while it runs."""
+
+    def check(self) -> set[TreeID]:
+        return set()
+
+    def healthy(self) -> bool:
+        return True
+
+
+class MemoryLeases(_Durable):
     """Leases inside one process, shared through the store object."""
 
     def __init__(self, table: dict[TreeID, object], lock: threading.Lock) -> None:
@@ -75,7 +94,7 @@ def _lock_offset(tree_id: TreeID) -> int:
     return int.from_bytes(uuid.UUID(hex=tree_id.hex).bytes[:8], "big") >> 2
 
 
-class FileLeases:
+class FileLeases(_Durable):
     """OFD byte-range locks on one lease file (SQLite stores)."""
 
     def __init__(self, path: str) -> None:
@@ -123,35 +142,135 @@ def _advisory_key(tree_id: TreeID) -> int:
 
 
 class PostgresLeases:
-    """Session advisory locks on a dedicated connection."""
+    """Session advisory locks on a dedicated connection.
+
+    The server holds the locks only as long as that session lives. When it ends while
+    this process goes on (a PostgreSQL restart or failover, a dropped network, an
+    administrator's ``pg_terminate_backend``), every lock is gone at once and another
+    runtime may take the trees over. ``check`` notices (the runtime's watcher calls it
+    a few times per second), reports the trees whose leases were lost, so their owner
+    lines stop, and connects again for later acquisitions; an acquisition that meets a
+    dead session reports the loss the same way and fails with ``store.unavailable``.
+    """
 
     def __init__(self, conninfo: dict[str, Any]) -> None:
-        import psycopg
-
-        self._conn = psycopg.connect(**conninfo, autocommit=True)
+        self._conninfo = conninfo
         self._lock = threading.Lock()
         self._held: set[TreeID] = set()
+        self._lost: set[TreeID] = set()
+        self._conn: Any = None
+        self._conn = self._connect()
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        try:
+            return psycopg.connect(**self._conninfo, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StoreFailure(
+                "store.unavailable", f"cannot open the owner-lease connection to PostgreSQL: {_first_line(exc)}",
+                hint="check that the server is reachable; runs are adopted again once it is",
+            ) from exc
+
+    def _session_lost(self, exc: BaseException) -> StoreFailure:
+        """The lease session ended: every lock it held is gone (called with ``_lock`` held)."""
+        self._lost |= self._held
+        self._held.clear()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - it is already broken
+                pass
+        return StoreFailure(
+            "store.unavailable", f"the owner-lease session to PostgreSQL ended: {_first_line(exc)}",
+            hint="retry: the runtime connects again and adopts the run anew",
+        )
+
+    def _alive(self) -> bool:
+        return self._conn is not None and not self._conn.closed and not self._conn.broken
+
+    def _execute(self, sql: str, key: int) -> Any:
+        """Run one lock statement; a dead session is reported lost and replaced once."""
+        import psycopg
+
+        for attempt in (1, 2):
+            if not self._alive():
+                if self._conn is not None:
+                    self._session_lost(psycopg.OperationalError("the connection is closed"))
+                self._conn = self._connect()
+            try:
+                return self._conn.execute(sql, (key,)).fetchone()
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                failure = self._session_lost(exc)
+                if attempt == 2:
+                    raise failure from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def acquire(self, tree_id: TreeID) -> bool:
         with self._lock:
             if tree_id in self._held:
                 return True
-            row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (_advisory_key(tree_id),)).fetchone()
+            row = self._execute("SELECT pg_try_advisory_lock(%s)", _advisory_key(tree_id))
             if row and row[0]:
                 self._held.add(tree_id)
+                self._lost.discard(tree_id)
                 return True
             return False
 
     def release(self, tree_id: TreeID) -> None:
         with self._lock:
-            if tree_id in self._held:
+            if tree_id not in self._held:
+                return
+            self._held.discard(tree_id)
+            if not self._alive():
+                return  # the session, and the lock with it, is gone
+            try:
                 self._conn.execute("SELECT pg_advisory_unlock(%s)", (_advisory_key(tree_id),))
-                self._held.discard(tree_id)
+            except Exception:  # noqa: BLE001 - a session that fails now has released the lock
+                pass
 
     def held(self) -> set[TreeID]:
-        return set(self._held)
+        with self._lock:
+            return set(self._held)
+
+    def check(self) -> set[TreeID]:
+        """Trees whose lease was lost since the last check (each reported once); probes the
+        session when it holds any lock, and connects again when it is gone."""
+        import psycopg
+
+        with self._lock:
+            if self._held and self._conn is not None:
+                try:
+                    self._conn.execute("SELECT 1").fetchone()
+                except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                    self._session_lost(exc)
+            elif self._conn is not None and not self._alive():
+                self._session_lost(psycopg.OperationalError("the connection is closed"))
+            if self._conn is None:
+                try:
+                    self._conn = self._connect()
+                except StoreFailure:
+                    pass  # still down: the next check tries again
+            lost, self._lost = self._lost, set()
+            return lost
+
+    def healthy(self) -> bool:
+        with self._lock:
+            return self._alive()
 
     def close(self) -> None:
         with self._lock:
             self._held.clear()
-            self._conn.close()
+            self._lost.clear()
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self._conn = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -19,6 +19,7 @@ unknown and waits for a host (``resolve_unknown_effect``).
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -69,6 +70,8 @@ from domain.kernel import Dispatch, Kernel, start_tree
 from domain.program import Program, ProgramRef, SettlementStatus, SignalRequest
 from domain.requests import EffectRequest, Settlement, effect_request
 from domain.tree import TERMINAL, ProcessState, TreeState
+
+log = logging.getLogger("agentfold.runtime")
 
 
 def utc_now() -> str:
@@ -565,6 +568,8 @@ class _Driver:
     def _call_dispatcher(self, job: _Job) -> _Done:
         runtime = self.runtime
         dispatch, dispatcher, request, context = job.dispatch, job.dispatcher, job.request, job.context
+        with runtime._calls_lock:
+            runtime._calls_running += 1
         try:
             settlement = dispatcher.dispatch(request, context)
             done = _settled(dispatch, settlement)
@@ -575,6 +580,9 @@ class _Driver:
         except Exception as exc:  # noqa: BLE001 - every raised error leaves the outcome unknown
             code = EngineCode.DISPATCH_CANCELED if context.cancelled.is_set() else EngineCode.DISPATCH_FAILED
             done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+        finally:
+            with runtime._calls_lock:
+                runtime._calls_running -= 1
         crash = runtime.crash
         if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
             crash.exit()
@@ -660,6 +668,8 @@ class Runtime:
         self.appends = 0
         self.events_appended = 0
         self._dispatch_pool = ThreadPoolExecutor(dispatch_workers, thread_name_prefix="agentfold-dispatch")
+        self._calls_lock = threading.Lock()
+        self._calls_running = 0  # dispatcher calls inside a dispatcher right now
         self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
         self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="agentfold-snapshot")
         self._drivers: dict[TreeID, _Driver] = {}
@@ -1182,6 +1192,7 @@ class Runtime:
         """
         while not self._watch_stop.wait(self.poll_interval):
             try:
+                self._check_leases()
                 with self._lock:
                     owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
                 if not owned:
@@ -1194,6 +1205,32 @@ class Runtime:
                             driver.submit(_Refresh())
             except Exception:  # noqa: BLE001 - the watcher must survive transient store errors
                 continue
+
+    def _check_leases(self) -> None:
+        """Stop the owner line of every tree whose lease the lease manager lost (e.g. its
+        PostgreSQL session ended): another runtime may adopt the tree from now on."""
+        for tree_id in self._leases.check():
+            with self._lock:
+                driver = self._drivers.get(tree_id)
+            if driver is not None:
+                driver._stop(
+                    Fenced(
+                        "engine.tree.lease_lost",
+                        f"the owner lease of tree {tree_id} was lost (its store session ended); "
+                        "this runtime stops driving it",
+                        hint="the tree continues wherever it is adopted next (`agentfold recover`)",
+                    )
+                )
+                log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
+
+    def dispatches_running(self) -> int:
+        """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""
+        with self._calls_lock:
+            return self._calls_running
+
+    def leases_healthy(self) -> bool:
+        """Whether this runtime can take owner leases now (PostgreSQL: its lease session is up)."""
+        return self._leases.healthy()
 
     # -- lifecycle -----------------------------------------------------------
 

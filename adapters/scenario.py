@@ -22,7 +22,7 @@ from adapters.catalog import Catalog
 from adapters.interaction import Delegate, InteractionConfig, compile_interaction
 from adapters.models import ScriptedModel
 from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput
-from domain.canonical import JSON, normalize
+from domain.canonical import JSON, digest_of, normalize
 from domain.errors import InvalidInput
 from domain.interaction.chat import ChatInput, parse_response
 from domain.json_schema import check_schema
@@ -285,8 +285,14 @@ class ScenarioTool:
         raise RuntimeError(f"no case of tool {self.name} matches its arguments")
 
 
-def scenario_program(doc: dict[str, Any]) -> Program:
-    """Build the exact Program of a validated scenario (deterministic: same doc, same ProgramRef)."""
+def scenario_program(doc: dict[str, Any], *, legacy: bool = False) -> Program:
+    """Build the exact Program of a validated scenario (deterministic: same doc, same ProgramRef).
+
+    The Tool child Program's identity includes the whole document: its tools behave as the
+    document scripts them (results, side-effect log), so two documents with the same tool
+    definitions are two different Tool programs. ``legacy`` builds the identity releases
+    before 2026-11-30 gave it (the definitions only), so trees they stored still load.
+    """
     log = SideEffectLog(doc["side_effect_log"]) if doc.get("side_effect_log") else None
     tools = [ScenarioTool(t, log) for t in doc.get("tools", []) if not t.get("deferred")]
     deferred = [ScenarioTool(t, log) for t in doc.get("tools", []) if t.get("deferred")]
@@ -304,7 +310,7 @@ def scenario_program(doc: dict[str, Any]) -> Program:
             Delegate(
                 name=spec["name"],
                 description=spec.get("description", ""),
-                program=scenario_program(nested),
+                program=scenario_program(nested, legacy=legacy),
                 input_schema=spec["input_schema"],
                 build_input=build_input,
             )
@@ -325,7 +331,7 @@ def scenario_program(doc: dict[str, Any]) -> Program:
             max_model_calls=limits.get("max_model_calls"),
             max_concurrent_tool_calls=limits.get("max_concurrent_tool_calls", 0),
             model_identity="scripted",  # type: ignore[arg-type]
-            tool_identity="scenario",  # type: ignore[arg-type]
+            tool_identity="scenario" if legacy else "scenario:" + digest_of(doc),  # type: ignore[arg-type]
             callback_identity="none",  # type: ignore[arg-type]
             configuration=doc,
         )
@@ -336,6 +342,15 @@ def scenario_input(doc: dict[str, Any]) -> JSON:
     return doc.get("input") or {"messages": [{"role": "user", "content": doc["name"]}]}
 
 
+def legacy_scenario_program(doc: dict[str, Any]) -> Program:
+    """A scenario Program with the Tool identity of trees stored before 2026-11-30."""
+    return scenario_program(doc, legacy=True)
+
+
+#: How a stored scenario tree's Program is rebuilt: the current identity, then the legacy one.
+SCENARIO_LOADERS = (scenario_program, legacy_scenario_program)
+
+
 def scenario_catalog(*programs: Program) -> Catalog:
     """A Catalog that rebuilds scenario Programs from the document stored with each tree."""
-    return Catalog(programs, loaders={PROGRAM_NAME: scenario_program})
+    return Catalog(programs, loaders={PROGRAM_NAME: SCENARIO_LOADERS})

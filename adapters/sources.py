@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from adapters.catalog import Catalog, Loader
 from adapters.kernel_demo import payment_program
 from adapters.scenario import PROGRAM_NAME as SCENARIO_PROGRAM
-from adapters.scenario import scenario_program
+from adapters.scenario import SCENARIO_LOADERS
 from domain.program import Program
 
 
@@ -21,7 +21,7 @@ class ProgramSources:
     """
 
     programs: tuple[Program, ...] = ()
-    loaders: Mapping[str, Loader] = field(default_factory=dict)
+    loaders: Mapping[str, Loader | Sequence[Loader]] = field(default_factory=dict)
 
     def catalog(self) -> Catalog:
         return Catalog(self.programs, self.loaders)
@@ -37,4 +37,4 @@ class ProgramSources:
 def default_sources() -> ProgramSources:
     """What the console script binds: the kernel demo Program and scenario Programs
     (rebuilt from the scenario each tree stored)."""
-    return ProgramSources(programs=(payment_program(),), loaders={SCENARIO_PROGRAM: scenario_program})
+    return ProgramSources(programs=(payment_program(),), loaders={SCENARIO_PROGRAM: SCENARIO_LOADERS})

@@ -82,7 +82,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiServe
     finally:
         code, last = server.stop()
     assert code == 0, server.logs()
-    assert json.loads(last) == {"stopped": True, "signal": 15}
+    assert json.loads(last) == {"stopped": True, "signal": 15, "abandoned_dispatches": 0}
 
 
 def test_recover_adopts_the_crashed_run_and_its_unknown_effect_is_resolved_to_completion(
