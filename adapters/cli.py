@@ -394,6 +394,9 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
         with ctx.runtime(store) as runtime:
             adopted: list[tuple[TreeHead, TreeID]] = []
             for head in heads:
+                if not runtime.needs_recovery(head):
+                    entries.append({**_head_summary(head), "outcome": "parked"})
+                    continue
                 try:
                     handles = runtime.recover(head.tree_id)
                 except Fenced:
@@ -431,6 +434,9 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
             lines.append("recovered " + _summary_text(entry))
         elif entry["outcome"] == "owned":
             lines.append(f"skipped {entry['tree_id']} (start {entry['start_id']}): another live runtime owns it")
+        elif entry["outcome"] == "parked":
+            lines.append(f"left {entry['tree_id']} (start {entry['start_id']}): parked, nothing in flight "
+                         "(it is adopted when input reaches it)")
         else:
             error = entry["error"]
             assert isinstance(error, dict)

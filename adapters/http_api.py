@@ -408,6 +408,9 @@ class ApiService:
         """Adopt every live tree nobody owns (``--recover``); one entry per live tree."""
         entries: list[dict[str, Any]] = []
         for head in self.store.heads(live_only=True):
+            if not self.runtime.needs_recovery(head):
+                entries.append({"tree_id": head.tree_id, "outcome": "parked"})
+                continue
             try:
                 self.runtime.recover(head.tree_id)
                 entries.append({"tree_id": head.tree_id, "outcome": "adopted"})

@@ -877,6 +877,26 @@ class Runtime:
             handles.append(RunHandle(self, tree_id, driver.tree.root.process_id, driver.tree.start_id))  # type: ignore[arg-type]
         return handles
 
+    def needs_recovery(self, head: TreeHead) -> bool:
+        """Whether adopting the tree of this index row would change anything.
+
+        A parked tree (every live Process waiting, paused or stopped by an unknown
+        outcome) with no dispatch committed but unsettled has nothing to decide and
+        nothing to drive: adopting it would only append a ``WriterActivated``, so a
+        periodic ``recover`` would grow every parked history. It is adopted when input
+        reaches it. Anything else (progress, an Effect in flight, a tree that cannot be
+        loaded, so that adopting reports why) needs recovery.
+        """
+        if head.classification == "terminal":
+            return False
+        if head.classification != "parked":
+            return True
+        try:
+            tree = self._load(TreeID(head.tree_id)).state
+        except AgentfoldError:
+            return True
+        return any(process.in_flight() for process in tree.live.values())
+
     def owns(self, tree_id: TreeID) -> bool:
         with self._lock:
             return tree_id in self._drivers

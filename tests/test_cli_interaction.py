@@ -200,7 +200,10 @@ def test_a_crash_at_any_point_of_a_two_call_round_runs_no_tool_twice_and_leaves_
     interrupted = INTERRUPTED[point]
 
     [tree] = ok(agentfold("recover", "--json", store=store)).json()["trees"]
-    assert (tree["outcome"], tree["start_id"], tree["classification"]) == ("recovered", "round-1", "parked")
+    # settled:4 comes after the last settlement, which left the tree parked on the unknown
+    # final model call with nothing in flight: recover leaves such a tree as it is.
+    outcome = "parked" if point == "settled:4" else "recovered"
+    assert (tree["outcome"], tree["start_id"], tree["classification"]) == (outcome, "round-1", "parked")
     assert len(tree["unknown_effect_ids"]) == 1
     root = tree["root_process_id"]
     [entry] = unknowns(store)
@@ -699,3 +702,27 @@ def test_agentfold_demo_json_reports_one_booking_and_a_completed_run(tmp_path: P
     log = Path(demo["store"].removeprefix("sqlite:///")).parent / "side-effects.jsonl"
     bookings = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line)["tool"] == "book_hotel"]
     assert [b["call_id"] for b in bookings] == ["call_hotel"]
+
+
+def test_recover_leaves_a_parked_tree_as_it_is_and_adopts_one_with_a_call_in_flight(tmp_path: Path) -> None:
+    # A run waiting for a human answer has nothing to recover: `recover` (run by cron, say)
+    # must not append a WriterActivated to it every time.
+    store = sqlite_url(tmp_path)
+    waiting = run_json(store, write(tmp_path, approval(None), "approval.json"), "--start-id", "parked-1")
+    assert waiting["status"] == "waiting"
+    before = store_version(store, waiting["tree_id"])
+    for _ in range(2):
+        [entry] = ok(agentfold("recover", "--json", store=store)).json()["trees"]
+        assert (entry["outcome"], entry["start_id"], entry["classification"]) == ("parked", "parked-1", "parked")
+        assert store_version(store, waiting["tree_id"]) == before
+    text = ok(agentfold("recover", store=store)).stdout
+    assert text.startswith(f"left {waiting['tree_id']} (start parked-1): parked, nothing in flight")
+
+    # A crash right after a dispatch permission leaves a call in flight: that tree is adopted.
+    log = tmp_path / "calls.jsonl"
+    died = agentfold("run", str(write(tmp_path, two_call_round(log, final=FINAL), "round.json")),
+                     "--start-id", "crashed-1", "--crash-after", "dispatched:2", "--json", store=store)
+    assert died.code == 75, died.stderr
+    outcomes = {e["start_id"]: e["outcome"] for e in ok(agentfold("recover", "--json", store=store)).json()["trees"]}
+    assert outcomes == {"parked-1": "parked", "crashed-1": "recovered"}
+    assert store_version(store, waiting["tree_id"]) == before
