@@ -165,7 +165,8 @@ class PostgresLeases:
         import psycopg
 
         try:
-            return psycopg.connect(**self._conninfo, autocommit=True, connect_timeout=10)
+            timeout = os.environ.get("PGCONNECT_TIMEOUT") or "10"  # as the store's first connection
+            return psycopg.connect(**self._conninfo, autocommit=True, connect_timeout=timeout)
         except psycopg.Error as exc:
             raise StoreFailure(
                 "store.unavailable", f"cannot open the owner-lease connection to PostgreSQL: {_first_line(exc)}",

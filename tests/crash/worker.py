@@ -180,7 +180,12 @@ def race(runtime: Runtime, store: EventStore, tree_id: TreeID, args: argparse.Na
     (barrier / f"ready-{args.racer}").touch()
     wait_for(lambda: (barrier / "go").exists(), 20, "the go signal")
     runtime.recover(str(tree_id))  # raises Fenced for the loser
-    driver = runtime._drivers[tree_id]
+    driver = runtime._drivers.get(tree_id)
+    if driver is None:
+        # The winner adopted the tree, finished it and gave up its lease before this racer
+        # looked: recover found a terminal tree and adopted nothing. Lost all the same.
+        emit({"fenced": "finished", "message": "the tree was already finished by the winner"})
+        return FENCED_EXIT
     emit({"won": args.racer, "incarnation": str(driver.incarnation)})
     result = runtime.result(tree_id, timeout=30)
     emit({"status": result.status, "output": result.output})
