@@ -409,7 +409,6 @@ class EventStore:
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
 
-
     def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
         states are: a long conversation's snapshot holds every message) and drop older ones."""
@@ -492,15 +491,7 @@ class EventStore:
             return MemoryLeases(self._memory_leases, self._memory_lock)
         if self.backend == "sqlite":
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
-        return PostgresLeases(
-            {
-                "dbname": self._settings["POSTGRES_DBNAME"],
-                "host": self._settings["POSTGRES_HOST"],
-                "port": self._settings["POSTGRES_PORT"],
-                "user": self._settings["POSTGRES_USER"],
-                "password": self._settings["POSTGRES_PASSWORD"],
-            }
-        )
+        return PostgresLeases(pg_conninfo(self._settings))
 
 
 def redact(url: str) -> str:
@@ -515,6 +506,20 @@ def redact(url: str) -> str:
     return f"{scheme}://{user}:***@{host_and_path}"
 
 
+def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
+    """psycopg parameters of a direct connection to a PostgreSQL store (the first connection,
+    the owner-lease session, the follower's LISTEN session): at most ``PG_CONNECT_TIMEOUT``
+    seconds to connect, unless PGCONNECT_TIMEOUT says otherwise."""
+    params: dict[str, Any] = {
+        "dbname": settings["POSTGRES_DBNAME"], "host": settings["POSTGRES_HOST"],
+        "port": settings["POSTGRES_PORT"], "user": settings["POSTGRES_USER"],
+        "password": settings["POSTGRES_PASSWORD"],
+    }
+    if not os.environ.get("PGCONNECT_TIMEOUT"):
+        params["connect_timeout"] = PG_CONNECT_TIMEOUT
+    return params
+
+
 def check_postgres(url: str, settings: dict[str, str]) -> None:
     """Connect once, directly, with a short timeout, and explain a failure.
 
@@ -526,15 +531,8 @@ def check_postgres(url: str, settings: dict[str, str]) -> None:
     """
     import psycopg
 
-    params: dict[str, Any] = {
-        "dbname": settings["POSTGRES_DBNAME"], "host": settings["POSTGRES_HOST"],
-        "port": settings["POSTGRES_PORT"], "user": settings["POSTGRES_USER"],
-        "password": settings["POSTGRES_PASSWORD"],
-    }
-    if not os.environ.get("PGCONNECT_TIMEOUT"):
-        params["connect_timeout"] = PG_CONNECT_TIMEOUT
     try:
-        psycopg.connect(**params).close()
+        psycopg.connect(**pg_conninfo(settings)).close()
     except psycopg.Error as exc:
         raise connect_failure(url, settings, exc) from exc
 

@@ -20,7 +20,6 @@ waits (backing off), and goes on with a new follower from the committed tracking
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 import uuid
@@ -33,7 +32,7 @@ from eventsourcing.persistence import IntegrityError, Notification, PersistenceE
 
 from adapters.catalog import Catalog
 from adapters.codec import DecodeError
-from adapters.eventstore import PG_CONNECT_TIMEOUT, CorruptStream, EventStore
+from adapters.eventstore import CorruptStream, EventStore, pg_conninfo
 from adapters.read_models import ReadModels, TreeUpdate, crash_hook_from_env
 from adapters.recorders import EVENTS_TABLE
 from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
@@ -318,12 +317,7 @@ class _Listener:
     """LISTEN on the channel every PostgreSQL append notifies."""
 
     def __init__(self, store: EventStore) -> None:
-        s = store._settings
-        timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
-        self._conn = psycopg.connect(
-            dbname=s["POSTGRES_DBNAME"], host=s["POSTGRES_HOST"], port=s["POSTGRES_PORT"],
-            user=s["POSTGRES_USER"], password=s["POSTGRES_PASSWORD"], autocommit=True, **timeout,
-        )
+        self._conn = psycopg.connect(**pg_conninfo(store._settings), autocommit=True)
         self._conn.execute(f"LISTEN {EVENTS_TABLE}")
 
     def wait(self, timeout: float) -> bool:

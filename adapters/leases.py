@@ -165,8 +165,7 @@ class PostgresLeases:
         import psycopg
 
         try:
-            timeout = os.environ.get("PGCONNECT_TIMEOUT") or "10"  # as the store's first connection
-            return psycopg.connect(**self._conninfo, autocommit=True, connect_timeout=timeout)
+            return psycopg.connect(**self._conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise StoreFailure(
                 "store.unavailable", f"cannot open the owner-lease connection to PostgreSQL: {_first_line(exc)}",
