@@ -68,6 +68,7 @@ from adapters.recorders import (
     SQLiteTreeRecorder,
     TreeHead,
     cache_statements,
+    prefer_recent_connections,
 )
 from domain.errors import InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
@@ -231,6 +232,7 @@ class EventStore:
                     self.recorder = SQLiteTreeRecorder(self.factory.datastore)
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
+                    prefer_recent_connections(self.factory.datastore)
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
                 if create:

@@ -5,6 +5,8 @@
   silently dropping it (pydantic's own ``model_construct`` drops unknown fields).
 * ``TreeHead.with_digest`` must keep every other field of the index row.
 * SQLite connections keep the statements of an append prepared.
+* Both pools (SQLite and PostgreSQL) hand one thread's consecutive appends the same
+  connection, so a PostgreSQL tree's appends stay on one server process.
 """
 
 from __future__ import annotations
@@ -130,5 +132,23 @@ def test_the_sqlite_pool_hands_out_the_most_recently_used_connection(tmp_path: P
             again = pool.get_connection(is_writer=True)
             assert again is second
             pool.put_connection(again)
+    finally:
+        store.close()
+
+
+def test_the_postgres_pool_hands_out_the_most_recently_used_connection(pg_database: str) -> None:
+    # psycopg_pool by itself rotates through every pooled connection (oldest first): each
+    # append of one tree then ran on another server process, with colder caches.
+    store = EventStore(pg_database)
+    try:
+        datastore = store.factory.datastore
+        with datastore.get_connection() as a, datastore.get_connection() as b:
+            held = {a.info.backend_pid, b.info.backend_pid}
+        assert len(held) == 2
+        pids = []
+        for _ in range(6):
+            with datastore.get_connection() as conn:
+                pids.append(conn.info.backend_pid)
+        assert len(set(pids)) == 1, pids
     finally:
         store.close()
