@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from adapters.catalog import Catalog
@@ -74,8 +73,21 @@ from domain.tree import TERMINAL, ProcessState, TreeState
 log = logging.getLogger("agentfold.runtime")
 
 
+_second_text: tuple[int, str] = (-1, "")
+
+
 def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """The wall clock as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (every append reads it once).
+
+    ``strftime`` per call was ~4% of the runtime's CPU per effect: the text of the
+    current second is kept and only the microseconds are formatted."""
+    global _second_text
+    micros = time.time_ns() // 1000
+    second, fraction = divmod(micros, 1_000_000)
+    cached = _second_text
+    if cached[0] != second:
+        cached = _second_text = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{cached[1]}.{fraction:06d}Z"
 
 
 class RandomIds:

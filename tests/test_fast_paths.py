@@ -152,3 +152,42 @@ def test_the_postgres_pool_hands_out_the_most_recently_used_connection(pg_databa
         assert len(set(pids)) == 1, pids
     finally:
         store.close()
+
+
+def test_the_runtime_clock_reads_like_strftime_across_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time as time_module
+    from datetime import UTC, datetime
+
+    import adapters.runtime as runtime_module
+
+    # The cached text of a second must change with the second (and the date), and the
+    # microseconds keep their six digits.
+    readings = [1_764_547_199_999_999_000, 1_764_547_200_000_000_000, 1_764_547_200_000_042_000, 1_764_633_600_500_000_000]
+    for ns in readings:
+        monkeypatch.setattr(time_module, "time_ns", lambda ns=ns: ns)
+        expected = datetime.fromtimestamp(ns / 1e9, UTC).replace(microsecond=(ns // 1000) % 1_000_000)
+        assert runtime_module.utc_now() == expected.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def test_the_cancel_flag_behaves_like_an_event() -> None:
+    import threading
+    import time as time_module
+
+    from adapters.dispatch import DispatchContext
+
+    context = DispatchContext()
+    assert not context.cancelled.is_set()
+    assert context.cancelled.wait(0.01) is False
+    waiter_saw: list[bool] = []
+    waiter = threading.Thread(target=lambda: waiter_saw.append(context.cancelled.wait(5.0)))
+    waiter.start()
+    time_module.sleep(0.05)
+    started = time_module.monotonic()
+    context.cancelled.set()
+    waiter.join(5.0)
+    assert waiter_saw == [True] and time_module.monotonic() - started < 1.0
+    assert context.cancelled.is_set() and context.cancelled.wait(0) is True
+    # set before anyone waits: a later wait returns at once
+    other = DispatchContext()
+    other.cancelled.set()
+    assert other.cancelled.wait(5.0) is True

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 from eventsourcing.persistence import StoredEvent
 
-from adapters.codec import COMPRESS_MIN_BYTES, COMPRESSED, MAX_STATE_BYTES, STATE_COMPRESSOR, stored_json
+from adapters.codec import (
+    COMPRESS_MIN_BYTES,
+    COMPRESSED,
+    MAX_STATE_BYTES,
+    SMALL_STATE_BYTES,
+    STATE_COMPRESSOR,
+    stored_json,
+)
 from adapters.eventstore import CorruptStream, EventStore
 from domain.integrity import SealError
 from tests.test_fold_rules import TREE, one_effect, settled
@@ -33,6 +40,18 @@ def test_small_and_incompressible_states_stay_json_and_large_ones_deflate() -> N
     assert STATE_COMPRESSOR.compress(random_bytes) == random_bytes
     big = b'{"x":"' + b"abc" * 200_000 + b'"}'  # a large state gets a large window
     assert stored_json(STATE_COMPRESSOR.compress(big)) == big
+
+
+@pytest.mark.parametrize("size", [COMPRESS_MIN_BYTES, 1000, SMALL_STATE_BYTES - 1, SMALL_STATE_BYTES, SMALL_STATE_BYTES + 1, 70_000])
+def test_states_on_both_sides_of_the_small_table_size_deflate_and_read_back(size: int) -> None:
+    # States up to SMALL_STATE_BYTES deflate with small tables, larger ones with zlib's
+    # default: both must read back exactly, and both must actually be deflated.
+    text = b" ".join(b"word%d" % (i % 97) for i in range(size))
+    state = (b'{"x":"' + text)[: size - 2] + b'"}'
+    assert len(state) == size
+    packed = STATE_COMPRESSOR.compress(state)
+    assert packed[:1] == COMPRESSED and len(packed) < size // 2
+    assert stored_json(packed) == state
 
 
 @pytest.mark.parametrize(
