@@ -136,6 +136,14 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
         path = url[len("sqlite:///") :]
         if not path:
             raise InvalidInput("store.url_invalid", f"sqlite URL {url!r} names no file", hint="sqlite:///path/to/file.db")
+        if "?" in path or "#" in path:
+            # It used to become part of the file name: `sqlite:///runs.db?mode=ro` opened (and
+            # created) a file called "runs.db?mode=ro", and nothing was read-only.
+            raise InvalidInput(
+                "store.url_invalid",
+                f"sqlite URL {url!r} has parameters after '?' or '#': agentfold takes none, and a file name cannot contain them",
+                hint="sqlite:///path/to/file.db (read-only commands never write to the file)",
+            )
         return "sqlite", {
             "PERSISTENCE_MODULE": "eventsourcing.sqlite",
             "SQLITE_DBNAME": path,

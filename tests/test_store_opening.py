@@ -108,6 +108,17 @@ def test_a_malformed_postgresql_url_is_refused_as_url_invalid_without_showing_it
 # 2. URL parameters are refused, and libpq's environment variables do apply
 
 
+@pytest.mark.parametrize("suffix", ["?mode=ro", "?", "#main"])
+@pytest.mark.parametrize("command", [("trees",), ("kernel-demo-run", "--side-effect-log", "/dev/null")])
+def test_sqlite_url_parameters_are_refused_and_create_no_file(tmp_path: Path, suffix: str, command: tuple[str, ...]) -> None:
+    # They used to become part of the file name: "runs.db?mode=ro" was created, writable.
+    ran = refused(agentfold(*command, "--json", store=f"sqlite:///{tmp_path / 'runs.db'}{suffix}"))
+    error = ran.error()
+    assert error["code"] == "store.url_invalid"
+    assert "takes none" in error["message"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("suffix", ["?sslmode=require", "?", "#main", "?sslmode=verify-full&password=hunter2"])
 def test_url_parameters_are_refused_instead_of_silently_dropped(pg_database: str, suffix: str) -> None:
     ran = refused(agentfold("trees", "--json", store=pg_database + suffix))
