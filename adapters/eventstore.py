@@ -25,6 +25,7 @@ only the events after it, verifying the digest chain of every event read.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -70,12 +71,14 @@ from adapters.recorders import (
     cache_statements,
     prefer_recent_connections,
 )
-from domain.errors import InvalidInput, NotFound, Rejected, StoreFailure
+from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
 from domain.ids import ProcessID, StartID, TreeID
 from domain.integrity import SealError
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
+
+log = logging.getLogger("agentfold.store")
 
 DEFAULT_STORE = "sqlite:///./agentfold.db"
 SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
@@ -392,7 +395,16 @@ class EventStore:
         digest: str | None = None
         snapshot_version = 0
         if use_snapshot:
-            snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
+            try:
+                snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
+            except (PersistenceError, AgentfoldError):
+                raise  # the store itself failed, or a refusal that folding would meet as well
+            except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: the events are the truth
+                # A damaged snapshot row (a disk fault, a hand edit) would otherwise make a
+                # healthy history unreadable, and with it every store-wide listing.
+                log.warning("snapshot of tree %s is unreadable (%s: %s); folding from its first event",
+                            tree_id, type(exc).__name__, exc)
+                snapshot = None
             if snapshot is not None:
                 state, digest = snapshot
                 snapshot_version = state.version

@@ -138,3 +138,30 @@ def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_p
     store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, body)])
     again = store.load(tree_id, catalog.resolve)
     assert again.snapshot_version == plain.state.version and again.state.to_json() == plain.state.to_json()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape"])
+def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A snapshot is a cache: a damaged row must not make a healthy history unreadable.
+    from tests.test_output_stored_once import run_interaction
+
+    store = EventStore(f"sqlite:///{tmp_path / 'snap.db'}")
+    tree_id, catalog = run_interaction(store, "snap-2")
+    plain = store.load(tree_id, catalog.resolve, use_snapshot=False)
+    assert plain.digest is not None
+    store.save_snapshot(tree_id, plain.state, plain.digest)
+    (row,) = store.snapshots.select_events(tree_id.uuid)
+    bad = {
+        "garbage": b"\x00not a snapshot",
+        "truncated": row.state[: len(row.state) // 2],
+        "wrong shape": b'{"tree": {"version": "x"}, "digest": 1}',
+    }[damage]
+    store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
+    store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, bad)])
+    with caplog.at_level("WARNING", logger="agentfold.store"):
+        loaded = store.load(tree_id, catalog.resolve)
+    assert loaded.snapshot_version == 0
+    assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
+    assert any("snapshot of tree" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
