@@ -48,7 +48,7 @@ from typing import Any, NoReturn
 from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, store_url_from_env
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
-from adapters.queries import HostQueries
+from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.recorders import TreeHead
 from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import CrashPlan, RandomIds, Runtime
@@ -89,6 +89,9 @@ class Outcome:
     exit_now: bool = False
     """End the process right after printing, without waiting for other threads (a server
     whose abandoned dispatcher calls are still running)."""
+    problems: tuple[AgentfoldError, ...] = ()
+    """Reported on stderr after the output, one line each (e.g. the trees a store-wide
+    listing could not read: the output is what could be answered)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +184,19 @@ def _summary_text(summary: Mapping[str, Any]) -> str:
     if unknown:
         text += f"; unknown effects: {', '.join(unknown)}"
     return text
+
+
+def _listed(data: dict[str, JSON], text: str, listing: Listing, missing: str) -> Outcome:
+    """A store-wide listing's outcome: the entries of every tree that could be read and, when
+    some tree's history could not be read, ``corrupt_trees`` (only then: a healthy answer is
+    unchanged), one stderr line per such tree and exit status 1 (the answer is incomplete)."""
+    if not listing.corrupt:
+        return Outcome(data, text)
+    data["corrupt_trees"] = listing.corrupt
+    count = len(listing.corrupt)
+    text += (f"\n\n{count} tree(s) could not be read (store.corrupt): their {missing} are missing here "
+             f"(see stderr; `{PROG} audit verify TREE` says what is wrong)")
+    return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(e) for e in listing.corrupt))
 
 
 def _fold(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> tuple[TreeState, ProgramResolver | None]:
@@ -293,8 +309,10 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
         entries = HostQueries(store, ctx.sources).unknown()
     finally:
         store.close()
-    data = {"unknown_effects": entries}
+    data: dict[str, JSON] = {"unknown_effects": entries}
     if not entries:
+        if entries.corrupt:
+            return _listed(data, "no unknown effects in the trees that could be read", entries, "unknown effects")
         return Outcome(data, "no unknown effects: nothing waits for a host")
     lines: list[str] = []
     for e in entries:
@@ -313,7 +331,7 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
         f"resolve each with: {PROG} resolve EFFECT_ID --output JSON [--disposition D]  (tool calls), "
         "--model-response JSON (model calls), or --output JSON [--status S] (other effects)"
     )
-    return Outcome(data, "\n".join(lines))
+    return _listed(data, "\n".join(lines), entries, "unknown effects")
 
 
 def _settlement_for(
@@ -506,8 +524,10 @@ def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
         entries = HostQueries(store, ctx.sources).pending()
     finally:
         store.close()
-    data = {"pending": entries}
+    data: dict[str, JSON] = {"pending": entries}
     if not entries:
+        if entries.corrupt:
+            return _listed(data, "no tool waits for input in the trees that could be read", entries, "tool waits")
         return Outcome(data, "no tool waits for input")
     lines = []
     for e in entries:
@@ -519,7 +539,7 @@ def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
         ]
     lines.append("")
     lines.append(f"answer with: {PROG} answer PROCESS_ID WAIT_ID JSON")
-    return Outcome(data, "\n".join(lines))
+    return _listed(data, "\n".join(lines), entries, "tool waits")
 
 
 def _signal_id(given: str | None, prefix: str) -> SignalID:
@@ -855,6 +875,8 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     else:
         sys.stdout.write(outcome.text + "\n")
     sys.stdout.flush()
+    for problem in outcome.problems:
+        _report(problem, as_json)
     if outcome.exit_now:
         sys.stderr.flush()
         os._exit(outcome.status)

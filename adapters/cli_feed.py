@@ -6,6 +6,11 @@
 * ``transcripts --bootstrap ... --topic T --group G --db URL [--once | --idle-exit S]`` -
   consume the topic in a consumer group and keep the transcript tables current;
 * ``transcript PROCESS_ID --db URL`` - print one transcript.
+
+Following (without ``--once``/``--idle-exit``), ``publish`` and ``transcripts`` outlive
+store failures (the publisher also the broker's retriable ones): one line on stderr per
+failure, a growing wait, then on from their durable position
+(``adapters.follower.retry_until_stopped``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import argparse
 import json
 import math
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from adapters.cli import Context, Outcome
+from adapters.cli import PROG, Context, Outcome
 from adapters.eventstore import redact
 from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher
 from adapters.transcripts import TranscriptConsumer, TranscriptStore
@@ -42,6 +48,16 @@ def _stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for restored, old in previous.items():
             signal.signal(restored, old)
+
+
+def _say(command: str) -> Callable[[str], None]:
+    """One line on stderr, for the failures a following command retries."""
+
+    def say(line: str) -> None:
+        sys.stderr.write(f"{PROG}: {command}: {line}\n")
+        sys.stderr.flush()
+
+    return say
 
 
 def _positive(text: str) -> int:
@@ -77,20 +93,20 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
                 report = publisher.drain()
             else:
                 with _stop_on_signals() as stop:
-                    report = publisher.follow(stop)
+                    report = publisher.follow_until_stopped(stop, _say("publish"))
         finally:
             publisher.close()
     finally:
         store.close()
     data = {
         "topic": args.topic, "events": report.events, "batches": publisher.batches,
-        "from_position": start, "position": report.position,
+        "from_position": start, "position": report.position, "failures": report.failures,
     }
     text = (
         f"published {report.events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
         f"(notification ids {start + 1}..{report.position})" if report.events else
         f"nothing to publish: topic {args.topic} has every event up to notification id {report.position}"
-    )
+    ) + (f" ({report.failures} failure(s) retried)" if report.failures else "")
     return Outcome(data, text)
 
 
@@ -106,7 +122,10 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
         )
         try:
             with _stop_on_signals() as stop:
-                report = consumer.run(stop, idle_exit=idle)
+                if idle is None:
+                    report = consumer.follow_until_stopped(stop, _say("transcripts"))
+                else:
+                    report = consumer.run(stop, idle_exit=idle)
         finally:
             consumer.close()
     finally:
@@ -117,6 +136,7 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
         f"read {t.envelopes} envelope(s) from {args.topic} in {report.batches} batch(es): applied {t.applied}, "
         f"skipped {t.duplicates} duplicate(s), wrote {t.entries} transcript entr{'y' if t.entries == 1 else 'ies'}"
         + (f", rejected {t.rejected} invalid record(s)" if t.rejected else "")
+        + (f" ({report.failures} failure(s) retried)" if report.failures else "")
     )
     return Outcome(data, text)
 

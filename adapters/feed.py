@@ -20,6 +20,15 @@ unacknowledged window, a gap never is. Consumers dedupe by ``notification_id`` (
 Following: PostgreSQL stores wake the publisher with LISTEN/NOTIFY on the channel every
 append notifies (``agentfold_events``), with polling as a safety net; SQLite stores are
 polled. One publisher per (store, topic): a second one only duplicates.
+
+Failures while following (``Publisher.follow_until_stopped``): a failure of the store (a
+restarted or failed-over server, a terminated session) or a retriable failure of the
+broker (unreachable, no acknowledgement in time) is reported as one line and retried with
+the read models' backoff policy (``adapters.follower.retry_until_stopped``); each attempt
+starts again from the *stored* position, so at most the batch whose position was not
+stored is produced again. A corrupt stream, a second publisher on the topic
+(``feed.position_conflict``) and a record the broker refuses for good (too large, not
+authorized) stop the publisher.
 """
 
 from __future__ import annotations
@@ -55,10 +64,31 @@ Envelope = dict[str, Any]
 
 
 class FeedError(AgentfoldError):
-    """The broker did not acknowledge (or could not be reached); nothing was recorded as published."""
+    """The broker did not acknowledge (or could not be reached); nothing was recorded as published.
 
-    def __init__(self, message: str) -> None:
+    ``retriable``: the broker may take the same records later (it was unreachable, or did not
+    answer in time), as opposed to refusing them for good (too large, not authorized).
+    """
+
+    def __init__(self, message: str, *, retriable: bool = True) -> None:
         super().__init__("feed.unavailable", message, "check --bootstrap and the broker; the publisher resumes where it stopped")
+        self.retriable = retriable
+
+
+def _retriable(exc: BaseException) -> bool:
+    """kafka-python marks the errors a later attempt may not meet (``KafkaError.retriable``)."""
+    return bool(getattr(exc, "retriable", False))
+
+
+def publish_failed(exc: BaseException) -> bool:
+    """The failures a following publisher retries: the store's, and the broker's retriable ones."""
+    from adapters.follower import store_failed
+
+    if isinstance(exc, FeedError):
+        return exc.retriable
+    if isinstance(exc, AgentfoldError) and exc.code == "feed.position_conflict":
+        return False  # another publisher on this topic: retrying only races it again
+    return store_failed(exc)
 
 
 # ---------------------------------------------------------------------------
@@ -163,7 +193,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITION
     except TopicAlreadyExistsError:
         return False
     except KafkaError as exc:
-        raise FeedError(f"cannot create topic {topic}: {exc}") from exc
+        raise FeedError(f"cannot create topic {topic}: {exc}", retriable=_retriable(exc)) from exc
     finally:
         admin.close()
 
@@ -178,9 +208,36 @@ def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
         "linger_ms": 2,
         "batch_size": 256 * 1024,
         "max_request_size": MAX_RECORD_BYTES,
+        # Shorter than the publisher's wait for acknowledgements (ack_timeout, 60 s), so that a
+        # batch the broker does not take normally ends as failed (expired) records, not as a timeout.
+        "delivery_timeout_ms": 50_000,
     }
     config.update(extra)
     return config
+
+
+def new_producer(bootstrap: str) -> Any:
+    """A kafka-python producer with ``producer_config`` (FeedError when the broker cannot be reached)."""
+    from kafka import KafkaProducer
+    from kafka.errors import KafkaError
+
+    try:
+        return KafkaProducer(**producer_config(bootstrap))
+    except KafkaError as exc:
+        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+
+
+def discard_producer(producer: Any) -> None:
+    """Close a producer at once, dropping the records it still holds (a batch that failed: never
+    recorded as published, so produced again from the stored position)."""
+    try:
+        producer.close(timeout=0)
+    except Exception:  # noqa: BLE001 - close() flushes first and refuses while records are pending
+        # kafka-python's close() would force-close its sender after that flush; do it directly,
+        # or the old sender thread would go on sending the dropped batch next to its re-send.
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
 
 
 def crash_hook_from_env() -> Callable[[int], None]:
@@ -205,6 +262,7 @@ def crash_hook_from_env() -> Callable[[int], None]:
 class PublishReport:
     events: int
     position: int
+    failures: int = 0  # store or broker failures retried while following
 
 
 class Publisher:
@@ -235,15 +293,9 @@ class Publisher:
         self._position = PublisherPosition(store, topic)
         self.position = self._position.get()
         ensure_topic(bootstrap, topic, partitions, replication_factor)
-        if producer is None:
-            from kafka import KafkaProducer
-            from kafka.errors import KafkaError
-
-            try:
-                producer = KafkaProducer(**producer_config(bootstrap))
-            except KafkaError as exc:
-                raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
-        self.producer = producer
+        # A producer of its own is replaced after a broker failure (see follow_until_stopped).
+        self._bootstrap = bootstrap if producer is None else None
+        self.producer: Any = producer if producer is not None else new_producer(bootstrap)
         self._crash = crash_hook_from_env()
         self.batches = 0
         self.events = 0
@@ -274,21 +326,32 @@ class Publisher:
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
         """Send envelopes and wait until the broker acknowledged every one (else raise FeedError)."""
+        from kafka.errors import KafkaError
+
         futures = []
-        for envelope in envelopes:
-            value = envelope_bytes(envelope)
-            self.bytes += len(value)
-            futures.append(
-                self.producer.send(
-                    self.topic, value=value, key=str(envelope["tree_id"]).encode(), headers=envelope_headers(envelope)
+        try:
+            for envelope in envelopes:
+                value = envelope_bytes(envelope)
+                self.bytes += len(value)
+                futures.append(
+                    self.producer.send(
+                        self.topic, value=value, key=str(envelope["tree_id"]).encode(), headers=envelope_headers(envelope)
+                    )
                 )
-            )
-        self.producer.flush(timeout=self.ack_timeout)
+            self.producer.flush(timeout=self.ack_timeout)
+        except KafkaError as exc:  # no metadata in time (broker unreachable), a record too large, no flush in time
+            raise FeedError(
+                f"the broker did not take the records of topic {self.topic}: {exc}",
+                retriable=_retriable(exc),
+            ) from exc
         for future in futures:
             try:
                 future.get(timeout=self.ack_timeout)
             except Exception as exc:  # any failed send: the batch is not acknowledged
-                raise FeedError(f"the broker did not acknowledge a record of topic {self.topic}: {exc}") from exc
+                raise FeedError(
+                    f"the broker did not acknowledge a record of topic {self.topic}: {exc}",
+                    retriable=_retriable(exc),
+                ) from exc
 
     # -- loops -----------------------------------------------------------------
 
@@ -318,9 +381,57 @@ class Publisher:
             waiter.close()
         return PublishReport(self.events - before, self.position)
 
+    def follow_until_stopped(
+        self, stop: threading.Event, say: Callable[[str], None], *, backoff: float = 0.5, max_backoff: float = 30.0
+    ) -> PublishReport:
+        """``follow`` until ``stop`` is set, through the failures ``publish_failed`` accepts.
+
+        Each failure is one line (``say``), then a wait (``retry_until_stopped``: doubling from
+        ``backoff`` up to ``max_backoff``); the next attempt reads the stored position again
+        (the store may hold a later one than this object, if the reply to a position write was
+        lost) and goes on from there, so at most the batch whose position was not stored is
+        produced again. After a broker failure it also starts a new producer: the old one's
+        session (pending records, idempotence sequence numbers) may mean nothing to a restarted
+        broker, and kafka-python does not always recover from that by itself. Anything else is
+        raised.
+        """
+        from adapters.follower import retry_until_stopped
+
+        before = self.events
+        again = False
+
+        def attempt() -> None:
+            nonlocal again
+            if again:
+                if self.producer is None and self._bootstrap is not None:
+                    self.producer = new_producer(self._bootstrap)
+                self.position = self._position.get()
+                say(f"following again from position {self.position}")
+            again = True
+            try:
+                self.follow(stop)
+            except FeedError:
+                if self._bootstrap is not None:
+                    producer, self.producer = self.producer, None
+                    discard_producer(producer)
+                raise
+
+        failures = retry_until_stopped(
+            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff
+        )
+        return PublishReport(self.events - before, self.position, failures)
+
     def close(self) -> None:
+        """Flush and close the producer. Records the broker still has not taken after
+        ``ack_timeout`` (a failed batch, never recorded as published) are dropped: stopping
+        during a broker outage ends cleanly."""
+        from kafka.errors import KafkaError
+
+        if self.producer is None:
+            return
         try:
             self.producer.flush(timeout=self.ack_timeout)
-        finally:
             self.producer.close(timeout=5)
+        except KafkaError:
+            discard_producer(self.producer)
 

@@ -15,6 +15,8 @@ every append notifies (``agentfold_events``) and also poll, as a safety net.
 ``follow_until_stopped`` keeps following through store failures (a restarted or
 failed-over server, terminated sessions, a dropped network): it reports each failure,
 waits (backing off), and goes on with a new follower from the committed tracking position.
+Its policy, ``retry_until_stopped``, is shared by the Kafka publisher and the transcript
+consumer (``adapters.feed``, ``adapters.transcripts``).
 """
 
 from __future__ import annotations
@@ -231,6 +233,53 @@ class FollowReport:
     failures: int
 
 
+def store_failed(exc: BaseException) -> bool:
+    """A failure of the store that a new attempt may not meet (a restarted or failed-over server,
+    a terminated session, a dropped network), as opposed to a corrupt stream, which is final."""
+    return isinstance(exc, (StoreFailure, PersistenceError, psycopg.Error, OSError)) and not isinstance(exc, CorruptStream)
+
+
+def retry_until_stopped(
+    attempt: Callable[[], None],
+    stop: threading.Event,
+    say: Callable[[str], None],
+    *,
+    retryable: Callable[[BaseException], bool] = store_failed,
+    backoff: float = 0.5,
+    max_backoff: float = 30.0,
+) -> int:
+    """Run ``attempt`` until ``stop`` is set, again after each failure ``retryable`` accepts;
+    returns how many failures there were.
+
+    ``attempt`` works until ``stop`` is set (and returns) or raises; each new attempt must go
+    on from its own durable position (what it committed), never from memory. A retryable
+    failure is reported with ``say`` as one line (``following failed: <what>; retrying in
+    N s``) and the next attempt starts after a wait that doubles from ``backoff`` up to
+    ``max_backoff``, and is back to ``backoff`` once an attempt worked for longer than
+    ``max_backoff`` (a new outage, not the same one). ``stop`` is looked at at least every
+    0.25 s while waiting. Any other exception is raised at once.
+    """
+    failures = 0
+    delay = backoff
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            attempt()
+            return failures
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            failures += 1
+            if time.monotonic() - started > max_backoff:
+                delay = backoff  # it had been working: a new outage starts with a short wait
+            say(f"following failed: {_one_line(exc)}; retrying in {delay:g} s")
+            deadline = time.monotonic() + delay
+            while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                stop.wait(min(left, 0.25))  # a signal handler sets stop; look at least every 0.25 s
+            delay = min(delay * 2, max_backoff)
+    return failures
+
+
 def follow_until_stopped(
     make: Callable[[], Follower],
     stop: threading.Event,
@@ -240,45 +289,36 @@ def follow_until_stopped(
     backoff: float = 0.5,
     max_backoff: float = 30.0,
 ) -> FollowReport:
-    """Follow until ``stop`` is set, through store failures.
+    """Follow until ``stop`` is set, through store failures (``retry_until_stopped``).
 
     A failure of the store (or of the LISTEN connection) is reported with ``say`` (one
-    line) and, after a wait that doubles from ``backoff`` up to ``max_backoff``, a new
-    follower made by ``make`` goes on from the tables' committed tracking position: a
-    batch is committed with its position or not at all, so nothing is applied twice or
-    skipped. A corrupt stream and refused input are not retried: they are raised.
+    line) and, after the backoff, a new follower made by ``make`` goes on from the tables'
+    committed tracking position: a batch is committed with its position or not at all, so
+    nothing is applied twice or skipped. A corrupt stream and refused input are not
+    retried: they are raised.
     """
-    follower = first
+    current = first
     applied = 0
     position = first.position if first is not None else 0
-    failures = 0
-    delay = backoff
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            if follower is None:
-                follower = make()
-                say(f"following again from position {follower.position}")
-            position = follower.position
-            follower.follow(stop)
-        except CorruptStream:
-            raise
-        except (StoreFailure, PersistenceError, psycopg.Error, OSError) as exc:
-            failures += 1
-            if follower is not None:
-                applied += follower.events_applied
-                position = follower.position
-            follower = None
-            if time.monotonic() - started > max_backoff:
-                delay = backoff  # it had been working: a new outage starts with a short wait
-            say(f"following failed: {_one_line(exc)}; retrying in {delay:g} s")
-            deadline = time.monotonic() + delay
-            while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                stop.wait(min(left, 0.25))  # a signal handler sets stop; look at least every 0.25 s
-            delay = min(delay * 2, max_backoff)
-    if follower is not None:
-        applied += follower.events_applied
+
+    def attempt() -> None:
+        nonlocal current, applied, position
+        follower = current
+        if follower is None:
+            follower = make()
+            say(f"following again from position {follower.position}")
+        current = None  # whatever happens next, the next attempt starts with a new follower
         position = follower.position
+        try:
+            follower.follow(stop)
+        finally:
+            applied += follower.events_applied
+            position = follower.position
+
+    failures = retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff)
+    if current is not None:  # stopped before it followed at all
+        applied += current.events_applied
+        position = current.position
     return FollowReport(applied, position, failures)
 
 

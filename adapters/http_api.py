@@ -40,10 +40,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
-from adapters.eventstore import EventStore
+from adapters.eventstore import CorruptStream, EventStore
 from adapters.follower import Follower
 from adapters.interaction import steer_signal
-from adapters.queries import HostQueries
+from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import scenario_input, scenario_program, validate_scenario
@@ -277,6 +277,39 @@ class UnknownList(_Doc):
     unknown_effects: list[dict[str, Any]] = Field(..., description="unknown effects (docs/cli.md#unknown)")
 
 
+class CorruptTree(_Doc):
+    tree_id: str
+    start_id: str | None
+    code: Literal["store.corrupt"]
+    position: int = Field(..., description="the position in the tree's history where reading it failed")
+    rule: str = Field(..., description="the rule the stored history breaks (e.g. integrity.digest_chain)")
+    detail: str
+
+
+class _Partial(Problem):
+    """The 503 of a store-wide listing. With ``store.corrupt`` (some trees could not be read)
+    it carries the listing's members for every other tree and ``corrupt_trees``; any other
+    503 is a plain problem (the store is unavailable)."""
+
+    corrupt_trees: list[CorruptTree] = Field(default_factory=list, description="with store.corrupt: the trees "
+                                             "whose history could not be read; their entries are missing "
+                                             "(`agentfold audit verify TREE` says what is wrong)")
+
+
+class PartialPending(_Partial):
+    pending: list[PendingInput] = Field(default_factory=list, description="the tool input waits of every other tree")
+
+
+class PartialUnknown(_Partial):
+    unknown_effects: list[dict[str, Any]] = Field(default_factory=list,
+                                                  description="the unknown effects of every other tree")
+
+
+class PartialRunList(_Partial):
+    runs: list[ListedRun] = Field(default_factory=list, description="this page's runs, the unreadable trees left out")
+    next_after: str | None = Field(None, description="the cursor of the next page (null: this page is the last)")
+
+
 class _Written(_Doc):
     position: int = Field(..., description="a notification id at or after this write (use as min_position)")
     idle: bool = Field(..., description="the run was parked or ended when the response was formed")
@@ -480,7 +513,8 @@ class ApiService:
             entries = self.folding.runs(status=status, classification=classification, limit=limit, after=number)
             tag = "f"
         runs = [{**e, "cursor": f"{tag}{e['cursor']}"} for e in entries]
-        return {"runs": runs, "next_after": runs[-1]["cursor"] if len(runs) == limit else None}
+        return _complete({"runs": runs, "next_after": runs[-1]["cursor"] if len(runs) == limit else None},
+                         entries, "runs")
 
     def run(self, ref: str, min_position: int | None, wait: float) -> Entry:
         tree_id = self.queries.tree_of(ref)
@@ -500,12 +534,18 @@ class ApiService:
     def pending(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
         tree_id = self.queries.tree_of(ref) if ref is not None else None
         self._reach(min_position, wait)
-        return {"pending": self.queries.pending(tree_id, min_position=min_position)}
+        if tree_id is not None:
+            return {"pending": self.queries.pending(tree_id, min_position=min_position)}
+        listing = self.queries.pending(min_position=min_position)
+        return _complete({"pending": listing}, listing, "tool input waits")
 
     def unknown(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
         tree_id = self.queries.tree_of(ref) if ref is not None else None
         self._reach(min_position, wait)
-        return {"unknown_effects": self.queries.unknown(tree_id, min_position=min_position)}
+        if tree_id is not None:
+            return {"unknown_effects": self.queries.unknown(tree_id, min_position=min_position)}
+        listing = self.queries.unknown(min_position=min_position)
+        return _complete({"unknown_effects": listing}, listing, "unknown effects")
 
     # -- writes ----------------------------------------------------------------
 
@@ -646,6 +686,24 @@ class ApiService:
         return self._written(tree_id, wait, recorded=recorded, process_id=pid)
 
 
+def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str, Any]:
+    """A store-wide listing's answer, or, when some tree's history could not be read, a 503
+    ``store.corrupt`` whose problem document carries the same members (the entries of every
+    other tree) plus ``corrupt_trees``: the answer is incomplete, so it is not a 200, and
+    one damaged tree does not hide the others (docs/http-api.md#a-corrupt-tree-in-a-listing)."""
+    if not listing.corrupt:
+        return body
+    for entry in listing.corrupt:
+        log.warning("listing %s: %s", missing, corrupt_tree_error(entry).message)
+    trees = ", ".join(f"{e['tree_id']} (position {e['position']}: {e['rule']})" for e in listing.corrupt)
+    raise StoreFailure(
+        "store.corrupt",
+        f"{len(listing.corrupt)} tree(s) could not be read, so their {missing} are missing from this answer: {trees}",
+        hint="the other members list every other tree; `agentfold audit verify TREE` says what is wrong",
+        **body, corrupt_trees=list(listing.corrupt),
+    )
+
+
 def _answered_elsewhere(process_id: ProcessID, wait_id: WaitID, state: dict[str, Any]) -> Rejected:
     return Rejected(
         "engine.signal.rejected",
@@ -752,6 +810,12 @@ def _ok(model: type[BaseModel], description: str, status: int = 200) -> dict[int
     return {status: {"model": model, "description": description}}
 
 
+def _partial(model: type[BaseModel], entries: str) -> dict[int | str, dict[str, Any]]:
+    """A store-wide listing's 503: the store is unavailable, or some trees could not be read."""
+    return {503: {"model": model, "description": f"the store is unavailable (a problem), or some trees could not be "
+                  f"read (store.corrupt): the {entries} of every other tree, and corrupt_trees"}}
+
+
 class _BodyTooLarge(StarletteHTTPException):
     def __init__(self) -> None:
         super().__init__(413, "Content Too Large")
@@ -829,7 +893,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     # -- reads ---------------------------------------------------------------
 
     @api.get("/runs", tags=["runs"], summary="runs in creation order, a page at a time",
-             responses=_ok(RunList, "a page of runs"))
+             responses={**_ok(RunList, "a page of runs"), **_partial(PartialRunList, "runs")})
     def list_runs(service: Service, status: RunStatus | None = None, classification: Classification | None = None,
                   limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 100,
                   after: Annotated[str | None, Query(description="a cursor from a previous page")] = None,
@@ -869,12 +933,13 @@ def create_app(service: ApiService | None = None) -> FastAPI:
         return json_response(service.delegates(process_id, min_position, wait))
 
     @api.get("/pending-inputs", tags=["pending inputs"], summary="every tool input wait, runs in creation order",
-             responses=_ok(PendingList, "current tool input waits"))
+             responses={**_ok(PendingList, "current tool input waits"), **_partial(PartialPending, "tool input waits")})
     def get_pending(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.pending(None, min_position, wait))
 
     @api.get("/unknown-effects", tags=["unknown effects"], summary="every unknown effect of the live runs",
-             responses=_ok(UnknownList, "unknown effects of live processes"))
+             responses={**_ok(UnknownList, "unknown effects of live processes"),
+                        **_partial(PartialUnknown, "unknown effects")})
     def get_unknown(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.unknown(None, min_position, wait))
 
@@ -957,6 +1022,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, Unauthorized):
             headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.detail.get("invalid_token") else "Bearer"
             extra: dict[str, Any] = {}
+        elif isinstance(exc, CorruptStream):
+            # Its ``detail`` is the broken rule's text (already in the message), not context
+            # members: say which tree, where and which rule.
+            extra = {"tree_id": str(exc.tree_id), "position": exc.position, "rule": exc.rule}
         else:
             extra = dict(exc.detail)
         return problem_response(exc.http_status, exc.code, exc.message, exc.hint, extra, headers)

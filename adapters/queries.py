@@ -5,17 +5,24 @@ the materialized tables when they exist and reflect every committed event (or at
 least ``min_position``, when the caller waits for its own write), else from folding
 the tree with the pure projections. Both paths produce the same entries: the tables
 store exactly what ``projections.read_models`` computes.
+
+A store-wide listing (runs, pending, unknown) that meets a tree whose history cannot be
+read (``store.corrupt``) leaves it out and names it in ``Listing.corrupt``, on either
+path: one damaged tree must not hide every other tree. A question about that tree alone
+still raises.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from adapters.catalog import Catalog
 from adapters.eventstore import CorruptStream, EventStore
 from adapters.read_models import PENDING, UNKNOWN, ReadModels
+from adapters.recorders import TreeHead
 from adapters.sources import ProgramSources
 from domain.errors import NotFound, StoreFailure
 from domain.events import TreeStarted
@@ -28,12 +35,60 @@ PROG = "agentfold"
 OVERLAY_LIMIT = 2000  # trees the tables may lag behind before a query folds everything instead
 
 
+class Listing(list[Entry]):
+    """A store-wide listing: the entries of every tree that could be read, in order, and
+    ``corrupt``, one entry per tree whose stored history could not be read (see
+    :func:`corrupt_tree_entry`): its entries are missing, so the answer is incomplete.
+
+    A list, so callers that only want the entries keep working; ``corrupt`` is empty when
+    every tree was read. (Slicing or copying gives a plain list: read ``corrupt`` first.)
+    """
+
+    def __init__(self, entries: Iterable[Entry] = (), corrupt: Iterable[Entry] = ()) -> None:
+        super().__init__(entries)
+        self.corrupt: list[Entry] = list(corrupt)
+
+
+def corrupt_tree_entry(exc: CorruptStream, head: TreeHead | None) -> Entry:
+    """How a listing names a tree it could not read: the fold's or decoder's position and rule."""
+    return {
+        "tree_id": str(exc.tree_id),
+        "start_id": head.start_id if head is not None else None,
+        "code": exc.code,
+        "position": exc.position,
+        "rule": exc.rule,
+        "detail": exc.detail,
+    }
+
+
+def corrupt_tree_error(entry: Entry) -> StoreFailure:
+    """One named corrupt tree as an error, for front ends that report it (CLI stderr, logs)."""
+    tree = entry["tree_id"]
+    start = f" (start {entry['start_id']})" if entry.get("start_id") else ""
+    return StoreFailure(
+        str(entry["code"]),
+        f"tree {tree}{start} is corrupt at position {entry['position']}: {entry['rule']}: {entry['detail']}; "
+        "its entries are missing from this answer",
+        hint=f"see what is wrong with `{PROG} audit verify {tree}`",
+        tree_id=tree, start_id=entry.get("start_id"), position=entry["position"], rule=entry["rule"],
+    )
+
+
 @dataclass(slots=True)
 class Fresh:
-    """Rows of the trees the read models have not caught up with, folded at query time."""
+    """Rows of the trees the read models have not caught up with, folded at query time.
+
+    ``corrupt``: the lagging trees whose history could not be folded (their rows in the
+    tables, if any, are stale too: listings leave them out and name the tree).
+    """
 
     rows: dict[str, TreeRows] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
+    corrupt: dict[str, CorruptStream] = field(default_factory=dict)
+
+    def skipped(self, tree_id: str) -> bool:
+        """Whether the tables' rows of this tree must not be used (refolded, or corrupt)."""
+        return tree_id in self.rows or tree_id in self.corrupt
 
 
 class HostQueries:
@@ -131,30 +186,64 @@ class HostQueries:
                         return None
             after = batch[-1].id
         for tree_id, first in first_seen.items():
-            tree, programs = self.fold(tree_id)
-            fresh.rows[str(tree_id)] = project_tree(tree, programs)
             fresh.created[str(tree_id)] = first or models.created_position(str(tree_id))
+            try:
+                tree, programs = self.fold(tree_id)
+            except CorruptStream as exc:
+                # One damaged tree must not take every other tree's answer down with it:
+                # listings name it, a question about this tree alone raises it (``_rows``).
+                fresh.corrupt[str(tree_id)] = exc
+                continue
+            fresh.rows[str(tree_id)] = project_tree(tree, programs)
         return models, fresh
+
+    def _corrupt(self, fresh: Fresh, relevant: Callable[[TreeHead | None], bool],
+                 within: Callable[[int], bool] = lambda created: True) -> list[tuple[int, Entry]]:
+        """The lagging corrupt trees a listing names, with their creation positions.
+
+        ``relevant`` applies the fold path's own choice of trees (by index row), so both
+        paths name the same trees.
+        """
+        named: list[tuple[int, Entry]] = []
+        for tree_id, exc in fresh.corrupt.items():
+            created = fresh.created[tree_id]
+            if not within(created):
+                continue
+            head = self.store.head(TreeID(tree_id))
+            if relevant(head):
+                named.append((created, corrupt_tree_entry(exc, head)))
+        named.sort(key=lambda pair: pair[0])
+        return named
 
     # -- questions -------------------------------------------------------------
 
     def runs(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
              after: int = 0, min_position: int | None = None,
-             view: tuple[ReadModels, Fresh] | bool | None = True) -> list[Entry]:
+             view: tuple[ReadModels, Fresh] | bool | None = True) -> Listing:
         """Runs in creation order (``cursor`` of the last entry pages on).
 
         Cursors from the tables are the runs' ``created_position``; from folding (no
         tables) they count runs in index order. ``view`` lets a caller that already
-        chose the path pass it (False: fold).
+        chose the path pass it (False: fold). A tree whose history cannot be read is left
+        out and named in ``corrupt`` by the page whose range holds it (matching the
+        filters by its index row).
         """
         if view is True:
             view = self.view(min_position)
+
+        def matches(head: TreeHead | None) -> bool:
+            if head is None:
+                return status is None and classification is None
+            return (status is None or head.status == status) and (
+                classification is None or head.classification == classification)
+
         if isinstance(view, tuple):
             models, fresh = view
-            # Rows of refolded trees are replaced; ask for enough rows to fill the page anyway.
-            stored = models.runs(status=status, classification=classification, limit=limit + len(fresh.rows),
-                                 after=after)
-            entries = [e for e in stored if e["tree_id"] not in fresh.rows]
+            # Rows of refolded or corrupt trees are replaced or dropped; ask for enough rows
+            # to fill the page anyway.
+            stored = models.runs(status=status, classification=classification,
+                                 limit=limit + len(fresh.rows) + len(fresh.corrupt), after=after)
+            entries = [e for e in stored if not fresh.skipped(e["tree_id"])]
             for tree_id, rows in fresh.rows.items():
                 run = rows.run
                 created = fresh.created[tree_id]
@@ -164,14 +253,20 @@ class HostQueries:
                     continue
                 entries.append({**run, "cursor": created})
             entries.sort(key=lambda e: int(e["cursor"]))
-            return entries[:limit]
-        out: list[Entry] = []
+            page = entries[:limit]
+            # A full page ends at its last run: a corrupt tree after it belongs to a later page.
+            last = int(page[-1]["cursor"]) if len(page) == limit else None
+            corrupt = self._corrupt(fresh, matches, lambda created: created > after and (last is None or created <= last))
+            return Listing(page, (e for _, e in corrupt))
+        out = Listing()
         for n, head in enumerate(self.store.heads(), start=1):
-            if n <= after or (status is not None and head.status != status):
+            if n <= after or not matches(head):
                 continue
-            if classification is not None and head.classification != classification:
+            try:
+                tree, _ = self.fold(TreeID(head.tree_id))
+            except CorruptStream as exc:
+                out.corrupt.append(corrupt_tree_entry(exc, head))
                 continue
-            tree, _ = self.fold(TreeID(head.tree_id))
             out.append({**project_tree(tree).run, "cursor": n})
             if len(out) >= limit:
                 break
@@ -182,6 +277,9 @@ class HostQueries:
         view = self.view(min_position)
         if view is not None:
             models, fresh = view
+            corrupt = fresh.corrupt.get(str(tree_id))
+            if corrupt is not None:
+                raise corrupt  # a question about this tree alone fails, as a fold would
             rows = fresh.rows.get(str(tree_id))
             if rows is not None:
                 return rows.run, rows, None
@@ -220,38 +318,69 @@ class HostQueries:
             entries = models.delegates(process_id)  # type: ignore[union-attr]
         return {"process_id": process_id, "found": found, "delegates": entries}
 
+    @overload
+    def pending(self, tree_id: None = None, *, min_position: int | None = None) -> Listing: ...
+    @overload
+    def pending(self, tree_id: TreeID, *, min_position: int | None = None) -> list[Entry]: ...
+
     def pending(self, tree_id: TreeID | None = None, *, min_position: int | None = None) -> list[Entry]:
-        """Current tool input waits: of one tree, or of every run in creation order."""
+        """Current tool input waits: of one tree, or of every run in creation order.
+
+        Of every run: a :class:`Listing`, whose ``corrupt`` names the live trees that could
+        not be read (one tree raises ``store.corrupt`` instead).
+        """
         if tree_id is not None:
             _, rows, models = self._rows(tree_id, min_position)
             return rows.pending if rows is not None else models.pending(str(tree_id))  # type: ignore[union-attr]
         return self._listing("pending", PENDING, min_position)
 
+    @overload
+    def unknown(self, tree_id: None = None, *, min_position: int | None = None) -> Listing: ...
+    @overload
+    def unknown(self, tree_id: TreeID, *, min_position: int | None = None) -> list[Entry]: ...
+
     def unknown(self, tree_id: TreeID | None = None, *, min_position: int | None = None) -> list[Entry]:
-        """Unknown effects of live Processes: of one tree, or of every run in creation order."""
+        """Unknown effects of live Processes: of one tree, or of every run in creation order.
+
+        Of every run: a :class:`Listing`, whose ``corrupt`` names the trees with unknown
+        effects (by their index rows) that could not be read.
+        """
         if tree_id is not None:
             _, rows, models = self._rows(tree_id, min_position)
             return rows.unknown if rows is not None else models.unknown(str(tree_id))  # type: ignore[union-attr]
         return self._listing("unknown", UNKNOWN, min_position)
 
-    def _listing(self, member: str, table: str, min_position: int | None) -> list[Entry]:
-        """Every run's entries of one kind, runs in creation order."""
+    def _listing(self, member: str, table: str, min_position: int | None) -> Listing:
+        """Every run's entries of one kind, runs in creation order; corrupt trees named."""
+
+        def relevant(head: TreeHead | None) -> bool:
+            # Only a tree with an unknown effect (per its index row) can list one; a tool
+            # input wait can exist in any live tree (a sibling call may still be running).
+            # Both paths pick the trees they read (and so the corrupt trees they name) so.
+            if head is None:
+                return True  # no index row to judge by: name it rather than hide it
+            if head.classification == "terminal":
+                return False
+            return member != "unknown" or bool(head.unknown_effect_ids)
+
         view = self.view(min_position)
         if view is not None:
             models, fresh = view
-            listed = [(created, e) for created, tree, e in models.ordered(table) if tree not in fresh.rows]
+            listed = [(created, e) for created, tree, e in models.ordered(table) if not fresh.skipped(tree)]
             for tree, rows in fresh.rows.items():
                 listed.extend((fresh.created[tree], e) for e in getattr(rows, member))
             listed.sort(key=lambda pair: pair[0])  # stable: a tree's entries keep their order
-            return [e for _, e in listed]
-        entries: list[Entry] = []
+            return Listing((e for _, e in listed), (e for _, e in self._corrupt(fresh, relevant)))
+        entries = Listing()
         for head in self.store.heads(live_only=True):
-            # Only a tree with an unknown effect (per its index row) can list one; a tool
-            # input wait can exist in any live tree (a sibling call may still be running).
-            if member == "unknown" and not head.unknown_effect_ids:
+            if not relevant(head):
                 continue
-            tree, programs = self.fold(TreeID(head.tree_id))
-            entries.extend(getattr(project_tree(tree, programs), member))
+            try:
+                state, programs = self.fold(TreeID(head.tree_id))
+            except CorruptStream as exc:
+                entries.corrupt.append(corrupt_tree_entry(exc, head))
+                continue
+            entries.extend(getattr(project_tree(state, programs), member))
         return entries
 
     def position(self) -> dict[str, Any]:

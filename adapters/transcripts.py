@@ -12,7 +12,10 @@
 
 A crash between 2 and 3 re-delivers the batch; every envelope at or below its tree's
 high-water mark is skipped, so no entry is duplicated, and none is lost because the
-offsets never move past what the database holds. An envelope past a missing position
+offsets never move past what the database holds. A following consumer
+(:meth:`TranscriptConsumer.follow_until_stopped`) outlives failures of its database the
+same way: it reports each one, waits (``adapters.follower.retry_until_stopped``), opens a
+new connection and goes back to the committed offsets. An envelope past a missing position
 of its tree stops the consumer (:class:`~projections.transcripts.TranscriptGap`): it
 never writes a transcript with a hole in it. A record that is not a valid envelope is
 kept in ``agentfold_transcript_rejects`` and skipped.
@@ -121,23 +124,14 @@ class TranscriptStore:
                 raise InvalidInput("transcripts.url_invalid", f"sqlite URL {url!r} names no file")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.backend = "sqlite"
-            self._conn: Any = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-            self._conn.row_factory = sqlite3.Row
-            self._conn.execute("PRAGMA journal_mode=WAL")
         elif url.startswith(("postgresql://", "postgres://")):
-            import psycopg
-            from psycopg.rows import dict_row
-
             self.backend = "postgresql"
-            try:
-                self._conn = psycopg.connect(url, autocommit=True, row_factory=dict_row)
-            except psycopg.Error as exc:
-                raise StoreFailure("transcripts.unavailable", f"cannot open {redact(url)}: {exc}") from exc
         else:
             raise InvalidInput(
                 "transcripts.url_invalid", f"unsupported database URL {url!r}",
                 hint="use sqlite:///path.db or postgresql://user:pass@host:port/db",
             )
+        self._conn: Any = self._connect()
         self._lock = threading.Lock()
         with self._transaction() as c:
             if self.backend == "postgresql":
@@ -147,6 +141,29 @@ class TranscriptStore:
 
     def close(self) -> None:
         self._conn.close()
+
+    def reconnect(self) -> None:
+        """Replace the connection (after it failed: a restarted server, a terminated session)."""
+        with self._lock:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - it is broken already; nothing of it is needed
+                pass
+            self._conn = self._connect()
+
+    def _connect(self) -> Any:
+        if self.backend == "sqlite":
+            conn = sqlite3.connect(self.url[len("sqlite:///") :], timeout=30, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            return conn
+        import psycopg
+        from psycopg.rows import dict_row
+
+        try:
+            return psycopg.connect(self.url, autocommit=True, row_factory=dict_row)
+        except psycopg.Error as exc:
+            raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -383,9 +400,28 @@ class ConsumeReport:
     totals: ApplyReport = field(default_factory=ApplyReport)
     batches: int = 0
     commit_failures: int = 0
+    failures: int = 0  # database (or offset-fetch) failures retried while following
 
     def to_json(self) -> dict[str, int]:
-        return {**self.totals.to_json(), "batches": self.batches, "commit_failures": self.commit_failures}
+        return {
+            **self.totals.to_json(), "batches": self.batches, "commit_failures": self.commit_failures,
+            "failures": self.failures,
+        }
+
+
+def consume_failed(exc: BaseException) -> bool:
+    """The failures a following consumer retries: its database's (as the read models' follower
+    does, ``adapters.follower.store_failed``) and the broker's retriable ones. A gap in a tree
+    (``feed.gap``) or a group that assigns nothing (``feed.unavailable``) stops it."""
+    from kafka.errors import KafkaError
+
+    from adapters.follower import store_failed
+
+    if isinstance(exc, (sqlite3.OperationalError, sqlite3.IntegrityError)):  # locked, I/O; a concurrent writer
+        return True
+    if isinstance(exc, KafkaError):
+        return bool(exc.retriable)
+    return store_failed(exc)
 
 
 class TranscriptConsumer:
@@ -434,8 +470,9 @@ class TranscriptConsumer:
                 envelopes.append(check_envelope(orjson.loads(record.value)))
             except (orjson.JSONDecodeError, EnvelopeInvalid, TypeError) as exc:
                 raw = record.value.decode("utf-8", "replace") if isinstance(record.value, bytes) else repr(record.value)
-                rejected.append(Rejected(record.topic, record.partition, record.offset, str(exc), raw[:4096]))
-        self.report.batches += 1
+                # PostgreSQL text cannot hold NUL: kept escaped, else the reject itself would fail the batch.
+                raw, error = raw[:4096].replace("\x00", "\\u0000"), str(exc).replace("\x00", "\\u0000")
+                rejected.append(Rejected(record.topic, record.partition, record.offset, error, raw))
         try:
             report = self.store.apply(envelopes, rejected=rejected)
         except TranscriptGap as exc:
@@ -444,6 +481,7 @@ class TranscriptConsumer:
                 "feed.gap", str(exc),
                 "an event is missing from the topic (retention, another producer?): rebuild from a complete topic",
             ) from exc
+        self.report.batches += 1  # committed batches: one that failed comes again (see ``rewind``)
         die = self._crash(self.report.batches)
         if die is not None:
             die()
@@ -452,6 +490,50 @@ class TranscriptConsumer:
         if self.on_batch is not None:
             self.on_batch(report)
         return report
+
+    def rewind(self) -> dict[str, int | None]:
+        """Move every assigned partition back to its committed offset (its start when none), so
+        what was polled since comes again: after a batch failed, nothing of it is lost, and what
+        the database holds already is skipped as duplicates. Returns ``{"topic/partition": offset}``."""
+        rewound: dict[str, int | None] = {}
+        for tp in sorted(self.consumer.assignment()):
+            committed = self.consumer.committed(tp)
+            if committed is None:
+                self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, committed)
+            rewound[f"{tp.topic}/{tp.partition}"] = committed
+        return rewound
+
+    def follow_until_stopped(
+        self, stop: threading.Event, say: Callable[[str], None], *, backoff: float = 0.5, max_backoff: float = 30.0
+    ) -> ConsumeReport:
+        """``run`` until ``stop`` is set, through the failures ``consume_failed`` accepts.
+
+        Each failure is one line (``say``), then a wait (``retry_until_stopped``); the next
+        attempt opens a new database connection and rewinds to the committed offsets: a batch
+        whose database transaction failed comes again (none of it was committed), and a batch
+        whose commit succeeded unseen is skipped by the trees' high-water marks. Nothing is
+        lost, no entry is written twice. Anything else is raised.
+        """
+        from adapters.follower import retry_until_stopped
+
+        again = False
+
+        def attempt() -> None:
+            nonlocal again
+            if again:
+                self.store.reconnect()
+                rewound = self.rewind()
+                at = ", ".join(f"{tp} at {'the start' if o is None else o}" for tp, o in rewound.items())
+                say("following again from the committed offsets" + (f" ({at})" if at else ""))
+            again = True
+            self.run(stop)
+
+        self.report.failures += retry_until_stopped(
+            attempt, stop, say, retryable=consume_failed, backoff=backoff, max_backoff=max_backoff
+        )
+        return self.report
 
     def _commit_offsets(self) -> None:
         from kafka.errors import CommitFailedError, KafkaError
@@ -475,7 +557,7 @@ class TranscriptConsumer:
         """Consume until ``stop`` is set, ``until()`` holds, or nothing came for ``idle_exit`` seconds
         (counted once the group assigned partitions to this member)."""
         stop = stop or threading.Event()
-        started = time.monotonic()
+        assigned_at = time.monotonic()  # the start, then the last poll after which partitions were assigned
         idle_since: float | None = None
         while not stop.is_set():
             got = self.poll_once(poll_timeout)
@@ -483,11 +565,16 @@ class TranscriptConsumer:
                 break
             if got is not None:
                 idle_since = None
+                assigned_at = time.monotonic()
                 continue
             if not self.assigned():
-                if time.monotonic() - started > join_timeout:
-                    raise FeedError(f"no partition of {self.topic} was assigned within {join_timeout:g} s")
+                # Counted from the last time it had partitions, not from the start: a long-running
+                # member waits out a rebalance (or a rejoin after a long database outage) too.
+                if time.monotonic() - assigned_at > join_timeout:
+                    raise FeedError(f"no partition of {self.topic} was assigned within {join_timeout:g} s",
+                                    retriable=False)
                 continue
+            assigned_at = time.monotonic()
             if idle_exit is not None:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since >= idle_exit:
@@ -499,7 +586,7 @@ class TranscriptConsumer:
         deadline = time.monotonic() + timeout
         while not self.assigned():
             if time.monotonic() > deadline:
-                raise FeedError(f"no partition of {self.topic} was assigned within {timeout:g} s")
+                raise FeedError(f"no partition of {self.topic} was assigned within {timeout:g} s", retriable=False)
             self.poll_once(0.2)
 
     def close(self) -> None:
