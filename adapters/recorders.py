@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from eventsourcing.persistence import InterfaceError, StoredEvent
+from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
 from eventsourcing.sqlite import (
@@ -34,6 +34,7 @@ from eventsourcing.sqlite import (
     SQLiteConnectionPool,
     SQLiteCursor,
 )
+from eventsourcing.utils import retry
 from psycopg.sql import SQL
 
 EVENTS_TABLE = "agentfold_events"
@@ -292,6 +293,14 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
 # ---------------------------------------------------------------------------
 # PostgreSQL
 
+#: The retry eventsourcing puts on its own PostgreSQL queries, for ours too. A pooled
+#: connection whose server session ended (a restart, a failover, ``pg_terminate_backend``)
+#: fails once and is dropped by the pool; without this, that one failure reached the caller:
+#: an append stopped its tree. Retrying an append is safe: if the lost reply hid a commit,
+#: the retry meets the unique (tree, version) key and ``EventStore.append`` recognizes its
+#: own events as the stream's head.
+_on_a_live_connection = retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+
 
 class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
     def __init__(self, datastore: Any, *, events_table_name: str = EVENTS_TABLE) -> None:
@@ -352,6 +361,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         curs.execute("SELECT pg_advisory_xact_lock(7406170100)")
         super()._create_table(curs)
 
+    @_on_a_live_connection
     def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
         if not stored_events:
             return []
@@ -371,6 +381,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             curs.execute(self._append, params, prepare=True)
             return [row["agentfold_append"] for row in curs.fetchall()]
 
+    @_on_a_live_connection
     def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(sql, params, prepare=True)
@@ -410,6 +421,7 @@ class PostgresSnapshotRecorder(PostgresAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
         super().__init__(datastore, events_table_name=SNAPSHOTS_TABLE)
 
+    @_on_a_live_connection
     def prune(self, originator_id: Any, below_version: int) -> None:
         """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
         with self.datastore.get_connection() as conn, conn.cursor() as curs:

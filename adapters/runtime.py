@@ -30,7 +30,7 @@ from typing import Any
 
 from adapters.catalog import Catalog
 from adapters.dispatch import DispatchCancelled, DispatchContext
-from adapters.eventstore import EventStore, LoadedTree, VersionConflict
+from adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
 from adapters.recorders import TreeHead
 from domain.budget import Budget
 from domain.canonical import JSON, digest_of, normalize
@@ -687,6 +687,9 @@ class Runtime:
         self._drivers: dict[TreeID, _Driver] = {}
         self._adopt_locks = [threading.Lock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
+        # Trees whose owner line stopped because the lease session ended: adopted again
+        # by the watcher once leases work (see ``_adopt_lost``).
+        self._lost: set[TreeID] = set()
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
@@ -1225,6 +1228,7 @@ class Runtime:
         while not self._watch_stop.wait(self.poll_interval):
             try:
                 self._check_leases()
+                self._adopt_lost()
                 with self._lock:
                     owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
                 if not owned:
@@ -1254,6 +1258,42 @@ class Runtime:
                     )
                 )
                 log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
+                with self._lock:
+                    self._lost.add(tree_id)
+
+    def _adopt_lost(self) -> None:
+        """Drive again, under a new lease, the trees a lost lease session stopped.
+
+        Once the lease manager works again (a new session), each such tree is adopted as
+        ``recover`` would: ``WriterActivated``, then its in-flight Effects are decided as
+        after a crash (a call that was under way settles unknown unless its policy allows a
+        replay: its late outcome reaches only the stopped owner line and is never appended).
+        A tree another runtime owns meanwhile, one that finished or parked with nothing in
+        flight, is left alone; a store that still fails is tried again at the next poll.
+        """
+        with self._lock:
+            if not self._lost:
+                return
+            lost = sorted(self._lost)
+        if self._closed or not self._leases.healthy():
+            return
+        for tree_id in lost:
+            try:
+                head = self.store.head(tree_id)
+                driver = self._try_adopt(tree_id) if head is not None and self.needs_recovery(head) else None
+            except StoreFailure as exc:
+                if not isinstance(exc, CorruptStream):
+                    return  # the store is not back yet: the next poll tries again
+                log.warning("tree %s: cannot be adopted again after its lease was lost: %s", tree_id, exc)
+                driver = None
+            except AgentfoldError as exc:
+                log.warning("tree %s: cannot be adopted again after its lease was lost: %s", tree_id, exc)
+                driver = None
+            with self._lock:
+                self._lost.discard(tree_id)
+            if driver is not None:
+                log.warning("tree %s: adopted again after its owner lease was lost (incarnation %s)",
+                            tree_id, driver.incarnation)
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

@@ -128,7 +128,7 @@ def _lease_backend(admin: str, database: str) -> int | None:
     return int(row[0]) if row else None
 
 
-def test_a_lost_lease_session_stops_the_owner_and_the_server_keeps_serving(tmp_path: Path) -> None:
+def test_a_lost_lease_session_stops_the_owner_which_adopts_the_tree_again_and_keeps_serving(tmp_path: Path) -> None:
     databases = _pg_database()
     store = next(databases)
     admin = os.environ["AGENTFOLD_TEST_PG"]
@@ -143,19 +143,23 @@ def test_a_lost_lease_session_stops_the_owner_and_the_server_keeps_serving(tmp_p
         with psycopg.connect(admin, autocommit=True) as conn:
             assert conn.execute("SELECT pg_terminate_backend(%s)", (backend,)).fetchone() == (True,)
 
-        # The owner notices within a few polls and stops driving the tree.
+        # The owner notices within a few polls and stops driving the tree; once its new lease
+        # session is up it adopts the tree again, as a recovery would: the call that was under
+        # way becomes unknown (nothing is called again).
         wait_until(lambda: "owner lease lost" in server.logs(), timeout=10)
-        wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 200, timeout=15)
+        wait_until(lambda: "adopted again after its owner lease was lost" in server.logs(), timeout=15)
         assert ok(httpx.get(server.url + "/health", timeout=5))["leases"] == "ok"
-
-        # Another process may adopt it now: the call in flight becomes unknown (nothing is called).
-        recovered = agentfold("recover", "--json", store=store)
-        assert recovered.code == 0, recovered.stderr
-        version = json.loads(agentfold("show", tree_id, "--json", store=store).stdout)["version"]
         [unknown] = json.loads(agentfold("unknown", "--json", store=store).stdout)["unknown_effects"]
         assert (unknown["tree_id"], unknown["kind"]) == (tree_id, "tool")
+        assert _lease_backend(admin, database) not in (None, backend)  # held again, by the new session
+        version = json.loads(agentfold("show", tree_id, "--json", store=store).stdout)["version"]
 
-        # The stuck call finally returns to the stopped owner: nothing more is appended.
+        # Another process has nothing to adopt: the server owns the tree again.
+        recovered = agentfold("recover", "--json", store=store)
+        assert recovered.code == 0, recovered.stderr
+        assert json.loads(agentfold("show", tree_id, "--json", store=store).stdout)["version"] == version
+
+        # The stuck call finally returns to the stopped owner line: nothing more is appended.
         reader = FifoReader(run["fifo"])
         reader.start()
         wait_until(lambda: len(reader.records) == 1, timeout=15)
@@ -164,9 +168,21 @@ def test_a_lost_lease_session_stops_the_owner_and_the_server_keeps_serving(tmp_p
         assert json.loads(agentfold("show", tree_id, "--json", store=store).stdout)["version"] == version
         assert [r["call_id"] for r in reader.records] == ["call_a"]  # alpha ran once, beta never
 
-        # And the server still takes new work (it connected a new lease session).
-        log = tmp_path / "second.jsonl"
+        # The server drives the adopted tree: a host resolves alpha and beta runs. (Its side-effect
+        # log is this FIFO, which cannot be fsynced, so beta's own outcome is unknown too: the host
+        # resolves it as well.) Then the model's final answer completes the run.
         c = server.client()
+        ok(c.post(f"/unknown-effects/{unknown['effect_id']}/resolve", json={"output": "A"}))
+        wait_until(lambda: len(reader.records) == 2, timeout=15)
+        assert [r["call_id"] for r in reader.records] == ["call_a", "call_b"]
+        beta = wait_until(lambda: ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"], timeout=15)
+        assert [u["kind"] for u in beta] == ["tool"] and beta[0]["effect_id"] != unknown["effect_id"]
+        ok(c.post(f"/unknown-effects/{beta[0]['effect_id']}/resolve", json={"output": "B"}))
+        wait_until(lambda: ok(c.get(f"/runs/{tree_id}"))["status"] == "completed", timeout=30)
+        assert len(reader.records) == 2  # nothing ran twice
+
+        # And it still takes new work.
+        log = tmp_path / "second.jsonl"
         ok(c.post("/runs", json={"scenario": two_call_round(log, final=FINAL), "start_id": "lease-2", "wait": 30}),
            201)
         wait_until(lambda: ok(c.get("/runs/lease-2"))["status"] == "completed", timeout=30)
