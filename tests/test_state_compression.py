@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from eventsourcing.persistence import StoredEvent
 
+from adapters.catalog import Catalog
 from adapters.codec import (
     COMPRESS_MIN_BYTES,
     COMPRESSED,
@@ -22,7 +23,8 @@ from adapters.codec import (
     STATE_COMPRESSOR,
     stored_json,
 )
-from adapters.eventstore import CorruptStream, EventStore
+from adapters.eventstore import CorruptStream, EventStore, LoadedTree
+from domain.ids import TreeID
 from domain.integrity import SealError
 from tests.test_fold_rules import TREE, one_effect, settled
 
@@ -118,15 +120,23 @@ def test_a_damaged_compressed_state_is_an_integrity_error_at_its_position(tmp_pa
     assert (caught.value.position, caught.value.rule) == (5, "integrity.format")
 
 
-def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_path: Path) -> None:
+def snapshotted(tmp_path: Path, start_id: str) -> tuple[EventStore, TreeID, Catalog, LoadedTree, StoredEvent]:
+    """A finished Interaction tree with one snapshot of its whole history: the store, the tree,
+    its catalog, the tree folded without the snapshot, and the snapshot's row."""
     from tests.test_output_stored_once import run_interaction
 
     store = EventStore(f"sqlite:///{tmp_path / 'snap.db'}")
-    tree_id, catalog = run_interaction(store, "snap-1")
+    tree_id, catalog = run_interaction(store, start_id)
     plain = store.load(tree_id, catalog.resolve, use_snapshot=False)
     assert plain.digest is not None
     store.save_snapshot(tree_id, plain.state, plain.digest)
     (row,) = store.snapshots.select_events(tree_id.uuid)
+    return store, tree_id, catalog, plain, row
+
+
+def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_path: Path) -> None:
+    store, tree_id, catalog, plain, row = snapshotted(tmp_path, "snap-1")
+    assert plain.digest is not None
     body = EventStore.encode_snapshot(plain.state, plain.digest)
     assert row.state[:1] == COMPRESSED and len(row.state) < len(body)
     loaded = store.load(tree_id, catalog.resolve)
@@ -145,14 +155,7 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A snapshot is a cache: a damaged row must not make a healthy history unreadable.
-    from tests.test_output_stored_once import run_interaction
-
-    store = EventStore(f"sqlite:///{tmp_path / 'snap.db'}")
-    tree_id, catalog = run_interaction(store, "snap-2")
-    plain = store.load(tree_id, catalog.resolve, use_snapshot=False)
-    assert plain.digest is not None
-    store.save_snapshot(tree_id, plain.state, plain.digest)
-    (row,) = store.snapshots.select_events(tree_id.uuid)
+    store, tree_id, catalog, plain, row = snapshotted(tmp_path, "snap-2")
     bad = {
         "garbage": b"\x00not a snapshot",
         "truncated": row.state[: len(row.state) // 2],
