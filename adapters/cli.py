@@ -666,12 +666,28 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
     import threading
     import time
 
-    from adapters.follower import Follower, follow_until_stopped
+    from adapters.follower import Follower, corrupt_tree_line, follow_until_stopped
+    from adapters.read_models import CorruptTree
+
+    def say(line: str) -> None:
+        sys.stderr.write(f"{PROG}: project: {line}\n")
+        sys.stderr.flush()
+
+    # Trees found corrupt: skipped and recorded with their batch (docs/read-models.md).
+    # Following, each is reported on stderr as soon as its batch commits; once, they are
+    # reported with the output (exit 1: newly found damage).
+    found: list[CorruptTree] = []
+
+    def on_corrupt(tree: CorruptTree) -> None:
+        found.append(tree)
+        if args.follow:
+            say(corrupt_tree_line(tree))
 
     store = ctx.open_store()
     try:
         def make() -> Follower:
-            return Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval)
+            return Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval,
+                            on_corrupt=on_corrupt)
 
         follower = make()
         started = time.perf_counter()
@@ -694,10 +710,6 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
                 sys.stdout.flush()
             # Store failures while following (a server restart, terminated sessions) are
             # reported on stderr and retried from the committed tracking position.
-            def say(line: str) -> None:
-                sys.stderr.write(f"{PROG}: project: {line}\n")
-                sys.stderr.flush()
-
             report = follow_until_stopped(make, stop, say, first=follower)
             data["events"] = report.events
             data["position"] = report.position
@@ -707,7 +719,15 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
             )
     finally:
         store.close()
-    return Outcome(data, text)
+    if not found:
+        return Outcome(data, text)
+    data["corrupt_trees"] = [tree.entry() for tree in found]
+    text += (f"\n{len(found)} corrupt tree(s) found and skipped: the read models hold no rows of them "
+             f"(`{PROG} audit verify TREE` says what is wrong)")
+    if args.follow:
+        return Outcome(data, text)  # reported on stderr as they were found; stopping is not a failure
+    consequence = "the read models skip it (no rows of it) and went on with every other tree"
+    return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(tree.entry(), consequence) for tree in found))
 
 
 def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:

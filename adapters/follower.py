@@ -9,6 +9,13 @@ and writes them with the new tracking position in one transaction
 function of the log up to the tracking position: a follower that dies at any point
 resumes from the last committed position, and ``rebuild`` reproduces the same rows.
 
+A tree whose history cannot be read (``CorruptStream``: a broken digest chain, an event
+that does not decode or that the fold refuses) does not stop the others: the batch goes
+on without it and records it in ``agentfold_rm_corrupt_trees`` (dropping whatever rows it
+had) in the same transaction; its later events are skipped (an append-only history that
+is corrupt at position p stays corrupt). Each is reported once, when its batch commits
+(``on_corrupt``; by default a warning on the ``agentfold.follower`` logger).
+
 SQLite followers poll (``poll_interval``); PostgreSQL followers LISTEN on the channel
 every append notifies (``agentfold_events``) and also poll, as a safety net.
 
@@ -22,6 +29,7 @@ consumer (``adapters.feed``, ``adapters.transcripts``).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import uuid
@@ -35,7 +43,7 @@ from eventsourcing.persistence import IntegrityError, Notification, PersistenceE
 from adapters.catalog import Catalog
 from adapters.codec import DecodeError
 from adapters.eventstore import CorruptStream, EventStore, pg_conninfo
-from adapters.read_models import ReadModels, TreeUpdate, crash_hook_from_env
+from adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
 from adapters.recorders import EVENTS_TABLE
 from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from domain.events import TreeStarted
@@ -43,6 +51,8 @@ from domain.ids import TreeID
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
 from projections.read_models import project_tree
+
+log = logging.getLogger("agentfold.follower")
 
 
 @dataclass(slots=True)
@@ -55,9 +65,27 @@ class _Folded:
 
 @dataclass(frozen=True, slots=True)
 class BatchReport:
+    """One committed batch: the notifications it consumed (those of corrupt trees included,
+    which are not applied), the trees it updated, its position, and the trees it found corrupt."""
+
     events: int
     trees: int
     position: int
+    corrupt: tuple[CorruptTree, ...] = ()
+
+
+def corrupt_tree_line(found: CorruptTree) -> str:
+    """The one line that reports a tree the follower found corrupt (logs, ``project`` stderr)."""
+    start = f" (start {found.start_id})" if found.start_id else ""
+    return (
+        f"tree {found.tree_id}{start} is corrupt at position {found.position}: {found.rule}: {found.detail}; "
+        f"the read models skip it from notification {found.found_at} on "
+        f"(see `agentfold audit verify {found.tree_id}`)"
+    )
+
+
+def _log_corrupt(found: CorruptTree) -> None:
+    log.warning("read models: %s", corrupt_tree_line(found))
 
 
 class Follower:
@@ -72,7 +100,10 @@ class Follower:
         batch_size: int = 1000,
         cache_trees: int = 1024,
         poll_interval: float = 0.05,
+        on_corrupt: Callable[[CorruptTree], None] | None = None,
     ) -> None:
+        """``on_corrupt`` is called once per tree this follower finds corrupt, after the batch
+        that records it committed (default: a warning on the ``agentfold.follower`` logger)."""
         if batch_size < 1:
             raise InvalidInput("projection.batch_invalid", f"batch size {batch_size} must be at least 1")
         if not poll_interval > 0:
@@ -88,6 +119,10 @@ class Follower:
         self._batches = 0
         self._crash = crash_hook_from_env()
         self.events_applied = 0
+        self.on_corrupt = on_corrupt or _log_corrupt
+        # Trees recorded corrupt (by any follower): their later events are skipped.
+        self._corrupt: set[str] = {c.tree_id for c in self.read_models.corrupt_trees()}
+        self.corrupt_found: list[CorruptTree] = []  # found (and committed) by this follower
 
     @property
     def position(self) -> int:
@@ -104,22 +139,46 @@ class Follower:
         for n in notifications:
             tree_id = TreeID.from_uuid(n.originator_id if isinstance(n.originator_id, uuid.UUID) else uuid.UUID(str(n.originator_id)))
             by_tree.setdefault(tree_id, []).append(n)
-        updates = [self._advance(tree_id, items) for tree_id, items in by_tree.items()]
+        updates: list[TreeUpdate] = []
+        corrupt: list[CorruptTree] = []
+        for tree_id, items in by_tree.items():
+            if str(tree_id) in self._corrupt:
+                continue  # corrupt at an earlier position: every later event is unreadable too
+            try:
+                updates.append(self._advance(tree_id, items))
+            except CorruptStream as exc:
+                # One damaged tree must not stop every other tree's read models: record it
+                # with this batch (a pure function of the log, so a rebuild records it again).
+                self._cache.pop(tree_id, None)
+                corrupt.append(self._corrupt_tree(tree_id, items, exc))
         last = notifications[-1].id
         self._batches += 1
         try:
-            self.read_models.write(updates, last, before_tracking=self._crash(self._batches))
+            self.read_models.write(updates, last, corrupt=corrupt, before_tracking=self._crash(self._batches))
         except IntegrityError:
             # Another follower committed this position first: start again from the tables.
             self._cache.clear()
             self._position = self.read_models.position()
+            self._corrupt = {c.tree_id for c in self.read_models.corrupt_trees()}
             return BatchReport(0, 0, self._position)
         except BaseException:
             self._cache.clear()  # the folded trees are ahead of what was committed
             raise
         self._position = last
         self.events_applied += len(notifications)
-        return BatchReport(len(notifications), len(updates), last)
+        for found in corrupt:
+            self._corrupt.add(found.tree_id)
+            self.corrupt_found.append(found)
+            self.on_corrupt(found)  # once: committed, so no follower finds it again
+        return BatchReport(len(notifications), len(updates), last, tuple(corrupt))
+
+    def _corrupt_tree(self, tree_id: TreeID, items: Sequence[Notification], exc: CorruptStream) -> CorruptTree:
+        """The record of a tree that ``exc`` says cannot be read, found at this batch's ``items``."""
+        found_at = next((n.id for n in items if n.originator_version == exc.position), items[0].id)
+        created = items[0].id if items[0].originator_version == 1 else self.read_models.created_position(str(tree_id))
+        head = self.store.head(tree_id)
+        return CorruptTree(str(tree_id), head.start_id if head is not None else None, created, exc.position,
+                           exc.rule, str(exc.detail), found_at)
 
     def _advance(self, tree_id: TreeID, items: Sequence[Notification]) -> TreeUpdate:
         first = items[0].originator_version
@@ -158,8 +217,12 @@ class Follower:
 
     def _load(self, tree_id: TreeID, upto: int, items: Sequence[Notification], *, bind: bool = True) -> _Folded:
         """Fold a tree up to ``upto`` (empty when the batch starts it) and cache it."""
+        first: Any
         if upto == 0:
-            first = self.store.mapper.decode(tree_id, items[0], None).event
+            try:
+                first = self.store.mapper.decode(tree_id, items[0], None).event
+            except DecodeError as exc:
+                raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             created = items[0].id
         else:
             read = self.store.read(tree_id, upto=1)
@@ -208,6 +271,7 @@ class Follower:
         """Empty the tables and project the whole log again from position zero."""
         self.read_models.reset()
         self._cache.clear()
+        self._corrupt.clear()  # found again (and recorded again) from the log
         self._position = 0
         return self.catch_up()
 
@@ -294,8 +358,9 @@ def follow_until_stopped(
     A failure of the store (or of the LISTEN connection) is reported with ``say`` (one
     line) and, after the backoff, a new follower made by ``make`` goes on from the tables'
     committed tracking position: a batch is committed with its position or not at all, so
-    nothing is applied twice or skipped. A corrupt stream and refused input are not
-    retried: they are raised.
+    nothing is applied twice or skipped. A corrupt tree is not a failure: the follower
+    records and skips it (``Follower.on_corrupt`` reports it). Any other error (refused
+    input, a bug) is not retried: it is raised.
     """
     current = first
     applied = 0

@@ -8,7 +8,9 @@ store exactly what ``projections.read_models`` computes.
 
 A store-wide listing (runs, pending, unknown) that meets a tree whose history cannot be
 read (``store.corrupt``) leaves it out and names it in ``Listing.corrupt``, on either
-path: one damaged tree must not hide every other tree. A question about that tree alone
+path: one damaged tree must not hide every other tree. On the tables' path these are the
+trees the follower recorded corrupt (``agentfold_rm_corrupt_trees``: it has no other rows
+of them) plus the lagging trees that fail to fold now. A question about that tree alone
 still raises.
 """
 
@@ -61,14 +63,15 @@ def corrupt_tree_entry(exc: CorruptStream, head: TreeHead | None) -> Entry:
     }
 
 
-def corrupt_tree_error(entry: Entry) -> StoreFailure:
-    """One named corrupt tree as an error, for front ends that report it (CLI stderr, logs)."""
+def corrupt_tree_error(entry: Entry, consequence: str = "its entries are missing from this answer") -> StoreFailure:
+    """One named corrupt tree as an error, for front ends that report it (CLI stderr, logs);
+    ``consequence`` says what it means for the command that met it."""
     tree = entry["tree_id"]
     start = f" (start {entry['start_id']})" if entry.get("start_id") else ""
     return StoreFailure(
         str(entry["code"]),
         f"tree {tree}{start} is corrupt at position {entry['position']}: {entry['rule']}: {entry['detail']}; "
-        "its entries are missing from this answer",
+        f"{consequence}",
         hint=f"see what is wrong with `{PROG} audit verify {tree}`",
         tree_id=tree, start_id=entry.get("start_id"), position=entry["position"], rule=entry["rule"],
     )
@@ -78,8 +81,9 @@ def corrupt_tree_error(entry: Entry) -> StoreFailure:
 class Fresh:
     """Rows of the trees the read models have not caught up with, folded at query time.
 
-    ``corrupt``: the lagging trees whose history could not be folded (their rows in the
-    tables, if any, are stale too: listings leave them out and name the tree).
+    ``corrupt``: the trees the follower recorded corrupt, and the lagging trees whose
+    history could not be folded (their rows in the tables, if any, are stale too):
+    listings leave them out and name the tree; ``created`` holds their creation positions too.
     """
 
     rows: dict[str, TreeRows] = field(default_factory=dict)
@@ -168,6 +172,11 @@ class HostQueries:
         if min_position is not None:
             head = max(head, min_position)
         fresh = Fresh()
+        for found in models.corrupt_trees():
+            # Recorded by the follower, which skips the tree from then on: named by listings,
+            # raised by a question about it, never folded again here.
+            fresh.corrupt[found.tree_id] = CorruptStream(found.tree_id, found.position, found.rule, found.detail)
+            fresh.created[found.tree_id] = found.created_position
         if position >= head:
             return models, fresh
         first_seen: dict[TreeID, int] = {}
@@ -180,7 +189,7 @@ class HostQueries:
                 if n.id > head:
                     break
                 tree_id = TreeID.from_uuid(uuid.UUID(str(n.originator_id)))
-                if tree_id not in first_seen:
+                if tree_id not in first_seen and str(tree_id) not in fresh.corrupt:
                     first_seen[tree_id] = n.id if n.originator_version == 1 else 0
                     if len(first_seen) > OVERLAY_LIMIT:
                         return None

@@ -8,6 +8,11 @@ of notifications is committed **in one transaction with its tracking position**
 crash between the view write and the tracking write loses the whole batch, and the
 follower simply does it again: exactly once, resumable, rebuildable from zero.
 
+A tree whose stored history cannot be read (``store.corrupt``) gets a row in
+``agentfold_rm_corrupt_trees`` instead of rows in the other tables, written in the
+batch's transaction like any other row, so one damaged tree never stops the read
+models of the others and a rebuild records it again the same way.
+
 Supported on SQLite and PostgreSQL stores. The memory store has no database to put
 tables in: hosts of a memory store fold (``adapters.queries`` does that by itself).
 """
@@ -36,7 +41,9 @@ ROUNDS = "agentfold_rm_settled_results"
 DELEGATES = "agentfold_rm_delegates"
 PENDING = "agentfold_rm_pending_inputs"
 UNKNOWN = "agentfold_rm_unknown_effects"
-TABLES = (RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN)
+CORRUPT = "agentfold_rm_corrupt_trees"
+TREE_TABLES = (RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN)  # a tree's rows (none once it is corrupt)
+TABLES = (*TREE_TABLES, CORRUPT)
 
 # Column lists (the DDL below adds types); ``body`` is the entry's JSON text.
 _DDL = (
@@ -63,6 +70,12 @@ _DDL = (
     "tool_call_ref TEXT, body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
     f"CREATE INDEX IF NOT EXISTS {UNKNOWN}_by_created ON {UNKNOWN} (created_position, ord)",
     f"CREATE INDEX IF NOT EXISTS {UNKNOWN}_by_effect ON {UNKNOWN} (effect_id)",
+    # ``position`` is the tree position where reading failed (as in the listings' entries),
+    # ``found_at`` the notification id of the event the follower could not apply.
+    f"CREATE TABLE IF NOT EXISTS {CORRUPT} (tree_id TEXT PRIMARY KEY, start_id TEXT, "
+    "created_position BIGINT NOT NULL, position BIGINT NOT NULL, rule TEXT NOT NULL, detail TEXT NOT NULL, "
+    "found_at BIGINT NOT NULL, body TEXT NOT NULL)",
+    f"CREATE INDEX IF NOT EXISTS {CORRUPT}_by_created ON {CORRUPT} (created_position)",
 )
 
 
@@ -73,6 +86,37 @@ class TreeUpdate:
     rows: TreeRows
     events: int
     created_position: int
+
+
+@dataclass(frozen=True, slots=True)
+class CorruptTree:
+    """A tree the follower could not read: no rows of it in the other tables from then on.
+
+    ``position``, ``rule`` and ``detail`` are the decoder's or the fold's (``CorruptStream``);
+    ``start_id`` is the tree index's (None without an index row); ``created_position`` the
+    notification id of the tree's first event (0 if unknown); ``found_at`` the notification id
+    of the first of its events the follower could not apply (the corrupt event itself, unless
+    the damage is in an event it had already applied).
+    """
+
+    tree_id: str
+    start_id: str | None
+    created_position: int
+    position: int
+    rule: str
+    detail: str
+    found_at: int
+
+    def entry(self) -> Entry:
+        """How a store-wide listing names it (the shape of ``adapters.queries.corrupt_tree_entry``)."""
+        return {
+            "tree_id": self.tree_id,
+            "start_id": self.start_id,
+            "code": "store.corrupt",
+            "position": self.position,
+            "rule": self.rule,
+            "detail": self.detail,
+        }
 
 
 class ProjectionCrash(BaseException):
@@ -131,6 +175,7 @@ class ReadModels:
         datastore = store.factory.datastore
         self.datastore = datastore
         self.tracking = tracking_recorder(store, create=create)
+        self._has_corrupt_table = create  # created below; a reader looks (``_corrupt_table_exists``)
         if not create:
             return
         with datastore.transaction(commit=True) as c:
@@ -183,12 +228,16 @@ class ReadModels:
         updates: Sequence[TreeUpdate],
         notification_id: int,
         *,
+        corrupt: Sequence[CorruptTree] = (),
         before_tracking: Callable[[], None] | None = None,
     ) -> None:
-        """Replace the rows of every updated tree and advance the tracking position, atomically."""
+        """Replace the rows of every updated tree, record the trees found corrupt (dropping
+        every row they had) and advance the tracking position, atomically."""
         with self.datastore.transaction(commit=True) as c:
             for update in updates:
                 self._write_tree(c, update, notification_id)
+            for found in corrupt:
+                self._write_corrupt(c, found)
             if before_tracking is not None:
                 before_tracking()
             self.tracking._insert_tracking(c, Tracking(APPLICATION, notification_id))
@@ -247,6 +296,22 @@ class ReadModels:
                  _dumps(u))
                 for i, u in enumerate(rows.unknown)
             ],
+        )
+
+    def _write_corrupt(self, c: Any, found: CorruptTree) -> None:
+        # Its rows reflect a history that cannot be read from here on: a listing must never
+        # serve them (it names the tree instead), whatever version they were projected at.
+        for table in TREE_TABLES:
+            c.execute(self._sql(f"DELETE FROM {table} WHERE tree_id = ?"), (found.tree_id,))
+        # DO NOTHING: only a second follower racing for the same batch meets an existing row,
+        # and its tracking insert fails anyway.
+        c.execute(
+            self._sql(
+                f"INSERT INTO {CORRUPT} (tree_id, start_id, created_position, position, rule, detail, found_at, body) "
+                "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (tree_id) DO NOTHING"
+            ),
+            (found.tree_id, found.start_id, found.created_position, found.position, found.rule, found.detail,
+             found.found_at, _dumps(found.entry())),
         )
 
     def _insert(self, c: Any, table: str, columns: str, rows: list[tuple[Any, ...]]) -> None:
@@ -348,8 +413,43 @@ class ReadModels:
             "unknown": self.unknown(tree_id),
         }
 
+    def corrupt_trees(self) -> list[CorruptTree]:
+        """The trees the follower found corrupt, in creation order (oldest run first)."""
+        if not self._corrupt_table_exists():
+            return []  # tables written by a follower older than this table: none recorded
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(
+                f"SELECT tree_id, start_id, created_position, position, rule, detail, found_at FROM {CORRUPT} "
+                "ORDER BY created_position, tree_id"))
+            rows = c.fetchall()
+        return [
+            CorruptTree(str(r["tree_id"]), None if r["start_id"] is None else str(r["start_id"]),
+                        int(r["created_position"]), int(r["position"]), str(r["rule"]), str(r["detail"]),
+                        int(r["found_at"]))
+            for r in rows
+        ]
+
+    def _corrupt_table_exists(self) -> bool:
+        # A reader (create=False) may open tables an older follower created without this one;
+        # once it exists it stays, so a yes is remembered.
+        if self._has_corrupt_table:
+            return True
+        with self.datastore.transaction(commit=False) as c:
+            if self.backend == "sqlite":
+                c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (CORRUPT,))
+                found = c.fetchone() is not None
+            else:
+                c.execute("SELECT to_regclass(%s) AS t", (CORRUPT,))
+                row = c.fetchone()
+                found = row is not None and row["t"] is not None
+        self._has_corrupt_table = found
+        return found
+
     def counters(self) -> dict[str, tuple[int, int]]:
-        """Per tree: (version the run row reflects, events the follower applied to it)."""
+        """Per tree with a run row: (version the row reflects, events the follower applied to it).
+
+        A corrupt tree (``corrupt_trees``) has no run row, so no counters: none of its
+        events count once it is found corrupt, and the rows it had are dropped."""
         with self.datastore.transaction(commit=False) as c:
             c.execute(self._sql(f"SELECT tree_id, version, events_projected FROM {RUNS}"))
             return {str(r["tree_id"]): (int(r["version"]), int(r["events_projected"])) for r in c.fetchall()}

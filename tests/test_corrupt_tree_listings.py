@@ -209,9 +209,11 @@ def test_the_read_models_answer_like_folding_and_drop_the_corrupt_trees_stale_ro
     ran_ok(agentfold("answer", bad_wait["process_id"], bad_wait["wait_id"], '{"approved": true}', store=store))
     position = corrupt(store, bad)  # an event the tables have not seen yet
 
-    # The follower cannot get past the corrupt tree (docs/read-models.md): the tables lag.
-    stuck = agentfold("project", "--json", store=store)
-    assert stuck.code == 1 and stuck.error()["code"] == "store.corrupt"
+    # The follower records the corrupt tree, drops its rows and projects every other tree
+    # (docs/read-models.md): the tables reach the store's head; exit 1 names the tree.
+    projected = agentfold("project", "--json", store=store)
+    assert projected.code == 1 and projected.error()["code"] == "store.corrupt"
+    assert without_detail(projected.json()["corrupt_trees"]) == [named(bad, "bad", position)]
 
     listed = agentfold("pending", "--json", store=store)
     assert listed.code == 1, listed.stderr
@@ -226,7 +228,8 @@ def test_the_read_models_answer_like_folding_and_drop_the_corrupt_trees_stale_ro
         tables = HostQueries(events, default_sources())
         folding = HostQueries(events, default_sources(), use_read_models=False)
         view = tables.view()
-        assert view is not None and list(view[1].corrupt) == [bad]  # the tables path answers
+        # The tables path answers, current (nothing folded at query time), "bad" named by its record.
+        assert view is not None and view[1].rows == {} and list(view[1].corrupt) == [bad]
         for question in ("pending", "unknown"):
             from_tables, folded = getattr(tables, question)(), getattr(folding, question)()
             assert from_tables == folded, question
@@ -235,8 +238,8 @@ def test_the_read_models_answer_like_folding_and_drop_the_corrupt_trees_stale_ro
         assert [r["tree_id"] for r in runs_tables] == [r["tree_id"] for r in runs_folded] == [
             trees["wait-1"], trees["unknown-1"], trees["wait-2"]]
         assert runs_tables.corrupt == runs_folded.corrupt == data["corrupt_trees"]
-        # A question about one healthy tree is answered even though the tables lag behind a
-        # corrupt tree; one about the corrupt tree fails, whichever path.
+        # A question about one healthy tree is answered from the tables; one about the corrupt
+        # tree fails, whichever path.
         assert tables.run(TreeID(trees["wait-2"]))["start_id"] == "wait-2"
         for queries in (tables, folding):
             with pytest.raises(CorruptStream) as raised:
