@@ -74,7 +74,7 @@ from adapters.recorders import (
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
 from domain.ids import ProcessID, StartID, TreeID
-from domain.integrity import SealError
+from domain.integrity import SealError, unseal
 from domain.program import ProgramResolver
 from domain.tree import FoldError, TreeState
 
@@ -327,15 +327,23 @@ class EventStore:
         try:
             ids = self.recorder.insert_events(stored, head=head)
         except IntegrityError as exc:
-            if self._already_head(tree_id, stored):
+            try:
+                ours = self._already_stored(tree_id, stored)
+            except PersistenceError as failure:
+                raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {failure}") from exc
+            if ours:
                 return AppendResult(digest, ())
             raise VersionConflict(tree_id, expected_version) from exc
         except PersistenceError as exc:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
         return AppendResult(digest, tuple(ids or ()))
 
-    def _already_head(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:
-        """Identical events already stored as the stream's head: an idempotent retry."""
+    def _already_stored(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:
+        """Identical events already stored as the stream's head: an idempotent retry.
+
+        Only at the head: the same events with others after them are a stale duplicate, a
+        conflict (Scope's rule; a writer whose reply was lost and who meets a conflict finds
+        its own committed events when it reloads)."""
         first, last = stored[0].originator_version, stored[-1].originator_version
         existing = self.recorder.select_events(tree_id.uuid, gt=first - 1)
         if not existing or existing[-1].originator_version != last:
@@ -405,6 +413,12 @@ class EventStore:
                 log.warning("snapshot of tree %s is unreadable (%s: %s); folding from its first event",
                             tree_id, type(exc).__name__, exc)
                 snapshot = None
+            if snapshot is not None and not self._snapshot_matches(tree_id, snapshot[0].version, snapshot[1]):
+                # Readable but not of this history (a hand edit, a restored backup of another
+                # store): trusting it would chain the next append to a wrong digest.
+                log.warning("snapshot of tree %s at version %s does not match the event stored there; "
+                            "folding from its first event", tree_id, snapshot[0].version)
+                snapshot = None
             if snapshot is not None:
                 state, digest = snapshot
                 snapshot_version = state.version
@@ -422,6 +436,16 @@ class EventStore:
         return LoadedTree(state, digest, snapshot_version)
 
     # -- snapshots ---------------------------------------------------------
+
+    def _snapshot_matches(self, tree_id: TreeID, version: int, digest: str) -> bool:
+        """Whether the event stored at ``version`` carries ``digest`` (one row read)."""
+        rows = self.recorder.select_events(tree_id.uuid, gt=version - 1, lte=version)
+        if not rows:
+            return False
+        try:
+            return unseal(stored_json(rows[0].state)).digest == digest
+        except SealError:
+            return False  # the event itself is damaged: the full fold reports where
 
     @staticmethod
     def encode_snapshot(state: TreeState, digest: str) -> bytes:

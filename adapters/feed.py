@@ -315,11 +315,14 @@ class Publisher:
         try:
             self._position.save(last)
         except IntegrityError as exc:
-            # Someone stored a position at or past ours: another publisher runs on this topic.
-            raise StoreFailure(
-                "feed.position_conflict",
-                f"another publisher advanced {self._position.application} past {self.position}: {exc}",
-            ) from exc
+            # A retried write whose first attempt committed (its reply was lost) finds exactly
+            # its own position stored: that is success. Anything else means someone stored a
+            # position at or past ours: another publisher runs on this topic.
+            if self._position.get() != last:
+                raise StoreFailure(
+                    "feed.position_conflict",
+                    f"another publisher advanced {self._position.application} past {self.position}: {exc}",
+                ) from exc
         self.position = last
         self.events += len(notifications)
         return len(notifications)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sqlite3
 import threading
 import time
 import uuid
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from eventsourcing.persistence import IntegrityError, Notification, PersistenceError
+from eventsourcing.persistence import IntegrityError, InterfaceError, Notification, OperationalError
 
 from adapters.catalog import Catalog
 from adapters.codec import DecodeError
@@ -297,10 +298,34 @@ class FollowReport:
     failures: int
 
 
+#: Failures of a connection, not of what was asked: a later attempt may not meet them.
+_CONNECTION_FAILURES: tuple[type[BaseException], ...] = (
+    OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError,
+    ConnectionError, TimeoutError, sqlite3.OperationalError,
+)
+
+
 def store_failed(exc: BaseException) -> bool:
     """A failure of the store that a new attempt may not meet (a restarted or failed-over server,
-    a terminated session, a dropped network), as opposed to a corrupt stream, which is final."""
-    return isinstance(exc, (StoreFailure, PersistenceError, psycopg.Error, OSError)) and not isinstance(exc, CorruptStream)
+    a terminated session, a dropped network, a locked SQLite file): the error or one of its
+    causes is a connection failure, or the store could not be reached (``store.unavailable``).
+
+    Not retried: a corrupt stream (final), and what a retry meets again: a missing table or
+    function, a privilege the role lacks, refused data (one stderr line every 30 s for ever
+    would hide them: the command stops and says why).
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, CorruptStream):
+            return False
+        if isinstance(cause, _CONNECTION_FAILURES):
+            return True
+        if isinstance(cause, StoreFailure) and cause.code == "store.unavailable":
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def retry_until_stopped(

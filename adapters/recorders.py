@@ -16,9 +16,11 @@ Tables (documented in docs/read-models.md):
 from __future__ import annotations
 
 import collections
+import functools
 import sqlite3
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +36,8 @@ from eventsourcing.sqlite import (
     SQLiteConnectionPool,
     SQLiteCursor,
 )
-from eventsourcing.utils import retry
 from psycopg.sql import SQL
+from psycopg_pool import PoolTimeout
 
 EVENTS_TABLE = "agentfold_events"
 SNAPSHOTS_TABLE = "agentfold_snapshots"
@@ -293,13 +295,37 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
 # ---------------------------------------------------------------------------
 # PostgreSQL
 
-#: The retry eventsourcing puts on its own PostgreSQL queries, for ours too. A pooled
-#: connection whose server session ended (a restart, a failover, ``pg_terminate_backend``)
-#: fails once and is dropped by the pool; without this, that one failure reached the caller:
-#: an append stopped its tree. Retrying an append is safe: if the lost reply hid a commit,
-#: the retry meets the unique (tree, version) key and ``EventStore.append`` recognizes its
-#: own events as the stream's head.
-_on_a_live_connection = retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+#: Attempts of one query or append on dead pooled connections: the pool may hold up to its
+#: maximum size (4 + 8 overflow) of idle connections that one server restart ended.
+LIVE_CONNECTION_ATTEMPTS = 13
+
+
+def _on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Call ``fn`` again when it met a dead pooled connection, as eventsourcing retries its own
+    PostgreSQL queries.
+
+    A pooled connection whose server session ended (a restart, a failover,
+    ``pg_terminate_backend``) fails once and the pool drops it; without this, that failure
+    reached the caller: an append stopped its tree. Retrying an append is safe: if the lost
+    reply hid a commit, the retry meets the unique (tree, version) key, and the owner finds
+    its own events (``EventStore.append`` at the head, ``_Driver._launch_committed`` after
+    a reload). Not retried: a pool that could not hand out any connection within its wait
+    (the server is down), which would otherwise hold the caller (an owner line, an HTTP
+    request) for minutes; the caller reports the failure instead.
+    """
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(1, LIVE_CONNECTION_ATTEMPTS + 1):
+            try:
+                return fn(*args, **kwargs)
+            except (InterfaceError, OperationalError) as exc:
+                if attempt == LIVE_CONNECTION_ATTEMPTS or isinstance(exc.__cause__, PoolTimeout):
+                    raise
+                time.sleep(0.05)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return call
 
 
 class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):

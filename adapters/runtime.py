@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from eventsourcing.persistence import PersistenceError
+
 from adapters.catalog import Catalog
 from adapters.dispatch import DispatchCancelled, DispatchContext
 from adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
@@ -66,7 +68,7 @@ from domain.ids import (
     root_process_id,
 )
 from domain.kernel import Dispatch, Kernel, start_tree
-from domain.program import Program, ProgramRef, SettlementStatus, SignalRequest
+from domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target
 from domain.requests import EffectRequest, Settlement, effect_request
 from domain.tree import TERMINAL, ProcessState, TreeState
 
@@ -239,6 +241,9 @@ class _Kick:
 
 
 MAX_EVENTS_PER_APPEND = 2048
+#: Polls at which a tree whose lease was lost is tried again while the store fails, before the
+#: watcher gives up on it (logged; ``recover`` adopts it later).
+LOST_TREE_ATTEMPTS = 150
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
@@ -409,6 +414,7 @@ class _Driver:
                 if self.stopped is not None:
                     self._reject(items, self.stopped)
                     return
+                self._launch_committed()
                 continue
             except (Fenced, StoreFailure) as exc:
                 self._stop(exc, items)
@@ -558,6 +564,28 @@ class _Driver:
 
     # -- dispatch ------------------------------------------------------------
 
+    def _launch_committed(self) -> None:
+        """Launch the dispatch permissions this writer committed without learning it.
+
+        An append whose reply was lost is retried (adapters.recorders); if another writer
+        appended in between, the retry is a conflict although the first attempt committed.
+        The reloaded tree then holds this incarnation's permission with no call behind it:
+        without this, the Effect stayed pending under a live owner and the tree never moved.
+        """
+        committed = [
+            Dispatch(process.process_id, record.effect_id, record.attempt_id)
+            for process in self.tree.live.values()
+            for record in process.in_flight()
+            if record.target == Target.DISPATCHER
+            and record.incarnation_id == self.incarnation
+            and record.attempt_id is not None
+            and record.effect_id not in self.flights
+        ]
+        if committed:
+            log.warning("tree %s: launching %d dispatch permission(s) an append committed although its reply was lost",
+                        self.tree_id, len(committed))
+            self._launch(committed)
+
     def _launch(self, dispatches: Sequence[Dispatch]) -> None:
         for dispatch in dispatches:
             process = self.tree.processes[dispatch.process_id]
@@ -689,7 +717,7 @@ class Runtime:
         self._failed: dict[TreeID, AgentfoldError] = {}
         # Trees whose owner line stopped because the lease session ended: adopted again
         # by the watcher once leases work (see ``_adopt_lost``).
-        self._lost: set[TreeID] = set()
+        self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
@@ -817,6 +845,8 @@ class Runtime:
                 driver = self._drivers.get(tree_id)
                 if driver is not None:
                     return driver
+                if self._closed:
+                    return None
                 if not self._leases.acquire(tree_id):
                     return None
             head = self.store.head(tree_id)
@@ -1259,7 +1289,7 @@ class Runtime:
                 )
                 log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
                 with self._lock:
-                    self._lost.add(tree_id)
+                    self._lost[tree_id] = 0
 
     def _adopt_lost(self) -> None:
         """Drive again, under a new lease, the trees a lost lease session stopped.
@@ -1278,20 +1308,28 @@ class Runtime:
         if self._closed or not self._leases.healthy():
             return
         for tree_id in lost:
-            try:
-                head = self.store.head(tree_id)
-                driver = self._try_adopt(tree_id) if head is not None and self.needs_recovery(head) else None
-            except StoreFailure as exc:
-                if not isinstance(exc, CorruptStream):
-                    return  # the store is not back yet: the next poll tries again
-                log.warning("tree %s: cannot be adopted again after its lease was lost: %s", tree_id, exc)
-                driver = None
-            except AgentfoldError as exc:
-                log.warning("tree %s: cannot be adopted again after its lease was lost: %s", tree_id, exc)
-                driver = None
+            if self._closed:
+                return
             with self._lock:
-                self._lost.discard(tree_id)
-            if driver is not None:
+                already = self._drivers.get(tree_id)  # input admitted here adopted it meanwhile
+            driver = None
+            try:
+                head = self.store.head(tree_id) if already is None else None
+                if head is not None and self.needs_recovery(head):
+                    driver = self._try_adopt(tree_id)
+            except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
+                transient = isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+                with self._lock:
+                    failures = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
+                if transient and failures < LOST_TREE_ATTEMPTS:
+                    # The store is not back yet: try again at the next poll; go on with the others now.
+                    log.debug("tree %s: not adopted again yet: %s", tree_id, exc)
+                    continue
+                log.warning("tree %s: cannot be adopted again after its lease was lost (`agentfold recover` "
+                            "adopts it once the store works): %s", tree_id, exc)
+            with self._lock:
+                self._lost.pop(tree_id, None)
+            if driver is not None and driver is not already:
                 log.warning("tree %s: adopted again after its owner lease was lost (incarnation %s)",
                             tree_id, driver.incarnation)
 
@@ -1323,6 +1361,14 @@ class Runtime:
             return
         self._closed = True
         self._watch_stop.set()
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            # First, so that a tree the watcher is adopting again right now (``_adopt_lost``)
+            # is registered before the drivers are stopped below, and no adoption starts
+            # after this; and because the watcher may be inside a store query: a caller that
+            # closes the store right after us would pull the connection from under it
+            # (SQLite: a segfault).
+            watcher.join(timeout)
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: self._busy == 0, timeout):
                 raise RuntimeStopped(
@@ -1344,11 +1390,6 @@ class Runtime:
         self._owner_pool.shutdown(wait=True, cancel_futures=False)
         self._snapshot_pool.shutdown(wait=True, cancel_futures=False)
         self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
-        watcher = self._watcher
-        if watcher is not None and watcher is not threading.current_thread():
-            # The watcher may be inside a store query; a caller that closes the store right
-            # after us would pull the connection from under it (SQLite: a segfault).
-            watcher.join(timeout)
         self._leases.close()
 
     def __enter__(self) -> Runtime:

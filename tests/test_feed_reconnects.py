@@ -233,6 +233,47 @@ def test_a_corrupt_stream_still_stops_a_following_publisher_with_store_corrupt(
     assert not [line for line in publisher.stderr if "following failed" in line]
 
 
+def test_a_position_write_whose_reply_was_lost_is_not_taken_for_a_second_publisher(
+    kafka_bootstrap: str, pg_database: str
+) -> None:
+    # eventsourcing retries a tracking write whose connection died; when the first attempt had
+    # committed, the retry meets the stored position and raises IntegrityError. That is this
+    # publisher's own write: it used to stop with feed.position_conflict ("another publisher").
+    from eventsourcing.persistence import IntegrityError
+
+    total = _runs(pg_database, 2)
+    topic = f"lostpos-{uuid.uuid4().hex[:12]}"
+    store = EventStore(pg_database)
+    publisher = Publisher(store, kafka_bootstrap, topic, batch_size=5)
+    real_save = publisher._position.save
+    lost: list[int] = []
+
+    def save_losing_the_reply(notification_id: int) -> None:
+        real_save(notification_id)
+        if not lost:
+            lost.append(notification_id)
+            raise IntegrityError("duplicate key value violates unique constraint (the retried write)")
+
+    publisher._position.save = save_losing_the_reply  # type: ignore[method-assign]
+    try:
+        assert publisher.drain().position == total
+    finally:
+        publisher.close()
+        store.close()
+    assert lost == [5]
+    # A real second publisher's position is still a conflict.
+    other_store = EventStore(pg_database)
+    other = Publisher(other_store, kafka_bootstrap, topic, batch_size=5)
+    try:
+        other._position.save(total + 1000)
+        other.position = 0
+        with pytest.raises(Exception, match="another publisher"):
+            other.step()
+    finally:
+        other.close()
+        other_store.close()
+
+
 # ---------------------------------------------------------------------------
 # The transcript consumer
 
@@ -348,3 +389,37 @@ def test_a_record_with_a_nul_byte_is_kept_as_a_reject_in_a_postgresql_transcript
     with psycopg.connect(pg_database) as conn:
         (value,) = conn.execute("SELECT value FROM agentfold_transcript_rejects").fetchone() or (None,)
     assert value == "\\u0000not an envelope"
+
+
+def test_only_connection_failures_are_retried_by_following_commands() -> None:
+    # A revoked grant or a dropped table meets every retry again: following commands stop and
+    # say why instead of printing a retry line every 30 s for ever.
+    from eventsourcing.persistence import OperationalError, ProgrammingError
+
+    from adapters.eventstore import CorruptStream
+    from adapters.follower import store_failed
+    from domain.errors import StoreFailure
+
+    def wrapped(cause: BaseException, code: str = "store.read_failed") -> StoreFailure:
+        failure = StoreFailure(code, f"reading failed: {cause}")
+        failure.__cause__ = cause  # as `raise StoreFailure(...) from cause` leaves it
+        return failure
+
+    retried = [
+        psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
+        psycopg.OperationalError("server closed the connection unexpectedly"),
+        OperationalError("couldn't get a connection"),
+        wrapped(OperationalError("terminating connection")),
+        StoreFailure("store.unavailable", "cannot open store"),
+        ConnectionRefusedError("refused"),
+    ]
+    stopped = [
+        psycopg.errors.InsufficientPrivilege("permission denied for table agentfold_events"),
+        psycopg.errors.UndefinedTable('relation "agentfold_tracking" does not exist'),
+        wrapped(ProgrammingError("permission denied")),
+        PermissionError("read-only file system"),
+        CorruptStream("tree:x", 3, "integrity.digest_chain", "broken"),
+        wrapped(CorruptStream("tree:x", 3, "integrity.digest_chain", "broken")),
+    ]
+    assert [store_failed(e) for e in retried] == [True] * len(retried)
+    assert [store_failed(e) for e in stopped] == [False] * len(stopped)

@@ -150,7 +150,7 @@ def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_p
     assert again.snapshot_version == plain.state.version and again.state.to_json() == plain.state.to_json()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape", "another digest"])
 def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -160,6 +160,8 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
         "garbage": b"\x00not a snapshot",
         "truncated": row.state[: len(row.state) // 2],
         "wrong shape": b'{"tree": {"version": "x"}, "digest": 1}',
+        # readable, but not this history's: the next append would chain to a wrong digest
+        "another digest": EventStore.encode_snapshot(plain.state, "sha256:" + "0" * 64),
     }[damage]
     store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
     store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, bad)])
@@ -167,4 +169,5 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
         loaded = store.load(tree_id, catalog.resolve)
     assert loaded.snapshot_version == 0
     assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
-    assert any("snapshot of tree" in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+    reason = "does not match the event stored there" if damage == "another digest" else "unreadable"
+    assert any("snapshot of tree" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
