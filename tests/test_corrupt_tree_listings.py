@@ -75,6 +75,13 @@ def start_runs(store: str, tmp_path: Path, *start_ids: str) -> dict[str, str]:
     return {s: start(store, tmp_path, s, docs[s]) for s in start_ids}
 
 
+def runs_with_one_to_damage(store: str, tmp_path: Path) -> tuple[dict[str, str], str, list[str]]:
+    """Runs "wait-1", "bad", "unknown-1", "wait-2" (start id -> tree id), the tree id of "bad"
+    (the one a test damages) and the other three's, in creation order."""
+    trees = start_runs(store, tmp_path, "wait-1", "bad", "unknown-1", "wait-2")
+    return trees, trees["bad"], [t for s, t in trees.items() if s != "bad"]
+
+
 def corrupt(store: str, tree_id: str, position: int | None = None) -> int:
     """Change the recorded timestamp of one stored event (the last one by default) with plain
     SQL: the event still parses, but its digest no longer chains. Returns its position."""
@@ -127,9 +134,7 @@ def test_cli_listings_show_every_healthy_tree_and_name_the_corrupt_one_on_stderr
     durable_store_url: str, tmp_path: Path
 ) -> None:
     store = durable_store_url
-    trees = start_runs(store, tmp_path, "wait-1", "bad", "unknown-1", "wait-2")
-    bad = trees["bad"]
-    healthy = [t for s, t in trees.items() if s != "bad"]
+    trees, bad, healthy = runs_with_one_to_damage(store, tmp_path)
 
     # A healthy store: exactly the documented output, nothing on stderr, exit 0.
     before = agentfold("pending", "--json", store=store)
@@ -267,9 +272,7 @@ def test_http_listings_answer_503_store_corrupt_with_every_healthy_entry_and_the
     durable_store_url: str, tmp_path: Path, servers: list[ApiServer], follow: bool
 ) -> None:
     store = durable_store_url
-    trees = start_runs(store, tmp_path, "wait-1", "bad", "unknown-1", "wait-2")
-    bad = trees["bad"]
-    healthy = [t for s, t in trees.items() if s != "bad"]
+    trees, bad, healthy = runs_with_one_to_damage(store, tmp_path)
 
     # A healthy store: 200, the documented members only. (No follower: it would bring the
     # tables up to date before the corruption, and the tables answer what they projected.)

@@ -112,6 +112,13 @@ class Command:
             self.process.send_signal(signal.SIGTERM)
         return self.finish(30)
 
+    def ends_unretried_with(self, code: str) -> None:
+        """It ends by itself (no retry line), exit 1, its last stderr line the error ``code``."""
+        status, _ = self.finish(60)
+        assert status == 1, self.stderr
+        assert json.loads(self.stderr[-1])["error"]["code"] == code
+        assert not [line for line in self.stderr if "following failed" in line]
+
     def retried_report(self, status: int, out: str) -> dict[str, Any]:
         """The JSON report of a run that ended with exit 0 after ``stop()``, checked to count as
         failures exactly the retry lines it printed (at least one)."""
@@ -227,10 +234,7 @@ def test_a_corrupt_stream_still_stops_a_following_publisher_with_store_corrupt(
                      (total - 2,))
     publisher = Command("--store", url, "publish", "--bootstrap", kafka_bootstrap, "--topic", topic,
                         "--batch-size", "5", "--json")
-    status, _ = publisher.finish(60)  # it ends by itself: not retried
-    assert status == 1, publisher.stderr
-    assert json.loads(publisher.stderr[-1])["error"]["code"] == "store.corrupt"
-    assert not [line for line in publisher.stderr if "following failed" in line]
+    publisher.ends_unretried_with("store.corrupt")
 
 
 def test_a_position_write_whose_reply_was_lost_is_not_taken_for_a_second_publisher(
@@ -363,10 +367,7 @@ def test_a_gap_in_the_feed_still_stops_a_following_transcript_consumer_with_feed
         producer.close()
     consumer = Command("transcripts", "--bootstrap", kafka_bootstrap, "--topic", topic,
                        "--group", f"g-{uuid.uuid4().hex}", "--db", pg_database, "--json")
-    status, _ = consumer.finish(60)  # it ends by itself: not retried
-    assert status == 1, consumer.stderr
-    assert json.loads(consumer.stderr[-1])["error"]["code"] == "feed.gap"
-    assert not [line for line in consumer.stderr if "following failed" in line]
+    consumer.ends_unretried_with("feed.gap")
 
 
 def test_a_record_with_a_nul_byte_is_kept_as_a_reject_in_a_postgresql_transcript_database(

@@ -15,11 +15,9 @@ SQLite files and PostgreSQL databases; the damage is done with plain SQL.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,10 +37,20 @@ from domain.ids import TreeID
 from projections.read_models import project_tree
 from tests.audit.support import Sql
 from tests.http_api.support import ApiServer, ok, problem, start_server
+from tests.streams import expect_line, read_both
 from tests.test_cli import ROOT, Ran, agentfold
 from tests.test_cli import ok as ran_ok
 from tests.test_cli_interaction import approval
-from tests.test_corrupt_tree_listings import corrupt, named, start, start_runs, stderr_errors, without_detail
+from tests.test_corrupt_tree_listings import (
+    corrupt,
+    named,
+    runs_with_one_to_damage,
+    start,
+    start_runs,
+    stderr_errors,
+    without_detail,
+)
+from tests.test_store_opening import assert_rows_equal_folding
 
 PROJECT_KEYS = {"rebuilt", "events", "position", "seconds"}
 
@@ -159,9 +167,7 @@ def test_project_skips_a_corrupt_tree_projects_every_other_tree_and_a_rebuild_gi
     durable_store_url: str, tmp_path: Path
 ) -> None:
     store = durable_store_url
-    trees = start_runs(store, tmp_path, "wait-1", "bad", "unknown-1", "wait-2")
-    bad = trees["bad"]
-    healthy = [t for s, t in trees.items() if s != "bad"]
+    _, bad, healthy = runs_with_one_to_damage(store, tmp_path)
     position = corrupt(store, bad, 3)  # an early event: every later one of "bad" is skipped too
 
     found = agentfold("project", "--json", store=store)
@@ -201,9 +207,7 @@ def test_a_tree_found_corrupt_after_it_was_projected_loses_its_rows_and_listings
     durable_store_url: str, tmp_path: Path
 ) -> None:
     store = durable_store_url
-    trees = start_runs(store, tmp_path, "wait-1", "bad", "unknown-1", "wait-2")
-    bad = trees["bad"]
-    healthy = [t for s, t in trees.items() if s != "bad"]
+    trees, bad, healthy = runs_with_one_to_damage(store, tmp_path)
     ran_ok(agentfold("project", store=store))  # the tables hold "bad" with its wait and unknown effect
     [bad_wait] = [p for p in ran_ok(agentfold("pending", "--json", store=store)).json()["pending"]
                   if p["tree_id"] == bad]
@@ -272,24 +276,6 @@ def test_a_recorded_corrupt_tree_stays_skipped_until_a_rebuild_after_its_history
 # agentfold project --follow
 
 
-def _lines(stream: Any, into: queue.Queue[str]) -> None:
-    for line in stream:
-        into.put(line)
-
-
-def _expect(lines: queue.Queue[str], needle: str, timeout: float, seen: list[str]) -> str:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        seen.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"no line with {needle!r} within {timeout} s: {seen}")
-
-
 def _wait_projected(url: str, tree_ids: list[str]) -> None:
     """Wait for the tables to reach the store's head, then check these trees' rows equal folding."""
     store = EventStore(url)
@@ -297,10 +283,7 @@ def _wait_projected(url: str, tree_ids: list[str]) -> None:
         models = ReadModels(store, create=False)
         head = store.max_notification_id()
         assert models.wait_for(head, timeout=30), f"read models stuck at {models.position()} of {head}"
-        folding = HostQueries(store, default_sources(), use_read_models=False)
-        for tree_id in tree_ids:
-            tree, programs = folding.fold(TreeID(tree_id))
-            assert canon(models.tree_rows(tree_id)) == canon(project_tree(tree, programs).to_json()), tree_id
+        assert_rows_equal_folding(store, models, tree_ids)
     finally:
         store.close()
 
@@ -329,18 +312,15 @@ def test_project_follow_reports_each_corrupt_tree_once_and_keeps_projecting_the_
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
     children.append(follower)
-    out: queue.Queue[str] = queue.Queue()
-    err: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(follower.stdout, out), daemon=True).start()
-    threading.Thread(target=_lines, args=(follower.stderr, err), daemon=True).start()
+    out, err = read_both(follower)
     stdout: list[str] = []
     stderr: list[str] = []
 
     # Met during the first catch-up: reported, and following starts anyway.
-    line = _expect(err, "is corrupt", 30, stderr)
+    line = expect_line(err, "is corrupt", 30, stderr)
     assert line.startswith(f"agentfold: project: tree {bad} (start bad) is corrupt at position {position}: "
                            "integrity.digest_chain: "), line
-    _expect(out, "following", 30, stdout)
+    expect_line(out, "following", 30, stdout)
     assert follower.poll() is None
 
     # Runs written while it follows are projected.
@@ -361,7 +341,7 @@ def test_project_follow_reports_each_corrupt_tree_once_and_keeps_projecting_the_
     finally:
         events.close()
     assert [(c.tree_id, c.position) for c in recorded] == [(bad, position), (str(damaged), version + 1)]
-    line = _expect(err, "is corrupt", 15, stderr)
+    line = expect_line(err, "is corrupt", 15, stderr)
     assert line.startswith(f"agentfold: project: tree {damaged} (start unknown-1) is corrupt at position "
                            f"{version + 1}: "), line
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,6 +32,7 @@ from domain.errors import NotFound
 from domain.ids import TreeID
 from projections.read_models import project_tree
 from tests.conftest import require_postgres
+from tests.streams import expect_line, read_both
 from tests.test_cli import ROOT, Ran, agentfold, ok, refused
 
 DEMO = ROOT / "adapters" / "scenarios" / "demo.json"
@@ -335,22 +334,14 @@ def test_a_read_only_role_runs_the_read_commands_on_an_existing_store(readable_s
 # 5. `project --follow` keeps going when its sessions are terminated
 
 
-def _lines(stream: object, into: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        into.put(line)
+def assert_rows_equal_folding(store: EventStore, models: ReadModels, tree_ids: list[str]) -> None:
+    """Each tree's read-model rows are exactly what folding its history gives."""
+    from adapters.queries import HostQueries
 
-
-def _expect(lines: queue.Queue[str], needle: str, timeout: float, seen: list[str]) -> str:
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        seen.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"no line with {needle!r} within {timeout} s: {seen}")
+    folding = HostQueries(store, default_sources(), use_read_models=False)
+    for tree_id in tree_ids:
+        tree, programs = folding.fold(TreeID(tree_id))
+        assert canon(models.tree_rows(tree_id)) == canon(project_tree(tree, programs).to_json()), tree_id
 
 
 def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_duplicates(
@@ -364,23 +355,20 @@ def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_
         [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "0.05"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    out: queue.Queue[str] = queue.Queue()
-    err: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(follower.stdout, out), daemon=True).start()
-    threading.Thread(target=_lines, args=(follower.stderr, err), daemon=True).start()
+    out, err = read_both(follower)
     stdout: list[str] = []
     stderr: list[str] = []
     try:
-        _expect(out, "following", 30, stdout)
+        expect_line(out, "following", 30, stdout)
         with psycopg.connect(url, autocommit=True) as conn:
             killed = conn.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
             ).fetchone()
         assert killed is not None and killed[0] >= 1
-        failure = _expect(err, "following failed", 15, stderr)
+        failure = expect_line(err, "following failed", 15, stderr)
         assert failure.startswith("agentfold: project: following failed: ") and "retrying in" in failure
-        _expect(err, "following again from position", 30, stderr)
+        expect_line(err, "following again from position", 30, stderr)
         assert follower.poll() is None, "the follower exited"
 
         ok(agentfold("run", str(DEMO), "--start-id", "after", store=url))
@@ -393,12 +381,7 @@ def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_
             assert set(counters) == {str(TreeID.for_start(s)) for s in ("before", "after")}  # type: ignore[arg-type]
             for tree_id, (version, applied) in counters.items():
                 assert version == applied, f"{tree_id}: {applied} events applied for version {version}"
-            from adapters.queries import HostQueries
-
-            queries = HostQueries(store, default_sources(), use_read_models=False)
-            for tree_id in counters:
-                tree, programs = queries.fold(TreeID(tree_id))
-                assert canon(models.tree_rows(tree_id)) == canon(project_tree(tree, programs).to_json()), tree_id
+            assert_rows_equal_folding(store, models, list(counters))
         finally:
             store.close()
         assert follower.poll() is None, "the follower exited"
