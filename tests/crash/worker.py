@@ -177,16 +177,25 @@ def race(runtime: Runtime, store: EventStore, tree_id: TreeID, args: argparse.Na
     if args.no_lease:
         runtime._leases = GrantAllLeases()  # type: ignore[assignment]
         hold_first_append(store, barrier, args.racer, parties=2)
+    made: list[Any] = []  # the incarnation ids this runtime drew (its activation's is the last)
+    draw = runtime.ids.incarnation_id
+
+    def incarnation_id() -> Any:
+        made.append(draw())
+        return made[-1]
+
+    runtime.ids.incarnation_id = incarnation_id  # type: ignore[method-assign]
     (barrier / f"ready-{args.racer}").touch()
     wait_for(lambda: (barrier / "go").exists(), 20, "the go signal")
     runtime.recover(str(tree_id))  # raises Fenced for the loser
-    driver = runtime._drivers.get(tree_id)
-    if driver is None:
+    if runtime.appends == 0:
         # The winner adopted the tree, finished it and gave up its lease before this racer
         # looked: recover found a terminal tree and adopted nothing. Lost all the same.
         emit({"fenced": "finished", "message": "the tree was already finished by the winner"})
         return FENCED_EXIT
-    emit({"won": args.racer, "incarnation": str(driver.incarnation)})
+    # Won: its activation was appended. (Its owner line may already have finished the
+    # two-effect tree and let it go, so the incarnation is not read from a driver.)
+    emit({"won": args.racer, "incarnation": str(made[-1])})
     result = runtime.result(tree_id, timeout=30)
     emit({"status": result.status, "output": result.output})
     # Keep the lease until the test has seen the loser stop: a winner that left early
