@@ -31,6 +31,7 @@ from eventsourcing.postgres import PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteTrackingRecorder
 
 from adapters.eventstore import EventStore
+from adapters.recorders import on_a_live_connection
 from domain.errors import InvalidInput
 from projections.read_models import Entry, TreeRows
 
@@ -189,6 +190,7 @@ class ReadModels:
         return statement if self.backend == "sqlite" else statement.replace("?", "%s")
 
     @staticmethod
+    @on_a_live_connection
     def exist(store: EventStore) -> bool:
         """Whether a follower ever created the tables in this store (without creating them)."""
         if store.backend not in ("sqlite", "postgresql"):
@@ -330,12 +332,14 @@ class ReadModels:
 
     # -- queries ---------------------------------------------------------------
 
+    @on_a_live_connection
     def _bodies(self, statement: str, params: Iterable[Any] = ()) -> list[Entry]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(self._sql(statement), tuple(params))
             rows = c.fetchall()
         return [orjson.loads(r["body"]) for r in rows]
 
+    @on_a_live_connection
     def runs(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
              after: int = 0) -> list[Entry]:
         """Runs in creation order, after the run created at ``after`` (a page cursor)."""
@@ -359,6 +363,7 @@ class ReadModels:
         found = self._bodies(f"SELECT body FROM {RUNS} WHERE tree_id = ?", (tree_id,))
         return found[0] if found else None
 
+    @on_a_live_connection
     def created_position(self, tree_id: str) -> int:
         """The notification id of the event that created the tree (0 if it has no row yet)."""
         with self.datastore.transaction(commit=False) as c:
@@ -382,6 +387,7 @@ class ReadModels:
             params = (after, limit)
         return self._bodies(statement, params)
 
+    @on_a_live_connection
     def ordered(self, table: str) -> list[tuple[int, str, Entry]]:
         """Every row of the pending or unknown table as (created_position, tree_id, entry), in order."""
         if table not in (PENDING, UNKNOWN):
@@ -413,6 +419,7 @@ class ReadModels:
             "unknown": self.unknown(tree_id),
         }
 
+    @on_a_live_connection
     def corrupt_trees(self) -> list[CorruptTree]:
         """The trees the follower found corrupt, in creation order (oldest run first)."""
         if not self._corrupt_table_exists():
@@ -429,6 +436,7 @@ class ReadModels:
             for r in rows
         ]
 
+    @on_a_live_connection
     def _corrupt_table_exists(self) -> bool:
         # A reader (create=False) may open tables an older follower created without this one;
         # once it exists it stays, so a yes is remembered.
@@ -445,6 +453,7 @@ class ReadModels:
         self._has_corrupt_table = found
         return found
 
+    @on_a_live_connection
     def counters(self) -> dict[str, tuple[int, int]]:
         """Per tree with a run row: (version the row reflects, events the follower applied to it).
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import psycopg
 from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
@@ -300,7 +301,7 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
 LIVE_CONNECTION_ATTEMPTS = 13
 
 
-def _on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
+def on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Call ``fn`` again when it met a dead pooled connection, as eventsourcing retries its own
     PostgreSQL queries.
 
@@ -320,7 +321,12 @@ def _on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 return fn(*args, **kwargs)
             except (InterfaceError, OperationalError) as exc:
-                if attempt == LIVE_CONNECTION_ATTEMPTS or isinstance(exc.__cause__, PoolTimeout):
+                cause = exc.__cause__
+                # Only a PostgreSQL session can die under a pooled connection; a SQLite error
+                # (a lock held past its 30 s timeout) would only be waited for again.
+                if attempt == LIVE_CONNECTION_ATTEMPTS or not isinstance(cause, psycopg.Error) or isinstance(
+                    cause, PoolTimeout
+                ):
                     raise
                 time.sleep(0.05)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -387,7 +393,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         curs.execute("SELECT pg_advisory_xact_lock(7406170100)")
         super()._create_table(curs)
 
-    @_on_a_live_connection
+    @on_a_live_connection
     def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
         if not stored_events:
             return []
@@ -407,7 +413,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             curs.execute(self._append, params, prepare=True)
             return [row["agentfold_append"] for row in curs.fetchall()]
 
-    @_on_a_live_connection
+    @on_a_live_connection
     def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(sql, params, prepare=True)
@@ -447,7 +453,7 @@ class PostgresSnapshotRecorder(PostgresAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
         super().__init__(datastore, events_table_name=SNAPSHOTS_TABLE)
 
-    @_on_a_live_connection
+    @on_a_live_connection
     def prune(self, originator_id: Any, below_version: int) -> None:
         """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
         with self.datastore.get_connection() as conn, conn.cursor() as curs:

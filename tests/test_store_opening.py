@@ -441,7 +441,7 @@ def test_exactly_the_documented_commands_create_a_missing_sqlite_file(tmp_path: 
         assert not path.exists(), argv
 
 
-def test_appends_and_index_reads_go_on_after_the_pooled_sessions_are_terminated(pg_database: str) -> None:
+def test_appends_index_and_read_model_reads_go_on_after_the_pooled_sessions_are_terminated(pg_database: str) -> None:
     # A server restart, a failover or pg_terminate_backend ends every pooled session. The
     # next use of each dead connection failed once, and an append that met one stopped its
     # tree (store.append_failed). Our own queries now retry like eventsourcing's do.
@@ -455,9 +455,10 @@ def test_appends_and_index_reads_go_on_after_the_pooled_sessions_are_terminated(
     try:
         before = runtime.start(program, {"n": 3}, start_id="before").result(timeout=30)
         assert before.status == "completed"
+        models = ReadModels(store)
         datastore = store.factory.datastore
-        with datastore.get_connection() as a, datastore.get_connection() as b:
-            pooled = {a.info.backend_pid, b.info.backend_pid}
+        with datastore.get_connection() as a, datastore.get_connection() as b, datastore.get_connection() as c:
+            pooled = {a.info.backend_pid, b.info.backend_pid, c.info.backend_pid}
         with psycopg.connect(pg_database, autocommit=True) as conn:
             ended = {row[0] for row in conn.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
@@ -465,6 +466,7 @@ def test_appends_and_index_reads_go_on_after_the_pooled_sessions_are_terminated(
             for pid in ended:
                 conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
         assert pooled <= ended
+        assert models.runs() == [] and ReadModels.exist(store)  # read-model queries (tables not projected)
         assert {h.start_id for h in store.heads()} == {"before"}  # an index read
         after = runtime.start(program, {"n": 3}, start_id="after").result(timeout=30)  # appends
         assert after.status == "completed" and after.output == {"total": 3, "effects": 3}
