@@ -115,7 +115,10 @@ class CorruptStream(StoreFailure):
         self.tree_id = tree_id
         self.position = position
         self.rule = rule
-        self.detail = detail
+        self.detail = detail  # the broken rule's text (also in the message)
+
+    def members(self) -> dict[str, Any]:
+        return {"tree_id": str(self.tree_id), "position": self.position, "rule": self.rule}
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
-from adapters.eventstore import CorruptStream, EventStore
+from adapters.eventstore import EventStore
 from adapters.follower import Follower
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
@@ -1022,12 +1022,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, Unauthorized):
             headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.detail.get("invalid_token") else "Bearer"
             extra: dict[str, Any] = {}
-        elif isinstance(exc, CorruptStream):
-            # Its ``detail`` is the broken rule's text (already in the message), not context
-            # members: say which tree, where and which rule.
-            extra = {"tree_id": str(exc.tree_id), "position": exc.position, "rule": exc.rule}
         else:
-            extra = dict(exc.detail)
+            extra = exc.members()
         return problem_response(exc.http_status, exc.code, exc.message, exc.hint, extra, headers)
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -104,6 +104,10 @@ class AgentfoldError(Exception):
             text += f" ({self.hint})"
         return text
 
+    def members(self) -> dict[str, Any]:
+        """What the error names, as members of a problem document (HTTP API)."""
+        return dict(self.detail)
+
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.hint:
