@@ -33,6 +33,10 @@ class LeaseManager(Protocol):
 
     def held(self) -> set[TreeID]: ...
 
+    def holds(self, tree_id: TreeID) -> bool:
+        """Whether this manager holds the lease of ``tree_id`` now (as far as it knows)."""
+        ...
+
     def check(self) -> set[TreeID]:
         """Trees whose lease this manager lost since the last check (each reported once)."""
         ...
@@ -81,6 +85,9 @@ class MemoryLeases(_Durable):
     def held(self) -> set[TreeID]:
         return set(self._held)
 
+    def holds(self, tree_id: TreeID) -> bool:
+        return tree_id in self._held
+
     def close(self) -> None:
         for tree_id in list(self._held):
             self.release(tree_id)
@@ -128,6 +135,9 @@ class FileLeases(_Durable):
 
     def held(self) -> set[TreeID]:
         return set(self._held)
+
+    def holds(self, tree_id: TreeID) -> bool:
+        return tree_id in self._held
 
     def close(self) -> None:
         with self._lock:
@@ -233,6 +243,10 @@ class PostgresLeases:
     def held(self) -> set[TreeID]:
         with self._lock:
             return set(self._held)
+
+    def holds(self, tree_id: TreeID) -> bool:
+        with self._lock:
+            return tree_id in self._held
 
     def check(self) -> set[TreeID]:
         """Trees whose lease was lost since the last check (each reported once); probes the

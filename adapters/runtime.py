@@ -808,6 +808,9 @@ class Runtime:
             with self._lock:
                 self._drivers[tree_id] = driver
                 self._failed.pop(tree_id, None)
+            if not self._leases.holds(tree_id):
+                self._lease_lost(tree_id, driver)  # as in ``_activate``: no dispatch without a lease
+                return RunHandle(self, tree_id, started.process_id, sid)
             driver._launch(progress.dispatches)
             driver._after_commit([], [])
         driver.start_jobs(keep_last=False)
@@ -886,6 +889,12 @@ class Runtime:
                 with self._lock:
                     self._drivers[tree_id] = driver
                     self._failed.pop(tree_id, None)
+                if not self._leases.holds(tree_id):
+                    # The lease session ended while the tree was being activated: the watcher
+                    # found no owner line to stop then. Nothing is dispatched without a lease;
+                    # the tree is adopted again once a new session works.
+                    self._lease_lost(tree_id, driver)
+                    return driver
                 driver._launch([*activation.dispatches, *progress.dispatches])
                 driver._after_commit([], [])
             driver.start_jobs(keep_last=False)
@@ -1278,18 +1287,27 @@ class Runtime:
         for tree_id in self._leases.check():
             with self._lock:
                 driver = self._drivers.get(tree_id)
-            if driver is not None:
-                driver._stop(
-                    Fenced(
-                        "engine.tree.lease_lost",
-                        f"the owner lease of tree {tree_id} was lost (its store session ended); "
-                        "this runtime stops driving it",
-                        hint="the tree continues wherever it is adopted next (`agentfold recover`)",
-                    )
+            self._lease_lost(tree_id, driver)
+
+    def _lease_lost(self, tree_id: TreeID, driver: _Driver | None) -> None:
+        """Stop the owner line of a tree whose lease was lost, and note the tree to adopt again.
+
+        Also without an owner line: a lease lost while its tree was being activated (the
+        activation then finds its lease gone and stops), or held by no line at all (adopting
+        again looks at the tree first: a finished or parked tree is left alone)."""
+        if driver is not None:
+            driver._stop(
+                Fenced(
+                    "engine.tree.lease_lost",
+                    f"the owner lease of tree {tree_id} was lost (its store session ended); "
+                    "this runtime stops driving it",
+                    hint="the tree continues wherever it is adopted next (`agentfold recover`)",
                 )
-                log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
-                with self._lock:
-                    self._lost[tree_id] = 0
+            )
+            log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
+        with self._lock:
+            if not self._closed:
+                self._lost.setdefault(tree_id, 0)
 
     def _adopt_lost(self) -> None:
         """Drive again, under a new lease, the trees a lost lease session stopped.

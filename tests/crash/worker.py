@@ -58,6 +58,15 @@ class GrantAllLeases:
     def held(self) -> set[TreeID]:
         return set(self._held)
 
+    def holds(self, tree_id: TreeID) -> bool:
+        return tree_id in self._held
+
+    def check(self) -> set[TreeID]:
+        return set()
+
+    def healthy(self) -> bool:
+        return True
+
     def close(self) -> None:
         self._held.clear()
 

@@ -1,0 +1,137 @@
+"""An owner lease lost while its tree is being taken (started or adopted) on PostgreSQL.
+
+The lease is a session advisory lock; here its session really ends (``pg_terminate_backend``)
+inside the window between acquiring the lease and registering the tree's owner line, after
+the runtime's watcher noticed the loss (it then found no owner line to stop). The runtime
+must not drive the tree without a lease: no dispatcher call happens while the lease is not
+held, and the tree is adopted again (a new ``WriterActivated``) once a new session works,
+then runs to completion.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.events import WriterActivated
+from domain.ids import TreeID
+from domain.program import Program, Replay
+from domain.requests import Settlement
+from tests.kernel_programs import chain_program
+
+EFFECTS = 3
+
+
+class LeaseWitness:
+    """A dispatcher that records, at each call, whether its runtime holds the tree's lease."""
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.calls: list[bool] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, request: Any, context: Any) -> Settlement:
+        assert self.runtime is not None
+        with self.lock:
+            self.calls.append(self.runtime._leases.holds(request.tree_id))
+        return Settlement.succeeded({"value": 1})
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _end_lease_session_then(runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real`` called once the lease session was terminated and the watcher saw the loss."""
+    done = threading.Event()
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not done.is_set():
+            done.set()
+            leases = runtime._leases
+            target = tree_id()
+            assert leases.holds(target)
+            pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            _wait(lambda: not leases.holds(target), 10, "the watcher to notice the ended lease session")
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+def _finished(store: EventStore, tree_id: TreeID) -> bool:
+    head = store.head(tree_id)
+    return head is not None and head.status == "completed"
+
+
+def _activations(store: EventStore, tree_id: TreeID) -> int:
+    return sum(isinstance(r.event, WriterActivated) for r in store.read(tree_id))
+
+
+def _running_watcher(runtime: Runtime, program: Program) -> None:
+    """Start (and finish) one tree so that the runtime's watcher thread runs."""
+    runtime.start(program, {"n": 1}, start_id="warm-up").result(timeout=30)
+
+
+def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_database: str) -> None:
+    witness = LeaseWitness()
+    # same_identity: the permission committed at the start is called once the tree is adopted
+    # again (with ``never`` it would settle unknown: nothing can tell it was never called).
+    program = chain_program(witness, replay=Replay.SAME_IDENTITY, name="test.lease.chain")
+    store = EventStore(pg_database)
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        witness.runtime = runtime
+        _running_watcher(runtime, program)
+        witness.calls.clear()
+        target = TreeID.for_start("lease-lost-at-start")  # type: ignore[arg-type]
+        store.append = _end_lease_session_then(runtime, pg_database, lambda: target, store.append)  # type: ignore[method-assign]
+        handle = runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-at-start")
+        assert handle.tree_id == target
+        _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")
+    assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
+    assert _activations(store, target) == 1  # adopted again by the same runtime, under a new lease
+    store.close()
+
+
+def test_a_lease_lost_while_a_tree_is_adopted_stops_it_until_it_is_adopted_again(pg_database: str) -> None:
+    store = EventStore(pg_database)
+    # A tree with an Effect in flight and no owner: its owner let it go during the call.
+    gate, calling = threading.Event(), threading.Event()
+
+    def blocked(request: Any, context: Any) -> Settlement:
+        calling.set()
+        gate.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+    name = "test.lease.replayed"
+    with Runtime(store, Catalog([chain_program(blocked, replay=Replay.SAME_IDENTITY, name=name)])) as first:
+        handle = first.start(chain_program(blocked, replay=Replay.SAME_IDENTITY, name=name), {"n": EFFECTS},
+                             start_id="lease-lost-at-adoption")
+        assert calling.wait(30)
+        first.release(handle.tree_id)
+        gate.set()
+    target = handle.tree_id
+    witness = LeaseWitness()
+    program = chain_program(witness, replay=Replay.SAME_IDENTITY, name=name)
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        witness.runtime = runtime
+        _running_watcher(runtime, program)
+        witness.calls.clear()
+        runtime._load = _end_lease_session_then(runtime, pg_database, lambda: target, runtime._load)  # type: ignore[method-assign]
+        runtime.recover(str(target))
+        _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")
+    # The in-flight Effect is called again (same_identity) only once the tree is adopted again.
+    assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
+    assert _activations(store, target) == 2
+    store.close()
