@@ -666,7 +666,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
     import threading
     import time
 
-    from adapters.follower import Follower, corrupt_tree_line, follow_until_stopped
+    from adapters.follower import Follower, StopGuard, corrupt_tree_line, exit_at_once, follow_until_stopped
     from adapters.read_models import CorruptTree
 
     def say(line: str) -> None:
@@ -684,6 +684,8 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
             say(corrupt_tree_line(tree))
 
     store = ctx.open_store()
+    # Following: from SIGTERM/SIGINT to the store closed, within STOP_LIMIT s (StopGuard).
+    guard: StopGuard | None = None
     try:
         def make() -> Follower:
             return Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval,
@@ -710,6 +712,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
                 sys.stdout.flush()
             # Store failures while following (a server restart, terminated sessions) are
             # reported on stderr and retried from the committed tracking position.
+            guard = StopGuard(stop, store.interrupt, say=say, overrun=exit_at_once(say)).start()
             report = follow_until_stopped(make, stop, say, first=follower)
             data["events"] = report.events
             data["position"] = report.position
@@ -718,7 +721,11 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
                 f" ({report.failures} store failure(s) retried)" if report.failures else ""
             )
     finally:
-        store.close()
+        try:
+            store.close()
+        finally:
+            if guard is not None:
+                guard.done()
     if not found:
         return Outcome(data, text)
     data["corrupt_trees"] = [tree.entry() for tree in found]

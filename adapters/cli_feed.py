@@ -10,7 +10,8 @@
 Following (without ``--once``/``--idle-exit``), ``publish`` and ``transcripts`` outlive
 store failures (the publisher also the broker's retriable ones): one line on stderr per
 failure, a growing wait, then on from their durable position
-(``adapters.follower.retry_until_stopped``).
+(``adapters.follower.retry_until_stopped``). SIGTERM/SIGINT end them within
+``STOP_LIMIT`` seconds, also during an outage (``adapters.follower.StopGuard``).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from typing import Any
 from adapters.cli import PROG, Context, Outcome
 from adapters.eventstore import redact
 from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher
-from adapters.transcripts import TranscriptConsumer, TranscriptStore
+from adapters.follower import StopGuard, exit_at_once
+from adapters.transcripts import TranscriptConsumer, TranscriptStore, consume_failed
 from domain.errors import InvalidInput, NotFound
 
 
 @contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGTERM or SIGINT, so a follower ends its batch and exits cleanly."""
-    stop = threading.Event()
+def _stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
+    """``stop``, set by SIGTERM or SIGINT, so a follower ends its batch and exits cleanly."""
     previous: dict[signal.Signals, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
@@ -48,6 +49,17 @@ def _stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for restored, old in previous.items():
             signal.signal(restored, old)
+
+
+def _guard(stop: threading.Event, say: Callable[[str], None], interrupts: list[Callable[[], None]]) -> StopGuard:
+    """The bound on stopping a following command: from the signal until it has closed what it
+    used (``interrupts``, filled as those are opened) within ``STOP_LIMIT`` s."""
+
+    def interrupt() -> None:
+        for each in interrupts:
+            each()
+
+    return StopGuard(stop, interrupt, say=say, overrun=exit_at_once(say))
 
 
 def _say(command: str) -> Callable[[str], None]:
@@ -81,23 +93,33 @@ def _positive_seconds(text: str) -> float:
 
 
 def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
+    say = _say("publish")
+    stop = threading.Event()
+    interrupts: list[Callable[[], None]] = []
+    guard = _guard(stop, say, interrupts)
     store = ctx.open_store()
     try:
+        interrupts.append(store.interrupt)
         publisher = Publisher(
             store, args.bootstrap, args.topic, partitions=args.partitions, replication_factor=args.replication_factor,
             batch_size=args.batch_size, poll_interval=args.poll_interval,
         )
+        interrupts.append(publisher.interrupt)
         start = publisher.position
         try:
             if args.once:
                 report = publisher.drain()
             else:
-                with _stop_on_signals() as stop:
-                    report = publisher.follow_until_stopped(stop, _say("publish"))
+                guard.start()
+                with _stop_on_signals(stop):
+                    report = publisher.follow_until_stopped(stop, say)
         finally:
             publisher.close()
     finally:
-        store.close()
+        try:
+            store.close()
+        finally:
+            guard.done()
     data = {
         "topic": args.topic, "events": report.events, "batches": publisher.batches,
         "from_position": start, "position": report.position, "failures": report.failures,
@@ -114,22 +136,36 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
     if args.once and args.idle_exit is not None:
         raise InvalidInput("cli.usage", "--once and --idle-exit are exclusive", "--once is --idle-exit 1")
     idle = 1.0 if args.once else args.idle_exit
+    say = _say("transcripts")
+    stop = threading.Event()
+    interrupts: list[Callable[[], None]] = []
+    guard = _guard(stop, say, interrupts)
     store = TranscriptStore(args.db)
     try:
         consumer = TranscriptConsumer(
             store, args.bootstrap, args.topic, args.group, group_instance_id=args.group_instance_id,
             max_records=args.max_records,
         )
+        interrupts.append(consumer.interrupt)
         try:
-            with _stop_on_signals() as stop:
+            guard.start()  # --once and --idle-exit stop on SIGTERM/SIGINT too
+            with _stop_on_signals(stop):
                 if idle is None:
-                    report = consumer.follow_until_stopped(stop, _say("transcripts"))
+                    report = consumer.follow_until_stopped(stop, say)
                 else:
-                    report = consumer.run(stop, idle_exit=idle)
+                    try:
+                        report = consumer.run(stop, idle_exit=idle)
+                    except Exception as exc:
+                        if not (guard.interrupted and consume_failed(exc)):
+                            raise
+                        report = consumer.report  # stopped: the interrupted batch was not committed
         finally:
             consumer.close()
     finally:
-        store.close()
+        try:
+            store.close()
+        finally:
+            guard.done()
     data = {"topic": args.topic, "group": args.group, **report.to_json()}
     t = report.totals
     text = (

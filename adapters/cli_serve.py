@@ -8,12 +8,19 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from domain.errors import AgentfoldError, InvalidInput
 
 DEFAULT_PORT = 8080
+#: Seconds uvicorn lets HTTP requests in progress finish after SIGTERM/SIGINT.
+REQUEST_GRACE = 10
+#: Seconds after SIGTERM/SIGINT by which ``serve`` has exited in any case (StopGuard): the
+#: request grace, the dispatchers' 2 s (``_abandoned_calls``), closing the runtime and the store.
+SERVE_STOP_LIMIT = 15.0
 
 
 def register(command: Any) -> None:
@@ -46,12 +53,57 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server(config: Any, stop: threading.Event, stopping: list[int]) -> Any:
+    """A uvicorn server that also notes the signal and sets ``stop`` when SIGTERM or SIGINT
+    asks it to shut down (uvicorn handles them itself while it serves), so the stop bound
+    counts from the signal."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            stopping.append(sig)
+            stop.set()
+
+    return Server(config)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"agentfold: {line}\n")
+    sys.stderr.flush()
+
+
+def _exit_at_once(as_json: bool, stopping: list[int], runtime: Any) -> Callable[[float], None]:
+    """The StopGuard overrun of ``serve``: the last lines it would print, then exit status 0 at
+    once (another thread is still inside a call to a store that does not answer; what it did
+    is decided by recovery, as after a crash)."""
+
+    def overrun(seconds: float) -> None:
+        try:
+            abandoned = int(runtime.dispatches_running())
+        except Exception:  # noqa: BLE001 - exiting anyway
+            abandoned = 0
+        sys.stderr.write(f"agentfold: still not stopped {seconds:.0f} s after the signal: exiting now; "
+                         "recovery decides the outcome of what was in progress\n")
+        if abandoned:
+            sys.stderr.write(f"agentfold: abandoning {abandoned} dispatcher call(s) still running; "
+                             "recovery decides their outcomes\n")
+        data = {"stopped": True, "signal": stopping[0] if stopping else None, "abandoned_dispatches": abandoned}
+        sys.stdout.write((json.dumps(data, sort_keys=True) if as_json else "agentfold: server stopped") + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return overrun
+
+
 def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     # Imported here: the web stack is only loaded by the command that serves.
     import uvicorn
 
     from adapters.cli import Outcome
     from adapters.eventstore import redact
+    from adapters.follower import STOP_GRACE, StopGuard
     from adapters.http_api import TOKEN_ENV, ApiService, create_app
 
     token = os.environ.get(TOKEN_ENV, "")
@@ -61,6 +113,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     sock = _listen(args.host, args.port)
     stopping: list[int] = []
     abandoned = 0
+    stop = threading.Event()
+    guard: StopGuard | None = None
     try:
         store = ctx.open_store(create=True)
         try:
@@ -82,18 +136,31 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                                      f"{f', {len(recovered)} live run(s) adopted' if recovered else ''})\n")
                 sys.stdout.flush()
                 config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                        lifespan="on", timeout_graceful_shutdown=10, server_header=False)
-                server = uvicorn.Server(config)
+                                        lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False)
+                server = _server(config, stop, stopping)
                 # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
                 # raises the signal again: ours only note it, so the cleanup below always runs.
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, lambda number, frame: stopping.append(number))
+                # From the signal to the store closed: during an outage, store calls (of requests,
+                # owner lines, the follower) would wait minutes; once the store has not answered
+                # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
+                # requests keep their REQUEST_GRACE s and owner lines finish their appends.
+                guard = StopGuard(
+                    stop, store.interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
+                    overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
+                    needed=lambda: not store.answers(),
+                ).start()
                 server.run(sockets=[sock])
             finally:
                 service.close()
                 abandoned = _abandoned_calls(service.runtime)
         finally:
-            store.close()
+            try:
+                store.close()
+            finally:
+                if guard is not None:
+                    guard.done()
     finally:
         sock.close()
     if abandoned:

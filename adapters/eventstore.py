@@ -20,16 +20,22 @@ concurrency). A duplicate version raises :class:`VersionConflict`, unless the ve
 same events (same digests) are already the head of the stream, which makes a retry
 after a lost response idempotent. Loading a tree reads its latest snapshot and folds
 only the events after it, verifying the digest chain of every event read.
+
+``EventStore.interrupt()`` makes every PostgreSQL call of a store fail at once, for a
+command that stops while the server does not answer (``adapters.follower.StopGuard``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import socket
 import sqlite3
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +239,10 @@ class EventStore:
         self.mapper = PydanticMapper(transcoder=OrjsonTranscoder())
         self._memory_leases: dict[TreeID, object] = {}
         self._memory_lock = threading.Lock()
+        # Every PostgreSQL session this store opened (pooled, LISTEN): ``interrupt`` ends them.
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._sessions_lock = threading.Lock()
+        self._interrupted = False
         try:
             if self.backend == "memory":
                 self.factory: Any = None
@@ -247,6 +257,7 @@ class EventStore:
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
                     prefer_recent_connections(self.factory.datastore)
+                    self._track_sessions(self.factory.datastore.pool)
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
                 if create:
@@ -304,6 +315,91 @@ class EventStore:
     def close(self) -> None:
         if getattr(self, "factory", None) is not None:
             self.factory.close()
+
+    # -- stopping ----------------------------------------------------------
+
+    def _track_sessions(self, pool: Any) -> None:
+        """Remember every connection the pool opens (its configure callback sees each one), so
+        that ``interrupt`` can end the ones in use: psycopg_pool keeps no list of them. Must
+        run before the pool is opened."""
+        configure = pool._configure
+
+        def track(conn: Any) -> None:
+            with self._sessions_lock:
+                self._sessions.add(conn)
+            if configure is not None:
+                configure(conn)
+
+        pool._configure = track
+
+    def session(self) -> Any:
+        """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
+        pool: a follower's LISTEN session. ``interrupt`` ends it as it ends the pooled ones,
+        and refuses new ones (``store.unavailable``)."""
+        import psycopg
+
+        if self._interrupted:
+            raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
+        conn = psycopg.connect(**pg_conninfo(self._settings), autocommit=True)
+        with self._sessions_lock:
+            self._sessions.add(conn)
+        if self._interrupted:  # interrupted while it connected: end it like the others
+            end_session(conn)
+        return conn
+
+    def answers(self, timeout: float = 2.0) -> bool:
+        """Whether the PostgreSQL server answers ``SELECT 1`` on a new session of its own within
+        ``timeout`` seconds (always True for SQLite and memory stores): a stopped, unreachable
+        or hung server does not. The attempt runs in a daemon thread, so a server that accepts
+        the connection and then never answers cannot hold the caller."""
+        if self.backend != "postgresql":
+            return True
+        import psycopg
+
+        answered: list[bool] = []
+        finished = threading.Event()
+        params = {**pg_conninfo(self._settings), "connect_timeout": max(2, math.ceil(timeout))}
+
+        def probe() -> None:
+            try:
+                with psycopg.connect(**params) as conn:
+                    conn.execute("SELECT 1")
+                answered.append(True)
+            except Exception:  # noqa: BLE001 - any failure means it does not answer
+                pass
+            finally:
+                finished.set()
+
+        threading.Thread(target=probe, name="agentfold-store-probe", daemon=True).start()
+        finished.wait(timeout)
+        return bool(answered)
+
+    def interrupt(self) -> None:
+        """Make every call of this store that waits on PostgreSQL fail now, and every later one
+        at once; for a command that stops while the server does not answer
+        (``adapters.follower.StopGuard``). Safe from any thread; idempotent.
+
+        During an outage a store call waits the pool's 30 s for a connection, up to 10 times
+        (the eventsourcing library retries its queries), or waits for a server that no longer
+        answers on a connection it has. This closes the connection pool (a call waiting for a
+        connection fails with psycopg_pool's ``PoolClosed``, and so does every later one,
+        after eventsourcing's retries: about 2 s) and shuts down the network connection of
+        every session still open (pooled ones in use, LISTEN sessions from ``session``), so a
+        query in progress fails too. A transaction ends as a whole either way: committed (its
+        reply lost) or not at all. The store cannot be used afterwards; ``close`` it as usual.
+        SQLite and memory stores have nothing to interrupt: their calls never wait on a server.
+        """
+        if self.backend != "postgresql" or self._interrupted:
+            return
+        self._interrupted = True
+        pool = self.factory.datastore.pool
+        # A short join: an idle pool worker stops at once; one still connecting to a server
+        # that does not answer is a daemon thread, left to its own connect timeout.
+        pool.close(timeout=0.05)
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        for conn in sessions:
+            end_session(conn)
 
     # -- appends -----------------------------------------------------------
 
@@ -541,6 +637,24 @@ class EventStore:
         if self.backend == "sqlite":
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
         return PostgresLeases(pg_conninfo(self._settings))
+
+
+def end_session(conn: Any) -> None:
+    """Shut down the network connection of a psycopg connection, from any thread: whatever
+    waits on it (a query, a notification) fails at once with ``psycopg.OperationalError``,
+    even when the server does not answer. The socket is shut down, not closed: psycopg still
+    closes its own descriptor, and the connection's owner sees a lost connection."""
+    try:
+        if conn.closed:
+            return
+        fd = conn.pgconn.socket
+    except Exception:  # noqa: BLE001 - closed or lost meanwhile: nothing left to end
+        return
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more
 
 
 def redact(url: str) -> str:

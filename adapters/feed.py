@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ DEFAULT_PARTITIONS = 3
 DEFAULT_BATCH = 500
 DEFAULT_POLL_INTERVAL = 0.05  # seconds; a PostgreSQL follower's safety net is 10 x this
 CRASH_EXIT = 75
+# Seconds of one wait for acknowledgements, so that ``Publisher.interrupt`` ends the wait soon.
+ACK_SLICE = 0.25
 # One event may hold several payloads of up to 4 MiB each (TreeStarted: input and configuration).
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 
@@ -297,6 +300,7 @@ class Publisher:
         self._bootstrap = bootstrap if producer is None else None
         self.producer: Any = producer if producer is not None else new_producer(bootstrap)
         self._crash = crash_hook_from_env()
+        self._interrupted = threading.Event()
         self.batches = 0
         self.events = 0
         self.bytes = 0
@@ -328,7 +332,8 @@ class Publisher:
         return len(notifications)
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
-        """Send envelopes and wait until the broker acknowledged every one (else raise FeedError)."""
+        """Send envelopes and wait until the broker acknowledged every one (else raise FeedError;
+        also, retriable, once ``interrupt`` was called)."""
         from kafka.errors import KafkaError
 
         futures = []
@@ -341,7 +346,7 @@ class Publisher:
                         self.topic, value=value, key=str(envelope["tree_id"]).encode(), headers=envelope_headers(envelope)
                     )
                 )
-            self.producer.flush(timeout=self.ack_timeout)
+            self._flush()
         except KafkaError as exc:  # no metadata in time (broker unreachable), a record too large, no flush in time
             raise FeedError(
                 f"the broker did not take the records of topic {self.topic}: {exc}",
@@ -355,6 +360,23 @@ class Publisher:
                     f"the broker did not acknowledge a record of topic {self.topic}: {exc}",
                     retriable=_retriable(exc),
                 ) from exc
+
+    def _flush(self) -> None:
+        """The producer's ``flush(ack_timeout)``, in slices: kafka-python's flush cannot be
+        interrupted from another thread, and ``interrupt`` must end it (``FeedError``)."""
+        from kafka.errors import KafkaTimeoutError
+
+        deadline = time.monotonic() + self.ack_timeout
+        while True:
+            try:
+                self.producer.flush(timeout=max(min(ACK_SLICE, deadline - time.monotonic()), 0.001))
+                return
+            except KafkaTimeoutError:
+                if self._interrupted.is_set():
+                    raise FeedError(f"stopped waiting for the broker to acknowledge records of topic {self.topic}: "
+                                    "the publisher was interrupted") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     # -- loops -----------------------------------------------------------------
 
@@ -371,6 +393,8 @@ class Publisher:
         from adapters.follower import NewEvents
 
         before = self.events
+        if stop.is_set():
+            return PublishReport(0, self.position)  # not even a LISTEN session: stopping must not wait
         waiter = NewEvents(self.store, self.poll_interval)
         try:
             while not stop.is_set():
@@ -424,17 +448,27 @@ class Publisher:
         )
         return PublishReport(self.events - before, self.position, failures)
 
+    def interrupt(self) -> None:
+        """End a wait for acknowledgements now (``FeedError``, retriable) and drop what is
+        pending at ``close``, for a publisher that stops (``adapters.follower.StopGuard``): the
+        batch is not recorded as published, and is produced again by the next run. Safe from
+        any thread."""
+        self._interrupted.set()
+
     def close(self) -> None:
         """Flush and close the producer. Records the broker still has not taken after
         ``ack_timeout`` (a failed batch, never recorded as published) are dropped: stopping
-        during a broker outage ends cleanly."""
+        during a broker outage ends cleanly. Once interrupted, they are dropped at once."""
         from kafka.errors import KafkaError
 
         if self.producer is None:
             return
+        if self._interrupted.is_set():
+            discard_producer(self.producer)
+            return
         try:
-            self.producer.flush(timeout=self.ack_timeout)
+            self._flush()
             self.producer.close(timeout=5)
-        except KafkaError:
+        except (KafkaError, FeedError):
             discard_producer(self.producer)
 

@@ -23,14 +23,17 @@ every append notifies (``agentfold_events``) and also poll, as a safety net.
 failed-over server, terminated sessions, a dropped network): it reports each failure,
 waits (backing off), and goes on with a new follower from the committed tracking position.
 Its policy, ``retry_until_stopped``, is shared by the Kafka publisher and the transcript
-consumer (``adapters.feed``, ``adapters.transcripts``).
+consumer (``adapters.feed``, ``adapters.transcripts``), and so is ``StopGuard``, which bounds
+the time a following command takes to exit after SIGTERM/SIGINT, also during an outage.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import sqlite3
+import sys
 import threading
 import time
 import uuid
@@ -43,7 +46,7 @@ from eventsourcing.persistence import IntegrityError, InterfaceError, Notificati
 
 from adapters.catalog import Catalog
 from adapters.codec import DecodeError
-from adapters.eventstore import CorruptStream, EventStore, pg_conninfo
+from adapters.eventstore import CorruptStream, EventStore
 from adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
 from adapters.recorders import EVENTS_TABLE
 from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
@@ -278,6 +281,8 @@ class Follower:
 
     def follow(self, stop: threading.Event, on_batch: Callable[[BatchReport], None] | None = None) -> None:
         """Project new events as they are committed, until ``stop`` is set."""
+        if stop.is_set():
+            return  # not even a LISTEN session: stopping must not wait for a server
         waiter = NewEvents(self.store, self.poll_interval)
         try:
             while not stop.is_set():
@@ -347,6 +352,10 @@ def retry_until_stopped(
     ``max_backoff``, and is back to ``backoff`` once an attempt worked for longer than
     ``max_backoff`` (a new outage, not the same one). ``stop`` is looked at at least every
     0.25 s while waiting. Any other exception is raised at once.
+
+    A retryable failure met once ``stop`` is set ends the loop (one line, ``stopping; ...``;
+    not counted): no attempt follows, and it may be the store call that ``StopGuard``
+    interrupted.
     """
     failures = 0
     delay = backoff
@@ -358,6 +367,9 @@ def retry_until_stopped(
         except Exception as exc:
             if not retryable(exc):
                 raise
+            if stop.is_set():
+                say(f"stopping; the attempt in progress failed: {_one_line(exc)}")
+                return failures
             failures += 1
             if time.monotonic() - started > max_backoff:
                 delay = backoff  # it had been working: a new outage starts with a short wait
@@ -447,8 +459,13 @@ class _Listener:
     """LISTEN on the channel every PostgreSQL append notifies."""
 
     def __init__(self, store: EventStore) -> None:
-        self._conn = psycopg.connect(**pg_conninfo(store._settings), autocommit=True)
-        self._conn.execute(f"LISTEN {EVENTS_TABLE}")
+        # A session of the store's own: ``EventStore.interrupt`` ends it with the pooled ones.
+        self._conn = store.session()
+        try:
+            self._conn.execute(f"LISTEN {EVENTS_TABLE}")
+        except BaseException:
+            self._conn.close()
+            raise
 
     def wait(self, timeout: float) -> bool:
         """True at the first notification, False after ``timeout``. Notifications that queue
@@ -459,3 +476,134 @@ class _Listener:
 
     def close(self) -> None:
         self._conn.close()
+
+
+# ---------------------------------------------------------------------------
+# Stopping within a bound
+
+#: Seconds a following command goes on after SIGTERM/SIGINT to end its batch by itself.
+STOP_GRACE = 5.0
+#: Seconds after SIGTERM/SIGINT by which a following command has exited in any case.
+STOP_LIMIT = 12.0
+
+
+class StopGuard:
+    """Bounds the time a command takes to end once ``stop`` is set (SIGTERM, SIGINT).
+
+    A following command looks at ``stop`` between batches, so in normal operation it ends
+    its batch (committed with its position), returns and exits within milliseconds. During
+    an outage it may be inside a call that does not return for minutes: a store call waits
+    the connection pool's 30 s for a connection, up to 10 times (the eventsourcing library
+    retries its queries), or waits for a server that no longer answers; a publisher's batch
+    waits up to 60 s for the broker's acknowledgement. So, once ``stop`` is set:
+
+    1. ``grace`` seconds for the command to end by itself (the batch in progress finishes);
+    2. then ``interrupt()``, once: the calls it waits in fail at once
+       (``EventStore.interrupt`` closes the connection pool and shuts down the sessions in
+       use; ``Publisher.interrupt`` ends the wait for acknowledgements), the follow loop
+       meets the failure, sees ``stop`` and returns (``retry_until_stopped``), and the
+       command exits as usual, with its report and exit status;
+    3. ``overrun(seconds)`` if it still has not ended ``limit`` seconds after ``stop`` was
+       set (something that cannot be interrupted from another thread: a connection attempt
+       in progress, a client library's own wait); for a command, ``exit_at_once``.
+
+    ``needed``: interrupt only once it says so (asked at the end of the grace, then every
+    second until the limit), for a command whose healthy shutdown may take longer than the
+    grace (``serve`` lets HTTP requests finish; ``needed`` is "the store does not answer",
+    ``EventStore.answers``). Without it, the interruption comes at the end of the grace.
+
+    Interrupting loses nothing and applies nothing twice: a batch is committed with its
+    tracking position in one transaction or not at all, and the next run goes on from the
+    committed position (a publisher's batch that was produced but whose position was not
+    stored is produced again: consumers dedupe, as after a crash). Why not exit at once on
+    the signal, or shorten every wait instead: the grace lets the batch in progress commit
+    in normal operation, and only an interruption ends a call that is already waiting (a
+    shorter pool wait would still be retried 10 times, and a query on a server that stopped
+    answering has no wait of its own to shorten).
+
+    Use it as a context manager (or ``start()`` ... ``done()``) around the following and the
+    closing of what it used (a store's ``close`` waits for its pool's threads).
+    """
+
+    def __init__(
+        self,
+        stop: threading.Event,
+        interrupt: Callable[[], None],
+        *,
+        grace: float = STOP_GRACE,
+        limit: float = STOP_LIMIT,
+        say: Callable[[str], None] | None = None,
+        overrun: Callable[[float], None] | None = None,
+        needed: Callable[[], bool] | None = None,
+    ) -> None:
+        if not 0 <= grace <= limit:
+            raise InvalidInput("stop.grace_invalid", f"the grace {grace} s must be between 0 and the limit {limit} s")
+        self.stop = stop
+        self.grace = grace
+        self.limit = limit
+        self.interrupted = False
+        self._interrupt = interrupt
+        self._say = say
+        self._overrun = overrun
+        self._needed = needed
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="agentfold-stop-guard", daemon=True)
+
+    def start(self) -> StopGuard:
+        self._thread.start()
+        return self
+
+    def done(self) -> None:
+        """The command ended (and closed what it used): nothing more to bound."""
+        self._done.set()
+
+    def __enter__(self) -> StopGuard:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
+    def _watch(self) -> None:
+        # The signal handler only sets ``stop``; looking at it 5 times a second costs nothing.
+        while not self.stop.wait(0.2):
+            if self._done.is_set():
+                return
+        stopped = time.monotonic()
+
+        def left() -> float:
+            return max(0.0, self.limit - (time.monotonic() - stopped))
+
+        if self._done.wait(self.grace):
+            return
+        while not self._done.is_set() and left() > 0:
+            if self._needed is None or self._needed():
+                self._interrupt_once(time.monotonic() - stopped)
+                break
+            self._done.wait(min(1.0, left()))  # it answers: its calls return by themselves; look again
+        if self._overrun is not None and not self._done.wait(left()):
+            self._overrun(time.monotonic() - stopped)
+
+    def _interrupt_once(self, seconds: float) -> None:
+        self.interrupted = True
+        if self._say is not None:
+            self._say(f"still busy {seconds:.0f} s after the stop: interrupting what it waits for "
+                      "(uncommitted work is dropped)")
+        try:
+            self._interrupt()
+        except Exception as exc:  # noqa: BLE001 - the limit still holds
+            log.warning("interrupting failed: %s", _one_line(exc))
+
+
+def exit_at_once(say: Callable[[str], None]) -> Callable[[float], None]:
+    """A command's ``StopGuard`` overrun: one line on stderr, then exit status 0 at once
+    (``os._exit``: another thread is still inside a call that cannot be interrupted). Nothing
+    is half-done: every batch was committed with its position or not at all."""
+
+    def overrun(seconds: float) -> None:
+        say(f"still not stopped {seconds:.0f} s after the stop: exiting now; "
+            "the next run goes on from the committed position")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return overrun

@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from adapters.eventstore import EventStore, redact
+from adapters.eventstore import PG_CONNECT_TIMEOUT, EventStore, end_session, redact
 from adapters.feed import FeedError, store_envelopes
 from domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from projections.transcripts import (
@@ -142,6 +142,15 @@ class TranscriptStore:
     def close(self) -> None:
         self._conn.close()
 
+    def interrupt(self) -> None:
+        """Make the statement in progress fail now, for a consumer that stops while the database
+        does not answer (``adapters.follower.StopGuard``); safe from any thread. Its transaction
+        is committed as a whole or not at all, and the offsets are committed only after it."""
+        if self.backend == "postgresql":
+            end_session(self._conn)
+        else:
+            self._conn.interrupt()  # a statement in progress; a lock wait ends by its own 30 s
+
     def reconnect(self) -> None:
         """Replace the connection (after it failed: a restarted server, a terminated session)."""
         with self._lock:
@@ -160,8 +169,10 @@ class TranscriptStore:
         import psycopg
         from psycopg.rows import dict_row
 
+        # libpq waits for ever for a server that does not answer unless told (eventstore.pg_conninfo).
+        timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
         try:
-            return psycopg.connect(self.url, autocommit=True, row_factory=dict_row)
+            return psycopg.connect(self.url, autocommit=True, row_factory=dict_row, **timeout)
         except psycopg.Error as exc:
             raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
 
@@ -452,6 +463,7 @@ class TranscriptConsumer:
         self.consumer = consumer
         self.report = ConsumeReport()
         self._crash = crash_hook_from_env()
+        self._interrupted = False
         self.on_batch: Callable[[ApplyReport], None] | None = None
 
     def assigned(self) -> bool:
@@ -589,9 +601,16 @@ class TranscriptConsumer:
                 raise FeedError(f"no partition of {self.topic} was assigned within {timeout:g} s", retriable=False)
             self.poll_once(0.2)
 
+    def interrupt(self) -> None:
+        """End the database statement in progress now (``TranscriptStore.interrupt``) and leave
+        the group at ``close`` without waiting for an assignment, for a consumer that stops
+        (``adapters.follower.StopGuard``). Safe from any thread."""
+        self._interrupted = True
+        self.store.interrupt()
+
     def close(self) -> None:
         # Leaving before the first join completes leaves the group stuck on the test broker.
-        if not self.assigned():
+        if not self.assigned() and not self._interrupted:
             try:
                 self.wait_assigned(15.0)
             except FeedError:
