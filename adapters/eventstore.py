@@ -412,8 +412,12 @@ class EventStore:
         previous_digest: str | None,
         timestamp: str,
         head: TreeHead | None = None,
+        snapshot: TreeState | None = None,
     ) -> AppendResult:
-        """Append ``events`` at positions ``expected_version + 1 ...`` in one transaction."""
+        """Append ``events`` at positions ``expected_version + 1 ...`` in one transaction.
+
+        ``snapshot``: the folded tree after these events (its version is the last one's
+        position), saved in the same transaction as the tree's only snapshot."""
         tree_uuid = tree_id.uuid
         stored: list[StoredEvent] = []
         digest = previous_digest
@@ -423,8 +427,20 @@ class EventStore:
         assert digest is not None
         if head is not None:
             head = head.with_digest(digest)
+        saved: StoredEvent | None = None
+        if snapshot is not None:
+            if snapshot.version != expected_version + len(events):
+                raise ValueError(f"a snapshot at version {snapshot.version} does not follow this append")
+            body = STATE_COMPRESSOR.compress(self.encode_snapshot(snapshot, digest))
+            saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, body)
         try:
-            ids = self.recorder.insert_events(stored, head=head)
+            if self.backend == "memory":
+                ids = self.recorder.insert_events(stored, head=head)
+                if saved is not None:  # one process, one lock per recorder: nothing reads in between
+                    self.snapshots.insert_events([saved])
+                    self.snapshots.prune(tree_uuid, saved.originator_version)
+            else:
+                ids = self.recorder.insert_events(stored, head=head, snapshot=saved)
         except IntegrityError as exc:
             try:
                 ours = self._already_stored(tree_id, stored)

@@ -236,6 +236,19 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             )
             for pid in head.new_processes:
                 c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
+        snapshot: StoredEvent | None = kwargs.get("snapshot")
+        if snapshot is not None:
+            originator = snapshot.originator_id.hex  # type: ignore[union-attr]
+            c.execute(
+                # A row already at this version (planted by hand) is replaced, never a conflict of the events.
+                f"INSERT OR REPLACE INTO {SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) "
+                "VALUES (?,?,?,?)",
+                (originator, snapshot.originator_version, snapshot.topic, snapshot.state),
+            )
+            c.execute(
+                f"DELETE FROM {SNAPSHOTS_TABLE} WHERE originator_id = ? AND originator_version < ?",
+                (originator, snapshot.originator_version),
+            )
         return ids
 
     def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
@@ -385,6 +398,17 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # Binary parameters (%b): a text-format bytea[] is hex-escaped element by element in
         # Python and parsed again by the server; binary halves the client CPU of an append.
         self._append = f'SELECT * FROM "{schema}".agentfold_append(%b, %b, %b, %b, %b, %b)'
+        # A snapshot goes in the append's transaction, as two more statements (one append in
+        # every max(1000, version/8) events); the function keeps its signature, so a database an
+        # earlier release created appends without DDL.
+        self._insert_snapshot = (
+            f'INSERT INTO "{schema}".{SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) '
+            "VALUES (%b, %b, %b, %b) ON CONFLICT (originator_id, originator_version) "
+            "DO UPDATE SET topic = excluded.topic, state = excluded.state"
+        )
+        self._prune_snapshots = (
+            f'DELETE FROM "{schema}".{SNAPSHOTS_TABLE} WHERE originator_id = %b AND originator_version < %b'
+        )
         self._schema = schema
 
     def _create_table(self, curs: Any) -> None:
@@ -398,8 +422,11 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         if not stored_events:
             return []
         head: TreeHead | None = kwargs.get("head")
+        snapshot: StoredEvent | None = kwargs.get("snapshot")
         originator = stored_events[0].originator_id
-        if any(e.originator_id != originator for e in stored_events):
+        if any(e.originator_id != originator for e in stored_events) or (
+            snapshot is not None and snapshot.originator_id != originator
+        ):
             raise ValueError("one append writes one tree's stream")
         params = (
             originator,
@@ -410,8 +437,16 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             list(head.new_processes) if head is not None else [],
         )
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
-            curs.execute(self._append, params, prepare=True)
-            return [row["agentfold_append"] for row in curs.fetchall()]
+            if snapshot is None:
+                curs.execute(self._append, params, prepare=True)
+                return [row["agentfold_append"] for row in curs.fetchall()]
+            with conn.transaction():
+                curs.execute(self._append, params, prepare=True)
+                ids = [row["agentfold_append"] for row in curs.fetchall()]
+                version = snapshot.originator_version
+                curs.execute(self._insert_snapshot, (originator, version, snapshot.topic, snapshot.state), prepare=True)
+                curs.execute(self._prune_snapshots, (originator, version), prepare=True)
+            return ids
 
     @on_a_live_connection
     def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:

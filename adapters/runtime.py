@@ -482,42 +482,41 @@ class _Driver:
         if crash is not None:
             events, exit_after = runtime._crash_check(events)
         expected = self.committed
+        version = expected + len(events)
         now = runtime.clock()  # one reading: the events' timestamp and the index row's updated_at
         # A crash plan may cut this append short (``declared:N``): the folded tree is then ahead
         # of what is stored, so the index row carries the stored version, not the folded one.
-        head = index_head(self.tree, self.tree_id, events, now, version=expected + len(events))
+        head = index_head(self.tree, self.tree_id, events, now, version=version)
+        every = runtime.snapshot_every
+        # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
+        # the tree's size, so this keeps the amortized cost per event constant, while a load
+        # still folds at most ~1/8 of the history after the newest snapshot. Only between whole
+        # Steps (a load resumes there), and only of exactly what this append stores.
+        snapshot = (
+            self.tree
+            if every
+            and version - self.last_snapshot >= max(every, version // 8)
+            and self.tree._expect is None
+            and self.tree.version == version
+            else None
+        )
+        # The snapshot is written in the append's own transaction: no second writer competes
+        # for the store (on SQLite a background snapshot write held up the next appends and
+        # doubled the p99 of a chain's per-effect time), and a snapshot is never ahead of or
+        # behind its events.
         result = runtime.store.append(
-            self.tree_id, expected, events, previous_digest=self.digest, timestamp=now, head=head
+            self.tree_id, expected, events, previous_digest=self.digest, timestamp=now, head=head, snapshot=snapshot
         )
         if crash is not None and exit_after:
             crash.exit()
         self.digest = result.digest
-        self.committed = expected + len(events)
+        self.committed = version
+        if snapshot is not None:
+            self.last_snapshot = version
         runtime.appends += 1
         runtime.events_appended += len(events)
         if self.committed != self.tree.version:  # pragma: no cover - defensive
             raise RuntimeStopped("engine.runtime.failed", "the folded tree and the committed version diverged")
-        every = runtime.snapshot_every
-        # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
-        # the tree's size, so this keeps the amortized cost per event constant, while a load
-        # still folds at most ~1/8 of the history after the newest snapshot.
-        if every and self.committed - self.last_snapshot >= max(every, self.committed // 8) and self.tree._expect is None:
-            # Off the owner line: a snapshot costs in proportion to the tree, and the next
-            # dispatch must not wait for it (it is a cache; the events are the truth).
-            self.last_snapshot = self.committed
-            runtime._snapshot_pool.submit(self._write_snapshot)
-
-    def _write_snapshot(self) -> None:
-        with self.lock:
-            if self.stopped is not None or self.tree._expect is not None or self.committed != self.tree.version:
-                return
-            version, digest = self.committed, self.digest
-            assert digest is not None
-            body = self.runtime.store.encode_snapshot(self.tree, digest)
-        try:
-            self.runtime.store.write_snapshot(self.tree_id, version, body)
-        except Exception:  # noqa: BLE001 - a snapshot is a cache; the next one will be taken later
-            self.last_snapshot = 0
 
     def _reload(self) -> None:
         """Discard uncommitted state and fold the tree again from the store."""
@@ -711,7 +710,6 @@ class Runtime:
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
         self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
-        self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="agentfold-snapshot")
         self._drivers: dict[TreeID, _Driver] = {}
         self._adopt_locks = [threading.Lock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
@@ -1406,7 +1404,6 @@ class Runtime:
                 driver.cond.notify_all()
             self._forget(driver)
         self._owner_pool.shutdown(wait=True, cancel_futures=False)
-        self._snapshot_pool.shutdown(wait=True, cancel_futures=False)
         self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
         self._leases.close()
 

@@ -73,6 +73,7 @@ class AppendCall:
     previous_digest: str | None
     timestamp: str
     head: TreeHead | None
+    snapshot: Any = None  # the folded tree the append saves as a snapshot (read at once, while it is that version)
     digest: str | None = None
 
     def resubmit(self, store: Any) -> AppendResult:
@@ -83,6 +84,7 @@ class AppendCall:
             previous_digest=self.previous_digest,
             timestamp=self.timestamp,
             head=self.head,
+            snapshot=self.snapshot,
         )
 
 
@@ -165,8 +167,9 @@ class FaultyStore:
         previous_digest: str | None,
         timestamp: str,
         head: TreeHead | None = None,
+        snapshot: Any = None,
     ) -> AppendResult:
-        call = AppendCall(tree_id, expected_version, list(events), previous_digest, timestamp, head)
+        call = AppendCall(tree_id, expected_version, list(events), previous_digest, timestamp, head, snapshot)
         fault = self._take(events)
         if fault is not None:
             fault.call = call
