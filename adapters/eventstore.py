@@ -131,6 +131,16 @@ class CorruptStream(StoreFailure):
 class AppendResult:
     digest: str
     notification_ids: tuple[int, ...]
+    #: The snapshot JSON an append did not write because it is larger than
+    #: ``INLINE_SNAPSHOT_BYTES``: the caller writes it afterwards (``write_snapshot``).
+    snapshot_body: bytes | None = None
+
+
+#: Snapshots whose JSON is at most this long are written in the append's own transaction.
+#: A larger one (a long conversation: every message, every finished Tool child) takes
+#: milliseconds to deflate (~3 ms per 200 KB), so it is handed back to be written after
+#: the append, off the owner's critical path (zlib runs without the GIL, on another core).
+INLINE_SNAPSHOT_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -417,7 +427,8 @@ class EventStore:
         """Append ``events`` at positions ``expected_version + 1 ...`` in one transaction.
 
         ``snapshot``: the folded tree after these events (its version is the last one's
-        position), saved in the same transaction as the tree's only snapshot."""
+        position), saved in the same transaction as the tree's only snapshot when its JSON
+        is at most ``INLINE_SNAPSHOT_BYTES`` long, else returned as ``snapshot_body``."""
         tree_uuid = tree_id.uuid
         stored: list[StoredEvent] = []
         digest = previous_digest
@@ -428,11 +439,15 @@ class EventStore:
         if head is not None:
             head = head.with_digest(digest)
         saved: StoredEvent | None = None
+        deferred: bytes | None = None
         if snapshot is not None:
             if snapshot.version != expected_version + len(events):
                 raise ValueError(f"a snapshot at version {snapshot.version} does not follow this append")
-            body = STATE_COMPRESSOR.compress(self.encode_snapshot(snapshot, digest))
-            saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, body)
+            body = self.encode_snapshot(snapshot, digest)
+            if len(body) <= INLINE_SNAPSHOT_BYTES:
+                saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, STATE_COMPRESSOR.compress(body))
+            else:
+                deferred = body
         try:
             if self.backend == "memory":
                 ids = self.recorder.insert_events(stored, head=head)
@@ -447,11 +462,11 @@ class EventStore:
             except PersistenceError as failure:
                 raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {failure}") from exc
             if ours:
-                return AppendResult(digest, ())
+                return AppendResult(digest, (), deferred)
             raise VersionConflict(tree_id, expected_version) from exc
         except PersistenceError as exc:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
-        return AppendResult(digest, tuple(ids or ()))
+        return AppendResult(digest, tuple(ids or ()), deferred)
 
     def _already_stored(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:
         """Identical events already stored as the stream's head: an idempotent retry.

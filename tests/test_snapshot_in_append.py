@@ -70,3 +70,36 @@ def test_each_snapshot_is_stored_by_the_append_that_makes_it_due(store_url: str)
     assert from_snapshot.state.to_json() == folded.state.to_json()
     assert from_snapshot.digest == folded.digest
     store.close()
+
+
+def test_a_large_snapshot_is_written_after_its_append_off_the_owner_line(store_url: str, monkeypatch: Any) -> None:
+    """A snapshot larger than INLINE_SNAPSHOT_BYTES (here: any) comes back from the append and is
+    deflated and stored by the runtime afterwards; it is as good as one written inline."""
+    import adapters.eventstore
+
+    monkeypatch.setattr(adapters.eventstore, "INLINE_SNAPSHOT_BYTES", 0)
+    store = EventStore(store_url)
+    program = chain_program(name="test.snapshots.large")
+    catalog = Catalog([program])
+    deferred: list[int] = []
+    original = store.append
+
+    def append(tree_id: TreeID, expected: int, events: Sequence[TreeEvent], **kwargs: Any) -> Any:
+        result = original(tree_id, expected, events, **kwargs)
+        if result.snapshot_body is not None:
+            deferred.append(expected + len(events))
+        return result
+
+    store.append = append  # type: ignore[method-assign]
+    with Runtime(store, catalog, snapshot_every=EVERY) as runtime:
+        handle = runtime.start(program, {"n": EFFECTS}, start_id="large-snapshots")
+        assert handle.result(timeout=30).status == "completed"
+    # closing the runtime waits for the snapshot writer
+    assert len(deferred) >= 10
+    rows = store.snapshots.select_events(handle.tree_id.uuid)
+    assert [row.originator_version for row in rows] == [deferred[-1]]
+    from_snapshot = store.load(handle.tree_id, catalog.resolve)
+    folded = store.load(handle.tree_id, catalog.resolve, use_snapshot=False)
+    assert from_snapshot.snapshot_version == deferred[-1]
+    assert from_snapshot.state.to_json() == folded.state.to_json()
+    store.close()
