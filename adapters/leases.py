@@ -245,8 +245,9 @@ class PostgresLeases:
             return set(self._held)
 
     def holds(self, tree_id: TreeID) -> bool:
-        with self._lock:
-            return tree_id in self._held
+        # Without ``_lock``: it is held across lock statements on the server, which may hang;
+        # one set lookup sees the set before or after a concurrent change, never a torn one.
+        return tree_id in self._held
 
     def check(self) -> set[TreeID]:
         """Trees whose lease was lost since the last check (each reported once); probes the

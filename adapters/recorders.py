@@ -398,9 +398,9 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # Binary parameters (%b): a text-format bytea[] is hex-escaped element by element in
         # Python and parsed again by the server; binary halves the client CPU of an append.
         self._append = f'SELECT * FROM "{schema}".agentfold_append(%b, %b, %b, %b, %b, %b)'
-        # A snapshot goes in the append's transaction, as two more statements (one append in
-        # every max(1000, version/8) events); the function keeps its signature, so a database an
-        # earlier release created appends without DDL.
+        # A snapshot goes in the append's transaction, as two more statements before it (one
+        # append in every max(1000, version/8) events); the function keeps its signature, so a
+        # database an earlier release created appends without DDL.
         self._insert_snapshot = (
             f'INSERT INTO "{schema}".{SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) '
             "VALUES (%b, %b, %b, %b) ON CONFLICT (originator_id, originator_version) "
@@ -440,12 +440,14 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             if snapshot is None:
                 curs.execute(self._append, params, prepare=True)
                 return [row["agentfold_append"] for row in curs.fetchall()]
+            # The snapshot statements first: the append takes the events table's lock (every
+            # tree's appends wait for it), which is then held only until the COMMIT that follows.
             with conn.transaction():
-                curs.execute(self._append, params, prepare=True)
-                ids = [row["agentfold_append"] for row in curs.fetchall()]
                 version = snapshot.originator_version
                 curs.execute(self._insert_snapshot, (originator, version, snapshot.topic, snapshot.state), prepare=True)
                 curs.execute(self._prune_snapshots, (originator, version), prepare=True)
+                curs.execute(self._append, params, prepare=True)
+                ids = [row["agentfold_append"] for row in curs.fetchall()]
             return ids
 
     @on_a_live_connection

@@ -797,8 +797,26 @@ class Runtime:
         existing = self.store.head(tree_id)
         if existing is not None:
             return self._existing_start(tree_id, started)
-        if not self._leases.acquire(tree_id):
+        # Under the tree's adoption lock, as ``_try_adopt``: leases are re-entrant inside one
+        # process, so without it a concurrent start of the same id, or the watcher adopting the
+        # tree again after a lost lease session, could activate it between this start's append
+        # and its owner line's registration (two owner lines; a call recorded unknown, or made twice).
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            driver = self._start_owned(tree_id, started)
+        if driver is None:
             return self._existing_start(tree_id, started)
+        driver.start_jobs(keep_last=False)
+        self._ensure_watcher()
+        return RunHandle(self, tree_id, started.process_id, sid)
+
+    def _start_owned(self, tree_id: TreeID, started: TreeStarted) -> _Driver | None:
+        """Append the tree's first Steps under its lease and register its owner line (called with
+        the tree's adoption lock held); None when another start or owner got there first."""
+        with self._lock:
+            if tree_id in self._drivers or self._closed:
+                return None
+        if not self._leases.acquire(tree_id):
+            return None
         tree = TreeState(self._resolve)
         tree.apply(started)
         driver = _Driver(self, tree_id, LoadedTree(TreeState(self._resolve), None), started.incarnation_id)
@@ -810,7 +828,7 @@ class Runtime:
                 driver._append([started, *progress.events])
             except VersionConflict:
                 self._leases.release(tree_id)
-                return self._existing_start(tree_id, started)
+                return None
             except AgentfoldError:
                 self._leases.release(tree_id)
                 raise
@@ -819,12 +837,10 @@ class Runtime:
                 self._failed.pop(tree_id, None)
             if not self._leases.holds(tree_id):
                 self._lease_lost(tree_id, driver)  # as in ``_activate``: no dispatch without a lease
-                return RunHandle(self, tree_id, started.process_id, sid)
+                return driver
             driver._launch(progress.dispatches)
             driver._after_commit([], [])
-        driver.start_jobs(keep_last=False)
-        self._ensure_watcher()
-        return RunHandle(self, tree_id, started.process_id, sid)
+        return driver
 
     def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
         first = self.store.read(tree_id, upto=1)
@@ -901,8 +917,9 @@ class Runtime:
                 if not self._leases.holds(tree_id):
                     # The lease session ended while the tree was being activated: the watcher
                     # found no owner line to stop then. Nothing is dispatched without a lease;
-                    # the tree is adopted again once a new session works.
+                    # the tree is adopted again (by the watcher) once a new session works.
                     self._lease_lost(tree_id, driver)
+                    self._ensure_watcher()
                     return driver
                 driver._launch([*activation.dispatches, *progress.dispatches])
                 driver._after_commit([], [])
@@ -974,13 +991,17 @@ class Runtime:
 
     def _forget(self, driver: _Driver) -> None:
         with self._lock:
-            if self._drivers.get(driver.tree_id) is driver:
+            current = self._drivers.get(driver.tree_id)
+            if current is driver:
                 del self._drivers[driver.tree_id]
             if driver.final is not None and driver.stopped is None:
                 self._results[driver.tree_id] = driver.final
                 while len(self._results) > _RESULTS_KEPT:
                     self._results.popitem(last=False)
-        self._leases.release(driver.tree_id)
+        if current is None or current is driver:
+            # Not while another owner line of this runtime drives the tree: the lease (re-entrant
+            # inside the process) is that line's now.
+            self._leases.release(driver.tree_id)
 
     # -- admission -----------------------------------------------------------
 
@@ -1325,8 +1346,9 @@ class Runtime:
         ``recover`` would: ``WriterActivated``, then its in-flight Effects are decided as
         after a crash (a call that was under way settles unknown unless its policy allows a
         replay: its late outcome reaches only the stopped owner line and is never appended).
-        A tree another runtime owns meanwhile, one that finished or parked with nothing in
-        flight, is left alone; a store that still fails is tried again at the next poll.
+        A tree that finished or parked with nothing in flight is left alone; one whose lease
+        someone else holds, or while the store fails, is tried again at the next polls (for
+        ``LOST_TREE_ATTEMPTS`` polls: another runtime may own it for good).
         """
         with self._lock:
             if not self._lost:
@@ -1340,10 +1362,15 @@ class Runtime:
             with self._lock:
                 already = self._drivers.get(tree_id)  # input admitted here adopted it meanwhile
             driver = None
+            retry = False
             try:
                 head = self.store.head(tree_id) if already is None else None
                 if head is not None and self.needs_recovery(head):
                     driver = self._try_adopt(tree_id)
+                    # None: its lease is held elsewhere: another runtime's, or still the ended
+                    # session's (the server releases it when that backend has exited, a moment
+                    # later). Stopped: the new session ended too, during the adoption.
+                    retry = driver is None or driver.stopped is not None
             except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
                 transient = isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
                 with self._lock:
@@ -1354,9 +1381,15 @@ class Runtime:
                     continue
                 log.warning("tree %s: cannot be adopted again after its lease was lost (`agentfold recover` "
                             "adopts it once the store works): %s", tree_id, exc)
+            if retry:
+                with self._lock:
+                    failures = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
+                if failures < LOST_TREE_ATTEMPTS:
+                    continue
+                log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
             with self._lock:
                 self._lost.pop(tree_id, None)
-            if driver is not None and driver is not already:
+            if driver is not None and driver is not already and driver.stopped is None:
                 log.warning("tree %s: adopted again after its owner lease was lost (incarnation %s)",
                             tree_id, driver.incarnation)
 

@@ -35,12 +35,14 @@ class LeaseWitness:
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
         self.calls: list[bool] = []
+        self.effects: list[str] = []
         self.lock = threading.Lock()
 
     def __call__(self, request: Any, context: Any) -> Settlement:
         assert self.runtime is not None
         with self.lock:
             self.calls.append(self.runtime._leases.holds(request.tree_id))
+            self.effects.append(str(request.effect_id))
         return Settlement.succeeded({"value": 1})
 
 
@@ -51,21 +53,33 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def _end_lease_session_then(runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any]) -> Callable[..., Any]:
-    """``real`` called once the lease session was terminated and the watcher saw the loss."""
+def _end_lease_session(
+    runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any], *, after: bool
+) -> Callable[..., Any]:
+    """``real``, wrapped: once, before it (``after=False``) or after it returned, the lease
+    session is terminated and the caller is held up until the watcher saw the loss, and then for
+    many more watcher polls (as a lost commit reply and its retry would hold it up)."""
     done = threading.Event()
 
+    def end_it() -> None:
+        leases = runtime._leases
+        target = tree_id()
+        assert leases.holds(target)
+        pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        _wait(lambda: not leases.holds(target), 10, "the watcher to notice the ended lease session")
+        time.sleep(0.5)  # the watcher must not adopt the tree meanwhile
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not done.is_set():
-            done.set()
-            leases = runtime._leases
-            target = tree_id()
-            assert leases.holds(target)
-            pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
-            with psycopg.connect(url, autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            _wait(lambda: not leases.holds(target), 10, "the watcher to notice the ended lease session")
-        return real(*args, **kwargs)
+        first = not done.is_set()
+        done.set()
+        if first and not after:
+            end_it()
+        result = real(*args, **kwargs)
+        if first and after:
+            end_it()
+        return result
 
     return wrapped
 
@@ -94,12 +108,15 @@ def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_
         witness.runtime = runtime
         _running_watcher(runtime, program)
         witness.calls.clear()
+        witness.effects.clear()
         target = TreeID.for_start("lease-lost-at-start")  # type: ignore[arg-type]
-        store.append = _end_lease_session_then(runtime, pg_database, lambda: target, store.append)  # type: ignore[method-assign]
+        # after the append committed, before the owner line is registered
+        store.append = _end_lease_session(runtime, pg_database, lambda: target, store.append, after=True)  # type: ignore[method-assign]
         handle = runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-at-start")
         assert handle.tree_id == target
         _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")
     assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
+    assert len(set(witness.effects)) == EFFECTS, "an Effect was called twice"
     assert _activations(store, target) == 1  # adopted again by the same runtime, under a new lease
     store.close()
 
@@ -128,10 +145,46 @@ def test_a_lease_lost_while_a_tree_is_adopted_stops_it_until_it_is_adopted_again
         witness.runtime = runtime
         _running_watcher(runtime, program)
         witness.calls.clear()
-        runtime._load = _end_lease_session_then(runtime, pg_database, lambda: target, runtime._load)  # type: ignore[method-assign]
+        witness.effects.clear()
+        runtime._load = _end_lease_session(runtime, pg_database, lambda: target, runtime._load, after=False)  # type: ignore[method-assign]
         runtime.recover(str(target))
         _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")
     # The in-flight Effect is called again (same_identity) only once the tree is adopted again.
     assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
     assert _activations(store, target) == 2
+    store.close()
+
+
+def test_two_starts_of_one_start_id_at_once_make_one_owner_line(tmp_path: Any) -> None:
+    """A start id started again (a retried request) while its first start is between its append
+    and registering its owner line: the second start waits for it and returns the same run; the
+    tree is never adopted (no WriterActivated), and no call is recorded unknown."""
+    store = EventStore(f"sqlite:///{tmp_path / 'starts.db'}")
+    witness = LeaseWitness()
+    program = chain_program(witness, name="test.lease.same-start")
+    target = TreeID.for_start("same-start")  # type: ignore[arg-type]
+    committed = threading.Event()
+    real = store.append
+
+    def append(tree_id: TreeID, *args: Any, **kwargs: Any) -> Any:
+        result = real(tree_id, *args, **kwargs)
+        if tree_id == target and not committed.is_set():
+            committed.set()
+            time.sleep(0.5)  # the first start is held up right after its commit
+        return result
+
+    store.append = append  # type: ignore[method-assign]
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        witness.runtime = runtime
+        handles: list[Any] = []
+        first = threading.Thread(target=lambda: handles.append(runtime.start(program, {"n": EFFECTS}, start_id="same-start")))
+        first.start()
+        assert committed.wait(10)
+        second = runtime.start(program, {"n": EFFECTS}, start_id="same-start")
+        first.join(10)
+        assert second.tree_id == handles[0].tree_id == target
+        assert second.result(timeout=30).status == "completed"
+    assert _activations(store, target) == 0
+    assert len(witness.effects) == len(set(witness.effects)) == EFFECTS
+    assert not any(getattr(r.event, "status", None) == "unknown" for r in store.read(target))
     store.close()
