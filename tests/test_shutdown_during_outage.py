@@ -42,6 +42,7 @@ from adapters.read_models import APPLICATION, ReadModels
 from adapters.transcripts import TranscriptStore, transcripts_from_store
 from tests.feed.support import read_topic_confluent
 from tests.http_api.support import TOKEN, ok, start_server, wait_until
+from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import ROOT, agentfold
 from tests.test_cli import ok as ran_ok
 from tests.test_cli_interaction import FINAL, two_call_round
@@ -331,7 +332,7 @@ def test_serve_exits_0_soon_after_sigterm_while_its_postgresql_server_is_stopped
         c = server.client()
         run = ok(c.post("/runs", json={"scenario": two_call_round(fifo, final=FINAL), "start_id": "outage",
                                        "wait": 0}), 201)
-        wait_until(lambda: _blocked_in_the_tool(server.proc.pid), timeout=30)
+        wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)
         own_pg.stop()
         # The tool returns now: its owner line appends the settlement to a store that is down.
         calls = _read_fifo(fifo)
@@ -374,17 +375,6 @@ def test_serve_exits_0_soon_after_sigterm_while_its_postgresql_server_is_stopped
     finally:
         store.close()
     _read_models_equal_folding(url, total)
-
-
-def _blocked_in_the_tool(pid: int) -> bool:
-    """Some thread of ``pid`` waits for a reader of a FIFO (the tool opening its log)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            if (task / "wchan").read_text().strip() == "wait_for_partner":
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _read_fifo(fifo: Path) -> list[int]:

@@ -33,6 +33,7 @@ from domain.events import TreeEvent, WriterActivated
 from domain.ids import TreeID
 from domain.program import Program
 from domain.tree import ProcessState, TreeState
+from tests.crash.worker import GrantAllLeases  # a lease manager that grants everything: an owner whose lease was lost
 from tests.kernel_programs import CallLog
 
 CRASH_CODE = "store.crash"
@@ -207,35 +208,6 @@ class FaultyStore:
             return
         if again.digest != result.digest:
             self.probe_failures.append(f"identical retry at version {call.expected} gave another digest")
-
-
-class GrantAllLeases:
-    """A lease manager that grants everything: models an owner whose lease was lost."""
-
-    def __init__(self) -> None:
-        self._held: set[TreeID] = set()
-
-    def acquire(self, tree_id: TreeID) -> bool:
-        self._held.add(tree_id)
-        return True
-
-    def release(self, tree_id: TreeID) -> None:
-        self._held.discard(tree_id)
-
-    def held(self) -> set[TreeID]:
-        return set(self._held)
-
-    def holds(self, tree_id: TreeID) -> bool:
-        return tree_id in self._held
-
-    def check(self) -> set[TreeID]:
-        return set()
-
-    def healthy(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self._held.clear()
 
 
 # ---------------------------------------------------------------------------
