@@ -360,6 +360,18 @@ def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_
     stderr: list[str] = []
     try:
         expect_line(out, "following", 30, stdout)
+        # Its LISTEN session is opened just after that line: ending the sessions before would
+        # leave it only pooled ones, whose failures eventsourcing retries without a word.
+        deadline = time.monotonic() + 30
+        while True:
+            with psycopg.connect(url, autocommit=True) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'"
+                ).fetchone()
+            if row is not None and row[0] >= 1:
+                break
+            assert time.monotonic() < deadline, "the follower never started listening"
+            time.sleep(0.05)
         with psycopg.connect(url, autocommit=True) as conn:
             killed = conn.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
