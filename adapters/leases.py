@@ -31,8 +31,6 @@ class LeaseManager(Protocol):
 
     def release(self, tree_id: TreeID) -> None: ...
 
-    def held(self) -> set[TreeID]: ...
-
     def holds(self, tree_id: TreeID) -> bool:
         """Whether this manager holds the lease of ``tree_id`` now (as far as it knows)."""
         ...
@@ -82,9 +80,6 @@ class MemoryLeases(_Durable):
                 del self._table[tree_id]
             self._held.discard(tree_id)
 
-    def held(self) -> set[TreeID]:
-        return set(self._held)
-
     def holds(self, tree_id: TreeID) -> bool:
         return tree_id in self._held
 
@@ -132,9 +127,6 @@ class FileLeases(_Durable):
             if tree_id in self._held:
                 self._fcntl(fcntl.F_UNLCK, tree_id)
                 self._held.discard(tree_id)
-
-    def held(self) -> set[TreeID]:
-        return set(self._held)
 
     def holds(self, tree_id: TreeID) -> bool:
         return tree_id in self._held
@@ -239,10 +231,6 @@ class PostgresLeases:
                 self._conn.execute("SELECT pg_advisory_unlock(%s)", (_advisory_key(tree_id),))
             except Exception:  # noqa: BLE001 - a session that fails now has released the lock
                 pass
-
-    def held(self) -> set[TreeID]:
-        with self._lock:
-            return set(self._held)
 
     def holds(self, tree_id: TreeID) -> bool:
         # Without ``_lock``: it is held across lock statements on the server, which may hang;

@@ -832,15 +832,28 @@ class Runtime:
             except AgentfoldError:
                 self._leases.release(tree_id)
                 raise
-            with self._lock:
-                self._drivers[tree_id] = driver
-                self._failed.pop(tree_id, None)
-            if not self._leases.holds(tree_id):
-                self._lease_lost(tree_id, driver)  # as in ``_activate``: no dispatch without a lease
+            if not self._register(driver):
                 return driver
             driver._launch(progress.dispatches)
             driver._after_commit([], [])
         return driver
+
+    def _register(self, driver: _Driver) -> bool:
+        """Make ``driver`` the tree's owner line, after its first append; False (the line is
+        stopped) when the lease was lost meanwhile.
+
+        The watcher found no owner line to stop when the lease session ended during the start
+        or the activation: nothing is dispatched without a lease, and the watcher adopts the
+        tree again once a new session works."""
+        tree_id = driver.tree_id
+        with self._lock:
+            self._drivers[tree_id] = driver
+            self._failed.pop(tree_id, None)
+        if self._leases.holds(tree_id):
+            return True
+        self._lease_lost(tree_id, driver)
+        self._ensure_watcher()
+        return False
 
     def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
         first = self.store.read(tree_id, upto=1)
@@ -911,15 +924,7 @@ class Runtime:
                             f"tree {tree_id} was activated by another writer ({loaded.state.incarnation})",
                         ) from None
                     continue
-                with self._lock:
-                    self._drivers[tree_id] = driver
-                    self._failed.pop(tree_id, None)
-                if not self._leases.holds(tree_id):
-                    # The lease session ended while the tree was being activated: the watcher
-                    # found no owner line to stop then. Nothing is dispatched without a lease;
-                    # the tree is adopted again (by the watcher) once a new session works.
-                    self._lease_lost(tree_id, driver)
-                    self._ensure_watcher()
+                if not self._register(driver):
                     return driver
                 driver._launch([*activation.dispatches, *progress.dispatches])
                 driver._after_commit([], [])
@@ -1362,6 +1367,7 @@ class Runtime:
             with self._lock:
                 already = self._drivers.get(tree_id)  # input admitted here adopted it meanwhile
             driver = None
+            failure: Exception | None = None
             retry = False
             try:
                 head = self.store.head(tree_id) if already is None else None
@@ -1372,21 +1378,21 @@ class Runtime:
                     # later). Stopped: the new session ended too, during the adoption.
                     retry = driver is None or driver.stopped is not None
             except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
-                transient = isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+                failure = exc
+                # The store is not back yet: try again at the next poll; go on with the others now.
+                retry = isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+            if retry or failure is not None:
                 with self._lock:
-                    failures = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
-                if transient and failures < LOST_TREE_ATTEMPTS:
-                    # The store is not back yet: try again at the next poll; go on with the others now.
-                    log.debug("tree %s: not adopted again yet: %s", tree_id, exc)
+                    attempts = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
+                if retry and attempts < LOST_TREE_ATTEMPTS:
+                    if failure is not None:
+                        log.debug("tree %s: not adopted again yet: %s", tree_id, failure)
                     continue
-                log.warning("tree %s: cannot be adopted again after its lease was lost (`agentfold recover` "
-                            "adopts it once the store works): %s", tree_id, exc)
-            if retry:
-                with self._lock:
-                    failures = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
-                if failures < LOST_TREE_ATTEMPTS:
-                    continue
-                log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
+                if failure is not None:
+                    log.warning("tree %s: cannot be adopted again after its lease was lost (`agentfold recover` "
+                                "adopts it once the store works): %s", tree_id, failure)
+                else:
+                    log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
             with self._lock:
                 self._lost.pop(tree_id, None)
             if driver is not None and driver is not already and driver.stopped is None:

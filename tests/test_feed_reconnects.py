@@ -145,6 +145,24 @@ def _terminate_other_sessions(url: str) -> int:
     )
 
 
+def transcripts_built_from_every_event(store_url: str, db: str, total: int) -> dict[str, Any]:
+    """The transcript tables of ``db``, checked: ``total`` events applied, and the transcripts
+    exactly those built straight from the store (complete, every entry once, in order)."""
+    store = EventStore(store_url)
+    try:
+        expected = transcripts_from_store(store)
+    finally:
+        store.close()
+    tables = TranscriptStore(db)
+    try:
+        assert tables.events_applied() == total
+        built = tables.transcripts()
+    finally:
+        tables.close()
+    assert built == expected
+    return built  # type: ignore[no-any-return]
+
+
 def _runs(url: str, count: int) -> int:
     """``count`` complete runs appended on a store opened (and closed) for them; the store's last id."""
     store = EventStore(url)
@@ -328,18 +346,7 @@ def test_a_following_transcript_consumer_outlives_its_terminated_postgresql_sess
     report = consumer.retried_report(status, out)
     assert report["applied"] == total  # every event applied once: the failed batch was not half-applied
 
-    store = EventStore(store_url)
-    try:
-        expected = transcripts_from_store(store)
-    finally:
-        store.close()
-    tables = TranscriptStore(db)
-    try:
-        assert tables.events_applied() == total
-        built = tables.transcripts()
-    finally:
-        tables.close()
-    assert built == expected  # complete, every entry once, in order
+    built = transcripts_built_from_every_event(store_url, db, total)
     for t in built.values():
         assert [e["seq"] for e in t["entries"]] == list(range(1, t["entry_count"] + 1))
 

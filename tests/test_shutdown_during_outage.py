@@ -39,14 +39,13 @@ from adapters.eventstore import EventStore
 from adapters.feed import APPLICATION_PREFIX, store_envelopes
 from adapters.follower import StopGuard
 from adapters.read_models import APPLICATION, ReadModels
-from adapters.transcripts import TranscriptStore, transcripts_from_store
 from tests.feed.support import read_topic_confluent
 from tests.http_api.support import TOKEN, ok, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import ROOT, agentfold
 from tests.test_cli import ok as ran_ok
 from tests.test_cli_interaction import FINAL, two_call_round
-from tests.test_feed_reconnects import Command, _publish, _runs, _scalar
+from tests.test_feed_reconnects import Command, _publish, _runs, _scalar, transcripts_built_from_every_event
 from tests.test_store_opening import assert_rows_equal_folding
 
 # kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
@@ -202,6 +201,12 @@ def test_project_follow_exits_0_soon_after_sigterm_while_its_postgresql_server_i
     assert report["failures"] == len([line for line in follower.stderr if "following failed" in line])
 
     own_pg.start()
+    _project_applies_the_rest(url, first)
+
+
+def _project_applies_the_rest(url: str, first: int) -> None:
+    """After the stopped follower (at position ``first``), two more runs: one ``project`` applies
+    exactly the events after ``first``, and the tables equal what folding gives."""
     total = _runs(url, 2)
     again = ran_ok(agentfold("project", "--json", store=url)).json()
     assert (again["events"], again["position"]) == (total - first, total)
@@ -226,10 +231,7 @@ def test_project_follow_exits_0_soon_after_sigterm_while_its_postgresql_server_h
     _stopped_soon(follower, status, seconds)
     assert json.loads(out)["position"] == first
 
-    total = _runs(url, 2)
-    again = ran_ok(agentfold("project", "--json", store=url)).json()
-    assert (again["events"], again["position"]) == (total - first, total)
-    _read_models_equal_folding(url, total)
+    _project_applies_the_rest(url, first)
 
 
 # ---------------------------------------------------------------------------
@@ -303,17 +305,7 @@ def test_transcripts_exit_0_soon_after_sigterm_while_their_postgresql_database_h
     again = ran_ok(agentfold("transcripts", "--bootstrap", kafka_bootstrap, "--topic", topic, "--group", group,
                              "--db", db, "--once", "--json")).json()
     assert (again["applied"], again["duplicates"]) == (total - first, 0)  # from the committed offsets
-    store = EventStore(store_url)
-    try:
-        expected = transcripts_from_store(store)
-    finally:
-        store.close()
-    tables = TranscriptStore(db)
-    try:
-        assert tables.events_applied() == total
-        assert tables.transcripts() == expected
-    finally:
-        tables.close()
+    transcripts_built_from_every_event(store_url, db, total)
 
 
 # ---------------------------------------------------------------------------

@@ -55,9 +55,6 @@ class GrantAllLeases:
     def release(self, tree_id: TreeID) -> None:
         self._held.discard(tree_id)
 
-    def held(self) -> set[TreeID]:
-        return set(self._held)
-
     def holds(self, tree_id: TreeID) -> bool:
         return tree_id in self._held
 
