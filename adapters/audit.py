@@ -135,17 +135,17 @@ def tree_of(store: EventStore, ref: str) -> TreeID:
     """A tree id, a process id or a start id, to a tree that has events or an index row."""
     candidates: list[TreeID] = []
     if ref.startswith("tree:"):
-        try:
-            candidates.append(TreeID(ref))
-        except (ValueError, InvalidInput) as exc:
-            raise InvalidInput("cli.argument_invalid", f"{ref!r} is not a tree id: {exc}") from exc
+        candidates.append(TreeID(ref))  # identity.invalid when malformed, as every command says it
     else:
         found = store.tree_of_process(ref) if ref.startswith("process:") else None
         if found is not None:
             candidates.append(found)
         try:
             candidates.append(TreeID.for_start(StartID(ref)))
-        except (ValueError, InvalidInput):
+        except InvalidInput:
+            if not candidates:
+                raise  # neither a process of this store nor a valid start id: as ``show`` says it
+        except ValueError:
             pass
     for tree_id in candidates:
         if store.head(tree_id) is not None or _raw(store, tree_id, upto=1):

@@ -662,11 +662,20 @@ def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
     """Bring the read models up to date (once, or following), or rebuild them from zero."""
-    import signal
     import threading
     import time
 
-    from adapters.follower import Follower, StopGuard, corrupt_tree_line, exit_at_once, follow_until_stopped
+    from adapters.follower import (
+        Follower,
+        FollowProgress,
+        StopGuard,
+        corrupt_tree_line,
+        exit_at_once,
+        follow_until_stopped,
+        one_line,
+        stop_on_signals,
+        store_failed,
+    )
     from adapters.read_models import CorruptTree
 
     def say(line: str) -> None:
@@ -683,58 +692,87 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
         if args.follow:
             say(corrupt_tree_line(tree))
 
-    store = ctx.open_store()
-    # Following: from SIGTERM/SIGINT to the store closed, within STOP_LIMIT s (StopGuard).
-    guard: StopGuard | None = None
-    try:
-        def make() -> Follower:
-            return Follower(store, ctx.sources.catalog(), batch_size=args.batch, poll_interval=args.poll_interval,
-                            on_corrupt=on_corrupt)
+    as_json = bool(getattr(args, "json", False))
+    # SIGTERM/SIGINT, from the start (the first catch-up too, with or without --follow): the
+    # batch in progress ends (committed with its position), then the command reports and
+    # exits 0; within STOP_LIMIT s, also during an outage (StopGuard).
+    stop = threading.Event()
+    stores: list[EventStore] = []
+    started = time.perf_counter()
+    follower: Follower | None = None
+    caught_up_in: float | None = None  # seconds of the first catch-up (or rebuild)
+    progress: FollowProgress | None = None  # once following
 
-        follower = make()
-        started = time.perf_counter()
-        applied = follower.rebuild() if args.rebuild else follower.catch_up()
-        seconds = time.perf_counter() - started
-        data: dict[str, JSON] = {
-            "rebuilt": bool(args.rebuild), "events": applied, "position": follower.position,
-            "seconds": round(seconds, 3),
-        }
-        text = (
-            f"{'rebuilt' if args.rebuild else 'projected'} {applied} event(s) in {seconds:.2f} s; "
-            f"read models at position {follower.position}"
-        )
-        if args.follow:
-            stop = threading.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stop.set())
-            if not getattr(args, "json", False):
-                sys.stdout.write(text + "\nfollowing (Ctrl-C to stop)\n")
-                sys.stdout.flush()
-            # Store failures while following (a server restart, terminated sessions) are
-            # reported on stderr and retried from the committed tracking position.
-            guard = StopGuard(stop, store.interrupt, say=say, overrun=exit_at_once(say)).start()
-            report = follow_until_stopped(make, stop, say, first=follower)
-            data["events"] = report.events
-            data["position"] = report.position
-            data["failures"] = report.failures
+    def outcome() -> Outcome:
+        """The report of what it did so far (the end, or the last resort: exit_at_once)."""
+        assert follower is not None
+        seconds = time.perf_counter() - started if caught_up_in is None else caught_up_in
+        data: dict[str, JSON] = {"rebuilt": bool(args.rebuild), "events": follower.events_applied,
+                                 "position": follower.position, "seconds": round(seconds, 3)}
+        if args.follow:  # stopped (following, or before it followed: its catch-up is part of it)
+            report = progress.report() if progress is not None else FollowProgress(follower).report()
+            data.update(events=report.events, position=report.position, failures=report.failures)
             text = f"stopped at position {report.position} after {report.events} event(s)" + (
-                f" ({report.failures} store failure(s) retried)" if report.failures else ""
-            )
-    finally:
+                f" ({report.failures} store failure(s) retried)" if report.failures else "")
+        else:
+            text = (f"{'rebuilt' if args.rebuild else 'projected'} {follower.events_applied} event(s) in "
+                    f"{seconds:.2f} s; read models at position {follower.position}")
+            if stop.is_set():  # a signal ended it, caught up or not: the next run goes on from here
+                data["stopped"] = True
+                text += " (stopped by a signal; the next run goes on from there)"
+        if not found:
+            return Outcome(data, text)
+        data["corrupt_trees"] = [tree.entry() for tree in found]
+        text += (f"\n{len(found)} corrupt tree(s) found and skipped: the read models hold no rows of them "
+                 f"(`{PROG} audit verify TREE` says what is wrong)")
+        if args.follow:
+            return Outcome(data, text)  # reported on stderr as they were found; stopping is not a failure
+        consequence = "the read models skip it (no rows of it) and went on with every other tree"
+        return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(tree.entry(), consequence) for tree in found))
+
+    def final() -> int:
+        return print_outcome(outcome(), as_json) if follower is not None else 0
+
+    def interrupt() -> None:
+        for store in stores:
+            store.interrupt()
+
+    guard = StopGuard(stop, interrupt, say=say, overrun=exit_at_once(say, final))
+    with stop_on_signals(stop), guard:  # the guard bounds the stop until the store is closed
+        store = ctx.open_store()
+        stores.append(store)
         try:
-            store.close()
+            def make() -> Follower:
+                return Follower(store, ctx.sources.catalog(), batch_size=args.batch,
+                                poll_interval=args.poll_interval, on_corrupt=on_corrupt)
+
+            follower = make()
+            try:
+                if args.rebuild:
+                    follower.rebuild(stop)
+                else:
+                    follower.catch_up(stop)
+            except Exception as exc:
+                if not (stop.is_set() and store_failed(exc)):
+                    raise
+                # Interrupted by the guard: the batch in progress was not committed.
+                say(f"stopping; the batch in progress failed: {one_line(exc)}")
+            caught_up_in = time.perf_counter() - started
+            if args.follow:
+                if not as_json and not stop.is_set():
+                    sys.stdout.write(
+                        f"{'rebuilt' if args.rebuild else 'projected'} {follower.events_applied} event(s) in "
+                        f"{caught_up_in:.2f} s; read models at position {follower.position}\n"
+                        "following (Ctrl-C to stop)\n"
+                    )
+                    sys.stdout.flush()
+                # Store failures while following (a server restart, terminated sessions) are
+                # reported on stderr and retried from the committed tracking position.
+                progress = FollowProgress(follower)
+                follow_until_stopped(make, stop, say, first=follower, progress=progress)
         finally:
-            if guard is not None:
-                guard.done()
-    if not found:
-        return Outcome(data, text)
-    data["corrupt_trees"] = [tree.entry() for tree in found]
-    text += (f"\n{len(found)} corrupt tree(s) found and skipped: the read models hold no rows of them "
-             f"(`{PROG} audit verify TREE` says what is wrong)")
-    if args.follow:
-        return Outcome(data, text)  # reported on stderr as they were found; stopping is not a failure
-    consequence = "the read models skip it (no rows of it) and went on with every other tree"
-    return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(tree.entry(), consequence) for tree in found))
+            store.close()
+    return outcome()
 
 
 def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -750,6 +788,22 @@ def cmd_demo(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 # ---------------------------------------------------------------------------
 # Parser and entry point
+
+
+#: The longest ``--timeout`` a command accepts (30 days): beyond, waits overflow the platform's clock.
+MAX_TIMEOUT = 30 * 86400.0
+
+
+def _seconds(text: str) -> float:
+    """A ``--timeout``: a finite number of seconds from 0 to ``MAX_TIMEOUT``, refused before
+    anything is appended (a bad value found after the input was admitted left a call unknown)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= MAX_TIMEOUT:  # also NaN
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds from 0 to {MAX_TIMEOUT:.0f}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -781,8 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=fn)
         if timeout:
             sub.add_argument(
-                "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                help=f"how long to wait for a tree to park (default {DEFAULT_TIMEOUT:g})",
+                "--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                help=f"how long to wait for a tree to park, 0 to {MAX_TIMEOUT:.0f} (default {DEFAULT_TIMEOUT:g})",
             )
         return sub
 
@@ -897,6 +951,16 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure as one line
         _report(AgentfoldError("cli.internal", f"{type(exc).__name__}: {exc}"), as_json)
         return 1
+    status = print_outcome(outcome, as_json)
+    if outcome.exit_now:
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def print_outcome(outcome: Outcome, as_json: bool) -> int:
+    """Print what a command answers (stdout; its problems on stderr); returns its exit status.
+    Also for a command's report at the last resort (``adapters.follower.exit_at_once``)."""
     if as_json:
         sys.stdout.write(json.dumps(outcome.data, sort_keys=True, ensure_ascii=False, default=str) + "\n")
     else:
@@ -904,9 +968,7 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     sys.stdout.flush()
     for problem in outcome.problems:
         _report(problem, as_json)
-    if outcome.exit_now:
-        sys.stderr.flush()
-        os._exit(outcome.status)
+    sys.stderr.flush()
     return outcome.status
 
 

@@ -164,7 +164,13 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     text = "".join(lines)
     if args.out is None:
         return Outcome(None, text[:-1])  # the CLI ends the output with the last newline
-    _write_atomically(Path(args.out), text.encode("ascii"))
+    try:
+        _write_atomically(Path(args.out), text.encode("ascii"))
+    except OSError as exc:
+        raise InvalidInput(
+            "export.unwritable", f"cannot write {args.out}: {exc.strerror or exc}",
+            "write to an existing directory you may write to; nothing was written",
+        ) from exc
     data: dict[str, JSON] = {"tree_id": tree_id, "events": len(lines), "out": str(args.out)}
     return Outcome(data, f"exported {len(lines)} event(s) of {tree_id} to {args.out}")
 

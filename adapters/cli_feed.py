@@ -10,8 +10,10 @@
 Following (without ``--once``/``--idle-exit``), ``publish`` and ``transcripts`` outlive
 store failures (the publisher also the broker's retriable ones): one line on stderr per
 failure, a growing wait, then on from their durable position
-(``adapters.follower.retry_until_stopped``). SIGTERM/SIGINT end them within
-``STOP_LIMIT`` seconds, also during an outage (``adapters.follower.StopGuard``).
+(``adapters.follower.retry_until_stopped``). SIGTERM/SIGINT end them, in every mode
+(``--once`` and ``--idle-exit`` too), after the batch in progress and within
+``STOP_LIMIT`` seconds, also during an outage (``adapters.follower.StopGuard``), with
+their report (also at the last resort, ``exit_at_once``).
 """
 
 from __future__ import annotations
@@ -19,47 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-from adapters.cli import PROG, Context, Outcome
+from adapters.cli import PROG, Context, Outcome, print_outcome
 from adapters.eventstore import redact
-from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher
-from adapters.follower import StopGuard, exit_at_once
+from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher, publish_failed
+from adapters.follower import StopGuard, exit_at_once, one_line, stop_on_signals
 from adapters.transcripts import TranscriptConsumer, TranscriptStore, consume_failed
 from domain.errors import InvalidInput, NotFound
 
 
-@contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
-    """``stop``, set by SIGTERM or SIGINT, so a follower ends its batch and exits cleanly."""
-    previous: dict[signal.Signals, Any] = {}
-
-    def handler(signum: int, frame: Any) -> None:
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, handler)
-    try:
-        yield stop
-    finally:
-        for restored, old in previous.items():
-            signal.signal(restored, old)
-
-
-def _guard(stop: threading.Event, say: Callable[[str], None], interrupts: list[Callable[[], None]]) -> StopGuard:
-    """The bound on stopping a following command: from the signal until it has closed what it
-    used (``interrupts``, filled as those are opened) within ``STOP_LIMIT`` s."""
+def _guard(
+    stop: threading.Event, say: Callable[[str], None], interrupts: list[Callable[[], None]], final: Callable[[], int],
+) -> StopGuard:
+    """The bound on stopping a command: from the signal until it has closed what it used
+    (``interrupts``, filled as those are opened) within ``STOP_LIMIT`` s; at the last resort
+    it prints its report so far (``final``) and exits."""
 
     def interrupt() -> None:
         for each in interrupts:
             each()
 
-    return StopGuard(stop, interrupt, say=say, overrun=exit_at_once(say))
+    return StopGuard(stop, interrupt, say=say, overrun=exit_at_once(say, final))
 
 
 def _say(command: str) -> Callable[[str], None]:
@@ -94,42 +80,62 @@ def _positive_seconds(text: str) -> float:
 
 def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
     say = _say("publish")
+    as_json = bool(getattr(args, "json", False))
     stop = threading.Event()
     interrupts: list[Callable[[], None]] = []
-    guard = _guard(stop, say, interrupts)
-    store = ctx.open_store()
-    try:
-        interrupts.append(store.interrupt)
-        publisher = Publisher(
-            store, args.bootstrap, args.topic, partitions=args.partitions, replication_factor=args.replication_factor,
-            batch_size=args.batch_size, poll_interval=args.poll_interval,
-        )
-        interrupts.append(publisher.interrupt)
-        start = publisher.position
+    publisher: Publisher | None = None
+    start = 0
+
+    def outcome() -> Outcome:
+        """The report of what it published so far (the end, or the last resort: exit_at_once)."""
+        assert publisher is not None
+        events, position, failures = publisher.events, publisher.position, publisher.failures
+        data: dict[str, Any] = {
+            "topic": args.topic, "events": events, "batches": publisher.batches,
+            "from_position": start, "position": position, "failures": failures,
+        }
+        text = (
+            f"published {events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
+            f"(notification ids {start + 1}..{position})" if events else
+            f"nothing to publish: topic {args.topic} has every event up to notification id {position}"
+        ) + (f" ({failures} failure(s) retried)" if failures else "")
+        if args.once and stop.is_set():  # a signal ended it, drained or not: the next run goes on from here
+            data["stopped"] = True
+            text += " (stopped by a signal; the next run goes on from there)"
+        return Outcome(data, text)
+
+    def final() -> int:
+        return print_outcome(outcome(), as_json) if publisher is not None else 0
+
+    # SIGTERM/SIGINT, from the start (--once too): the batch in progress ends (acknowledged,
+    # position stored), then it reports and exits 0; within STOP_LIMIT s, also in an outage.
+    with stop_on_signals(stop), _guard(stop, say, interrupts, final):
+        store = ctx.open_store()
         try:
-            if args.once:
-                report = publisher.drain()
-            else:
-                guard.start()
-                with _stop_on_signals(stop):
-                    report = publisher.follow_until_stopped(stop, say)
+            interrupts.append(store.interrupt)
+            publisher = Publisher(
+                store, args.bootstrap, args.topic, partitions=args.partitions,
+                replication_factor=args.replication_factor, batch_size=args.batch_size,
+                poll_interval=args.poll_interval,
+            )
+            interrupts.append(publisher.interrupt)
+            start = publisher.position
+            try:
+                if args.once:
+                    try:
+                        publisher.drain(stop)
+                    except Exception as exc:
+                        if not (stop.is_set() and publish_failed(exc)):
+                            raise
+                        # Interrupted by the guard: the batch in progress was not recorded as published.
+                        say(f"stopping; the batch in progress failed: {one_line(exc)}")
+                else:
+                    publisher.follow_until_stopped(stop, say)
+            finally:
+                publisher.close()
         finally:
-            publisher.close()
-    finally:
-        try:
             store.close()
-        finally:
-            guard.done()
-    data = {
-        "topic": args.topic, "events": report.events, "batches": publisher.batches,
-        "from_position": start, "position": report.position, "failures": report.failures,
-    }
-    text = (
-        f"published {report.events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
-        f"(notification ids {start + 1}..{report.position})" if report.events else
-        f"nothing to publish: topic {args.topic} has every event up to notification id {report.position}"
-    ) + (f" ({report.failures} failure(s) retried)" if report.failures else "")
-    return Outcome(data, text)
+    return outcome()
 
 
 def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -137,44 +143,52 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
         raise InvalidInput("cli.usage", "--once and --idle-exit are exclusive", "--once is --idle-exit 1")
     idle = 1.0 if args.once else args.idle_exit
     say = _say("transcripts")
+    as_json = bool(getattr(args, "json", False))
     stop = threading.Event()
     interrupts: list[Callable[[], None]] = []
-    guard = _guard(stop, say, interrupts)
-    store = TranscriptStore(args.db)
-    try:
-        consumer = TranscriptConsumer(
-            store, args.bootstrap, args.topic, args.group, group_instance_id=args.group_instance_id,
-            max_records=args.max_records,
+    consumer: TranscriptConsumer | None = None
+
+    def outcome() -> Outcome:
+        """The report of what it applied so far (the end, or the last resort: exit_at_once)."""
+        assert consumer is not None
+        report = consumer.report
+        data = {"topic": args.topic, "group": args.group, **report.to_json()}
+        t = report.totals
+        text = (
+            f"read {t.envelopes} envelope(s) from {args.topic} in {report.batches} batch(es): applied {t.applied}, "
+            f"skipped {t.duplicates} duplicate(s), wrote {t.entries} transcript entr{'y' if t.entries == 1 else 'ies'}"
+            + (f", rejected {t.rejected} invalid record(s)" if t.rejected else "")
+            + (f" ({report.failures} failure(s) retried)" if report.failures else "")
         )
-        interrupts.append(consumer.interrupt)
+        return Outcome(data, text)
+
+    def final() -> int:
+        return print_outcome(outcome(), as_json) if consumer is not None else 0
+
+    with stop_on_signals(stop), _guard(stop, say, interrupts, final):  # --once and --idle-exit too
+        store = TranscriptStore(args.db)
         try:
-            guard.start()  # --once and --idle-exit stop on SIGTERM/SIGINT too
-            with _stop_on_signals(stop):
+            consumer = TranscriptConsumer(
+                store, args.bootstrap, args.topic, args.group, group_instance_id=args.group_instance_id,
+                max_records=args.max_records,
+            )
+            interrupts.append(consumer.interrupt)
+            try:
                 if idle is None:
-                    report = consumer.follow_until_stopped(stop, say)
+                    consumer.follow_until_stopped(stop, say)
                 else:
                     try:
-                        report = consumer.run(stop, idle_exit=idle)
+                        consumer.run(stop, idle_exit=idle)
                     except Exception as exc:
-                        if not (guard.interrupted and consume_failed(exc)):
+                        if not (stop.is_set() and consume_failed(exc)):
                             raise
-                        report = consumer.report  # stopped: the interrupted batch was not committed
+                        # Interrupted by the guard: the batch in progress was not committed.
+                        say(f"stopping; the batch in progress failed: {one_line(exc)}")
+            finally:
+                consumer.close()
         finally:
-            consumer.close()
-    finally:
-        try:
             store.close()
-        finally:
-            guard.done()
-    data = {"topic": args.topic, "group": args.group, **report.to_json()}
-    t = report.totals
-    text = (
-        f"read {t.envelopes} envelope(s) from {args.topic} in {report.batches} batch(es): applied {t.applied}, "
-        f"skipped {t.duplicates} duplicate(s), wrote {t.entries} transcript entr{'y' if t.entries == 1 else 'ies'}"
-        + (f", rejected {t.rejected} invalid record(s)" if t.rejected else "")
-        + (f" ({report.failures} failure(s) retried)" if report.failures else "")
-    )
-    return Outcome(data, text)
+    return outcome()
 
 
 def cmd_transcript(ctx: Context, args: argparse.Namespace) -> Outcome:

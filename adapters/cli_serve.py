@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -22,6 +23,16 @@ REQUEST_GRACE = 10
 #: request grace, the dispatchers' 2 s (``_abandoned_calls``), closing the runtime and the store.
 SERVE_STOP_LIMIT = 15.0
 
+
+
+def recovered_text(entries: list[dict[str, Any]]) -> str:
+    """How the start line counts ``--recover``'s live runs, by outcome (parked runs are left
+    as they are, not adopted)."""
+    counts = collections.Counter(str(e.get("outcome")) for e in entries)
+    parts = [f"{counts[o]} live run(s) {label}" for o, label in
+             (("adopted", "adopted"), ("parked", "parked and left as they are"), ("skipped", "skipped"))
+             if counts[o]]
+    return "".join(", " + part for part in parts)
 
 def register(command: Any) -> None:
     """Add this module's commands with ``command(name, handler, help, timeout=False)`` (adapters.cli)."""
@@ -133,7 +144,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                 else:
                     sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
                                      f"{', read models followed' if service.follower else ''}"
-                                     f"{f', {len(recovered)} live run(s) adopted' if recovered else ''})\n")
+                                     f"{recovered_text(recovered)})\n")
                 sys.stdout.flush()
                 config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                                         lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False)

@@ -70,6 +70,8 @@ class StateCompressor(Compressor):
         return packed if len(packed) < size else data
 
     def decompress(self, data: bytes) -> bytes:
+        if isinstance(data, str):  # a row edited by hand into SQLite TEXT: not what a writer stores
+            raise SealError("stored state is text, not bytes")
         data = bytes(data)
         if data[:1] != COMPRESSED:
             return data  # the JSON itself (older stores, small or incompressible states, imports)

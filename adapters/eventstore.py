@@ -117,14 +117,15 @@ class CorruptStream(StoreFailure):
     """The stored history breaks a rule (digest chain or fold)."""
 
     def __init__(self, tree_id: str, position: int, rule: str, detail: str) -> None:
-        super().__init__("store.corrupt", f"tree {tree_id} is corrupt at position {position}: {rule}: {detail}")
+        super().__init__(
+            "store.corrupt", f"tree {tree_id} is corrupt at position {position}: {rule}: {detail}",
+            f"see what is wrong with `agentfold audit verify {tree_id}`",
+            tree_id=str(tree_id), position=position, rule=rule,
+        )
         self.tree_id = tree_id
         self.position = position
         self.rule = rule
         self.detail = detail  # the broken rule's text (also in the message)
-
-    def members(self) -> dict[str, Any]:
-        return {"tree_id": str(self.tree_id), "position": self.position, "rule": self.rule}
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,8 +331,10 @@ class EventStore:
 
     def _track_sessions(self, pool: Any) -> None:
         """Remember every connection the pool opens (its configure callback sees each one), so
-        that ``interrupt`` can end the ones in use: psycopg_pool keeps no list of them. Must
+        that ``interrupt`` can end the ones in use: psycopg_pool keeps no list of them. The
+        pool opens them as ``InterruptibleConnection``, which ``end_session`` can end. Must
         run before the pool is opened."""
+        pool.connection_class = InterruptibleConnection
         configure = pool._configure
 
         def track(conn: Any) -> None:
@@ -346,11 +349,9 @@ class EventStore:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
         pool: a follower's LISTEN session. ``interrupt`` ends it as it ends the pooled ones,
         and refuses new ones (``store.unavailable``)."""
-        import psycopg
-
         if self._interrupted:
             raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
-        conn = psycopg.connect(**pg_conninfo(self._settings), autocommit=True)
+        conn = InterruptibleConnection.connect(**pg_conninfo(self._settings), autocommit=True)
         with self._sessions_lock:
             self._sessions.add(conn)
         if self._interrupted:  # interrupted while it connected: end it like the others
@@ -654,7 +655,8 @@ class EventStore:
         return TreeID(found) if found else None
 
     def notifications(self, after: int, limit: int = 500) -> Sequence[Notification]:
-        return self.recorder.select_notifications(after, limit, inclusive_of_start=False)
+        found: Sequence[Notification] = self.recorder.select_notifications(after, limit, inclusive_of_start=False)
+        return found
 
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
@@ -667,25 +669,88 @@ class EventStore:
             return MemoryLeases(self._memory_leases, self._memory_lock)
         if self.backend == "sqlite":
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
-        return PostgresLeases(pg_conninfo(self._settings))
+        # Its session is one of the store's, so ``interrupt`` ends it with the others.
+        return PostgresLeases(pg_conninfo(self._settings), session=self.session)
+
+
+class _SessionSocket:
+    """A duplicate of a PostgreSQL session's socket descriptor, held for the session's life.
+
+    Shutting the socket down through the connection's own descriptor number would race with
+    its owner: the owner may close the connection between our reading the number and using
+    it, and the number be reused at once by an unrelated socket, which we would then shut
+    down. A duplicate refers to the same open socket (shutting it down ends the connection),
+    and its number cannot be reused while we hold it; it is closed, under the same lock as
+    the shutdown, when the connection is closed (or collected)."""
+
+    def __init__(self, fd: int) -> None:
+        self._lock = threading.Lock()
+        self._fd = os.dup(fd)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return  # the session was closed: its socket is not ours to touch any more
+            sock = socket.socket(fileno=self._fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                sock.detach()  # the descriptor stays ours until release()
+
+    def release(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _interruptible_connection_class() -> Any:
+    import psycopg
+
+    class InterruptibleConnection(psycopg.Connection[Any]):
+        """A psycopg connection that ``end_session`` can end from any thread without a race:
+        it holds a duplicate of its socket's descriptor from its opening to its closing
+        (``_SessionSocket``). Open it with ``InterruptibleConnection.connect(...)`` as with
+        ``psycopg.connect``; a connection pool opens it when it is its ``connection_class``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Opened by the thread that connects it, before anyone else can see it.
+            self._agentfold_socket: _SessionSocket | None = _SessionSocket(self.pgconn.socket)
+            weakref.finalize(self, self._agentfold_socket.release)  # never closed: at collection
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                # Also when psycopg closes nothing (a broken connection counts as closed).
+                held = getattr(self, "_agentfold_socket", None)
+                if held is not None:
+                    held.release()
+
+    return InterruptibleConnection
+
+
+InterruptibleConnection: Any = _interruptible_connection_class()
 
 
 def end_session(conn: Any) -> None:
-    """Shut down the network connection of a psycopg connection, from any thread: whatever
-    waits on it (a query, a notification) fails at once with ``psycopg.OperationalError``,
-    even when the server does not answer. The socket is shut down, not closed: psycopg still
-    closes its own descriptor, and the connection's owner sees a lost connection."""
-    try:
-        if conn.closed:
-            return
-        fd = conn.pgconn.socket
-    except Exception:  # noqa: BLE001 - closed or lost meanwhile: nothing left to end
-        return
-    try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # not connected any more
+    """Shut down the network connection of an ``InterruptibleConnection``, from any thread:
+    whatever waits on it (a query, a notification) fails at once with
+    ``psycopg.OperationalError``, even when the server does not answer. The socket is shut
+    down, not closed: its owner still closes the connection, and sees a lost connection.
+
+    Race-free: the shutdown goes through the duplicate descriptor the connection holds from
+    its opening to its closing, so a connection its owner closes meanwhile is left alone
+    (closed already, or ended just before), and never a socket that took its number. A
+    connection opened otherwise cannot be ended safely: ``TypeError``."""
+    held = getattr(conn, "_agentfold_socket", None)
+    if held is None:
+        raise TypeError(f"{type(conn).__name__} cannot be ended from another thread: open it as an "
+                        "adapters.eventstore.InterruptibleConnection")
+    held.shutdown()
 
 
 def redact(url: str) -> str:

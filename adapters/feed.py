@@ -304,6 +304,7 @@ class Publisher:
         self.batches = 0
         self.events = 0
         self.bytes = 0
+        self.failures = 0  # failures retried while following, counted as they happen
 
     # -- one batch ---------------------------------------------------------------
 
@@ -380,13 +381,15 @@ class Publisher:
 
     # -- loops -----------------------------------------------------------------
 
-    def drain(self) -> PublishReport:
-        """Publish everything committed so far, then return (``--once``)."""
+    def drain(self, stop: threading.Event | None = None) -> PublishReport:
+        """Publish everything committed so far, then return (``--once``). Once ``stop`` is set,
+        return after the batch in progress (acknowledged, its position stored), drained or not."""
         before = self.events
-        while True:
+        while stop is None or not stop.is_set():
             count = self.step()
             if count < self.batch_size and self.position >= self.store.max_notification_id():
-                return PublishReport(self.events - before, self.position)
+                break
+        return PublishReport(self.events - before, self.position)
 
     def follow(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> PublishReport:
         """Publish new events as they are committed, until ``stop`` is set (then return cleanly)."""
@@ -424,7 +427,7 @@ class Publisher:
         """
         from adapters.follower import retry_until_stopped
 
-        before = self.events
+        before, failed_before = self.events, self.failures
         again = False
 
         def attempt() -> None:
@@ -443,10 +446,13 @@ class Publisher:
                     discard_producer(producer)
                 raise
 
-        failures = retry_until_stopped(
-            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff
+        def failed() -> None:
+            self.failures += 1  # as it happens: the report at the last resort shows it
+
+        retry_until_stopped(
+            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed
         )
-        return PublishReport(self.events - before, self.position, failures)
+        return PublishReport(self.events - before, self.position, self.failures - failed_before)
 
     def interrupt(self) -> None:
         """End a wait for acknowledgements now (``FeedError``, retriable) and drop what is

@@ -30,14 +30,16 @@ the time a following command takes to exit after SIGTERM/SIGINT, also during an 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import signal
 import sqlite3
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,22 +264,27 @@ class Follower:
 
     # -- loops -----------------------------------------------------------------
 
-    def catch_up(self) -> int:
-        """Project everything committed so far; returns the number of events applied."""
+    def catch_up(self, stop: threading.Event | None = None) -> int:
+        """Project everything committed so far; returns the number of events applied.
+
+        ``stop``: once it is set, return after the batch in progress (committed with its
+        position), caught up or not: a command stopped by SIGTERM/SIGINT."""
         total = 0
-        while True:
+        while stop is None or not stop.is_set():
             report = self.step()
             total += report.events
             if report.events < self.batch_size and self._position >= self.store.max_notification_id():
-                return total
+                break
+        return total
 
-    def rebuild(self) -> int:
-        """Empty the tables and project the whole log again from position zero."""
+    def rebuild(self, stop: threading.Event | None = None) -> int:
+        """Empty the tables and project the whole log again from position zero (until ``stop``
+        is set, as ``catch_up``: a later ``catch_up`` goes on from where it stopped)."""
         self.read_models.reset()
         self._cache.clear()
         self._corrupt.clear()  # found again (and recorded again) from the log
         self._position = 0
-        return self.catch_up()
+        return self.catch_up(stop)
 
     def follow(self, stop: threading.Event, on_batch: Callable[[BatchReport], None] | None = None) -> None:
         """Project new events as they are committed, until ``stop`` is set."""
@@ -341,6 +348,7 @@ def retry_until_stopped(
     retryable: Callable[[BaseException], bool] = store_failed,
     backoff: float = 0.5,
     max_backoff: float = 30.0,
+    on_failure: Callable[[], None] | None = None,
 ) -> int:
     """Run ``attempt`` until ``stop`` is set, again after each failure ``retryable`` accepts;
     returns how many failures there were.
@@ -355,7 +363,8 @@ def retry_until_stopped(
 
     A retryable failure met once ``stop`` is set ends the loop (one line, ``stopping; ...``;
     not counted): no attempt follows, and it may be the store call that ``StopGuard``
-    interrupted.
+    interrupted. ``on_failure`` is called for each failure counted, as it is counted (a
+    command's report at the last resort, ``exit_at_once``, shows them so far).
     """
     failures = 0
     delay = backoff
@@ -368,17 +377,50 @@ def retry_until_stopped(
             if not retryable(exc):
                 raise
             if stop.is_set():
-                say(f"stopping; the attempt in progress failed: {_one_line(exc)}")
+                say(f"stopping; the attempt in progress failed: {one_line(exc)}")
                 return failures
             failures += 1
+            if on_failure is not None:
+                on_failure()
             if time.monotonic() - started > max_backoff:
                 delay = backoff  # it had been working: a new outage starts with a short wait
-            say(f"following failed: {_one_line(exc)}; retrying in {delay:g} s")
+            say(f"following failed: {one_line(exc)}; retrying in {delay:g} s")
             deadline = time.monotonic() + delay
             while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
                 stop.wait(min(left, 0.25))  # a signal handler sets stop; look at least every 0.25 s
             delay = min(delay * 2, max_backoff)
     return failures
+
+
+class FollowProgress:
+    """What ``follow_until_stopped`` did so far. ``report()`` may be read from another thread
+    while it runs: the report a command prints at the last resort (``exit_at_once``)."""
+
+    def __init__(self, first: Follower | None = None) -> None:
+        self._lock = threading.Lock()
+        self._current = first
+        self._earlier = 0  # events applied by the followers before the current one
+        self._position = first.position if first is not None else 0
+        self._failures = 0
+
+    def following(self, follower: Follower) -> None:
+        """``follower`` goes on from here (the one before it is done)."""
+        with self._lock:
+            if self._current is not None and self._current is not follower:
+                self._earlier += self._current.events_applied
+                self._position = self._current.position
+            self._current = follower
+
+    def failed(self) -> None:
+        with self._lock:
+            self._failures += 1
+
+    def report(self) -> FollowReport:
+        with self._lock:
+            current = self._current
+            if current is None:
+                return FollowReport(self._earlier, self._position, self._failures)
+            return FollowReport(self._earlier + current.events_applied, current.position, self._failures)
 
 
 def follow_until_stopped(
@@ -387,6 +429,7 @@ def follow_until_stopped(
     say: Callable[[str], None],
     *,
     first: Follower | None = None,
+    progress: FollowProgress | None = None,
     backoff: float = 0.5,
     max_backoff: float = 30.0,
 ) -> FollowReport:
@@ -397,34 +440,27 @@ def follow_until_stopped(
     committed tracking position: a batch is committed with its position or not at all, so
     nothing is applied twice or skipped. A corrupt tree is not a failure: the follower
     records and skips it (``Follower.on_corrupt`` reports it). Any other error (refused
-    input, a bug) is not retried: it is raised.
+    input, a bug) is not retried: it is raised. ``progress`` (made with ``first``) shows
+    what it did so far to another thread.
     """
-    current = first
-    applied = 0
-    position = first.position if first is not None else 0
+    progress = progress or FollowProgress(first)
+    pending = first
 
     def attempt() -> None:
-        nonlocal current, applied, position
-        follower = current
+        nonlocal pending
+        follower = pending
         if follower is None:
             follower = make()
             say(f"following again from position {follower.position}")
-        current = None  # whatever happens next, the next attempt starts with a new follower
-        position = follower.position
-        try:
-            follower.follow(stop)
-        finally:
-            applied += follower.events_applied
-            position = follower.position
+        pending = None  # whatever happens next, the next attempt starts with a new follower
+        progress.following(follower)
+        follower.follow(stop)
 
-    failures = retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff)
-    if current is not None:  # stopped before it followed at all
-        applied += current.events_applied
-        position = current.position
-    return FollowReport(applied, position, failures)
+    retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff, on_failure=progress.failed)
+    return progress.report()
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc) if isinstance(exc, AgentfoldError) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())
 
@@ -591,19 +627,62 @@ class StopGuard:
         try:
             self._interrupt()
         except Exception as exc:  # noqa: BLE001 - the limit still holds
-            log.warning("interrupting failed: %s", _one_line(exc))
+            log.warning("interrupting failed: %s", one_line(exc))
 
 
-def exit_at_once(say: Callable[[str], None]) -> Callable[[float], None]:
-    """A command's ``StopGuard`` overrun: one line on stderr, then exit status 0 at once
-    (``os._exit``: another thread is still inside a call that cannot be interrupted). Nothing
-    is half-done: every batch was committed with its position or not at all."""
+def exit_at_once(say: Callable[[str], None], final: Callable[[], int] | None = None) -> Callable[[float], None]:
+    """A command's ``StopGuard`` overrun: one line on stderr, the command's final report, then
+    exit at once (``os._exit``: another thread is still inside a call that cannot be
+    interrupted). Nothing is half-done: every batch was committed with its position or not at
+    all, so the report of what was committed so far is the command's true report.
+
+    ``final`` prints that report (as the command would have at its end, from what it did so
+    far; nothing when it had not started) and returns the exit status (0 without it, or when
+    printing it fails: the process exits anyway)."""
 
     def overrun(seconds: float) -> None:
         say(f"still not stopped {seconds:.0f} s after the stop: exiting now; "
             "the next run goes on from the committed position")
+        status = 0
+        if final is not None:
+            try:
+                status = final()
+            except Exception as exc:  # noqa: BLE001 - exiting anyway
+                say(f"no report: {one_line(exc)}")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
     return overrun
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
+    """``stop``, set by SIGTERM or SIGINT (instead of their default: the process killed
+    mid-batch), so a command ends its batch and exits cleanly (``StopGuard`` bounds it).
+
+    The signals are taken by a thread of their own (``sigtimedwait``; blocked in the calling
+    thread and in the threads it starts meanwhile), not by a Python signal handler: a handler
+    runs only once the main thread is back in the interpreter, which a call that waits inside
+    C code (an SQLite write waiting for another process's lock, up to 30 s) would delay, and
+    with it the whole bound. Enter it before starting any thread that should not take them;
+    on exit the signal mask is restored (a signal that came meanwhile only sets ``stop``)."""
+    signals = {signal.SIGTERM, signal.SIGINT}
+    done = threading.Event()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+    def watch() -> None:
+        while not done.is_set():
+            if signal.sigtimedwait(signals, 0.2) is not None:
+                stop.set()
+
+    thread = threading.Thread(target=watch, name="agentfold-signals", daemon=True)
+    thread.start()
+    try:
+        yield stop
+    finally:
+        done.set()
+        thread.join()
+        while signal.sigtimedwait(signals, 0) is not None:  # came after the thread ended
+            stop.set()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -37,6 +37,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
@@ -68,6 +69,8 @@ MAX_READ_WAIT = 60.0
 DEFAULT_READ_WAIT = 5.0
 """How long a read with ``min_position`` waits for the read models before it folds."""
 MAX_BODY_BYTES = MAX_PAYLOAD_BYTES * 4 + 1024
+#: What a 405's ``Allow`` header may name, in this order.
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 """Request bodies above this are refused before they are read (the CLI's JSON text bound)."""
 MAX_RUNS_PAGE = 500
 WORKER_THREADS = 256
@@ -143,20 +146,20 @@ class StartRun(_Body):
     program: str | None = Field(None, description="the name of a Program this server binds (e.g. demo.payment)")
     input: Any = Field(None, description="the registered Program's input (only with program)")
     start_id: str | None = Field(None, description="idempotent start id (default: a fresh one)")
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Answer(_Body):
     response: Any = Field(..., description="the answer; it must satisfy the wait's response schema (at most 1 MiB)")
     signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Steer(_Body):
     text: str | None = Field(None, description="one user message (give text or messages)")
     messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="user messages")
     signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Resolve(_Body):
@@ -164,16 +167,16 @@ class Resolve(_Body):
     disposition: Literal["succeeded", "failed", "rejected"] | None = Field(None, description="tool calls only")
     model_response: Any = Field(None, description="a model call's response")
     status: Literal["succeeded", "failed"] | None = Field(None, description="effects that are neither tool nor model calls")
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Control(_Body):
     reason: str | None = Field(None, description="why (recorded with the request)")
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Resume(_Body):
-    wait: float = Field(0.0, ge=0, le=MAX_WAIT, description="seconds to wait for the run to park or end")
+    wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 # ---------------------------------------------------------------------------
@@ -785,7 +788,7 @@ def authorized(
 
 Service = Annotated[ApiService, Depends(authorized)]
 MinPosition = Annotated[int | None, Query(ge=0, description="answer only once the reads reflect this position")]
-ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, description="seconds to wait for the read models to "
+ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, allow_inf_nan=False, description="seconds to wait for the read models to "
                                   "reach min_position before answering by folding")]
 TreeRef = Annotated[str, Path(description="a tree id (tree:...), a start id or a process id")]
 ProcessRef = Annotated[str, Path(description="a process id (process:...)")]
@@ -1020,7 +1023,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def agentfold_error(request: Request, exc: AgentfoldError) -> Response:
         headers = {}
         if isinstance(exc, Unauthorized):
-            headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.detail.get("invalid_token") else "Bearer"
+            headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.details.get("invalid_token") else "Bearer"
             extra: dict[str, Any] = {}
         else:
             extra = exc.members()
@@ -1044,7 +1047,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         detail = {404: f"no endpoint {request.url.path}",
                   405: f"{request.method} is not allowed on {request.url.path}",
                   413: f"the request body is above {MAX_BODY_BYTES} bytes"}.get(exc.status_code, str(exc.detail))
-        return problem_response(exc.status_code, code, detail, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:
+            # Starlette names only the methods of the first route whose path matched (GET /runs
+            # answered "Allow: GET" although POST /runs exists): every route of this path counts.
+            methods = [
+                method
+                for method in HTTP_METHODS
+                if any(
+                    route.matches({**request.scope, "method": method})[0] is Match.FULL
+                    for route in request.app.router.routes
+                    if isinstance(route, BaseRoute)
+                )
+            ]
+            headers = {**(headers or {}), "Allow": ", ".join(methods)}
+        return problem_response(exc.status_code, code, detail, headers=headers)
 
     async def timed_out(request: Request, exc: TimeoutError) -> Response:
         return problem_response(504, "http.timeout", str(exc) or "timed out",

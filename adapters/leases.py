@@ -20,6 +20,7 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from domain.errors import StoreFailure
@@ -108,7 +109,7 @@ class FileLeases(_Durable):
     def _fcntl(self, kind: int, tree_id: TreeID) -> bool:
         data = _FLOCK.pack(kind, os.SEEK_SET, _lock_offset(tree_id), 1, 0)
         try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, data)  # type: ignore[attr-defined]
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, data)
         except OSError:
             return False
         return True
@@ -153,10 +154,17 @@ class PostgresLeases:
     a few times per second), reports the trees whose leases were lost, so their owner
     lines stop, and connects again for later acquisitions; an acquisition that meets a
     dead session reports the loss the same way and fails with ``store.unavailable``.
+
+    ``session``: opens the lease session (autocommit); the store passes its own
+    ``EventStore.session``, so that ``EventStore.interrupt`` (a command that stops while the
+    server does not answer) ends the lease session too: a lock statement or probe waiting
+    on the server fails at once (the leases are reported lost), and no new session is
+    opened (``store.unavailable`` at once, not after a connection timeout).
     """
 
-    def __init__(self, conninfo: dict[str, Any]) -> None:
+    def __init__(self, conninfo: dict[str, Any], *, session: Callable[[], Any] | None = None) -> None:
         self._conninfo = conninfo
+        self._session = session
         self._lock = threading.Lock()
         self._held: set[TreeID] = set()
         self._lost: set[TreeID] = set()
@@ -167,6 +175,8 @@ class PostgresLeases:
         import psycopg
 
         try:
+            if self._session is not None:
+                return self._session()  # StoreFailure as it is: e.g. an interrupted store
             return psycopg.connect(**self._conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise StoreFailure(

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import orjson
 import psycopg
@@ -37,8 +37,11 @@ from eventsourcing.sqlite import (
     SQLiteConnectionPool,
     SQLiteCursor,
 )
-from psycopg.sql import SQL
+from psycopg.sql import SQL, Composed
 from psycopg_pool import PoolTimeout
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 EVENTS_TABLE = "agentfold_events"
 SNAPSHOTS_TABLE = "agentfold_snapshots"
@@ -156,10 +159,14 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
         except (sqlite3.Error, TypeError) as exc:
             raise InterfaceError(exc) from exc
         if not self.is_sqlite_memory_mode and not self.is_journal_mode_wal:
-            mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
-            if str(mode).lower() != "wal":
-                connection.execute("PRAGMA journal_mode=WAL")
-                self.journal_mode_was_changed_to_wal = True
+            try:
+                mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    connection.execute("PRAGMA journal_mode=WAL")
+                    self.journal_mode_was_changed_to_wal = True
+            except sqlite3.Error as exc:  # e.g. "file is not a database": a classified store failure
+                connection.close()
+                raise InterfaceError(exc) from exc
             self.is_journal_mode_wal = True
         connection.row_factory = sqlite3.Row
         return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
@@ -314,7 +321,7 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
 LIVE_CONNECTION_ATTEMPTS = 13
 
 
-def on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
+def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
     """Call ``fn`` again when it met a dead pooled connection, as eventsourcing retries its own
     PostgreSQL queries.
 
@@ -329,7 +336,7 @@ def on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         for attempt in range(1, LIVE_CONNECTION_ATTEMPTS + 1):
             try:
                 return fn(*args, **kwargs)
@@ -347,12 +354,17 @@ def on_a_live_connection(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _composed(statement: str) -> Composed:
+    """A DDL statement as eventsourcing's create statements are typed (a Composed)."""
+    return Composed([SQL(statement)])
+
+
 class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
     def __init__(self, datastore: Any, *, events_table_name: str = EVENTS_TABLE) -> None:
         super().__init__(datastore, events_table_name=events_table_name)
         schema = self.datastore.schema
         self.sql_create_statements.append(
-            SQL(
+            _composed(
                 f'CREATE TABLE IF NOT EXISTS "{schema}".{TREES_TABLE} (tree_id text PRIMARY KEY, '
                 "start_id text NOT NULL, root_process_id text NOT NULL, program text NOT NULL, "
                 "status text NOT NULL, classification text NOT NULL, version bigint NOT NULL, "
@@ -361,7 +373,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             )
         )
         self.sql_create_statements.append(
-            SQL(
+            _composed(
                 f'CREATE TABLE IF NOT EXISTS "{schema}".{PROCESSES_TABLE} '
                 "(process_id text PRIMARY KEY, tree_id text NOT NULL)"
             )
@@ -372,7 +384,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # trip and one commit, where the library's default path needs a pipeline, a
         # sync and a separate COMMIT.
         self.sql_create_statements.append(
-            SQL(
+            _composed(
                 f'CREATE OR REPLACE FUNCTION "{schema}".agentfold_append('
                 "p_originator uuid, p_versions bigint[], p_topics text[], p_states bytea[], "
                 "p_head text[], p_new_processes text[]) RETURNS SETOF bigint LANGUAGE plpgsql AS $body$ "

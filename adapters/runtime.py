@@ -1193,7 +1193,10 @@ class Runtime:
                 if not driver.cond.acquire(timeout=-1 if deadline is None else remaining()):  # type: ignore[arg-type]
                     raise TimeoutError(f"tree {tree_id} is not finished")
                 try:
-                    driver.cond.wait_for(lambda d=driver: d.final is not None or d.stopped is not None, remaining())
+                    def ended(line: _Driver = driver) -> bool:
+                        return line.final is not None or line.stopped is not None
+
+                    driver.cond.wait_for(ended, remaining())
                     # Only an acknowledged termination is published, never the folded tree's.
                     if driver.final is not None:
                         return driver.final

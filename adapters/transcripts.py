@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from adapters.eventstore import PG_CONNECT_TIMEOUT, EventStore, end_session, redact
+from adapters.eventstore import PG_CONNECT_TIMEOUT, EventStore, InterruptibleConnection, end_session, redact
 from adapters.feed import FeedError, store_envelopes
 from domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from projections.transcripts import (
@@ -172,7 +172,8 @@ class TranscriptStore:
         # libpq waits for ever for a server that does not answer unless told (eventstore.pg_conninfo).
         timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
         try:
-            return psycopg.connect(self.url, autocommit=True, row_factory=dict_row, **timeout)
+            # Interruptible: ``interrupt`` ends its statement from another thread (end_session).
+            return InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **timeout)
         except psycopg.Error as exc:
             raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
 
@@ -542,8 +543,11 @@ class TranscriptConsumer:
             again = True
             self.run(stop)
 
-        self.report.failures += retry_until_stopped(
-            attempt, stop, say, retryable=consume_failed, backoff=backoff, max_backoff=max_backoff
+        def failed() -> None:
+            self.report.failures += 1  # as it happens: the report at the last resort shows it
+
+        retry_until_stopped(
+            attempt, stop, say, retryable=consume_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed
         )
         return self.report
 

@@ -96,7 +96,7 @@ class AgentfoldError(Exception):
         self.code = code
         self.message = message
         self.hint = hint
-        self.detail = detail
+        self.details = detail
 
     def __str__(self) -> str:
         text = f"{self.code}: {self.message}"
@@ -106,14 +106,14 @@ class AgentfoldError(Exception):
 
     def members(self) -> dict[str, Any]:
         """What the error names, as members of a problem document (HTTP API)."""
-        return dict(self.detail)
+        return dict(self.details)
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.hint:
             body["hint"] = self.hint
-        if self.detail:
-            body["detail"] = self.detail
+        if self.details:
+            body["detail"] = self.details
         return body
 
 

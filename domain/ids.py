@@ -202,7 +202,7 @@ def parse_effect_id(text: str) -> EffectID:
         raise InvalidInput(
             "identity.invalid",
             f"invalid effect id {value[:80]!r}",
-            hint="expected 'effect:' followed by 64 lowercase hex digits (`agentfold unknown` lists them)",
+            hint="expected 'effect:' followed by 64 lowercase hex digits; `agentfold unknown` lists them",
         )
     return value
 

@@ -294,6 +294,24 @@ def test_a_store_that_fails_exits_1(tmp_path: Path) -> None:
     assert ran.code == 1
     assert len(ran.stderr.strip().splitlines()) == 1
     assert ran.stderr.startswith("agentfold: error:")
+    # Commands that create a store classify it the same way (they once said cli.internal)
+    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    for command in (["trees"], ["run", demo], ["kernel-demo-run", "--side-effect-log", str(tmp_path / "log")]):
+        failed = agentfold(*command, "--json", store=f"sqlite:///{broken}")
+        assert failed.code == 1, failed.stderr
+        assert failed.error()["code"] == "store.unavailable"
+        assert "file is not a database" in failed.error()["message"]
+    assert broken.read_bytes() == b"this is not an sqlite database" * 100
+
+
+def test_a_timeout_out_of_range_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    for timeout in ("-1", "nan", "inf", "2592001"):
+        assert refused(agentfold("run", demo, "--timeout", timeout, "--json", store=store)).error()["code"] == "cli.usage"
+        assert refused(agentfold("recover", "--timeout", timeout, store=store)).stderr.startswith(
+            "agentfold: error: cli.usage: argument --timeout:")
+    assert not (tmp_path / "agentfold.db").exists()
 
 
 # ---------------------------------------------------------------------------

@@ -390,6 +390,11 @@ def test_an_input_wait_is_pending_refuses_invalid_answers_and_completes_on_one_v
     assert "$.approved: expected boolean" in invalid["message"]
     extra = refused(agentfold("answer", pid, wid, '{"approved": true, "tip": 5}', store=store))
     assert extra.stderr.startswith("agentfold: error: engine.signal.schema:")
+    # A bad --timeout is refused before the answer is admitted (found after, it left the model
+    # call that follows the answer unknown)
+    for timeout in ("-5", "nan", "inf", "1e12", "soon"):
+        bad = refused(agentfold("answer", pid, wid, '{"approved": true}', "--timeout", timeout, "--json", store=store))
+        assert bad.error()["code"] == "cli.usage" and "--timeout" in bad.error()["message"]
     assert store_version(store, tree_id) == before
     assert ok(agentfold("pending", "--json", store=store)).json()["pending"] == [wait]  # still open, unchanged
 

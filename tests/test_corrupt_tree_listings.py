@@ -197,6 +197,33 @@ def test_a_corrupt_tree_without_anything_to_list_still_makes_the_answer_incomple
     assert without_detail(as_json.json()["corrupt_trees"]) == [named(trees["bad"], "bad", position)]
 
 
+def test_a_question_about_the_corrupt_tree_alone_names_it_like_any_error(tmp_path: Path) -> None:
+    """``show`` of the corrupt tree: exit 1, and its ``--json`` error has the shape of every
+    error (``detail`` an object naming tree, position and rule; a ``hint`` saying what to run);
+    a state rewritten by hand as SQLite TEXT is reported as such, not as a Python TypeError."""
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    trees = start_runs(store, tmp_path, "bad")
+    bad = trees["bad"]
+    position = corrupt(store, bad, 3)
+    ran = agentfold("show", bad, "--json", store=store)
+    assert ran.code == 1 and ran.stdout == ""
+    [error] = stderr_errors(ran)
+    assert error["code"] == "store.corrupt"
+    assert error["detail"] == {"tree_id": bad, "position": position, "rule": "integrity.digest_chain"}
+    assert f"tree {bad} is corrupt at position {position}: integrity.digest_chain: recorded digest" in error["message"]
+    assert error["hint"] == f"see what is wrong with `agentfold audit verify {bad}`"
+
+    sql = Sql(store)
+    version, topic, state = sql.rows(TreeID(bad))[1]
+    sql.set_row(TreeID(bad), version, topic, state.decode())  # type: ignore[arg-type]  # bound as TEXT
+    text = agentfold("show", bad, store=store)
+    assert text.code == 1 and "Traceback" not in text.stderr
+    assert text.stderr.strip() == (
+        f"agentfold: error: store.corrupt: tree {bad} is corrupt at position {version}: integrity.format: "
+        f"stored state is text, not bytes (see what is wrong with `agentfold audit verify {bad}`)"
+    )
+
+
 # ---------------------------------------------------------------------------
 # Read-model tables: the same answer as folding
 

@@ -32,7 +32,8 @@ EFFECTS = 3
 class LeaseWitness:
     """A dispatcher that records, at each call, whether its runtime holds the tree's lease."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay  # seconds each call takes
         self.runtime: Runtime | None = None
         self.calls: list[bool] = []
         self.effects: list[str] = []
@@ -43,6 +44,7 @@ class LeaseWitness:
         with self.lock:
             self.calls.append(self.runtime._leases.holds(request.tree_id))
             self.effects.append(str(request.effect_id))
+        time.sleep(self.delay)
         return Settlement.succeeded({"value": 1})
 
 
@@ -54,11 +56,13 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def _end_lease_session(
-    runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any], *, after: bool
+    runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any], *, after: bool,
+    hold: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """``real``, wrapped: once, before it (``after=False``) or after it returned, the lease
-    session is terminated and the caller is held up until the watcher saw the loss, and then for
-    many more watcher polls (as a lost commit reply and its retry would hold it up)."""
+    session is terminated and the caller is held up by ``hold``: by default until the watcher
+    saw the loss, and then for many more watcher polls (as a lost commit reply and its retry
+    would hold it up)."""
     done = threading.Event()
 
     def end_it() -> None:
@@ -68,6 +72,9 @@ def _end_lease_session(
         pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
         with psycopg.connect(url, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        if hold is not None:
+            hold()
+            return
         _wait(lambda: not leases.holds(target), 10, "the watcher to notice the ended lease session")
         time.sleep(0.5)  # the watcher must not adopt the tree meanwhile
 
@@ -93,9 +100,13 @@ def _activations(store: EventStore, tree_id: TreeID) -> int:
     return sum(isinstance(r.event, WriterActivated) for r in store.read(tree_id))
 
 
-def _running_watcher(runtime: Runtime, program: Program) -> None:
-    """Start (and finish) one tree so that the runtime's watcher thread runs."""
+def _running_watcher(runtime: Runtime, program: Program, witness: LeaseWitness) -> None:
+    """Start (and finish) one tree so that the runtime's watcher thread runs; ``witness``
+    then watches ``runtime``'s calls, from none."""
+    witness.runtime = runtime
     runtime.start(program, {"n": 1}, start_id="warm-up").result(timeout=30)
+    witness.calls.clear()
+    witness.effects.clear()
 
 
 def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_database: str) -> None:
@@ -105,10 +116,7 @@ def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_
     program = chain_program(witness, replay=Replay.SAME_IDENTITY, name="test.lease.chain")
     store = EventStore(pg_database)
     with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
-        witness.runtime = runtime
-        _running_watcher(runtime, program)
-        witness.calls.clear()
-        witness.effects.clear()
+        _running_watcher(runtime, program, witness)
         target = TreeID.for_start("lease-lost-at-start")  # type: ignore[arg-type]
         # after the append committed, before the owner line is registered
         store.append = _end_lease_session(runtime, pg_database, lambda: target, store.append, after=True)  # type: ignore[method-assign]
@@ -118,6 +126,38 @@ def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_
     assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
     assert len(set(witness.effects)) == EFFECTS, "an Effect was called twice"
     assert _activations(store, target) == 1  # adopted again by the same runtime, under a new lease
+    store.close()
+
+
+def test_the_watcher_does_not_adopt_a_tree_whose_start_is_still_registering_its_owner_line(
+    pg_database: str,
+) -> None:
+    """The same window, with every chance for the watcher to adopt the tree before the start
+    registers its owner line: the start is held up until the watcher's owner line, if there
+    is one, is inside its first call (each call takes a while), at most 2 s. The watcher must
+    wait for the start (it takes the tree's adoption lock, as the start does); had it adopted
+    the tree, the start's owner line would call the first Effect a second time."""
+    witness = LeaseWitness(delay=0.3)
+    program = chain_program(witness, replay=Replay.SAME_IDENTITY, name="test.lease.chain.slow")
+    store = EventStore(pg_database)
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        _running_watcher(runtime, program, witness)
+        target = TreeID.for_start("lease-lost-while-registering")  # type: ignore[arg-type]
+
+        def until_called_or_2_s() -> None:
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and not witness.effects:
+                time.sleep(0.005)
+
+        store.append = _end_lease_session(  # type: ignore[method-assign]
+            runtime, pg_database, lambda: target, store.append, after=True, hold=until_called_or_2_s
+        )
+        runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-while-registering")
+        _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")
+        time.sleep(1)  # a second owner line's calls would come meanwhile
+    assert len(witness.effects) == len(set(witness.effects)) == EFFECTS, "an Effect was called twice"
+    assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
+    assert _activations(store, target) == 1
     store.close()
 
 
@@ -142,10 +182,7 @@ def test_a_lease_lost_while_a_tree_is_adopted_stops_it_until_it_is_adopted_again
     witness = LeaseWitness()
     program = chain_program(witness, replay=Replay.SAME_IDENTITY, name=name)
     with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
-        witness.runtime = runtime
-        _running_watcher(runtime, program)
-        witness.calls.clear()
-        witness.effects.clear()
+        _running_watcher(runtime, program, witness)
         runtime._load = _end_lease_session(runtime, pg_database, lambda: target, runtime._load, after=False)  # type: ignore[method-assign]
         runtime.recover(str(target))
         _wait(lambda: _finished(store, target), 30, "the tree to be adopted again and finish")

@@ -167,6 +167,14 @@ def test_export_to_standard_output_and_refusals(tmp_path: Path) -> None:
     tree_id = record_demo(tmp_path / "run", store)
     printed = ok(agentfold("export", str(tree_id), store=store)).stdout
     assert printed.encode() == export(store, tree_id, tmp_path / "file.jsonl")
+    nowhere = refused(agentfold("export", str(tree_id), "--out", str(tmp_path / "no" / "dir.jsonl"), "--json",
+                                store=store)).error()
+    assert nowhere["code"] == "export.unwritable" and "No such file or directory" in nowhere["message"]
+    assert not (tmp_path / "no").exists()
+    out = ["--out", str(tmp_path / "bad.jsonl")]
+    for ref in ("has space", "tree:not-hex"):  # a malformed reference is named as every command names it
+        for command in (["export", ref, *out], ["audit", "verify", ref]):
+            assert refused(agentfold(*command, "--json", store=store)).error()["code"] == "identity.invalid"
     Sql(store).delete(tree_id, 10)
     ran = agentfold("export", str(tree_id), "--out", str(tmp_path / "broken.jsonl"), "--json", store=store)
     assert ran.code == 1 and ran.error()["code"] == "store.corrupt"

@@ -160,7 +160,11 @@ def test_the_served_openapi_document_is_the_committed_docs_openapi_json(api: Api
 def test_unknown_paths_and_methods_are_problems_too(api: ApiServer) -> None:
     c = api.client()
     problem(c.get("/nowhere"), 404, "http.not_found")
-    problem(c.delete("/runs"), 405, "http.method_not_allowed")
+    refused = c.delete("/runs")
+    problem(refused, 405, "http.method_not_allowed")
+    # Allow names every method of the path (GET and POST /runs are two routes)
+    assert refused.headers["allow"] == "GET, POST"
+    assert c.put("/runs/tree:00000000000000000000000000000000").headers["allow"] == "GET"
 
 
 # ---------------------------------------------------------------------------
@@ -241,6 +245,8 @@ def test_refused_starts_are_problems_and_append_nothing(api: ApiServer) -> None:
     malformed = c.post("/runs", content=b'{"scenario": ', headers={"content-type": "application/json"})
     problem(malformed, 422, "http.request_invalid")
     problem(c.post("/runs", json={"scenario": HELLO, "wait": 301}), 422, "http.request_invalid")
+    not_a_number = problem(c.post("/runs", json={"scenario": HELLO, "wait": "nan"}), 422, "http.request_invalid")
+    assert "finite" in not_a_number["detail"], not_a_number  # not "less than or equal to 300"
     problem(c.post("/runs", json={"scenario": HELLO, "start_id": "has space"}), 422, "identity.invalid")
     problem(c.post("/runs", json={"program": "no.such.program"}), 404, "engine.program.unavailable")
     problem(c.post("/runs", json={"program": "demo.payment", "input": {"customer": 1}}), 422, "engine.start.input_invalid")

@@ -172,3 +172,15 @@ def test_request_bodies_above_the_limit_are_refused_with_413_declared_or_streame
     streamed = c.post("/runs", content=chunks(), headers={"content-type": "application/json"})
     problem(streamed, 413, "payload.too_large")
     assert ok(httpx.get(server.url + "/health"))["positions"]["store"] == before
+
+
+def test_the_start_line_counts_recovered_runs_by_outcome() -> None:
+    """``serve --recover``'s text start line once said "8 live run(s) adopted" for 1 adopted
+    run and 7 parked ones left as they are (the --json line lists each run's outcome)."""
+    from adapters.cli_serve import recovered_text
+
+    entries = [{"tree_id": f"tree:{i:032x}", "outcome": "parked"} for i in range(7)]
+    entries.append({"tree_id": "tree:" + "f" * 32, "outcome": "adopted"})
+    assert recovered_text(entries) == ", 1 live run(s) adopted, 7 live run(s) parked and left as they are"
+    assert recovered_text([{"tree_id": "tree:" + "0" * 32, "outcome": "skipped"}]) == ", 1 live run(s) skipped"
+    assert recovered_text([]) == ""
