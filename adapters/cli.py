@@ -705,8 +705,14 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
 
     def outcome() -> Outcome:
         """The report of what it did so far (the end, or the last resort: exit_at_once)."""
-        assert follower is not None
         seconds = time.perf_counter() - started if caught_up_in is None else caught_up_in
+        if follower is None:  # the last resort came while it opened the store
+            return Outcome(
+                {"rebuilt": bool(args.rebuild), "events": 0, "position": None, "seconds": round(seconds, 3),
+                 "stopped": True},
+                "stopped before projecting anything (it was opening the store); the next run goes on from the "
+                "read models' position",
+            )
         data: dict[str, JSON] = {"rebuilt": bool(args.rebuild), "events": follower.events_applied,
                                  "position": follower.position, "seconds": round(seconds, 3)}
         if args.follow:  # stopped (following, or before it followed: its catch-up is part of it)
@@ -731,7 +737,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
         return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(tree.entry(), consequence) for tree in found))
 
     def final() -> int:
-        return print_outcome(outcome(), as_json) if follower is not None else 0
+        return print_outcome(outcome(), as_json)
 
     def interrupt() -> None:
         for store in stores:

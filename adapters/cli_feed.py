@@ -30,7 +30,7 @@ from adapters.cli import PROG, Context, Outcome, print_outcome
 from adapters.eventstore import redact
 from adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher, publish_failed
 from adapters.follower import StopGuard, exit_at_once, one_line, stop_on_signals
-from adapters.transcripts import TranscriptConsumer, TranscriptStore, consume_failed
+from adapters.transcripts import ConsumeReport, TranscriptConsumer, TranscriptStore, consume_failed
 from domain.errors import InvalidInput, NotFound
 
 
@@ -88,7 +88,13 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
 
     def outcome() -> Outcome:
         """The report of what it published so far (the end, or the last resort: exit_at_once)."""
-        assert publisher is not None
+        if publisher is None:  # the last resort came while it opened the store or reached the broker
+            return Outcome(
+                {"topic": args.topic, "events": 0, "batches": 0, "from_position": None, "position": None,
+                 "failures": 0, "stopped": True},
+                f"stopped before publishing anything to topic {args.topic} (it was opening the store or reaching "
+                "the broker); the next run goes on from the stored position",
+            )
         events, position, failures = publisher.events, publisher.position, publisher.failures
         data: dict[str, Any] = {
             "topic": args.topic, "events": events, "batches": publisher.batches,
@@ -105,7 +111,7 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
         return Outcome(data, text)
 
     def final() -> int:
-        return print_outcome(outcome(), as_json) if publisher is not None else 0
+        return print_outcome(outcome(), as_json)
 
     # SIGTERM/SIGINT, from the start (--once too): the batch in progress ends (acknowledged,
     # position stored), then it reports and exits 0; within STOP_LIMIT s, also in an outage.
@@ -150,7 +156,12 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
 
     def outcome() -> Outcome:
         """The report of what it applied so far (the end, or the last resort: exit_at_once)."""
-        assert consumer is not None
+        if consumer is None:  # the last resort came while it opened the database or joined the group
+            return Outcome(
+                {"topic": args.topic, "group": args.group, **ConsumeReport().to_json(), "stopped": True},
+                f"stopped before reading anything from {args.topic} (it was opening the database or joining "
+                "the group); the next run goes on from the committed offsets",
+            )
         report = consumer.report
         data = {"topic": args.topic, "group": args.group, **report.to_json()}
         t = report.totals
@@ -163,7 +174,7 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
         return Outcome(data, text)
 
     def final() -> int:
-        return print_outcome(outcome(), as_json) if consumer is not None else 0
+        return print_outcome(outcome(), as_json)
 
     with stop_on_signals(stop), _guard(stop, say, interrupts, final):  # --once and --idle-exit too
         store = TranscriptStore(args.db)
@@ -192,7 +203,7 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 def cmd_transcript(ctx: Context, args: argparse.Namespace) -> Outcome:
-    store = TranscriptStore(args.db)
+    store = TranscriptStore(args.db, create=False)  # a reader creates nothing
     try:
         found = store.transcript(args.process_id)
     finally:
@@ -288,7 +299,7 @@ def register(command: Any) -> None:
     transcripts.add_argument("--max-records", type=_positive, default=1000, metavar="N",
                              help="records per batch (one database transaction each; default 1000)")
     transcripts.add_argument("--once", action="store_true", help="exit once nothing new arrived for 1 s after joining")
-    transcripts.add_argument("--idle-exit", type=float, metavar="SECONDS",
+    transcripts.add_argument("--idle-exit", type=_positive_seconds, metavar="SECONDS",
                              help="exit once nothing new arrived for this long after joining")
 
     transcript = command("transcript", cmd_transcript, "print the transcript of one Interaction process")

@@ -74,7 +74,7 @@ class FeedError(AgentfoldError):
     """
 
     def __init__(self, message: str, *, retriable: bool = True) -> None:
-        super().__init__("feed.unavailable", message, "check --bootstrap and the broker; the publisher resumes where it stopped")
+        super().__init__("feed.unavailable", message, "check --bootstrap and the broker; run again: the publisher and the transcripts consumer resume where they stopped")
         self.retriable = retriable
 
 

@@ -665,8 +665,12 @@ def stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
     thread and in the threads it starts meanwhile), not by a Python signal handler: a handler
     runs only once the main thread is back in the interpreter, which a call that waits inside
     C code (an SQLite write waiting for another process's lock, up to 30 s) would delay, and
-    with it the whole bound. Enter it before starting any thread that should not take them;
-    on exit the signal mask is restored (a signal that came meanwhile only sets ``stop``)."""
+    with it the whole bound. Enter it before starting any thread that should not take them.
+
+    On exit the signal mask is restored, and the two signals stay noted by a handler that
+    only sets ``stop``: a signal that comes while the command prints its report and exits
+    must not kill it (exit 143 after a run that succeeded). Only CLI commands use this: the
+    process ends right after."""
     signals = {signal.SIGTERM, signal.SIGINT}
     done = threading.Event()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
@@ -685,4 +689,6 @@ def stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
         thread.join()
         while signal.sigtimedwait(signals, 0) is not None:  # came after the thread ended
             stop.set()
+        for each in signals:
+            signal.signal(each, lambda number, frame: stop.set())
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -41,7 +41,7 @@ import orjson
 
 from adapters.eventstore import PG_CONNECT_TIMEOUT, EventStore, InterruptibleConnection, end_session, redact
 from adapters.feed import FeedError, store_envelopes
-from domain.errors import AgentfoldError, InvalidInput, StoreFailure
+from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from projections.transcripts import (
     Entry,
     Envelope,
@@ -113,16 +113,29 @@ class Rejected:
     value: str
 
 
+def _no_tables(url: str, why: str) -> NotFound:
+    return NotFound(
+        "transcripts.not_found", f"no transcript database at {redact(url)}: {why}",
+        hint="`agentfold transcripts --db URL` creates and fills it; check --db",
+    )
+
+
 class TranscriptStore:
     """The transcript tables in one SQLite file or PostgreSQL database."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        """``create=False`` (reading transcripts): a database without the tables is
+        ``transcripts.not_found`` and nothing is created (a mistyped ``--db`` must not leave
+        an empty database, or directories, behind)."""
         self.url = url
         if url.startswith("sqlite:///"):
             path = url[len("sqlite:///") :]
             if not path:
                 raise InvalidInput("transcripts.url_invalid", f"sqlite URL {url!r} names no file")
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if create:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            elif not Path(path).is_file():
+                raise _no_tables(url, "the file does not exist")
             self.backend = "sqlite"
         elif url.startswith(("postgresql://", "postgres://")):
             self.backend = "postgresql"
@@ -131,13 +144,30 @@ class TranscriptStore:
                 "transcripts.url_invalid", f"unsupported database URL {url!r}",
                 hint="use sqlite:///path.db or postgresql://user:pass@host:port/db",
             )
-        self._conn: Any = self._connect()
+        self._conn: Any = self._connect(create)
         self._lock = threading.Lock()
+        if not create:
+            try:
+                present = self._has_tables()
+            except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+                self.close()
+                raise StoreFailure("transcripts.unavailable", f"cannot open {redact(url)}: {exc}") from exc
+            if not present:
+                self.close()
+                raise _no_tables(url, "it has no transcript tables")
+            return
         with self._transaction() as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170105)")  # concurrent first opens
             for statement in _DDL:
                 c.execute(statement)
+
+    def _has_tables(self) -> bool:
+        if self.backend == "sqlite":
+            found = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (TRANSCRIPTS,))
+        else:
+            found = self._conn.execute("SELECT 1 WHERE to_regclass(%s) IS NOT NULL", (TRANSCRIPTS,))
+        return found.fetchone() is not None
 
     def close(self) -> None:
         self._conn.close()
@@ -160,11 +190,12 @@ class TranscriptStore:
                 pass
             self._conn = self._connect()
 
-    def _connect(self) -> Any:
+    def _connect(self, create: bool = True) -> Any:
         if self.backend == "sqlite":
             conn = sqlite3.connect(self.url[len("sqlite:///") :], timeout=30, isolation_level=None, check_same_thread=False)
             conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
+            if create:  # a reader leaves the file as it is
+                conn.execute("PRAGMA journal_mode=WAL")
             return conn
         import psycopg
         from psycopg.rows import dict_row

@@ -16,8 +16,11 @@ from the committed position: nothing applied or published twice, nothing skipped
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,7 +35,7 @@ from adapters.eventstore import EventStore
 from adapters.feed import APPLICATION_PREFIX
 from adapters.read_models import APPLICATION, ReadModels
 from tests.http_api.support import TOKEN, ok, start_server
-from tests.test_cli import agentfold
+from tests.test_cli import ROOT, agentfold
 from tests.test_cli import ok as ran_ok
 from tests.test_cli_interaction import approval
 from tests.test_feed_reconnects import Command, _runs
@@ -238,3 +241,66 @@ def test_project_follow_at_the_last_resort_while_following_prints_its_report_of_
     finally:
         if project.alive():
             project.process.kill()
+
+
+# ---------------------------------------------------------------------------
+# The last resort before anything was reached, and a signal while the command ends
+
+
+def test_publish_and_transcripts_stopped_before_reaching_the_broker_still_report_and_exit_0(tmp_path: Path) -> None:
+    """A broker that cannot be reached: the commands wait in the Kafka client (not
+    interruptible), so SIGTERM ends them at the last resort, with a report saying nothing
+    was done (``stopped``: true), not with an empty stdout."""
+    url, _, _ = _backlog(tmp_path, 1)
+    nowhere = "127.0.0.1:1"
+    publish = Command("--store", url, "publish", "--bootstrap", nowhere, "--topic", "t", "--once", "--json")
+    transcripts = Command("transcripts", "--bootstrap", nowhere, "--topic", "t", "--group", "g",
+                          "--db", f"sqlite:///{tmp_path / 'transcripts.db'}", "--once", "--json")
+    commands = (publish, transcripts)
+    try:
+        time.sleep(2.0)
+        started = time.monotonic()
+        for command in commands:
+            command.process.send_signal(signal.SIGTERM)
+        ended = [command.finish(KILL_AFTER) for command in commands]
+        seconds = time.monotonic() - started
+    finally:
+        for command in commands:
+            if command.alive():
+                command.process.kill()
+    assert seconds < LAST_RESORT_BOUND
+    (published_status, published), (read_status, read) = ended
+    assert published_status == 0, publish.stderr
+    assert json.loads(published) == {"topic": "t", "events": 0, "batches": 0, "from_position": None, "position": None,
+                                     "failures": 0, "stopped": True}
+    assert read_status == 0, transcripts.stderr
+    report = json.loads(read)
+    assert (report["topic"], report["group"], report["stopped"], report["envelopes"], report["batches"]) == (
+        "t", "g", True, 0, 0)
+
+
+def test_a_signal_while_publish_once_prints_its_report_and_exits_does_not_kill_it(
+    tmp_path: Path, kafka_bootstrap: str,
+) -> None:
+    """SIGTERM right after the report is on stdout (the process is ending: closing the
+    producer, the store): it is noted, not fatal (exit 0, not 143)."""
+    url, _, total = _backlog(tmp_path, 3)
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    env["PYTHONPATH"] = str(ROOT)
+    topic = f"late-{uuid.uuid4().hex[:8]}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "adapters.cli", "--store", url, "publish", "--bootstrap", kafka_bootstrap,
+         "--topic", topic, "--once", "--json"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert status == 0, process.stderr.read() if process.stderr else ""
+    assert json.loads(line)["position"] == total

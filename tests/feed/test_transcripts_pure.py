@@ -318,3 +318,39 @@ def test_agentfold_transcript_prints_one_transcript(runs_store: Any, tmp_path: P
     assert "[steering] note 0: window seat please" in text.stdout and "[input asked]" in text.stdout
     missing = subprocess.run([*agentfold, "transcript", "process:nope", "--db", db], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "transcripts.not_found" in missing.stderr
+
+
+def test_agentfold_transcript_reads_and_creates_nothing_on_a_mistyped_db(tmp_path: Path, pg_database: str) -> None:
+    """``transcript`` is a read: a --db without the transcript tables is transcripts.not_found
+    (exit 2) and is left as it was: no file, no directory, no tables."""
+    agentfold = [sys.executable, "-m", "adapters.cli"]
+
+    def refused(db: str) -> str:
+        ran = subprocess.run([*agentfold, "transcript", "process:nope", "--db", db, "--json"], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert ran.returncode == 2, ran.stderr
+        error = json.loads(ran.stderr)["error"]
+        assert error["code"] == "transcripts.not_found" and "agentfold transcripts" in error["hint"]
+        return str(error["message"])
+
+    assert "the file does not exist" in refused(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}")
+    assert not (tmp_path / "no").exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert "no transcript tables" in refused(f"sqlite:///{empty}")
+    assert empty.stat().st_size == 0
+    assert "no transcript tables" in refused(pg_database)
+    import psycopg
+
+    with psycopg.connect(pg_database) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'agentfold_transcript%'").fetchone() == (0,)
+
+
+def test_transcripts_refuses_an_idle_exit_that_is_not_a_positive_number(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    for value in ("-2", "0", "nan"):
+        ran = subprocess.run([sys.executable, "-m", "adapters.cli", "transcripts", "--bootstrap", "127.0.0.1:1",
+                              "--topic", "t", "--group", "g", "--db", f"sqlite:///{db}", "--idle-exit", value],
+                             cwd=ROOT, capture_output=True, text=True)
+        assert ran.returncode == 2 and "cli.usage: argument --idle-exit" in ran.stderr, ran.stderr
+    assert not db.exists()
