@@ -33,6 +33,7 @@ authorized) stop the publisher.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -51,7 +52,7 @@ from adapters.read_models import tracking_recorder
 from domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from domain.events import EVENT_TYPES
 from domain.ids import TreeID
-from domain.integrity import SealError, unseal
+from domain.integrity import SealError, chain_digest, unseal
 
 APPLICATION_PREFIX = "agentfold.publisher:"
 DEFAULT_PARTITIONS = 3
@@ -98,8 +99,9 @@ def publish_failed(exc: BaseException) -> bool:
 # Envelopes
 
 
-def envelope_of(notification: Notification) -> Envelope:
-    """The feed envelope of one stored event (the body exactly as stored, defaults omitted)."""
+def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> Envelope:
+    """The feed envelope of one stored event (the body exactly as stored, defaults omitted);
+    with ``chain``, only once its digest chains to the previous event of its tree."""
     originator = notification.originator_id
     tree_id = TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
     position = int(notification.originator_version)
@@ -111,6 +113,8 @@ def envelope_of(notification: Notification) -> Envelope:
         sealed = unseal(stored_json(notification.state))
     except SealError as exc:
         raise CorruptStream(tree_id, position, "integrity.format", str(exc)) from exc
+    if chain is not None:
+        chain.check(tree_id, position, tag, sealed.content, sealed.digest)
     body = sealed.body
     return {
         "notification_id": int(notification.id),
@@ -123,6 +127,46 @@ def envelope_of(notification: Notification) -> Envelope:
         "payload": body,
         "digest": sealed.digest,
     }
+
+
+class ChainCheck:
+    """The digest chain of what a publisher produces (``domain.integrity``): each event's
+    recorded digest must be the one its tree's previous event and its own content give, so a
+    stored event changed by hand, or a history with a hole, never reaches the topic
+    (``store.corrupt``, as loading the tree says it).
+
+    The previous digest comes from the event before in the same batch or an earlier one (the
+    last ``capacity`` trees are remembered), else from the store (one read per tree)."""
+
+    def __init__(self, store: EventStore, capacity: int = 10_000) -> None:
+        self.store = store
+        self.capacity = capacity
+        self._last: collections.OrderedDict[TreeID, tuple[int, str]] = collections.OrderedDict()
+
+    def check(self, tree_id: TreeID, position: int, tag: str, content: bytes, recorded: str) -> None:
+        previous = self._previous(tree_id, position)
+        expected = chain_digest(previous, tree_id, position, tag, content)
+        if expected != recorded:
+            raise CorruptStream(tree_id, position, "integrity.digest_chain",
+                                f"recorded digest {recorded} but the chain gives {expected}")
+        self._last[tree_id] = (position, recorded)
+        self._last.move_to_end(tree_id)
+        if len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+    def _previous(self, tree_id: TreeID, position: int) -> str | None:
+        if position == 1:
+            return None
+        known = self._last.get(tree_id)
+        if known is not None and known[0] == position - 1:
+            return known[1]
+        rows = self.store.recorder.select_events(tree_id.uuid, gt=position - 2, lte=position - 1)
+        if not rows:
+            raise CorruptStream(tree_id, position - 1, "integrity.missing_event", f"position {position - 1} is missing")
+        try:
+            return unseal(stored_json(rows[0].state)).digest
+        except SealError as exc:
+            raise CorruptStream(tree_id, position - 1, "integrity.format", str(exc)) from exc
 
 
 def envelope_bytes(envelope: Envelope) -> bytes:
@@ -295,6 +339,7 @@ class Publisher:
         self.ack_timeout = ack_timeout
         self._position = PublisherPosition(store, topic)
         self.position = self._position.get()
+        self._chain = ChainCheck(store)
         ensure_topic(bootstrap, topic, partitions, replication_factor)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
@@ -313,7 +358,21 @@ class Publisher:
         notifications = self.store.notifications(self.position, self.batch_size)
         if not notifications:
             return 0
-        self.produce([envelope_of(n) for n in notifications])
+        # Up to the first event that cannot be read or does not verify: what comes before it
+        # is published (and its position stored), then the publisher stops on it.
+        envelopes: list[Envelope] = []
+        corrupt: CorruptStream | None = None
+        for notification in notifications:
+            try:
+                envelopes.append(envelope_of(notification, self._chain))
+            except CorruptStream as exc:
+                corrupt = exc
+                break
+        notifications = notifications[: len(envelopes)]
+        if not notifications:
+            assert corrupt is not None
+            raise corrupt
+        self.produce(envelopes)
         self.batches += 1
         self._crash(self.batches)
         last = int(notifications[-1].id)
@@ -330,6 +389,8 @@ class Publisher:
                 ) from exc
         self.position = last
         self.events += len(notifications)
+        if corrupt is not None:
+            raise corrupt
         return len(notifications)
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:

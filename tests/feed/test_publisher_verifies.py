@@ -1,0 +1,74 @@
+"""The publisher verifies the digest chain of what it produces (docs/kafka.md).
+
+A stored event changed by hand (its recorded timestamp, as a careless operator or bit rot
+would do it) still decodes, but its digest no longer chains. ``publish`` must not put it on
+the topic: it publishes every event before it, stores that position, and stops with
+``store.corrupt`` naming the tree, the position and the rule, as loading the tree does. A
+publisher that starts after the damaged event's predecessors were published (a cold cache:
+the previous digest is read from the store) stops on it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from adapters.eventstore import EventStore
+from adapters.feed import PublisherPosition, store_envelopes
+from domain.ids import TreeID
+from tests.audit.support import Sql
+from tests.feed.support import read_topic_confluent
+from tests.test_cli import agentfold
+from tests.test_feed_reconnects import _runs
+
+
+def _tamper(url: str, tree_id: str, position: int) -> None:
+    sql = Sql(url)
+    version, topic, state = next(r for r in sql.rows(TreeID(tree_id)) if r[0] == position)
+    tampered = state.replace(b'"timestamp":"2', b'"timestamp":"1', 1)
+    assert tampered != state
+    sql.set_row(TreeID(tree_id), version, topic, tampered)
+
+
+def _position(url: str, topic: str) -> int:
+    store = EventStore(url, create=False)
+    try:
+        return PublisherPosition(store, topic).get()
+    finally:
+        store.close()
+
+
+def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_what_came_before(
+    tmp_path: Path, kafka_bootstrap: str,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    _runs(url, 4)
+    store = EventStore(url)
+    try:
+        envelopes = list(store_envelopes(store))
+    finally:
+        store.close()
+    # an event in the middle of the log, not the first of its tree
+    damaged = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 3)
+    _tamper(url, damaged["tree_id"], damaged["position"])
+    before = [e["notification_id"] for e in envelopes if e["notification_id"] < damaged["notification_id"]]
+
+    topic = f"verify-{uuid.uuid4().hex[:8]}"
+    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
+                    "--json", store=url)
+    assert ran.code == 1, ran.stderr
+    [line] = ran.stderr.strip().splitlines()
+    error = json.loads(line)["error"]
+    assert error["code"] == "store.corrupt"
+    assert error["detail"] == {"tree_id": damaged["tree_id"], "position": damaged["position"],
+                               "rule": "integrity.digest_chain"}
+    assert "recorded digest sha256:" in error["message"]
+    # everything before it is on the topic, once, and its position is stored
+    assert sorted(read_topic_confluent(kafka_bootstrap, topic, expected=len(before)).notification_ids()) == before
+    assert _position(url, topic) == before[-1]
+
+    # a publisher that starts from there (nothing of the tree remembered) stops on it again
+    again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
+    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == damaged["position"]
+    assert _position(url, topic) == before[-1]
