@@ -40,10 +40,14 @@ import argparse
 import importlib
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
+
+from eventsourcing.persistence import PersistenceError
 
 from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, store_url_from_env
 from adapters.interaction import steer_signal
@@ -341,8 +345,8 @@ def _settlement_for(
     return settlement_for(
         tree, programs, effect_id,
         model_response=ABSENT if args.model_response is None
-        else parse_json_text(args.model_response, what="--model-response"),
-        output=ABSENT if args.output is None else parse_json_text(args.output, what="--output"),
+        else parse_json_text(json_argument(args.model_response, "--model-response"), what="--model-response"),
+        output=ABSENT if args.output is None else parse_json_text(json_argument(args.output, "--output"), what="--output"),
         disposition=args.disposition, status=args.status,
         name=lambda member: "--" + member.replace("_", "-"),
         usage=lambda message: _UsageError("cli.usage", message),
@@ -476,7 +480,7 @@ def _head_summary(head: TreeHead) -> dict[str, JSON]:
 
 
 def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
-    crash = CrashPlan.parse(args.crash_after) if args.crash_after else None
+    crash = CrashPlan.parse(args.crash_after) if args.crash_after is not None else None
     if args.amount_cents < 1:
         raise InvalidInput("cli.argument_invalid", f"--amount-cents must be positive, got {args.amount_cents}")
     program = next((p for p in ctx.sources.programs if p.ref.name == PROGRAM_NAME), None) or payment_program()
@@ -499,7 +503,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     """Start a scenario and drive it until it is terminal or parks (input wait, unknown, pause)."""
     doc = load_scenario_file(args.scenario)
     program = scenario_program(doc)
-    crash = CrashPlan.parse(args.crash_after) if args.crash_after else None
+    crash = CrashPlan.parse(args.crash_after) if args.crash_after is not None else None
     store = ctx.open_store(create=True)
     try:
         with ctx.runtime(store, crash, program) as runtime:
@@ -543,13 +547,14 @@ def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 def _signal_id(given: str | None, prefix: str) -> SignalID:
-    return SignalID(given) if given else SignalID(f"{prefix}:{os.urandom(16).hex()}")
+    # An empty --signal-id is an invalid id (identity.invalid), not "make one up".
+    return SignalID(given) if given is not None else SignalID(f"{prefix}:{os.urandom(16).hex()}")
 
 
 def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     process_id = ProcessID(args.process_id)
     wait_id = WaitID(args.wait_id)
-    response = parse_json_text(args.response, what="the answer")
+    response = parse_json_text(json_argument(args.response, "the answer"), what="the answer")
     store = ctx.open_store()
     try:
         tree_id = store.find_process_tree(process_id)
@@ -812,13 +817,33 @@ def _seconds(text: str) -> float:
     return value
 
 
+def json_argument(text: str, what: str) -> str | bytes:
+    """A JSON argument as given, or read from a file (``@PATH``) or standard input (``-``):
+    a command line holds at most 128 KiB per argument on Linux, below the payload limits.
+    Neither form is valid JSON text itself, so nothing is ambiguous."""
+    if text == "-":
+        return sys.stdin.buffer.read()
+    if text.startswith("@"):
+        path = text[1:]
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise InvalidInput("cli.argument_invalid", f"{what}: cannot read {path}: {exc.strerror or exc}",
+                               hint="@PATH reads the JSON from a file, - from standard input") from exc
+    return text
+
+
+#: The largest count an option takes (a --batch beyond it only overflows the database's integers).
+MAX_COUNT = 1_000_000
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is not from 1 to {MAX_COUNT}")
     return value
 
 
@@ -857,13 +882,15 @@ def build_parser() -> argparse.ArgumentParser:
     resolve.add_argument("effect_id", metavar="EFFECT_ID", help="an effect id listed by `agentfold unknown`")
     resolve.add_argument(
         "--output", metavar="JSON", default=None,
-        help="the outcome (JSON text): a tool call's output (text or {content, details}), or another effect's payload",
+        help="the outcome (JSON text, @FILE or - for standard input): a tool call's output (text or "
+        "{content, details}), or another effect's payload",
     )
     resolve.add_argument(
         "--disposition", choices=("succeeded", "failed", "rejected"), default=None,
         help="a tool call's disposition (default succeeded)",
     )
-    resolve.add_argument("--model-response", metavar="JSON", default=None, help="a model call's response (JSON)")
+    resolve.add_argument("--model-response", metavar="JSON", default=None,
+                         help="a model call's response (JSON text, @FILE or - for standard input)")
     resolve.add_argument(
         "--status", choices=("succeeded", "failed"), default=None,
         help="the outcome of an effect that is neither a tool nor a model call (default succeeded)",
@@ -895,7 +922,9 @@ def build_parser() -> argparse.ArgumentParser:
     answer = command("answer", cmd_answer, "answer a pending tool input, then drive the run on", timeout=True)
     answer.add_argument("process_id", metavar="PROCESS_ID", help="the Tool child process (from `pending`)")
     answer.add_argument("wait_id", metavar="WAIT_ID", help="its current wait (from `pending`)")
-    answer.add_argument("response", metavar="JSON", help="the answer; it must satisfy the wait's response schema")
+    answer.add_argument("response", metavar="JSON",
+                        help="the answer (JSON text, @FILE or - for standard input); it must satisfy the wait's "
+                        "response schema")
     answer.add_argument("--signal-id", metavar="ID", default=None, help="deduplication id (resend it to retry safely)")
     steer = command("steer", cmd_steer, "add a user message to the next model request of an Interaction", timeout=True)
     steer.add_argument("process_id", metavar="PROCESS_ID", help="the Interaction process")
@@ -931,6 +960,16 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     """Run one command; returns the exit status (0 ok, 2 refused input, 1 otherwise)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     as_json = _wants_json(args_list)
+    for index, arg in enumerate(args_list, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            # Python hands bytes that are not UTF-8 over as lone surrogates, which no id,
+            # payload or reason may hold (they failed deep inside, as cli.internal).
+            _report(_UsageError("cli.argument_invalid",
+                                f"argument {index} ({ascii(arg)[:80]}) is not valid UTF-8 text",
+                                "pass UTF-8 text; read JSON from a file with @PATH"), as_json)
+            return 2
     try:
         args = build_parser().parse_args(args_list)
     except _UsageError as exc:
@@ -939,12 +978,12 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     as_json = bool(getattr(args, "json", False))
-    ctx = Context(
-        store_url=store_url_from_env(getattr(args, "store", None)),
-        sources=sources or default_sources(),
-        timeout=float(getattr(args, "timeout", DEFAULT_TIMEOUT)),
-    )
     try:
+        ctx = Context(
+            store_url=store_url_from_env(getattr(args, "store", None)),
+            sources=sources or default_sources(),
+            timeout=float(getattr(args, "timeout", DEFAULT_TIMEOUT)),
+        )
         outcome: Outcome = args.handler(ctx, args)
     except AgentfoldError as exc:
         _report(exc, as_json)
@@ -954,6 +993,11 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
         return 1
     except KeyboardInterrupt:
         return 130
+    except (PersistenceError, sqlite3.Error) as exc:
+        # A store failure no layer below classified (a read-only file when tables must be made).
+        _report(AgentfoldError("store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
+                               "check that the store is reachable and writable"), as_json)
+        return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure as one line
         _report(AgentfoldError("cli.internal", f"{type(exc).__name__}: {exc}"), as_json)
         return 1

@@ -151,10 +151,24 @@ def cmd_replay(ctx: Context, args: argparse.Namespace) -> Outcome:
 # export and import
 
 
+def _position(text: str) -> int:
+    """A position: an integer of at most 63 bits (a larger one cannot be stored anywhere);
+    one past the tree's end is ``audit.position_out_of_range``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(1 << 63) <= value < (1 << 63):
+        raise argparse.ArgumentTypeError(f"{text} is beyond any position")
+    return value
+
+
 def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     as_json = bool(getattr(args, "json", False))
     if args.out is None and as_json:
         raise _UsageError("cli.usage", "without --out the export itself is printed; --json needs --out FILE")
+    if args.out is not None and not args.out.strip():
+        raise _UsageError("cli.usage", "--out is empty", "name the file to write, or leave --out out to print")
     store = ctx.open_store()
     try:
         tree_id = audit.tree_of(store, args.tree)
@@ -242,7 +256,7 @@ def register(command: Any) -> None:
 
     replay = command("replay", cmd_replay, "show the folded state of a tree at a position (no call of anything)")
     replay.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
-    replay.add_argument("--at", type=int, required=True, metavar="POSITION", help="the position (1 = TreeStarted)")
+    replay.add_argument("--at", type=_position, required=True, metavar="POSITION", help="the position (1 = TreeStarted)")
 
     export = command("export", cmd_export, "write a tree's stored events as JSON Lines (docs/audit.md)")
     export.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")

@@ -63,8 +63,8 @@ def _positive(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 1000000, not {text!r}")
     return value
 
 

@@ -243,6 +243,9 @@ class EventStore:
         self.url = url
         self.backend, settings = parse_store_url(url)
         self._settings = settings
+        if self.backend == "sqlite" and Path(settings["SQLITE_DBNAME"]).is_dir():
+            raise InvalidInput("store.url_invalid", f"{redact(url)} names a directory, not an SQLite file",
+                               hint="name the store's file, e.g. sqlite:///path/agentfold.db")
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         if self.backend == "postgresql":
@@ -837,6 +840,10 @@ def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFo
 
 
 def store_url_from_env(explicit: str | None = None) -> str:
+    if explicit is not None and not explicit.strip():
+        # An empty --store (an unset shell variable) must not silently mean the default store.
+        raise InvalidInput("store.url_invalid", "--store is empty",
+                           hint="give sqlite:///path.db, postgresql://... or memory:, or leave --store out")
     return explicit or os.environ.get("AGENTFOLD_STORE") or DEFAULT_STORE
 
 

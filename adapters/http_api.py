@@ -1042,6 +1042,11 @@ def _install_error_handlers(app: FastAPI) -> None:
                                 {"errors": errors})
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:
+            # FastAPI could not parse the body (e.g. JSON nested beyond the parser's depth): a
+            # request that does not say what to do, as any other unreadable body (422).
+            return problem_response(422, "http.request_invalid", f"the request body could not be read: {exc.detail}",
+                                    "send one JSON object, nested at most 254 levels deep")
         code = {404: "http.not_found", 405: "http.method_not_allowed", 413: "payload.too_large"}.get(
             exc.status_code, "http.error")
         detail = {404: f"no endpoint {request.url.path}",

@@ -25,7 +25,7 @@ from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolO
 from domain.canonical import JSON, digest_of, normalize
 from domain.errors import InvalidInput
 from domain.interaction.chat import ChatInput, parse_response
-from domain.json_schema import check_schema
+from domain.json_schema import check_schema, resolve_ref
 from domain.program import Program
 
 PROGRAM_NAME = "agentfold.scenario"
@@ -46,6 +46,84 @@ def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence
     if extra:
         raise ScenarioError(f"{path}.{sorted(extra)[0]}", "is not a scenario member")
     return value
+
+
+# Keywords whose value is one schema, a list of schemas, or an object of schemas (as check_schema walks them).
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that apply their schema to the same value: a cycle through them never ends.
+_IN_PLACE = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
+
+
+def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key in _ONE_SCHEMA:
+        if key in schema:
+            out.append((key, schema[key]))
+    for key in _SCHEMA_LISTS:
+        out += [(f"{key}/{i}", sub) for i, sub in enumerate(schema.get(key, []))]
+    for key in _SCHEMA_MAPS:
+        out += [(f"{key}/{name}", sub) for name, sub in schema.get(key, {}).items()]
+    return out
+
+
+def _check_schema(schema: Any, path: str) -> None:
+    """Check a scenario's JSON Schema completely, as the run will use it.
+
+    ``check_schema`` refuses what the validator does not enforce; on top of that every
+    ``$ref`` must resolve (to a schema) and no chain of in-place keywords (``$ref``,
+    ``allOf``, ...) may lead back to itself. Either fault would otherwise show only when
+    the run is under way: every value checked against the schema would be refused.
+    """
+    try:
+        check_schema(schema, "#")
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+
+    def target(node: dict[str, Any], where: str) -> Any:
+        try:
+            found = resolve_ref(schema, node["$ref"])
+        except InvalidInput as exc:
+            raise ScenarioError(path, f"{exc.message} at {where} (a $ref names a schema in this one: #/$defs/...)") from exc
+        if not isinstance(found, (dict, bool)):
+            raise ScenarioError(path, f"$ref {node['$ref']!r} at {where} does not name a schema")
+        return found
+
+    pending: list[tuple[str, Any]] = [("#", schema)]
+    while pending:
+        where, node = pending.pop()
+        if isinstance(node, dict):
+            if "$ref" in node:
+                target(node, where)
+            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
+
+    def in_place(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = [(f"{where}/{k}", v) for k, v in _subschemas(node) if k.split("/")[0] in _IN_PLACE]
+        if "$ref" in node:
+            out.append((node["$ref"], target(node, where)))
+        return out
+
+    # A depth-first search over in-place edges: a node met again on the current path is a loop.
+    done: set[int] = set()
+
+    def visit(node: Any, where: str, active: dict[int, str]) -> None:
+        if not isinstance(node, dict) or id(node) in done:
+            return
+        if id(node) in active:
+            raise ScenarioError(path, f"the schema at {where} refers to itself without end (through $ref, allOf, ...)")
+        active[id(node)] = where
+        for sub_where, sub in in_place(node, where):
+            visit(sub, sub_where, active)
+        del active[id(node)]
+        done.add(id(node))
+
+    pending = [("#", schema)]
+    while pending:
+        where, node = pending.pop()
+        if isinstance(node, dict):
+            visit(node, where, {})
+            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
 
 
 def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> None:
@@ -75,10 +153,7 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
         return
     if keys == {"input", "then"}:
         spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"))
-        try:
-            check_schema(spec["response_schema"], "#")
-        except InvalidInput as exc:
-            raise ScenarioError(f"{path}.input.response_schema", exc.message) from exc
+        _check_schema(spec["response_schema"], f"{path}.input.response_schema")
         _check_result(value["then"], f"{path}.then", answer_allowed=True)
         return
     if keys <= {"cases", "otherwise"} and "cases" in keys:
@@ -90,6 +165,9 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
             _check_result(case["result"], f"{path}.cases[{i}].result", answer_allowed=answer_allowed)
         if "otherwise" in value:
             _check_result(value["otherwise"], f"{path}.otherwise", answer_allowed=answer_allowed)
+        elif not value["cases"]:
+            # No case and nothing otherwise: every call would raise and become unknown.
+            raise ScenarioError(f"{path}.cases", "is empty and there is no otherwise: no call could have a result")
         return
     raise ScenarioError(path, f"unknown result form with members {sorted(keys)}")
 
@@ -102,6 +180,10 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
     )
     if not isinstance(doc["name"], str) or not doc["name"]:
         raise ScenarioError(f"{path}.name", "must be a non-empty string")
+    _check_description(doc, path)
+    for member in ("tools", "delegates"):
+        if member in doc and not isinstance(doc[member], list):
+            raise ScenarioError(f"{path}.{member}", "must be a list (of objects)")
     if "input" in doc:
         try:
             ChatInput.parse(doc["input"], f"{path}.input")
@@ -133,11 +215,13 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
         if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
             raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
         names.add(tool["name"])
+        _check_description(tool, where)
         if "parameters" in tool:
-            try:
-                check_schema(tool["parameters"], "#")
-            except InvalidInput as exc:
-                raise ScenarioError(f"{where}.parameters", exc.message) from exc
+            _check_schema(tool["parameters"], f"{where}.parameters")
+        if "advertises" in tool and (
+            not isinstance(tool["advertises"], list) or not all(isinstance(n, str) for n in tool["advertises"])
+        ):
+            raise ScenarioError(f"{where}.advertises", "must be a list of tool names")
         if "concurrency" in tool:
             conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"))
             if not isinstance(conc["key"], str) or not isinstance(conc["concurrent"], bool):
@@ -154,13 +238,13 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
     for i, delegate in enumerate(doc.get("delegates", [])):
         where = f"{path}.delegates[{i}]"
         delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+        if not isinstance(delegate["name"], str) or not delegate["name"]:
+            raise ScenarioError(f"{where}.name", "must be a non-empty string")
         if delegate["name"] in names:
             raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
         names.add(delegate["name"])
-        try:
-            check_schema(delegate["input_schema"], "#")
-        except InvalidInput as exc:
-            raise ScenarioError(f"{where}.input_schema", exc.message) from exc
+        _check_description(delegate, where)
+        _check_schema(delegate["input_schema"], f"{where}.input_schema")
         if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
             raise ScenarioError(f"{where}.input_schema", "must be an object schema")
         delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir)
@@ -171,16 +255,37 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
     if limits.get("max_model_calls") == 0:
         raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
     if "side_effect_log" in doc:
-        if not isinstance(doc["side_effect_log"], str) or not doc["side_effect_log"]:
-            raise ScenarioError(f"{path}.side_effect_log", "must be a file path")
-        log = Path(doc["side_effect_log"])
-        if not log.is_absolute():
-            log = (base_dir or Path.cwd()) / log
-        doc = {**doc, "side_effect_log": str(log.resolve())}
+        doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
     try:
         return normalize(doc, what="scenario")  # type: ignore[no-any-return]
     except InvalidInput as exc:
         raise ScenarioError(path, exc.message) from exc
+
+
+def _check_description(value: dict[str, Any], path: str) -> None:
+    if "description" in value and not isinstance(value["description"], str):
+        raise ScenarioError(f"{path}.description", "must be a string")
+
+
+def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
+    """The absolute path of a side-effect log, refused now if no tool could ever append to it
+    (each tool call would fail inside the tool and become unknown)."""
+    if not isinstance(value, str) or not value:
+        raise ScenarioError(path, "must be a file path")
+    if "\0" in value:
+        raise ScenarioError(path, "must not contain a NUL character")
+    log = Path(value)
+    if not log.is_absolute():
+        log = (base_dir or Path.cwd()) / log
+    try:
+        log = log.resolve()
+        if log.is_dir():
+            raise ScenarioError(path, f"{str(log)!r} is a directory; give the path of a file to append to")
+        if not log.parent.is_dir():
+            raise ScenarioError(path, f"the folder {str(log.parent)!r} does not exist; create it first")
+    except (OSError, RuntimeError) as exc:  # e.g. a symlink loop, a name too long
+        raise ScenarioError(path, f"is not a usable file path: {exc}") from exc
+    return str(log)
 
 
 def load_scenario_file(path: str | Path) -> dict[str, Any]:

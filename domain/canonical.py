@@ -9,6 +9,7 @@ value always survives a round trip through the store unchanged.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,9 +40,25 @@ def digest_of(value: JSON) -> Digest:
     return Digest.of(canonical_bytes(value))
 
 
-def _check(value: Any, path: str) -> None:
+def _text(value: str, path: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("payload.invalid", f"the text at {path} is not valid UTF-8 (it holds a lone surrogate)") from None
+
+
+MAX_DEPTH = 254
+"""The deepest nesting of arrays and objects a payload may have (what orjson encodes)."""
+
+
+def _check(value: Any, path: str, depth: int = 0) -> None:
     # Walks the value once; orjson alone would silently turn NaN into null.
-    if value is None or value is True or value is False or isinstance(value, str):
+    if depth > MAX_DEPTH:
+        raise InvalidInput("payload.invalid", f"the value is nested deeper than {MAX_DEPTH} levels (at {path[:80]}...)")
+    if value is None or value is True or value is False:
+        return
+    if isinstance(value, str):
+        _text(value, path)
         return
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
@@ -55,11 +72,12 @@ def _check(value: Any, path: str) -> None:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise InvalidInput("payload.invalid", f"non-string object key at {path}")
-            _check(item, f"{path}.{key}")
+            _text(key, f"a key of {path}")
+            _check(item, f"{path}.{key}", depth + 1)
         return
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]")
+            _check(item, f"{path}[{index}]", depth + 1)
         return
     raise InvalidInput("payload.invalid", f"value of type {type(value).__name__} at {path} is not JSON")
 
@@ -71,6 +89,8 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
     canonical encoding exceeds ``limit`` bytes.
     """
     if value is None or value is True or value is False or isinstance(value, str):
+        if isinstance(value, str):
+            _text(value, "$")  # orjson refuses a lone surrogate only when it encodes
         data = canonical_bytes(value) if isinstance(value, str) and len(value) > limit // 4 else b""
     else:
         try:
@@ -103,7 +123,31 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
+    if _holds_float(value):
+        # orjson reads an integer beyond 64 bits as a float (precision lost, silently): read
+        # the text again exactly, so that normalize refuses such an integer by its path.
+        try:
+            value = json.loads(raw, parse_constant=_no_constant)
+        except RecursionError:
+            raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels") from None
     return normalize(value, limit=limit, what=what)
+
+
+def _no_constant(name: str) -> Any:
+    raise InvalidInput("payload.invalid", f"{name} is not a JSON number")
+
+
+def _holds_float(value: JSON) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def value_at(value: JSON, path: Sequence[str]) -> tuple[bool, JSON]:

@@ -129,7 +129,8 @@ def check_schema(schema: Any, path: str = "#") -> None:
                 raise SchemaError("schema.invalid", f"only local $ref is supported, got {sub!r} at {path}")
 
 
-def _resolve(root: Any, ref: str) -> Any:
+def resolve_ref(root: Any, ref: str) -> Any:
+    """The schema a local ``$ref`` names inside ``root`` (``schema.invalid`` when it names nothing)."""
     node = root
     if ref in ("#", "#/"):
         return node
@@ -151,7 +152,7 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
         return [f"{path}: no value is allowed here"]
     out: list[str] = []
     if "$ref" in schema:
-        out += _errors(value, _resolve(root, schema["$ref"]), root, path, depth + 1)
+        out += _errors(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1)
     if "type" in schema:
         names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_type_ok(value, n) for n in names):

@@ -134,6 +134,10 @@ def _failure(kind: FailureKind, code: str, message: str) -> Failure:
 # Start
 
 
+#: Prefixes a new start id may not have: commands read such a reference as a tree or process id.
+RESERVED_START_PREFIXES = ("tree:", "process:")
+
+
 def start_tree(
     program: Program,
     input: JSON,
@@ -147,6 +151,14 @@ def start_tree(
     configuration: JSON = None,
 ) -> TreeStarted:
     """Validate a root start and build its ``TreeStarted`` event (nothing is appended here)."""
+    reserved = next((p for p in RESERVED_START_PREFIXES if start_id.startswith(p)), None)
+    if reserved is not None:
+        # Commands take "a tree id, a start id or a process id": such a run could not be named
+        # by its start id (histories that already hold one still fold: only new starts are refused).
+        raise InvalidInput(
+            "identity.invalid", f"start id {start_id[:80]!r} begins with {reserved!r}: it would read as "
+            f"a {reserved[:-1]} id", hint="choose a start id that does not begin with tree: or process:",
+        )
     value = normalize(input, what="input")
     problems = schema_errors(value, program.descriptor.input_schema)
     if problems:

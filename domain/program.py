@@ -489,9 +489,20 @@ class Step:
 
 
 def check_reason(reason: str) -> str:
-    text = bounded_text(reason, MAX_DIAGNOSTIC_BYTES)
+    """A control's reason, trimmed: non-empty UTF-8 text of at most ``MAX_DIAGNOSTIC_BYTES``
+    bytes (refused, not cut: what a host sends is stored as sent or not at all)."""
+    text = reason.strip() if isinstance(reason, str) else ""
     if not text:
         raise InvalidInput("control.invalid", "a reason must be non-empty text")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("control.invalid", "a reason must be valid UTF-8 text (it holds a lone surrogate)") from None
+    if size > MAX_DIAGNOSTIC_BYTES:
+        raise InvalidInput(
+            "control.invalid", f"a reason is at most {MAX_DIAGNOSTIC_BYTES} bytes of UTF-8, this one is {size}",
+            hint="shorten the reason",
+        )
     return text
 
 

@@ -471,3 +471,57 @@ def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
     assert "exit status 2: agentfold: error: engine.signal.schema" in out
     assert "the run is completed after 3 model calls" in out
     assert "the hotel was booked 1 time(s)" in out
+
+
+def test_hostile_arguments_are_refused_with_exit_2_and_append_nothing(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8, integers beyond 64 bits (which JSON parsers turn into
+    floats), JSON nested deeper than 254 levels, a reason above 4096 bytes, counts and
+    positions beyond what a database holds: each once failed as cli.internal, or was stored
+    changed (an integer as a float, a reason cut to 4096 bytes)."""
+    store = sqlite_url(tmp_path)
+    log = tmp_path / "log"
+    start_crashing_run(store, log)
+    ok(agentfold("recover", store=store))
+    [unknown] = ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"]
+    tree_id, effect_id, process_id = unknown["tree_id"], unknown["effect_id"], unknown["process_id"]
+    before = store_version(store, tree_id)
+
+    def refused_with(code: str, *args: str) -> str:
+        error = refused(agentfold(*args, "--json", store=store)).error()
+        assert error["code"] == code, error
+        return str(error["message"])
+
+    assert "is not valid UTF-8" in refused_with("cli.argument_invalid", "show", "order\udcff")  # the byte 0xff
+    assert "is not valid UTF-8" in refused_with("cli.argument_invalid", "resolve", effect_id, "--output", '"\udcff"')
+    assert "exceeds 64 bits" in refused_with("payload.invalid", "resolve", effect_id, "--output",
+                                             '{"charge_id": 100000000000000000000000000000}')
+    assert "nested deeper than 254 levels" in refused_with("payload.invalid", "resolve", effect_id, "--output",
+                                                           "[" * 1000 + "]" * 1000)
+    assert "at most 4096 bytes" in refused_with("control.invalid", "cancel", process_id, "--reason", "r" * 4097)
+    assert "1000000" in refused_with("cli.usage", "project", "--batch", "9" * 30)
+    assert "beyond any position" in refused_with("cli.usage", "replay", tree_id, "--at", "9" * 30)
+    assert store_version(store, tree_id) == before
+
+
+def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> None:
+    """An empty --store (an unset shell variable) once meant the default store in the current
+    directory; an empty --signal-id a fresh one; an empty --crash-after no crash; a store URL
+    naming a directory said "disk I/O error" (exit 1)."""
+    store = sqlite_url(tmp_path)
+    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    assert refused(agentfold("run", demo, "--json", store="", cwd=tmp_path)).error()["code"] == "store.url_invalid"
+    assert not (tmp_path / "agentfold.db").exists()
+    assert refused(agentfold("run", demo, "--crash-after", "", "--json", store=store)).error()["code"] == (
+        "crash.point_invalid")
+    assert refused(agentfold("run", demo, "--crash-after", "after::1", "--json", store=store)).error()["code"] == (
+        "crash.point_invalid")
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    error = refused(agentfold("trees", "--json", store=f"sqlite:///{folder}")).error()
+    assert error["code"] == "store.url_invalid" and "names a directory" in error["message"]
+    started = ok(agentfold("run", demo, "--start-id", "s-1", "--json", store=store)).json()
+    before = store_version(store, started["tree_id"])
+    assert refused(agentfold("steer", started["root_process_id"], "hi", "--signal-id", "", "--json",
+                             store=store)).error()["code"] == "identity.invalid"
+    assert refused(agentfold("export", "s-1", "--out", "", store=store)).stderr.startswith("agentfold: error: cli.usage:")
+    assert store_version(store, started["tree_id"]) == before

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import make_store_url
-from tests.test_cli import Ran, agentfold, ok, refused, sqlite_url, store_version
+from tests.test_cli import ROOT, Ran, agentfold, ok, refused, sqlite_url, store_version
 
 # ---------------------------------------------------------------------------
 # Scenario pieces
@@ -731,3 +734,30 @@ def test_recover_leaves_a_parked_tree_as_it_is_and_adopts_one_with_a_call_in_fli
     outcomes = {e["start_id"]: e["outcome"] for e in ok(agentfold("recover", "--json", store=store)).json()["trees"]}
     assert outcomes == {"parked-1": "parked", "crashed-1": "recovered"}
     assert store_version(store, waiting["tree_id"]) == before
+
+
+def test_json_arguments_too_large_for_a_command_line_come_from_a_file_or_standard_input(tmp_path: Path) -> None:
+    """Linux holds at most 128 KiB per argument, far below the payload limits: ``@PATH`` and
+    ``-`` give resolve (and answer) their JSON from a file or standard input."""
+    store = sqlite_url(tmp_path)
+    started = run_json(store, write(tmp_path, two_call_round(None, alpha={"error": "down"})), "--start-id", "big-1")
+    [alpha] = unknowns(store)
+    before = store_version(store, started["tree_id"])
+    missing = refused(agentfold("resolve", alpha["effect_id"], "--output", f"@{tmp_path / 'nope.json'}", "--json",
+                                store=store)).error()
+    assert missing["code"] == "cli.argument_invalid" and "cannot read" in missing["message"]
+    assert store_version(store, started["tree_id"]) == before
+
+    big = "x" * 300_000
+    (tmp_path / "big.json").write_text(json.dumps({"content": big}))
+    ok(agentfold("resolve", alpha["effect_id"], "--output", f"@{tmp_path / 'big.json'}", store=store))
+    [final] = unknowns(store)
+    assert big in json.dumps(model_call(final)["request"]["messages"][-1])
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    env["PYTHONPATH"] = str(ROOT)
+    piped = subprocess.run(
+        [sys.executable, "-m", "adapters.cli", "resolve", final["effect_id"], "--model-response", "-", "--store", store],
+        input=json.dumps(FINAL), capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert root_output(store, "big-1")["model_calls"] == 2

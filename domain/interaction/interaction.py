@@ -188,6 +188,17 @@ def _fail(kind: FailureKind, code: str, message: str) -> Fail:
     return Fail(Failure(kind, code, message))
 
 
+def response_problem(response: dict[str, Any]) -> str | None:
+    """Why the Interaction refuses a parsed model response (``interaction.model.invalid_response``).
+
+    Shared with the recovery helpers (``settle_model_result``), so a host's resolution is
+    refused exactly when the Interaction would fail the run on it.
+    """
+    if not response["message"].get("tool_calls") and response["finish_reason"] != "stop":
+        return f'a final response must be a finished assistant message; it ended with "{response["finish_reason"]}"'
+    return None
+
+
 class InteractionStrategy:
     """decide/evolve for one Interaction Process."""
 
@@ -320,12 +331,9 @@ class InteractionStrategy:
         if result.get("replacement_messages") is not None:
             plan.add({"op": "replace_context"})
         if not calls:
-            if reason != "stop":
-                raise ClassifiedError(
-                    FailureKind.EXTERNAL,
-                    "interaction.model.invalid_response",
-                    f'a final response must be a finished assistant message; it ended with "{reason}"',
-                )
+            problem = response_problem(response)
+            if problem is not None:
+                raise ClassifiedError(FailureKind.EXTERNAL, "interaction.model.invalid_response", problem)
             if plan.state.pending_steer:
                 plan.add({"op": "append_response"})
                 return self._request_model(plan)

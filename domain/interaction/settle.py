@@ -13,8 +13,8 @@ from typing import Any
 
 from domain.canonical import JSON, normalize
 from domain.errors import InvalidInput
-from domain.interaction.chat import FINISH_REASONS, ToolCall, parse_messages, parse_response
-from domain.interaction.interaction import InteractionStrategy
+from domain.interaction.chat import FINISH_REASONS, ToolCall, parse_messages, parse_parts, parse_response
+from domain.interaction.interaction import InteractionStrategy, response_problem
 from domain.interaction.tool_call import ToolCallStrategy
 from domain.program import Program
 from domain.requests import EffectRequest, Settlement
@@ -39,22 +39,55 @@ def _check_program(program: Program, request: EffectRequest) -> None:
 
 
 def tool_output_json(output: JSON) -> dict[str, Any]:
-    """Accept text, ``{content?, details?}`` and return the canonical tool output."""
+    """Accept text, ``{content?, details?}`` and return the canonical tool output.
+
+    ``content`` is text or a list whose items are text or canonical text parts
+    (``{"type": "text", "text": ...}``, as ``unknown``/``results`` show them); anything
+    else is refused with the JSON path of the fault, never coerced to text.
+    """
     if isinstance(output, str):
         return {"content": [{"type": "text", "text": output}]}
-    if not isinstance(output, dict) or set(output) - {"content", "details"}:
-        raise _refuse("a tool output is text or an object with content and/or details")
+    if not isinstance(output, dict):
+        raise _refuse(
+            f"output: a tool output is text or an object with content and/or details, not {_json_type(output)}"
+        )
+    extra = set(output) - {"content", "details"}
+    if extra:
+        raise _refuse(
+            f"output.{sorted(extra)[0]}: is not a tool output member (a tool output has content and/or details)"
+        )
     out: dict[str, Any] = {}
     content = output.get("content")
-    if content:
-        if isinstance(content, str):
-            content = [content]
-        out["content"] = [
-            {"type": "text", "text": c if isinstance(c, str) else str(c.get("text", ""))} for c in content
-        ]
+    if content is not None and not isinstance(content, (str, list)):
+        raise _refuse(f'output.content: must be text or a list of texts, not {_json_type(content)}')
+    try:
+        parts = parse_parts(content, "output.content")
+    except InvalidInput as exc:
+        raise _refuse(f"{exc.message} (content is text or a list of texts)") from exc
+    if parts and content != "":
+        out["content"] = parts
     if output.get("details") is not None:
-        out["details"] = normalize(output["details"], what="tool details")
+        try:
+            out["details"] = normalize(output["details"], what="tool details")
+        except InvalidInput as exc:
+            raise _refuse(f"output.details: {exc.message}") from exc
     return out
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
 
 
 def settle_tool_result(
@@ -119,6 +152,14 @@ def settle_model_result(
         raise _refuse(
             f"invalid model response: unknown finish reason {parsed['finish_reason']!r} "
             f"(one of {', '.join(FINISH_REASONS)})"
+        )
+    problem = response_problem(parsed)
+    if problem is not None:
+        # The Interaction would fail the run for good on this response: refuse it now, while
+        # the host can still state what the model really answered.
+        raise _refuse(
+            f"invalid model response: response: {problem} (a final answer ends with \"stop\"; "
+            f'a response that ends with "tool_calls" or "length" carries at least one tool call)'
         )
     result: dict[str, Any] = {"response": parsed}
     if effective_messages is None and program.strategy.definition.context_policy is not None:

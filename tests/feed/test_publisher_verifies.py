@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 
 from adapters.eventstore import EventStore
 from adapters.feed import PublisherPosition, store_envelopes
@@ -40,9 +39,9 @@ def _position(url: str, topic: str) -> int:
 
 
 def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_what_came_before(
-    tmp_path: Path, kafka_bootstrap: str,
+    durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
+    url = durable_store_url
     _runs(url, 4)
     store = EventStore(url)
     try:

@@ -1,0 +1,77 @@
+"""Hostile input over HTTP: refused with a classified 422 before anything is appended.
+
+Found by an audit that fed the API what no documented example sends: a lone surrogate
+(valid JSON escape, not text) in a reason, an output or an answer; a reason above the 4096
+bytes a reason may hold; a start id that reads as a tree id; a body nested deeper than the
+JSON parser goes. Each once appended a ``WriterActivated`` before failing (503), answered 500,
+was stored cut short, or was accepted and then unreachable by its start id.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from tests.http_api.support import ApiServer, ok, problem
+from tests.http_api.test_api import HELLO, parked_approval, run, sid, start, unknown_of
+from tests.test_cli_interaction import LEFT_TO_HOST, two_call_round
+
+
+def _post(c: httpx.Client, url: str, body: Any) -> httpx.Response:
+    """JSON with ASCII escapes (a lone surrogate travels as the escape \\ud800, valid JSON)."""
+    return c.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+def _unchanged(c: httpx.Client, tree_id: str, version: int) -> None:
+    assert run(c, tree_id)["version"] == version, "a refused request appended to the run"
+
+
+def test_lone_surrogates_and_oversize_reasons_are_refused_and_append_nothing(api: ApiServer) -> None:
+    c = api.client()
+    tree = start(c, two_call_round(None, beta={"error": "down"}, final=LEFT_TO_HOST), sid("hostile"))["tree"]
+    tree_id, root = tree["tree_id"], tree["root_process_id"]
+    [beta] = unknown_of(c, tree_id)
+    version = run(c, tree_id)["version"]
+
+    refusals: list[tuple[str, dict[str, Any], str]] = [
+        (f"/unknown-effects/{beta['effect_id']}/resolve", {"output": "\ud800"}, "payload.invalid"),
+        (f"/unknown-effects/{beta['effect_id']}/resolve", {"output": {"details": {"k": "\udcff"}}}, "payload.invalid"),
+        (f"/processes/{root}/pause", {"reason": "\ud800"}, "control.invalid"),
+        (f"/processes/{root}/cancel", {"reason": "\ud800"}, "control.invalid"),
+        (f"/processes/{root}/cancel", {"reason": "x" * 4097}, "control.invalid"),
+    ]
+    for url, body, code in refusals:
+        refused = problem(_post(c, url, body), 422, code)
+        assert "surrogate" in refused["detail"] or "at most 4096 bytes" in refused["detail"], refused
+        _unchanged(c, tree_id, version)
+    ok(c.post(f"/processes/{root}/cancel", json={"reason": "x" * 4096}))  # exactly the limit is taken
+
+
+def test_an_answer_holding_a_lone_surrogate_is_refused_not_a_500(api: ApiServer) -> None:
+    c = api.client()
+    tree, wait = parked_approval(c, "surrogate-answer")
+    version = run(c, tree["tree_id"])["version"]
+    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    refused = problem(_post(c, url, {"response": {"approved": True, "note": "\ud800"}}), 422, "payload.invalid")
+    assert "$.note" in refused["detail"] and "surrogate" in refused["detail"]
+    _unchanged(c, tree["tree_id"], version)
+
+
+def test_start_ids_that_read_as_tree_or_process_ids_are_refused(api: ApiServer) -> None:
+    c = api.client()
+    for start_id in ("tree:" + "a" * 32, "process:" + "b" * 32, "tree:abc"):
+        refused = problem(c.post("/runs", json={"scenario": HELLO, "start_id": start_id}), 422,
+                          "identity.invalid")
+        assert "would read as a" in refused["detail"]
+        problem(c.get(f"/runs/{start_id}"), 404 if start_id != "tree:abc" else 422,
+                "engine.tree.not_found" if start_id != "tree:abc" else "identity.invalid")
+
+
+def test_a_body_nested_beyond_the_parser_is_a_request_problem(api: ApiServer) -> None:
+    c = api.client()
+    deep = b'{"scenario": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    refused = problem(c.post("/runs", content=deep, headers={"content-type": "application/json"}), 422,
+                      "http.request_invalid")
+    assert "could not be read" in refused["detail"]

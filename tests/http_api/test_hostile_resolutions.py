@@ -1,0 +1,58 @@
+"""Hostile input over the HTTP API: resolutions refused with 422 ``interaction.settlement.invalid``
+and scenarios refused with 422 ``scenario.invalid``, nothing appended
+(tests/interaction/test_hostile_settlements.py and tests/test_scenario_validation_more.py
+cover the CLI)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.http_api.support import ApiServer, ok, problem, wait_until
+from tests.interaction.test_hostile_settlements import BAD_MODEL_RESPONSES, BAD_TOOL_OUTPUTS
+from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, two_call_round
+
+
+def _unknown(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
+    return ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]  # type: ignore[no-any-return]
+
+
+def test_the_http_api_refuses_hostile_resolutions_with_422_and_appends_nothing(api: ApiServer) -> None:
+    c = api.client()
+    doc = two_call_round(None, beta={"error": "the beta API timed out"}, final=LEFT_TO_HOST)
+    tree = ok(c.post("/runs", json={"scenario": doc, "start_id": "hostile-http", "wait": 30}), 201)["tree"]
+    tree_id = tree["tree_id"]
+    [beta] = wait_until(lambda: _unknown(c, tree_id) or None)
+    url = f"/unknown-effects/{beta['effect_id']}/resolve"
+    version = ok(c.get(f"/runs/{tree_id}"))["version"]
+    for output, where in BAD_TOOL_OUTPUTS:
+        if output is None:
+            continue  # `"output": null` is the request's own concern (http.request_invalid)
+        body = problem(c.post(url, json={"output": output}), 422, "interaction.settlement.invalid")
+        assert body["detail"].startswith(f"{where}:"), (output, body)
+    assert ok(c.get(f"/runs/{tree_id}"))["version"] == version
+
+    ok(c.post(url, json={"output": "b is B", "wait": 30}))
+    [model] = wait_until(lambda: _unknown(c, tree_id) or None)
+    assert model["kind"] == "model"
+    model_url = f"/unknown-effects/{model['effect_id']}/resolve"
+    version = ok(c.get(f"/runs/{tree_id}"))["version"]
+    for response in BAD_MODEL_RESPONSES:
+        problem(c.post(model_url, json={"model_response": response}), 422, "interaction.settlement.invalid")
+    assert ok(c.get(f"/runs/{tree_id}"))["version"] == version
+    done = ok(c.post(model_url, json={"model_response": FINAL, "wait": 30}))
+    assert done["tree"]["status"] == "completed"
+
+
+def test_post_runs_refuses_scenario_faults_with_422_and_their_path(api: ApiServer) -> None:
+    """The faults of tests/test_scenario_validation_more.py through ``POST /runs`` (a
+    ``side_effect_log`` with a NUL character used to be an HTTP 500)."""
+    from tests.test_scenario_validation_more import FAULTS
+
+    c = api.client()
+    for name, doc, where, phrase in FAULTS:
+        body = problem(c.post("/runs", json={"scenario": doc, "start_id": f"fault-{name}"}), 422, "scenario.invalid")
+        assert body["detail"].startswith(f"{where}: ") and phrase in body["detail"], (name, body)
+    started = [r["start_id"] for r in ok(c.get("/runs"))["runs"]]
+    assert started and not [s for s in started if s.startswith("fault-")]

@@ -1,0 +1,147 @@
+"""Scenario faults that used to show only once a run was under way (docs/scenarios.md).
+
+Each is now refused by ``agentfold run`` before anything is stored: exit status 2,
+``scenario.invalid`` with the JSON path of the fault, one line on stderr, no tree. A
+``side_effect_log`` with a NUL character used to crash the command (``cli.internal``);
+the others were accepted and then made every tool call (or every answer) fail.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.scenario import validate_scenario
+from tests.test_cli import agentfold, ok, refused, sqlite_url
+
+MODEL = {"responses": [{"finish_reason": "stop", "message": {"content": "done"}}]}
+
+
+def scenario(**members: Any) -> dict[str, Any]:
+    return {"name": "faulty", "model": MODEL, **members}
+
+
+def tool(result: Any = None, **members: Any) -> dict[str, Any]:
+    return {"name": "t", "result": result or {"output": "ok"}, **members}
+
+
+def waits_for(schema: Any) -> dict[str, Any]:
+    return {"input": {"prompt": "approve?", "response_schema": schema}, "then": {"answer": True}}
+
+
+DELEGATE = {"name": "d", "input_schema": {"type": "object"}, "scenario": {"name": "inner", "model": MODEL}}
+
+# (scenario, the JSON path the refusal names, a phrase of its message)
+FAULTS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("parameters-ref-missing", scenario(tools=[tool(parameters={"$ref": "#/$defs/nope"})]),
+     "$.tools[0].parameters", "unresolvable $ref '#/$defs/nope'"),
+    ("parameters-nested-ref-missing",
+     scenario(tools=[tool(parameters={"type": "object", "properties": {"q": {"$ref": "#/definitions/q"}}})]),
+     "$.tools[0].parameters", "unresolvable $ref '#/definitions/q' at #/properties/q"),
+    ("parameters-ref-loop", scenario(tools=[tool(parameters={"$ref": "#"})]),
+     "$.tools[0].parameters", "refers to itself"),
+    ("parameters-ref-not-a-schema",
+     scenario(tools=[tool(parameters={"type": "object", "properties": {"q": {"$ref": "#/type"}}})]),
+     "$.tools[0].parameters", "does not name a schema"),
+    ("wait-ref-missing", scenario(tools=[tool(waits_for({"$ref": "#/$defs/answer"}))]),
+     "$.tools[0].result.input.response_schema", "unresolvable $ref '#/$defs/answer'"),
+    ("case-wait-ref-missing",
+     scenario(tools=[tool({"cases": [{"when": {}, "result": waits_for({"$ref": "#/$defs/a"})}]})]),
+     "$.tools[0].result.cases[0].result.input.response_schema", "unresolvable $ref"),
+    ("delegate-ref-missing",
+     scenario(delegates=[{**DELEGATE, "input_schema": {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}}]),
+     "$.delegates[0].input_schema", "unresolvable $ref '#/nope'"),
+    ("tools-object", scenario(tools={}), "$.tools", "must be a list"),
+    ("delegates-object", scenario(delegates={}), "$.delegates", "must be a list"),
+    ("tools-string", scenario(tools="abc"), "$.tools", "must be a list"),
+    ("log-nul", scenario(side_effect_log="tools\u0000.log"), "$.side_effect_log", "NUL"),
+    ("empty-cases", scenario(tools=[tool({"cases": []})]), "$.tools[0].result.cases", "no otherwise"),
+    ("nested-empty-cases", scenario(tools=[tool(waits_for({"type": "object"}) | {"then": {"cases": []}})]),
+     "$.tools[0].result.then.cases", "no otherwise"),
+    ("description-number", scenario(description=5), "$.description", "must be a string"),
+    ("tool-description-list", scenario(tools=[tool(description=["x"])]), "$.tools[0].description",
+     "must be a string"),
+    ("delegate-description-object", scenario(delegates=[{**DELEGATE, "description": {}}]),
+     "$.delegates[0].description", "must be a string"),
+    ("delegate-name-list", scenario(delegates=[{**DELEGATE, "name": ["d"]}]), "$.delegates[0].name",
+     "non-empty string"),
+    ("advertises-string", scenario(tools=[tool(advertises="t2"), tool(name="t2", deferred=True)]),
+     "$.tools[0].advertises", "list of tool names"),
+]
+
+
+def test_run_refuses_each_fault_with_its_path_and_stores_nothing(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    (tmp_path / "logs-dir").mkdir()
+    faults = [
+        *FAULTS,
+        ("log-directory", scenario(side_effect_log="logs-dir"), "$.side_effect_log", "is a directory"),
+        ("log-folder-missing", scenario(side_effect_log="no-such-folder/tools.log"), "$.side_effect_log",
+         "does not exist"),
+    ]
+
+    def attempt(fault: tuple[str, dict[str, Any], str, str]) -> tuple[str, str, str, Any]:
+        name, doc, where, phrase = fault
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return name, where, phrase, agentfold("run", str(path), "--json", store=store)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(attempt, faults))
+    for name, where, phrase, ran in outcomes:
+        error = refused(ran).error()
+        assert error["code"] == "scenario.invalid", (name, ran.stderr)
+        assert error["message"].startswith(f"{where}: "), (name, error)
+        assert phrase in error["message"], (name, error)
+        assert error["hint"] == "fix the scenario file"
+    # Nothing was stored: `run` refuses before it creates its store.
+    assert not (tmp_path / "agentfold.db").exists() or ok(agentfold("trees", "--json", store=store)).json()[
+        "trees"] == []
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        # Recursion that consumes a level of the value is a valid schema.
+        scenario(tools=[tool(parameters={"type": "object", "properties": {"child": {"$ref": "#"}}})]),
+        scenario(tools=[tool(parameters={"$defs": {"s": {"type": "string"}},
+                                         "properties": {"q": {"$ref": "#/$defs/s"}}})]),
+        scenario(tools=[tool({"cases": [], "otherwise": {"output": "x"}})]),
+        scenario(tools=[], delegates=[], description="free text"),
+        scenario(side_effect_log="tools.log"),
+    ],
+    ids=["recursive-ref", "defs-ref", "empty-cases-with-otherwise", "empty-lists", "log-in-existing-folder"],
+)
+def test_valid_scenarios_near_the_new_rules_are_still_accepted(doc: dict[str, Any], tmp_path: Path) -> None:
+    normalized = validate_scenario(doc, "$", tmp_path)
+    if "side_effect_log" in doc:
+        assert normalized["side_effect_log"] == str(tmp_path / "tools.log")
+
+
+def test_a_recursive_parameters_schema_still_checks_arguments_in_a_run(tmp_path: Path) -> None:
+    """A ``$ref`` the loader accepts is the one the run enforces: a call whose nested
+    arguments violate it gets a model-visible rejected result, a valid one runs."""
+    log = tmp_path / "calls.log"
+    tree_schema = {"type": "object", "required": ["v"],
+                   "properties": {"v": {"type": "integer"}, "child": {"$ref": "#"}}}
+    doc = {
+        "name": "recursive", "input": {"messages": [{"role": "user", "content": "go"}]},
+        "model": {"responses": [
+            {"finish_reason": "tool_calls", "message": {"tool_calls": [
+                {"id": "bad", "name": "t", "arguments": '{"v": 1, "child": {"v": "x"}}'},
+                {"id": "good", "name": "t", "arguments": '{"v": 1, "child": {"v": 2}}'}]}},
+            {"finish_reason": "stop", "message": {"content": "done"}},
+        ]},
+        "tools": [tool(parameters=tree_schema)],
+        "side_effect_log": str(log),
+    }
+    path = tmp_path / "recursive.json"
+    path.write_text(json.dumps(doc))
+    store = sqlite_url(tmp_path)
+    ran = ok(agentfold("run", str(path), "--json", store=store)).json()
+    assert ran["status"] == "completed"
+    assert [json.loads(line)["call_id"] for line in log.read_text().splitlines()] == ["good"]
