@@ -345,8 +345,8 @@ def _settlement_for(
     return settlement_for(
         tree, programs, effect_id,
         model_response=ABSENT if args.model_response is None
-        else parse_json_text(json_argument(args.model_response, "--model-response"), what="--model-response"),
-        output=ABSENT if args.output is None else parse_json_text(json_argument(args.output, "--output"), what="--output"),
+        else json_argument(args.model_response, "--model-response"),
+        output=ABSENT if args.output is None else json_argument(args.output, "--output"),
         disposition=args.disposition, status=args.status,
         name=lambda member: "--" + member.replace("_", "-"),
         usage=lambda message: _UsageError("cli.usage", message),
@@ -554,7 +554,7 @@ def _signal_id(given: str | None, prefix: str) -> SignalID:
 def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     process_id = ProcessID(args.process_id)
     wait_id = WaitID(args.wait_id)
-    response = parse_json_text(json_argument(args.response, "the answer"), what="the answer")
+    response = json_argument(args.response, "the answer")
     store = ctx.open_store()
     try:
         tree_id = store.find_process_tree(process_id)
@@ -817,20 +817,21 @@ def _seconds(text: str) -> float:
     return value
 
 
-def json_argument(text: str, what: str) -> str | bytes:
-    """A JSON argument as given, or read from a file (``@PATH``) or standard input (``-``):
-    a command line holds at most 128 KiB per argument on Linux, below the payload limits.
-    Neither form is valid JSON text itself, so nothing is ambiguous."""
+def json_argument(text: str, what: str) -> JSON:
+    """A JSON argument, parsed and normalized: given as text, or read from a file (``@PATH``)
+    or standard input (``-``), since a command line holds at most 128 KiB per argument on
+    Linux, below the payload limits. Neither form is valid JSON text itself: no ambiguity."""
+    raw: str | bytes = text
     if text == "-":
-        return sys.stdin.buffer.read()
-    if text.startswith("@"):
+        raw = sys.stdin.buffer.read()
+    elif text.startswith("@"):
         path = text[1:]
         try:
-            return Path(path).read_bytes()
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise InvalidInput("cli.argument_invalid", f"{what}: cannot read {path}: {exc.strerror or exc}",
                                hint="@PATH reads the JSON from a file, - from standard input") from exc
-    return text
+    return parse_json_text(raw, what=what)
 
 
 #: The largest count an option takes (a --batch beyond it only overflows the database's integers).

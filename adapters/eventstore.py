@@ -571,13 +571,16 @@ class EventStore:
 
     # -- snapshots ---------------------------------------------------------
 
+    def stored_digest(self, tree_id: TreeID, position: int) -> str | None:
+        """The digest recorded in the event stored at ``position`` (one row read, not
+        verified); None when no event is stored there; ``SealError`` when it is damaged."""
+        rows = self.recorder.select_events(tree_id.uuid, gt=position - 1, lte=position)
+        return unseal(stored_json(rows[0].state)).digest if rows else None
+
     def _snapshot_matches(self, tree_id: TreeID, version: int, digest: str) -> bool:
-        """Whether the event stored at ``version`` carries ``digest`` (one row read)."""
-        rows = self.recorder.select_events(tree_id.uuid, gt=version - 1, lte=version)
-        if not rows:
-            return False
+        """Whether the event stored at ``version`` carries ``digest``."""
         try:
-            return unseal(stored_json(rows[0].state)).digest == digest
+            return self.stored_digest(tree_id, version) == digest
         except SealError:
             return False  # the event itself is damaged: the full fold reports where
 

@@ -160,13 +160,13 @@ class ChainCheck:
         known = self._last.get(tree_id)
         if known is not None and known[0] == position - 1:
             return known[1]
-        rows = self.store.recorder.select_events(tree_id.uuid, gt=position - 2, lte=position - 1)
-        if not rows:
-            raise CorruptStream(tree_id, position - 1, "integrity.missing_event", f"position {position - 1} is missing")
         try:
-            return unseal(stored_json(rows[0].state)).digest
+            digest = self.store.stored_digest(tree_id, position - 1)
         except SealError as exc:
             raise CorruptStream(tree_id, position - 1, "integrity.format", str(exc)) from exc
+        if digest is None:
+            raise CorruptStream(tree_id, position - 1, "integrity.missing_event", f"position {position - 1} is missing")
+        return digest
 
 
 def envelope_bytes(envelope: Envelope) -> bytes:

@@ -31,7 +31,7 @@ import pytest
 from adapters.eventstore import EventStore
 from adapters.feed import APPLICATION_PREFIX, Publisher, ensure_topic, envelope_bytes, store_envelopes
 from adapters.transcripts import TranscriptStore, transcripts_from_store
-from tests.feed.support import ROOT, read_topic_confluent
+from tests.feed.support import ROOT, read_topic_confluent, stored_envelopes
 from tests.feed.workload import Workload
 
 # kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
@@ -358,11 +358,7 @@ def test_a_gap_in_the_feed_still_stops_a_following_transcript_consumer_with_feed
 
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     _runs(store_url, 1)
-    store = EventStore(store_url)
-    try:
-        envelopes = list(store_envelopes(store))
-    finally:
-        store.close()
+    envelopes = stored_envelopes(store_url)
     topic = f"gap-{uuid.uuid4().hex[:12]}"
     ensure_topic(kafka_bootstrap, topic)
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)

@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,22 @@ def _stopped_soon(command: Command, status: int, seconds: float) -> None:
     assert seconds < BOUND, f"exited {seconds:.1f} s after SIGTERM: {command.stderr}"
 
 
+def _sigterm_in_an_outage(server: OwnServer, command: Command, caught_up: Callable[[], bool], what: str) -> str:
+    """Once ``command`` has ``caught_up``, stop its PostgreSQL server; once it met the outage
+    (its next attempt waits for a connection the pool cannot make), SIGTERM: it exits 0
+    soon; returns its stdout."""
+    try:
+        command.wait_until(caught_up, 30, what)
+        server.stop()
+        command.expect("following failed", 15)
+        time.sleep(1.0)
+        status, out, seconds = _sigterm(command)
+    finally:
+        _ended(command)
+    _stopped_soon(command, status, seconds)
+    return out
+
+
 def _read_models_equal_folding(url: str, position: int) -> None:
     store = EventStore(url, create=False)
     try:
@@ -190,16 +206,8 @@ def test_project_follow_exits_0_soon_after_sigterm_while_its_postgresql_server_i
     url = own_pg.url
     first = _runs(url, 3)
     follower = Command("--store", url, "project", "--follow", "--json")
-    try:
-        follower.wait_until(lambda: _tracked(url, APPLICATION) == first, 30, "the read models held the first runs")
-        own_pg.stop()
-        # It met the outage; its next attempt waits for a connection the pool cannot make.
-        follower.expect("following failed", 15)
-        time.sleep(1.0)
-        status, out, seconds = _sigterm(follower)
-    finally:
-        _ended(follower)
-    _stopped_soon(follower, status, seconds)
+    out = _sigterm_in_an_outage(own_pg, follower, lambda: _tracked(url, APPLICATION) == first,
+                                "the read models held the first runs")
     report = json.loads(out)
     assert report["position"] == first
     assert report["failures"] == len([line for line in follower.stderr if "following failed" in line])
@@ -249,16 +257,8 @@ def test_publish_exits_0_soon_after_sigterm_while_its_postgresql_server_is_stopp
     topic = f"outage-{uuid.uuid4().hex[:12]}"
     first = _runs(url, 3)
     publisher = Command("--store", url, "publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--json")
-    try:
-        publisher.wait_until(lambda: _tracked(url, APPLICATION_PREFIX + topic) == first, 30,
-                             "the first runs were published")
-        own_pg.stop()
-        publisher.expect("following failed", 15)
-        time.sleep(1.0)
-        status, out, seconds = _sigterm(publisher)
-    finally:
-        _ended(publisher)
-    _stopped_soon(publisher, status, seconds)
+    out = _sigterm_in_an_outage(own_pg, publisher, lambda: _tracked(url, APPLICATION_PREFIX + topic) == first,
+                                "the first runs were published")
     assert json.loads(out)["position"] == first
 
     own_pg.start()

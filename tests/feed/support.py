@@ -106,3 +106,15 @@ def verify_chain(envelopes: Iterable[dict[str, Any]]) -> int:
         assert digest == e["digest"], f"{e['tree_id']} position {e['position']}: the payload is not the stored body"
         previous[e["tree_id"]] = e["digest"]
     return len(previous)
+
+
+def stored_envelopes(url: str) -> list[dict[str, Any]]:
+    """Every envelope the publisher would produce from the store at ``url``, in log order."""
+    from adapters.eventstore import EventStore
+    from adapters.feed import store_envelopes
+
+    store = EventStore(url)
+    try:
+        return list(store_envelopes(store))
+    finally:
+        store.close()

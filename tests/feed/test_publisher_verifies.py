@@ -14,10 +14,10 @@ import json
 import uuid
 
 from adapters.eventstore import EventStore
-from adapters.feed import PublisherPosition, store_envelopes
+from adapters.feed import PublisherPosition
 from domain.ids import TreeID
 from tests.audit.support import Sql
-from tests.feed.support import read_topic_confluent
+from tests.feed.support import read_topic_confluent, stored_envelopes
 from tests.test_cli import agentfold
 from tests.test_feed_reconnects import _runs
 
@@ -43,11 +43,7 @@ def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_
 ) -> None:
     url = durable_store_url
     _runs(url, 4)
-    store = EventStore(url)
-    try:
-        envelopes = list(store_envelopes(store))
-    finally:
-        store.close()
+    envelopes = stored_envelopes(url)
     # an event in the middle of the log, not the first of its tree
     damaged = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 3)
     _tamper(url, damaged["tree_id"], damaged["position"])
