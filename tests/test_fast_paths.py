@@ -3,6 +3,8 @@
 * ``TreeEvent.model_construct`` (the kernel builds every event with it) must build the
   same event as validation does, and refuse a missing or unknown field instead of
   silently dropping it (pydantic's own ``model_construct`` drops unknown fields).
+* ``event_body`` (every stored event's JSON) must give exactly pydantic's
+  ``model_dump(mode="json", exclude_defaults=True)``, value for value and byte for byte.
 * ``TreeHead.with_digest`` must keep every other field of the index row.
 * SQLite connections keep the statements of an append prepared.
 * Both pools (SQLite and PostgreSQL) hand one thread's consecutive appends the same
@@ -19,9 +21,27 @@ import pytest
 
 from adapters.eventstore import EventStore
 from adapters.recorders import SQLITE_STATEMENT_CACHE, TreeHead
-from domain.events import EVENT_TYPES, EffectDeclared, StepCommitted, TreeStarted, event_body, event_from_body
-from domain.ids import ProcessID
+from domain.canonical import canonical_bytes
+from domain.errors import Failure, FailureKind
+from domain.events import (
+    EVENT_TYPES,
+    CheckpointCommitted,
+    ControlRequested,
+    EffectDeclared,
+    EffectResolved,
+    EffectSettled,
+    OutputRef,
+    ProcessTerminated,
+    SignalAdmitted,
+    StepCommitted,
+    TreeEvent,
+    TreeStarted,
+    event_body,
+    event_from_body,
+)
+from domain.ids import EffectAttemptID, ProcessID, SignalID, WaitID
 from domain.ids import effect_id as derive_effect_id
+from tests.audit.support import record_demo
 
 PID = ProcessID("process:" + "a1" * 16)
 
@@ -77,6 +97,65 @@ def _immutable(value: object) -> bool:
     if isinstance(config, dict) and config.get("frozen"):
         return all(_immutable(getattr(value, n)) for n in type(value).model_fields)  # type: ignore[attr-defined]
     return False
+
+
+def _assert_body_is_pydantics(event: TreeEvent) -> None:
+    expected = event.model_dump(mode="json", exclude_defaults=True)
+    body = event_body(event)
+    assert body == expected, type(event).__name__
+    assert canonical_bytes(body) == canonical_bytes(expected), type(event).__name__
+
+
+def test_event_bodies_are_pydantics_dump_for_every_event_of_a_recorded_run(tmp_path: Path) -> None:
+    # The bundled scenario: a tree start, tool children, settlements, a human input wait
+    # and its answer, terminations with output references.
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    tree_id = record_demo(tmp_path, url)
+    store = EventStore(url)
+    try:
+        events = [recorded.event for recorded in store.read(tree_id)]
+    finally:
+        store.close()
+    assert {"TreeStarted", "ProcessStarted", "SignalAdmitted", "EffectSettled", "ProcessTerminated"} <= {
+        type(e).__name__ for e in events
+    }
+    for event in events:
+        _assert_body_is_pydantics(event)
+
+
+def test_event_bodies_are_pydantics_dump_for_nested_values_tuples_and_defaults() -> None:
+    eid = derive_effect_id(PID, 2, 1)
+    failure = Failure(FailureKind.EXTERNAL, "engine.dispatch.interrupted", "the owner stopped")
+    cases: list[TreeEvent] = [
+        EffectSettled.model_construct(
+            process_id=PID, effect_id=eid, status="unknown", attempt_id=EffectAttemptID("attempt:" + "b2" * 16),
+            diagnostic=failure,
+        ),
+        EffectSettled.model_construct(process_id=PID, effect_id=eid, status="succeeded", payload={"a": [1, 2.5, None]}),
+        EffectSettled.model_construct(process_id=PID, effect_id=eid, status="failed", payload=0),
+        ProcessTerminated.model_construct(
+            process_id=PID, status="failed", cause="external_failure", reason="r", failure=failure,
+            unresolved_effect_ids=(eid,),
+        ),
+        ProcessTerminated.model_construct(
+            process_id=PID, status="completed", cause="completion", output_of=OutputRef(effect_id=eid, path=("a", "b"))
+        ),
+        ProcessTerminated.model_construct(process_id=PID, status="completed", cause="completion", output=False),
+        EffectDeclared.model_construct(
+            process_id=PID, effect_id=eid, step=2, index=1, target="dispatcher", payload=[], replay="same_identity",
+            capabilities=("net", "fs"),
+        ),
+        EffectDeclared.model_construct(process_id=PID, effect_id=eid, step=2, index=1, target="framework", capabilities=()),
+        StepCommitted.model_construct(
+            process_id=PID, step=1, consumed=0, kind="wait", facts="", effects=0, wait_id=WaitID("wait:k"), reason=None
+        ),
+        SignalAdmitted.model_construct(process_id=PID, signal_id=SignalID("s-1"), payload={"x": ""}, source="parent"),
+        EffectResolved.model_construct(process_id=PID, effect_id=eid, status="failed", payload=None, resolved_by="replay"),
+        CheckpointCommitted.model_construct(process_id=PID, step=4, kind="x.y", acknowledges={"n": 1}),
+        ControlRequested.model_construct(process_id=PID, control="cancel", reason="", owner="parent"),
+    ]
+    for event in cases:
+        _assert_body_is_pydantics(event)
 
 
 def test_a_head_with_its_digest_keeps_every_other_field() -> None:
