@@ -132,11 +132,13 @@ def problem_response(status: int, code: str, detail: str, hint: str = "", extra:
 
 
 # ---------------------------------------------------------------------------
-# Request bodies (unknown members are refused: http.request_invalid)
+# Request bodies (unknown members and members of the wrong JSON type are refused:
+# http.request_invalid). Strict: "wait": "5" or "wait": true is a client's mistake, not
+# five seconds or one; an integer is still a number of seconds.
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StartRun(_Body):

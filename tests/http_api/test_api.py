@@ -245,7 +245,11 @@ def test_refused_starts_are_problems_and_append_nothing(api: ApiServer) -> None:
     malformed = c.post("/runs", content=b'{"scenario": ', headers={"content-type": "application/json"})
     problem(malformed, 422, "http.request_invalid")
     problem(c.post("/runs", json={"scenario": HELLO, "wait": 301}), 422, "http.request_invalid")
-    not_a_number = problem(c.post("/runs", json={"scenario": HELLO, "wait": "nan"}), 422, "http.request_invalid")
+    text_nan = problem(c.post("/runs", json={"scenario": HELLO, "wait": "nan"}), 422, "http.request_invalid")
+    assert "valid number" in text_nan["detail"], text_nan  # a string is not converted
+    bare_nan = c.post("/runs", content=b'{"scenario": ' + json.dumps(HELLO).encode() + b', "wait": NaN}',
+                      headers={"content-type": "application/json"})
+    not_a_number = problem(bare_nan, 422, "http.request_invalid")
     assert "finite" in not_a_number["detail"], not_a_number  # not "less than or equal to 300"
     problem(c.post("/runs", json={"scenario": HELLO, "start_id": "has space"}), 422, "identity.invalid")
     problem(c.post("/runs", json={"program": "no.such.program"}), 404, "engine.program.unavailable")

@@ -75,3 +75,25 @@ def test_a_body_nested_beyond_the_parser_is_a_request_problem(api: ApiServer) ->
     refused = problem(c.post("/runs", content=deep, headers={"content-type": "application/json"}), 422,
                       "http.request_invalid")
     assert "could not be read" in refused["detail"]
+
+
+def test_members_of_the_wrong_json_type_are_refused_not_converted(api: ApiServer) -> None:
+    # pydantic's lax mode read "wait": "5" as five seconds and "wait": true as one.
+    c = api.client()
+    tree, wait = parked_approval(c, "strict-types")
+    version = run(c, tree["tree_id"])["version"]
+    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    for body, member in (
+        ({"response": {"approved": True}, "wait": "5"}, "wait"),
+        ({"response": {"approved": True}, "wait": True}, "wait"),
+        ({"response": {"approved": True}, "signal_id": 7}, "signal_id"),
+    ):
+        refused = problem(_post(c, url, body), 422, "http.request_invalid")
+        assert [member] in [e["location"][-1:] for e in refused["errors"]], refused
+        _unchanged(c, tree["tree_id"], version)
+    for body in ({"scenario": HELLO, "wait": "1"}, {"scenario": HELLO, "start_id": 12}):
+        problem(_post(c, "/runs", body), 422, "http.request_invalid")
+    assert not [r for r in ok(c.get("/runs"))["runs"] if r["start_id"] == "12"]
+    # An integer is a number of seconds.
+    ok(_post(c, url, {"response": {"approved": True}, "wait": 5}))
+    assert run(c, tree["tree_id"])["version"] > version
