@@ -42,6 +42,7 @@ import json
 import os
 import sqlite3
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -993,6 +994,8 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
         _report(AgentfoldError("cli.timeout", str(exc) or "timed out", "raise --timeout or look with `show`"), as_json)
         return 1
     except KeyboardInterrupt:
+        _report(AgentfoldError("cli.interrupted", "interrupted",
+                               "input already admitted is kept; `agentfold recover` drives the tree on"), as_json)
         return 130
     except (PersistenceError, sqlite3.Error) as exc:
         # A store failure no layer below classified (a read-only file when tables must be made).
@@ -1023,5 +1026,24 @@ def print_outcome(outcome: Outcome, as_json: bool) -> int:
     return outcome.status
 
 
+def entry() -> None:
+    """The ``agentfold`` console script: ``main``, then exit without waiting for calls it abandoned.
+
+    A tool or model call still running when a command stops waiting (``--timeout``, Ctrl-C)
+    is abandoned with the command (docs/cli.md): whoever drives the tree next records it
+    unknown. Python would wait at exit for the thread running it, i.e. for the call to return:
+    a hung tool kept the command alive, long after it had reported.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

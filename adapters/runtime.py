@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -663,6 +664,18 @@ class _Driver:
             )
 
 
+def quiet_stop_signals() -> None:
+    """Keep SIGINT and SIGTERM away from this thread (the runtime's own threads).
+
+    A signal sent to the process goes to any thread that does not block it. Taken by a
+    dispatch thread stuck in a tool call, Ctrl-C never reached the main thread, whose
+    wait (``result``, ``wait_idle``) it should interrupt: a CLI command went on until its
+    timeout. Blocked here, the main thread (or a signal-waiting thread) gets them.
+    """
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _unknown(dispatch: Dispatch, code: str, message: str) -> _Done:
     return _Done(
         dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, SettlementStatus.UNKNOWN, None,
@@ -716,11 +729,17 @@ class Runtime:
         self.adopt_on_admit = adopt_on_admit
         self.appends = 0
         self.events_appended = 0
-        self._dispatch_pool = ThreadPoolExecutor(dispatch_workers, thread_name_prefix="agentfold-dispatch")
+        self._dispatch_pool = ThreadPoolExecutor(
+            dispatch_workers, thread_name_prefix="agentfold-dispatch", initializer=quiet_stop_signals
+        )
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
-        self._owner_pool = ThreadPoolExecutor(owner_workers, thread_name_prefix="agentfold-owner")
-        self._snapshot_pool = ThreadPoolExecutor(1, thread_name_prefix="agentfold-snapshot")  # large snapshots
+        self._owner_pool = ThreadPoolExecutor(
+            owner_workers, thread_name_prefix="agentfold-owner", initializer=quiet_stop_signals
+        )
+        self._snapshot_pool = ThreadPoolExecutor(  # large snapshots
+            1, thread_name_prefix="agentfold-snapshot", initializer=quiet_stop_signals
+        )
         self._drivers: dict[TreeID, _Driver] = {}
         self._adopt_locks = [threading.Lock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
@@ -1302,6 +1321,7 @@ class Runtime:
         One query per poll reads the owned trees' versions from the tree index; a tree
         whose stored version is ahead of its owner's is caught up by its owner.
         """
+        quiet_stop_signals()
         while not self._watch_stop.wait(self.poll_interval):
             try:
                 self._check_leases()

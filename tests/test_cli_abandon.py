@@ -1,0 +1,104 @@
+"""A command that stops waiting exits, even while a tool call it started still hangs.
+
+docs/cli.md: a call still running when a command stops waiting (``--timeout``, Ctrl-C) is
+abandoned with the command, and whoever drives the tree next records it unknown. An audit
+found the command reported ``cli.drive_failed`` after ``--timeout`` but stayed alive until
+the tool returned (Python waits for its threads at exit), and that SIGINT did nothing until
+the timeout. The tool here blocks for real: it opens a FIFO nobody reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import ROOT, agentfold, ok, sqlite_url
+
+#: The installed console script (what users run) and the module form the other tests use.
+CONSOLE_SCRIPT = str(Path(sys.executable).parent / "agentfold")
+ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", "adapters.cli"]}
+
+
+def hanging_scenario(tmp_path: Path) -> Path:
+    fifo = tmp_path / "tool-log.fifo"
+    os.mkfifo(fifo)
+    doc = {
+        "name": "hang",
+        "model": {"responses": [
+            {"finish_reason": "tool_calls",
+             "message": {"content": "", "tool_calls": [{"id": "c1", "name": "t", "arguments": "{}"}]}},
+            {"finish_reason": "stop", "message": {"content": "done"}},
+        ]},
+        "tools": [{"name": "t", "parameters": {"type": "object"}, "result": {"output": "x"}}],
+        # Every real tool execution appends a line here: opening a FIFO without a reader blocks.
+        "side_effect_log": str(fifo),
+    }
+    path = tmp_path / "hang.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def start(entry: str, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen(
+        [*ENTRIES[entry], "run", str(hanging_scenario(tmp_path)), "--json", "--store", sqlite_url(tmp_path), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )
+
+
+def finish(proc: subprocess.Popen[str], within: float) -> tuple[int, str, float]:
+    began = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"the command was still running {within} s later (its tool call hangs)")
+    return proc.returncode, err, time.monotonic() - began
+
+
+def assert_abandoned_call_is_recorded_unknown(tmp_path: Path) -> None:
+    ok(agentfold("recover", "--timeout", "10", store=sqlite_url(tmp_path)))
+    (effect,) = json.loads(ok(agentfold("unknown", "--json", store=sqlite_url(tmp_path))).stdout)["unknown_effects"]
+    assert effect["diagnostic"]["code"] == "engine.dispatch.interrupted", effect
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_command_past_its_timeout_exits_while_its_tool_call_hangs(entry: str, tmp_path: Path) -> None:
+    if entry == "console-script" and not Path(CONSOLE_SCRIPT).exists():
+        pytest.fail(f"{CONSOLE_SCRIPT} is not installed (scripts/test installs the project)")
+    code, err, _ = finish(start(entry, tmp_path, "--timeout", "1"), within=20)
+    assert code == 1, err
+    assert json.loads(err.strip().splitlines()[-1])["error"]["code"] == "cli.drive_failed"
+    assert_abandoned_call_is_recorded_unknown(tmp_path)
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_ctrl_c_ends_a_command_at_once_while_its_tool_call_hangs(entry: str, tmp_path: Path) -> None:
+    if entry == "console-script" and not Path(CONSOLE_SCRIPT).exists():
+        pytest.fail(f"{CONSOLE_SCRIPT} is not installed (scripts/test installs the project)")
+    proc = start(entry, tmp_path, "--timeout", "120")
+    # Wait until the tool call is under way: its permission is the last event the run stores
+    # before it blocks (version 16), and the tool opens the FIFO right after.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        listed = agentfold("trees", "--json", store=sqlite_url(tmp_path))  # store.not_found until run makes it
+        trees = json.loads(listed.stdout)["trees"] if listed.code == 0 else []
+        if trees and trees[0]["version"] >= 16:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    code, err, took = finish(proc, within=20)
+    assert code == 130, err
+    assert json.loads(err.strip().splitlines()[-1])["error"]["code"] == "cli.interrupted"
+    assert took < 10, took
+    assert_abandoned_call_is_recorded_unknown(tmp_path)
