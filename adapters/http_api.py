@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -411,6 +413,17 @@ class FollowerThread:
         self.state = "stopped"
 
 
+#: How long ``GET /health`` waits for the store to answer before it says 503.
+HEALTH_PROBE_SECONDS = 2.0
+
+
+def _run_into(future: Future[Any], fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - the waiting request reports it
+        future.set_exception(exc)
+
+
 @dataclass
 class ApiService:
     """What one server holds, and every operation its endpoints perform."""
@@ -423,6 +436,8 @@ class ApiService:
     follower: FollowerThread | None = None
     queries: HostQueries = field(init=False)
     folding: HostQueries = field(init=False)
+    _probe: Future[Any] | None = field(init=False, default=None)
+    _probe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.queries = HostQueries(self.store, self.sources)
@@ -468,12 +483,20 @@ class ApiService:
     # -- reads -----------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        positions = self.queries.position()  # reads the store: a store that is down answers 503
         if not self.runtime.leases_healthy():
             raise StoreFailure(
                 "store.unavailable",
                 "the owner-lease session to the store is down: runs cannot be adopted until it is back",
                 hint="the server reconnects by itself; check that PostgreSQL is reachable",
+            )
+        positions = self._probe_store()  # reads the store: a store that is down answers 503
+        stalled = self.runtime.stalled_trees()
+        if stalled:
+            raise StoreFailure(
+                "store.append_failed",
+                f"{len(stalled)} run(s) stopped on a failed append (e.g. {stalled[0]}); the server adopts them "
+                "again as soon as the store takes appends",
+                hint="check the store's disk space or server; `agentfold unknown` lists what the failure left unknown",
             )
         return {
             "status": "ok",
@@ -482,6 +505,27 @@ class ApiService:
             "leases": "ok",
             "positions": positions,
         }
+
+    def _probe_store(self) -> dict[str, Any]:
+        """The store's positions, or 503 within ``HEALTH_PROBE_SECONDS`` whatever the store does.
+
+        A read waits up to 30 s for a pooled PostgreSQL connection while the server is down,
+        and a liveness probe must not hang that long. One read at a time: while one is still
+        waiting, later probes wait for it (at most the same bound), none piles up behind it.
+        """
+        with self._probe_lock:
+            probe = self._probe
+            if probe is None or probe.done():
+                probe = self._probe = Future()
+                threading.Thread(target=_run_into, args=(probe, self.queries.position), daemon=True,
+                                 name="agentfold-health").start()
+        try:
+            return probe.result(timeout=HEALTH_PROBE_SECONDS)  # type: ignore[no-any-return]
+        except FutureTimeout:
+            raise StoreFailure(
+                "store.unavailable", f"the store did not answer within {HEALTH_PROBE_SECONDS:g} s",
+                hint="check that the store is reachable; the server reconnects by itself",
+            ) from None
 
     def _reach(self, min_position: int | None, wait: float) -> None:
         """Wait (bounded) for the read models to reflect ``min_position``; else reads fold."""

@@ -245,6 +245,8 @@ MAX_EVENTS_PER_APPEND = 2048
 #: Polls at which a tree whose lease was lost is tried again while the store fails, before the
 #: watcher gives up on it (logged; ``recover`` adopts it later).
 LOST_TREE_ATTEMPTS = 150
+#: The same for a tree a failed append stopped (a full disk waits for an operator): ~1 hour of polls.
+STALLED_TREE_ATTEMPTS = 18_000
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
@@ -471,6 +473,11 @@ class _Driver:
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
             # told "stopped" may recover the tree at once, from another runtime.
             self.runtime._forget(self)
+            if isinstance(exc, StoreFailure):
+                # An append failed (a full disk, a database that went away): the watcher
+                # adopts the tree again once the store takes appends (``_adopt_lost``),
+                # instead of leaving it without an owner until someone runs `recover`.
+                self.runtime._stalled(self.tree_id)
             self._reject(items, self.stopped)
             self.cond.notify_all()
 
@@ -746,6 +753,7 @@ class Runtime:
         # Trees whose owner line stopped because the lease session ended: adopted again
         # by the watcher once leases work (see ``_adopt_lost``).
         self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
+        self._stalled_trees: set[TreeID] = set()  # of those, the ones a failed append stopped
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
@@ -1367,6 +1375,23 @@ class Runtime:
             if not self._closed:
                 self._lost.setdefault(tree_id, 0)
 
+    def _stalled(self, tree_id: TreeID) -> None:
+        """Note a tree whose owner line a failed append stopped, to adopt it again (only a
+        runtime with a watcher adopts again; a short-lived one reports the failure and ends)."""
+        if self.poll_interval <= 0:
+            return
+        with self._lock:
+            if not self._closed:
+                self._lost.setdefault(tree_id, 0)
+                self._stalled_trees.add(tree_id)
+        log.warning("tree %s: an append failed; its owner line stopped (adopted again when the store takes "
+                    "appends)", tree_id)
+
+    def stalled_trees(self) -> list[TreeID]:
+        """Trees a failed append stopped that this runtime has not adopted again yet."""
+        with self._lock:
+            return sorted(self._stalled_trees)
+
     def _adopt_lost(self) -> None:
         """Drive again, under a new lease, the trees a lost lease session stopped.
 
@@ -1407,7 +1432,8 @@ class Runtime:
             if retry or failure is not None:
                 with self._lock:
                     attempts = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
-                if retry and attempts < LOST_TREE_ATTEMPTS:
+                    limit = STALLED_TREE_ATTEMPTS if tree_id in self._stalled_trees else LOST_TREE_ATTEMPTS
+                if retry and attempts < limit:
                     if failure is not None:
                         log.debug("tree %s: not adopted again yet: %s", tree_id, failure)
                     continue
@@ -1418,9 +1444,11 @@ class Runtime:
                     log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
             with self._lock:
                 self._lost.pop(tree_id, None)
+                stalled = tree_id in self._stalled_trees
+                self._stalled_trees.discard(tree_id)
             if driver is not None and driver is not already and driver.stopped is None:
-                log.warning("tree %s: adopted again after its owner lease was lost (incarnation %s)",
-                            tree_id, driver.incarnation)
+                log.warning("tree %s: adopted again after %s (incarnation %s)", tree_id,
+                            "a failed append" if stalled else "its owner lease was lost", driver.incarnation)
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

@@ -1,0 +1,121 @@
+"""What ``agentfold serve`` does when its store fails under it (found by an operations audit).
+
+* An append that fails (a full disk, a database refusing writes) used to stop the run's owner
+  line for good: the run stayed "progress" with nobody driving it until someone ran
+  ``agentfold recover``, while ``GET /health`` said ``ok``. Now ``/health`` answers 503
+  ``store.append_failed`` while such runs wait, and the server adopts them again by itself
+  once the store takes appends: the call whose outcome the failed append lost is recorded
+  unknown (it ran once; it is never called again).
+* ``GET /health`` waited up to 30 s for a pooled connection while PostgreSQL was down (a
+  liveness probe with a shorter timeout saw no answer at all); now it answers 503 within
+  ``HEALTH_PROBE_SECONDS``.
+
+The append fault is real: a trigger on the events table that raises while a flag is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from adapters.http_api import HEALTH_PROBE_SECONDS
+from adapters.recorders import EVENTS_TABLE
+from tests.http_api.support import ok, start_server, wait_until
+from tests.http_api.test_serve_failures import blocked_in_the_tool
+from tests.test_shutdown_during_outage import OwnServer, _read_fifo, own_pg  # noqa: F401 - a fixture
+
+
+def one_tool_call(fifo: Path) -> dict[str, Any]:
+    return {
+        "name": "one-call",
+        "model": {"responses": [
+            {"finish_reason": "tool_calls",
+             "message": {"content": "", "tool_calls": [{"id": "c1", "name": "pay", "arguments": "{}"}]}},
+            {"finish_reason": "stop", "message": {"content": "paid"}},
+        ]},
+        "tools": [{"name": "pay", "parameters": {"type": "object"}, "result": {"output": "ok"}}],
+        # Every real execution appends a line here: the tool waits in open() until the test reads.
+        "side_effect_log": str(fifo),
+    }
+
+
+def refuse_appends(url: str, on: bool) -> None:
+    """Make every insert into the events table fail (``on``), or work again."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS test_fault (refuse boolean NOT NULL)")
+        conn.execute("DELETE FROM test_fault")
+        conn.execute("INSERT INTO test_fault VALUES (%s)", (on,))
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION test_refuse_appends() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            "BEGIN IF (SELECT refuse FROM test_fault) THEN RAISE EXCEPTION 'could not extend file: No space left "
+            "on device (test fault)'; END IF; RETURN NEW; END $$"
+        )
+        conn.execute(f"DROP TRIGGER IF EXISTS test_refuse_appends ON {EVENTS_TABLE}")
+        conn.execute(f"CREATE TRIGGER test_refuse_appends BEFORE INSERT ON {EVENTS_TABLE} "
+                     "FOR EACH ROW EXECUTE FUNCTION test_refuse_appends()")
+
+
+def health(server: Any) -> httpx.Response:
+    return httpx.get(server.url + "/health", timeout=30)
+
+
+def test_a_run_stopped_by_a_failed_append_is_reported_by_health_and_adopted_again_once_appends_work(
+    pg_database: str, tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    server = start_server(pg_database, tmp_path)
+    try:
+        c = server.client()
+        run = ok(c.post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "full-disk", "wait": 0}), 201)
+        tree_id = run["tree"]["tree_id"]
+        wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)
+        refuse_appends(pg_database, True)
+        calls = _read_fifo(fifo)  # the tool returns; its settlement's append fails
+        wait_until(lambda: calls, timeout=30)
+
+        stalled = wait_until(lambda: (r := health(server)).status_code == 503 and r, timeout=30)
+        problem = stalled.json()
+        assert problem["code"] == "store.append_failed", problem
+        assert "1 run(s) stopped on a failed append" in problem["detail"]
+        assert ok(c.get(f"/runs/{tree_id}"))["classification"] == "progress"
+
+        refuse_appends(pg_database, False)
+        # Nobody runs `recover`: the server adopts the run again by itself, and the call whose
+        # outcome the failed append lost is unknown (it is never called again).
+        unknown = wait_until(lambda: ok(c.get("/unknown-effects"))["unknown_effects"], timeout=30)
+        assert [(u["tree_id"], u["kind"], u["diagnostic"]["code"]) for u in unknown] == [
+            (tree_id, "tool", "engine.dispatch.interrupted")]
+        assert wait_until(lambda: health(server).status_code == 200, timeout=30)
+        assert ok(c.get(f"/runs/{tree_id}"))["classification"] == "parked"
+        time.sleep(1.0)
+        assert calls == [1]  # the tool ran once
+    finally:
+        server.stop()
+    assert "adopted again after a failed append" in server.logs()
+
+
+def test_health_answers_503_within_its_bound_while_postgresql_is_down(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    server = start_server(own_pg.url, tmp_path)
+    try:
+        own_pg.stop()
+        for _ in range(2):  # the second probe does not queue behind the first one's wait
+            began = time.monotonic()
+            answer = httpx.get(server.url + "/health", timeout=30)
+            took = time.monotonic() - began
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["code"] == "store.unavailable", answer.text
+            assert took < HEALTH_PROBE_SECONDS + 3, took
+        own_pg.start()
+        assert wait_until(lambda: health(server).status_code == 200, timeout=90)
+        assert json.loads(health(server).text)["status"] == "ok"
+    finally:
+        server.stop()
