@@ -75,6 +75,7 @@ from adapters.recorders import (
     SQLiteTreeRecorder,
     TreeHead,
     cache_statements,
+    postgres_schema_lock,
     prefer_recent_connections,
 )
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
@@ -275,8 +276,9 @@ class EventStore:
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
                 if create:
-                    self.recorder.create_table()
-                    self.snapshots.create_table()
+                    with self.schema_lock():
+                        self.recorder.create_table()
+                        self.snapshots.create_table()
                 elif self.backend == "postgresql":
                     self._require_tables()
         except (InvalidInput, NotFound):
@@ -285,6 +287,46 @@ class EventStore:
         except (PersistenceError, OSError) as exc:
             self.close()
             raise StoreFailure("store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+        # The SQLite file this store opened: appends check that its path still names it.
+        self._file: tuple[Path, int, int] | None = None
+        if self.backend == "sqlite":
+            path = Path(settings["SQLITE_DBNAME"])
+            try:
+                info = path.stat()
+            except OSError:
+                info = None
+            if info is not None:
+                self._file = (path, info.st_dev, info.st_ino)
+
+    def check_file(self) -> None:
+        """Refuse to go on with an SQLite file that was removed or replaced since it was opened.
+
+        SQLite keeps writing to the file it opened, even once its path names another file or
+        none: every step appended after an operator deleted (or restored over) the store would
+        be lost with the old file, while the commands reported success.
+        """
+        if self._file is None:
+            return
+        path, device, inode = self._file
+        try:
+            info = os.stat(path)
+        except OSError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != (device, inode):
+            raise StoreFailure(
+                "store.unavailable",
+                f"the store's file {path} was {'removed' if info is None else 'replaced'} while this process had "
+                "it open: nothing more is written to it",
+                hint="restart the process to use the file now at that path (what was written after the change is "
+                "in the old file only if a process still holds it open)",
+            )
+
+    def schema_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Serializes table creation with other processes opening the same database
+        (PostgreSQL; SQLite's DDL runs under its own write lock)."""
+        if self.backend == "postgresql":
+            return postgres_schema_lock(self.factory.datastore)
+        return contextlib.nullcontext()
 
     def _require_sqlite_store(self, path: Path) -> None:
         """Refuse a missing file, or one without agentfold's tables, before eventsourcing opens
@@ -433,6 +475,7 @@ class EventStore:
         ``snapshot``: the folded tree after these events (its version is the last one's
         position), saved in the same transaction as the tree's only snapshot when its JSON
         is at most ``INLINE_SNAPSHOT_BYTES`` long, else returned as ``snapshot_body``."""
+        self.check_file()
         tree_uuid = tree_id.uuid
         stored: list[StoredEvent] = []
         digest = previous_digest

@@ -489,6 +489,7 @@ class ApiService:
                 "the owner-lease session to the store is down: runs cannot be adopted until it is back",
                 hint="the server reconnects by itself; check that PostgreSQL is reachable",
             )
+        self.store.check_file()  # an SQLite file removed or replaced under the server
         positions = self._probe_store()  # reads the store: a store that is down answers 503
         stalled = self.runtime.stalled_trees()
         if stalled:

@@ -16,11 +16,12 @@ Tables (documented in docs/read-models.md):
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
@@ -195,6 +196,29 @@ def cache_statements(datastore: Any) -> None:
     if type(pool) is SQLiteConnectionPool:
         pool.__class__ = StatementCachingSQLitePool
         pool._pool = _MostRecentFirst(pool._pool)
+
+
+#: The advisory lock that serializes agentfold's DDL across processes opening one PostgreSQL
+#: database at once (session-level; distinct from the transaction-level keys taken inside it).
+SCHEMA_LOCK_KEY = 7406170102
+
+
+@contextlib.contextmanager
+def postgres_schema_lock(datastore: Any) -> Iterator[None]:
+    """Hold ``SCHEMA_LOCK_KEY`` while this process creates tables in a PostgreSQL database.
+
+    ``CREATE TABLE IF NOT EXISTS`` is not safe against a concurrent identical statement
+    (the second fails on ``pg_type_typname_nsp_index``), and eventsourcing's tracking table
+    decides whether to insert its ``__migration__`` row before its transaction begins: two
+    servers starting together on a new database failed with one of those errors, reported
+    as ``store.unavailable``. Under this lock the second finds the tables made.
+    """
+    with datastore.get_connection() as conn:  # autocommit: the lock outlives the statement
+        conn.execute("SELECT pg_advisory_lock(%s)", (SCHEMA_LOCK_KEY,))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (SCHEMA_LOCK_KEY,))
 
 
 def prefer_recent_connections(datastore: Any) -> None:

@@ -119,3 +119,27 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_down(
         assert json.loads(health(server).text)["status"] == "ok"
     finally:
         server.stop()
+
+
+def test_a_store_file_removed_under_the_server_is_reported_and_never_written_to(tmp_path: Path) -> None:
+    # SQLite keeps writing to the file it opened: runs started after the file was deleted were
+    # answered 201 and lost with the unlinked file, while /health said ok.
+    db = tmp_path / "store.db"
+    server = start_server(f"sqlite:///{db}", tmp_path)
+    try:
+        c = server.client()
+        ok(c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "before", "wait": 5}),
+           201)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        answer = health(server)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["code"] == "store.unavailable"
+        assert "was removed while this process had it open" in answer.json()["detail"]
+        refused = c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "after"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["code"] == "store.unavailable"
+    finally:
+        server.stop()
+    assert not db.exists()  # nothing made a new file behind the operator's back either
+    assert (tmp_path / "pay.log").read_text().count("\n") == 1  # only the run before the removal called its tool
