@@ -411,8 +411,10 @@ def verify_tree(
     watch: dict[int, list[Watcher]] = {}
     # Rows and snapshot first, events after: a live tree only grows, so the events read
     # reach every version these reflect.
+    counted: tuple[int, int] | None = None
     if read_models is not None:
         rows = read_models.tree_rows(str(tree_id))
+        counted = read_models.counter(str(tree_id))
         check.read_model = "not_projected" if rows["run"] is None else "pending"
     snapshot = _latest_snapshot(store, tree_id) if check_snapshot else None
     head, stored = consistent_read(store, tree_id)
@@ -471,6 +473,15 @@ def verify_tree(
                 check.problems.append(
                     Finding(str(tree_id), at, "read_model.mismatch",
                             f"the stored rows differ from the projection of the fold at position {at} at {path}")
+                )
+            # The follower's count of the events it applied to the tree must be its version
+            # (read with the rows; a follower that moved on in between is not a finding).
+            if counted is not None and counted[0] == at and counted[1] != at:
+                check.read_model = "mismatch"
+                check.problems.append(
+                    Finding(str(tree_id), at, "read_model.mismatch",
+                            f"the read models counted {counted[1]} events applied to this tree for version {at} "
+                            "(events_projected must equal version: events applied twice or skipped)")
                 )
     return check, folded, stored
 

@@ -52,6 +52,7 @@ def _say(command: str) -> Callable[[str], None]:
     """One line on stderr, for the failures a following command retries."""
 
     def say(line: str) -> None:
+        line = " ".join(line.split())  # one line, whatever a driver's message holds (libpq's span several)
         sys.stderr.write(f"{PROG}: {command}: {line}\n")
         sys.stderr.flush()
 

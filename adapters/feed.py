@@ -347,6 +347,7 @@ class Publisher:
         self._crash = crash_hook_from_env()
         self._interrupted = threading.Event()
         self.batches = 0
+        self.steps = 0  # steps that ended without an error (store and broker answered): progress, for the backoff
         self.events = 0
         self.bytes = 0
         self.failures = 0  # failures retried while following, counted as they happen
@@ -357,6 +358,7 @@ class Publisher:
         """Produce the next batch (at most ``batch_size`` events); returns how many."""
         notifications = self.store.notifications(self.position, self.batch_size)
         if not notifications:
+            self.steps += 1
             return 0
         # Up to the first event that cannot be read or does not verify: what comes before it
         # is published (and its position stored), then the publisher stops on it.
@@ -391,6 +393,7 @@ class Publisher:
         self.events += len(notifications)
         if corrupt is not None:
             raise corrupt
+        self.steps += 1
         return len(notifications)
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
@@ -478,7 +481,8 @@ class Publisher:
         """``follow`` until ``stop`` is set, through the failures ``publish_failed`` accepts.
 
         Each failure is one line (``say``), then a wait (``retry_until_stopped``: doubling from
-        ``backoff`` up to ``max_backoff``); the next attempt reads the stored position again
+        ``backoff`` up to ``max_backoff`` while the attempts make no progress, back to ``backoff``
+        after an attempt in which a step succeeded); the next attempt reads the stored position again
         (the store may hold a later one than this object, if the reply to a position write was
         lost) and goes on from there, so at most the batch whose position was not stored is
         produced again. After a broker failure it also starts a new producer: the old one's
@@ -510,8 +514,11 @@ class Publisher:
         def failed() -> None:
             self.failures += 1  # as it happens: the report at the last resort shows it
 
+        # Progress (the wait back to ``backoff``): a step that ended without an error, not
+        # time: during an outage each attempt may wait long for the store or the broker.
         retry_until_stopped(
-            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed
+            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed,
+            progress=lambda: self.steps,
         )
         return PublishReport(self.events - before, self.position, self.failures - failed_before)
 

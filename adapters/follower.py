@@ -8,6 +8,9 @@ and writes them with the new tracking position in one transaction
 (``adapters.read_models``). Nothing else is ever written, so the tables are a pure
 function of the log up to the tracking position: a follower that dies at any point
 resumes from the last committed position, and ``rebuild`` reproduces the same rows.
+Several followers on one store (``serve`` and ``project --follow``) take turns: the write
+compares and sets the position, so a batch read from a position another follower has
+committed past since writes nothing, and that follower goes on from the committed one.
 
 A tree whose history cannot be read (``CorruptStream``: a broken digest chain, an event
 that does not decode or that the fold refuses) does not stop the others: the batch goes
@@ -83,8 +86,9 @@ class BatchReport:
 def corrupt_tree_line(found: CorruptTree) -> str:
     """The one line that reports a tree the follower found corrupt (logs, ``project`` stderr)."""
     start = f" (start {found.start_id})" if found.start_id else ""
+    detail = " ".join(found.detail.split())  # a decoder's or driver's message may span lines
     return (
-        f"tree {found.tree_id}{start} is corrupt at position {found.position}: {found.rule}: {found.detail}; "
+        f"tree {found.tree_id}{start} is corrupt at position {found.position}: {found.rule}: {detail}; "
         f"the read models skip it from notification {found.found_at} on "
         f"(see `agentfold audit verify {found.tree_id}`)"
     )
@@ -125,6 +129,7 @@ class Follower:
         self._batches = 0
         self._crash = crash_hook_from_env()
         self.events_applied = 0
+        self.steps = 0  # steps that ended without an error (the store answered): progress, for the backoff
         self.on_corrupt = on_corrupt or _log_corrupt
         # Trees recorded corrupt (by any follower): their later events are skipped.
         self._corrupt: set[str] = {c.tree_id for c in self.read_models.corrupt_trees()}
@@ -140,6 +145,7 @@ class Follower:
         """Project the next batch of notifications (at most ``batch_size``)."""
         notifications = self.store.notifications(self._position, self.batch_size)
         if not notifications:
+            self.steps += 1
             return BatchReport(0, 0, self._position)
         by_tree: dict[TreeID, list[Notification]] = {}
         for n in notifications:
@@ -160,18 +166,24 @@ class Follower:
         last = notifications[-1].id
         self._batches += 1
         try:
-            self.read_models.write(updates, last, corrupt=corrupt, before_tracking=self._crash(self._batches))
+            self.read_models.write(updates, last, after=self._position, corrupt=corrupt,
+                                   before_commit=self._crash(self._batches))
         except IntegrityError:
-            # Another follower committed this position first: start again from the tables.
-            self._cache.clear()
+            # Another follower (or a rebuild's reset) moved the position since this batch was
+            # read: nothing of it was written. Start again from the tables' position. The
+            # cache stays: each folded tree is a fold of the (immutable) log up to its own
+            # version, whoever committed it, and a tree whose next event is not the one after
+            # that version is loaded again (``_advance``).
             self._position = self.read_models.position()
             self._corrupt = {c.tree_id for c in self.read_models.corrupt_trees()}
+            self.steps += 1
             return BatchReport(0, 0, self._position)
         except BaseException:
             self._cache.clear()  # the folded trees are ahead of what was committed
             raise
         self._position = last
         self.events_applied += len(notifications)
+        self.steps += 1
         for found in corrupt:
             self._corrupt.add(found.tree_id)
             self.corrupt_found.append(found)
@@ -293,11 +305,14 @@ class Follower:
         waiter = NewEvents(self.store, self.poll_interval)
         try:
             while not stop.is_set():
+                before = self._position
                 report = self.step()
                 if report.events:
                     if on_batch is not None:
                         on_batch(report)
                     continue
+                if self._position != before:
+                    continue  # another follower committed first: there may be more to do at once
                 waiter.wait(stop)
         finally:
             waiter.close()
@@ -349,6 +364,7 @@ def retry_until_stopped(
     backoff: float = 0.5,
     max_backoff: float = 30.0,
     on_failure: Callable[[], None] | None = None,
+    progress: Callable[[], int] | None = None,
 ) -> int:
     """Run ``attempt`` until ``stop`` is set, again after each failure ``retryable`` accepts;
     returns how many failures there were.
@@ -356,10 +372,17 @@ def retry_until_stopped(
     ``attempt`` works until ``stop`` is set (and returns) or raises; each new attempt must go
     on from its own durable position (what it committed), never from memory. A retryable
     failure is reported with ``say`` as one line (``following failed: <what>; retrying in
-    N s``) and the next attempt starts after a wait that doubles from ``backoff`` up to
-    ``max_backoff``, and is back to ``backoff`` once an attempt worked for longer than
-    ``max_backoff`` (a new outage, not the same one). ``stop`` is looked at at least every
-    0.25 s while waiting. Any other exception is raised at once.
+    N s``, whitespace runs of the error's text collapsed) and the next attempt starts after a
+    wait that doubles from ``backoff`` up to ``max_backoff``. ``stop`` is looked at at least
+    every 0.25 s while waiting. Any other exception is raised at once.
+
+    The wait is back to ``backoff`` only after an attempt that made **progress** (a new outage,
+    not the same one): ``progress`` is a count that grows as the work goes on (a step that
+    reached the store and ended without an error), read before and after each attempt. Time
+    alone is not progress: during an outage each attempt may wait 30 s for a connection before
+    it fails, and the wait must still grow (0.5, 1, 2, 4 ... 30 s). Without ``progress`` (a
+    caller with no such count), an attempt that lasted longer than ``max_backoff`` counts as
+    progress.
 
     A retryable failure met once ``stop`` is set ends the loop (one line, ``stopping; ...``;
     not counted): no attempt follows, and it may be the store call that ``StopGuard``
@@ -370,6 +393,7 @@ def retry_until_stopped(
     delay = backoff
     while not stop.is_set():
         started = time.monotonic()
+        done_before = progress() if progress is not None else 0
         try:
             attempt()
             return failures
@@ -382,7 +406,11 @@ def retry_until_stopped(
             failures += 1
             if on_failure is not None:
                 on_failure()
-            if time.monotonic() - started > max_backoff:
+            if progress is not None:
+                progressed = progress() > done_before
+            else:
+                progressed = time.monotonic() - started > max_backoff
+            if progressed:
                 delay = backoff  # it had been working: a new outage starts with a short wait
             say(f"following failed: {one_line(exc)}; retrying in {delay:g} s")
             deadline = time.monotonic() + delay
@@ -442,21 +470,35 @@ def follow_until_stopped(
     records and skips it (``Follower.on_corrupt`` reports it). Any other error (refused
     input, a bug) is not retried: it is raised. ``progress`` (made with ``first``) shows
     what it did so far to another thread.
+
+    The wait between attempts doubles for as long as the attempts make no progress (no
+    follower step ends without an error: ``Follower.steps``), however long each one took to
+    fail, and is back to ``backoff`` after an attempt that did.
     """
     progress = progress or FollowProgress(first)
     pending = first
+    current: list[Follower] = []  # the follower of the attempt in progress (or of the last one)
+    earlier = 0  # steps of the followers before it
 
     def attempt() -> None:
-        nonlocal pending
+        nonlocal pending, earlier
         follower = pending
         if follower is None:
             follower = make()
             say(f"following again from position {follower.position}")
         pending = None  # whatever happens next, the next attempt starts with a new follower
+        if current:
+            earlier += current.pop().steps
+        current.append(follower)
         progress.following(follower)
         follower.follow(stop)
 
-    retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff, on_failure=progress.failed)
+    def steps() -> int:
+        """Steps every follower ended without an error: it grows only while the store answers."""
+        return earlier + (current[0].steps if current else 0)
+
+    retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff, on_failure=progress.failed,
+                        progress=steps)
     return progress.report()
 
 

@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
 from adapters.eventstore import EventStore
-from adapters.follower import Follower
+from adapters.follower import Follower, one_line
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.resolution import ABSENT, settlement_for
@@ -402,7 +402,7 @@ class FollowerThread:
                 follower.follow(self._stop)
             except Exception as exc:  # noqa: BLE001 - reads fold meanwhile; try again
                 self.state = "restarting"
-                log.error("read-model follower failed (reads fold until it recovers): %s", exc)
+                log.error("read-model follower failed (reads fold until it recovers): %s", one_line(exc))
                 self._stop.wait(self.retry)
         self.state = "stopped"
 

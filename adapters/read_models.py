@@ -5,8 +5,10 @@ the pure projection produces (``projections.read_models``), plus the columns a h
 filters on. A follower (``adapters.follower``) writes them; every update of a batch
 of notifications is committed **in one transaction with its tracking position**
 (the eventsourcing tracking table, application name ``agentfold.read_models``), so a
-crash between the view write and the tracking write loses the whole batch, and the
-follower simply does it again: exactly once, resumable, rebuildable from zero.
+crash before the commit loses the whole batch, and the follower simply does it again:
+exactly once, resumable, rebuildable from zero. The position is compared and set first
+in that transaction (it must still be the one the batch was read from), so several
+followers on one store take turns and each notification is applied by exactly one of them.
 
 A tree whose stored history cannot be read (``store.corrupt``) gets a row in
 ``agentfold_rm_corrupt_trees`` instead of rows in the other tables, written in the
@@ -20,13 +22,14 @@ tables in: hosts of a memory store fold (``adapters.queries`` does that by itsel
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from eventsourcing.persistence import Tracking
+from eventsourcing.persistence import IntegrityError
 from eventsourcing.postgres import PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteTrackingRecorder
 
@@ -78,6 +81,9 @@ _DDL = (
     "found_at BIGINT NOT NULL, body TEXT NOT NULL)",
     f"CREATE INDEX IF NOT EXISTS {CORRUPT}_by_created ON {CORRUPT} (created_position)",
 )
+
+#: Every table and index the DDL creates.
+_OBJECTS = tuple(name for statement in _DDL for name in re.findall(r"IF NOT EXISTS (\w+)", statement))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +159,8 @@ def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     else:
         recorder = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
     if create:
-        recorder.create_table()
+        with store.schema_lock():  # eventsourcing decides on its migration row before its transaction
+            recorder.create_table()
     return recorder
 
 
@@ -177,13 +184,32 @@ class ReadModels:
         self.datastore = datastore
         self.tracking = tracking_recorder(store, create=create)
         self._has_corrupt_table = create  # created below; a reader looks (``_corrupt_table_exists``)
-        if not create:
+        if not create or not self._missing():
             return
         with datastore.transaction(commit=True) as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens
+                if not self._missing(c):
+                    return  # another opener created them while this one waited for the lock
             for statement in _DDL:
                 c.execute(self._sql(statement))
+
+    def _missing(self, cursor: Any = None) -> bool:
+        """Whether a table or index of the read models is missing (the DDL has to run).
+
+        The DDL runs only then: on PostgreSQL ``CREATE INDEX IF NOT EXISTS`` takes a SHARE lock
+        on its table even when the index exists, and a follower starting (or restarting after a
+        failure) while another follower commits a batch deadlocked with it."""
+        if cursor is None:
+            with self.datastore.transaction(commit=False) as c:
+                return self._missing(c)
+        if self.backend == "sqlite":
+            marks = ",".join("?" * len(_OBJECTS))
+            cursor.execute(f"SELECT count(*) AS n FROM sqlite_master WHERE name IN ({marks})", _OBJECTS)
+        else:
+            cursor.execute("SELECT count(to_regclass(n)) AS n FROM unnest(%s::text[]) AS n", (list(_OBJECTS),))
+        row = cursor.fetchone()
+        return row is None or int(row["n"]) < len(_OBJECTS)
 
     def _sql(self, statement: str) -> str:
         # The tables live in the connection's default schema (PostgreSQL: public, as the events).
@@ -230,19 +256,71 @@ class ReadModels:
         updates: Sequence[TreeUpdate],
         notification_id: int,
         *,
+        after: int,
         corrupt: Sequence[CorruptTree] = (),
-        before_tracking: Callable[[], None] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Replace the rows of every updated tree, record the trees found corrupt (dropping
-        every row they had) and advance the tracking position, atomically."""
+        every row they had) and move the tracking position from ``after`` (the position the
+        batch was read from) to ``notification_id``, atomically.
+
+        The position is compared and set **first**, so the transaction holds the tracking
+        row from its first statement on: writers of the tables (several followers, a
+        rebuild's reset) take turns, and a batch read from a position that is no longer the
+        committed one (another follower committed meanwhile) writes nothing: ``IntegrityError``,
+        the whole transaction rolled back. So every notification is applied exactly once,
+        whichever follower applies it, and ``events_projected + n`` counts it once.
+        """
         with self.datastore.transaction(commit=True) as c:
+            self._advance_position(c, after, notification_id)
             for update in updates:
                 self._write_tree(c, update, notification_id)
             for found in corrupt:
                 self._write_corrupt(c, found)
-            if before_tracking is not None:
-                before_tracking()
-            self.tracking._insert_tracking(c, Tracking(APPLICATION, notification_id))
+            if before_commit is not None:
+                before_commit()
+
+    def _tracking_table(self) -> str:
+        if self.backend == "sqlite":
+            return TRACKING_TABLE
+        schema = str(getattr(self.datastore, "schema", "") or "public").replace('"', '""')
+        return f'"{schema}"."{TRACKING_TABLE}"'  # where eventsourcing's recorder keeps it
+
+    def _advance_position(self, c: Any, after: int, notification_id: int) -> None:
+        """Compare-and-set of the tracking position, ``after`` -> ``notification_id``.
+
+        eventsourcing's own tracking upsert only refuses a position that is not greater than
+        the stored one: a follower whose batch started at the same position as another's but
+        ended further on committed after it, and applied the overlap a second time (rows
+        replaced, but ``events_projected`` counted twice; on PostgreSQL, under READ COMMITTED,
+        its DELETEs also missed the rows the other had just inserted, so stale rows stayed).
+        Here the row must still hold ``after``; the UPDATE (or, from nothing, the INSERT) locks
+        it until the commit, and a concurrent writer waits for it, then finds another value.
+        """
+        table = self._tracking_table()
+        if not 0 <= after < notification_id:
+            raise InvalidInput("projection.position_invalid",
+                               f"a batch must move the position forward, not from {after} to {notification_id}")
+        c.execute(
+            self._sql(f"UPDATE {table} SET notification_id = ? WHERE application_name = ? AND notification_id = ? "
+                      "RETURNING notification_id"),
+            (notification_id, APPLICATION, after),
+        )
+        if c.fetchone() is not None:
+            return
+        if after == 0:
+            # No row yet (a new store, or after a rebuild's reset): the first to insert it wins.
+            c.execute(
+                self._sql(f"INSERT INTO {table} (application_name, notification_id) VALUES (?, ?) "
+                          "ON CONFLICT (application_name) DO NOTHING RETURNING notification_id"),
+                (APPLICATION, notification_id),
+            )
+            if c.fetchone() is not None:
+                return
+        raise IntegrityError(
+            f"tracking position of {APPLICATION} is no longer {after}: another follower committed first "
+            f"(batch up to {notification_id} dropped)"
+        )
 
     def _write_tree(self, c: Any, update: TreeUpdate, position: int) -> None:
         rows = update.rows
@@ -305,8 +383,8 @@ class ReadModels:
         # serve them (it names the tree instead), whatever version they were projected at.
         for table in TREE_TABLES:
             c.execute(self._sql(f"DELETE FROM {table} WHERE tree_id = ?"), (found.tree_id,))
-        # DO NOTHING: only a second follower racing for the same batch meets an existing row,
-        # and its tracking insert fails anyway.
+        # DO NOTHING: a tree is recorded once (its later events are skipped); batches are
+        # applied one at a time and exactly once (``_advance_position``), so this is a guard.
         c.execute(
             self._sql(
                 f"INSERT INTO {CORRUPT} (tree_id, start_id, created_position, position, rule, detail, found_at, body) "
@@ -324,11 +402,15 @@ class ReadModels:
         c.executemany(statement, rows)
 
     def reset(self) -> None:
-        """Empty every table and forget the tracking position (before a rebuild), atomically."""
+        """Empty every table and forget the tracking position (before a rebuild), atomically.
+
+        The tracking row goes first, so the reset waits for a follower's batch in progress
+        (which holds that row) and every follower's next batch then fails its compare-and-set
+        and starts again from the tables' position (zero, or what the rebuild reached)."""
         with self.datastore.transaction(commit=True) as c:
+            c.execute(self._sql(f"DELETE FROM {self._tracking_table()} WHERE application_name = ?"), (APPLICATION,))
             for table in TABLES:
                 c.execute(self._sql(f"DELETE FROM {table} WHERE 1 = 1"))
-            c.execute(self._sql(f"DELETE FROM {TRACKING_TABLE} WHERE application_name = ?"), (APPLICATION,))
 
     # -- queries ---------------------------------------------------------------
 
@@ -454,6 +536,15 @@ class ReadModels:
         return found
 
     @on_a_live_connection
+    def counter(self, tree_id: str) -> tuple[int, int] | None:
+        """One tree's (version its run row reflects, events the followers applied to it), or
+        None without a run row; they are equal unless an event was applied twice or skipped."""
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(f"SELECT version, events_projected FROM {RUNS} WHERE tree_id = ?"), (tree_id,))
+            row = c.fetchone()
+        return None if row is None else (int(row["version"]), int(row["events_projected"]))
+
+    @on_a_live_connection
     def counters(self) -> dict[str, tuple[int, int]]:
         """Per tree with a run row: (version the row reflects, events the follower applied to it).
 
@@ -465,8 +556,9 @@ class ReadModels:
 
 
 def crash_hook_from_env() -> Callable[[int], Callable[[], None] | None]:
-    """``AGENTFOLD_FOLLOWER_CRASH=view-written:N``: die after writing the N-th batch's views,
-    before its tracking record (real process death, for the follower crash tests)."""
+    """``AGENTFOLD_FOLLOWER_CRASH=view-written:N``: die after writing the N-th batch's views
+    (and its tracking position), before the commit (real process death, for the follower
+    crash tests)."""
     spec = os.environ.get("AGENTFOLD_FOLLOWER_CRASH", "")
     if not spec:
         return lambda batch: None

@@ -51,7 +51,14 @@ def start(entry: str, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*ENTRIES[entry], "run", str(hanging_scenario(tmp_path)), "--json", "--store", sqlite_url(tmp_path), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+        # As in a terminal's foreground job: a test run started in the background (`cmd &` in a
+        # script) inherits SIGINT ignored, and Python then leaves it ignored.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen[str], within: float) -> tuple[int, str, float]:
