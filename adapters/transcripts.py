@@ -577,8 +577,11 @@ class TranscriptConsumer:
         def failed() -> None:
             self.report.failures += 1  # as it happens: the report at the last resort shows it
 
+        # Progress is a committed batch: an attempt that waits on a database that is down and
+        # then fails does not reset the wait, however long it took (the wait keeps growing).
         retry_until_stopped(
-            attempt, stop, say, retryable=consume_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed
+            attempt, stop, say, retryable=consume_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed,
+            progress=lambda: self.report.batches,
         )
         return self.report
 
