@@ -93,18 +93,23 @@ def test_ctrl_c_ends_a_command_at_once_while_its_tool_call_hangs(entry: str, tmp
     if entry == "console-script" and not Path(CONSOLE_SCRIPT).exists():
         pytest.fail(f"{CONSOLE_SCRIPT} is not installed (scripts/test installs the project)")
     proc = start(entry, tmp_path, "--timeout", "120")
-    # Wait until the tool call is under way: its permission is the last event the run stores
-    # before it blocks (version 16), and the tool opens the FIFO right after.
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        listed = agentfold("trees", "--json", store=sqlite_url(tmp_path))  # store.not_found until run makes it
-        trees = json.loads(listed.stdout)["trees"] if listed.code == 0 else []
-        if trees and trees[0]["version"] >= 16:
-            break
-        time.sleep(0.2)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    code, err, took = finish(proc, within=20)
+    try:
+        # Wait until the tool call is under way: its permission is the last event the run stores
+        # before it blocks (version 16), and the tool opens the FIFO right after.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            listed = agentfold("trees", "--json", store=sqlite_url(tmp_path))  # store.not_found until run makes it
+            trees = json.loads(listed.stdout)["trees"] if listed.code == 0 else []
+            if trees and trees[0]["version"] >= 16:
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        code, err, took = finish(proc, within=20)
+    finally:
+        if proc.poll() is None:  # a failure above must not leave the command hanging on its FIFO
+            proc.kill()
+            proc.communicate()
     assert code == 130, err
     assert json.loads(err.strip().splitlines()[-1])["error"]["code"] == "cli.interrupted"
     assert took < 10, took
