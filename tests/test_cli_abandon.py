@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import ROOT, agentfold, ok, sqlite_url
+from tests.test_cli_interaction import one_tool_call
 
 #: The installed console script (what users run) and the module form the other tests use.
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "agentfold")
@@ -29,17 +30,7 @@ ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", 
 def hanging_scenario(tmp_path: Path) -> Path:
     fifo = tmp_path / "tool-log.fifo"
     os.mkfifo(fifo)
-    doc = {
-        "name": "hang",
-        "model": {"responses": [
-            {"finish_reason": "tool_calls",
-             "message": {"content": "", "tool_calls": [{"id": "c1", "name": "t", "arguments": "{}"}]}},
-            {"finish_reason": "stop", "message": {"content": "done"}},
-        ]},
-        "tools": [{"name": "t", "parameters": {"type": "object"}, "result": {"output": "x"}}],
-        # Every real tool execution appends a line here: opening a FIFO without a reader blocks.
-        "side_effect_log": str(fifo),
-    }
+    doc = one_tool_call(fifo)  # the tool's side-effect log: opening a FIFO without a reader blocks
     path = tmp_path / "hang.json"
     path.write_text(json.dumps(doc))
     return path

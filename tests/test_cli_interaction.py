@@ -68,6 +68,21 @@ def beta_result(details: Any = None) -> dict[str, Any]:
     return {"id": "call_b", "name": "beta", "output": {"details": BETA_OUTPUT if details is None else details}}
 
 
+def one_tool_call(log: Path) -> dict[str, Any]:
+    """A model call that asks for one tool call (``pay``), then a final answer. Every real
+    execution of the tool appends a line to ``log`` (a FIFO nobody reads blocks it in open())."""
+    return {
+        "name": "one-call",
+        "model": {"responses": [
+            {"finish_reason": "tool_calls",
+             "message": {"content": "", "tool_calls": [{"id": "c1", "name": "pay", "arguments": "{}"}]}},
+            {"finish_reason": "stop", "message": {"content": "paid"}},
+        ]},
+        "tools": [{"name": "pay", "parameters": {"type": "object"}, "result": {"output": "ok"}}],
+        "side_effect_log": str(log),
+    }
+
+
 def two_call_round(log: Path | None, *, alpha: Any = None, beta: Any = None, concurrent: bool = False,
                    final: dict[str, Any] = LEFT_TO_HOST) -> dict[str, Any]:
     """A model call that asks for alpha and beta (one round), then ``final``."""

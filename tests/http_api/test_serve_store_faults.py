@@ -28,21 +28,8 @@ from adapters.http_api import HEALTH_PROBE_SECONDS
 from adapters.recorders import EVENTS_TABLE
 from tests.http_api.support import ok, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
+from tests.test_cli_interaction import one_tool_call
 from tests.test_shutdown_during_outage import OwnServer, _read_fifo, own_pg  # noqa: F401 - a fixture
-
-
-def one_tool_call(fifo: Path) -> dict[str, Any]:
-    return {
-        "name": "one-call",
-        "model": {"responses": [
-            {"finish_reason": "tool_calls",
-             "message": {"content": "", "tool_calls": [{"id": "c1", "name": "pay", "arguments": "{}"}]}},
-            {"finish_reason": "stop", "message": {"content": "paid"}},
-        ]},
-        "tools": [{"name": "pay", "parameters": {"type": "object"}, "result": {"output": "ok"}}],
-        # Every real execution appends a line here: the tool waits in open() until the test reads.
-        "side_effect_log": str(fifo),
-    }
 
 
 def refuse_appends(url: str, on: bool) -> None:
