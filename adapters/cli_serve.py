@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ REQUEST_GRACE = 10
 #: Seconds after SIGTERM/SIGINT by which ``serve`` has exited in any case (StopGuard): the
 #: request grace, the dispatchers' 2 s (``_abandoned_calls``), closing the runtime and the store.
 SERVE_STOP_LIMIT = 15.0
+#: Seconds between a server's scans for live runs nobody owns (``--adopt-every``).
+DEFAULT_ADOPT_EVERY = 5.0
 
 
 
@@ -44,7 +47,11 @@ def register(command: Any) -> None:
                        help="do not keep the read models current in this process (reads fold unless another "
                        "follower keeps them current)")
     serve.add_argument("--recover", action="store_true",
-                       help="at startup, adopt every live run nobody owns and drive it")
+                       help="at startup, before serving, adopt every live run nobody owns and count them in the "
+                       "start line")
+    serve.add_argument("--adopt-every", type=float, default=DEFAULT_ADOPT_EVERY, metavar="SECONDS",
+                       help="while serving, adopt the live runs nobody owns (those of a server or command that "
+                       f"died) this often (default {DEFAULT_ADOPT_EVERY:g}; 0 = never)")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -121,6 +128,10 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if not token.strip():
         raise InvalidInput("http.token_missing", f"set {TOKEN_ENV} to the bearer token clients must send",
                            hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
+    adopt_every = args.adopt_every
+    if not (adopt_every >= 0 and math.isfinite(adopt_every)):
+        raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
+                           hint="0 turns the scan off")
     sock = _listen(args.host, args.port)
     stopping: list[int] = []
     abandoned = 0
@@ -129,7 +140,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     try:
         store = ctx.open_store(create=True)
         try:
-            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow)
+            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every)
             try:
                 recovered = service.recover() if args.recover else []
                 host, port = sock.getsockname()[:2]
@@ -138,13 +149,15 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                 started = {
                     "listening": url, "port": port, "store": redact(ctx.store_url),
                     "follower": service.follower is not None, "recovered": recovered,
+                    "adopt_every": adopt_every,
                 }
                 if getattr(args, "json", False):
                     sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
                 else:
                     sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
                                      f"{', read models followed' if service.follower else ''}"
-                                     f"{recovered_text(recovered)})\n")
+                                     f"{recovered_text(recovered)}"
+                                     f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
                 sys.stdout.flush()
                 config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                                         lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False)

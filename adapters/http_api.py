@@ -209,7 +209,10 @@ class Health(_Doc):
     status: Literal["ok"]
     backend: Literal["memory", "sqlite", "postgresql"]
     follower: Literal["running", "restarting", "stopped", "off"]
+    leases: Literal["ok"] = Field(..., description="the owner-lease session works (503 store.unavailable otherwise)")
     positions: Positions
+    adopt_every: float = Field(..., description="seconds between scans for runs nobody owns (0: none)")
+    orphans_adopted: int = Field(..., description="runs nobody owned that this server adopted since it started")
 
 
 class TreeSummary(_Doc):
@@ -444,9 +447,12 @@ class ApiService:
         self.folding = HostQueries(self.store, self.sources, use_read_models=False)
 
     @classmethod
-    def open(cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True) -> ApiService:
+    def open(
+        cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True, adopt_every: float = 0.0
+    ) -> ApiService:
+        """``adopt_every``: seconds between scans for runs nobody owns (a dead peer's), 0 = none."""
         ids = _StartIds()
-        runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids)
+        runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids, adopt_orphans_every=adopt_every)
         follower = None
         try:
             if follow and store.backend in ("sqlite", "postgresql"):
@@ -505,6 +511,8 @@ class ApiService:
             "follower": self.follower.state if self.follower is not None else "off",
             "leases": "ok",
             "positions": positions,
+            "adopt_every": self.runtime.adopt_orphans_every,
+            "orphans_adopted": self.runtime.orphans_adopted,
         }
 
     def _probe_store(self) -> dict[str, Any]:

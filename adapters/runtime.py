@@ -724,6 +724,7 @@ class Runtime:
         clock: Callable[[], str] = utc_now,
         ids: RandomIds | None = None,
         adopt_on_admit: bool = True,
+        adopt_orphans_every: float = 0.0,
     ) -> None:
         self.store = store
         self.catalog = catalog or Catalog()
@@ -734,6 +735,9 @@ class Runtime:
         self.clock = clock
         self.ids = ids or RandomIds()
         self.adopt_on_admit = adopt_on_admit
+        # Seconds between scans for live trees nobody owns (a dead peer's runs); 0 = never.
+        self.adopt_orphans_every = adopt_orphans_every
+        self.orphans_adopted = 0
         self.appends = 0
         self.events_appended = 0
         self._dispatch_pool = ThreadPoolExecutor(
@@ -766,6 +770,14 @@ class Runtime:
         self._closed = False
         self._watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
+        # The orphan scan's memory: parked trees found with nothing to drive, and trees that
+        # could not be adopted, each at the stored version it was seen at (looked at again
+        # only once someone appends to it).
+        self._orphans_parked: dict[TreeID, int] = {}
+        self._orphans_refused: dict[TreeID, int] = {}
+        self._next_orphan_scan = 0.0
+        if adopt_orphans_every > 0:
+            self._ensure_watcher()
 
     # -- programs ------------------------------------------------------------
 
@@ -1334,6 +1346,9 @@ class Runtime:
             try:
                 self._check_leases()
                 self._adopt_lost()
+                if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
+                    self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
+                    self.adopt_orphans()
                 with self._lock:
                     owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
                 if not owned:
@@ -1449,6 +1464,67 @@ class Runtime:
             if driver is not None and driver is not already and driver.stopped is None:
                 log.warning("tree %s: adopted again after %s (incarnation %s)", tree_id,
                             "a failed append" if stalled else "its owner lease was lost", driver.incarnation)
+
+    def adopt_orphans(self) -> list[TreeID]:
+        """Adopt every live tree nobody owns that needs driving; the trees adopted.
+
+        The trees of a runtime that died (a peer server killed, a command that stopped
+        waiting) hold no lease: each is adopted as ``recover`` adopts it (``WriterActivated``;
+        a call that was under way settles unknown unless its policy allows a replay). A tree
+        whose lease another live runtime holds is left to it; a parked tree with nothing in
+        flight is left as it is (input adopts it); a tree this runtime cannot adopt (its
+        Program is not in the catalog, a corrupt stream) or whose owner line here stopped on
+        a failure is reported once and not tried again until its stored version changes.
+        With ``adopt_orphans_every`` the watcher calls this that often.
+        """
+        if self._closed or not self._leases.healthy():
+            return []
+        heads = self.store.heads(live_only=True)
+        live = {TreeID(h.tree_id) for h in heads}
+        with self._lock:
+            for memory in (self._orphans_parked, self._orphans_refused):
+                for tree_id in [t for t in memory if t not in live]:
+                    del memory[tree_id]
+        adopted: list[TreeID] = []
+        for head in heads:
+            if self._closed:
+                break
+            tree_id = TreeID(head.tree_id)
+            with self._lock:
+                if tree_id in self._drivers or tree_id in self._lost:
+                    continue
+                failed = self._failed.get(tree_id)
+                if self._orphans_refused.get(tree_id) == head.version or self._orphans_parked.get(tree_id) == head.version:
+                    continue
+            if failed is not None and not isinstance(failed, Fenced):
+                # Its owner line here stopped on a failure that adopting again would repeat
+                # (and each attempt would append a WriterActivated): an operator decides.
+                self._orphans_refused[tree_id] = head.version
+                log.warning("tree %s: nobody owns it, but its owner line here stopped (%s): not adopted again by "
+                            "itself; `agentfold recover` adopts it", tree_id, failed.code)
+                continue
+            try:
+                if head.classification == "parked" and not self.needs_recovery(head):
+                    with self._lock:
+                        self._orphans_parked[tree_id] = head.version
+                    continue
+                driver = self._try_adopt(tree_id)
+            except (StoreFailure, PersistenceError, OSError) as exc:
+                if isinstance(exc, CorruptStream):
+                    self._orphans_refused[tree_id] = head.version
+                    log.warning("tree %s: nobody owns it and it cannot be adopted: %s", tree_id, exc)
+                    continue
+                log.debug("orphan scan: the store failed (%s); trying again at the next scan", exc)
+                return adopted
+            except AgentfoldError as exc:
+                self._orphans_refused[tree_id] = head.version
+                log.warning("tree %s: nobody owns it and it cannot be adopted: %s", tree_id, exc)
+                continue
+            if driver is not None and driver.stopped is None:
+                adopted.append(tree_id)
+                self.orphans_adopted += 1
+                log.warning("tree %s: adopted (its owner is gone; incarnation %s)", tree_id, driver.incarnation)
+        return adopted
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

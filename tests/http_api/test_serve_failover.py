@@ -1,0 +1,141 @@
+"""Two ``agentfold serve`` processes on one store: when one dies, the other drives its runs.
+
+Before, a running server left a dead peer's runs alone (``progress`` with no owner until
+someone ran ``agentfold recover``). Now each server scans for live runs nobody owns every
+``--adopt-every`` seconds and adopts them as ``recover`` would: a tool call that was under
+way when its server died is recorded unknown, never called again, and the run completes
+once the host resolves it. A live peer's runs (its lease held) are never taken.
+
+Real processes, real SIGKILL, a tool really blocked (it opens a FIFO nobody reads).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from adapters.eventstore import EventStore
+from domain.events import WriterActivated
+from domain.ids import TreeID
+from tests.http_api.conftest import _pg_database
+from tests.http_api.support import TOKEN, ApiServer, ok, start_server, wait_until
+from tests.http_api.test_serve import serve_once
+from tests.http_api.test_serve_failures import FifoReader, blocked_in_the_tool
+from tests.test_cli_interaction import one_tool_call
+
+SCAN = "0.5"  # seconds between the servers' scans for runs nobody owns
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'agentfold.db'}"
+        return
+    databases = _pg_database()
+    try:
+        yield next(databases)
+    finally:
+        databases.close()
+
+
+def activations(store: str, tree_id: str) -> int:
+    """How many owners the run's history has had (its WriterActivated events)."""
+    events = EventStore(store, create=False)
+    try:
+        return sum(isinstance(r.event, WriterActivated) for r in events.read(TreeID(tree_id)))
+    finally:
+        events.close()
+
+
+def kill(server: ApiServer) -> None:
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(10)
+    for client in server.clients:
+        client.close()
+
+
+def test_a_server_drives_the_run_of_a_peer_that_died_without_calling_its_tool_again(
+    store: str, tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    first = start_server(store, tmp_path, "--adopt-every", SCAN)
+    second = start_server(store, tmp_path, "--adopt-every", SCAN)
+    reader: FifoReader | None = None
+    try:
+        assert second.started["adopt_every"] == float(SCAN)
+        run = ok(first.client().post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "pay-1", "wait": 0}),
+                 201)
+        tree_id = run["tree"]["tree_id"]
+        wait_until(lambda: blocked_in_the_tool(first.proc.pid), timeout=30)
+
+        # While its owner lives, the other server leaves the run alone, scan after scan.
+        time.sleep(6 * float(SCAN))
+        assert activations(store, tree_id) == 0
+        assert ok(httpx.get(second.url + "/health"))["orphans_adopted"] == 0
+        assert not blocked_in_the_tool(second.proc.pid)
+
+        kill(first)  # the tool call it made is never answered
+
+        c = second.client()
+        unknown = wait_until(lambda: ok(c.get("/unknown-effects"))["unknown_effects"], timeout=30)
+        assert [(u["tree_id"], u["kind"], u["diagnostic"]["code"]) for u in unknown] == [
+            (tree_id, "tool", "engine.dispatch.interrupted")]
+        assert activations(store, tree_id) == 1
+        assert ok(httpx.get(second.url + "/health"))["orphans_adopted"] == 1
+        assert "adopted (its owner is gone" in second.logs()
+
+        # Had the survivor called the tool again, the call would write here.
+        reader = FifoReader(fifo)
+        reader.start()
+        done = ok(c.post(f"/unknown-effects/{unknown[0]['effect_id']}/resolve",
+                         json={"output": "paid (confirmed by the host)", "wait": 30}))
+        assert (done["driven"], done["tree"]["status"]) == (True, "completed")
+        time.sleep(1.0)
+        assert reader.records == []
+        assert activations(store, tree_id) == 1  # adopted once, by one survivor
+    finally:
+        if reader is not None:
+            reader.stop()
+        if first.proc.poll() is None:
+            kill(first)
+        code, _ = second.stop()
+    assert code == 0, second.logs()
+
+
+def test_with_adopt_every_0_a_dead_peers_run_waits_for_recover(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    first = start_server(store, tmp_path)
+    second = start_server(store, tmp_path, "--adopt-every", "0")
+    try:
+        assert second.started["adopt_every"] == 0
+        run = ok(first.client().post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "pay-2", "wait": 0}),
+                 201)
+        wait_until(lambda: blocked_in_the_tool(first.proc.pid), timeout=30)
+        kill(first)
+        time.sleep(3.0)
+        c = second.client()
+        assert ok(c.get(f"/runs/{run['tree']['tree_id']}"))["classification"] == "progress"
+        assert ok(c.get("/unknown-effects"))["unknown_effects"] == []
+        assert activations(store, run["tree"]["tree_id"]) == 0
+    finally:
+        if first.proc.poll() is None:
+            kill(first)
+        code, _ = second.stop()
+    assert code == 0, second.logs()
+
+
+def test_serve_refuses_a_negative_or_non_finite_adopt_every(tmp_path: Path) -> None:
+    for value in ("-1", "nan", "inf"):
+        ran = serve_once(f"sqlite:///{tmp_path / 'a.db'}", "--adopt-every", value, token=TOKEN)
+        assert ran.returncode == 2, ran.stderr
+        assert '"cli.argument_invalid"' in ran.stderr and "--adopt-every" in ran.stderr
+    assert not (tmp_path / "a.db").exists()

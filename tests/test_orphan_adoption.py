@@ -1,0 +1,139 @@
+"""``Runtime.adopt_orphans``: what a runtime adopts of the live trees nobody owns, and what not.
+
+The HTTP servers' failover (tests/http_api/test_serve_failover.py) runs this scan every
+``--adopt-every`` seconds. Here, on each durable store, in one process: two runtimes with
+their own stores (their own leases), one whose owner line is gone (closed with a call in
+flight), and a scan by the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import CallLog, asker_program, chain_program
+
+
+class Gate:
+    """A dispatcher call that logs itself, then blocks until the test opens the gate."""
+
+    def __init__(self, log: CallLog) -> None:
+        self.log = log
+        self.entered = threading.Event()
+        self.open = threading.Event()
+
+    def __call__(self, request: EffectRequest, context: Any) -> Settlement:
+        self.log.record(effect_id=request.effect_id)
+        self.entered.set()
+        self.open.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+
+def stored_events(url: str, tree_id: Any) -> int:
+    store = EventStore(url, create=False)
+    try:
+        return len(store.read_raw(tree_id))
+    finally:
+        store.close()
+
+
+def orphaned_chain(url: str, gate: Gate) -> Any:
+    """A chain tree whose owner closed while its first call was in flight; its tree id."""
+    program = chain_program(gate, name="orphan.chain")
+    owner = Runtime(EventStore(url), Catalog([program]), poll_interval=0)
+    try:
+        handle = owner.start(program, {"n": 2}, start_id="orphan-1")
+        assert gate.entered.wait(30)
+    finally:
+        owner.close()
+        owner.store.close()
+    return handle.tree_id
+
+
+def test_a_tree_whose_owner_is_gone_is_adopted_once_and_its_call_in_flight_becomes_unknown(
+    durable_store_url: str, tmp_path: Any,
+) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+    gate = Gate(log)
+    tree_id = orphaned_chain(durable_store_url, gate)
+    gate.open.set()
+    program = chain_program(gate, name="orphan.chain")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as survivor:
+        assert survivor.adopt_orphans() == [tree_id]
+        assert survivor.adopt_orphans() == []  # it owns it now
+        tree = survivor.wait_idle(tree_id, timeout=30)
+        [effect] = [e for p in tree.processes.values() for e in p.unknown_effects()]
+        assert survivor.orphans_adopted == 1
+    assert effect.diagnostic is not None and effect.diagnostic.code == "engine.dispatch.interrupted"
+    assert log.count() == 1  # the call was never made again
+
+
+def test_a_live_owners_tree_is_never_taken(durable_store_url: str, tmp_path: Any) -> None:
+    gate = Gate(CallLog(tmp_path / "calls.jsonl"))
+    program = chain_program(gate, name="orphan.chain")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as owner:
+        handle = owner.start(program, {"n": 2}, start_id="owned-1")
+        assert gate.entered.wait(30)
+        before = stored_events(durable_store_url, handle.tree_id)
+        with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as other:
+            assert other.adopt_orphans() == []
+            assert other.adopt_orphans() == []
+        assert stored_events(durable_store_url, handle.tree_id) == before
+        gate.open.set()
+        assert owner.result(handle.tree_id, timeout=30).status == "completed"
+
+
+def test_a_parked_tree_nobody_owns_is_left_as_it_is(durable_store_url: str) -> None:
+    program = asker_program("orphan.asker")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as first:
+        handle = first.start(program, None, start_id="parked-1")
+        first.wait_idle(handle.tree_id, timeout=30)
+    before = stored_events(durable_store_url, handle.tree_id)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner:
+        assert scanner.adopt_orphans() == []
+        assert scanner.adopt_orphans() == []
+    assert stored_events(durable_store_url, handle.tree_id) == before  # no WriterActivated: nothing to drive
+
+
+def test_a_tree_whose_program_is_unknown_here_is_reported_once_and_never_written(
+    durable_store_url: str, tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    gate = Gate(CallLog(tmp_path / "calls.jsonl"))
+    tree_id = orphaned_chain(durable_store_url, gate)
+    gate.open.set()
+    before = stored_events(durable_store_url, tree_id)
+    with caplog.at_level(logging.WARNING, logger="agentfold.runtime"):
+        with Runtime(EventStore(durable_store_url), Catalog(), poll_interval=0) as stranger:
+            assert stranger.adopt_orphans() == []
+            assert stranger.adopt_orphans() == []
+    reports = [r.getMessage() for r in caplog.records if "cannot be adopted" in r.getMessage()]
+    assert len(reports) == 1 and str(tree_id) in reports[0], reports
+    assert stored_events(durable_store_url, tree_id) == before
+
+
+def test_the_watcher_scans_by_itself_every_adopt_orphans_every_seconds(durable_store_url: str, tmp_path: Any) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+    gate = Gate(log)
+    tree_id = orphaned_chain(durable_store_url, gate)
+    gate.open.set()
+    program = chain_program(gate, name="orphan.chain")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05,
+                 adopt_orphans_every=0.1) as survivor:
+        # Nobody calls recover or admits input: the scan adopts it, and the tree parks on its unknown call.
+        deadline = time.monotonic() + 30
+        while survivor.orphans_adopted == 0:
+            assert time.monotonic() < deadline, "the scan never adopted the tree"
+            time.sleep(0.02)
+        tree = survivor.wait_idle(tree_id, timeout=30)
+        assert survivor.orphans_adopted == 1
+    assert [e.diagnostic.code for p in tree.processes.values() for e in p.unknown_effects() if e.diagnostic] == [
+        "engine.dispatch.interrupted"]
+    assert log.count() == 1
