@@ -1504,9 +1504,7 @@ class Runtime:
                             "itself; `agentfold recover` adopts it", tree_id, failed.code)
                 continue
             try:
-                if head.classification == "parked" and not self.needs_recovery(head):
-                    with self._lock:
-                        self._orphans_parked[tree_id] = head.version
+                if head.classification == "parked" and not self._parked_orphan_needs_driving(tree_id, head):
                     continue
                 driver = self._try_adopt(tree_id)
             except (StoreFailure, PersistenceError, OSError) as exc:
@@ -1525,6 +1523,27 @@ class Runtime:
                 self.orphans_adopted += 1
                 log.warning("tree %s: adopted (its owner is gone; incarnation %s)", tree_id, driver.incarnation)
         return adopted
+
+    def _parked_orphan_needs_driving(self, tree_id: TreeID, head: TreeHead) -> bool:
+        """Whether a parked tree nobody owns has a call in flight (then: adopt it), holding its
+        lease if so. A parked tree whose lease a live runtime holds is not even loaded: a peer
+        with many parked runs would otherwise cost a fold of each at every version change."""
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                if tree_id in self._drivers or self._closed:
+                    return False
+            if not self._leases.acquire(tree_id):
+                return False  # its owner is alive
+            needed = False
+            try:
+                needed = self.needs_recovery(head)
+            finally:
+                if not needed:
+                    self._leases.release(tree_id)
+            if not needed:
+                with self._lock:
+                    self._orphans_parked[tree_id] = head.version
+            return needed
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

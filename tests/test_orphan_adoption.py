@@ -18,6 +18,8 @@ import pytest
 from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
+from domain.ids import SignalID
+from domain.program import SignalRequest
 from domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import CallLog, asker_program, chain_program
 
@@ -100,7 +102,14 @@ def test_a_parked_tree_nobody_owns_is_left_as_it_is(durable_store_url: str) -> N
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner:
         assert scanner.adopt_orphans() == []
         assert scanner.adopt_orphans() == []
-    assert stored_events(durable_store_url, handle.tree_id) == before  # no WriterActivated: nothing to drive
+        assert stored_events(durable_store_url, handle.tree_id) == before  # no WriterActivated: nothing to drive
+        # The scan looked and let go: the answer, sent through another runtime while the scanner
+        # still runs, adopts the tree there and completes it.
+        with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as answering:
+            waiting = answering.capture(handle.tree_id).processes[handle.root_process_id]
+            assert answering.deliver_signals(
+                handle.root_process_id, [SignalRequest(SignalID("answer-1"), {"name": "n"}, waiting.current_wait)])
+            assert answering.result(handle.tree_id, timeout=30).output == {"hello": "n"}
 
 
 def test_a_tree_whose_program_is_unknown_here_is_reported_once_and_never_written(
