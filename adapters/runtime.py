@@ -247,6 +247,8 @@ MAX_EVENTS_PER_APPEND = 2048
 LOST_TREE_ATTEMPTS = 150
 #: The same for a tree a failed append stopped (a full disk waits for an operator): ~1 hour of polls.
 STALLED_TREE_ATTEMPTS = 18_000
+#: Longest stretch (seconds) the watcher spends adopting orphans before its other duties.
+ORPHAN_SCAN_SECONDS = 1.0
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
@@ -1348,7 +1350,7 @@ class Runtime:
                 self._adopt_lost()
                 if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
                     self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
-                    self.adopt_orphans()
+                    self.adopt_orphans(budget=ORPHAN_SCAN_SECONDS)
                 with self._lock:
                     owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
                 if not owned:
@@ -1465,7 +1467,7 @@ class Runtime:
                 log.warning("tree %s: adopted again after %s (incarnation %s)", tree_id,
                             "a failed append" if stalled else "its owner lease was lost", driver.incarnation)
 
-    def adopt_orphans(self) -> list[TreeID]:
+    def adopt_orphans(self, budget: float | None = None) -> list[TreeID]:
         """Adopt every live tree nobody owns that needs driving; the trees adopted.
 
         The trees of a runtime that died (a peer server killed, a command that stopped
@@ -1475,8 +1477,12 @@ class Runtime:
         flight is left as it is (input adopts it); a tree this runtime cannot adopt (its
         Program is not in the catalog, a corrupt stream) or whose owner line here stopped on
         a failure is reported once and not tried again until its stored version changes.
-        With ``adopt_orphans_every`` the watcher calls this that often.
+        With ``adopt_orphans_every`` the watcher calls this that often, for at most
+        ``ORPHAN_SCAN_SECONDS`` at a time (``budget``): a scan that finds many orphans (a dead
+        peer's thousand runs) goes on at the next poll, so that the watcher still catches up
+        and checks the leases of this runtime's own trees meanwhile.
         """
+        began = time.monotonic()
         if self._closed or not self._leases.healthy():
             return []
         heads = self.store.heads(live_only=True)
@@ -1488,6 +1494,9 @@ class Runtime:
         adopted: list[TreeID] = []
         for head in heads:
             if self._closed:
+                break
+            if budget is not None and adopted and time.monotonic() - began > budget:
+                self._next_orphan_scan = 0.0  # the watcher goes on at its next poll
                 break
             tree_id = TreeID(head.tree_id)
             with self._lock:

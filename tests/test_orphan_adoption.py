@@ -47,12 +47,13 @@ def stored_events(url: str, tree_id: Any) -> int:
         store.close()
 
 
-def orphaned_chain(url: str, gate: Gate) -> Any:
+def orphaned_chain(url: str, gate: Gate, start_id: str = "orphan-1") -> Any:
     """A chain tree whose owner closed while its first call was in flight; its tree id."""
     program = chain_program(gate, name="orphan.chain")
     owner = Runtime(EventStore(url), Catalog([program]), poll_interval=0)
+    gate.entered.clear()
     try:
-        handle = owner.start(program, {"n": 2}, start_id="orphan-1")
+        handle = owner.start(program, {"n": 2}, start_id=start_id)
         assert gate.entered.wait(30)
     finally:
         owner.close()
@@ -146,3 +147,17 @@ def test_the_watcher_scans_by_itself_every_adopt_orphans_every_seconds(durable_s
     assert [e.diagnostic.code for p in tree.processes.values() for e in p.unknown_effects() if e.diagnostic] == [
         "engine.dispatch.interrupted"]
     assert log.count() == 1
+
+
+def test_a_scan_with_a_time_budget_adopts_what_fits_and_the_next_scan_goes_on(durable_store_url: str,
+                                                                               tmp_path: Any) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+    gate = Gate(log)
+    orphans = {orphaned_chain(durable_store_url, gate, f"orphan-{i}") for i in range(3)}
+    gate.open.set()
+    program = chain_program(gate, name="orphan.chain")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as survivor:
+        scans = [survivor.adopt_orphans(budget=0.0) for _ in range(4)]
+        assert [len(s) for s in scans] == [1, 1, 1, 0]  # one adoption per scan; none twice
+        assert {t for s in scans for t in s} == orphans
+    assert log.count() == 3  # one call per tree, made before its owner went; none again
