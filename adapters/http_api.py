@@ -51,7 +51,7 @@ from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import scenario_input, scenario_program, validate_scenario
 from adapters.sources import ProgramSources
-from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, normalize
+from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, duplicate_key, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
 from domain.kernel import Kernel
@@ -842,6 +842,22 @@ def authorized(
 
 
 Service = Annotated[ApiService, Depends(authorized)]
+
+
+async def distinct_keys(request: Request, service: Service) -> None:
+    """Refuse a write whose JSON body has a key twice in one object (after the token check).
+
+    The JSON parser keeps the last of two equal keys without a word: ``{"wait": 0, ...,
+    "wait": 30}`` or a scenario with two ``tools`` members would be taken as something the
+    client did not write."""
+    if request.method not in ("POST", "PUT", "PATCH"):
+        return
+    body = await request.body()  # Starlette keeps it: the handler reads the same bytes
+    duplicate = duplicate_key(body) if body else None
+    if duplicate is not None:
+        path, key = duplicate
+        raise RequestInvalid(f"body: {path} has the key {key!r} twice",
+                             "send each key once (JSON parsers keep only the last one, silently)")
 MinPosition = Annotated[int | None, Query(ge=0, description="answer only once the reads reflect this position")]
 ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, allow_inf_nan=False, description="seconds to wait for the read models to "
                                   "reach min_position before answering by folding")]
@@ -941,7 +957,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     def health(request: Request) -> Response:
         return json_response(_service(request).health())
 
-    api = APIRouter(responses=_problems())
+    api = APIRouter(responses=_problems(), dependencies=[Depends(distinct_keys)])
 
     @api.get("/openapi.json", tags=["health"], summary="this API's OpenAPI document",
              responses={200: {"description": "the OpenAPI document", "content": {"application/json": {}}}})

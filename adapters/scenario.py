@@ -23,7 +23,7 @@ from adapters.interaction import Delegate, InteractionConfig, compile_interactio
 from adapters.models import ScriptedModel
 from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput
 from domain.budget import Budget, child_debit
-from domain.canonical import JSON, digest_of, normalize
+from domain.canonical import JSON, digest_of, duplicate_key, normalize
 from domain.errors import InvalidInput
 from domain.interaction.chat import ChatInput, parse_response
 from domain.json_schema import check_schema, resolve_ref
@@ -335,6 +335,10 @@ def load_scenario_file(path: str | Path) -> dict[str, Any]:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise ScenarioError("$", f"not valid JSON: {exc}") from exc
+    duplicate = duplicate_key(text)
+    if duplicate is not None:
+        path, key = duplicate
+        raise ScenarioError(path, f"has the key {key!r} twice (JSON parsers keep only the last one, silently)")
     return validate_scenario(doc, "$", file.parent.resolve())
 
 

@@ -123,6 +123,10 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
+    duplicate = duplicate_key(raw)
+    if duplicate is not None:
+        raise InvalidInput("payload.invalid", f"{what}: {duplicate[0]} has the key {duplicate[1]!r} twice",
+                           hint="JSON parsers keep only the last one, silently; write each key once")
     if _holds_float(value):
         # orjson reads an integer beyond 64 bits as a float (precision lost, silently): read
         # the text again exactly, so that normalize refuses such an integer by its path.
@@ -131,6 +135,48 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         except RecursionError:
             raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels") from None
     return normalize(value, limit=limit, what=what)
+
+
+class _Repeated(dict[str, Any]):
+    """An object whose text holds ``key`` twice (what ``duplicate_key`` looks for)."""
+
+    key: str
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) == len(pairs):
+        return value
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            repeated = _Repeated(value)
+            repeated.key = key
+            return repeated
+        seen.add(key)
+    return value  # pragma: no cover - unreachable: a shorter dict has a repeated key
+
+
+def duplicate_key(raw: str | bytes) -> tuple[str, str] | None:
+    """Where valid JSON text ``raw`` has a key twice in one object: (the object's JSON path,
+    the key), the first in document order; None when every object's keys are distinct.
+
+    Parsers (orjson, the standard library, pydantic) keep the last of two equal keys
+    without a word; text a person wrote with a key twice almost always means a mistake."""
+    try:
+        value = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=lambda name: None)
+    except (ValueError, RecursionError):
+        return None  # not this check's concern: the caller's parser reports invalid JSON
+    stack: list[tuple[str, Any]] = [("$", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Repeated):
+            return path, item.key
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 def _no_constant(name: str) -> Any:

@@ -649,6 +649,8 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         (["answer", "has space", wait["wait_id"], "{}"], "identity.invalid"),
         (["answer", wait["process_id"], "wait id", "{}"], "identity.invalid"),
         (["answer", wait["process_id"], wait["wait_id"], '{"approved": '], "payload.invalid"),
+        (["answer", wait["process_id"], wait["wait_id"], '{"approved": false, "approved": true}'], "payload.invalid"),
+        (["resolve", tool, "--output", '{"content": "x", "content": "y"}'], "payload.invalid"),
         (["answer", root, wait["wait_id"], '{"approved": true}'], "engine.signal.rejected"),
         (["steer", "process:nope", "hi"], "engine.process.not_found"),
         (["steer", "has space", "hi"], "identity.invalid"),
@@ -685,6 +687,8 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         outcomes = list(pool.map(attempt, cases))
     for argv, code, ran in outcomes:
         assert refused(ran).error()["code"] == code, (argv, ran.stderr)
+    twice = next(ran for argv, _, ran in outcomes if argv[-1] == '{"approved": false, "approved": true}').error()
+    assert "$ has the key 'approved' twice" in twice["message"], twice
     scenario_error = next(ran for argv, _, ran in outcomes if argv == ["run", str(bad_scenario)]).error()
     assert scenario_error["message"].startswith("$.tools[0].result.failure.kind: must be failed or rejected")
     text_mode = refused(agentfold("answer", wait["process_id"], wait["wait_id"], "[]", store=store))

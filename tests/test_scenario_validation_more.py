@@ -145,3 +145,23 @@ def test_a_recursive_parameters_schema_still_checks_arguments_in_a_run(tmp_path:
     ran = ok(agentfold("run", str(path), "--json", store=store)).json()
     assert ran["status"] == "completed"
     assert [json.loads(line)["call_id"] for line in log.read_text().splitlines()] == ["good"]
+
+
+def test_run_refuses_a_scenario_file_with_a_key_twice_naming_where(tmp_path: Path) -> None:
+    # The parser kept the last one: a file with two "tools" members ran with the second set
+    # only, and a tool with two "result" members answered the second, without a word.
+    store = sqlite_url(tmp_path)
+    text = json.dumps(scenario(tools=[tool()]))
+    cases = {
+        "top": (text[:-1] + ', "tools": []}', "$", "'tools'"),
+        "nested": (text.replace('"result": {"output": "ok"}', '"result": {"output": "ok", "output": "no"}'),
+                   "$.tools[0].result", "'output'"),
+    }
+    for name, (doc, where, key) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(doc)
+        error = refused(agentfold("run", str(path), "--json", store=store)).error()
+        assert error["code"] == "scenario.invalid", (name, error)
+        assert error["message"].startswith(f"{where}: has the key {key} twice"), (name, error)
+    assert not (tmp_path / "agentfold.db").exists() or ok(agentfold("trees", "--json", store=store)).json()[
+        "trees"] == []

@@ -97,3 +97,28 @@ def test_members_of_the_wrong_json_type_are_refused_not_converted(api: ApiServer
     # An integer is a number of seconds.
     ok(_post(c, url, {"response": {"approved": True}, "wait": 5}))
     assert run(c, tree["tree_id"])["version"] > version
+
+
+def test_a_body_with_a_key_twice_is_refused_and_appends_nothing(api: ApiServer) -> None:
+    # The JSON parser kept the last one: {"response": ..., "response": ...} answered with the
+    # second, and a scenario with two "tools" members ran with the second tool set only.
+    c = api.client()
+    tree, wait = parked_approval(c, "twice")
+    version = run(c, tree["tree_id"])["version"]
+    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    for text, where in (
+        (b'{"response": {"approved": false}, "response": {"approved": true}}', "$ has the key 'response'"),
+        (b'{"response": {"approved": true, "approved": false}}', "$.response has the key 'approved'"),
+    ):
+        refused = problem(c.post(url, content=text, headers={"content-type": "application/json"}), 422,
+                          "http.request_invalid")
+        assert where in refused["detail"], refused
+        _unchanged(c, tree["tree_id"], version)
+    doubled = json.dumps({"scenario": HELLO, "start_id": sid("twice-start")})[:-1] + ', "start_id": "other"}'
+    refused = problem(c.post("/runs", content=doubled.encode(), headers={"content-type": "application/json"}), 422,
+                      "http.request_invalid")
+    assert "'start_id' twice" in refused["detail"]
+    assert not [r for r in ok(c.get("/runs"))["runs"] if r["start_id"] in (sid("twice-start"), "other")]
+    # The token is checked first: a stranger learns nothing about the body.
+    problem(httpx.post(api.url + url, content=b'{"a": 1, "a": 2}', headers={"content-type": "application/json"}),
+            401, "http.unauthorized")
