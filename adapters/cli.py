@@ -390,16 +390,59 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         "driven": owned,
         "tree": summary,
     }
-    text = f"resolved {effect_id} as {settlement.status.value}\n" + _summary_text(summary)
+    text = f"resolved {effect_id} as {_resolution_text(settlement)}\n" + _summary_text(summary)
     if not owned:
         text += "\n(another runtime owns this tree and drives it on)"
     return Outcome(data, text)
 
 
+#: Seconds a command that stops waiting (``--timeout``) still gives the calls in flight to
+#: return, so that their outcomes are recorded rather than left unknown (``Runtime.drain``).
+CALLS_GRACE = 2.0
+
+
+def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
+    """Wait until the tree parks or ends, for ``--timeout`` seconds; then stop starting calls.
+
+    When the time is up, calls already running get ``CALLS_GRACE`` seconds to return (their
+    outcomes are recorded) and no new call is started: the Effects the tree declares meanwhile
+    wait, declared, for the next owner, which calls them (they are not unknown). If the tree
+    parked or ended within the grace, that is the answer; otherwise TimeoutError."""
+    try:
+        return runtime.wait_idle(tree_id, ctx.timeout)
+    except TimeoutError:
+        pass
+    return _after_drain(ctx, runtime, tree_id, runtime.drain(CALLS_GRACE))
+
+
+def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool) -> TreeState:
+    if drained:
+        tree = runtime.wait_idle(tree_id, 1.0)
+        if tree.classification() != "progress":
+            return tree
+        waiting = sum(1 for p in tree.live.values() for r in p.batch if r.phase == "planned")
+        raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; the calls under way were "
+                           f"recorded and {waiting} declared effect(s) were not started (the next owner starts them)")
+    running = runtime.dispatches_running()
+    raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; {running} call(s) still running "
+                       f"{CALLS_GRACE:g} s later were abandoned (the next owner records them unknown)")
+
+
+def _resolution_text(settlement: Settlement) -> str:
+    """How a resolution reads: a tool call's by its disposition (the effect itself settles
+    succeeded, holding the tool result the host gave: ``succeeded``, ``failed`` or ``rejected``)."""
+    payload = settlement.payload
+    tool = payload.get("tool_result") if isinstance(payload, dict) else None
+    completion = tool.get("completion") if isinstance(tool, dict) else None
+    if isinstance(completion, dict) and isinstance(completion.get("disposition"), str):
+        return f"a tool result, {completion['disposition']}"
+    return settlement.status.value
+
+
 def _drive(ctx: Context, runtime: Runtime, tree_id: TreeID, done: str) -> TreeState:
     """Wait until the tree parks again (the command's input is already recorded)."""
     try:
-        return runtime.wait_idle(tree_id, ctx.timeout)
+        return wait_parked(ctx, runtime, tree_id)
     except (TimeoutError, AgentfoldError) as exc:
         raise AgentfoldError(
             "cli.drive_failed",
@@ -430,18 +473,28 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                     entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
                     continue
                 adopted.extend((head, h.tree_id) for h in handles)
-            # Every adopted tree runs concurrently; wait for each to park or end.
+            # Every adopted tree runs concurrently; wait for each to park or end. The trees still
+            # working when the time is up are drained together (wait_parked) and looked at again.
+            late: list[tuple[TreeHead, TreeID]] = []
             for head, tree_id in adopted:
                 try:
                     tree = runtime.wait_idle(tree_id, ctx.timeout)
                 except TimeoutError:
-                    failed = True
-                    entries.append({**_head_summary(head), "outcome": "error",
-                                    "error": {"code": "cli.timeout", "message": f"still busy after {ctx.timeout} s"}})
+                    late.append((head, tree_id))
                     continue
                 except AgentfoldError as exc:  # this runtime stopped driving it (fenced, store failure)
                     failed = True
                     entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
+                    continue
+                entries.append({**tree_summary(tree), "outcome": "recovered"})
+            drained = runtime.drain(CALLS_GRACE) if late else True
+            for head, tree_id in late:
+                try:
+                    tree = _after_drain(ctx, runtime, tree_id, drained)
+                except (TimeoutError, AgentfoldError) as exc:
+                    failed = True
+                    entries.append({**_head_summary(head), "outcome": "error",
+                                    "error": {"code": "cli.timeout", "message": str(exc)}})
                     continue
                 entries.append({**tree_summary(tree), "outcome": "recovered"})
     finally:
@@ -490,7 +543,7 @@ def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     try:
         with ctx.runtime(store, crash) as runtime:
             handle = runtime.start(program, order, start_id=args.start_id)
-            tree = runtime.wait_idle(handle.tree_id, ctx.timeout)
+            tree = wait_parked(ctx, runtime, handle.tree_id)
     finally:
         store.close()
     summary = tree_summary(tree)
@@ -579,15 +632,15 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
             )
         else:
             signal = match.response_signal(_signal_id(args.signal_id, "answer"), response)
-        with ctx.runtime(store) as runtime:
-            accepted = runtime.deliver_signals(process_id, [signal])
-            after = _drive(ctx, runtime, tree_id, f"answered {wait_id}")
+        accepted, after, driven = _admit_and_drive(
+            ctx, store, tree_id, lambda runtime: runtime.deliver_signals(process_id, [signal]), f"answered {wait_id}")
     finally:
         store.close()
     summary = tree_summary(after)
-    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "wait_id": wait_id, "tree": summary}
+    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "wait_id": wait_id,
+            "driven": driven, "tree": summary}
     verb = "answered" if accepted else "already answered with this signal id (nothing changed)"
-    return Outcome(data, f"{verb} {wait_id}\n" + _summary_text(summary))
+    return Outcome(data, f"{verb} {wait_id}\n" + _summary_text(summary) + _owner_note(driven))
 
 
 def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -596,15 +649,32 @@ def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         tree_id = store.find_process_tree(process_id)
-        with ctx.runtime(store) as runtime:
-            accepted = runtime.deliver_signals(process_id, [signal])
-            after = _drive(ctx, runtime, tree_id, f"steered {process_id}")
+        accepted, after, driven = _admit_and_drive(
+            ctx, store, tree_id, lambda runtime: runtime.deliver_signals(process_id, [signal]), f"steered {process_id}")
     finally:
         store.close()
     summary = tree_summary(after)
-    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "tree": summary}
+    data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "driven": driven, "tree": summary}
     verb = "steering queued for the next model request" if accepted else "this steering was already admitted"
-    return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary))
+    return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary) + _owner_note(driven))
+
+
+def _admit_and_drive(
+    ctx: Context, store: EventStore, tree_id: TreeID, admit: Callable[[Runtime], bool], done: str,
+) -> tuple[bool, TreeState, bool]:
+    """Admit input through a runtime of this command (which adopts the tree if nobody owns
+    it), then drive the tree until it parks or ends: (admitted, the tree after, driven).
+    ``driven`` is false when another live runtime owns the tree: it drives it on."""
+    with ctx.runtime(store) as runtime:
+        admitted = admit(runtime)
+        head = store.head(tree_id)
+        driven = runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
+        after = _drive(ctx, runtime, tree_id, done)
+    return admitted, after, driven
+
+
+def _owner_note(driven: bool) -> str:
+    return "" if driven else "\n(another runtime owns this tree and drives it on)"
 
 
 def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -612,14 +682,41 @@ def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         tree_id = store.find_process_tree(process_id)
-        with ctx.runtime(store) as runtime:
-            recorded = runtime.cancel(process_id, args.reason)
-            after = _drive(ctx, runtime, tree_id, f"canceled {process_id}")
+        recorded, after, driven = _admit_and_drive(
+            ctx, store, tree_id, lambda runtime: runtime.cancel(process_id, args.reason), f"canceled {process_id}")
     finally:
         store.close()
     summary = tree_summary(after)
-    data = {"recorded": recorded, "process_id": process_id, "tree": summary}
-    return Outcome(data, ("cancellation recorded" if recorded else "already canceling") + "\n" + _summary_text(summary))
+    data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
+    return Outcome(data, ("cancellation recorded" if recorded else "already canceling") + "\n"
+                   + _summary_text(summary) + _owner_note(driven))
+
+
+def cmd_pause(ctx: Context, args: argparse.Namespace) -> Outcome:
+    return _pause_or_resume(ctx, args, "pause")
+
+
+def cmd_resume(ctx: Context, args: argparse.Namespace) -> Outcome:
+    return _pause_or_resume(ctx, args, "resume")
+
+
+def _pause_or_resume(ctx: Context, args: argparse.Namespace, control: str) -> Outcome:
+    process_id = ProcessID(args.process_id)
+    store = ctx.open_store()
+    try:
+        tree_id = store.find_process_tree(process_id)
+
+        def admit(runtime: Runtime) -> bool:
+            return runtime.pause(process_id, args.reason) if control == "pause" else runtime.resume(process_id)
+
+        recorded, after, driven = _admit_and_drive(ctx, store, tree_id, admit, f"{control}d {process_id}")
+    finally:
+        store.close()
+    summary = tree_summary(after)
+    data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
+    said = {("pause", True): "pause recorded", ("pause", False): "already paused",
+            ("resume", True): "resume recorded"}.get((control, recorded), "nothing changed")
+    return Outcome(data, said + "\n" + _summary_text(summary) + _owner_note(driven))
 
 
 def cmd_results(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -939,6 +1036,12 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = command("cancel", cmd_cancel, "cancel a process and its subtree, then drive the tree on", timeout=True)
     cancel.add_argument("process_id", metavar="PROCESS_ID", help="the process to cancel")
     cancel.add_argument("--reason", default="canceled by host", help="why (recorded with the cancellation)")
+    pause = command("pause", cmd_pause, "pause a process (it takes no Step until resumed); its calls under way finish",
+                    timeout=True)
+    pause.add_argument("process_id", metavar="PROCESS_ID", help="the process to pause")
+    pause.add_argument("--reason", default="paused by host", help="why (recorded with the pause)")
+    resume = command("resume", cmd_resume, "resume a paused process, then drive the tree on", timeout=True)
+    resume.add_argument("process_id", metavar="PROCESS_ID", help="the paused process")
     project = command(
         "project", cmd_project,
         "bring the read-model tables up to date with the event store (docs/read-models.md)",

@@ -21,8 +21,12 @@ DEFAULT_PORT = 8080
 #: Seconds uvicorn lets HTTP requests in progress finish after SIGTERM/SIGINT.
 REQUEST_GRACE = 10
 #: Seconds after SIGTERM/SIGINT by which ``serve`` has exited in any case (StopGuard): the
-#: request grace, the dispatchers' 2 s (``_abandoned_calls``), closing the runtime and the store.
+#: request grace, the calls' 2 s (``CALLS_GRACE``), closing the runtime and the store, ``ABANDON_GRACE``.
 SERVE_STOP_LIMIT = 15.0
+#: Seconds the calls under way still get to return (and be recorded) after the requests ended.
+CALLS_GRACE = 2.0
+#: Seconds after the runtime closed that a call still running may take before it is counted abandoned.
+ABANDON_GRACE = 0.5
 #: Seconds between a server's scans for live runs nobody owns (``--adopt-every``).
 DEFAULT_ADOPT_EVERY = 5.0
 
@@ -71,10 +75,10 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(config: Any, stop: threading.Event, stopping: list[int]) -> Any:
-    """A uvicorn server that also notes the signal and sets ``stop`` when SIGTERM or SIGINT
-    asks it to shut down (uvicorn handles them itself while it serves), so the stop bound
-    counts from the signal."""
+def _server(config: Any, stop: threading.Event, stopping: list[int], on_stop: Callable[[], None]) -> Any:
+    """A uvicorn server that also notes the signal, sets ``stop`` and calls ``on_stop`` when
+    SIGTERM or SIGINT asks it to shut down (uvicorn handles them itself while it serves), so
+    the stop bound counts from the signal."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -82,6 +86,7 @@ def _server(config: Any, stop: threading.Event, stopping: list[int]) -> Any:
             super().handle_exit(sig, frame)
             stopping.append(sig)
             stop.set()
+            on_stop()
 
     return Server(config)
 
@@ -161,7 +166,10 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                 sys.stdout.flush()
                 config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                                         lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False)
-                server = _server(config, stop, stopping)
+                # From the signal on, no call is started (Runtime.drain): the calls under way
+                # finish and are recorded while requests finish; Effects declared meanwhile
+                # are started by the run's next owner (another server's scan, recover).
+                server = _server(config, stop, stopping, on_stop=service.runtime.stop_dispatching)
                 # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
                 # raises the signal again: ours only note it, so the cleanup below always runs.
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -177,8 +185,11 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                 ).start()
                 server.run(sockets=[sock])
             finally:
-                service.close()
-                abandoned = _abandoned_calls(service.runtime)
+                try:
+                    service.runtime.drain(CALLS_GRACE)  # the calls under way: recorded if they return now
+                finally:
+                    service.close()
+                abandoned = _abandoned_calls(service.runtime, grace=ABANDON_GRACE)
         finally:
             try:
                 store.close()

@@ -736,9 +736,9 @@ class ApiService:
         pid = ProcessID(process_id)
         tree_id = self._tree_of_process(pid)
         if control == "cancel":
-            recorded = self.runtime.cancel(pid, reason or "canceled by host")
+            recorded = self.runtime.cancel(pid, "canceled by host" if reason is None else reason)
         elif control == "pause":
-            recorded = self.runtime.pause(pid, reason or "paused by host")
+            recorded = self.runtime.pause(pid, "paused by host" if reason is None else reason)
         else:
             recorded = self.runtime.resume(pid)
         return self._written(tree_id, wait, recorded=recorded, process_id=pid)

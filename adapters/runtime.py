@@ -381,7 +381,7 @@ class _Driver:
                 self._reject(items, self.stopped)
                 return
         for _attempt in range(64):
-            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids)
+            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids, dispatch=not self.runtime._draining)
             events: list[TreeEvent] = []
             replies: list[tuple[Future[Any], Any]] = []
             settled: list[EffectID] = []
@@ -770,6 +770,7 @@ class Runtime:
         self._ordinal: dict[EffectID, int] = {}
         self._counts: dict[str, int] = collections.Counter()
         self._closed = False
+        self._draining = False  # see drain(): no dispatch permission is granted any more
         self._watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
         # The orphan scan's memory: parked trees found with nothing to drive, and trees that
@@ -864,7 +865,7 @@ class Runtime:
         with driver.lock:
             driver.tree = tree
             driver.committed = 0
-            progress = Kernel(tree, self._resolve, self.ids).advance()
+            progress = Kernel(tree, self._resolve, self.ids, dispatch=not self._draining).advance()
             try:
                 driver._append([started, *progress.events])
             except VersionConflict:
@@ -952,7 +953,7 @@ class Runtime:
         for _ in range(64):
             driver = _Driver(self, tree_id, loaded, incarnation)
             with driver.lock:
-                kernel = Kernel(driver.tree, self._resolve, self.ids)
+                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=not self._draining)
                 activation = kernel.activate(incarnation)
                 progress = kernel.advance()
                 try:
@@ -1103,7 +1104,7 @@ class Runtime:
 
         return bool(self._admit(tree_id, admit))
 
-    def _control(self, process_id: ProcessID | str, control: str, reason: str) -> bool:
+    def _control(self, process_id: ProcessID | str, control: str, reason: str | None) -> bool:
         pid = ProcessID(process_id)
         tree_id = self.tree_of_process(pid)
 
@@ -1117,7 +1118,7 @@ class Runtime:
         return self._control(process_id, "pause", reason)
 
     def resume(self, process_id: ProcessID | str) -> bool:
-        return self._control(process_id, "resume", "")
+        return self._control(process_id, "resume", None)
 
     def cancel(self, process_id: ProcessID | str, reason: str = "canceled by host") -> bool:
         return self._control(process_id, "cancel", reason)
@@ -1424,7 +1425,7 @@ class Runtime:
             if not self._lost:
                 return
             lost = sorted(self._lost)
-        if self._closed or not self._leases.healthy():
+        if self._closed or self._draining or not self._leases.healthy():
             return
         for tree_id in lost:
             if self._closed:
@@ -1483,7 +1484,7 @@ class Runtime:
         and checks the leases of this runtime's own trees meanwhile.
         """
         began = time.monotonic()
-        if self._closed or not self._leases.healthy():
+        if self._closed or self._draining or not self._leases.healthy():
             return []
         heads = self.store.heads(live_only=True)
         live = {TreeID(h.tree_id) for h in heads}
@@ -1553,6 +1554,34 @@ class Runtime:
                 with self._lock:
                     self._orphans_parked[tree_id] = head.version
             return needed
+
+    def stop_dispatching(self) -> None:
+        """Grant no dispatch permission from now on (the first half of ``drain``; safe to call
+        from a signal handler: it takes no lock)."""
+        self._draining = True
+
+    def drain(self, timeout: float) -> bool:
+        """Start no call any more; wait up to ``timeout`` seconds for the calls in flight to
+        return and their outcomes to be recorded. True when none is left in flight.
+
+        For an owner about to stop (a command that stops waiting, a server shutting down):
+        closing at once abandons the calls in flight (recovery records them unknown), and a
+        dispatch permission committed after the decision to stop would be recorded for a call
+        never made, which recovery also records unknown. Draining first records what returns
+        within the grace; the Steps it commits keep their Effects declared, without a dispatch
+        permission, and the next owner dispatches them (no unknown). A call still in flight
+        at the end is abandoned by ``close`` as before.
+        """
+        self.stop_dispatching()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._lock:
+                drivers = [d for d in self._drivers.values() if d.stopped is None]
+            if not any(d.flights or d._inbox or d._scheduled for d in drivers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

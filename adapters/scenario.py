@@ -9,6 +9,7 @@ the ProgramRef, so every later command rebuilds the exact Program without the fi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -361,7 +362,12 @@ class SideEffectLog:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 os.write(fd, line.encode())
-                os.fsync(fd)
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    # A pipe, FIFO or terminal holds nothing to sync (EINVAL): the line is written.
+                    if exc.errno != errno.EINVAL:
+                        raise
             finally:
                 os.close(fd)
 

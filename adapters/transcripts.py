@@ -408,6 +408,9 @@ def consumer_config(bootstrap: str, group: str, *, group_instance_id: str | None
         "heartbeat_interval_ms": 1000,
         "fetch_max_wait_ms": 100,
         "max_partition_fetch_bytes": 8 * 1024 * 1024,
+        # A consumer never creates the topic it reads (a typo in --topic would otherwise make
+        # an empty topic and consume it for ever); see TranscriptConsumer.run.
+        "allow_auto_create_topics": False,
     }
     if group_instance_id:
         config["group_instance_id"] = group_instance_id
@@ -489,9 +492,13 @@ class TranscriptConsumer:
             from kafka.errors import KafkaError
 
             try:
-                consumer = KafkaConsumer(topic, **consumer_config(bootstrap, group, group_instance_id=group_instance_id))
+                consumer = KafkaConsumer(**consumer_config(bootstrap, group, group_instance_id=group_instance_id))
             except KafkaError as exc:
                 raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+            self._subscribed = False  # once the topic exists (run)
+        else:
+            self._subscribed = True
+        self.bootstrap = bootstrap
         self.consumer = consumer
         self.report = ConsumeReport()
         self._crash = crash_hook_from_env()
@@ -607,6 +614,7 @@ class TranscriptConsumer:
         """Consume until ``stop`` is set, ``until()`` holds, or nothing came for ``idle_exit`` seconds
         (counted once the group assigned partitions to this member)."""
         stop = stop or threading.Event()
+        self._subscribe(stop, wait=0.0 if idle_exit is not None else join_timeout)
         assigned_at = time.monotonic()  # the start, then the last poll after which partitions were assigned
         idle_since: float | None = None
         while not stop.is_set():
@@ -631,6 +639,31 @@ class TranscriptConsumer:
                     break
         return self.report
 
+    def _subscribe(self, stop: threading.Event, wait: float) -> None:
+        """Join the group on the topic once it exists on the broker: at once for a batch job
+        (``wait`` 0), else waiting up to ``wait`` seconds (a follower started before the first
+        ``publish`` made the topic). A topic that does not exist is ``feed.unavailable``.
+
+        Subscribing to a missing topic asks the broker's metadata for it, which creates it on
+        brokers that auto-create topics (the test broker does, whatever the client asks): a
+        wrong ``--topic`` then consumed an empty topic and reported success."""
+        if self._subscribed:
+            return
+        deadline = time.monotonic() + wait
+        while self.topic not in self.consumer.topics():
+            if stop.is_set():
+                return
+            if time.monotonic() >= deadline:
+                raise FeedError(
+                    f"the topic {self.topic!r} does not exist on the broker at {self.bootstrap}"
+                    + (f" (waited {wait:g} s)" if wait else "")
+                    + "; check --topic (`agentfold publish` creates it)",
+                    retriable=False,
+                )
+            stop.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        self.consumer.subscribe([self.topic])
+        self._subscribed = True
+
     def wait_assigned(self, timeout: float = 60.0) -> None:
         """Poll until the group assigned partitions (the broker misbehaves if a member leaves earlier)."""
         deadline = time.monotonic() + timeout
@@ -648,7 +681,7 @@ class TranscriptConsumer:
 
     def close(self) -> None:
         # Leaving before the first join completes leaves the group stuck on the test broker.
-        if not self.assigned() and not self._interrupted:
+        if self._subscribed and not self.assigned() and not self._interrupted:
             try:
                 self.wait_assigned(15.0)
             except FeedError:

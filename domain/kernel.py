@@ -195,10 +195,14 @@ def start_tree(
 class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
 
-    def __init__(self, tree: TreeState, programs: ProgramResolver, ids: IdSource) -> None:
+    def __init__(self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *, dispatch: bool = True) -> None:
+        """``dispatch=False``: grant no dispatch permission (an owner that is shutting down
+        records what it still has to, but starts no call: a declared Effect without its
+        ``EffectDispatched`` is dispatched by the next owner, never settled unknown)."""
         self.tree = tree
         self.programs = programs
         self.ids = ids
+        self.dispatch = dispatch
 
     def _emit(self, progress: Progress, event: TreeEvent, next_state: Any = _MISSING) -> None:
         self.tree.apply(event, next_state=next_state)
@@ -246,6 +250,8 @@ class Kernel:
                 return False
             if record.target == Target.FRAMEWORK:
                 return self._settle_framework(progress, process, record)
+            elif not self.dispatch:
+                return False
             else:
                 attempt = self.ids.attempt_id()
                 assert self.tree.incarnation is not None
@@ -769,8 +775,19 @@ class Kernel:
             events.append(event)
         return events
 
-    def request_control(self, pid: ProcessID, control: str, reason: str = "", owner: str = "host") -> list[TreeEvent]:
-        """Pause, resume, cancel, kill or deadline; repeating a recorded intent changes nothing."""
+    def request_control(
+        self, pid: ProcessID, control: str, reason: str | None = None, owner: str = "host"
+    ) -> list[TreeEvent]:
+        """Pause, resume, cancel, kill or deadline; repeating a recorded intent changes nothing.
+
+        ``reason`` None: the default text; an empty or oversize reason is refused first
+        (``control.invalid``), also when the request would change nothing."""
+        if control == "pause":
+            reason = check_reason("paused by host" if reason is None else reason)
+        elif control in ("cancel", "kill", "deadline"):
+            reason = check_reason(f"{control} requested by {owner}" if reason is None else reason)
+        elif control != "resume":
+            raise InvalidInput("control.invalid", f"unknown control {control!r}")
         process = self._live(pid)
         if process.terminal:
             raise Rejected(
@@ -782,19 +799,14 @@ class Kernel:
             if process.status not in ("running", "waiting") or process.terminal_intent is not None:
                 state = f"{process.terminal_intent} requested" if process.terminal_intent else process.status
                 raise Rejected("engine.process.control_invalid", f"cannot pause process {pid}: it is {state}")
-            reason = check_reason(reason or "paused by host")
         elif control == "resume":
             if process.status != "paused":
                 raise Rejected(
                     "engine.process.control_invalid", f"cannot resume process {pid}: it is {process.status}, not paused"
                 )
-        elif control in ("cancel", "kill", "deadline"):
-            if control in process.intents:
-                return []
-            reason = check_reason(reason or f"{control} requested by {owner}")
-        else:
-            raise InvalidInput("control.invalid", f"unknown control {control!r}")
-        event = ControlRequested.model_construct(process_id=pid, control=control, reason=reason, owner=owner)  # type: ignore[arg-type]
+        elif control in process.intents:  # cancel, kill, deadline
+            return []
+        event = ControlRequested.model_construct(process_id=pid, control=control, reason=reason or "", owner=owner)  # type: ignore[arg-type]
         self.tree.apply(event)
         return [event]
 

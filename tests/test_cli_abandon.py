@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import ROOT, agentfold, ok, sqlite_url
-from tests.test_cli_interaction import one_tool_call
+from tests.test_cli_interaction import FINAL, approval, logged_calls, one_tool_call, two_call_round, unknowns, write
 
 #: The installed console script (what users run) and the module form the other tests use.
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "agentfold")
@@ -105,3 +105,39 @@ def test_ctrl_c_ends_a_command_at_once_while_its_tool_call_hangs(entry: str, tmp
     assert json.loads(err.strip().splitlines()[-1])["error"]["code"] == "cli.interrupted"
     assert took < 10, took
     assert_abandoned_call_is_recorded_unknown(tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# A command that stops waiting records the calls that return and starts no new one
+
+
+def test_timeout_0_leaves_a_tool_that_asks_a_human_waiting_for_the_answer_not_unknown(tmp_path: Path) -> None:
+    # An audit found `run --timeout 0` abandoned the approval tool's call (it had not returned
+    # yet): recover then recorded it unknown and the human was never asked.
+    store = sqlite_url(tmp_path)
+    ran = agentfold("run", str(write(tmp_path, approval(None))), "--timeout", "0", "--json", store=store)
+    assert ran.code == 0, ran.stderr
+    assert json.loads(ran.stdout)["status"] == "waiting"
+    [wait] = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    assert wait["prompt"] == {"question": "Approve spending 420 EUR?"}, wait
+    assert unknowns(store) == []
+
+
+def test_a_command_past_its_timeout_starts_no_new_call_and_the_next_owner_makes_them_once(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    log = tmp_path / "tools.log"
+    ran = agentfold("run", str(write(tmp_path, two_call_round(log, final=FINAL))), "--timeout", "0", "--json",
+                    store=store)
+    if ran.code == 1:  # the usual case: stopped with work left, declared and not started
+        error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+        assert error["code"] == "cli.drive_failed", error
+        assert "were not started (the next owner starts them)" in error["message"], error
+    else:  # the whole run finished before the command looked (a very fast machine)
+        assert ran.code == 0, ran.stderr
+    assert unknowns(store) == []  # nothing was abandoned: every call that began was recorded
+    before = logged_calls(log)
+    recovered = ok(agentfold("recover", "--json", store=store)).json()["trees"]
+    assert [t["status"] for t in recovered] in ([], ["completed"])
+    assert unknowns(store) == []
+    assert sorted(logged_calls(log)) == ["call_a", "call_b"]  # each tool ran exactly once
+    assert set(before) <= {"call_a", "call_b"}

@@ -366,7 +366,7 @@ def test_results_shows_a_parked_rounds_settled_calls_sparsely_and_the_model_sees
     assert '#1 beta succeeded: {"details": {"beta": "B"}}' in shown
 
     resolved = ok(agentfold("resolve", alpha["effect_id"], "--output", json.dumps(HOST_ALPHA), store=store)).stdout
-    assert resolved.startswith(f"resolved {alpha['effect_id']} as succeeded\n")
+    assert resolved.startswith(f"resolved {alpha['effect_id']} as a tool result, succeeded\n")
     # The round is closed: it is no longer an open round with results to recover.
     assert ok(agentfold("results", "parallel-1", "--json", store=store)).json() == {
         "tree_id": started["tree_id"], "rounds": []}
@@ -661,6 +661,8 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         (["delegates", "has space"], "identity.invalid"),
         (["cancel", "process:nope"], "engine.process.not_found"),
         (["cancel", "has space"], "identity.invalid"),
+        (["cancel", root, "--reason", ""], "control.invalid"),
+        (["cancel", root, "--reason", "   "], "control.invalid"),
         (["resolve", tool, "--model-response", json.dumps(FINAL)], "cli.argument_invalid"),
         (["resolve", tool, "--output", "{}", "--status", "failed"], "cli.usage"),
         (["resolve", tool, "--output", '{"content": "x", "extra": 1}'], "interaction.settlement.invalid"),
@@ -780,3 +782,15 @@ def test_json_arguments_too_large_for_a_command_line_come_from_a_file_or_standar
     )
     assert piped.returncode == 0, piped.stderr
     assert root_output(store, "big-1")["model_calls"] == 2
+
+
+def test_resolve_says_the_disposition_a_host_gave_a_tool_call(tmp_path: Path) -> None:
+    # An audit found `--disposition rejected` answered "resolved ... as succeeded" (the effect
+    # settles succeeded, holding the tool result the host gave): the operator said rejected.
+    store = sqlite_url(tmp_path)
+    started = run_json(store, write(tmp_path, two_call_round(None, beta={"error": "down"}, final=LEFT_TO_HOST)),
+                       "--start-id", "rejected-1")
+    [beta] = unknowns(store, started["tree_id"])
+    resolved = ok(agentfold("resolve", beta["effect_id"], "--output", '"not allowed"', "--disposition", "rejected",
+                            store=store)).stdout
+    assert resolved.startswith(f"resolved {beta['effect_id']} as a tool result, rejected\n"), resolved

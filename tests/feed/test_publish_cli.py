@@ -167,3 +167,30 @@ def test_the_publisher_api_refuses_a_poll_interval_that_is_not_positive(tmp_path
             assert refused_value.value.code == "feed.poll_interval_invalid"
     finally:
         store.close()
+
+
+def _topic_exists(bootstrap: str, topic: str) -> bool:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, client_id="test-topics")
+    try:
+        return topic in consumer.topics()
+    finally:
+        consumer.close()
+
+
+def test_transcripts_on_a_topic_that_does_not_exist_fails_at_once_and_creates_nothing(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    # An audit found `transcripts --topic <typo> --once` exit 0 with nothing read (the broker
+    # created the topic on the consumer's metadata request), and without --once wait for ever.
+    typo = f"typo-{uuid.uuid4().hex[:12]}"
+    began = time.monotonic()
+    failed = agentfold("transcripts", "--bootstrap", kafka_bootstrap, "--topic", typo, "--group", "g-typo",
+                       "--db", f"sqlite:///{tmp_path / 'transcripts.db'}", "--once", "--json")
+    assert failed.code == 1, failed.stderr
+    error = json.loads(failed.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "feed.unavailable", error
+    assert f"the topic '{typo}' does not exist" in error["message"], error
+    assert time.monotonic() - began < 30
+    assert not _topic_exists(kafka_bootstrap, typo)

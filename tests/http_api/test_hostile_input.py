@@ -122,3 +122,22 @@ def test_a_body_with_a_key_twice_is_refused_and_appends_nothing(api: ApiServer) 
     # The token is checked first: a stranger learns nothing about the body.
     problem(httpx.post(api.url + url, content=b'{"a": 1, "a": 2}', headers={"content-type": "application/json"}),
             401, "http.unauthorized")
+
+
+def test_an_empty_or_oversize_reason_is_refused_even_when_the_control_would_change_nothing(api: ApiServer) -> None:
+    # An audit found {"reason": ""} recorded as "paused by host" (the docs say it is refused),
+    # and an oversize reason accepted (recorded: false) when the process was already paused.
+    c = api.client()
+    tree, _ = parked_approval(c, "reasons")
+    root = tree["root_process_id"]
+    version = run(c, tree["tree_id"])["version"]
+    for control in ("pause", "cancel"):
+        for reason in ("", "  "):
+            refused = problem(c.post(f"/processes/{root}/{control}", json={"reason": reason}), 422, "control.invalid")
+            assert "non-empty" in refused["detail"], refused
+    _unchanged(c, tree["tree_id"], version)
+    assert ok(c.post(f"/processes/{root}/pause", json={"reason": "review"}))["recorded"] is True
+    paused = run(c, tree["tree_id"])["version"]
+    assert ok(c.post(f"/processes/{root}/pause", json={"reason": "again"}))["recorded"] is False
+    problem(c.post(f"/processes/{root}/pause", json={"reason": "x" * 5000}), 422, "control.invalid")
+    _unchanged(c, tree["tree_id"], paused)

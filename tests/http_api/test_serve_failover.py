@@ -11,6 +11,7 @@ Real processes, real SIGKILL, a tool really blocked (it opens a FIFO nobody read
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -27,7 +28,9 @@ from tests.http_api.conftest import _pg_database
 from tests.http_api.support import TOKEN, ApiServer, ok, start_server, wait_until
 from tests.http_api.test_serve import serve_once
 from tests.http_api.test_serve_failures import FifoReader, blocked_in_the_tool
+from tests.test_cli import agentfold
 from tests.test_cli_interaction import one_tool_call
+from tests.test_shutdown_during_outage import _read_fifo
 
 SCAN = "0.5"  # seconds between the servers' scans for runs nobody owns
 
@@ -139,3 +142,37 @@ def test_serve_refuses_a_negative_or_non_finite_adopt_every(tmp_path: Path) -> N
         assert ran.returncode == 2, ran.stderr
         assert '"cli.argument_invalid"' in ran.stderr and "--adopt-every" in ran.stderr
     assert not (tmp_path / "a.db").exists()
+
+
+def test_sigterm_records_the_tool_call_that_returns_during_the_stop_and_starts_no_new_call(tmp_path: Path) -> None:
+    # A rolling restart: before, every call under way at SIGTERM was abandoned and recovered
+    # unknown (a host had to find out what happened), even one that returned at once.
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    server = start_server(store, tmp_path)
+    run = ok(server.client().post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "pay-3", "wait": 0}),
+             201)
+    wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)
+    server.proc.send_signal(signal.SIGTERM)
+
+    def closed() -> bool:  # the server has taken the signal: it stopped listening
+        try:
+            httpx.get(server.url + "/health", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_until(closed, timeout=30)
+    calls = _read_fifo(fifo)  # now the tool returns, while the server stops
+    code, last = server.stop()
+    assert code == 0, server.logs()
+    assert json.loads(last) == {"stopped": True, "signal": 15, "abandoned_dispatches": 0}
+    assert calls == [1]
+    unknown = json.loads(agentfold("unknown", "--json", store=store).stdout)["unknown_effects"]
+    assert unknown == []  # the tool call's outcome was recorded
+    # The final model call was declared during the stop and not started: the next owner makes it.
+    [tree] = json.loads(agentfold("recover", "--json", store=store).stdout)["trees"]
+    assert (tree["tree_id"], tree["status"]) == (run["tree"]["tree_id"], "completed")
+    time.sleep(0.5)
+    assert calls == [1]
