@@ -1101,6 +1101,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         return problem_response(exc.http_status, exc.code, exc.message, exc.hint, extra, headers)
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
+        for e in exc.errors():
+            if e.get("type") == "json_invalid":
+                # FastAPI says "body.1: JSON decode error": where, and what, is in its context.
+                ctx = e.get("ctx") or {}
+                where = e.get("loc", ("body", "?"))[-1]
+                return problem_response(
+                    422, "http.request_invalid",
+                    f"the request body is not valid JSON: {ctx.get('error', 'JSON decode error')} at character {where}",
+                    "send one JSON object (Content-Type: application/json)",
+                )
         errors = [
             {"location": [str(part) for part in e.get("loc", ())], "message": str(e.get("msg", "invalid"))}
             for e in exc.errors()

@@ -141,3 +141,12 @@ def test_an_empty_or_oversize_reason_is_refused_even_when_the_control_would_chan
     assert ok(c.post(f"/processes/{root}/pause", json={"reason": "again"}))["recorded"] is False
     problem(c.post(f"/processes/{root}/pause", json={"reason": "x" * 5000}), 422, "control.invalid")
     _unchanged(c, tree["tree_id"], paused)
+
+
+def test_a_body_that_is_not_json_says_what_and_where(api: ApiServer) -> None:
+    # It said "body.1: JSON decode error".
+    c = api.client()
+    refused = problem(c.post("/runs", content=b'{"scenario": {bad', headers={"content-type": "application/json"}),
+                      422, "http.request_invalid")
+    assert refused["detail"].startswith("the request body is not valid JSON: "), refused
+    assert "at character 14" in refused["detail"], refused
