@@ -377,8 +377,7 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         )
         with ctx.runtime(store) as runtime:
             runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id)
-            head = store.head(tree_id)
-            owned = runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
+            owned = runtime.drives(tree_id)
             tree = _drive(ctx, runtime, tree_id, f"resolved {effect_id}")
     finally:
         store.close()
@@ -667,8 +666,7 @@ def _admit_and_drive(
     ``driven`` is false when another live runtime owns the tree: it drives it on."""
     with ctx.runtime(store) as runtime:
         admitted = admit(runtime)
-        head = store.head(tree_id)
-        driven = runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
+        driven = runtime.drives(tree_id)
         after = _drive(ctx, runtime, tree_id, done)
     return admitted, after, driven
 

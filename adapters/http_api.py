@@ -723,8 +723,7 @@ class ApiService:
             eid, settlement.status, settlement.payload, process_id=process_id
         )
         self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
-        head = self.store.head(tree_id)
-        driven = self.runtime.owns(tree_id) or (head is not None and head.classification == "terminal")
+        driven = self.runtime.drives(tree_id)
         return self._written(
             tree_id, body.wait, effect_id=eid, process_id=process_id, driven=driven,
             resolution={"status": settlement.status.value, "payload": settlement.payload},

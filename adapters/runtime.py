@@ -916,8 +916,9 @@ class Runtime:
 
     # -- ownership -----------------------------------------------------------
 
-    def _try_adopt(self, tree_id: TreeID) -> _Driver | None:
-        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does.
+    def _try_adopt(self, tree_id: TreeID, *, new_only: bool = False) -> _Driver | None:
+        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does
+        (with ``new_only``, also when this runtime's own owner line already drives it).
 
         Serialized per tree within this runtime: leases are re-entrant inside one process,
         so two threads adopting the same tree would both activate it, and the loser's
@@ -927,7 +928,7 @@ class Runtime:
             with self._lock:
                 driver = self._drivers.get(tree_id)
                 if driver is not None:
-                    return driver
+                    return None if new_only else driver
                 if self._closed:
                     return None
                 if not self._leases.acquire(tree_id):
@@ -1027,6 +1028,15 @@ class Runtime:
     def owns(self, tree_id: TreeID) -> bool:
         with self._lock:
             return tree_id in self._drivers
+
+    def drives(self, tree_id: TreeID) -> bool:
+        """Whether this runtime drives the tree on (it owns it), or the tree has ended (nothing
+        is left to drive): false when another live runtime owns it. Ownership is looked at
+        first: a tree that ends and is released meanwhile is then terminal in the index."""
+        if self.owns(tree_id):
+            return True
+        head = self.store.head(tree_id)
+        return head is not None and head.classification == "terminal"
 
     def release(self, tree_id: TreeID) -> None:
         """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
@@ -1493,10 +1503,11 @@ class Runtime:
                 for tree_id in [t for t in memory if t not in live]:
                     del memory[tree_id]
         adopted: list[TreeID] = []
+        worked = 0  # trees this scan looked at in the store (a lease try, a load, an adoption)
         for head in heads:
-            if self._closed:
+            if self._closed or self._draining:  # a scan under way when the server is stopping
                 break
-            if budget is not None and adopted and time.monotonic() - began > budget:
+            if budget is not None and worked and time.monotonic() - began > budget:
                 self._next_orphan_scan = 0.0  # the watcher goes on at its next poll
                 break
             tree_id = TreeID(head.tree_id)
@@ -1506,17 +1517,20 @@ class Runtime:
                 failed = self._failed.get(tree_id)
                 if self._orphans_refused.get(tree_id) == head.version or self._orphans_parked.get(tree_id) == head.version:
                     continue
-            if failed is not None and not isinstance(failed, Fenced):
-                # Its owner line here stopped on a failure that adopting again would repeat
-                # (and each attempt would append a WriterActivated): an operator decides.
+            if failed is not None and failed.code == "engine.runtime.failed":
+                # Its owner line here failed while driving it (an exception in a cycle): adopting
+                # again would repeat it, each time appending a WriterActivated. An operator
+                # decides. (A store failure or a lost lease passes: ``_adopt_lost`` handles those,
+                # and once it let the tree go, the scan may adopt it.)
                 self._orphans_refused[tree_id] = head.version
                 log.warning("tree %s: nobody owns it, but its owner line here stopped (%s): not adopted again by "
                             "itself; `agentfold recover` adopts it", tree_id, failed.code)
                 continue
+            worked += 1
             try:
                 if head.classification == "parked" and not self._parked_orphan_needs_driving(tree_id, head):
                     continue
-                driver = self._try_adopt(tree_id)
+                driver = self._try_adopt(tree_id, new_only=True)
             except (StoreFailure, PersistenceError, OSError) as exc:
                 if isinstance(exc, CorruptStream):
                     self._orphans_refused[tree_id] = head.version

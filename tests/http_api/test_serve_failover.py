@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +27,11 @@ from adapters.eventstore import EventStore
 from domain.events import WriterActivated
 from domain.ids import TreeID
 from tests.http_api.conftest import _pg_database
-from tests.http_api.support import TOKEN, ApiServer, ok, start_server, wait_until
+from tests.http_api.support import ROOT, TOKEN, ApiServer, ok, start_server, wait_until
 from tests.http_api.test_serve import serve_once
 from tests.http_api.test_serve_failures import FifoReader, blocked_in_the_tool
 from tests.test_cli import agentfold
-from tests.test_cli_interaction import one_tool_call
+from tests.test_cli_interaction import approval, one_tool_call
 from tests.test_shutdown_during_outage import _read_fifo
 
 SCAN = "0.5"  # seconds between the servers' scans for runs nobody owns
@@ -176,3 +178,48 @@ def test_sigterm_records_the_tool_call_that_returns_during_the_stop_and_starts_n
     assert (tree["tree_id"], tree["status"]) == (run["tree"]["tree_id"], "completed")
     time.sleep(0.5)
     assert calls == [1]
+
+
+def test_a_run_whose_owner_line_here_stopped_on_a_store_failure_is_still_adopted_once_orphaned(
+    tmp_path: Path,
+) -> None:
+    # Found by review: one passing append failure left the run refused by this server's scan for
+    # good, so once a later owner (a command) died the run stayed `progress` with nobody driving it.
+    import sqlite3
+
+    db = tmp_path / "agentfold.db"
+    store = f"sqlite:///{db}"
+    fifo = tmp_path / "approve.fifo"
+    os.mkfifo(fifo)
+    server = start_server(store, tmp_path, "--adopt-every", SCAN)
+    try:
+        c = server.client()
+        reader = FifoReader(fifo)
+        reader.start()  # the tool's first execution (it asks a human) gets through
+        run = ok(c.post("/runs", json={"scenario": approval(fifo), "start_id": "t", "wait": 30}), 201)
+        tree_id = run["tree"]["tree_id"]
+        [wait] = ok(c.get("/pending-inputs"))["pending"]
+        reader.stop()  # from now on the tool blocks in open()
+        gate = sqlite3.connect(str(db), isolation_level=None, timeout=30)
+        gate.execute("BEGIN IMMEDIATE")  # held past the server's lock wait: its next append fails
+        answer = {"response": {"approved": True}, "signal_id": "a1"}
+        refused = c.post(f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer", json=answer)
+        gate.execute("ROLLBACK")
+        gate.close()
+        assert refused.status_code == 503, refused.text
+        # A command answers the run (it adopts it) and is killed while the tool call is under way.
+        env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+        env["PYTHONPATH"] = str(ROOT)
+        command = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli", "answer", wait["process_id"], wait["wait_id"],
+             '{"approved": true}', "--signal-id", "a1", "--store", store],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: blocked_in_the_tool(command.pid), timeout=30)
+        command.kill()
+        command.communicate()
+        unknown = wait_until(lambda: ok(c.get("/unknown-effects"))["unknown_effects"], timeout=30)
+        assert [(u["tree_id"], u["diagnostic"]["code"]) for u in unknown] == [(tree_id, "engine.dispatch.interrupted")]
+        assert ok(httpx.get(server.url + "/health"))["orphans_adopted"] == 1
+    finally:
+        code, _ = server.stop()
+    assert code == 0, server.logs()
