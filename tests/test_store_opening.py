@@ -171,10 +171,12 @@ def test_a_login_the_server_refuses_is_store_unavailable_with_its_reason_and_no_
 
 
 def test_a_refused_connection_is_store_unavailable_with_the_reason_at_once() -> None:
-    with socket.socket() as s:  # a port nobody listens on
+    # A port nobody listens on: bound (not listening) for the whole call, so that no other
+    # process, e.g. a server of a test in another worker, can take it meanwhile.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ran, seconds = timed("trees", store=f"postgresql://postgres@127.0.0.1:{port}/ops")
+        ran, seconds = timed("trees", store=f"postgresql://postgres@127.0.0.1:{port}/ops")
     error = failed(ran).error()
     assert error["code"] == "store.unavailable"
     assert "Connection refused" in error["message"]

@@ -44,6 +44,17 @@ def _wait_until(condition: Callable[[], bool], seconds: float, process: subproce
     return time.monotonic() - started
 
 
+def _listening(url: str) -> bool:
+    """Some session of this database waits for notifications (the publisher's LISTEN)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'"
+        ).fetchone()
+    return row is not None and row[0] >= 1
+
+
 def _partition_count(bootstrap: str, topic: str) -> int:
     from kafka import KafkaAdminClient
 
@@ -78,7 +89,9 @@ def test_a_following_publisher_on_postgresql_is_woken_by_notify_and_exits_cleanl
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
-            time.sleep(1.0)  # let it start, LISTEN and find nothing new
+            # Let it start and LISTEN (its catch-up found nothing new): Python's start-up alone can
+            # take seconds on a loaded machine, and that is not the wake-up this test measures.
+            _wait_until(lambda: _listening(url), 60, follower, "the publisher's LISTEN session")
             assert follower.poll() is None, follower.communicate()[1]
             assert position.get() == before
             for index in range(2, 5):
