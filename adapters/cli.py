@@ -40,6 +40,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sqlite3
 import sys
 import threading
@@ -1139,6 +1140,12 @@ def entry() -> None:
         status = main()
     except KeyboardInterrupt:
         status = 130
+    # The command has answered; the process only exits now. Python resets its own signal
+    # handlers to the default while it finalizes, so a SIGTERM in that instant (an operator
+    # or a scheduler stopping a job that just finished) killed it: exit 143 after a success.
+    # Ignored signals stay ignored through finalization.
+    for each in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(each, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
