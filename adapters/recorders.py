@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import sqlite3
 import threading
 import time
@@ -149,6 +150,11 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
     """
 
     def _create_connection(self) -> SQLiteConnection:
+        if getattr(self, "_opened_once", False) and not self.is_sqlite_memory_mode and not os.path.exists(self.db_name):
+            # The store file was removed while this process had it open: a new connection would
+            # create an empty file in its place (sqlite3 creates what it does not find), which
+            # later writes would go to behind the operator's back (EventStore.check_file).
+            raise InterfaceError(f"the SQLite store file {self.db_name} was removed while this process had it open")
         try:
             connection = sqlite3.connect(
                 database=self.db_name,
@@ -171,6 +177,7 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
                 raise InterfaceError(exc) from exc
             self.is_journal_mode_wal = True
         connection.row_factory = sqlite3.Row
+        self._opened_once = True
         return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
 
 

@@ -1496,6 +1496,10 @@ class Runtime:
         began = time.monotonic()
         if self._closed or self._draining or not self._leases.healthy():
             return []
+        try:
+            self.store.check_file()  # an SQLite file removed under the process: nothing to scan
+        except StoreFailure:
+            return []
         heads = self.store.heads(live_only=True)
         live = {TreeID(h.tree_id) for h in heads}
         with self._lock:

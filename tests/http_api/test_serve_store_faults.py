@@ -130,3 +130,30 @@ def test_a_store_file_removed_under_the_server_is_reported_and_never_written_to(
         server.stop()
     assert not db.exists()  # nothing made a new file behind the operator's back either
     assert (tmp_path / "pay.log").read_text().count("\n") == 1  # only the run before the removal called its tool
+
+
+def test_no_new_connection_recreates_a_store_file_removed_under_the_process(tmp_path: Path) -> None:
+    # sqlite3 creates the file it does not find: a connection the pool opened after the removal
+    # (the server's orphan scan, a second reader) made an empty store.db in its place (seen once
+    # in CI as a flake of the test above).
+    from eventsourcing.persistence import InterfaceError
+
+    from adapters.eventstore import EventStore
+
+    db = tmp_path / "store.db"
+    store = EventStore(f"sqlite:///{db}")
+    try:
+        assert store.heads() == []
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        pool = store.recorder.datastore.pool
+        try:
+            pool._create_connection()
+        except InterfaceError as exc:
+            assert "was removed while this process had it open" in str(exc)
+        else:
+            raise AssertionError("a new connection was opened on a removed store file")
+        assert not db.exists()
+    finally:
+        store.close()
+    assert not db.exists()
