@@ -376,10 +376,9 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
             effect_id, settlement.status, settlement.payload, process_id=process_id
         )
-        with ctx.runtime(store) as runtime:
-            runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id)
-            owned = runtime.drives(tree_id)
-            tree = _drive(ctx, runtime, tree_id, f"resolved {effect_id}")
+        _, tree, owned = _admit_and_drive(
+            ctx, store, tree_id, lambda runtime: runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id),
+            f"resolved {effect_id}")
     finally:
         store.close()
     summary = tree_summary(tree)
@@ -390,10 +389,8 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         "driven": owned,
         "tree": summary,
     }
-    text = f"resolved {effect_id} as {_resolution_text(settlement)}\n" + _summary_text(summary)
-    if not owned:
-        text += "\n(another runtime owns this tree and drives it on)"
-    return Outcome(data, text)
+    return Outcome(data, f"resolved {effect_id} as {_resolution_text(settlement)}\n" + _summary_text(summary)
+                   + _owner_note(owned))
 
 
 #: Seconds a command that stops waiting (``--timeout``) still gives the calls in flight to
@@ -660,10 +657,11 @@ def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 def _admit_and_drive(
-    ctx: Context, store: EventStore, tree_id: TreeID, admit: Callable[[Runtime], bool], done: str,
-) -> tuple[bool, TreeState, bool]:
+    ctx: Context, store: EventStore, tree_id: TreeID, admit: Callable[[Runtime], Any], done: str,
+) -> tuple[Any, TreeState, bool]:
     """Admit input through a runtime of this command (which adopts the tree if nobody owns
-    it), then drive the tree until it parks or ends: (admitted, the tree after, driven).
+    it), then drive the tree until it parks or ends: (what ``admit`` returned, the tree
+    after, driven).
     ``driven`` is false when another live runtime owns the tree: it drives it on."""
     with ctx.runtime(store) as runtime:
         admitted = admit(runtime)

@@ -21,10 +21,9 @@ DEFAULT_PORT = 8080
 #: Seconds uvicorn lets HTTP requests in progress finish after SIGTERM/SIGINT.
 REQUEST_GRACE = 10
 #: Seconds after SIGTERM/SIGINT by which ``serve`` has exited in any case (StopGuard): the
-#: request grace, the calls' 2 s (``CALLS_GRACE``), closing the runtime and the store, ``ABANDON_GRACE``.
+#: request grace, the calls' 2 s (``adapters.cli.CALLS_GRACE``, as for a command past its
+#: ``--timeout``), closing the runtime and the store, ``ABANDON_GRACE``.
 SERVE_STOP_LIMIT = 15.0
-#: Seconds the calls under way still get to return (and be recorded) after the requests ended.
-CALLS_GRACE = 2.0
 #: Seconds after the runtime closed that a call still running may take before it is counted abandoned.
 ABANDON_GRACE = 0.5
 #: Seconds between a server's scans for live runs nobody owns (``--adopt-every``).
@@ -124,7 +123,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     # Imported here: the web stack is only loaded by the command that serves.
     import uvicorn
 
-    from adapters.cli import Outcome
+    from adapters.cli import CALLS_GRACE, Outcome
     from adapters.eventstore import redact
     from adapters.follower import STOP_GRACE, StopGuard
     from adapters.http_api import TOKEN_ENV, ApiService, create_app

@@ -673,6 +673,12 @@ class _Driver:
             )
 
 
+def _store_down(exc: BaseException) -> bool:
+    """A failure of the store that may pass (try again later), as opposed to a corrupt history
+    or a refusal that would repeat."""
+    return isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+
+
 def quiet_stop_signals() -> None:
     """Keep SIGINT and SIGTERM away from this thread (the runtime's own threads).
 
@@ -1456,7 +1462,7 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
                 failure = exc
                 # The store is not back yet: try again at the next poll; go on with the others now.
-                retry = isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+                retry = _store_down(exc)
             if retry or failure is not None:
                 with self._lock:
                     attempts = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
@@ -1535,14 +1541,12 @@ class Runtime:
                 if head.classification == "parked" and not self._parked_orphan_needs_driving(tree_id, head):
                     continue
                 driver = self._try_adopt(tree_id, new_only=True)
-            except (StoreFailure, PersistenceError, OSError) as exc:
-                if isinstance(exc, CorruptStream):
-                    self._orphans_refused[tree_id] = head.version
-                    log.warning("tree %s: nobody owns it and it cannot be adopted: %s", tree_id, exc)
-                    continue
-                log.debug("orphan scan: the store failed (%s); trying again at the next scan", exc)
-                return adopted
-            except AgentfoldError as exc:
+            except Exception as exc:  # classified below: the store is down, a refusal, or a bug
+                if _store_down(exc):
+                    log.debug("orphan scan: the store failed (%s); trying again at the next scan", exc)
+                    return adopted
+                if not isinstance(exc, AgentfoldError):
+                    raise
                 self._orphans_refused[tree_id] = head.version
                 log.warning("tree %s: nobody owns it and it cannot be adopted: %s", tree_id, exc)
                 continue
@@ -1562,13 +1566,13 @@ class Runtime:
                     return False
             if not self._leases.acquire(tree_id):
                 return False  # its owner is alive
-            needed = False
             try:
                 needed = self.needs_recovery(head)
-            finally:
-                if not needed:
-                    self._leases.release(tree_id)
+            except BaseException:
+                self._leases.release(tree_id)
+                raise
             if not needed:
+                self._leases.release(tree_id)
                 with self._lock:
                     self._orphans_parked[tree_id] = head.version
             return needed

@@ -123,18 +123,18 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
-    duplicate = duplicate_key(raw)
+    # Read once more by the standard library, exactly: it sees a key written twice (orjson
+    # keeps the last one), and an integer beyond 64 bits, which orjson reads as a float
+    # (precision lost, silently), stays an integer that normalize refuses by its path.
+    try:
+        exact = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
+    except RecursionError:
+        raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels") from None
+    duplicate = _first_repeated(exact)
     if duplicate is not None:
         raise InvalidInput("payload.invalid", f"{what}: {duplicate[0]} has the key {duplicate[1]!r} twice",
                            hint="JSON parsers keep only the last one, silently; write each key once")
-    if _holds_float(value):
-        # orjson reads an integer beyond 64 bits as a float (precision lost, silently): read
-        # the text again exactly, so that normalize refuses such an integer by its path.
-        try:
-            value = json.loads(raw, parse_constant=_no_constant)
-        except RecursionError:
-            raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels") from None
-    return normalize(value, limit=limit, what=what)
+    return normalize(exact if _holds_float(value) else value, limit=limit, what=what)
 
 
 class _Repeated(dict[str, Any]):
@@ -167,6 +167,11 @@ def duplicate_key(raw: str | bytes) -> tuple[str, str] | None:
         value = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=lambda name: None)
     except (ValueError, RecursionError):
         return None  # not this check's concern: the caller's parser reports invalid JSON
+    return _first_repeated(value)
+
+
+def _first_repeated(value: Any) -> tuple[str, str] | None:
+    """The first object (from the outside in, in document order) marked by ``_unique_pairs``."""
     stack: list[tuple[str, Any]] = [("$", value)]
     while stack:
         path, item = stack.pop()

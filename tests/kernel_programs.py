@@ -130,6 +130,26 @@ def chain_program(
     )
 
 
+class GatedCall:
+    """A chain dispatcher that logs every call (its chain ``index`` and ``effect_id``) and holds
+    the call at index ``at`` (every call when None) until ``release`` is set; ``entered`` is set
+    once a call is held."""
+
+    def __init__(self, log: CallLog, at: int | None = None) -> None:
+        self.log = log
+        self.at = at
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        index = request.payload["index"]
+        self.log.record(index=index, effect_id=request.effect_id)
+        if self.at is None or index == self.at:
+            self.entered.set()
+            self.release.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+
 def logged_call(log: CallLog, value: int = 1) -> Callable[[EffectRequest, DispatchContext], Settlement]:
     """A dispatcher whose side effect is one line in ``log`` per call."""
 

@@ -18,24 +18,7 @@ from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
 from domain.events import EffectDeclared, EffectDispatched, EffectSettled
-from domain.requests import EffectRequest, Settlement
-from tests.kernel_programs import CallLog, chain_program
-
-
-class SecondCallWaits:
-    """A dispatcher: the second call blocks until ``release``; every call is logged."""
-
-    def __init__(self, log: CallLog) -> None:
-        self.log = log
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, request: EffectRequest, context: Any) -> Settlement:
-        self.log.record(index=request.payload["index"])
-        if request.payload["index"] == 1:
-            self.entered.set()
-            self.release.wait(30)
-        return Settlement.succeeded({"value": 1})
+from tests.kernel_programs import CallLog, GatedCall, chain_program
 
 
 def kinds(url: str, tree_id: Any) -> list[str]:
@@ -50,7 +33,7 @@ def test_a_draining_owner_records_the_call_that_returns_and_starts_no_new_one(
     durable_store_url: str, tmp_path: Any,
 ) -> None:
     log = CallLog(tmp_path / "calls.jsonl")
-    call = SecondCallWaits(log)
+    call = GatedCall(log, at=1)
     program = chain_program(call, name="drain.chain")
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as owner:
         handle = owner.start(program, {"n": 4}, start_id="drain-1")
@@ -89,7 +72,7 @@ def test_a_call_that_does_not_return_within_the_grace_is_still_abandoned_and_rec
     durable_store_url: str, tmp_path: Any,
 ) -> None:
     log = CallLog(tmp_path / "calls.jsonl")
-    call = SecondCallWaits(log)
+    call = GatedCall(log, at=1)
     program = chain_program(call, name="drain.chain")
     try:
         with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as owner:

@@ -9,7 +9,6 @@ flight), and a scan by the other.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -20,23 +19,7 @@ from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
 from domain.ids import SignalID
 from domain.program import SignalRequest
-from domain.requests import EffectRequest, Settlement
-from tests.kernel_programs import CallLog, asker_program, chain_program
-
-
-class Gate:
-    """A dispatcher call that logs itself, then blocks until the test opens the gate."""
-
-    def __init__(self, log: CallLog) -> None:
-        self.log = log
-        self.entered = threading.Event()
-        self.open = threading.Event()
-
-    def __call__(self, request: EffectRequest, context: Any) -> Settlement:
-        self.log.record(effect_id=request.effect_id)
-        self.entered.set()
-        self.open.wait(30)
-        return Settlement.succeeded({"value": 1})
+from tests.kernel_programs import CallLog, GatedCall, asker_program, chain_program
 
 
 def stored_events(url: str, tree_id: Any) -> int:
@@ -47,7 +30,7 @@ def stored_events(url: str, tree_id: Any) -> int:
         store.close()
 
 
-def orphaned_chain(url: str, gate: Gate, start_id: str = "orphan-1") -> Any:
+def orphaned_chain(url: str, gate: GatedCall, start_id: str = "orphan-1") -> Any:
     """A chain tree whose owner closed while its first call was in flight; its tree id."""
     program = chain_program(gate, name="orphan.chain")
     owner = Runtime(EventStore(url), Catalog([program]), poll_interval=0)
@@ -65,9 +48,9 @@ def test_a_tree_whose_owner_is_gone_is_adopted_once_and_its_call_in_flight_becom
     durable_store_url: str, tmp_path: Any,
 ) -> None:
     log = CallLog(tmp_path / "calls.jsonl")
-    gate = Gate(log)
+    gate = GatedCall(log)
     tree_id = orphaned_chain(durable_store_url, gate)
-    gate.open.set()
+    gate.release.set()
     program = chain_program(gate, name="orphan.chain")
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as survivor:
         assert survivor.adopt_orphans() == [tree_id]
@@ -80,7 +63,7 @@ def test_a_tree_whose_owner_is_gone_is_adopted_once_and_its_call_in_flight_becom
 
 
 def test_a_live_owners_tree_is_never_taken(durable_store_url: str, tmp_path: Any) -> None:
-    gate = Gate(CallLog(tmp_path / "calls.jsonl"))
+    gate = GatedCall(CallLog(tmp_path / "calls.jsonl"))
     program = chain_program(gate, name="orphan.chain")
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as owner:
         handle = owner.start(program, {"n": 2}, start_id="owned-1")
@@ -90,7 +73,7 @@ def test_a_live_owners_tree_is_never_taken(durable_store_url: str, tmp_path: Any
             assert other.adopt_orphans() == []
             assert other.adopt_orphans() == []
         assert stored_events(durable_store_url, handle.tree_id) == before
-        gate.open.set()
+        gate.release.set()
         assert owner.result(handle.tree_id, timeout=30).status == "completed"
 
 
@@ -116,9 +99,9 @@ def test_a_parked_tree_nobody_owns_is_left_as_it_is(durable_store_url: str) -> N
 def test_a_tree_whose_program_is_unknown_here_is_reported_once_and_never_written(
     durable_store_url: str, tmp_path: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    gate = Gate(CallLog(tmp_path / "calls.jsonl"))
+    gate = GatedCall(CallLog(tmp_path / "calls.jsonl"))
     tree_id = orphaned_chain(durable_store_url, gate)
-    gate.open.set()
+    gate.release.set()
     before = stored_events(durable_store_url, tree_id)
     with caplog.at_level(logging.WARNING, logger="agentfold.runtime"):
         with Runtime(EventStore(durable_store_url), Catalog(), poll_interval=0) as stranger:
@@ -131,9 +114,9 @@ def test_a_tree_whose_program_is_unknown_here_is_reported_once_and_never_written
 
 def test_the_watcher_scans_by_itself_every_adopt_orphans_every_seconds(durable_store_url: str, tmp_path: Any) -> None:
     log = CallLog(tmp_path / "calls.jsonl")
-    gate = Gate(log)
+    gate = GatedCall(log)
     tree_id = orphaned_chain(durable_store_url, gate)
-    gate.open.set()
+    gate.release.set()
     program = chain_program(gate, name="orphan.chain")
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05,
                  adopt_orphans_every=0.1) as survivor:
@@ -152,9 +135,9 @@ def test_the_watcher_scans_by_itself_every_adopt_orphans_every_seconds(durable_s
 def test_a_scan_with_a_time_budget_adopts_what_fits_and_the_next_scan_goes_on(durable_store_url: str,
                                                                                tmp_path: Any) -> None:
     log = CallLog(tmp_path / "calls.jsonl")
-    gate = Gate(log)
+    gate = GatedCall(log)
     orphans = {orphaned_chain(durable_store_url, gate, f"orphan-{i}") for i in range(3)}
-    gate.open.set()
+    gate.release.set()
     program = chain_program(gate, name="orphan.chain")
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as survivor:
         scans = [survivor.adopt_orphans(budget=0.0) for _ in range(4)]

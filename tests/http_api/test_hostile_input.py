@@ -24,6 +24,12 @@ def _post(c: httpx.Client, url: str, body: Any) -> httpx.Response:
     return c.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
 
 
+def waiting_for_an_answer(c: httpx.Client, prefix: str) -> tuple[dict[str, Any], int, str]:
+    """A run parked on a tool's input wait: its tree summary, stored version and answer URL."""
+    tree, wait = parked_approval(c, prefix)
+    return tree, run(c, tree["tree_id"])["version"], f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+
+
 def _unchanged(c: httpx.Client, tree_id: str, version: int) -> None:
     assert run(c, tree_id)["version"] == version, "a refused request appended to the run"
 
@@ -51,9 +57,7 @@ def test_lone_surrogates_and_oversize_reasons_are_refused_and_append_nothing(api
 
 def test_an_answer_holding_a_lone_surrogate_is_refused_not_a_500(api: ApiServer) -> None:
     c = api.client()
-    tree, wait = parked_approval(c, "surrogate-answer")
-    version = run(c, tree["tree_id"])["version"]
-    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    tree, version, url = waiting_for_an_answer(c, "surrogate-answer")
     refused = problem(_post(c, url, {"response": {"approved": True, "note": "\ud800"}}), 422, "payload.invalid")
     assert "$.note" in refused["detail"] and "surrogate" in refused["detail"]
     _unchanged(c, tree["tree_id"], version)
@@ -80,9 +84,7 @@ def test_a_body_nested_beyond_the_parser_is_a_request_problem(api: ApiServer) ->
 def test_members_of_the_wrong_json_type_are_refused_not_converted(api: ApiServer) -> None:
     # pydantic's lax mode read "wait": "5" as five seconds and "wait": true as one.
     c = api.client()
-    tree, wait = parked_approval(c, "strict-types")
-    version = run(c, tree["tree_id"])["version"]
-    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    tree, version, url = waiting_for_an_answer(c, "strict-types")
     for body, member in (
         ({"response": {"approved": True}, "wait": "5"}, "wait"),
         ({"response": {"approved": True}, "wait": True}, "wait"),
@@ -103,9 +105,7 @@ def test_a_body_with_a_key_twice_is_refused_and_appends_nothing(api: ApiServer) 
     # The JSON parser kept the last one: {"response": ..., "response": ...} answered with the
     # second, and a scenario with two "tools" members ran with the second tool set only.
     c = api.client()
-    tree, wait = parked_approval(c, "twice")
-    version = run(c, tree["tree_id"])["version"]
-    url = f"/processes/{wait['process_id']}/waits/{wait['wait_id']}/answer"
+    tree, version, url = waiting_for_an_answer(c, "twice")
     for text, where in (
         (b'{"response": {"approved": false}, "response": {"approved": true}}', "$ has the key 'response'"),
         (b'{"response": {"approved": true, "approved": false}}', "$.response has the key 'approved'"),
