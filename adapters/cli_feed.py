@@ -234,7 +234,8 @@ def transcript_text(t: dict[str, Any]) -> str:
         if kind == "input_message":
             lines.append(head + f"[{e['role']}] {_short(e['text'])}")
         elif kind == "assistant_message":
-            lines.append(head + f"[assistant #{e['model_call_sequence']}] {_short(e['text'])}")
+            said = _short(e["text"]) if e["text"] else "(no text, only tool calls)" if e["tool_calls"] else "(no text)"
+            lines.append(head + f"[assistant #{e['model_call_sequence']}] {said}")
             for call in e["tool_calls"]:
                 lines.append(f"      -> {call['name']}({_short(call['arguments'], 120)})  {call['tool_call_ref']}")
         elif kind == "tool_result":

@@ -696,8 +696,24 @@ class EventStore:
         """The tree of a process (InvalidInput for a malformed id, else NotFound)."""
         found = self.tree_of_process(ProcessID(process_id))
         if found is None:
+            head = self._head_named(process_id)
+            if head is not None:  # a run's tree id or start id where a process id was wanted
+                raise NotFound(
+                    "engine.process.not_found",
+                    f"{process_id!r} names the run {head.tree_id} (started as {head.start_id!r}), not a process",
+                    hint=f"pass a process id: the run's root process is {head.root_process_id} "
+                    f"(`agentfold show {head.tree_id}` lists every process of the run)",
+                )
             raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
         return found
+
+    def _head_named(self, ref: str) -> TreeHead | None:
+        """The index row of the tree ``ref`` names as a tree id or a start id, if any."""
+        try:
+            tree_id = TreeID(ref) if ref.startswith("tree:") else TreeID.for_start(StartID(ref))
+            return self.head(tree_id)
+        except (AgentfoldError, ValueError):
+            return None
 
     def tree_of_unknown_effect(self, effect_id: str) -> TreeID | None:
         found = self.index.tree_of_unknown_effect(effect_id)

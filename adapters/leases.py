@@ -28,6 +28,10 @@ from domain.ids import TreeID
 
 
 class LeaseManager(Protocol):
+    #: Whether holding a lease excludes every other live holder of the same tree (the real
+    #: managers below; a test double that grants everything is not exclusive).
+    exclusive: bool
+
     def acquire(self, tree_id: TreeID) -> bool: ...
 
     def release(self, tree_id: TreeID) -> None: ...
@@ -49,6 +53,8 @@ class LeaseManager(Protocol):
 
 class _Durable:
     """Leases that last as long as this process: none is ever lost while it runs."""
+
+    exclusive = True
 
     def check(self) -> set[TreeID]:
         return set()
@@ -161,6 +167,8 @@ class PostgresLeases:
     on the server fails at once (the leases are reported lost), and no new session is
     opened (``store.unavailable`` at once, not after a connection timeout).
     """
+
+    exclusive = True
 
     def __init__(self, conninfo: dict[str, Any], *, session: Callable[[], Any] | None = None) -> None:
         self._conninfo = conninfo

@@ -968,10 +968,12 @@ class Runtime:
                 except VersionConflict:
                     loaded = self._load(tree_id)
                     if loaded.state.incarnation != base_incarnation:
-                        raise Fenced(
-                            "engine.tree.incarnation_conflict",
-                            f"tree {tree_id} was activated by another writer ({loaded.state.incarnation})",
-                        ) from None
+                        if not self._activated_by_the_dead(tree_id, loaded.state.incarnation):
+                            raise Fenced(
+                                "engine.tree.incarnation_conflict",
+                                f"tree {tree_id} was activated by another writer ({loaded.state.incarnation})",
+                            ) from None
+                        base_incarnation = loaded.state.incarnation
                     continue
                 if not self._register(driver):
                     return driver
@@ -981,6 +983,29 @@ class Runtime:
             self._ensure_watcher()
             return driver
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
+
+    def _activated_by_the_dead(self, tree_id: TreeID, other: TreeIncarnationID | None) -> bool:
+        """Whether an activation that committed under this runtime's activation while it held
+        the tree's lease can only be a dead writer's, so that activating again on top of it
+        is safe.
+
+        An exclusive lease held here means no live runtime holds it: a writer that activated
+        meanwhile lost its lease before its statement committed. On PostgreSQL that is a server
+        killed while its takeover statement waited for the events table's lock: the server
+        runs the statement to its commit after the client's death (nothing reads the dead
+        socket while it waits). Fencing this runtime then left the run to a dead owner (its
+        request answered ``409 engine.tree.incarnation_conflict`` until the orphan scan
+        adopted the run again). A writer that still runs is fenced by our activation as it
+        would have been had ours come first. Without an exclusive lease (a lease-less test
+        double) two live writers race: the version fence decides, and the loser stops.
+        """
+        if not getattr(self._leases, "exclusive", False) or not self._leases.holds(tree_id):
+            return False
+        log.warning(
+            "tree %s: incarnation %s activated it while this runtime held its lease (a writer that died while "
+            "its statement waited); activating it again", tree_id, other,
+        )
+        return True
 
     def recover(self, tree: str | None = None) -> list[RunHandle]:
         """Take ownership of one tree, or of every live tree nobody owns, and drive them.
@@ -1092,6 +1117,12 @@ class Runtime:
             except VersionConflict:
                 continue
             self._counts["remote_admissions"] += 1
+            if driver is None and self.adopt_on_admit:
+                # The lease was held when this runtime tried to take the tree: by its live
+                # owner (whose watcher catches up with this input), or only for a moment, by
+                # an orphan scan looking whether the parked tree needed driving. In that case
+                # nobody would drive this input until the next scan: take the tree now.
+                self._try_adopt(tree_id, new_only=True)
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
 
@@ -1571,11 +1602,19 @@ class Runtime:
             except BaseException:
                 self._leases.release(tree_id)
                 raise
-            if not needed:
-                self._leases.release(tree_id)
-                with self._lock:
-                    self._orphans_parked[tree_id] = head.version
-            return needed
+            if needed:
+                return True
+            self._leases.release(tree_id)
+            # Input admitted while this scan held the lease to look: its writer could not take
+            # the tree and appended without driving it (and may have tried again before the
+            # lease was free). The index row then moved on: whoever adopts it drives the input.
+            # (Still parked, or finished: the next scan looks at it again.)
+            latest = self.store.head(tree_id)
+            if latest is not None and latest.version != head.version:
+                return latest.classification not in ("parked", "terminal")
+            with self._lock:
+                self._orphans_parked[tree_id] = head.version
+            return False
 
     def stop_dispatching(self) -> None:
         """Grant no dispatch permission from now on (the first half of ``drain``; safe to call

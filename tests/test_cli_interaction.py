@@ -658,6 +658,8 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         (["results", "no-such-start"], "engine.tree.not_found"),
         (["results", "tree:not-hex"], "identity.invalid"),
         (["delegates", "process:nope"], "engine.process.not_found"),
+        (["delegates", "bad-wait"], "engine.process.not_found"),  # a start id where a process id goes
+        (["pause", waiting["tree_id"]], "engine.process.not_found"),  # a tree id where a process id goes
         (["delegates", "has space"], "identity.invalid"),
         (["cancel", "process:nope"], "engine.process.not_found"),
         (["cancel", "has space"], "identity.invalid"),
@@ -691,6 +693,10 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         assert refused(ran).error()["code"] == code, (argv, ran.stderr)
     twice = next(ran for argv, _, ran in outcomes if argv[-1] == '{"approved": false, "approved": true}').error()
     assert "$ has the key 'approved' twice" in twice["message"], twice
+    for argv in (["delegates", "bad-wait"], ["pause", waiting["tree_id"]]):
+        named = next(ran for a, _, ran in outcomes if a == argv).error()
+        assert f"names the run {waiting['tree_id']} (started as 'bad-wait'), not a process" in named["message"], named
+        assert f"the run's root process is {root}" in named["hint"], named
     scenario_error = next(ran for argv, _, ran in outcomes if argv == ["run", str(bad_scenario)]).error()
     assert scenario_error["message"].startswith("$.tools[0].result.failure.kind: must be failed or rejected")
     text_mode = refused(agentfold("answer", wait["process_id"], wait["wait_id"], "[]", store=store))

@@ -9,6 +9,7 @@ flight), and a scan by the other.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -94,6 +95,67 @@ def test_a_parked_tree_nobody_owns_is_left_as_it_is(durable_store_url: str) -> N
             assert answering.deliver_signals(
                 handle.root_process_id, [SignalRequest(SignalID("answer-1"), {"name": "n"}, waiting.current_wait)])
             assert answering.result(handle.tree_id, timeout=30).output == {"hello": "n"}
+
+
+def parked_asker(url: str, start_id: str) -> tuple[Any, Any, Any]:
+    """A parked asker tree nobody owns: its program, its run handle and its current wait."""
+    program = asker_program("orphan.asker")
+    with Runtime(EventStore(url), Catalog([program]), poll_interval=0) as first:
+        handle = first.start(program, None, start_id=start_id)
+        wait = first.wait_idle(handle.tree_id, timeout=30).root.current_wait
+    return program, handle, wait
+
+
+def test_an_answer_sent_while_a_scan_held_the_lease_to_look_is_driven_once_the_look_ends(
+    durable_store_url: str,
+) -> None:
+    """The answering runtime cannot take the tree while a scan looks (it holds the lease), so
+    it appends the answer without driving it; once the look is over it takes the tree."""
+    program, handle, wait = parked_asker(durable_store_url, "looked-1")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner, \
+            Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as answering:
+        assert scanner._leases.acquire(handle.tree_id)  # the scan's look, in progress
+        append = answering.store.append
+
+        def append_then_the_look_ends(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return append(*args, **kwargs)
+            finally:
+                scanner._leases.release(handle.tree_id)
+
+        answering.store.append = append_then_the_look_ends  # type: ignore[method-assign]
+        assert answering.deliver_signals(
+            handle.root_process_id, [SignalRequest(SignalID("looked-answer"), {"name": "n"}, wait)])
+        assert answering.drives(handle.tree_id)
+        assert answering.result(handle.tree_id, timeout=30).output == {"hello": "n"}
+
+
+def test_a_scan_that_looked_at_a_parked_tree_while_an_answer_came_drives_the_answer(durable_store_url: str) -> None:
+    """The answer came (through a runtime that could not take the tree) while the scan held the
+    lease to look: the scan finds the tree moved on when it lets go, and adopts it there and then."""
+    program, handle, wait = parked_asker(durable_store_url, "looked-2")
+    looking, answered = threading.Event(), threading.Event()
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner, \
+            Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as answering:
+        look = scanner.needs_recovery
+
+        def slow_look(head: Any) -> bool:
+            looking.set()
+            assert answered.wait(30)
+            return look(head)
+
+        scanner.needs_recovery = slow_look  # type: ignore[method-assign]
+        scan: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: scan.setdefault("adopted", scanner.adopt_orphans()), daemon=True)
+        thread.start()
+        assert looking.wait(30)
+        assert answering.deliver_signals(
+            handle.root_process_id, [SignalRequest(SignalID("looked-answer"), {"name": "m"}, wait)])
+        assert not answering.drives(handle.tree_id)  # the scan still held the lease
+        answered.set()
+        thread.join(30)
+        assert scan["adopted"] == [handle.tree_id]
+        assert scanner.result(handle.tree_id, timeout=30).output == {"hello": "m"}
 
 
 def test_a_tree_whose_program_is_unknown_here_is_reported_once_and_never_written(

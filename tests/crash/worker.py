@@ -45,6 +45,8 @@ ERROR_EXIT = 4
 class GrantAllLeases:
     """A lease manager that never refuses: ownership is then decided by version fencing alone."""
 
+    exclusive = False  # two live holders race: the version fence decides (Runtime._activated_by_the_dead)
+
     def __init__(self) -> None:
         self._held: set[TreeID] = set()
 

@@ -354,3 +354,22 @@ def test_transcripts_refuses_an_idle_exit_that_is_not_a_positive_number(tmp_path
                              cwd=ROOT, capture_output=True, text=True)
         assert ran.returncode == 2 and "cli.usage: argument --idle-exit" in ran.stderr, ran.stderr
     assert not db.exists()
+
+
+def test_an_assistant_reply_without_text_says_so_in_the_printed_transcript() -> None:
+    from adapters.cli_feed import transcript_text
+
+    call = {"name": "weather", "arguments": '{"city": "Lisbon"}', "tool_call_ref": "process:p/1/0"}
+    entries = [
+        {"seq": 1, "kind": "assistant_message", "model_call_sequence": 1, "text": "", "tool_calls": [call]},
+        {"seq": 2, "kind": "assistant_message", "model_call_sequence": 2, "text": "", "tool_calls": []},
+        {"seq": 3, "kind": "assistant_message", "model_call_sequence": 3, "text": "Sunny.", "tool_calls": []},
+    ]
+    text = transcript_text({"process_id": "process:p", "tree_id": "tree:t", "status": "completed",
+                            "entry_count": 3, "entries": entries})
+    assert text.splitlines()[1:] == [
+        "  1 [assistant #1] (no text, only tool calls)",
+        '      -> weather({"city": "Lisbon"})  process:p/1/0',
+        "  2 [assistant #2] (no text)",
+        "  3 [assistant #3] Sunny.",
+    ]

@@ -308,7 +308,8 @@ def test_reads_of_missing_runs_and_processes_are_404_and_bad_ids_422(api: ApiSer
 
 def test_delegate_attributions_name_the_child_each_delegated_call_started(api: ApiServer) -> None:
     c = api.client()
-    tree = start(c, POEM, sid("poem"))["tree"]
+    start_id = sid("poem")
+    tree = start(c, POEM, start_id)["tree"]
     assert tree["status"] == "completed"
     root = tree["root_process_id"]
     listed = ok(c.get(f"/processes/{root}/delegates"))
@@ -321,6 +322,9 @@ def test_delegate_attributions_name_the_child_each_delegated_call_started(api: A
     # The child is an Interaction without delegates; a finished delegate stays attributed.
     assert ok(c.get(f"/processes/{d['child_process_id']}/delegates"))["delegates"] == []
     assert ok(c.get(f"/runs/{tree['tree_id']}/results")) == {"tree_id": tree["tree_id"], "rounds": []}
+    # The run's start id where the process id goes: the answer names the root process to ask for.
+    named = problem(c.get(f"/processes/{start_id}/delegates"), 404, "engine.process.not_found")
+    assert f"names the run {tree['tree_id']}" in named["detail"] and root in named["hint"], named
 
 
 # ---------------------------------------------------------------------------

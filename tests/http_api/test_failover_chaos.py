@@ -239,8 +239,9 @@ class Cluster:
 
 def changed_owner(answer: httpx.Response) -> bool:
     """``409 engine.tree.incarnation_conflict``: the run got a new owner while the server took it
-    over for this write (on PostgreSQL, an append of a server killed while its statement waited
-    for a lock commits after it died); nothing was recorded: docs/http-api.md says to send it again."""
+    over for this write (a live competitor; a dead server's takeover committed after its death no
+    longer causes it: tests/test_zombie_takeover.py); nothing was recorded: docs/http-api.md says
+    to send it again."""
     return answer.status_code == 409 and answer.json().get("code") == "engine.tree.incarnation_conflict"
 
 class Host:
