@@ -1121,8 +1121,12 @@ class Runtime:
                 # The lease was held when this runtime tried to take the tree: by its live
                 # owner (whose watcher catches up with this input), or only for a moment, by
                 # an orphan scan looking whether the parked tree needed driving. In that case
-                # nobody would drive this input until the next scan: take the tree now.
-                self._try_adopt(tree_id, new_only=True)
+                # nobody would drive this input until the next scan: take the tree now. The input
+                # is recorded whatever happens here: a failure leaves the tree to the scan.
+                try:
+                    self._try_adopt(tree_id, new_only=True)
+                except Exception as exc:  # noqa: BLE001 - never report a recorded input as failed
+                    log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
 
