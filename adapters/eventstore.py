@@ -63,6 +63,7 @@ from adapters.codec import (
 from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases
 from adapters.recorders import (
     EVENTS_TABLE,
+    PG_POOL_WAIT,
     PROCESSES_TABLE,
     SNAPSHOTS_TABLE,
     TREES_TABLE,
@@ -75,6 +76,7 @@ from adapters.recorders import (
     SQLiteTreeRecorder,
     TreeHead,
     cache_statements,
+    fail_fast_without_connection,
     postgres_schema_lock,
     prefer_recent_connections,
 )
@@ -232,6 +234,25 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
     )
 
 
+def pg_pool_wait() -> float:
+    """Seconds a PostgreSQL store call waits for a pooled connection: ``AGENTFOLD_PG_POOL_WAIT``
+    (a number from 1 to 3600), else ``PG_POOL_WAIT``."""
+    text = os.environ.get("AGENTFOLD_PG_POOL_WAIT", "").strip()
+    if not text:
+        return PG_POOL_WAIT
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = math.nan
+    if not 1 <= wait <= 3600:  # also NaN
+        raise InvalidInput(
+            "store.setting_invalid",
+            f"AGENTFOLD_PG_POOL_WAIT={text!r} is not a number of seconds from 1 to 3600",
+            hint=f"unset it for the default ({PG_POOL_WAIT:g} s), or set e.g. AGENTFOLD_PG_POOL_WAIT=10",
+        )
+    return wait
+
+
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
 
@@ -249,6 +270,7 @@ class EventStore:
                                hint="name the store's file, e.g. sqlite:///path/agentfold.db")
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
+        pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         if self.backend == "postgresql":
             check_postgres(url, settings)
         self.mapper = PydanticMapper(transcoder=OrjsonTranscoder())
@@ -272,6 +294,7 @@ class EventStore:
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
                     prefer_recent_connections(self.factory.datastore)
+                    fail_fast_without_connection(self.factory.datastore, pool_wait)
                     self._track_sessions(self.factory.datastore.pool)
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
@@ -435,8 +458,8 @@ class EventStore:
         at once; for a command that stops while the server does not answer
         (``adapters.follower.StopGuard``). Safe from any thread; idempotent.
 
-        During an outage a store call waits the pool's 30 s for a connection, up to 10 times
-        (the eventsourcing library retries its queries), or waits for a server that no longer
+        During an outage a store call waits the pool's 30 s for a connection
+        (``AGENTFOLD_PG_POOL_WAIT``), or waits for ever for a server that no longer
         answers on a connection it has. This closes the connection pool (a call waiting for a
         connection fails with psycopg_pool's ``PoolClosed``, and so does every later one,
         after eventsourcing's retries: about 2 s) and shuts down the network connection of

@@ -570,9 +570,9 @@ class StopGuard:
 
     A following command looks at ``stop`` between batches, so in normal operation it ends
     its batch (committed with its position), returns and exits within milliseconds. During
-    an outage it may be inside a call that does not return for minutes: a store call waits
-    the connection pool's 30 s for a connection, up to 10 times (the eventsourcing library
-    retries its queries), or waits for a server that no longer answers; a publisher's batch
+    an outage it may be inside a call that does not return for a long time: a store call waits
+    the connection pool's 30 s for a connection (``AGENTFOLD_PG_POOL_WAIT``), several in a
+    row for a batch, or waits for ever for a server that no longer answers; a publisher's batch
     waits up to 60 s for the broker's acknowledgement. So, once ``stop`` is set:
 
     1. ``grace`` seconds for the command to end by itself (the batch in progress finishes);
@@ -596,8 +596,7 @@ class StopGuard:
     stored is produced again: consumers dedupe, as after a crash). Why not exit at once on
     the signal, or shorten every wait instead: the grace lets the batch in progress commit
     in normal operation, and only an interruption ends a call that is already waiting (a
-    shorter pool wait would still be retried 10 times, and a query on a server that stopped
-    answering has no wait of its own to shorten).
+    query on a server that stopped answering has no wait of its own to shorten).
 
     Use it as a context manager (or ``start()`` ... ``done()``) around the following and the
     closing of what it used (a store's ``close`` waits for its pool's threads).

@@ -29,7 +29,7 @@ from uuid import UUID
 
 import orjson
 import psycopg
-from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
+from eventsourcing.persistence import InterfaceError, OperationalError, PersistenceError, StoredEvent
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
 from eventsourcing.sqlite import (
@@ -42,6 +42,8 @@ from eventsourcing.sqlite import (
 )
 from psycopg.sql import SQL, Composed
 from psycopg_pool import PoolTimeout
+
+from domain.errors import StoreFailure
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -245,6 +247,47 @@ def prefer_recent_connections(datastore: Any) -> None:
     pool._pool = _MostRecentFirst(idle)
 
 
+#: Seconds a store call waits for a pooled PostgreSQL connection before it fails
+#: (``AGENTFOLD_PG_POOL_WAIT`` sets it).
+PG_POOL_WAIT = 30.0
+
+
+class NoConnection(StoreFailure, PersistenceError):
+    """The connection pool handed out no PostgreSQL connection within its wait: the server
+    is down or unreachable, or every pooled connection stayed busy. Nothing was sent.
+
+    A ``StoreFailure`` (``store.unavailable``, HTTP 503, exit 1) that is also a library
+    ``PersistenceError`` (what code around eventsourcing catches), but NOT one of the
+    ``InterfaceError``/``OperationalError`` that eventsourcing retries: its recorders retry
+    those up to 10 times, and a pool timeout retried so held a request for 5 minutes
+    (``GET /runs`` answered its 503 after 152 s during an outage)."""
+
+
+def fail_fast_without_connection(datastore: Any, wait: float) -> None:
+    """Make ``datastore``'s pool wait ``wait`` seconds for a connection and then raise
+    :class:`NoConnection` (not retried), instead of psycopg_pool's ``PoolTimeout`` (a
+    ``psycopg.OperationalError``, which eventsourcing turns into its retried
+    ``OperationalError``). Must run before the pool is opened."""
+    pool = datastore.pool
+    pool.timeout = wait
+    getconn = pool.getconn
+    where = f"{datastore.pool.kwargs.get('host')}:{datastore.pool.kwargs.get('port')}"
+
+    def getconn_or_fail(timeout: float | None = None) -> Any:
+        try:
+            return getconn(timeout)
+        except PoolTimeout as exc:
+            raise NoConnection(
+                "store.unavailable",
+                f"no PostgreSQL connection within {pool.timeout if timeout is None else timeout:g} s: the server at "
+                f"{where} is down or unreachable, or all {pool.max_size} pooled connections stayed busy",
+                hint="nothing was sent to the database; retry once PostgreSQL answers (agentfold reconnects by "
+                "itself); AGENTFOLD_PG_POOL_WAIT sets the wait",
+            ) from exc
+
+    pool.getconn = getconn_or_fail
+
+
 #: Rows per multi-row INSERT of events (a steady-state append has four; a start or a large
 #: batch takes several statements).
 SQLITE_ROWS_PER_INSERT = 16
@@ -395,8 +438,9 @@ def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
     reply hid a commit, the retry meets the unique (tree, version) key, and the owner finds
     its own events (``EventStore.append`` at the head, ``_Driver._launch_committed`` after
     a reload). Not retried: a pool that could not hand out any connection within its wait
-    (the server is down), which would otherwise hold the caller (an owner line, an HTTP
-    request) for minutes; the caller reports the failure instead.
+    (the server is down: :class:`NoConnection`, not an ``OperationalError``), which would
+    otherwise hold the caller (an owner line, an HTTP request) for minutes; the caller
+    reports the failure instead.
     """
 
     @functools.wraps(fn)
@@ -408,9 +452,7 @@ def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
                 cause = exc.__cause__
                 # Only a PostgreSQL session can die under a pooled connection; a SQLite error
                 # (a lock held past its 30 s timeout) would only be waited for again.
-                if attempt == LIVE_CONNECTION_ATTEMPTS or not isinstance(cause, psycopg.Error) or isinstance(
-                    cause, PoolTimeout
-                ):
+                if attempt == LIVE_CONNECTION_ATTEMPTS or not isinstance(cause, psycopg.Error):
                     raise
                 time.sleep(0.05)
         raise AssertionError("unreachable")  # pragma: no cover

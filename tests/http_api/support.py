@@ -74,12 +74,13 @@ def server_env(token: str | None = TOKEN) -> dict[str, str]:
     return env
 
 
-def start_server(store: str, log_dir: Path, *args: str, timeout: float = 60.0) -> ApiServer:
-    """Start ``agentfold serve`` and wait until ``/health`` answers."""
+def start_server(store: str, log_dir: Path, *args: str, timeout: float = 60.0,
+                 env: dict[str, str] | None = None) -> ApiServer:
+    """Start ``agentfold serve`` (``env``: more environment variables) and wait until ``/health`` answers."""
     log = log_dir / f"server-{uuid.uuid4().hex[:8]}.log"
     with log.open("w") as err:
         proc = subprocess.Popen(serve_command(store, *args), stdout=subprocess.PIPE, stderr=err, text=True,
-                                cwd=ROOT, env=server_env())
+                                cwd=ROOT, env={**server_env(), **(env or {})})
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     ready, _, _ = select.select([proc.stdout], [], [], timeout)

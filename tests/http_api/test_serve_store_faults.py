@@ -9,6 +9,9 @@
 * ``GET /health`` waited up to 30 s for a pooled connection while PostgreSQL was down (a
   liveness probe with a shorter timeout saw no answer at all); now it answers 503 within
   ``HEALTH_PROBE_SECONDS``.
+* Every other request that needed the store waited the pool's 30 s up to ten times (the
+  eventsourcing library retries a pool timeout like a dropped connection): 152 s for
+  ``GET /runs``. Now one wait (``AGENTFOLD_PG_POOL_WAIT``), then 503 naming the cause.
 
 The append fault is real: a trigger on the events table that raises while a flag is set.
 """
@@ -24,11 +27,13 @@ from typing import Any
 import httpx
 import psycopg
 
+from adapters.eventstore import EventStore
 from adapters.http_api import HEALTH_PROBE_SECONDS
 from adapters.recorders import EVENTS_TABLE
-from tests.http_api.support import ok, start_server, wait_until
+from tests.http_api.support import ok, problem, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
-from tests.test_cli_interaction import one_tool_call
+from tests.test_cli import agentfold, refused
+from tests.test_cli_interaction import LEFT_TO_HOST, one_tool_call, two_call_round
 from tests.test_shutdown_during_outage import OwnServer, _read_fifo, own_pg  # noqa: F401 - a fixture
 
 
@@ -157,3 +162,57 @@ def test_no_new_connection_recreates_a_store_file_removed_under_the_process(tmp_
     finally:
         store.close()
     assert not db.exists()
+
+
+#: The pool wait of the outage test's server (AGENTFOLD_PG_POOL_WAIT), seconds.
+POOL_WAIT = 3
+
+
+def test_requests_during_a_postgresql_outage_answer_503_after_one_pool_wait_not_ten(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A request that needs the store while PostgreSQL is down answers 503 ``store.unavailable``
+    once the pool has waited ``AGENTFOLD_PG_POOL_WAIT`` for a connection. It used to be retried
+    by the eventsourcing library (10 attempts): ``GET /runs`` answered after 152 s with the
+    default 30 s wait, "the store failed (OperationalError)"."""
+    server = start_server(own_pg.url, tmp_path, env={"AGENTFOLD_PG_POOL_WAIT": str(POOL_WAIT)})
+    try:
+        c = server.client()
+        doc = two_call_round(None, beta={"error": "down"}, final=LEFT_TO_HOST)
+        tree_id = ok(c.post("/runs", json={"scenario": doc, "start_id": "before-outage", "wait": 30}), 201)["tree"][
+            "tree_id"]
+        own_pg.stop()
+        requests = {
+            "GET /runs": lambda: c.get("/runs", timeout=120),
+            "GET /runs/{tree}": lambda: c.get(f"/runs/{tree_id}", timeout=120),
+            "GET /runs/{tree}/results": lambda: c.get(f"/runs/{tree_id}/results", timeout=120),
+            "GET /unknown-effects": lambda: c.get("/unknown-effects", timeout=120),
+            "POST /runs": lambda: c.post("/runs", json={"scenario": doc, "start_id": "during-outage", "wait": 0},
+                                         timeout=120),
+        }
+        for name, send in requests.items():
+            began = time.monotonic()
+            answer = send()
+            took = time.monotonic() - began
+            body = problem(answer, 503, "store.unavailable")
+            assert f"no PostgreSQL connection within {POOL_WAIT} s" in body["detail"], (name, body)
+            assert "AGENTFOLD_PG_POOL_WAIT" in body["hint"], (name, body)
+            # A request may wait for a connection more than once (a read, then the next), but
+            # never the ten times the library's retries made of each wait.
+            assert took < 4 * POOL_WAIT + 3, (name, took)
+        own_pg.start()
+        assert wait_until(lambda: health(server).status_code == 200, timeout=90)
+        assert ok(c.get(f"/runs/{tree_id}"))["tree_id"] == tree_id
+        assert ok(c.get("/runs"))["runs"] and not any(
+            r["start_id"] == "during-outage" for r in ok(c.get("/runs"))["runs"]), "a refused start was recorded"
+    finally:
+        server.stop()
+
+
+def test_an_invalid_pool_wait_is_refused_before_connecting(pg_database: str) -> None:
+    EventStore(pg_database).close()
+    for value in ("abc", "0", "-5", "nan", "3601"):
+        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": value}))
+        assert "store.setting_invalid" in ran.stderr and f"AGENTFOLD_PG_POOL_WAIT={value!r}" in ran.stderr, ran.stderr
+    ok_ran = agentfold("trees", "--json", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": "2.5"})
+    assert ok_ran.code == 0, ok_ran.stderr
