@@ -79,6 +79,7 @@ from adapters.recorders import (
     fail_fast_without_connection,
     postgres_schema_lock,
     prefer_recent_connections,
+    reconnect_steadily,
 )
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from domain.events import TreeEvent
@@ -295,6 +296,7 @@ class EventStore:
                 else:
                     prefer_recent_connections(self.factory.datastore)
                     fail_fast_without_connection(self.factory.datastore, pool_wait)
+                    reconnect_steadily(self.factory.datastore)
                     self._track_sessions(self.factory.datastore.pool)
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)

@@ -492,7 +492,8 @@ class ApiService:
         if not self.runtime.leases_healthy():
             raise StoreFailure(
                 "store.unavailable",
-                "the owner-lease session to the store is down: runs cannot be adopted until it is back",
+                "the owner-lease session to the store is down or does not answer: runs cannot be adopted until "
+                "it is back",
                 hint="the server reconnects by itself; check that PostgreSQL is reachable",
             )
         self.store.check_file()  # an SQLite file removed or replaced under the server

@@ -19,6 +19,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -150,6 +151,11 @@ def _advisory_key(tree_id: TreeID) -> int:
     return int.from_bytes(uuid.UUID(hex=tree_id.hex).bytes[:8], "big", signed=True)
 
 
+#: A probe of the lease session (``SELECT 1``) still waiting after this many seconds makes the
+#: leases unhealthy (``healthy``): a server that accepts connections and no longer answers.
+PROBE_STALL_SECONDS = 5.0
+
+
 class PostgresLeases:
     """Session advisory locks on a dedicated connection.
 
@@ -177,6 +183,7 @@ class PostgresLeases:
         self._held: set[TreeID] = set()
         self._lost: set[TreeID] = set()
         self._conn: Any = None
+        self._probe_began: float | None = None  # monotonic time of the probe in progress
         self._conn = self._connect()
 
     def _connect(self) -> Any:
@@ -262,10 +269,13 @@ class PostgresLeases:
 
         with self._lock:
             if self._held and self._conn is not None:
+                self._probe_began = time.monotonic()
                 try:
                     self._conn.execute("SELECT 1").fetchone()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     self._session_lost(exc)
+                finally:
+                    self._probe_began = None
             elif self._conn is not None and not self._alive():
                 self._session_lost(psycopg.OperationalError("the connection is closed"))
             if self._conn is None:
@@ -277,8 +287,15 @@ class PostgresLeases:
             return lost
 
     def healthy(self) -> bool:
-        with self._lock:
-            return self._alive()
+        """False while the session is gone, and while a probe has waited more than
+        ``PROBE_STALL_SECONDS`` for the server. Without ``_lock``: ``check`` holds it for as
+        long as its probe waits, for ever on a server that stopped answering (a health check
+        waited with it)."""
+        began = self._probe_began
+        if began is not None and time.monotonic() - began > PROBE_STALL_SECONDS:
+            return False
+        conn = self._conn
+        return conn is not None and not conn.closed and not conn.broken
 
     def close(self) -> None:
         with self._lock:

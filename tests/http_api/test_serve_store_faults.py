@@ -29,7 +29,8 @@ import psycopg
 
 from adapters.eventstore import EventStore
 from adapters.http_api import HEALTH_PROBE_SECONDS
-from adapters.recorders import EVENTS_TABLE
+from adapters.leases import PROBE_STALL_SECONDS
+from adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
 from tests.http_api.support import ok, problem, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
@@ -216,3 +217,67 @@ def test_an_invalid_pool_wait_is_refused_before_connecting(pg_database: str) -> 
         assert "store.setting_invalid" in ran.stderr and f"AGENTFOLD_PG_POOL_WAIT={value!r}" in ran.stderr, ran.stderr
     ok_ran = agentfold("trees", "--json", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": "2.5"})
     assert ok_ran.code == 0, ok_ran.stderr
+
+
+def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A server that accepts connections and answers nothing (every PostgreSQL process
+    stopped): ``GET /health`` hung for as long as it lasted, because the lease session's probe
+    held the lock that the health check waited for. Now: 503 within its bound, first because
+    the store does not answer, then because the owner-lease session does not."""
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    server = start_server(own_pg.url, tmp_path)
+    try:
+        c = server.client()
+        ok(c.post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "frozen", "wait": 0}), 201)
+        wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)  # the server holds the run's lease
+        own_pg.freeze()
+        frozen_at = time.monotonic()
+        details = []
+        for after in (1.0, PROBE_STALL_SECONDS + 2.0):  # seconds into the freeze
+            time.sleep(max(0.0, frozen_at + after - time.monotonic()))
+            began = time.monotonic()
+            answer = httpx.get(server.url + "/health", timeout=60)
+            took = time.monotonic() - began
+            body = problem(answer, 503, "store.unavailable")
+            assert took < HEALTH_PROBE_SECONDS + 3, took
+            details.append(body["detail"])
+        assert "owner-lease session" in details[-1], details
+        own_pg.thaw()
+        assert wait_until(lambda: health(server).status_code == 200, timeout=60)
+        calls = _read_fifo(fifo)
+        wait_until(lambda: calls, timeout=30)
+    finally:
+        own_pg.thaw()
+        server.stop()
+
+
+def test_requests_succeed_again_within_seconds_of_postgresql_coming_back(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    """psycopg_pool replaces a lost connection after pauses that double (1, 2, 4 ... s): after
+    an outage of a minute the server answered 503 for up to a minute more once PostgreSQL was
+    back. Now the pool tries every ``PG_RECONNECT_EVERY`` s."""
+    server = start_server(own_pg.url, tmp_path, env={"AGENTFOLD_PG_POOL_WAIT": "2"})
+    try:
+        c = server.client()
+        doc = two_call_round(None, beta={"error": "down"}, final=LEFT_TO_HOST)
+        ok(c.post("/runs", json={"scenario": doc, "start_id": "before", "wait": 30}), 201)
+        own_pg.stop()
+        # Clients keep asking meanwhile (each request fails after the pool's wait), long enough
+        # for the doubling pauses to reach 16 s and 32 s (attempts at ~1, 3, 7, 15, 31 and 63 s
+        # after the first failure): the old pool's next attempt came ~25 s after the server was back.
+        down_until = time.monotonic() + 36
+        while time.monotonic() < down_until:
+            assert c.get("/runs", timeout=30).status_code == 503
+            time.sleep(0.5)
+        own_pg.start()
+        back = time.monotonic()
+        answered = wait_until(lambda: (r := c.get("/runs", timeout=30)).status_code == 200 and r, timeout=90)
+        lag = time.monotonic() - back
+        assert [r["start_id"] for r in answered.json()["runs"]] == ["before"]
+        assert lag < PG_RECONNECT_EVERY + 2 * 2 + 4, lag  # a reconnect pause, a pool wait or two, start-up
+    finally:
+        server.stop()
