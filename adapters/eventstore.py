@@ -34,6 +34,7 @@ import os
 import socket
 import sqlite3
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -96,6 +97,9 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
 # Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
 PG_CONNECT_TIMEOUT = 10
+#: Seconds a PostgreSQL statement may go unanswered before this process ends its sessions to the
+#: server (``AGENTFOLD_PG_STATEMENT_WAIT``; 0: no bound). See ``EventStore._watch_statements``.
+PG_STATEMENT_WAIT = 60.0
 NOT_FOUND_HINT = "check the store URL; a store is created by opening it with create=True"
 PG_URL_HINT = "write it as postgresql://user:password@host:port/dbname, percent-encoding @ : / ? # in the user or password"
 PG_ENVIRONMENT_HINT = (
@@ -235,23 +239,35 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
     )
 
 
+def _seconds_setting(name: str, default: float, low: float, high: float, *, zero: str = "") -> float:
+    """A number of seconds from the environment variable ``name`` (from ``low`` to ``high``, or 0
+    when ``zero`` says what 0 means), else ``default``; anything else is refused before connecting."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if (zero and value == 0) or low <= value <= high:  # NaN fails both
+        return value
+    allowed = f"from {low:g} to {high:g}" + (f", or 0 ({zero})" if zero else "")
+    raise InvalidInput(
+        "store.setting_invalid",
+        f"{name}={text!r} is not a number of seconds {allowed}",
+        hint=f"unset it for the default ({default:g} s), or set e.g. {name}=10",
+    )
+
+
+def pg_statement_wait() -> float:
+    """``AGENTFOLD_PG_STATEMENT_WAIT`` (0: no bound), else ``PG_STATEMENT_WAIT``."""
+    return _seconds_setting("AGENTFOLD_PG_STATEMENT_WAIT", PG_STATEMENT_WAIT, 1, 86400, zero="no bound")
+
+
 def pg_pool_wait() -> float:
     """Seconds a PostgreSQL store call waits for a pooled connection: ``AGENTFOLD_PG_POOL_WAIT``
     (a number from 1 to 3600), else ``PG_POOL_WAIT``."""
-    text = os.environ.get("AGENTFOLD_PG_POOL_WAIT", "").strip()
-    if not text:
-        return PG_POOL_WAIT
-    try:
-        wait = float(text)
-    except ValueError:
-        wait = math.nan
-    if not 1 <= wait <= 3600:  # also NaN
-        raise InvalidInput(
-            "store.setting_invalid",
-            f"AGENTFOLD_PG_POOL_WAIT={text!r} is not a number of seconds from 1 to 3600",
-            hint=f"unset it for the default ({PG_POOL_WAIT:g} s), or set e.g. AGENTFOLD_PG_POOL_WAIT=10",
-        )
-    return wait
+    return _seconds_setting("AGENTFOLD_PG_POOL_WAIT", PG_POOL_WAIT, 1, 3600)
 
 
 class EventStore:
@@ -272,6 +288,8 @@ class EventStore:
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
+        statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
+        self._watchdog_stop = threading.Event()
         if self.backend == "postgresql":
             check_postgres(url, settings)
         self.mapper = PydanticMapper(transcoder=OrjsonTranscoder())
@@ -298,6 +316,8 @@ class EventStore:
                     fail_fast_without_connection(self.factory.datastore, pool_wait)
                     reconnect_steadily(self.factory.datastore)
                     self._track_sessions(self.factory.datastore.pool)
+                    if not os.environ.get("PGCONNECT_TIMEOUT"):  # the pool's own connections: bounded too
+                        self.factory.datastore.pool.kwargs["connect_timeout"] = PG_CONNECT_TIMEOUT
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
                 if create:
@@ -312,6 +332,9 @@ class EventStore:
         except (PersistenceError, OSError) as exc:
             self.close()
             raise StoreFailure("store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+        if statement_wait > 0:
+            threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
+                             name="agentfold-pg-watchdog").start()
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
         if self.backend == "sqlite":
@@ -394,8 +417,44 @@ class EventStore:
         return self.recorder  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        stop = getattr(self, "_watchdog_stop", None)
+        if stop is not None:
+            stop.set()
         if getattr(self, "factory", None) is not None:
             self.factory.close()
+
+    def _watch_statements(self, wait: float) -> None:
+        """End every session of this store once one statement has waited ``wait`` seconds for
+        the server (the watchdog thread of a PostgreSQL store).
+
+        A server that stops answering without ending its sessions (its processes frozen, a
+        network path that drops packets without a reset) held every call in progress for as
+        long as that lasted: HTTP requests and CLI commands never answered, and each kept its
+        pooled connection. Ending the sessions is what a server restart does: the calls in
+        progress fail (an append's outcome is decided from what is stored, as after any lost
+        reply), the idle pooled connections fail at their next use instead of waiting in
+        turn, new ones are opened (bounded by the connect timeout and the pool wait) once the
+        server answers, and the owner-lease session reports its leases lost (the runs are
+        adopted again). One statement is enough: all sessions go to the same server.
+        """
+        period = min(1.0, wait / 4)
+        where = f"{self._settings['POSTGRES_HOST']}:{self._settings['POSTGRES_PORT']}"
+        while not self._watchdog_stop.wait(period):
+            now = time.monotonic()
+            with self._sessions_lock:
+                sessions = list(self._sessions)
+            if not any(now - since > wait for since in (getattr(c, "_agentfold_busy_since", None) for c in sessions)
+                       if since is not None):
+                continue
+            log.warning(
+                "PostgreSQL at %s has not answered a statement for %g s: ending this process's %d session(s) to it, "
+                "as a server restart would (calls in progress fail with store.unavailable; sessions are opened again "
+                "once it answers; AGENTFOLD_PG_STATEMENT_WAIT sets the wait)", where, wait, len(sessions))
+            for conn in sessions:
+                try:
+                    end_session(conn)
+                except Exception:  # noqa: BLE001 - a session closed meanwhile needs nothing
+                    pass
 
     # -- stopping ----------------------------------------------------------
 
@@ -473,6 +532,7 @@ class EventStore:
         if self.backend != "postgresql" or self._interrupted:
             return
         self._interrupted = True
+        self._watchdog_stop.set()
         pool = self.factory.datastore.pool
         # A short join: an idle pool worker stops at once; one still connecting to a server
         # that does not answer is a daemon thread, left to its own connect timeout.
@@ -809,7 +869,20 @@ def _interruptible_connection_class() -> Any:
             super().__init__(*args, **kwargs)
             # Opened by the thread that connects it, before anyone else can see it.
             self._agentfold_socket: _SessionSocket | None = _SessionSocket(self.pgconn.socket)
+            self._agentfold_busy_since: float | None = None  # see wait()
             weakref.finalize(self, self._agentfold_socket.release)  # never closed: at collection
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            """psycopg's wait for the server (every statement, fetch and commit), marked with its
+            start for ``EventStore._watch_statements``; a wait with its own timeout (a LISTEN
+            session's ``notifies``) is not marked."""
+            if kwargs.get("timeout") is not None:
+                return super().wait(*args, **kwargs)
+            self._agentfold_busy_since = time.monotonic()
+            try:
+                return super().wait(*args, **kwargs)
+            finally:
+                self._agentfold_busy_since = None
 
         def close(self) -> None:
             try:

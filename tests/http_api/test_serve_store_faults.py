@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -210,12 +211,16 @@ def test_requests_during_a_postgresql_outage_answer_503_after_one_pool_wait_not_
         server.stop()
 
 
-def test_an_invalid_pool_wait_is_refused_before_connecting(pg_database: str) -> None:
+def test_invalid_pool_and_statement_waits_are_refused_before_connecting(pg_database: str) -> None:
     EventStore(pg_database).close()
     for value in ("abc", "0", "-5", "nan", "3601"):
         ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": value}))
         assert "store.setting_invalid" in ran.stderr and f"AGENTFOLD_PG_POOL_WAIT={value!r}" in ran.stderr, ran.stderr
-    ok_ran = agentfold("trees", "--json", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": "2.5"})
+    for value in ("abc", "-1", "0.5", "inf", "86401"):
+        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_STATEMENT_WAIT": value}))
+        assert "store.setting_invalid" in ran.stderr and "or 0 (no bound)" in ran.stderr, ran.stderr
+    ok_ran = agentfold("trees", "--json", store=pg_database,
+                       env={"AGENTFOLD_PG_POOL_WAIT": "2.5", "AGENTFOLD_PG_STATEMENT_WAIT": "0"})
     assert ok_ran.code == 0, ok_ran.stderr
 
 
@@ -281,3 +286,64 @@ def test_requests_succeed_again_within_seconds_of_postgresql_coming_back(
         assert lag < PG_RECONNECT_EVERY + 2 * 2 + 4, lag  # a reconnect pause, a pool wait or two, start-up
     finally:
         server.stop()
+
+
+def test_requests_answer_within_bounds_while_postgresql_is_frozen(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A server that stops answering in the middle of statements (every PostgreSQL process
+    stopped): requests handed an open pooled connection hung for as long as it lasted (five of
+    sixteen endpoints gave no answer in 300 s). Now a statement unanswered for
+    ``AGENTFOLD_PG_STATEMENT_WAIT`` ends the store's sessions, as a server restart would:
+    every request answers, and once the server answers again the run goes on where its
+    lease loss leaves it (the call that was under way is unknown: it ran once)."""
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    wait = 3
+    server = start_server(own_pg.url, tmp_path, env={"AGENTFOLD_PG_STATEMENT_WAIT": str(wait),
+                                                     "AGENTFOLD_PG_POOL_WAIT": str(wait)})
+    try:
+        c = server.client()
+        run = ok(c.post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "frozen-calls", "wait": 0}), 201)
+        tree_id, root = run["tree"]["tree_id"], run["tree"]["root_process_id"]
+        wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)
+        for _ in range(3):  # every pooled connection opened and idle (they are the ones that hung)
+            ok(c.get("/runs"))
+        own_pg.freeze()
+        requests = [("GET", "/runs")] * 6 + [
+            ("GET", f"/runs/{tree_id}"), ("GET", f"/runs/{tree_id}/results"), ("GET", "/unknown-effects"),
+            ("POST", f"/processes/{root}/pause"),
+        ]
+        answers: list[tuple[str, int, float]] = []
+
+        def send(method: str, path: str) -> None:
+            began = time.monotonic()
+            with server.client() as own:
+                answer = own.request(method, path, json={} if method == "POST" else None, timeout=120)
+            answers.append((f"{method} {path}", answer.status_code, time.monotonic() - began))
+            assert "Traceback" not in answer.text
+
+        threads = [threading.Thread(target=send, args=r) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert len(answers) == len(requests), f"unanswered: {len(requests) - len(answers)} of {len(requests)}"
+        # The statement wait, then a pool wait or two for a connection, the connect timeout of
+        # an attempt in progress: tens of seconds at most, never the length of the freeze.
+        assert all(status in (200, 503, 504) for _, status, _ in answers), answers
+        assert max(took for *_, took in answers) < wait + 4 * wait + 12, answers
+        assert any(status == 503 for _, status, _ in answers), answers
+        own_pg.thaw()
+        assert wait_until(lambda: health(server).status_code == 200, timeout=90)
+        calls = _read_fifo(fifo)
+        wait_until(lambda: calls, timeout=30)
+        time.sleep(1.0)
+        assert calls == [1]  # the tool ran once
+        state = wait_until(lambda: (r := ok(c.get(f"/runs/{tree_id}")))["classification"] != "progress" and r,
+                           timeout=60)
+        assert state["classification"] in ("parked", "terminal"), state
+    finally:
+        own_pg.thaw()
+        server.stop()
+    assert "has not answered a statement for 3 s" in server.logs()
