@@ -318,6 +318,9 @@ class EventStore:
                     self._track_sessions(self.factory.datastore.pool)
                     if not os.environ.get("PGCONNECT_TIMEOUT"):  # the pool's own connections: bounded too
                         self.factory.datastore.pool.kwargs["connect_timeout"] = PG_CONNECT_TIMEOUT
+                    if statement_wait > 0:  # stopped by close(), also when opening fails below
+                        threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
+                                         name="agentfold-pg-watchdog").start()
                     self.recorder = PostgresTreeRecorder(self.factory.datastore)
                     self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
                 if create:
@@ -332,9 +335,6 @@ class EventStore:
         except (PersistenceError, OSError) as exc:
             self.close()
             raise StoreFailure("store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
-        if statement_wait > 0:
-            threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
-                             name="agentfold-pg-watchdog").start()
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
         if self.backend == "sqlite":
@@ -424,8 +424,9 @@ class EventStore:
             self.factory.close()
 
     def _watch_statements(self, wait: float) -> None:
-        """End every session of this store once one statement has waited ``wait`` seconds for
-        the server (the watchdog thread of a PostgreSQL store).
+        """End every session of this store once a statement has waited ``wait`` seconds for a
+        server that does not answer a new session either (the watchdog thread of a PostgreSQL
+        store).
 
         A server that stops answering without ending its sessions (its processes frozen, a
         network path that drops packets without a reset) held every call in progress for as
@@ -435,21 +436,40 @@ class EventStore:
         reply), the idle pooled connections fail at their next use instead of waiting in
         turn, new ones are opened (bounded by the connect timeout and the pool wait) once the
         server answers, and the owner-lease session reports its leases lost (the runs are
-        adopted again). One statement is enough: all sessions go to the same server.
+        adopted again).
+
+        A statement can also wait on a server that answers: for a lock (VACUUM, ANALYZE or an
+        index build on the events table, an operator's transaction), or run long. Cutting it
+        would cost every lease and make every call in flight unknown, for nothing: the server
+        then answers ``SELECT 1`` on a new session (``answers``), and the statement is left to
+        finish (one warning, looked at again after another ``wait``).
         """
         period = min(1.0, wait / 4)
         where = f"{self._settings['POSTGRES_HOST']}:{self._settings['POSTGRES_PORT']}"
+        next_look = 0.0
         while not self._watchdog_stop.wait(period):
             now = time.monotonic()
-            with self._sessions_lock:
-                sessions = list(self._sessions)
-            if not any(now - since > wait for since in (getattr(c, "_agentfold_busy_since", None) for c in sessions)
-                       if since is not None):
+            if now < next_look:
                 continue
+            with self._sessions_lock:
+                sessions = [c for c in self._sessions if not c.closed and not c.broken]
+            waited = max((now - since for since in (getattr(c, "_agentfold_busy_since", None) for c in sessions)
+                          if since is not None), default=0.0)
+            if waited <= wait:
+                continue
+            if self.answers(2.0):
+                log.warning(
+                    "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session: a lock wait or "
+                    "a slow statement, left to finish", waited, where)
+                next_look = time.monotonic() + wait
+                continue
+            if self._watchdog_stop.is_set():
+                return
             log.warning(
-                "PostgreSQL at %s has not answered a statement for %g s: ending this process's %d session(s) to it, "
-                "as a server restart would (calls in progress fail with store.unavailable; sessions are opened again "
-                "once it answers; AGENTFOLD_PG_STATEMENT_WAIT sets the wait)", where, wait, len(sessions))
+                "PostgreSQL at %s has not answered a statement for %.0f s, nor a new session for 2 s: ending this "
+                "process's %d session(s) to it, as a server restart would (calls in progress fail with "
+                "store.unavailable; sessions are opened again once it answers; AGENTFOLD_PG_STATEMENT_WAIT sets the "
+                "wait)", where, waited, len(sessions))
             for conn in sessions:
                 try:
                     end_session(conn)
@@ -520,7 +540,8 @@ class EventStore:
         (``adapters.follower.StopGuard``). Safe from any thread; idempotent.
 
         During an outage a store call waits the pool's 30 s for a connection
-        (``AGENTFOLD_PG_POOL_WAIT``), or waits for ever for a server that no longer
+        (``AGENTFOLD_PG_POOL_WAIT``), or waits up to ``AGENTFOLD_PG_STATEMENT_WAIT`` (for ever
+        with 0) for a server that no longer
         answers on a connection it has. This closes the connection pool (a call waiting for a
         connection fails with psycopg_pool's ``PoolClosed``, and so does every later one,
         after eventsourcing's retries: about 2 s) and shuts down the network connection of
@@ -796,9 +817,9 @@ class EventStore:
         """The index row of the tree ``ref`` names as a tree id or a start id, if any."""
         try:
             tree_id = TreeID(ref) if ref.startswith("tree:") else TreeID.for_start(StartID(ref))
-            return self.head(tree_id)
         except (AgentfoldError, ValueError):
-            return None
+            return None  # not a tree id or start id either
+        return self.head(tree_id)  # a store failure is reported as one, never as "not found"
 
     def tree_of_unknown_effect(self, effect_id: str) -> TreeID | None:
         found = self.index.tree_of_unknown_effect(effect_id)

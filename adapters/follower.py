@@ -596,7 +596,8 @@ class StopGuard:
     stored is produced again: consumers dedupe, as after a crash). Why not exit at once on
     the signal, or shorten every wait instead: the grace lets the batch in progress commit
     in normal operation, and only an interruption ends a call that is already waiting (a
-    query on a server that stopped answering has no wait of its own to shorten).
+    query on a server that stopped answering waits up to ``AGENTFOLD_PG_STATEMENT_WAIT``, for
+    ever with 0).
 
     Use it as a context manager (or ``start()`` ... ``done()``) around the following and the
     closing of what it used (a store's ``close`` waits for its pool's threads).

@@ -151,8 +151,9 @@ def _advisory_key(tree_id: TreeID) -> int:
     return int.from_bytes(uuid.UUID(hex=tree_id.hex).bytes[:8], "big", signed=True)
 
 
-#: A probe of the lease session (``SELECT 1``) still waiting after this many seconds makes the
-#: leases unhealthy (``healthy``): a server that accepts connections and no longer answers.
+#: A statement on the lease session (its probe ``SELECT 1``, a lock, an unlock) still waiting
+#: after this many seconds makes the leases unhealthy (``healthy``): a server that accepts
+#: connections and no longer answers.
 PROBE_STALL_SECONDS = 5.0
 
 
@@ -183,7 +184,7 @@ class PostgresLeases:
         self._held: set[TreeID] = set()
         self._lost: set[TreeID] = set()
         self._conn: Any = None
-        self._probe_began: float | None = None  # monotonic time of the probe in progress
+        self._statement_began: float | None = None  # monotonic start of the statement in progress
         self._conn = self._connect()
 
     def _connect(self) -> Any:
@@ -226,12 +227,15 @@ class PostgresLeases:
                 if self._conn is not None:
                     self._session_lost(psycopg.OperationalError("the connection is closed"))
                 self._conn = self._connect()
+            self._statement_began = time.monotonic()
             try:
                 return self._conn.execute(sql, (key,)).fetchone()
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 failure = self._session_lost(exc)
                 if attempt == 2:
                     raise failure from exc
+            finally:
+                self._statement_began = None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def acquire(self, tree_id: TreeID) -> bool:
@@ -252,10 +256,13 @@ class PostgresLeases:
             self._held.discard(tree_id)
             if not self._alive():
                 return  # the session, and the lock with it, is gone
+            self._statement_began = time.monotonic()
             try:
                 self._conn.execute("SELECT pg_advisory_unlock(%s)", (_advisory_key(tree_id),))
             except Exception:  # noqa: BLE001 - a session that fails now has released the lock
                 pass
+            finally:
+                self._statement_began = None
 
     def holds(self, tree_id: TreeID) -> bool:
         # Without ``_lock``: it is held across lock statements on the server, which may hang;
@@ -269,13 +276,13 @@ class PostgresLeases:
 
         with self._lock:
             if self._held and self._conn is not None:
-                self._probe_began = time.monotonic()
+                self._statement_began = time.monotonic()
                 try:
                     self._conn.execute("SELECT 1").fetchone()
                 except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                     self._session_lost(exc)
                 finally:
-                    self._probe_began = None
+                    self._statement_began = None
             elif self._conn is not None and not self._alive():
                 self._session_lost(psycopg.OperationalError("the connection is closed"))
             if self._conn is None:
@@ -287,11 +294,11 @@ class PostgresLeases:
             return lost
 
     def healthy(self) -> bool:
-        """False while the session is gone, and while a probe has waited more than
-        ``PROBE_STALL_SECONDS`` for the server. Without ``_lock``: ``check`` holds it for as
-        long as its probe waits, for ever on a server that stopped answering (a health check
-        waited with it)."""
-        began = self._probe_began
+        """False while the session is gone, and while a statement on it (the probe, a lock or an
+        unlock) has waited more than ``PROBE_STALL_SECONDS`` for the server. Without ``_lock``:
+        a statement holds it for as long as it waits, for ever on a server that stopped
+        answering (a health check waited with it)."""
+        began = self._statement_began
         if began is not None and time.monotonic() - began > PROBE_STALL_SECONDS:
             return False
         conn = self._conn

@@ -18,7 +18,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -294,11 +296,35 @@ PG_RECONNECT_EVERY = 2.0
 
 
 class _SteadyReconnect(AttemptWithBackoff):
-    """psycopg_pool's reconnection back-off (1, 2, 4 ... s), capped at ``PG_RECONNECT_EVERY``."""
+    """psycopg_pool's reconnection back-off (1, 2, 4 ... s), capped at ``PG_RECONNECT_EVERY``
+    give or take 20% (processes that lost the server together do not reconnect in step)."""
 
     def update_delay(self, now: float) -> None:
         super().update_delay(now)
-        self.delay = min(self.delay, PG_RECONNECT_EVERY)
+        if self.delay > PG_RECONNECT_EVERY:
+            self.delay = PG_RECONNECT_EVERY * random.uniform(0.8, 1.2)
+
+
+class _EveryThirtySeconds(logging.Filter):
+    """Lets one of psycopg_pool's "error connecting" warnings through every 30 s: it logs one per
+    failed attempt, and with attempts every 2 s per lost connection an outage wrote hundreds
+    of lines (agentfold's own messages say that the server is down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("error connecting in"):
+            return True
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + 30.0
+        return True
+
+
+_POOL_LOG_FILTER = _EveryThirtySeconds()
 
 
 def reconnect_steadily(datastore: Any) -> None:
@@ -310,6 +336,9 @@ def reconnect_steadily(datastore: Any) -> None:
     up after its ``reconnect_timeout`` (5 min) and opens one again when a caller waits."""
     pool = datastore.pool
     add_connection = pool._add_connection
+    pool_log = logging.getLogger("psycopg.pool")
+    if _POOL_LOG_FILTER not in pool_log.filters:
+        pool_log.addFilter(_POOL_LOG_FILTER)
 
     def add_steadily(attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:

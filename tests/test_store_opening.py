@@ -488,3 +488,22 @@ def test_appends_index_and_read_model_reads_go_on_after_the_pooled_sessions_are_
     finally:
         runtime.close()
         store.close()
+
+
+def test_a_store_failure_while_naming_a_run_is_reported_as_one_not_as_not_found(tmp_path: Path) -> None:
+    """``find_process_tree`` looks a tree id up as a run when it names no process; a store that
+    fails during that look (PostgreSQL's pool handing out no connection) must answer 503 /
+    exit 1, not "process ... is not in this store" (404 / exit 2) as it did."""
+    from domain.errors import StoreFailure
+
+    store = EventStore(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        def failing_head(tree_id: object) -> None:
+            raise StoreFailure("store.unavailable", "no PostgreSQL connection within 30 s (test)")
+
+        store.head = failing_head  # type: ignore[method-assign]
+        with pytest.raises(StoreFailure) as raised:
+            store.find_process_tree("tree:" + "0" * 32)
+        assert raised.value.code == "store.unavailable"
+    finally:
+        store.close()

@@ -35,7 +35,7 @@ from adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
 from tests.http_api.support import ok, problem, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
-from tests.test_cli_interaction import LEFT_TO_HOST, one_tool_call, two_call_round
+from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, one_tool_call, two_call_round
 from tests.test_shutdown_during_outage import OwnServer, _read_fifo, own_pg  # noqa: F401 - a fixture
 
 
@@ -347,3 +347,36 @@ def test_requests_answer_within_bounds_while_postgresql_is_frozen(
         own_pg.thaw()
         server.stop()
     assert "has not answered a statement for 3 s" in server.logs()
+
+
+def test_a_statement_waiting_for_a_lock_on_a_server_that_answers_is_left_to_finish(
+    pg_database: str, tmp_path: Path,
+) -> None:
+    """The statement watchdog cut any statement that waited ``AGENTFOLD_PG_STATEMENT_WAIT``,
+    also an append queued behind a lock that maintenance (VACUUM, ANALYZE, an index build on
+    the events table) holds: every lease was lost and every call in flight became unknown,
+    on a server that answered at once. Now a server that answers a new session is left
+    alone: the append commits when the lock goes, and the run completes without an unknown."""
+    server = start_server(pg_database, tmp_path, env={"AGENTFOLD_PG_STATEMENT_WAIT": "2"})
+    try:
+        c = server.client()
+        with psycopg.connect(pg_database) as maintenance:
+            # The lock VACUUM and ANALYZE take: the append function's EXCLUSIVE lock waits behind it.
+            maintenance.execute(f"LOCK TABLE {EVENTS_TABLE} IN SHARE UPDATE EXCLUSIVE MODE")
+            started: list[httpx.Response] = []
+            doc = two_call_round(None, final=FINAL)
+            sender = threading.Thread(target=lambda: started.append(
+                c.post("/runs", json={"scenario": doc, "start_id": "behind-a-lock", "wait": 60}, timeout=120)))
+            sender.start()
+            time.sleep(7)  # three watchdog waits and more
+            assert not started, "the run started although its first append waited for the lock"
+            maintenance.rollback()  # the maintenance ends
+            sender.join(90)
+        run = ok(started[0], 201)
+        assert run["tree"]["status"] == "completed", run
+        assert ok(c.get("/unknown-effects"))["unknown_effects"] == []
+    finally:
+        server.stop()
+    logs = server.logs()
+    assert "which answers a new session: a lock wait or a slow statement, left to finish" in logs, logs
+    assert "ending this process's" not in logs, logs

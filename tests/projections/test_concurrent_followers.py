@@ -150,7 +150,13 @@ def run_concurrently(url: str) -> tuple[int, list[int], list[str]]:
     return sum(written), applied, said
 
 
-def check_against_one_follower(url: str, runs: int, applied: list[int], said: list[str]) -> None:
+#: Attempts, each on a fresh store, to see both followers apply batches (see the test).
+ATTEMPTS = 3
+STARVED = "a follower applied nothing"
+
+
+def check_against_one_follower(url: str, runs: int, applied: list[int], said: list[str]) -> list[str]:
+    """What is wrong with the rows the followers wrote (nothing: an empty list)."""
     concurrent = table_rows(url)
     assert len(concurrent[RUNS]) >= runs
     problems: list[str] = []
@@ -160,7 +166,7 @@ def check_against_one_follower(url: str, runs: int, applied: list[int], said: li
         problems.append(f"the followers failed {len(failed)} times: {failed[:3]}")
     # Both really applied batches (not one follower doing everything while the other waits).
     if not all(applied[:len(FOLLOWERS)]):
-        problems.append(f"a follower applied nothing: {applied}")
+        problems.append(f"{STARVED}: {applied}")
     events = sum(r["version"] for r in concurrent[RUNS])
     if sum(applied) != events:
         problems.append(f"the followers applied {applied} events, {sum(applied)} in all, for {events} in the log")
@@ -189,16 +195,49 @@ def check_against_one_follower(url: str, runs: int, applied: list[int], said: li
     for table, rows in rebuilt.items():
         if canon(concurrent[table]) != canon(rows):
             problems.append(f"{table} differs from a single follower's rebuild")
-    assert not problems, "\n".join(problems)
+    return problems
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_two_followers_on_one_store_write_exactly_the_rows_of_one(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'agentfold.db'}" if backend == "sqlite" else str(request.getfixturevalue("pg_database"))
-    runs, applied, said = run_concurrently(url)
-    check_against_one_follower(url, runs, applied, said)
+    """A follower that applied nothing proves nothing about two followers: on a loaded machine
+    the one with the smaller batches can win every race for the tracking position (both
+    rows stay exact; the other only retries). That, and only that, is tried again on a fresh
+    store, up to ``ATTEMPTS`` times; any other problem fails at once."""
+    for attempt in range(1, ATTEMPTS + 1):
+        if backend == "sqlite":
+            url = f"sqlite:///{tmp_path / f'agentfold-{attempt}.db'}"
+        else:
+            url = str(request.getfixturevalue("pg_database")) if attempt == 1 else fresh_pg_database(request)
+        runs, applied, said = run_concurrently(url)
+        problems = check_against_one_follower(url, runs, applied, said)
+        if problems and all(p.startswith(STARVED) for p in problems) and attempt < ATTEMPTS:
+            continue
+        assert not problems, f"attempt {attempt}: " + "\n".join(problems)
+        return
+
+
+def fresh_pg_database(request: pytest.FixtureRequest) -> str:
+    """One more database beside the ``pg_database`` fixture's, dropped at the end of the test."""
+    import uuid
+
+    import psycopg
+
+    from tests.conftest import require_postgres
+
+    admin = require_postgres()
+    name = "t_" + uuid.uuid4().hex[:16]
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    request.addfinalizer(drop)
+    return admin.rsplit("/", 1)[0] + "/" + name
 
 
 def test_audit_verify_flags_a_run_whose_events_projected_is_not_its_version(tmp_path: Path) -> None:
