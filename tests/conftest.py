@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -52,19 +52,35 @@ def require_postgres() -> str:
     pytest.skip("PostgreSQL not available (set AGENTFOLD_TEST_PG or run scripts/test)")
 
 
-@pytest.fixture
-def pg_database() -> Iterator[str]:
-    """A fresh PostgreSQL database; yields its URL and drops it afterwards."""
+def create_pg_database() -> tuple[str, Callable[[], None]]:
+    """A new PostgreSQL database on the test server: its URL and the function that drops it."""
     import psycopg
 
     admin = require_postgres()
     name = "t_" + uuid.uuid4().hex[:16]
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    base = admin.rsplit("/", 1)[0]
-    yield f"{base}/{name}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def drop() -> None:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return admin.rsplit("/", 1)[0] + "/" + name, drop
+
+
+def fresh_pg_database(request: pytest.FixtureRequest) -> str:
+    """One more database beside the ``pg_database`` fixture's, dropped at the end of the test."""
+    url, drop = create_pg_database()
+    request.addfinalizer(drop)
+    return url
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database; yields its URL and drops it afterwards."""
+    url, drop = create_pg_database()
+    yield url
+    drop()
 
 
 def make_store_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:

@@ -38,6 +38,7 @@ from adapters.read_models import CORRUPT, DELEGATES, PENDING, ROUNDS, RUNS, UNKN
 from adapters.sources import default_sources
 from domain.ids import TreeID
 from projections.read_models import project_tree
+from tests.conftest import fresh_pg_database
 from tests.feed.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,26 +219,6 @@ def test_two_followers_on_one_store_write_exactly_the_rows_of_one(
         assert not problems, f"attempt {attempt}: " + "\n".join(problems)
         return
 
-
-def fresh_pg_database(request: pytest.FixtureRequest) -> str:
-    """One more database beside the ``pg_database`` fixture's, dropped at the end of the test."""
-    import uuid
-
-    import psycopg
-
-    from tests.conftest import require_postgres
-
-    admin = require_postgres()
-    name = "t_" + uuid.uuid4().hex[:16]
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    request.addfinalizer(drop)
-    return admin.rsplit("/", 1)[0] + "/" + name
 
 
 def test_audit_verify_flags_a_run_whose_events_projected_is_not_its_version(tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ from adapters.sources import default_sources
 from domain.ids import TreeID
 from projections.read_models import project_tree
 
+# Named as before: the derandomized Hypothesis test below draws its histories from its source's digest.
+from tests.conftest import fresh_pg_database as _fresh_pg
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
@@ -256,24 +259,6 @@ def test_after_every_append_the_tables_equal_the_pure_projections_of_random_hist
     # The histories really contain host decisions that took effect (not only refusals).
     accepted = {k.split(":")[0] for k, n in OUTCOMES.items() if k.endswith(":0") and n}
     assert {"answer", "resolve", "steer", "cancel", "recover"} <= accepted, OUTCOMES
-
-
-def _fresh_pg(request: pytest.FixtureRequest) -> str:
-    import psycopg
-
-    from tests.conftest import require_postgres
-
-    admin = require_postgres()
-    name = "t_" + uuid.uuid4().hex[:16]
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    request.addfinalizer(drop)
-    return admin.rsplit("/", 1)[0] + "/" + name
 
 
 # ---------------------------------------------------------------------------
