@@ -100,6 +100,10 @@ PG_CONNECT_TIMEOUT = 10
 #: Seconds a PostgreSQL statement may go unanswered before this process ends its sessions to the
 #: server (``AGENTFOLD_PG_STATEMENT_WAIT``; 0: no bound). See ``EventStore._watch_statements``.
 PG_STATEMENT_WAIT = 60.0
+#: Seconds either end of a PostgreSQL connection waits for the other at the TCP level before it
+#: drops the connection (``AGENTFOLD_PG_TCP_TIMEOUT``; 0: the operating system's defaults). See
+#: ``pg_tcp_params``.
+PG_TCP_TIMEOUT = 30
 NOT_FOUND_HINT = "check the store URL; a store is created by opening it with create=True"
 PG_URL_HINT = "write it as postgresql://user:password@host:port/dbname, percent-encoding @ : / ? # in the user or password"
 PG_ENVIRONMENT_HINT = (
@@ -270,6 +274,43 @@ def pg_pool_wait() -> float:
     return _seconds_setting("AGENTFOLD_PG_POOL_WAIT", PG_POOL_WAIT, 1, 3600)
 
 
+def pg_tcp_timeout() -> int:
+    """``AGENTFOLD_PG_TCP_TIMEOUT`` (a whole number of seconds from 1 to 3600, or 0 for the operating
+    system's defaults), else ``PG_TCP_TIMEOUT``."""
+    value = _seconds_setting("AGENTFOLD_PG_TCP_TIMEOUT", PG_TCP_TIMEOUT, 1, 3600, zero="the system's defaults")
+    if value != int(value):
+        raise InvalidInput(
+            "store.setting_invalid", f"AGENTFOLD_PG_TCP_TIMEOUT={value:g} is not a whole number of seconds",
+            hint=f"unset it for the default ({PG_TCP_TIMEOUT} s), or set e.g. AGENTFOLD_PG_TCP_TIMEOUT=10",
+        )
+    return int(value)
+
+
+def pg_tcp_params() -> dict[str, Any]:
+    """libpq parameters that make both ends of a connection notice, within about
+    ``pg_tcp_timeout()`` seconds, that the other end is gone without a word (a host that lost
+    power or its network, a firewall or NAT that dropped the connection).
+
+    By default neither end would for hours: Linux sends the first keepalive after 2 hours,
+    and data nobody acknowledges is sent again for ~15 minutes. Meanwhile a call waits on a
+    dead connection, and, worse, the server keeps the session of a vanished process with its
+    advisory locks: the owner leases of its runs, which no other runtime could then adopt.
+    So: on this side, TCP keepalives (idle T s, then every T/3 s, 3 unanswered probes) and
+    ``tcp_user_timeout`` (data unacknowledged for T s ends the connection); on the server's
+    side the same, through the session's startup ``options`` (PGOPTIONS, when set, follows
+    and wins). Connections over a Unix socket ignore both."""
+    timeout = pg_tcp_timeout()
+    if not timeout:
+        return {}
+    interval = max(1, timeout // 3)
+    server = (f"-c tcp_keepalives_idle={timeout} -c tcp_keepalives_interval={interval} "
+              f"-c tcp_keepalives_count=3 -c tcp_user_timeout={timeout * 1000}")
+    return {
+        "keepalives": 1, "keepalives_idle": timeout, "keepalives_interval": interval, "keepalives_count": 3,
+        "tcp_user_timeout": timeout * 1000, "options": f"{server} {os.environ.get('PGOPTIONS', '')}".strip(),
+    }
+
+
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
 
@@ -289,6 +330,7 @@ class EventStore:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
+        tcp = pg_tcp_params() if self.backend == "postgresql" else {}
         self._watchdog_stop = threading.Event()
         if self.backend == "postgresql":
             check_postgres(url, settings)
@@ -318,6 +360,7 @@ class EventStore:
                     self._track_sessions(self.factory.datastore.pool)
                     if not os.environ.get("PGCONNECT_TIMEOUT"):  # the pool's own connections: bounded too
                         self.factory.datastore.pool.kwargs["connect_timeout"] = PG_CONNECT_TIMEOUT
+                    self.factory.datastore.pool.kwargs.update(tcp)
                     if statement_wait > 0:  # stopped by close(), also when opening fails below
                         threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
                                          name="agentfold-pg-watchdog").start()
@@ -441,8 +484,12 @@ class EventStore:
         A statement can also wait on a server that answers: for a lock (VACUUM, ANALYZE or an
         index build on the events table, an operator's transaction), or run long. Cutting it
         would cost every lease and make every call in flight unknown, for nothing: the server
-        then answers ``SELECT 1`` on a new session (``answers``), and the statement is left to
-        finish (one warning, looked at again after another ``wait``).
+        then answers on a new session, and the statement is left to finish (one warning,
+        looked at again after another ``wait``), unless the server lists the waiting session as
+        idle: then it is not running the statement, the connection was lost on the way (a
+        firewall or NAT that forgot it), and that session alone is ended (the call is retried
+        on a new session or fails). ``AGENTFOLD_PG_TCP_TIMEOUT`` (``pg_tcp_params``) usually
+        ends such a connection sooner, at the TCP level.
         """
         period = min(1.0, wait / 4)
         where = f"{self._settings['POSTGRES_HOST']}:{self._settings['POSTGRES_PORT']}"
@@ -453,15 +500,47 @@ class EventStore:
                 continue
             with self._sessions_lock:
                 sessions = [c for c in self._sessions if not c.closed and not c.broken]
-            waited = max((now - since for since in (getattr(c, "_agentfold_busy_since", None) for c in sessions)
-                          if since is not None), default=0.0)
-            if waited <= wait:
+            hung: dict[Any, float] = {}
+            pids: dict[Any, int] = {}
+            for conn in sessions:
+                since = getattr(conn, "_agentfold_busy_since", None)
+                if since is not None and now - since > wait:
+                    hung[conn] = since
+                    try:
+                        pids[conn] = conn.pgconn.backend_pid
+                    except Exception:  # noqa: BLE001 - closed meanwhile: no pid, never taken for idle
+                        pids[conn] = 0
+            if not hung:
                 continue
-            if self.answers(2.0):
-                log.warning(
-                    "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session: a lock wait or "
-                    "a slow statement, left to finish", waited, where)
-                next_look = time.monotonic() + wait
+            waited = now - min(hung.values())
+            states = self._ask("SELECT pid, state FROM pg_stat_activity WHERE pid = ANY(%s)", [list(pids.values())],
+                               2.0)
+            if states is not None:
+                # The server answers. A session it reports idle while this process still waits
+                # on it is not running the statement: the connection was lost on the way (a
+                # firewall or NAT that forgot it, a path that drops its packets), and the call
+                # would wait until TCP gives up (~15 minutes without AGENTFOLD_PG_TCP_TIMEOUT).
+                # Only that session ends (the call fails and is retried on a new one). A session
+                # the server is running, or does not list (a pooler in between), is left.
+                idle = {int(pid) for pid, state in states if state is not None and str(state).startswith("idle")}
+                lost = [c for c, since in hung.items()
+                        if pids[c] in idle and getattr(c, "_agentfold_busy_since", None) == since]
+                for conn in lost:
+                    log.warning(
+                        "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session but reports "
+                        "this one (pid %d) idle: the connection was lost on the way (a firewall, NAT or network "
+                        "dropping it without a reset); ending it (the call fails with store.unavailable or is retried "
+                        "on a new session)", now - hung[conn], where, pids[conn])
+                    try:
+                        end_session(conn)
+                    except Exception:  # noqa: BLE001 - a session closed meanwhile needs nothing
+                        pass
+                if len(lost) < len(hung):
+                    log.warning(
+                        "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session: a lock wait "
+                        "or a slow statement, left to finish", now - min(t for c, t in hung.items() if c not in lost),
+                        where)
+                    next_look = time.monotonic() + wait
                 continue
             if self._watchdog_stop.is_set():
                 return
@@ -514,17 +593,21 @@ class EventStore:
         the connection and then never answers cannot hold the caller."""
         if self.backend != "postgresql":
             return True
+        return self._ask("SELECT 1", (), timeout) is not None
+
+    def _ask(self, sql: str, args: Sequence[Any], timeout: float) -> list[tuple[Any, ...]] | None:
+        """The rows of one query on a new session of this PostgreSQL store's database, or None
+        when the server does not answer within ``timeout`` seconds (see ``answers``)."""
         import psycopg
 
-        answered: list[bool] = []
+        rows: list[list[tuple[Any, ...]]] = []
         finished = threading.Event()
         params = {**pg_conninfo(self._settings), "connect_timeout": max(2, math.ceil(timeout))}
 
         def probe() -> None:
             try:
                 with psycopg.connect(**params) as conn:
-                    conn.execute("SELECT 1")
-                answered.append(True)
+                    rows.append(conn.execute(sql, args).fetchall())
             except Exception:  # noqa: BLE001 - any failure means it does not answer
                 pass
             finally:
@@ -532,7 +615,7 @@ class EventStore:
 
         threading.Thread(target=probe, name="agentfold-store-probe", daemon=True).start()
         finished.wait(timeout)
-        return bool(answered)
+        return rows[0] if rows else None
 
     def interrupt(self) -> None:
         """Make every call of this store that waits on PostgreSQL fail now, and every later one
@@ -952,7 +1035,7 @@ def redact(url: str) -> str:
 def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
     """psycopg parameters of a direct connection to a PostgreSQL store (the first connection,
     the owner-lease session, the follower's LISTEN session): at most ``PG_CONNECT_TIMEOUT``
-    seconds to connect, unless PGCONNECT_TIMEOUT says otherwise."""
+    seconds to connect, unless PGCONNECT_TIMEOUT says otherwise, and ``pg_tcp_params``."""
     params: dict[str, Any] = {
         "dbname": settings["POSTGRES_DBNAME"], "host": settings["POSTGRES_HOST"],
         "port": settings["POSTGRES_PORT"], "user": settings["POSTGRES_USER"],
@@ -960,6 +1043,7 @@ def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
     }
     if not os.environ.get("PGCONNECT_TIMEOUT"):
         params["connect_timeout"] = PG_CONNECT_TIMEOUT
+    params.update(pg_tcp_params())
     return params
 
 

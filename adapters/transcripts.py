@@ -39,7 +39,14 @@ from typing import Any
 
 import orjson
 
-from adapters.eventstore import PG_CONNECT_TIMEOUT, EventStore, InterruptibleConnection, end_session, redact
+from adapters.eventstore import (
+    PG_CONNECT_TIMEOUT,
+    EventStore,
+    InterruptibleConnection,
+    end_session,
+    pg_tcp_params,
+    redact,
+)
 from adapters.feed import FeedError, store_envelopes
 from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from projections.transcripts import (
@@ -200,8 +207,10 @@ class TranscriptStore:
         import psycopg
         from psycopg.rows import dict_row
 
-        # libpq waits for ever for a server that does not answer unless told (eventstore.pg_conninfo).
+        # libpq waits for ever for a server that does not answer unless told (eventstore.pg_conninfo),
+        # and neither end notices for hours that the other vanished (eventstore.pg_tcp_params).
         timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
+        timeout.update(pg_tcp_params())
         try:
             # Interruptible: ``interrupt`` ends its statement from another thread (end_session).
             return InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **timeout)

@@ -211,7 +211,7 @@ def test_requests_during_a_postgresql_outage_answer_503_after_one_pool_wait_not_
         server.stop()
 
 
-def test_invalid_pool_and_statement_waits_are_refused_before_connecting(pg_database: str) -> None:
+def test_invalid_pool_and_statement_waits_and_tcp_timeouts_are_refused_before_connecting(pg_database: str) -> None:
     EventStore(pg_database).close()
     for value in ("abc", "0", "-5", "nan", "3601"):
         ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": value}))
@@ -219,9 +219,15 @@ def test_invalid_pool_and_statement_waits_are_refused_before_connecting(pg_datab
     for value in ("abc", "-1", "0.5", "inf", "86401"):
         ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_STATEMENT_WAIT": value}))
         assert "store.setting_invalid" in ran.stderr and "or 0 (no bound)" in ran.stderr, ran.stderr
+    for value in ("abc", "-1", "2.5", "inf", "3601"):
+        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_TCP_TIMEOUT": value}))
+        assert "store.setting_invalid" in ran.stderr and "AGENTFOLD_PG_TCP_TIMEOUT" in ran.stderr, ran.stderr
     ok_ran = agentfold("trees", "--json", store=pg_database,
                        env={"AGENTFOLD_PG_POOL_WAIT": "2.5", "AGENTFOLD_PG_STATEMENT_WAIT": "0"})
     assert ok_ran.code == 0, ok_ran.stderr
+    for value in ("0", "5"):
+        ok_ran = agentfold("trees", "--json", store=pg_database, env={"AGENTFOLD_PG_TCP_TIMEOUT": value})
+        assert ok_ran.code == 0, ok_ran.stderr
 
 
 def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
