@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -352,7 +353,9 @@ def test_requests_answer_within_bounds_while_postgresql_is_frozen(
     finally:
         own_pg.thaw()
         server.stop()
-    assert "has not answered a statement for 3 s" in server.logs()
+    # The watchdog looks every 0.75 s: the wait it reports is 3 s or more (4 in a third of runs).
+    logs = server.logs()
+    assert re.search(r"has not answered a statement for \d+ s, nor a new session", logs), logs
 
 
 def test_a_statement_waiting_for_a_lock_on_a_server_that_answers_is_left_to_finish(
