@@ -286,29 +286,72 @@ def pg_tcp_timeout() -> int:
     return int(value)
 
 
-def pg_tcp_params() -> dict[str, Any]:
-    """libpq parameters that make both ends of a connection notice, within about
-    ``pg_tcp_timeout()`` seconds, that the other end is gone without a word (a host that lost
-    power or its network, a firewall or NAT that dropped the connection).
-
-    By default neither end would for hours: Linux sends the first keepalive after 2 hours,
-    and data nobody acknowledges is sent again for ~15 minutes. Meanwhile a call waits on a
-    dead connection, and, worse, the server keeps the session of a vanished process with its
-    advisory locks: the owner leases of its runs, which no other runtime could then adopt.
-    So: on this side, TCP keepalives (idle T s, then every T/3 s, 3 unanswered probes) and
-    ``tcp_user_timeout`` (data unacknowledged for T s ends the connection); on the server's
-    side the same, through the session's startup ``options`` (PGOPTIONS, when set, follows
-    and wins). Connections over a Unix socket ignore both."""
-    timeout = pg_tcp_timeout()
+def pg_tcp_params(timeout: int | None = None) -> dict[str, Any]:
+    """libpq parameters that make this end of a connection notice, within about ``timeout``
+    seconds (default: ``pg_tcp_timeout()``), that the server is gone without a word (its host
+    lost power or its network, a firewall or NAT dropped the connection): TCP keepalives (idle
+    T s, then every T/3 s, at least 1, 3 unanswered probes) and ``tcp_user_timeout`` (data
+    unacknowledged for T s ends the connection). By default Linux sends the first keepalive
+    after 2 hours and resends unacknowledged data for ~15 minutes, while a call waits on the
+    dead connection. The server's end gets the same through ``set_server_tcp``. Connections
+    over a Unix socket ignore both."""
+    timeout = pg_tcp_timeout() if timeout is None else timeout
     if not timeout:
         return {}
-    interval = max(1, timeout // 3)
-    server = (f"-c tcp_keepalives_idle={timeout} -c tcp_keepalives_interval={interval} "
-              f"-c tcp_keepalives_count=3 -c tcp_user_timeout={timeout * 1000}")
     return {
-        "keepalives": 1, "keepalives_idle": timeout, "keepalives_interval": interval, "keepalives_count": 3,
-        "tcp_user_timeout": timeout * 1000, "options": f"{server} {os.environ.get('PGOPTIONS', '')}".strip(),
+        "keepalives": 1, "keepalives_idle": timeout, "keepalives_interval": max(1, timeout // 3),
+        "keepalives_count": 3, "tcp_user_timeout": timeout * 1000,
     }
+
+
+_server_tcp_refused = threading.Event()  # warned once per process
+
+
+def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> None:
+    """Ask the server to notice, within about ``timeout`` seconds, that this session's client
+    is gone without a word (0: leave the server's settings).
+
+    The server otherwise keeps the session of a vanished process for hours (its
+    ``tcp_keepalives_*`` default to the system's: 2 hours), and with the session its advisory
+    locks: the owner leases of that process's runs, which no other runtime could adopt. Set
+    with ``SET`` on the open session (any role may, for its own session), not as startup
+    ``options``, which PgBouncer refuses. ``user_timeout=False`` leaves the server's
+    ``tcp_user_timeout`` alone: it would also end a session whose client does not read for
+    ``timeout`` seconds (a LISTEN session while its follower is busy). A server that knows no
+    ``tcp_user_timeout`` (before PostgreSQL 12) gets the keepalives; one that refuses the
+    settings (a proxy) gets nothing, with one warning per process. Through a proxy, the
+    settings apply to the proxy's connection, not this process's."""
+    if not timeout:
+        return
+    import psycopg
+
+    settings = [("tcp_keepalives_idle", timeout), ("tcp_keepalives_interval", max(1, timeout // 3)),
+                ("tcp_keepalives_count", 3)]
+    if user_timeout:
+        settings.append(("tcp_user_timeout", timeout * 1000))
+    while settings:
+        try:
+            conn.execute("; ".join(f"SET {name} = {int(value)}" for name, value in settings))
+            break
+        except psycopg.errors.UndefinedObject:
+            if not conn.autocommit:
+                conn.rollback()
+            if settings[-1][0] != "tcp_user_timeout":
+                raise
+            settings.pop()  # PostgreSQL 11: the keepalives only
+        except psycopg.OperationalError:
+            raise
+        except psycopg.DatabaseError as exc:
+            if not conn.autocommit:
+                conn.rollback()
+            if not _server_tcp_refused.is_set():
+                _server_tcp_refused.set()
+                log.warning("the PostgreSQL server refused its TCP keepalive settings (%s): it may keep the session "
+                            "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)",
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            return
+    if not conn.autocommit:
+        conn.commit()
 
 
 class EventStore:
@@ -330,7 +373,10 @@ class EventStore:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
-        tcp = pg_tcp_params() if self.backend == "postgresql" else {}
+        if self.backend == "postgresql":  # read once per store; pg_conninfo takes it from settings
+            settings["AGENTFOLD_PG_TCP_TIMEOUT"] = str(pg_tcp_timeout())
+        self._tcp_timeout = int(settings.get("AGENTFOLD_PG_TCP_TIMEOUT", "0"))
+        tcp = pg_tcp_params(self._tcp_timeout) if self.backend == "postgresql" else {}
         self._watchdog_stop = threading.Event()
         if self.backend == "postgresql":
             check_postgres(url, settings)
@@ -506,25 +552,28 @@ class EventStore:
                 since = getattr(conn, "_agentfold_busy_since", None)
                 if since is not None and now - since > wait:
                     hung[conn] = since
-                    try:
-                        pids[conn] = conn.pgconn.backend_pid
-                    except Exception:  # noqa: BLE001 - closed meanwhile: no pid, never taken for idle
-                        pids[conn] = 0
+                    pids[conn] = getattr(conn, "_agentfold_pid", 0)
             if not hung:
                 continue
             waited = now - min(hung.values())
-            states = self._ask("SELECT pid, state FROM pg_stat_activity WHERE pid = ANY(%s)", [list(pids.values())],
-                               2.0)
+            states = self._ask(
+                "SELECT pid, state, extract(epoch FROM clock_timestamp() - state_change)::float8 "
+                "FROM pg_stat_activity WHERE pid = ANY(%s)", [list(pids.values())], 2.0)
             if states is not None:
-                # The server answers. A session it reports idle while this process still waits
-                # on it is not running the statement: the connection was lost on the way (a
-                # firewall or NAT that forgot it, a path that drops its packets), and the call
+                # The server answers. A session it has listed as idle since before this process
+                # began to wait on it never got the statement: the connection was lost on the way
+                # (a firewall or NAT that forgot it, a path that drops its packets), and the call
                 # would wait until TCP gives up (~15 minutes without AGENTFOLD_PG_TCP_TIMEOUT).
                 # Only that session ends (the call fails and is retried on a new one). A session
-                # the server is running, or does not list (a pooler in between), is left.
-                idle = {int(pid) for pid, state in states if state is not None and str(state).startswith("idle")}
+                # the server runs, went idle after the wait began (its answer may still be on
+                # the way), or does not list (a pooler in between; a server that does not let
+                # this role read pg_stat_activity) is left.
+                asked = time.monotonic()
+                idle_for = {int(pid): float(seconds) for pid, state, seconds in states
+                            if state is not None and str(state).startswith("idle") and seconds is not None}
                 lost = [c for c, since in hung.items()
-                        if pids[c] in idle and getattr(c, "_agentfold_busy_since", None) == since]
+                        if pids[c] in idle_for and idle_for[pids[c]] >= asked - since - 1.0
+                        and getattr(c, "_agentfold_busy_since", None) == since]
                 for conn in lost:
                     log.warning(
                         "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session but reports "
@@ -570,16 +619,23 @@ class EventStore:
                 self._sessions.add(conn)
             if configure is not None:
                 configure(conn)
+            set_server_tcp(conn, self._tcp_timeout)
 
         pool._configure = track
 
-    def session(self) -> Any:
+    def session(self, *, listen: bool = False) -> Any:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
-        pool: a follower's LISTEN session. ``interrupt`` ends it as it ends the pooled ones,
-        and refuses new ones (``store.unavailable``)."""
+        pool: the owner-lease session, a follower's LISTEN session (``listen``: the server's
+        ``tcp_user_timeout`` is left alone, see ``set_server_tcp``). ``interrupt`` ends it as it
+        ends the pooled ones, and refuses new ones (``store.unavailable``)."""
         if self._interrupted:
             raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
         conn = InterruptibleConnection.connect(**pg_conninfo(self._settings), autocommit=True)
+        try:
+            set_server_tcp(conn, self._tcp_timeout, user_timeout=not listen)
+        except BaseException:
+            conn.close()
+            raise
         with self._sessions_lock:
             self._sessions.add(conn)
         if self._interrupted:  # interrupted while it connected: end it like the others
@@ -596,8 +652,9 @@ class EventStore:
         return self._ask("SELECT 1", (), timeout) is not None
 
     def _ask(self, sql: str, args: Sequence[Any], timeout: float) -> list[tuple[Any, ...]] | None:
-        """The rows of one query on a new session of this PostgreSQL store's database, or None
-        when the server does not answer within ``timeout`` seconds (see ``answers``)."""
+        """The rows of one query on a new session of this PostgreSQL store's database: None when
+        the server does not answer within ``timeout`` seconds (see ``answers``), no rows when it
+        answers the query with an error."""
         import psycopg
 
         rows: list[list[tuple[Any, ...]]] = []
@@ -607,8 +664,13 @@ class EventStore:
         def probe() -> None:
             try:
                 with psycopg.connect(**params) as conn:
-                    rows.append(conn.execute(sql, args).fetchall())
-            except Exception:  # noqa: BLE001 - any failure means it does not answer
+                    try:
+                        rows.append(conn.execute(sql, args).fetchall())
+                    except psycopg.DatabaseError as exc:
+                        if isinstance(exc, psycopg.OperationalError):
+                            raise
+                        rows.append([])  # it answers, with an error (e.g. no right to read the view)
+            except Exception:  # noqa: BLE001 - any other failure means it does not answer
                 pass
             finally:
                 finished.set()
@@ -974,6 +1036,7 @@ def _interruptible_connection_class() -> Any:
             # Opened by the thread that connects it, before anyone else can see it.
             self._agentfold_socket: _SessionSocket | None = _SessionSocket(self.pgconn.socket)
             self._agentfold_busy_since: float | None = None  # see wait()
+            self._agentfold_pid: int = self.pgconn.backend_pid  # read by the watchdog's thread
             weakref.finalize(self, self._agentfold_socket.release)  # never closed: at collection
 
         def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -1043,7 +1106,8 @@ def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
     }
     if not os.environ.get("PGCONNECT_TIMEOUT"):
         params["connect_timeout"] = PG_CONNECT_TIMEOUT
-    params.update(pg_tcp_params())
+    kept = settings.get("AGENTFOLD_PG_TCP_TIMEOUT")
+    params.update(pg_tcp_params(int(kept) if kept is not None else None))
     return params
 
 

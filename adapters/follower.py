@@ -538,7 +538,7 @@ class _Listener:
 
     def __init__(self, store: EventStore) -> None:
         # A session of the store's own: ``EventStore.interrupt`` ends it with the pooled ones.
-        self._conn = store.session()
+        self._conn = store.session(listen=True)
         try:
             self._conn.execute(f"LISTEN {EVENTS_TABLE}")
         except BaseException:

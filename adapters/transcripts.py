@@ -45,7 +45,9 @@ from adapters.eventstore import (
     InterruptibleConnection,
     end_session,
     pg_tcp_params,
+    pg_tcp_timeout,
     redact,
+    set_server_tcp,
 )
 from adapters.feed import FeedError, store_envelopes
 from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
@@ -205,17 +207,28 @@ class TranscriptStore:
                 conn.execute("PRAGMA journal_mode=WAL")
             return conn
         import psycopg
+        from psycopg.conninfo import conninfo_to_dict
         from psycopg.rows import dict_row
 
         # libpq waits for ever for a server that does not answer unless told (eventstore.pg_conninfo),
-        # and neither end notices for hours that the other vanished (eventstore.pg_tcp_params).
-        timeout: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
-        timeout.update(pg_tcp_params())
+        # and neither end notices for hours that the other vanished (eventstore.pg_tcp_params,
+        # set_server_tcp); what the URL itself says wins.
+        tcp_timeout = pg_tcp_timeout()
+        given = conninfo_to_dict(self.url)
+        params: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
+        params.update(pg_tcp_params(tcp_timeout))
+        params = {k: v for k, v in params.items() if k not in given}
         try:
             # Interruptible: ``interrupt`` ends its statement from another thread (end_session).
-            return InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **timeout)
+            conn = InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **params)
         except psycopg.Error as exc:
             raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
+        try:
+            set_server_tcp(conn, tcp_timeout)
+        except psycopg.Error as exc:
+            conn.close()
+            raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
+        return conn
 
     # -- plumbing ----------------------------------------------------------------
 
