@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -36,6 +37,7 @@ from psycopg.conninfo import conninfo_to_dict
 from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
+from adapters.transcripts import TranscriptStore
 from tests.kernel_programs import chain_program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +47,7 @@ import sys, threading
 from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
+from adapters.transcripts import TranscriptStore
 from tests.kernel_programs import chain_program
 
 def call(request, context):
@@ -225,5 +228,50 @@ def test_the_statement_watchdog_ends_a_cut_session_the_server_reports_idle(
         said = [r.getMessage() for r in caplog.records]
         assert any("the connection was lost on the way" in m for m in said), said
         assert not any("left to finish" in m for m in said), said
+    finally:
+        store.close()
+
+
+def _show(conn: Any, *names: str) -> list[str]:
+    rows = [conn.execute(f"SHOW {name}").fetchone() for name in names]
+    return [str(next(iter(r.values())) if isinstance(r, dict) else r[0]) for r in rows]
+
+
+def test_each_kind_of_session_carries_the_tcp_timeout_it_documents(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/cli.md, "Noticing a peer that vanished": pooled and owner-lease sessions get the
+    server's keepalives and user timeout, a LISTEN session the keepalives only, a transcript
+    store's session both unless its URL says otherwise; 0 leaves the server's settings."""
+    monkeypatch.setenv("AGENTFOLD_PG_TCP_TIMEOUT", "12")
+    names = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count", "tcp_user_timeout")
+    store = EventStore(pg_database)
+    try:
+        with store.factory.datastore.pool.connection() as pooled:
+            assert _show(pooled, *names) == ["12", "4", "3", "12000"]
+            assert pooled.info.get_parameters()["keepalives_idle"] == "12"
+        lease = store.session()
+        listen = store.session(listen=True)
+        try:
+            assert _show(lease, *names) == ["12", "4", "3", "12000"]
+            assert _show(listen, *names) == ["12", "4", "3", "0"]
+        finally:
+            lease.close()
+            listen.close()
+    finally:
+        store.close()
+    transcripts = TranscriptStore(pg_database + "?keepalives_idle=7")
+    try:
+        conn = transcripts._conn
+        assert conn.info.get_parameters()["keepalives_idle"] == "7"  # the URL's own wins
+        assert _show(conn, *names) == ["12", "4", "3", "12000"]
+    finally:
+        transcripts.close()
+    monkeypatch.setenv("AGENTFOLD_PG_TCP_TIMEOUT", "0")
+    store = EventStore(pg_database)
+    try:
+        with store.factory.datastore.pool.connection() as pooled:
+            idle, user_timeout = _show(pooled, "tcp_keepalives_idle", "tcp_user_timeout")
+            assert idle != "12" and user_timeout == "0"  # the server's own (idle: the system's, 7200 here)
     finally:
         store.close()
