@@ -286,22 +286,26 @@ def pg_tcp_timeout() -> int:
     return int(value)
 
 
+def _tcp_settings(timeout: int) -> dict[str, int]:
+    """Keepalives idle ``timeout`` s, then every third of it (at least 1 s), 3 unanswered probes;
+    data unacknowledged for ``timeout`` s ends the connection (milliseconds)."""
+    return {"idle": timeout, "interval": max(1, timeout // 3), "count": 3, "user_timeout": timeout * 1000}
+
+
 def pg_tcp_params(timeout: int | None = None) -> dict[str, Any]:
     """libpq parameters that make this end of a connection notice, within about ``timeout``
     seconds (default: ``pg_tcp_timeout()``), that the server is gone without a word (its host
-    lost power or its network, a firewall or NAT dropped the connection): TCP keepalives (idle
-    T s, then every T/3 s, at least 1, 3 unanswered probes) and ``tcp_user_timeout`` (data
-    unacknowledged for T s ends the connection). By default Linux sends the first keepalive
-    after 2 hours and resends unacknowledged data for ~15 minutes, while a call waits on the
-    dead connection. The server's end gets the same through ``set_server_tcp``. Connections
-    over a Unix socket ignore both."""
+    lost power or its network, a firewall or NAT dropped the connection): TCP keepalives and
+    ``tcp_user_timeout`` (``_tcp_settings``). By default Linux sends the first keepalive after
+    2 hours and resends unacknowledged data for ~15 minutes, while a call waits on the dead
+    connection. The server's end gets the same through ``set_server_tcp``. Connections over a
+    Unix socket ignore both."""
     timeout = pg_tcp_timeout() if timeout is None else timeout
     if not timeout:
         return {}
-    return {
-        "keepalives": 1, "keepalives_idle": timeout, "keepalives_interval": max(1, timeout // 3),
-        "keepalives_count": 3, "tcp_user_timeout": timeout * 1000,
-    }
+    tcp = _tcp_settings(timeout)
+    return {"keepalives": 1, "keepalives_idle": tcp["idle"], "keepalives_interval": tcp["interval"],
+            "keepalives_count": tcp["count"], "tcp_user_timeout": tcp["user_timeout"]}
 
 
 _server_tcp_refused = threading.Event()  # warned once per process
@@ -309,7 +313,7 @@ _server_tcp_refused = threading.Event()  # warned once per process
 
 def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> None:
     """Ask the server to notice, within about ``timeout`` seconds, that this session's client
-    is gone without a word (0: leave the server's settings).
+    is gone without a word (0: leave the server's settings). ``conn`` is in autocommit mode.
 
     The server otherwise keeps the session of a vanished process for hours (its
     ``tcp_keepalives_*`` default to the system's: 2 hours), and with the session its advisory
@@ -325,33 +329,24 @@ def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> Non
         return
     import psycopg
 
-    settings = [("tcp_keepalives_idle", timeout), ("tcp_keepalives_interval", max(1, timeout // 3)),
-                ("tcp_keepalives_count", 3)]
-    if user_timeout:
-        settings.append(("tcp_user_timeout", timeout * 1000))
-    while settings:
+    tcp = _tcp_settings(timeout)
+    keepalives = (f"SET tcp_keepalives_idle = {tcp['idle']}; SET tcp_keepalives_interval = {tcp['interval']}; "
+                  f"SET tcp_keepalives_count = {tcp['count']}")
+    try:
         try:
-            conn.execute("; ".join(f"SET {name} = {int(value)}" for name, value in settings))
-            break
+            conn.execute(f"{keepalives}; SET tcp_user_timeout = {tcp['user_timeout']}" if user_timeout else keepalives)
         except psycopg.errors.UndefinedObject:
-            if not conn.autocommit:
-                conn.rollback()
-            if settings[-1][0] != "tcp_user_timeout":
+            if not user_timeout:
                 raise
-            settings.pop()  # PostgreSQL 11: the keepalives only
-        except psycopg.OperationalError:
-            raise
-        except psycopg.DatabaseError as exc:
-            if not conn.autocommit:
-                conn.rollback()
-            if not _server_tcp_refused.is_set():
-                _server_tcp_refused.set()
-                log.warning("the PostgreSQL server refused its TCP keepalive settings (%s): it may keep the session "
-                            "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-            return
-    if not conn.autocommit:
-        conn.commit()
+            conn.execute(keepalives)  # PostgreSQL 11: no tcp_user_timeout
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as exc:
+        if not _server_tcp_refused.is_set():
+            _server_tcp_refused.set()
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("the PostgreSQL server refused its TCP keepalive settings (%s): it may keep the session "
+                        "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)", reason)
 
 
 class EventStore:
@@ -373,10 +368,9 @@ class EventStore:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
-        if self.backend == "postgresql":  # read once per store; pg_conninfo takes it from settings
-            settings["AGENTFOLD_PG_TCP_TIMEOUT"] = str(pg_tcp_timeout())
-        self._tcp_timeout = int(settings.get("AGENTFOLD_PG_TCP_TIMEOUT", "0"))
-        tcp = pg_tcp_params(self._tcp_timeout) if self.backend == "postgresql" else {}
+        self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
+        if self.backend == "postgresql":  # read once per store: pg_conninfo takes it from settings
+            settings["AGENTFOLD_PG_TCP_TIMEOUT"] = str(self._tcp_timeout)
         self._watchdog_stop = threading.Event()
         if self.backend == "postgresql":
             check_postgres(url, settings)
@@ -406,7 +400,7 @@ class EventStore:
                     self._track_sessions(self.factory.datastore.pool)
                     if not os.environ.get("PGCONNECT_TIMEOUT"):  # the pool's own connections: bounded too
                         self.factory.datastore.pool.kwargs["connect_timeout"] = PG_CONNECT_TIMEOUT
-                    self.factory.datastore.pool.kwargs.update(tcp)
+                    self.factory.datastore.pool.kwargs.update(pg_tcp_params(self._tcp_timeout))
                     if statement_wait > 0:  # stopped by close(), also when opening fails below
                         threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
                                          name="agentfold-pg-watchdog").start()
