@@ -90,16 +90,20 @@ TAG = "agentfold-test-" + os.environ.get("AGENTFOLD_TEST_RUN", "manual")
 
 
 @contextlib.contextmanager
-def packets_dropped(url: str, ports: list[int]) -> Iterator[None]:
+def packets_dropped(url: str, ports: list[int] | None) -> Iterator[None]:
     """Drop every packet of the loopback TCP connections between the server of ``url`` and
     the client ports ``ports``, both ways, without a reset: what a vanished host or a
-    forgetful firewall does. Inserted first in INPUT (before any ACCEPT of loopback)."""
-    assert ports
+    forgetful firewall does. ``None``: every packet to or from the server's port, new
+    connections included (a network partition). Inserted first in INPUT (before any ACCEPT
+    of loopback)."""
+    assert ports is None or ports
     server = str(conninfo_to_dict(url)["port"])
-    rules = [
-        ["INPUT", "-i", "lo", "-p", "tcp", "--sport", a, "--dport", b, "-m", "comment", "--comment", TAG, "-j", "DROP"]
-        for port in ports for a, b in ((str(port), server), (server, str(port)))
-    ]
+    pairs = (
+        [["--dport", server], ["--sport", server]] if ports is None
+        else [["--sport", a, "--dport", b] for port in ports for a, b in ((str(port), server), (server, str(port)))]
+    )
+    rules = [["INPUT", "-i", "lo", "-p", "tcp", *pair, "-m", "comment", "--comment", TAG, "-j", "DROP"]
+             for pair in pairs]
     added: list[list[str]] = []
     try:
         for rule in rules:
