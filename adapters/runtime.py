@@ -18,6 +18,7 @@ unknown and waits for a host (``resolve_unknown_effect``).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -639,6 +640,13 @@ class _Driver:
         except Exception as exc:  # noqa: BLE001 - every raised error leaves the outcome unknown
             code = EngineCode.DISPATCH_CANCELED if context.cancelled.is_set() else EngineCode.DISPATCH_FAILED
             done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:  # noqa: BLE001 - not an Exception, and still a call whose outcome is unknown
+            # asyncio.CancelledError (a dispatcher bridging to an event loop), SystemExit, ...: left
+            # to escape, it ended this thread without a settlement, and the Effect stayed in flight
+            # under a live owner for good (nobody else may recover a tree whose lease is held).
+            cancelled = isinstance(exc, asyncio.CancelledError) or context.cancelled.is_set()
+            code = EngineCode.DISPATCH_CANCELED if cancelled else EngineCode.DISPATCH_PANICKED
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
         finally:
             with runtime._calls_lock:
                 runtime._calls_running -= 1
@@ -691,11 +699,15 @@ def quiet_stop_signals() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+#: The failure kind of an unknown outcome's diagnostic, by its code (else ``external``).
+_UNKNOWN_KINDS = {EngineCode.DISPATCH_SETTLEMENT_INVALID: FailureKind.CONTRACT,
+                  EngineCode.DISPATCH_PANICKED: FailureKind.PANIC}
+
+
 def _unknown(dispatch: Dispatch, code: str, message: str) -> _Done:
     return _Done(
         dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, SettlementStatus.UNKNOWN, None,
-        Failure(FailureKind.EXTERNAL if code != EngineCode.DISPATCH_SETTLEMENT_INVALID else FailureKind.CONTRACT,
-                code, message or code),
+        Failure(_UNKNOWN_KINDS.get(code, FailureKind.EXTERNAL), code, message or code),
     )
 
 

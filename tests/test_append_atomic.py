@@ -1,0 +1,92 @@
+"""An append is atomic (docs/guarantees.md "The store is exactly once"): the events of one
+append, the tree's index row and any new process rows are written in one transaction, all
+of them or none.
+
+The fault is real and comes last in the transaction: a trigger that refuses the update of
+the tree's index row (``agentfold_trees``), after the append's events were inserted. Seeing
+no event of that append afterwards (events table, notification log, folded tree) is what
+proves the rollback; a fault on the events table itself (tests/http_api/
+test_serve_store_faults.py) fails the first statement and proves nothing about the others.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+from adapters.catalog import Catalog
+from adapters.dispatch import DispatchContext
+from adapters.eventstore import EventStore
+from adapters.recorders import EVENTS_TABLE, TREES_TABLE
+from adapters.runtime import Runtime
+from domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import chain_program
+
+
+def refuse_index_updates(url: str, on: bool) -> None:
+    """While ``on``, every update of a tree's index row raises inside its transaction."""
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(url[len("sqlite:///"):], isolation_level=None) as conn:
+            conn.execute("DROP TRIGGER IF EXISTS test_refuse_index")
+            if on:
+                conn.execute(f"CREATE TRIGGER test_refuse_index BEFORE UPDATE ON {TREES_TABLE} "
+                             "BEGIN SELECT RAISE(ABORT, 'disk I/O error (test fault)'); END")
+        return
+    with psycopg.connect(url, autocommit=True) as pg:
+        pg.execute(f"DROP TRIGGER IF EXISTS test_refuse_index ON {TREES_TABLE}")
+        if on:
+            pg.execute("CREATE OR REPLACE FUNCTION test_refuse_index() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                       "BEGIN RAISE EXCEPTION 'could not write block (test fault)'; END $$")
+            pg.execute(f"CREATE TRIGGER test_refuse_index BEFORE UPDATE ON {TREES_TABLE} "
+                       "FOR EACH ROW EXECUTE FUNCTION test_refuse_index()")
+
+
+def stored_rows(url: str) -> list[tuple[Any, ...]]:
+    """Every row of the events table, as the database has them (not through agentfold)."""
+    sql = f"SELECT originator_id, originator_version, topic FROM {EVENTS_TABLE} ORDER BY originator_version"
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(url[len("sqlite:///"):]) as conn:
+            return [tuple(r) for r in conn.execute(sql)]
+    with psycopg.connect(url) as pg:
+        return [tuple(r) for r in pg.execute(sql)]
+
+
+def test_an_append_whose_index_row_update_fails_stores_none_of_its_events(durable_store_url: str) -> None:
+    url = durable_store_url
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def gated(request: EffectRequest, context: DispatchContext) -> Settlement:
+        calls.append(request.payload["index"])
+        if request.payload["index"] == 0:
+            entered.set()
+            release.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+    program = chain_program(gated, name="atomic.chain")
+    store = EventStore(url)
+    with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+        handle = runtime.start(program, {"n": 2}, start_id="atomic-1")
+        assert entered.wait(20)
+        before_rows = stored_rows(url)
+        before_head = store.head(handle.tree_id)
+        before_log = store.max_notification_id()
+        refuse_index_updates(url, True)
+        try:
+            release.set()  # the call returns: its settlement, the next Step and permission go in one append
+            deadline = time.monotonic() + 20
+            while runtime.drives(handle.tree_id) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not runtime.drives(handle.tree_id), "the failed append did not stop the owner line"
+            # None of that append is stored: no event row, no notification, the same index row.
+            assert stored_rows(url) == before_rows
+            assert store.max_notification_id() == before_log
+            assert store.head(handle.tree_id) == before_head
+        finally:
+            refuse_index_updates(url, False)
+        assert [r.position for r in store.read(handle.tree_id)] == list(range(1, before_head.version + 1))  # type: ignore[union-attr]
+        assert calls == [0]  # the next call was never made: its permission was not stored
