@@ -62,7 +62,7 @@ from adapters.scenario import load_scenario_file, scenario_input, scenario_progr
 from adapters.sources import ProgramSources, default_sources
 from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
 from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
-from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from domain.kernel import Kernel
 from domain.program import Program, ProgramResolver, SignalRequest
 from domain.requests import Settlement
@@ -604,7 +604,7 @@ def _signal_id(given: str | None, prefix: str) -> SignalID:
 
 def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     process_id = ProcessID(args.process_id)
-    wait_id = WaitID(args.wait_id)
+    wait_id = parse_wait_id(args.wait_id)
     response = json_argument(args.response, "the answer")
     store = ctx.open_store()
     try:
@@ -1082,7 +1082,8 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     as_json = bool(getattr(args, "json", False))
     try:
         ctx = Context(
-            store_url=store_url_from_env(getattr(args, "store", None)),
+            # demo makes its own temporary store: a wrong --store or AGENTFOLD_STORE is no concern of it
+            store_url="" if args.handler is cmd_demo else store_url_from_env(getattr(args, "store", None)),
             sources=sources or default_sources(),
             timeout=float(getattr(args, "timeout", DEFAULT_TIMEOUT)),
         )

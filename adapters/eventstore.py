@@ -932,7 +932,7 @@ class EventStore:
         tree_id = TreeID.for_start(StartID(ref))
         if self.head(tree_id) is None:
             raise NotFound(
-                "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
+                "engine.tree.not_found", f"no tree, start id or process {str(ref)!r} in this store",
                 hint="list trees with `agentfold trees`",
             )
         return tree_id
@@ -945,7 +945,7 @@ class EventStore:
             if head is not None:  # a run's tree id or start id where a process id was wanted
                 raise NotFound(
                     "engine.process.not_found",
-                    f"{process_id!r} names the run {head.tree_id} (started as {head.start_id!r}), not a process",
+                    f"{str(process_id)!r} names the run {head.tree_id} (started as {head.start_id!r}), not a process",
                     hint=f"pass a process id: the run's root process is {head.root_process_id} "
                     f"(`agentfold show {head.tree_id}` lists every process of the run)",
                 )
@@ -1167,7 +1167,15 @@ def store_url_from_env(explicit: str | None = None) -> str:
         # An empty --store (an unset shell variable) must not silently mean the default store.
         raise InvalidInput("store.url_invalid", "--store is empty",
                            hint="give sqlite:///path.db, postgresql://... or memory:, or leave --store out")
-    return explicit or os.environ.get("AGENTFOLD_STORE") or DEFAULT_STORE
+    if explicit:
+        return explicit
+    env = os.environ.get("AGENTFOLD_STORE")
+    if env is not None and not env.strip():
+        # Set but empty (``AGENTFOLD_STORE=$UNSET_VAR``): the same mistake, in the environment.
+        raise InvalidInput("store.url_invalid", "AGENTFOLD_STORE is set but empty",
+                           hint="set it to sqlite:///path.db, postgresql://... or memory:, or unset it "
+                           "for the default store")
+    return env or DEFAULT_STORE
 
 
 def tree_uuid(tree_id: TreeID) -> uuid.UUID:

@@ -53,7 +53,7 @@ from adapters.scenario import scenario_input, scenario_program, validate_scenari
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, duplicate_key, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
-from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
 from domain.kernel import Kernel
 from domain.program import ProgramResolver, SignalRequest
 from domain.requests import Settlement
@@ -652,7 +652,7 @@ class ApiService:
 
     def answer(self, process_id: str, wait_id: str, body: Answer) -> dict[str, Any]:
         """``agentfold answer``: validated against the wait's schema and 1 MiB, then admitted."""
-        pid, wid = ProcessID(process_id), WaitID(wait_id)
+        pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
         sid = SignalID(body.signal_id) if body.signal_id is not None else None
         tree_id = self._tree_of_process(pid)
         tree, _ = self.queries.fold(tree_id)

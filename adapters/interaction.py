@@ -308,6 +308,12 @@ def steer_signal(signal_id: str | SignalID, *messages: dict[str, Any]) -> Signal
             raise InvalidInput(
                 "interaction.signal.invalid", f"steer.messages[{i}]: steering accepts only user messages",
             )
+        if not any(str(part.get("text", "")).strip() for part in message.get("content") or ()):
+            # An empty or blank message would reach the model as an empty user turn.
+            raise InvalidInput(
+                "interaction.signal.invalid", f"steer.messages[{i}]: the message has no text (empty or only spaces)",
+                hint="give the words the model should read",
+            )
     return SignalRequest(sid, {"steer": {"messages": parsed}})
 
 

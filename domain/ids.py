@@ -210,6 +210,19 @@ def parse_effect_id(text: str) -> EffectID:
     return value
 
 
+def parse_wait_id(text: str) -> WaitID:
+    """A WaitID a host names (to answer it): the kernel derives every WaitID from its Effect,
+    so anything but ``wait:`` + 64 lowercase hex digits cannot name a Wait."""
+    value = WaitID(text)
+    if not (value.startswith("wait:") and _HEX64.fullmatch(value, len("wait:"))):
+        raise InvalidInput(
+            "identity.invalid",
+            f"invalid wait id {value[:80]!r}",
+            hint="expected 'wait:' followed by 64 lowercase hex digits; `agentfold pending` lists them",
+        )
+    return value
+
+
 def wait_id_for(effect: EffectID) -> WaitID:
     """The WaitID a wait or child-wait Effect opens."""
     return str.__new__(WaitID, derive("wait:", "wait", effect))

@@ -511,6 +511,11 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
     assert refused(agentfold("run", demo, "--json", store="", cwd=tmp_path)).error()["code"] == "store.url_invalid"
     assert not (tmp_path / "agentfold.db").exists()
+    # The same mistake in the environment (AGENTFOLD_STORE=$UNSET_VAR): it ran on ./agentfold.db.
+    for empty in ("", " "):
+        error = refused(agentfold("run", demo, "--json", env={"AGENTFOLD_STORE": empty}, cwd=tmp_path)).error()
+        assert error["code"] == "store.url_invalid" and "AGENTFOLD_STORE" in error["message"], error
+    assert not (tmp_path / "agentfold.db").exists()
     assert refused(agentfold("run", demo, "--crash-after", "", "--json", store=store)).error()["code"] == (
         "crash.point_invalid")
     assert refused(agentfold("run", demo, "--crash-after", "after::1", "--json", store=store)).error()["code"] == (
@@ -523,5 +528,16 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     before = store_version(store, started["tree_id"])
     assert refused(agentfold("steer", started["root_process_id"], "hi", "--signal-id", "", "--json",
                              store=store)).error()["code"] == "identity.invalid"
+    # Empty or blank steering reached the model as an empty user message.
+    for blank in ("", "   "):
+        error = refused(agentfold("steer", started["root_process_id"], blank, "--json", store=store)).error()
+        assert error["code"] == "interaction.signal.invalid" and "no text" in error["message"], error
+    # A run's start id where a process id is wanted: the message names it as text, not a Python repr.
+    error = refused(agentfold("steer", "s-1", "hi", "--json", store=store)).error()
+    assert error["code"] == "engine.process.not_found", error
+    assert error["message"].startswith("'s-1' names the run tree:"), error
+    # A wait id the kernel cannot have made is refused as an invalid id, not looked up.
+    error = refused(agentfold("answer", started["root_process_id"], "wait:abc", "{}", "--json", store=store)).error()
+    assert error["code"] == "identity.invalid" and "wait:abc" in error["message"], error
     assert refused(agentfold("export", "s-1", "--out", "", store=store)).stderr.startswith("agentfold: error: cli.usage:")
     assert store_version(store, started["tree_id"]) == before

@@ -710,7 +710,7 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
 def test_the_interaction_commands_refuse_an_sqlite_store_that_does_not_exist(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     commands = [["pending"], ["results", "x"], ["delegates", "p"], ["cancel", "p"], ["steer", "p", "hi"],
-                ["answer", "p", "w", "{}"]]
+                ["answer", "p", "wait:" + "0" * 64, "{}"]]
 
     def attempt(argv: list[str]) -> Ran:
         return agentfold(*argv, "--json", store=store)

@@ -350,8 +350,11 @@ def test_an_answer_is_validated_against_the_wait_then_drives_the_run_to_completi
     problem(c.post(answer_url, json={}), 422, "http.request_invalid")
     problem(c.post(answer_url, json={"response": {"approved": True}, "signal_id": "signal:engine:x"}), 422,
             "signal.invalid")
-    wrong_wait = problem(c.post(f"/processes/{pid}/waits/wait:nope/answer", json={"response": {"approved": True}}),
-                         409, "engine.signal.rejected")
+    malformed = problem(c.post(f"/processes/{pid}/waits/wait:nope/answer", json={"response": {"approved": True}}),
+                        422, "identity.invalid")
+    assert "wait:nope" in malformed["detail"] and "64 lowercase hex" in malformed["hint"], malformed
+    wrong_wait = problem(c.post(f"/processes/{pid}/waits/wait:{'0' * 64}/answer",
+                                json={"response": {"approved": True}}), 409, "engine.signal.rejected")
     assert wrong_wait["wait"] is None
     problem(c.post(f"/processes/process:nope/waits/{wid}/answer", json={"response": {"approved": True}}), 404,
             "engine.process.not_found")
@@ -499,6 +502,8 @@ def test_steering_is_admitted_once_refused_for_a_tool_child_and_reaches_the_next
             "http.request_invalid")
     problem(c.post(url, json={}), 422, "http.request_invalid")
     problem(c.post(url, json={"messages": [{"role": "assistant", "content": "b"}]}), 422, "interaction.signal.invalid")
+    for blank in ({"text": ""}, {"text": "  \n"}, {"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]}):
+        assert "no text" in problem(c.post(url, json=blank), 422, "interaction.signal.invalid")["detail"]
     problem(c.post("/processes/process:nope/steer", json={"text": "hi"}), 404, "engine.process.not_found")
     assert run(c, tree_id)["version"] == version
     assert pending_of(c, tree_id) == [wait]  # steering never answers a tool's input wait
