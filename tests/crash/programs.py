@@ -8,6 +8,8 @@ so the test counts calls made by a process that later died.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from domain.program import (
     wait_children_effect,
     wait_effect,
 )
-from tests.kernel_programs import IMPL, CallLog, JsonStrategy, chain_program, config_digest, logged_call
+from tests.kernel_programs import IMPL, CallLog, Chain, JsonStrategy, chain_program, config_digest, logged_call
 
 PROGRAMS = ("chain", "chain-same", "ask-call", "prep-parent")
 
@@ -104,11 +106,34 @@ class PreparingParent(JsonStrategy):
         raise RuntimeError(f"unexpected phase {phase}")
 
 
+class DecideLoggedChain(Chain):
+    """The chain, writing one line per ``decide`` call to ``<call log>.decides`` (the state's
+    ``done`` and the window's length, which name the Step): a test counts the Steps decided in
+    a process that later died. Recovery must never call ``decide`` for a committed Step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        with self.path.open("a") as out:
+            out.write(json.dumps([state["done"], len(window)]) + "\n")
+        return super().decide(state, window)
+
+
+def decides(log_path: str | Path) -> list[tuple[int, int]]:
+    """The Steps the decide-logged chain decided, in order, across every process."""
+    path = Path(f"{log_path}.decides")
+    if not path.exists():
+        return []
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()]  # type: ignore[misc]
+
+
 def build(kind: str, log_path: str | Path) -> Program:
     """The Program named ``kind`` whose dispatchers log to ``log_path``."""
     log = CallLog(log_path)
     if kind == "chain":
-        return chain_program(logged_call(log), name="crash.chain")
+        program = chain_program(logged_call(log), name="crash.chain")
+        return dataclasses.replace(program, strategy=DecideLoggedChain(Path(f"{log_path}.decides")))
     if kind == "chain-same":
         return chain_program(logged_call(log), replay=Replay.SAME_IDENTITY, name="crash.chain")
     if kind == "ask-call":

@@ -32,6 +32,7 @@ from domain.events import (
 from domain.ids import SignalID, WaitID
 from domain.program import SignalRequest
 from domain.requests import Settlement
+from tests.crash import programs
 from tests.crash.support import (
     count,
     crash,
@@ -135,6 +136,12 @@ def test_chain_crash_recovers_without_repeating_a_call_and_completes_after_resol
             assert log_lines[1]["effect_id"] == declared[1]  # the call that happened is the unknown one
         assert indexed_unknown(store, tree_id) == set()
         assert store.head(tree_id).status == "completed"  # type: ignore[union-attr]
+        # decide ran once for every committed Step, in the dead process or after recovery; only a
+        # Step computed but not committed before the crash (Step 2, before its append) ran twice.
+        decided = programs.decides(log)
+        again = {step for step in decided if decided.count(step) > 1}
+        assert again == ({(0, 1)} if case.point == "before:StepCommitted:2" else set()), decided
+        assert sorted(set(decided)) == [(0, 0), (0, 1), (1, 1), (2, 1)]  # the four Steps of a chain of three
 
 
 @pytest.mark.parametrize("point", ["in-dispatch:2", "dispatched:2"])
