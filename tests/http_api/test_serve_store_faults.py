@@ -389,3 +389,37 @@ def test_a_statement_waiting_for_a_lock_on_a_server_that_answers_is_left_to_fini
     logs = server.logs()
     assert "which answers a new session: a lock wait or a slow statement, left to finish" in logs, logs
     assert "ending this process's" not in logs, logs
+
+
+def test_a_freeze_shorter_than_the_statement_wait_only_delays_the_run(
+    own_pg: OwnServer, tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    """docs/guarantees.md: a freeze shorter than ``AGENTFOLD_PG_STATEMENT_WAIT`` only delays
+    what waits for it. Longer than the lease probe's stall bound, it makes ``/health`` answer
+    503 meanwhile, but no lease is lost: the call under way completes and is recorded, nothing
+    becomes unknown, and the run finishes."""
+    fifo = tmp_path / "pay.fifo"
+    os.mkfifo(fifo)
+    server = start_server(own_pg.url, tmp_path)  # the default statement wait: 60 s
+    try:
+        c = server.client()
+        run = ok(c.post("/runs", json={"scenario": one_tool_call(fifo), "start_id": "short-freeze", "wait": 0}), 201)
+        tree_id = run["tree"]["tree_id"]
+        wait_until(lambda: blocked_in_the_tool(server.proc.pid), timeout=30)
+        own_pg.freeze()
+        try:
+            time.sleep(PROBE_STALL_SECONDS + 2.0)
+            assert health(server).status_code == 503
+        finally:
+            own_pg.thaw()
+        calls = _read_fifo(fifo)  # the tool returns now
+        done = wait_until(lambda: (r := ok(c.get(f"/runs/{tree_id}")))["classification"] == "terminal" and r,
+                          timeout=60)
+        assert done["status"] == "completed", done
+        assert calls == [1]
+        assert ok(c.get("/unknown-effects"))["unknown_effects"] == []
+        assert health(server).status_code == 200
+    finally:
+        own_pg.thaw()
+        server.stop()
+    assert "owner lease lost" not in server.logs()
