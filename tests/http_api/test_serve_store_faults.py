@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -138,6 +139,37 @@ def test_a_store_file_removed_under_the_server_is_reported_and_never_written_to(
         server.stop()
     assert not db.exists()  # nothing made a new file behind the operator's back either
     assert (tmp_path / "pay.log").read_text().count("\n") == 1  # only the run before the removal called its tool
+
+
+def test_a_backup_restored_over_the_store_file_under_the_server_is_reported_and_never_written_to(
+    tmp_path: Path,
+) -> None:
+    """A backup moved into place (a new file at the path) while the server has the old one
+    open: SQLite would go on writing to the old, unlinked file."""
+    db = tmp_path / "store.db"
+    server = start_server(f"sqlite:///{db}", tmp_path)
+    try:
+        c = server.client()
+        ok(c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "before", "wait": 5}),
+           201)
+        backup = tmp_path / "backup.db"
+        with sqlite3.connect(db) as live, sqlite3.connect(backup) as copy:
+            live.backup(copy)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        os.replace(backup, db)
+        answer = health(server)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["code"] == "store.unavailable"
+        assert "was replaced while this process had it open" in answer.json()["detail"]
+        refused = c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "after"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["code"] == "store.unavailable"
+    finally:
+        server.stop()
+    with sqlite3.connect(db) as restored:  # the restored file holds what the backup held, nothing more
+        assert [r[0] for r in restored.execute("SELECT start_id FROM agentfold_trees")] == ["before"]
+    assert (tmp_path / "pay.log").read_text().count("\n") == 1
 
 
 def test_no_new_connection_recreates_a_store_file_removed_under_the_process(tmp_path: Path) -> None:
