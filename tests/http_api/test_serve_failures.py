@@ -23,7 +23,7 @@ import pytest
 from tests.http_api.conftest import _pg_database
 from tests.http_api.support import ApiServer, ok, start_server, wait_until
 from tests.test_cli import agentfold
-from tests.test_cli_interaction import FINAL, two_call_round
+from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, two_call_round
 
 
 def blocked_in_the_tool(pid: int) -> bool:
@@ -136,6 +136,15 @@ def test_a_lost_lease_session_stops_the_owner_which_adopts_the_tree_again_and_ke
     server = start_server(store, tmp_path, "--no-follow")
     reader: FifoReader | None = None
     try:
+        # Besides the run in flight, one that finished and one parked with nothing in flight:
+        # the owner must adopt again only the run that needs driving.
+        c = server.client()
+        done = ok(c.post("/runs", json={"scenario": two_call_round(None, final=FINAL), "start_id": "lease-done",
+                                        "wait": 30}), 201)["tree"]
+        parked = ok(c.post("/runs", json={"scenario": two_call_round(None, beta={"error": "down"}, final=LEFT_TO_HOST),
+                                          "start_id": "lease-parked", "wait": 30}), 201)["tree"]
+        assert (done["classification"], parked["classification"]) == ("terminal", "parked"), (done, parked)
+        left_alone = {t["tree_id"]: ok(c.get(f"/runs/{t['tree_id']}"))["version"] for t in (done, parked)}
         run = in_flight_run(server, tmp_path, "lease-1")
         tree_id = run["tree"]["tree_id"]
         backend = _lease_backend(admin, database)
@@ -149,9 +158,13 @@ def test_a_lost_lease_session_stops_the_owner_which_adopts_the_tree_again_and_ke
         wait_until(lambda: "owner lease lost" in server.logs(), timeout=10)
         wait_until(lambda: "adopted again after its owner lease was lost" in server.logs(), timeout=15)
         assert ok(httpx.get(server.url + "/health", timeout=5))["leases"] == "ok"
-        [unknown] = json.loads(agentfold("unknown", "--json", store=store).stdout)["unknown_effects"]
-        assert (unknown["tree_id"], unknown["kind"]) == (tree_id, "tool")
+        [unknown] = [u for u in json.loads(agentfold("unknown", "--json", store=store).stdout)["unknown_effects"]
+                     if u["tree_id"] == tree_id]
+        assert unknown["kind"] == "tool"
         assert _lease_backend(admin, database) not in (None, backend)  # held again, by the new session
+        # The finished and the parked run were left as they were: no new owner, no event.
+        assert {t: ok(c.get(f"/runs/{t}"))["version"] for t in left_alone} == left_alone
+        assert server.logs().count("adopted again after its owner lease was lost") == 1
         version = json.loads(agentfold("show", tree_id, "--json", store=store).stdout)["version"]
 
         # Another process has nothing to adopt: the server owns the tree again.
