@@ -20,6 +20,7 @@ import psycopg
 from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
 from adapters.runtime import Runtime
+from domain.errors import EngineCode
 from domain.events import WriterActivated
 from domain.ids import TreeID
 from domain.program import Program, Replay
@@ -126,6 +127,34 @@ def test_a_lease_lost_while_a_tree_starts_stops_it_until_it_is_adopted_again(pg_
     assert witness.calls == [True] * EFFECTS, "a dispatcher was called while the lease was not held"
     assert len(set(witness.effects)) == EFFECTS, "an Effect was called twice"
     assert _activations(store, target) == 1  # adopted again by the same runtime, under a new lease
+    store.close()
+
+
+def test_a_never_effect_permitted_by_a_start_whose_lease_was_lost_is_never_called_and_becomes_unknown(
+    pg_database: str,
+) -> None:
+    """The same loss with replay ``never``: the permission the start committed is decided as
+    after a crash when the tree is adopted again: unknown (``engine.dispatch.interrupted``),
+    not called; the host's resolution then lets the run finish."""
+    witness = LeaseWitness()
+    program = chain_program(witness, replay=Replay.NEVER, name="test.lease.chain.never")
+    store = EventStore(pg_database)
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        _running_watcher(runtime, program, witness)
+        target = TreeID.for_start("lease-lost-at-start-never")  # type: ignore[arg-type]
+        store.append = _end_lease_session(runtime, pg_database, lambda: target, store.append, after=True)  # type: ignore[method-assign]
+        handle = runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-at-start-never")
+        _wait(lambda: _activations(store, target) == 1, 30, "the tree to be adopted again")
+        tree = runtime.wait_idle(target, timeout=30)
+        unknown = [e for p in tree.processes.values() for e in p.unknown_effects()]
+        assert len(unknown) == 1 and unknown[0].diagnostic is not None, unknown
+        assert unknown[0].diagnostic.code == EngineCode.DISPATCH_INTERRUPTED
+        assert witness.calls == [], "the permission committed without a lease was called"
+        runtime.resolve_unknown_effect(unknown[0].effect_id, Settlement.succeeded({"value": 1}))
+        assert handle.result(timeout=30).status == "completed"
+    assert witness.calls == [True] * (EFFECTS - 1), "a dispatcher was called while the lease was not held"
+    assert unknown[0].effect_id not in witness.effects
+    assert _activations(store, target) == 1
     store.close()
 
 
