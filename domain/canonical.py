@@ -91,7 +91,9 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
     if value is None or value is True or value is False or isinstance(value, str):
         if isinstance(value, str):
             _text(value, "$")  # orjson refuses a lone surrogate only when it encodes
-        data = canonical_bytes(value) if isinstance(value, str) and len(value) > limit // 4 else b""
+        # A character encodes to at most 6 bytes (``\u0001``), so only a string longer than a
+        # sixth of the limit can exceed it: shorter ones are not encoded at all.
+        data = canonical_bytes(value) if isinstance(value, str) and len(value) > (limit - 2) // 6 else b""
     else:
         try:
             data = canonical_bytes(value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, canonical_bytes, normalize
+from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize
 from domain.errors import InvalidInput, NotFound
 from domain.ids import ProcessID, SignalID, WaitID
 from domain.interaction.chat import ToolCall
@@ -83,9 +83,7 @@ class PendingToolInput:
 
     def response_signal(self, signal_id: str, response: JSON) -> SignalRequest:
         """Validate the answer locally (schema, 1 MiB) and address it to this wait."""
-        value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
-        if len(canonical_bytes(value)) > MAX_TOOL_INPUT_BYTES:
-            raise InvalidInput("interaction.input.too_large", "the answer exceeds 1 MiB")
+        value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")  # payload.too_large over 1 MiB
         problems = schema_errors(value, self.response_schema)
         if problems:
             raise InvalidInput(

@@ -165,13 +165,15 @@ def test_a_host_signal_request_cannot_use_the_engine_owned_namespace() -> None:
     ("payload", "code", "named"),
     [
         (big(), "payload.too_large", str(MAX_PAYLOAD_BYTES)),
+        # a bare string of escaped characters: 6 bytes each once encoded (it was not measured)
+        ("\x01" * (MAX_PAYLOAD_BYTES // 5), "payload.too_large", str(MAX_PAYLOAD_BYTES)),
         ({"x": float("nan")}, "payload.invalid", "$.x"),
         ({"x": [1, float("inf")]}, "payload.invalid", "$.x[1]"),
         ({"x": {1, 2}}, "payload.invalid", "$.x"),
         ({"x": 1 << 70}, "payload.invalid", "$.x"),
         ({1: "non-string key"}, "payload.invalid", "$"),
     ],
-    ids=["oversize", "nan", "infinity", "set", "huge-int", "int-key"],
+    ids=["oversize", "oversize-escaped-string", "nan", "infinity", "set", "huge-int", "int-key"],
 )
 def test_signal_payloads_are_bounded_json(payload: Any, code: str, named: str) -> None:
     with pytest.raises(InvalidInput) as caught:
