@@ -1109,8 +1109,18 @@ class Runtime:
         self._check_open()
         driver = self._drivers.get(tree_id)
         if driver is None and self.adopt_on_admit:
-            self._precheck(tree_id, fn)
-            driver = self._try_adopt(tree_id)
+            try:
+                self._precheck(tree_id, fn)
+            except AgentfoldError:
+                if not self._owned_elsewhere(tree_id):
+                    raise
+                # The precheck refused the request on the tree as this runtime would adopt it
+                # (in-flight Effects decided, e.g. a cancellation finished), but another live
+                # runtime owns it and decides them: a second `cancel` while the first waits for
+                # a call was refused as "already ended canceled". The request is validated
+                # below on the tree as stored, as its owner sees it.
+            else:
+                driver = self._try_adopt(tree_id)
         if driver is not None:
             return driver.call(fn)
         for _ in range(64):
@@ -1141,6 +1151,18 @@ class Runtime:
                     log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def _owned_elsewhere(self, tree_id: TreeID) -> bool:
+        """Whether another runtime holds the tree's lease now (probed: taken and given back,
+        under the tree's adoption lock, so that no adoption here shares the probe's lease)."""
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                if tree_id in self._drivers or self._leases.holds(tree_id):
+                    return False
+                if not self._leases.acquire(tree_id):
+                    return True
+            self._leases.release(tree_id)
+            return False
 
     def _precheck(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
         """Validate an admission before adopting the tree for it.
