@@ -751,10 +751,16 @@ class EventStore:
         except IntegrityError as exc:
             try:
                 ours = self._already_stored(tree_id, stored)
+                # A conflict is another writer's event at our first position. Any other
+                # constraint failure (a trigger, a CHECK an operator added) is a refused write:
+                # taken for a conflict, it was retried 64 times and reported as contention.
+                taken = ours or bool(self.recorder.select_events(tree_id.uuid, gt=expected_version, limit=1))
             except PersistenceError as failure:
                 raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {failure}") from exc
             if ours:
                 return AppendResult(digest, (), deferred)
+            if not taken:
+                raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
             raise VersionConflict(tree_id, expected_version) from exc
         except PersistenceError as exc:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc

@@ -1154,14 +1154,23 @@ class Runtime:
 
     def _owned_elsewhere(self, tree_id: TreeID) -> bool:
         """Whether another runtime holds the tree's lease now (probed: taken and given back,
-        under the tree's adoption lock, so that no adoption here shares the probe's lease)."""
-        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
-            with self._lock:
-                if tree_id in self._drivers or self._leases.holds(tree_id):
-                    return False
-                if not self._leases.acquire(tree_id):
-                    return True
-            self._leases.release(tree_id)
+        under the tree's adoption lock, so that no adoption here shares the probe's lease).
+
+        False for a finished tree (nobody adopts it: the refusal was judged on it as stored)
+        and when the probe itself fails (the lease session is down): the refusal stands."""
+        try:
+            head = self.store.head(tree_id)
+            if head is None or head.classification == "terminal":
+                return False
+            with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+                with self._lock:
+                    if tree_id in self._drivers or self._leases.holds(tree_id):
+                        return False
+                    if not self._leases.acquire(tree_id):
+                        return True
+                self._leases.release(tree_id)
+                return False
+        except Exception:  # noqa: BLE001 - the refusal in hand is the answer to give
             return False
 
     def _precheck(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
