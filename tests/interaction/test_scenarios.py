@@ -208,6 +208,7 @@ def test_i01_settled_results_of_a_cancelled_round_hold_only_the_definite_prefix(
     assert isinstance(r.entries, tuple)
     # The cancelled calls stay unknown evidence; nothing ran again.
     assert sorted(u["tool_call_ref"] for u in unknown_effects(tree)) == [str(r.reference(1)), str(r.reference(2))]
+    assert {u["diagnostic"]["code"] for u in unknown_effects(tree)} == {"engine.dispatch.canceled"}
     assert len(model.requests) == 1
     assert sorted(log.started()) == ["c0", "c1", "c2"]
     summary = run_summary(tree)
