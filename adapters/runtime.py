@@ -774,6 +774,9 @@ class Runtime:
         self._drivers: dict[TreeID, _Driver] = {}
         self._adopt_locks = [threading.Lock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
+        # Unknown Effects a host is replaying through this runtime now (Scope: while a replay
+        # is in flight, another replay or a resolution of that Effect is ErrEffectNotPending).
+        self._replaying: set[EffectID] = set()
         # Trees whose owner line stopped because the lease session ended: adopted again
         # by the watcher once leases work (see ``_adopt_lost``).
         self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
@@ -1230,6 +1233,7 @@ class Runtime:
         eid = parse_effect_id(effect_id)
         if not isinstance(settlement, Settlement) or not settlement.status.definite:
             raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement")
+        self._not_replaying(eid)
         tree_id = self._tree_of_effect(eid, process_id)
         pid = ProcessID(process_id) if process_id is not None else None
 
@@ -1237,6 +1241,12 @@ class Runtime:
             return kernel.resolve_effect(eid, settlement.status, settlement.payload, process_id=pid), None
 
         self._admit(tree_id, resolve)
+
+    def _not_replaying(self, eid: EffectID) -> None:
+        with self._lock:
+            if eid in self._replaying:
+                raise Rejected("engine.effect.not_pending", f"a replay of effect {eid} is in flight",
+                               hint="wait for the replay's outcome")
 
     def _tree_of_effect(self, eid: EffectID, process_id: ProcessID | str | None) -> TreeID:
         if process_id is not None:
@@ -1256,6 +1266,16 @@ class Runtime:
         ``engine.effect.outcome_unknown`` and leaves it unknown.
         """
         eid = parse_effect_id(effect_id)
+        with self._lock:
+            self._not_replaying(eid)
+            self._replaying.add(eid)
+        try:
+            return self._replay(eid, process_id)
+        finally:
+            with self._lock:
+                self._replaying.discard(eid)
+
+    def _replay(self, eid: EffectID, process_id: ProcessID | str | None) -> Settlement:
         tree_id = self._tree_of_effect(eid, process_id)
         loaded = self._load(tree_id)
         found = loaded.state.find_effect(eid)

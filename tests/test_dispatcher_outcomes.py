@@ -159,3 +159,43 @@ def test_a_host_replays_an_unknown_same_identity_effect_under_its_id_and_only_a_
     assert len({attempt for _, attempt in seen}) == 3  # a new attempt id each time
     (resolved,) = [r.event for r in store.read(handle.tree_id) if isinstance(r.event, EffectResolved)]
     assert (resolved.effect_id, resolved.resolved_by, resolved.attempt_id) == (unknown.effect_id, "replay", seen[2][1])
+
+
+def test_while_a_replay_is_in_flight_another_replay_or_a_resolution_of_that_effect_is_refused(
+    durable_store_url: str,
+) -> None:
+    """Scope's ReplayUnknownEffect: a concurrent replay or resolution is ErrEffectNotPending
+    (``engine.effect.not_pending``), so a double click never makes a second call, and a
+    host's answer never races the replay's."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def flaky_then_slow(request: EffectRequest, context: DispatchContext) -> Settlement:
+        calls.append(request.effect_id)
+        if len(calls) == 1:
+            raise ConnectionResetError("dropped")
+        entered.set()
+        release.wait(30)
+        return Settlement.succeeded({"value": 2})
+
+    program = chain_program(flaky_then_slow, replay=Replay.SAME_IDENTITY, name="replay.busy")
+    store = EventStore(durable_store_url)
+    with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+        handle = runtime.start(program, {"n": 1}, start_id="replay-busy")
+        (unknown,) = unknown_of(runtime.wait_idle(handle.tree_id, timeout=20))
+        replayed: list[Settlement] = []
+        first = threading.Thread(target=lambda: replayed.append(runtime.replay_unknown_effect(unknown.effect_id)))
+        first.start()
+        assert entered.wait(20)
+        version = store.head(handle.tree_id).version  # type: ignore[union-attr]
+        for attempt in (lambda: runtime.replay_unknown_effect(unknown.effect_id),
+                        lambda: runtime.resolve_unknown_effect(unknown.effect_id, Settlement.succeeded({"value": 9}))):
+            with pytest.raises(Rejected) as refused:
+                attempt()
+            assert refused.value.code == "engine.effect.not_pending" and "in flight" in refused.value.message
+        assert store.head(handle.tree_id).version == version  # nothing recorded meanwhile
+        release.set()
+        first.join(30)
+        assert [s.payload for s in replayed] == [{"value": 2}]
+        assert handle.result(timeout=20).output == {"total": 2, "effects": 1}
+    assert len(calls) == 2  # the call, and one replay
