@@ -780,6 +780,8 @@ class Runtime:
         # Trees whose owner line stopped because the lease session ended: adopted again
         # by the watcher once leases work (see ``_adopt_lost``).
         self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
+        # tree -> (incarnation, committed version, digest) of the owner line a lost lease stopped
+        self._lost_line: dict[TreeID, tuple[TreeIncarnationID, int, str | None]] = {}
         self._stalled_trees: set[TreeID] = set()  # of those, the ones a failed append stopped
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
@@ -1506,6 +1508,8 @@ class Runtime:
         with self._lock:
             if not self._closed:
                 self._lost.setdefault(tree_id, 0)
+                if driver is not None:  # stopped: nothing more is appended by it
+                    self._lost_line.setdefault(tree_id, (driver.incarnation, driver.committed, driver.digest))
 
     def _stalled(self, tree_id: TreeID) -> None:
         """Note a tree whose owner line a failed append stopped, to adopt it again (only a
@@ -1557,6 +1561,13 @@ class Runtime:
                     # session's (the server releases it when that backend has exited, a moment
                     # later). Stopped: the new session ended too, during the adoption.
                     retry = driver is None or driver.stopped is not None
+                    if driver is None and self._taken_over(tree_id):
+                        # Another runtime activated it since: it is that runtime's now. Trying
+                        # again at every poll for LOST_TREE_ATTEMPTS polls cost two queries per
+                        # tree per poll, for every run a peer took over after a failover.
+                        retry = False
+                        log.info("tree %s: not adopted again after its lease was lost: another runtime "
+                                 "took it over", tree_id)
             except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
                 failure = exc
                 # The store is not back yet: try again at the next poll; go on with the others now.
@@ -1576,11 +1587,25 @@ class Runtime:
                     log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
             with self._lock:
                 self._lost.pop(tree_id, None)
+                self._lost_line.pop(tree_id, None)
                 stalled = tree_id in self._stalled_trees
                 self._stalled_trees.discard(tree_id)
             if driver is not None and driver is not already and driver.stopped is None:
                 log.warning("tree %s: adopted again after %s (incarnation %s)", tree_id,
                             "a failed append" if stalled else "its owner lease was lost", driver.incarnation)
+
+    def _taken_over(self, tree_id: TreeID) -> bool:
+        """Whether another incarnation activated the tree after this runtime's owner line lost
+        its lease (a ``WriterActivated`` not ours after what that line had committed)."""
+        line = self._lost_line.get(tree_id)
+        if line is None:
+            return False
+        incarnation, committed, digest = line
+        try:
+            records = self.store.read(tree_id, after=committed, previous_digest=digest)
+        except AgentfoldError:
+            return False  # not known: try again at the next poll
+        return any(isinstance(r.event, WriterActivated) and r.event.incarnation_id != incarnation for r in records)
 
     def adopt_orphans(self, budget: float | None = None) -> list[TreeID]:
         """Adopt every live tree nobody owns that needs driving; the trees adopted.
