@@ -197,29 +197,28 @@ def _effect_id(process_id: ProcessID, step: int, index: int) -> EffectID:
 effect_id: Callable[[ProcessID, int, int], EffectID] = functools.lru_cache(maxsize=4096, typed=True)(_effect_id)
 
 
-def parse_effect_id(text: str) -> EffectID:
-    """An EffectID a host names (to resolve or replay it): the kernel derives every EffectID,
-    so anything but ``effect:`` + 64 lowercase hex digits cannot name an Effect."""
-    value = EffectID(text)
-    if not (value.startswith("effect:") and _HEX64.fullmatch(value, len("effect:"))):
+def _check_derived(value: str, prefix: str, kind: str, listed_by: str) -> None:
+    """A derived id a host names: the kernel makes every one of them as ``prefix`` + 64 lowercase
+    hex digits, so anything else cannot name what the host means."""
+    if not (value.startswith(prefix) and _HEX64.fullmatch(value, len(prefix))):
         raise InvalidInput(
             "identity.invalid",
-            f"invalid effect id {value[:80]!r}",
-            hint="expected 'effect:' followed by 64 lowercase hex digits; `agentfold unknown` lists them",
+            f"invalid {kind} {value[:80]!r}",
+            hint=f"expected {prefix!r} followed by 64 lowercase hex digits; `agentfold {listed_by}` lists them",
         )
+
+
+def parse_effect_id(text: str) -> EffectID:
+    """An EffectID a host names (to resolve or replay it)."""
+    value = EffectID(text)
+    _check_derived(value, "effect:", "effect id", "unknown")
     return value
 
 
 def parse_wait_id(text: str) -> WaitID:
-    """A WaitID a host names (to answer it): the kernel derives every WaitID from its Effect,
-    so anything but ``wait:`` + 64 lowercase hex digits cannot name a Wait."""
+    """A WaitID a host names (to answer it)."""
     value = WaitID(text)
-    if not (value.startswith("wait:") and _HEX64.fullmatch(value, len("wait:"))):
-        raise InvalidInput(
-            "identity.invalid",
-            f"invalid wait id {value[:80]!r}",
-            hint="expected 'wait:' followed by 64 lowercase hex digits; `agentfold pending` lists them",
-        )
+    _check_derived(value, "wait:", "wait id", "pending")
     return value
 
 

@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -130,3 +131,23 @@ def wait_until(predicate: Any, timeout: float = 20.0) -> Any:
             return value
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def send_at_once(server: ApiServer, requests: list[tuple[str, str]], within: float) -> list[tuple[str, int, float, str]]:
+    """Send every ``(method, path)`` at once, each on its own connection (a POST with ``{}``);
+    the answers that came within ``within`` seconds: ``(request, status, seconds, body)``."""
+    answers: list[tuple[str, int, float, str]] = []
+
+    def send(method: str, path: str) -> None:
+        began = time.monotonic()
+        with server.client() as own:
+            answer = own.request(method, path, json={} if method == "POST" else None, timeout=within + 30)
+        answers.append((f"{method} {path}", answer.status_code, time.monotonic() - began, answer.text))
+
+    deadline = time.monotonic() + within
+    threads = [threading.Thread(target=send, args=r, daemon=True) for r in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return list(answers)

@@ -19,13 +19,12 @@ closing packets get through (measured: ~3 s after the network came back).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.http_api.support import ok, problem, start_server, wait_until
+from tests.http_api.support import ok, problem, send_at_once, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli_interaction import one_tool_call
 from tests.test_pg_silent_cut import packets_dropped, require_iptables
@@ -55,21 +54,9 @@ def test_requests_answer_during_a_network_partition_and_the_run_is_taken_back_af
             ("GET", f"/runs/{tree_id}"), ("GET", f"/runs/{tree_id}/results"), ("GET", "/unknown-effects"),
             ("GET", "/health"),
         ]
-        answers: list[tuple[str, int, float, str]] = []
-
-        def send(method: str, path: str) -> None:
-            began = time.monotonic()
-            with server.client() as own:
-                answer = own.request(method, path, timeout=120)
-            answers.append((f"{method} {path}", answer.status_code, time.monotonic() - began, answer.text))
-
         with packets_dropped(own_pg.url, None):
             cut_at = time.monotonic()
-            threads = [threading.Thread(target=send, args=r, daemon=True) for r in requests]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(max(1.0, cut_at + PARTITION_SECONDS - time.monotonic()))
+            answers = send_at_once(server, requests, PARTITION_SECONDS - 1)
             # Every request answered while the network was still down, within the statement wait,
             # a pool wait or two and the connect timeout of an attempt in progress.
             assert len(answers) == len(requests), f"unanswered in {PARTITION_SECONDS} s: {answers}"

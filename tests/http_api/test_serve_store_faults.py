@@ -29,12 +29,13 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 
 from adapters.eventstore import EventStore
 from adapters.http_api import HEALTH_PROBE_SECONDS
 from adapters.leases import PROBE_STALL_SECONDS
 from adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
-from tests.http_api.support import ok, problem, start_server, wait_until
+from tests.http_api.support import ok, problem, send_at_once, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
 from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, one_tool_call, two_call_round
@@ -117,35 +118,13 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_down(
         server.stop()
 
 
-def test_a_store_file_removed_under_the_server_is_reported_and_never_written_to(tmp_path: Path) -> None:
-    # SQLite keeps writing to the file it opened: runs started after the file was deleted were
-    # answered 201 and lost with the unlinked file, while /health said ok.
-    db = tmp_path / "store.db"
-    server = start_server(f"sqlite:///{db}", tmp_path)
-    try:
-        c = server.client()
-        ok(c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "before", "wait": 5}),
-           201)
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{db}{suffix}").unlink(missing_ok=True)
-        answer = health(server)
-        assert answer.status_code == 503, answer.text
-        assert answer.json()["code"] == "store.unavailable"
-        assert "was removed while this process had it open" in answer.json()["detail"]
-        refused = c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "after"})
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["code"] == "store.unavailable"
-    finally:
-        server.stop()
-    assert not db.exists()  # nothing made a new file behind the operator's back either
-    assert (tmp_path / "pay.log").read_text().count("\n") == 1  # only the run before the removal called its tool
-
-
-def test_a_backup_restored_over_the_store_file_under_the_server_is_reported_and_never_written_to(
-    tmp_path: Path,
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_store_file_removed_or_replaced_under_the_server_is_reported_and_never_written_to(
+    tmp_path: Path, how: str
 ) -> None:
-    """A backup moved into place (a new file at the path) while the server has the old one
-    open: SQLite would go on writing to the old, unlinked file."""
+    """SQLite keeps writing to the file it opened: runs started after the file was deleted were
+    answered 201 and lost with the unlinked file, while /health said ok. The same for a backup
+    moved into place (a new file at the path) while the server has the old one open."""
     db = tmp_path / "store.db"
     server = start_server(f"sqlite:///{db}", tmp_path)
     try:
@@ -153,23 +132,28 @@ def test_a_backup_restored_over_the_store_file_under_the_server_is_reported_and_
         ok(c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "before", "wait": 5}),
            201)
         backup = tmp_path / "backup.db"
-        with sqlite3.connect(db) as live, sqlite3.connect(backup) as copy:
-            live.backup(copy)
-        for suffix in ("-wal", "-shm"):
+        if how == "replaced":
+            with sqlite3.connect(db) as live, sqlite3.connect(backup) as copy:
+                live.backup(copy)
+        for suffix in ("", "-wal", "-shm"):
             Path(f"{db}{suffix}").unlink(missing_ok=True)
-        os.replace(backup, db)
+        if how == "replaced":
+            os.replace(backup, db)
         answer = health(server)
         assert answer.status_code == 503, answer.text
         assert answer.json()["code"] == "store.unavailable"
-        assert "was replaced while this process had it open" in answer.json()["detail"]
+        assert f"was {how} while this process had it open" in answer.json()["detail"]
         refused = c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "after"})
         assert refused.status_code == 503, refused.text
         assert refused.json()["code"] == "store.unavailable"
     finally:
         server.stop()
-    with sqlite3.connect(db) as restored:  # the restored file holds what the backup held, nothing more
-        assert [r[0] for r in restored.execute("SELECT start_id FROM agentfold_trees")] == ["before"]
-    assert (tmp_path / "pay.log").read_text().count("\n") == 1
+    if how == "removed":
+        assert not db.exists()  # nothing made a new file behind the operator's back either
+    else:
+        with sqlite3.connect(db) as restored:  # the restored file holds what the backup held, nothing more
+            assert [r[0] for r in restored.execute("SELECT start_id FROM agentfold_trees")] == ["before"]
+    assert (tmp_path / "pay.log").read_text().count("\n") == 1  # only the run before the change called its tool
 
 
 def test_no_new_connection_recreates_a_store_file_removed_under_the_process(tmp_path: Path) -> None:
@@ -353,26 +337,14 @@ def test_requests_answer_within_bounds_while_postgresql_is_frozen(
             ("GET", f"/runs/{tree_id}"), ("GET", f"/runs/{tree_id}/results"), ("GET", "/unknown-effects"),
             ("POST", f"/processes/{root}/pause"),
         ]
-        answers: list[tuple[str, int, float]] = []
-
-        def send(method: str, path: str) -> None:
-            began = time.monotonic()
-            with server.client() as own:
-                answer = own.request(method, path, json={} if method == "POST" else None, timeout=120)
-            answers.append((f"{method} {path}", answer.status_code, time.monotonic() - began))
-            assert "Traceback" not in answer.text
-
-        threads = [threading.Thread(target=send, args=r) for r in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
+        answers = send_at_once(server, requests, 150)
         assert len(answers) == len(requests), f"unanswered: {len(requests) - len(answers)} of {len(requests)}"
+        assert all("Traceback" not in text for *_, text in answers), answers
         # The statement wait, then a pool wait or two for a connection, the connect timeout of
         # an attempt in progress: tens of seconds at most, never the length of the freeze.
-        assert all(status in (200, 503, 504) for _, status, _ in answers), answers
-        assert max(took for *_, took in answers) < wait + 4 * wait + 12, answers
-        assert any(status == 503 for _, status, _ in answers), answers
+        assert all(status in (200, 503, 504) for _, status, _, _ in answers), answers
+        assert max(took for _, _, took, _ in answers) < wait + 4 * wait + 12, answers
+        assert any(status == 503 for _, status, _, _ in answers), answers
         own_pg.thaw()
         assert wait_until(lambda: health(server).status_code == 200, timeout=90)
         calls = _read_fifo(fifo)
