@@ -349,6 +349,13 @@ def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> Non
                         "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)", reason)
 
 
+
+#: What to do when the store refused an append (nothing of it was written).
+APPEND_FAILED_HINT = (
+    "nothing of this append was stored; fix the store (free disk space, write access), then the run "
+    "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
+)
+
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
 
@@ -763,7 +770,8 @@ class EventStore:
                 raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
             raise VersionConflict(tree_id, expected_version) from exc
         except PersistenceError as exc:
-            raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
+            raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
+                               hint=APPEND_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)
 
     def _already_stored(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:

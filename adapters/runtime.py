@@ -465,7 +465,7 @@ class _Driver:
     def _stop(self, exc: AgentfoldError, items: Iterable[Any] = ()) -> None:
         with self.lock:
             if self.stopped is None:
-                self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message)
+                self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message, exc.hint)
             if self.stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
                 # Later result()/wait_idle() calls on this runtime report the failure (Scope:
                 # every published Process's Await returns a RuntimeError), not a stale state.

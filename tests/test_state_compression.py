@@ -120,12 +120,12 @@ def test_a_damaged_compressed_state_is_an_integrity_error_at_its_position(tmp_pa
     assert (caught.value.position, caught.value.rule) == (5, "integrity.format")
 
 
-def snapshotted(tmp_path: Path, start_id: str) -> tuple[EventStore, TreeID, Catalog, LoadedTree, StoredEvent]:
-    """A finished Interaction tree with one snapshot of its whole history: the store, the tree,
-    its catalog, the tree folded without the snapshot, and the snapshot's row."""
+def snapshotted(url: str, start_id: str) -> tuple[EventStore, TreeID, Catalog, LoadedTree, StoredEvent]:
+    """A finished Interaction tree with one snapshot of its whole history in the store at ``url``:
+    the store, the tree, its catalog, the tree folded without the snapshot, and the snapshot's row."""
     from tests.test_output_stored_once import run_interaction
 
-    store = EventStore(f"sqlite:///{tmp_path / 'snap.db'}")
+    store = EventStore(url)
     tree_id, catalog = run_interaction(store, start_id)
     plain = store.load(tree_id, catalog.resolve, use_snapshot=False)
     assert plain.digest is not None
@@ -134,8 +134,8 @@ def snapshotted(tmp_path: Path, start_id: str) -> tuple[EventStore, TreeID, Cata
     return store, tree_id, catalog, plain, row
 
 
-def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_path: Path) -> None:
-    store, tree_id, catalog, plain, row = snapshotted(tmp_path, "snap-1")
+def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(durable_store_url: str) -> None:
+    store, tree_id, catalog, plain, row = snapshotted(durable_store_url, "snap-1")
     assert plain.digest is not None
     body = EventStore.encode_snapshot(plain.state, plain.digest)
     assert row.state[:1] == COMPRESSED and len(row.state) < len(body)
@@ -148,14 +148,16 @@ def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(tmp_p
     store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, body)])
     again = store.load(tree_id, catalog.resolve)
     assert again.snapshot_version == plain.state.version and again.state.to_json() == plain.state.to_json()
+    store.close()
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape", "another digest"])
 def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
-    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+    durable_store_url: str, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A snapshot is a cache: a damaged row must not make a healthy history unreadable.
-    store, tree_id, catalog, plain, row = snapshotted(tmp_path, "snap-2")
+    # A snapshot is a cache: a damaged row must not make a healthy history unreadable
+    # (SQLite BLOB and PostgreSQL BYTEA rows alike).
+    store, tree_id, catalog, plain, row = snapshotted(durable_store_url, "snap-2")
     bad = {
         "garbage": b"\x00not a snapshot",
         "truncated": row.state[: len(row.state) // 2],
@@ -171,3 +173,4 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
     reason = "does not match the event stored there" if damage == "another digest" else "unreadable"
     assert any("snapshot of tree" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    store.close()

@@ -1,0 +1,124 @@
+"""A real full disk under the embedded SQLite store (a size-limited tmpfs, ENOSPC from the kernel).
+
+The PostgreSQL twin (tests/http_api/test_serve_store_faults.py) refuses appends with a trigger;
+this one fills the file system the store lives on, so SQLite itself meets ``database or disk
+is full`` wherever it happens to be writing (the WAL, a checkpoint, the database file).
+
+What a user must see: the append that did not fit fails as a whole (``store.append_failed``),
+nothing half-written, every stored event still verifies, no call is made for a permission that
+was not stored; once there is room again the runtime adopts the run by itself, the call whose
+outcome the failed append lost is unknown (it ran once, and is never called again), and the
+run finishes once the host resolves it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.errors import AgentfoldError
+from domain.requests import Settlement
+from tests.kernel_programs import chain_program
+
+#: Bytes of every call's result: ~300 calls fill the file system below.
+RESULT_BYTES = 3000
+SMALL = "2m"
+ROOMY = "64m"
+
+
+def _mount(where: Path, size: str, *, remount: bool = False) -> subprocess.CompletedProcess[str]:
+    options = f"remount,size={size}" if remount else f"size={size}"
+    command = ["mount", "-o", options, str(where)] if remount else ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs of its own (root only); unmounted afterwards."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    mounted = shutil.which("mount") is not None and os.geteuid() == 0 and _mount(where, SMALL).returncode == 0
+    if not mounted:
+        reason = "a size-limited tmpfs needs root and mount(8)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}, and CI=true: the full-disk test must run")
+        pytest.skip(reason)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_by_itself_once_there_is_room(small_fs: Path) -> None:
+    calls: list[int] = []
+
+    def call(request: Any, context: Any) -> Settlement:
+        calls.append(request.payload["index"])
+        return Settlement.succeeded({"value": 1, "blob": os.urandom(RESULT_BYTES // 2).hex()})
+
+    program = chain_program(call, name="test.full_disk")
+    url = f"sqlite:///{small_fs / 'agentfold.db'}"
+    store = EventStore(url)
+    runtime = Runtime(store, Catalog([program]), poll_interval=0.05)
+    try:
+        handle = runtime.start(program, {"n": 2000}, start_id="full-disk")
+        with pytest.raises(AgentfoldError) as stopped:
+            handle.result(timeout=60)
+        assert stopped.value.code == "store.append_failed"
+        assert "disk is full" in stopped.value.message
+        assert "agentfold recover" in stopped.value.hint  # what to do about it
+        made = len(calls)
+        assert 50 < made < 2000, made
+
+        # While the disk is full: what is stored is whole and verifies, the index agrees with
+        # it, and nothing else is called.
+        reader = EventStore(url)
+        try:
+            loaded = reader.load(handle.tree_id)
+            head = reader.head(handle.tree_id)
+        finally:
+            reader.close()
+        assert head is not None and head.version == loaded.state.version
+        in_flight = [e for p in loaded.state.processes.values() for e in p.in_flight()]
+        assert len(in_flight) == 1  # the call whose settlement did not fit
+        verify = subprocess.run(
+            [str(Path(sys.executable).parent / "agentfold"), "--store", url, "audit", "verify", "--all"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert verify.returncode == 0 and "OK" in verify.stdout, verify
+        # A new run does not fit either: refused as a whole, no tree half-started.
+        with pytest.raises(AgentfoldError) as refused:
+            runtime.start(program, {"n": 1}, start_id="full-disk-2")
+        assert refused.value.code == "store.append_failed"
+        time.sleep(0.5)
+        assert len(calls) == made
+
+        # Room again: nobody runs `recover`; the runtime adopts the run by itself.
+        assert _mount(small_fs, ROOMY, remount=True).returncode == 0
+        deadline = time.monotonic() + 30
+        unknown: list[Any] = []
+        while not unknown and time.monotonic() < deadline:
+            time.sleep(0.1)
+            unknown = [e for p in runtime.capture(handle.tree_id).processes.values() for e in p.unknown_effects()]
+        assert [(u.diagnostic.code if u.diagnostic else None) for u in unknown] == ["engine.dispatch.interrupted"]
+        assert unknown[0].payload == {"index": calls[-1]}  # the last call made, not called again
+        assert len(calls) == made
+
+        runtime.resolve_unknown_effect(unknown[0].effect_id, Settlement.succeeded({"value": 1}))
+        result = runtime.result(handle.tree_id, timeout=120)
+        assert result.status == "completed" and result.output == {"total": 2000, "effects": 2000}
+        assert sorted(calls) == list(range(2000))  # every call once: the resolved one was not made again
+    finally:
+        runtime.close()
+        store.close()
