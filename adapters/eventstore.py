@@ -61,7 +61,7 @@ from adapters.codec import (
     RecordedEvent,
     stored_json,
 )
-from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases
+from adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases, RefusedLeases
 from adapters.recorders import (
     EVENTS_TABLE,
     PG_POOL_WAIT,
@@ -350,6 +350,25 @@ def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> Non
 
 
 
+
+def sqlite_read_only_uri(path: Path) -> str | None:
+    """The ``file:`` URI to read the SQLite store at ``path`` with, when its file system is
+    mounted read-only; None when it takes writes (or ``path`` cannot be examined).
+
+    There SQLite cannot create the ``-shm`` file a WAL-mode store needs: with no write-ahead
+    log beside it (a store closed cleanly, or a copy of its main file), every commit is in
+    the file, which nothing on this machine can change, so it is opened ``immutable``; with
+    a log, ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
+    """
+    try:
+        if not os.statvfs(path).f_flag & os.ST_RDONLY:
+            return None
+        wal = Path(f"{path}-wal")
+        logged = wal.exists() and wal.stat().st_size > 0
+    except OSError:
+        return None
+    return f"{path.absolute().as_uri()}?{'mode=ro' if logged else 'immutable=1'}"
+
 #: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
@@ -371,6 +390,11 @@ class EventStore:
         if self.backend == "sqlite" and Path(settings["SQLITE_DBNAME"]).is_dir():
             raise InvalidInput("store.url_invalid", f"{redact(url)} names a directory, not an SQLite file",
                                hint="name the store's file, e.g. sqlite:///path/agentfold.db")
+        # A store on a read-only file system (a backup or an evidence copy mounted read-only) is
+        # read through a read-only URI: SQLite cannot open a WAL-mode file there otherwise.
+        self.read_only_uri = (
+            sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"])) if self.backend == "sqlite" and not create else None
+        )
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
@@ -398,6 +422,7 @@ class EventStore:
                 self.factory = InfrastructureFactory.construct(env)
                 if self.backend == "sqlite":
                     cache_statements(self.factory.datastore)
+                    self.factory.datastore.pool.connect_uri = self.read_only_uri
                     self.recorder = SQLiteTreeRecorder(self.factory.datastore)
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
@@ -459,6 +484,19 @@ class EventStore:
                 "in the old file only if a process still holds it open)",
             )
 
+    def check_writable(self) -> None:
+        """Refuse a write to a store opened on a read-only file system, before anything else."""
+        if self.read_only_uri is not None:
+            raise self._read_only_failure()
+
+    def _read_only_failure(self) -> StoreFailure:
+        return StoreFailure(
+            "store.read_only",
+            f"the store {redact(self.url)} is on a read-only file system: nothing can be written to it",
+            hint="read commands (trees, show, unknown, results, audit verify, replay, export) work as they "
+            "are; to run, settle or recover its trees, copy the store's files to a writable directory",
+        )
+
     def schema_lock(self) -> contextlib.AbstractContextManager[None]:
         """Serializes table creation with other processes opening the same database
         (PostgreSQL; SQLite's DDL runs under its own write lock)."""
@@ -473,9 +511,17 @@ class EventStore:
             raise NotFound("store.not_found", f"no store at {redact(self.url)}: the file does not exist",
                            hint=NOT_FOUND_HINT)
         try:
-            with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
+            uri = self.read_only_uri or f"{path.absolute().as_uri()}?mode=ro"
+            with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
                 present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
+            if self.read_only_uri is not None:
+                raise StoreFailure(
+                    "store.unavailable",
+                    f"cannot open store {redact(self.url)} on a read-only file system: {exc}",
+                    hint=f"its write-ahead log {path.name}-wal holds recent commits that SQLite reads only with "
+                    f"the {path.name}-shm file beside it; copy the store's files to a writable directory",
+                ) from exc
             raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
         self._check_tables(present)
 
@@ -728,6 +774,7 @@ class EventStore:
         position), saved in the same transaction as the tree's only snapshot when its JSON
         is at most ``INLINE_SNAPSHOT_BYTES`` long, else returned as ``snapshot_body``."""
         self.check_file()
+        self.check_writable()
         tree_uuid = tree_id.uuid
         stored: list[StoredEvent] = []
         digest = previous_digest
@@ -897,6 +944,7 @@ class EventStore:
     def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
         states are: a long conversation's snapshot holds every message) and drop older ones."""
+        self.check_writable()
         state_version = version
         body = STATE_COMPRESSOR.compress(body)
         try:
@@ -992,6 +1040,8 @@ class EventStore:
         if self.backend == "memory":
             return MemoryLeases(self._memory_leases, self._memory_lock)
         if self.backend == "sqlite":
+            if self.read_only_uri is not None:  # a runtime may read it (find a tree); taking one is refused
+                return RefusedLeases(self._read_only_failure)
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
         # Its session is one of the store's, so ``interrupt`` ends it with the others.
         return PostgresLeases(pg_conninfo(self._settings), session=self.session)

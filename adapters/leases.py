@@ -64,6 +64,26 @@ class _Durable:
         return True
 
 
+class RefusedLeases(_Durable):
+    """The leases of a store nothing can be written to (an SQLite file on a read-only file
+    system): a runtime over it reads, but taking a tree raises ``refusal()``."""
+
+    def __init__(self, refusal: Callable[[], Exception]) -> None:
+        self._refusal = refusal
+
+    def acquire(self, tree_id: TreeID) -> bool:
+        raise self._refusal()
+
+    def release(self, tree_id: TreeID) -> None:
+        pass
+
+    def holds(self, tree_id: TreeID) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
 class MemoryLeases(_Durable):
     """Leases inside one process, shared through the store object."""
 

@@ -154,7 +154,19 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
     as the library does it: autocommit (explicit BEGIN), WAL, ``sqlite3.Row`` rows.
     """
 
+    #: ``file:`` URI the connections open instead of ``db_name`` (a store read on a read-only file
+    #: system: ``EventStore`` sets it, see ``sqlite_read_only_uri``); None: the file, read-write.
+    connect_uri: str | None = None
+
     def _create_connection(self) -> SQLiteConnection:
+        if self.connect_uri is not None:
+            try:
+                connection = sqlite3.connect(database=self.connect_uri, uri=True, check_same_thread=False,
+                                             isolation_level=None, cached_statements=SQLITE_STATEMENT_CACHE)
+            except sqlite3.Error as exc:
+                raise InterfaceError(exc) from exc
+            connection.row_factory = sqlite3.Row
+            return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
         if getattr(self, "_opened_once", False) and not self.is_sqlite_memory_mode and not os.path.exists(self.db_name):
             # The store file was removed while this process had it open: a new connection would
             # create an empty file in its place (sqlite3 creates what it does not find), which

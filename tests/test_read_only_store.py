@@ -1,0 +1,140 @@
+"""An SQLite store on a read-only file system (a backup or an evidence copy mounted read-only).
+
+SQLite cannot open a WAL-mode file there the usual way (it needs to create the ``-shm``
+file beside it): every command used to fail with ``unable to open database file``, the
+read commands too, although they never write. Now the read commands answer exactly as on
+the writable original, and every write is refused with ``store.read_only`` before anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import Ran, agentfold, ok
+from tests.test_cli_interaction import two_call_round, write
+
+READ_COMMANDS = (
+    ("trees",),
+    ("show", "round-1"),
+    ("unknown",),
+    ("pending",),
+    ("audit", "verify", "--all"),
+    ("replay", "round-1", "--at", "3"),
+)
+
+
+def _mount(where: Path, options: str) -> bool:
+    command = ["mount", "-o", options, str(where)] if "remount" in options else [
+        "mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
+    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture
+def mount_point(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs of its own (root only), to fill and then remount read-only."""
+    where = tmp_path / "ro"
+    where.mkdir()
+    if not (shutil.which("mount") and os.geteuid() == 0 and _mount(where, "size=16m")):
+        if os.environ.get("CI") == "true":
+            pytest.fail("a read-only mount needs root and mount(8), and CI=true: this test must run")
+        pytest.skip("a read-only mount needs root and mount(8)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def parked_store(tmp_path: Path) -> tuple[str, Path]:
+    """A store whose run crashed inside its first tool call and was recovered: parked, with
+    one unknown Effect to settle."""
+    db = tmp_path / "agentfold.db"
+    store = f"sqlite:///{db}"
+    scenario = write(tmp_path, two_call_round(tmp_path / "side-effects.jsonl"))
+    crashed = agentfold("run", str(scenario), "--start-id", "round-1", "--crash-after", "in-dispatch:2", store=store)
+    assert crashed.code == 75, crashed.stderr
+    ok(agentfold("recover", store=store))
+    return store, db
+
+
+def answers(store: str) -> dict[str, str]:
+    return {" ".join(c): ok(agentfold(*c, "--json", store=store)).stdout for c in READ_COMMANDS}
+
+
+def read_only_refusal(ran: Ran) -> None:
+    assert ran.code == 1, (ran.code, ran.stdout, ran.stderr)
+    assert json.loads(ran.stderr)["error"]["code"] == "store.read_only", ran.stderr
+
+
+def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_are_refused(
+    tmp_path: Path, mount_point: Path,
+) -> None:
+    store, db = parked_store(tmp_path)
+    expected = answers(store)
+    [unknown] = json.loads(expected["unknown"])["unknown_effects"]
+
+    shutil.copy(db, mount_point / "agentfold.db")  # a cleanly closed store: everything is in the file
+    assert _mount(mount_point, "remount,ro")
+    copy = f"sqlite:///{mount_point / 'agentfold.db'}"
+    got = answers(copy)
+    for command, text in expected.items():
+        if command.startswith("audit"):  # its timing differs; the verdict must not
+            mine, theirs = json.loads(got[command]), json.loads(text)
+            assert mine["ok"] is theirs["ok"] is True
+            assert [(r["tree"], r["events"], r["ok"]) for r in mine["results"]] == [
+                (r["tree"], r["events"], r["ok"]) for r in theirs["results"]]
+            continue
+        assert json.loads(got[command]) == json.loads(text), command
+    exported = ok(agentfold("export", "round-1", store=copy)).stdout
+    assert exported == ok(agentfold("export", "round-1", store=store)).stdout
+
+    # Every write is refused as such, before anything (exit 1, one classified line).
+    read_only_refusal(agentfold("resolve", unknown["effect_id"], "--output", '"done"', "--json", store=copy))
+    read_only_refusal(agentfold("cancel", unknown["process_id"], "--json", store=copy))
+    assert sorted(p.name for p in mount_point.iterdir()) == ["agentfold.db"]
+    assert json.loads(ok(agentfold("trees", "--json", store=store)).stdout) == json.loads(expected["trees"])
+
+
+def test_a_read_only_copy_taken_with_its_write_ahead_log_is_read_whole(tmp_path: Path, mount_point: Path) -> None:
+    store, db = parked_store(tmp_path)
+    # A reader holding the store open keeps the log from being folded into the file: the
+    # resolution below is then only in the -wal file, which the copy must read.
+    holder = sqlite3.connect(db)
+    holder.execute("SELECT count(*) FROM agentfold_events").fetchone()
+    try:
+        [unknown] = json.loads(ok(agentfold("unknown", "--json", store=store)).stdout)["unknown_effects"]
+        ok(agentfold("resolve", unknown["effect_id"], "--output", '"done by hand"', store=store))
+        assert os.path.getsize(f"{db}-wal") > 0
+        expected = json.loads(ok(agentfold("trees", "--json", store=store)).stdout)
+        still = json.loads(ok(agentfold("unknown", "--json", store=store)).stdout)["unknown_effects"]
+        assert unknown["effect_id"] not in [u["effect_id"] for u in still]
+        taken = tmp_path / "taken"  # the files as they are now, while the log holds the resolution
+        taken.mkdir()
+        for suffix in ("", "-wal", "-shm"):
+            shutil.copy(f"{db}{suffix}", taken / f"agentfold.db{suffix}")
+    finally:
+        holder.close()
+    for suffix in ("", "-wal", "-shm"):
+        shutil.copy(taken / f"agentfold.db{suffix}", mount_point / f"agentfold.db{suffix}")
+    assert _mount(mount_point, "remount,ro")
+    copy = f"sqlite:///{mount_point / 'agentfold.db'}"
+    got = json.loads(ok(agentfold("trees", "--json", store=copy)).stdout)
+    assert got == expected  # the resolution that lives only in the log is there
+    assert json.loads(ok(agentfold("unknown", "--json", store=copy)).stdout)["unknown_effects"] == still
+
+    # Without the -shm file SQLite cannot read such a log there: a clear refusal, not old data.
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+    assert _mount(mount_point, "size=16m")
+    for suffix in ("", "-wal"):
+        shutil.copy(taken / f"agentfold.db{suffix}", mount_point / f"agentfold.db{suffix}")
+    assert _mount(mount_point, "remount,ro")
+    ran = agentfold("trees", "--json", store=copy)
+    assert ran.code == 1 and json.loads(ran.stderr)["error"]["code"] == "store.unavailable", ran.stderr
+    assert "-shm" in json.loads(ran.stderr)["error"]["hint"]
