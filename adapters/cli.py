@@ -51,7 +51,7 @@ from typing import Any, NoReturn
 
 from eventsourcing.persistence import PersistenceError
 
-from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, store_url_from_env
+from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, sqlite_damage, store_url_from_env
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
@@ -1080,6 +1080,7 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     as_json = bool(getattr(args, "json", False))
+    store_url = ""
     try:
         ctx = Context(
             # demo makes its own temporary store: a wrong --store or AGENTFOLD_STORE is no concern of it
@@ -1087,6 +1088,7 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
             sources=sources or default_sources(),
             timeout=float(getattr(args, "timeout", DEFAULT_TIMEOUT)),
         )
+        store_url = ctx.store_url
         outcome: Outcome = args.handler(ctx, args)
     except AgentfoldError as exc:
         _report(exc, as_json)
@@ -1099,9 +1101,11 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
                                "input already admitted is kept; `agentfold recover` drives the tree on"), as_json)
         return 130
     except (PersistenceError, sqlite3.Error) as exc:
-        # A store failure no layer below classified (a read-only file when tables must be made).
-        _report(AgentfoldError("store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
-                               "check that the store is reachable and writable"), as_json)
+        # A store failure no layer below classified (a read-only file when tables must be made,
+        # a damaged SQLite file).
+        _report(sqlite_damage(exc, store_url) or AgentfoldError(
+            "store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
+            "check that the store is reachable and writable"), as_json)
         return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure as one line
         _report(AgentfoldError("cli.internal", f"{type(exc).__name__}: {exc}"), as_json)

@@ -369,6 +369,35 @@ def sqlite_read_only_uri(path: Path) -> str | None:
         return None
     return f"{path.absolute().as_uri()}?{'mode=ro' if logged else 'immutable=1'}"
 
+
+#: SQLite's primary result codes for a file whose pages are damaged or that is no database.
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+DAMAGED_HINT = (
+    "the SQLite file itself is damaged (its pages, not a history that fails verification): stop the processes "
+    "that use it and restore it from a backup, or salvage its rows with `sqlite3 FILE .recover | sqlite3 NEW.db` "
+    "and check the copy with `agentfold audit verify --all`"
+)
+
+
+def sqlite_damage(exc: BaseException, url: str) -> StoreFailure | None:
+    """``store.damaged`` when ``exc`` (or an error it was raised from) is SQLite finding its
+    file damaged (``database disk image is malformed``) or not a database; else None."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        code = getattr(seen, "sqlite_errorcode", None)
+        text = str(seen)
+        if (isinstance(code, int) and code & 0xFF == _SQLITE_NOTADB) or "file is not a database" in text:
+            return StoreFailure(
+                "store.damaged", f"{redact(url)} is not an SQLite database, or its first page is damaged ({text})",
+                hint="check that the URL names the store's file; if it does, " + DAMAGED_HINT,
+            )
+        if (isinstance(code, int) and code & 0xFF == _SQLITE_CORRUPT) or "database disk image is malformed" in text:
+            return StoreFailure("store.damaged", f"the store {redact(url)} is damaged: {text}", hint=DAMAGED_HINT)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
 #: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
@@ -449,7 +478,8 @@ class EventStore:
             raise
         except (PersistenceError, OSError) as exc:
             self.close()
-            raise StoreFailure("store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+            raise sqlite_damage(exc, url) or StoreFailure(
+                "store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
         if self.backend == "sqlite":
@@ -522,7 +552,8 @@ class EventStore:
                     hint=f"its write-ahead log {path.name}-wal holds recent commits that SQLite reads only with "
                     f"the {path.name}-shm file beside it; copy the store's files to a writable directory",
                 ) from exc
-            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
+            raise sqlite_damage(exc, self.url) or StoreFailure(
+                "store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
         self._check_tables(present)
 
     def _require_tables(self) -> None:

@@ -299,9 +299,28 @@ def test_a_store_that_fails_exits_1(tmp_path: Path) -> None:
     for command in (["trees"], ["run", demo], ["kernel-demo-run", "--side-effect-log", str(tmp_path / "log")]):
         failed = agentfold(*command, "--json", store=f"sqlite:///{broken}")
         assert failed.code == 1, failed.stderr
-        assert failed.error()["code"] == "store.unavailable"
-        assert "file is not a database" in failed.error()["message"]
+        assert failed.error()["code"] == "store.damaged"
+        assert "is not an SQLite database" in failed.error()["message"]
+        assert "names the store's file" in failed.error()["hint"]
     assert broken.read_bytes() == b"this is not an sqlite database" * 100
+
+
+def test_an_sqlite_file_with_damaged_pages_is_store_damaged_with_what_to_do(tmp_path: Path) -> None:
+    # A file damaged below the history (a disk fault, a bad copy): SQLite's "database disk image
+    # is malformed" used to be store.unavailable with "check that the store is reachable and writable".
+    db = tmp_path / "store.db"
+    store = f"sqlite:///{db}"
+    ok(agentfold("run", str(ROOT / "adapters" / "scenarios" / "demo.json"), store=store))
+    data = bytearray(db.read_bytes())
+    for page in range(1, len(data) // 4096):  # every b-tree page after the first: a wrong cell count
+        data[page * 4096 + 3 : page * 4096 + 5] = b"\xff\xff"
+    db.write_bytes(bytes(data))
+    for command in (["trees"], ["show", "demo"], ["audit", "verify", "--all"], ["unknown"]):
+        failed = agentfold(*command, "--json", store=store)
+        assert failed.code == 1, failed.stderr
+        error = failed.error()
+        assert error["code"] == "store.damaged", error
+        assert "malformed" in error["message"] and ".recover" in error["hint"]
 
 
 def test_a_timeout_out_of_range_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
