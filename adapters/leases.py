@@ -16,6 +16,7 @@ conflicting append (see ``adapters.runtime``).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -26,6 +27,8 @@ from typing import Any, Protocol
 
 from domain.errors import StoreFailure
 from domain.ids import TreeID
+
+log = logging.getLogger("agentfold.runtime")
 
 
 class LeaseManager(Protocol):
@@ -125,13 +128,53 @@ def _lock_offset(tree_id: TreeID) -> int:
 
 
 class FileLeases(_Durable):
-    """OFD byte-range locks on one lease file (SQLite stores)."""
+    """OFD byte-range locks on one lease file (SQLite stores).
+
+    The locks live on the file this manager opened. If that file is removed or replaced
+    (an operator cleaning up), a process that opens the path later creates a new file and
+    finds no lock in it: it could take a tree a live owner drives. ``check`` (every watcher
+    poll) notices, opens the file now at the path and takes every held lease again there;
+    a lease another process took meanwhile is reported lost (its owner line stops)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self._lock = threading.Lock()
         self._held: set[TreeID] = set()
+        self._fd = -1
+        self._open()
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        info = os.fstat(fd)
+        self._fd, self._file = fd, (info.st_dev, info.st_ino)
+
+    def check(self) -> set[TreeID]:
+        with self._lock:
+            if self._fd < 0:
+                return set()
+            try:
+                info = os.stat(self.path)
+                if (info.st_dev, info.st_ino) == self._file:
+                    return set()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return set()  # cannot tell now: the next poll looks again
+            old = self._fd
+            try:
+                self._open()
+            except OSError as exc:
+                log.warning("the lease file %s was removed or replaced, and cannot be opened again: %s", self.path, exc)
+                return set()
+            lost = {tree_id for tree_id in self._held if not self._fcntl(fcntl.F_WRLCK, tree_id)}
+            self._held -= lost
+            os.close(old)  # its locks excluded nobody any more
+            log.warning(
+                "the lease file %s was removed or replaced while this process held %d lease(s) in it: opened it "
+                "again and took %d of them there%s", self.path, len(self._held) + len(lost), len(self._held),
+                f"; {len(lost)} taken by another process meanwhile" if lost else "",
+            )
+            return lost
 
     def _fcntl(self, kind: int, tree_id: TreeID) -> bool:
         data = _FLOCK.pack(kind, os.SEEK_SET, _lock_offset(tree_id), 1, 0)

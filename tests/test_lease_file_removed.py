@@ -1,0 +1,87 @@
+"""The SQLite lease file removed or replaced under a live owner (an operator cleaning up).
+
+The owner's leases are locks on the file it opened. Once that file is gone from its path,
+a process that opens the path creates a new file, finds no lock in it and used to take a
+tree the live owner was driving: the call under way was declared unknown by someone else
+and the live owner was fenced. Now the owner's watcher notices within a poll, opens the
+file at the path again and takes its leases there: a later process finds them held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from tests.kernel_programs import CallLog, GatedCall, chain_program
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ANOTHER_PROCESS = """
+import json, sys
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from tests.kernel_programs import chain_program
+program = chain_program(name="test.lease_file")
+store = EventStore(sys.argv[1], create=False)
+runtime = Runtime(store, Catalog([program]), poll_interval=0)
+taken = [str(handle.tree_id) for handle in runtime.recover()]
+tree = runtime.capture(store.index.select_heads()[0].tree_id)
+unknown = [str(e.effect_id) for p in tree.processes.values() for e in p.unknown_effects()]
+runtime.close()
+store.close()
+print(json.dumps({"taken": taken, "unknown": unknown}))
+"""
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_lease_file_removed_under_a_live_owner_is_opened_again_and_excludes_later_processes(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    leases = tmp_path / "agentfold.db.leases"
+    log = CallLog(str(tmp_path / "calls.jsonl"))
+    gate = GatedCall(log, at=1)
+    program = chain_program(gate, name="test.lease_file")
+    store = EventStore(url)
+    runtime = Runtime(store, Catalog([program]), poll_interval=0.05)
+    try:
+        handle = runtime.start(program, {"n": 3}, start_id="lease-file")
+        assert gate.entered.wait(30)  # the second call is under way
+        with caplog.at_level("WARNING", logger="agentfold.runtime"):
+            if how == "removed":
+                leases.unlink()
+            else:
+                (tmp_path / "new.leases").write_bytes(b"")
+                os.replace(tmp_path / "new.leases", leases)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any("lease file" in r.getMessage() for r in caplog.records):
+                time.sleep(0.05)
+        [warning] = [r.getMessage() for r in caplog.records if "lease file" in r.getMessage()]
+        assert "opened it again and took 1 of them there" in warning
+
+        # Another process now finds the tree's lease held: it takes nothing and declares nothing.
+        other = subprocess.run(
+            [sys.executable, "-c", ANOTHER_PROCESS, url], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert other.returncode == 0, other.stderr
+        assert json.loads(other.stdout) == {"taken": [], "unknown": []}
+
+        gate.release.set()
+        result = handle.result(timeout=30)
+        assert result.status == "completed" and result.output == {"total": 3, "effects": 3}
+        assert [c["index"] for c in log.calls()] == [0, 1, 2]  # each call once
+    finally:
+        gate.release.set()
+        runtime.close()
+        store.close()
