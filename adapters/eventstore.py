@@ -379,9 +379,10 @@ DAMAGED_HINT = (
 )
 
 
-def sqlite_damage(exc: BaseException, url: str) -> StoreFailure | None:
+def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
     """``store.damaged`` when ``exc`` (or an error it was raised from) is SQLite finding its
     file damaged (``database disk image is malformed``) or not a database; else None."""
+    name = f"the store {redact(url)}" if url else "the store's file"
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
@@ -390,11 +391,11 @@ def sqlite_damage(exc: BaseException, url: str) -> StoreFailure | None:
         text = str(seen)
         if (isinstance(code, int) and code & 0xFF == _SQLITE_NOTADB) or "file is not a database" in text:
             return StoreFailure(
-                "store.damaged", f"{redact(url)} is not an SQLite database, or its first page is damaged ({text})",
+                "store.damaged", f"{name} is not an SQLite database, or its first page is damaged ({text})",
                 hint="check that the URL names the store's file; if it does, " + DAMAGED_HINT,
             )
         if (isinstance(code, int) and code & 0xFF == _SQLITE_CORRUPT) or "database disk image is malformed" in text:
-            return StoreFailure("store.damaged", f"the store {redact(url)} is damaged: {text}", hint=DAMAGED_HINT)
+            return StoreFailure("store.damaged", f"{name} is damaged: {text}", hint=DAMAGED_HINT)
         seen = seen.__cause__ or seen.__context__
     return None
 

@@ -43,7 +43,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
-from adapters.eventstore import EventStore
+from adapters.eventstore import EventStore, sqlite_damage
 from adapters.follower import Follower, one_line
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
@@ -1157,6 +1157,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # A store error that reached the HTTP layer unclassified (a dropped connection, a
         # server restart): the request did not take effect, or its outcome is unknown.
         log.warning("store error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        damaged = sqlite_damage(exc)
+        if damaged is not None:  # retrying does not help: the operator restores the file
+            return problem_response(503, damaged.code, damaged.message, damaged.hint)
         return problem_response(503, "store.unavailable", f"the store failed ({type(exc).__name__})",
                                 "retry; read the run first if the request may have taken effect")
 
