@@ -169,7 +169,7 @@ class PydanticMapper(Mapper[uuid.UUID]):
         tag = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
         name, _, version_text = tag.partition("@")
         # Version 1 has exactly one spelling (no suffix); later versions are "@<n>", n >= 2.
-        schema_version = 1 if not version_text else (int(version_text) if version_text.isdigit() and int(version_text) > 1 and str(int(version_text)) == version_text else -1)
+        schema_version = 1 if not version_text else (int(version_text) if version_text.isascii() and version_text.isdigit() and int(version_text) > 1 and str(int(version_text)) == version_text else -1)
         if name not in EVENT_TYPES:
             raise DecodeError(position, "stream.event_type", f"unknown topic {topic!r}")
         state = stored.state

@@ -107,7 +107,7 @@ def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> 
     position = int(notification.originator_version)
     tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
     name, _, version_text = tag.partition("@")
-    if name not in EVENT_TYPES or (version_text and not version_text.isdigit()):
+    if name not in EVENT_TYPES or (version_text and not (version_text.isascii() and version_text.isdigit())):
         raise CorruptStream(tree_id, position, "stream.event_type", f"unknown topic {notification.topic!r}")
     try:
         sealed = unseal(stored_json(notification.state))
@@ -294,7 +294,7 @@ def crash_hook_from_env() -> Callable[[int], None]:
     if not spec:
         return lambda batch: None
     kind, _, n = spec.partition(":")
-    if kind != "after-produce" or not n.isdigit():
+    if kind != "after-produce" or not (n.isascii() and n.isdigit()):
         raise InvalidInput("feed.crash_spec", f"AGENTFOLD_PUBLISHER_CRASH={spec!r} is not after-produce:N")
     target = int(n)
 

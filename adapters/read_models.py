@@ -563,7 +563,7 @@ def crash_hook_from_env() -> Callable[[int], Callable[[], None] | None]:
     if not spec:
         return lambda batch: None
     kind, _, n = spec.partition(":")
-    if kind != "view-written" or not n.isdigit():
+    if kind != "view-written" or not (n.isascii() and n.isdigit()):
         raise InvalidInput("projection.crash_spec", f"AGENTFOLD_FOLLOWER_CRASH={spec!r} is not view-written:N")
     target = int(n)
 

@@ -131,8 +131,8 @@ class CrashPlan:
     def parse(cls, text: str, code: int = 75) -> CrashPlan:
         parts = text.split(":")
         valid = (
-            len(parts) == 2 and parts[0] in ("declared", "dispatched", "in-dispatch", "settled") and parts[1].isdigit()
-        ) or (len(parts) == 3 and parts[0] in ("after", "before") and bool(parts[1]) and parts[2].isdigit())
+            len(parts) == 2 and parts[0] in ("declared", "dispatched", "in-dispatch", "settled") and parts[1].isascii() and parts[1].isdigit()
+        ) or (len(parts) == 3 and parts[0] in ("after", "before") and bool(parts[1]) and parts[2].isascii() and parts[2].isdigit())
         if not valid or int(parts[-1]) < 1:
             raise InvalidInput(
                 "crash.point_invalid",

@@ -447,7 +447,7 @@ def crash_hook_from_env() -> Callable[[int], Callable[[], None] | None]:
     if not spec:
         return lambda batch: None
     kind, _, n = spec.partition(":")
-    if kind != "after-db-commit" or not n.isdigit():
+    if kind != "after-db-commit" or not (n.isascii() and n.isdigit()):
         raise InvalidInput("feed.crash_spec", f"AGENTFOLD_TRANSCRIPTS_CRASH={spec!r} is not after-db-commit:N")
     target = int(n)
 

@@ -10,6 +10,7 @@ was stored cut short, or was accepted and then unreachable by its start id.
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -150,3 +151,35 @@ def test_a_body_that_is_not_json_says_what_and_where(api: ApiServer) -> None:
                       422, "http.request_invalid")
     assert refused["detail"].startswith("the request body is not valid JSON: "), refused
     assert "at character 14" in refused["detail"], refused
+
+
+def test_a_request_without_the_token_is_refused_before_its_body_is_read(api: ApiServer) -> None:
+    # The token used to be checked only after FastAPI had received and parsed the body: a
+    # stranger could make the server hold and parse 16 MiB bodies (~280 MB each, the event
+    # loop blocked meanwhile), and learned that a body was not JSON (422) before the 401.
+    host, port = api.url.removeprefix("http://").rsplit(":", 1)
+    for authorization in (b"", b"Authorization: Bearer not-the-token\r\n"):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as conn:
+            # A large body is announced and never sent: only the headers can answer this.
+            conn.sendall(b"POST /runs HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 16000000\r\n" + authorization + b"\r\n{")
+            conn.settimeout(5)
+            head = conn.recv(65536).split(b"\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 401"), head
+    for body in (b"not json", b"[" * 5000 + b"]" * 5000):
+        for headers in ({}, {"authorization": "Bearer not-the-token"}):
+            problem(httpx.post(api.url + "/runs", content=body, headers={"content-type": "application/json", **headers}),
+                    401, "http.unauthorized")
+    # /health stays open, and the token still opens everything else.
+    assert httpx.get(api.url + "/health", timeout=10).status_code == 200
+    problem(api.client().post("/runs", content=b"not json", headers={"content-type": "application/json"}), 422,
+            "http.request_invalid")
+
+
+def test_a_cursor_with_digits_that_are_not_ascii_is_refused_not_a_500(api: ApiServer) -> None:
+    # str.isdigit() accepts '²' (then int() raised: 500 with a traceback in the log) and the
+    # Arabic-Indic '٣' (taken as cursor 3): neither is a cursor this API returned.
+    c = api.client()
+    for after in ("m²", "f¹¹", "m٣"):
+        problem(c.get("/runs", params={"after": after}), 422, "http.cursor_invalid")
+    ok(c.get("/runs", params={"after": "m3"}))
