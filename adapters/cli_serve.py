@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ipaddress
 import json
 import math
 import os
@@ -90,6 +91,18 @@ def _server(config: Any, stop: threading.Event, stopping: list[int], on_stop: Ca
     return Server(config)
 
 
+#: Below this many characters ``serve`` warns that its token is easy to guess.
+MIN_TOKEN_CHARS = 16
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (a ``--host`` value) only accepts connections from this machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _say(line: str) -> None:
     sys.stderr.write(f"agentfold: {line}\n")
     sys.stderr.flush()
@@ -126,7 +139,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     from adapters.cli import CALLS_GRACE, Outcome
     from adapters.eventstore import redact
     from adapters.follower import STOP_GRACE, StopGuard
-    from adapters.http_api import TOKEN_ENV, ApiService, create_app
+    from adapters.http_api import TOKEN_ENV, ApiService, create_app, request_read_deadlines
 
     token = os.environ.get(TOKEN_ENV, "")
     if not token.strip():
@@ -136,6 +149,13 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if not (adopt_every >= 0 and math.isfinite(adopt_every)):
         raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
                            hint="0 turns the scan off")
+    protocol = request_read_deadlines()  # AGENTFOLD_HTTP_HEAD_WAIT / _BODY_WAIT: refused before listening
+    if len(token.strip()) < MIN_TOKEN_CHARS:
+        _say(f"warning: {TOKEN_ENV} is {len(token.strip())} characters long; a token anyone can guess opens every "
+             f"run (use {MIN_TOKEN_CHARS} or more, e.g. $(openssl rand -hex 32))")
+    if not _loopback(args.host):
+        _say(f"warning: serving plain HTTP on {args.host}: the token and every run travel unencrypted; put a "
+             "TLS-terminating reverse proxy in front (docs/http-api.md)")
     sock = _listen(args.host, args.port)
     stopping: list[int] = []
     abandoned = 0
@@ -164,7 +184,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                                      f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
                 sys.stdout.flush()
                 config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                        lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False)
+                                        lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False,
+                                        http=protocol)
                 # From the signal on, no call is started (Runtime.drain): the calls under way
                 # finish and are recorded while requests finish; Effects declared meanwhile
                 # are started by the run's next owner (another server's scan, recover).

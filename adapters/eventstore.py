@@ -243,7 +243,8 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
     )
 
 
-def _seconds_setting(name: str, default: float, low: float, high: float, *, zero: str = "") -> float:
+def seconds_setting(name: str, default: float, low: float, high: float, *, zero: str = "",
+                    code: str = "store.setting_invalid") -> float:
     """A number of seconds from the environment variable ``name`` (from ``low`` to ``high``, or 0
     when ``zero`` says what 0 means), else ``default``; anything else is refused before connecting."""
     text = os.environ.get(name, "").strip()
@@ -257,7 +258,7 @@ def _seconds_setting(name: str, default: float, low: float, high: float, *, zero
         return value
     allowed = f"from {low:g} to {high:g}" + (f", or 0 ({zero})" if zero else "")
     raise InvalidInput(
-        "store.setting_invalid",
+        code,
         f"{name}={text!r} is not a number of seconds {allowed}",
         hint=f"unset it for the default ({default:g} s), or set e.g. {name}=10",
     )
@@ -265,19 +266,19 @@ def _seconds_setting(name: str, default: float, low: float, high: float, *, zero
 
 def pg_statement_wait() -> float:
     """``AGENTFOLD_PG_STATEMENT_WAIT`` (0: no bound), else ``PG_STATEMENT_WAIT``."""
-    return _seconds_setting("AGENTFOLD_PG_STATEMENT_WAIT", PG_STATEMENT_WAIT, 1, 86400, zero="no bound")
+    return seconds_setting("AGENTFOLD_PG_STATEMENT_WAIT", PG_STATEMENT_WAIT, 1, 86400, zero="no bound")
 
 
 def pg_pool_wait() -> float:
     """Seconds a PostgreSQL store call waits for a pooled connection: ``AGENTFOLD_PG_POOL_WAIT``
     (a number from 1 to 3600), else ``PG_POOL_WAIT``."""
-    return _seconds_setting("AGENTFOLD_PG_POOL_WAIT", PG_POOL_WAIT, 1, 3600)
+    return seconds_setting("AGENTFOLD_PG_POOL_WAIT", PG_POOL_WAIT, 1, 3600)
 
 
 def pg_tcp_timeout() -> int:
     """``AGENTFOLD_PG_TCP_TIMEOUT`` (a whole number of seconds from 1 to 3600, or 0 for the operating
     system's defaults), else ``PG_TCP_TIMEOUT``."""
-    value = _seconds_setting("AGENTFOLD_PG_TCP_TIMEOUT", PG_TCP_TIMEOUT, 1, 3600, zero="the system's defaults")
+    value = seconds_setting("AGENTFOLD_PG_TCP_TIMEOUT", PG_TCP_TIMEOUT, 1, 3600, zero="the system's defaults")
     if value != int(value):
         raise InvalidInput(
             "store.setting_invalid", f"AGENTFOLD_PG_TCP_TIMEOUT={value:g} is not a whole number of seconds",

@@ -17,6 +17,7 @@ same stable codes as the CLI commands (``answer``, ``steer``, ``resolve``, ``can
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -43,7 +44,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.cli import tree_summary
-from adapters.eventstore import EventStore, sqlite_damage
+from adapters.eventstore import EventStore, seconds_setting, sqlite_damage
 from adapters.follower import Follower, one_line
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
@@ -76,6 +77,8 @@ HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 """Request bodies above this are refused before they are read (the CLI's JSON text bound)."""
 MAX_RUNS_PAGE = 500
 WORKER_THREADS = 256
+#: Threads that answer ``GET /health`` (apart from the WORKER_THREADS of every other request).
+HEALTH_THREADS = 4
 """Requests run on worker threads (they block on the store, or on ``wait``): this many at once."""
 
 log = logging.getLogger("agentfold.http")
@@ -963,11 +966,74 @@ class BearerFirst:
         await response(scope, receive, send)
 
 
+#: A connection must send a request's head within this many seconds of being opened (or of
+#: its previous response; ``AGENTFOLD_HTTP_HEAD_WAIT``), and the request's body within
+#: ``REQUEST_BODY_SECONDS`` more (``AGENTFOLD_HTTP_BODY_WAIT``); else it is closed. uvicorn
+#: itself waits forever for a first request and for a partial one.
+REQUEST_HEAD_SECONDS = 10.0
+REQUEST_BODY_SECONDS = 60.0
+
+
+def request_read_deadlines() -> type[Any]:
+    """uvicorn's HTTP/1.1 protocol (h11) with deadlines for reading each request.
+
+    Without them a client that opened connections and sent nothing, half a header or part
+    of a declared body held each one (and its file descriptor) for good: a few thousand
+    such connections from anyone who could reach the port left no descriptor for real
+    clients (``GET /health`` timed out) and flooded stderr with asyncio's accept errors."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    head = seconds_setting("AGENTFOLD_HTTP_HEAD_WAIT", REQUEST_HEAD_SECONDS, 0.1, 3600, code="http.setting_invalid")
+    body = seconds_setting("AGENTFOLD_HTTP_BODY_WAIT", REQUEST_BODY_SECONDS, 0.1, 3600, code="http.setting_invalid")
+
+    class DeadlineH11Protocol(H11Protocol):
+        _read_deadline: asyncio.TimerHandle | None = None
+        _reading_body = False
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm(head)
+
+        def _arm(self, seconds: float) -> None:
+            if self._read_deadline is not None:
+                self._read_deadline.cancel()
+            self._read_deadline = self.loop.call_later(seconds, self._read_too_slow)
+
+        def _read_too_slow(self) -> None:
+            self._read_deadline = None
+            if self.transport.is_closing():
+                return
+            state = self.conn.their_state
+            if state is h11.SEND_BODY and not self._reading_body:
+                self._reading_body = True  # the head arrived in time: the body gets its own time
+                self._arm(body)
+            elif state in (h11.IDLE, h11.SEND_BODY):
+                self.transport.close()  # the app (if a request started) sees a disconnect
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._reading_body = False
+                self._arm(head)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._read_deadline is not None:
+                self._read_deadline.cancel()
+                self._read_deadline = None
+            super().connection_lost(exc)
+
+    return DeadlineH11Protocol
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Writes may wait for their run (up to MAX_WAIT s) on a worker thread; anyio's
     # default of 40 threads would let 40 such waits starve every other request.
     anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+    # GET /health has threads of its own: WORKER_THREADS long-polls (reads with min_position,
+    # writes with wait) held every worker thread, and a liveness probe waited behind them.
+    app.state.health_limiter = anyio.CapacityLimiter(HEALTH_THREADS)
     yield
 
 
@@ -993,8 +1059,10 @@ def create_app(service: ApiService | None = None) -> FastAPI:
 
     @app.get("/health", tags=["health"], summary="store reachable; positions (no token needed)",
              responses={**_ok(Health, "the server is up"), 503: _problems()[503], 500: _problems()[500]})
-    def health(request: Request) -> Response:
-        return json_response(_service(request).health())
+    async def health(request: Request) -> Response:
+        service = _service(request)
+        limiter = getattr(request.app.state, "health_limiter", None)
+        return json_response(await anyio.to_thread.run_sync(service.health, limiter=limiter))
 
     api = APIRouter(responses=_problems(), dependencies=[Depends(distinct_keys)])
 

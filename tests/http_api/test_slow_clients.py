@@ -1,0 +1,121 @@
+"""Clients that hold connections or worker threads (found by a security review of ``serve``).
+
+* uvicorn waited forever for a first request, for the rest of a head and for a declared
+  body: a few thousand connections that sent nothing (from anyone who could reach the
+  port, no token needed) used up the server's file descriptors, ``GET /health`` timed out
+  and asyncio's accept errors flooded stderr. Now a request's head must arrive within
+  ``AGENTFOLD_HTTP_HEAD_WAIT`` s (10) and its body within ``AGENTFOLD_HTTP_BODY_WAIT`` s (60)
+  more, else the connection is closed; a request being answered (a long poll) is not.
+* ``GET /health`` shared the 256 worker threads of every request: 300 long polls made a
+  liveness probe wait 17 s. It has threads of its own now.
+* ``serve`` warns about a short token and about plain HTTP on an address that is not loopback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.http_api.support import TOKEN, ApiServer, start_server
+from tests.test_cli import Ran, agentfold
+
+HEAD_WAIT = 1.0
+BODY_WAIT = 2.0
+DEADLINES = {"AGENTFOLD_HTTP_HEAD_WAIT": str(HEAD_WAIT), "AGENTFOLD_HTTP_BODY_WAIT": str(BODY_WAIT)}
+
+
+def _connect(server: ApiServer) -> socket.socket:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _closed_after(conn: socket.socket, sent: bytes) -> float:
+    """Send ``sent``, then the seconds until the server closes the connection (it answers nothing)."""
+    started = time.monotonic()
+    if sent:
+        conn.sendall(sent)
+    assert conn.recv(65536) == b"", "the server answered a request it had not received whole"
+    return time.monotonic() - started
+
+
+def test_connections_that_do_not_send_a_whole_request_in_time_are_closed_and_answered_ones_are_not(
+    tmp_path: Path,
+) -> None:
+    server = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path, env=DEADLINES)
+    try:
+        with _connect(server) as idle, _connect(server) as partial_head, _connect(server) as partial_body:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                waits = [
+                    pool.submit(_closed_after, idle, b""),
+                    pool.submit(_closed_after, partial_head, b"GET /health HTTP/1.1\r\nHost: te"),
+                    pool.submit(_closed_after, partial_body, (
+                        f"POST /runs HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {TOKEN}\r\n"
+                        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()),
+                ]
+                idle_s, head_s, body_s = (w.result(timeout=60) for w in waits)
+        assert HEAD_WAIT * 0.8 <= idle_s < HEAD_WAIT + 4, idle_s
+        assert HEAD_WAIT * 0.8 <= head_s < HEAD_WAIT + 4, head_s
+        # The head came at once: the body had its own BODY_WAIT seconds more.
+        assert HEAD_WAIT + BODY_WAIT * 0.8 <= body_s < HEAD_WAIT + BODY_WAIT + 4, body_s
+
+        # A client that keeps its connection and sends whole requests is never cut, however long
+        # it stays; neither is a request whose answer takes longer than the deadlines (a long poll).
+        c = server.client()
+        started = time.monotonic()
+        while time.monotonic() - started < HEAD_WAIT * 3:
+            assert c.get("/health").status_code == 200
+            time.sleep(HEAD_WAIT / 4)
+        polled = time.monotonic()
+        slow = c.get("/runs", params={"min_position": 10**9, "wait": HEAD_WAIT + BODY_WAIT + 1})
+        assert slow.status_code == 200 and time.monotonic() - polled >= HEAD_WAIT + BODY_WAIT
+    finally:
+        server.stop()
+
+
+def test_health_answers_at_once_while_long_polls_hold_every_worker_thread(tmp_path: Path) -> None:
+    server = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path)
+    polls = 300  # more than the 256 worker threads
+    try:
+        with concurrent.futures.ThreadPoolExecutor(polls) as pool:
+            def long_poll(_: int) -> int:
+                with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                                  timeout=60) as c:
+                    return c.get("/runs", params={"min_position": 10**9, "wait": 10}).status_code
+
+            answered = pool.map(long_poll, range(polls))
+            time.sleep(2.0)  # every worker thread is waiting now
+            started = time.monotonic()
+            health = httpx.get(server.url + "/health", timeout=30)
+            took = time.monotonic() - started
+            assert health.status_code == 200
+            assert took < 3.0, f"/health took {took:.1f} s behind the long polls"
+            assert set(answered) == {200}
+    finally:
+        server.stop()
+
+
+def _serve_stderr(tmp_path: Path, *args: str, token: str = TOKEN, env: dict[str, str] | None = None) -> str:
+    server = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path, *args,
+                          env={"AGENTFOLD_API_TOKEN": token, **(env or {})})
+    server.stop()
+    return server.logs()
+
+
+def test_serve_warns_about_a_short_token_and_plain_http_beyond_loopback_and_refuses_bad_deadlines(
+    tmp_path: Path,
+) -> None:
+    quiet = _serve_stderr(tmp_path)
+    assert "warning" not in quiet, quiet
+    short = _serve_stderr(tmp_path, token="12345")
+    assert "warning: AGENTFOLD_API_TOKEN is 5 characters long" in short
+    everywhere = _serve_stderr(tmp_path, "--host", "0.0.0.0")
+    assert "warning: serving plain HTTP on 0.0.0.0" in everywhere
+    for name, value in (("AGENTFOLD_HTTP_HEAD_WAIT", "soon"), ("AGENTFOLD_HTTP_BODY_WAIT", "0")):
+        ran: Ran = agentfold("serve", "--port", "0", store=f"sqlite:///{tmp_path / 'agentfold.db'}",
+                             env={"AGENTFOLD_API_TOKEN": TOKEN, name: value}, timeout=60)
+        assert ran.code == 2 and ran.stdout == "", (ran.code, ran.stdout, ran.stderr)
+        assert f"http.setting_invalid: {name}=" in ran.stderr
