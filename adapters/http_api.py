@@ -847,6 +847,12 @@ def authorized(
 Service = Annotated[ApiService, Depends(authorized)]
 
 
+def _bearer_of(request: Request) -> str | None:
+    """The bearer token a request carries, if any (compare it with ``hmac.compare_digest``)."""
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    return credentials if scheme.lower() == "bearer" and credentials else None
+
+
 async def distinct_keys(request: Request, service: Service) -> None:
     """Refuse a write whose JSON body has a key twice in one object (after the token check).
 
@@ -1062,7 +1068,15 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     async def health(request: Request) -> Response:
         service = _service(request)
         limiter = getattr(request.app.state, "health_limiter", None)
-        return json_response(await anyio.to_thread.run_sync(service.health, limiter=limiter))
+        try:
+            return json_response(await anyio.to_thread.run_sync(service.health, limiter=limiter))
+        except StoreFailure as exc:
+            given = _bearer_of(request)
+            if given is not None and hmac.compare_digest(given.encode("utf-8"), service.token.encode("utf-8")):
+                raise
+            # No token needed here: say what (the code), not where (store paths, server addresses).
+            raise StoreFailure(exc.code, "the server is not healthy now",
+                               hint="send the server's bearer token to GET /health for the reason") from None
 
     api = APIRouter(responses=_problems(), dependencies=[Depends(distinct_keys)])
 

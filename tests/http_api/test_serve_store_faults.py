@@ -35,7 +35,7 @@ from adapters.eventstore import EventStore
 from adapters.http_api import HEALTH_PROBE_SECONDS
 from adapters.leases import PROBE_STALL_SECONDS
 from adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
-from tests.http_api.support import ok, problem, send_at_once, start_server, wait_until
+from tests.http_api.support import TOKEN, ok, problem, send_at_once, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
 from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, one_tool_call, two_call_round
@@ -59,7 +59,8 @@ def refuse_appends(url: str, on: bool) -> None:
 
 
 def health(server: Any) -> httpx.Response:
-    return httpx.get(server.url + "/health", timeout=30)
+    """GET /health with the token: its problems then say why (without it, only the code)."""
+    return httpx.get(server.url + "/health", timeout=60, headers={"Authorization": f"Bearer {TOKEN}"})
 
 
 def test_a_run_stopped_by_a_failed_append_is_reported_by_health_and_adopted_again_once_appends_work(
@@ -143,6 +144,9 @@ def test_a_store_file_removed_or_replaced_under_the_server_is_reported_and_never
         assert answer.status_code == 503, answer.text
         assert answer.json()["code"] == "store.unavailable"
         assert f"was {how} while this process had it open" in answer.json()["detail"]
+        # Without the token (a liveness probe, anyone who reaches the port): the code, not the path.
+        stranger = problem(httpx.get(server.url + "/health", timeout=30), 503, "store.unavailable")
+        assert str(tmp_path) not in json.dumps(stranger) and "bearer token" in stranger["hint"]
         refused = c.post("/runs", json={"scenario": one_tool_call(tmp_path / "pay.log"), "start_id": "after"})
         assert refused.status_code == 503, refused.text
         assert refused.json()["code"] == "store.unavailable"
@@ -267,7 +271,7 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
         for after in (1.0, PROBE_STALL_SECONDS + 2.0):  # seconds into the freeze
             time.sleep(max(0.0, frozen_at + after - time.monotonic()))
             began = time.monotonic()
-            answer = httpx.get(server.url + "/health", timeout=60)
+            answer = health(server)  # with the token: the detail says why
             took = time.monotonic() - began
             body = problem(answer, 503, "store.unavailable")
             assert took < HEALTH_PROBE_SECONDS + 3, took
