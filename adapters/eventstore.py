@@ -352,6 +352,15 @@ def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> Non
 
 
 
+def _on_read_only_fs(path: Path) -> bool:
+    """Whether ``path`` (or, when it does not exist, its folder) is on a read-only file system."""
+    try:
+        target = path if path.exists() else path.absolute().parent
+        return bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def sqlite_read_only_uri(path: Path) -> str | None:
     """The ``file:`` URI to read the SQLite store at ``path`` with, when its file system is
     mounted read-only; None when it takes writes (or ``path`` cannot be examined).
@@ -361,9 +370,9 @@ def sqlite_read_only_uri(path: Path) -> str | None:
     the file, which nothing on this machine can change, so it is opened ``immutable``; with
     a log, ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
     """
+    if not _on_read_only_fs(path):
+        return None
     try:
-        if not os.statvfs(path).f_flag & os.ST_RDONLY:
-            return None
         wal = Path(f"{path}-wal")
         logged = wal.exists() and wal.stat().st_size > 0
     except OSError:
@@ -428,6 +437,8 @@ class EventStore:
         )
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
+        elif self.backend == "sqlite" and _on_read_only_fs(Path(settings["SQLITE_DBNAME"])):
+            raise self._read_only_failure()  # before anything is opened: sqlite3 says "unable to open"
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
