@@ -145,6 +145,10 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if not token.strip():
         raise InvalidInput("http.token_missing", f"set {TOKEN_ENV} to the bearer token clients must send",
                            hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
+    if not (token.isascii() and token.isprintable()) or token != token.strip() or " " in token:
+        # HTTP headers carry bytes: a client could not send such a token as the server compares it.
+        raise InvalidInput("http.token_invalid", f"{TOKEN_ENV} must be printable ASCII without spaces",
+                           hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
     adopt_every = args.adopt_every
     if not (adopt_every >= 0 and math.isfinite(adopt_every)):
         raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",

@@ -367,17 +367,18 @@ def sqlite_read_only_uri(path: Path) -> str | None:
 
     There SQLite cannot create the ``-shm`` file a WAL-mode store needs: with no write-ahead
     log beside it (a store closed cleanly, or a copy of its main file), every commit is in
-    the file, which nothing on this machine can change, so it is opened ``immutable``; with
-    a log, ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
+    the file, so it is opened ``immutable`` (docs/cli.md: a read-only view of a folder that
+    something else still writes to is not supported); with a log, even an empty one,
+    ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
     """
     if not _on_read_only_fs(path):
         return None
     try:
-        wal = Path(f"{path}-wal")
-        logged = wal.exists() and wal.stat().st_size > 0
+        real = path.resolve()  # SQLite names the -wal after the file a link points to
+        logged = Path(f"{real}-wal").exists()
     except OSError:
         return None
-    return f"{path.absolute().as_uri()}?{'mode=ro' if logged else 'immutable=1'}"
+    return f"{real.as_uri()}?{'mode=ro' if logged else 'immutable=1'}"
 
 
 #: SQLite's primary result codes for a file whose pages are damaged or that is no database.
@@ -558,15 +559,17 @@ class EventStore:
             with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
                 present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
-            if self.read_only_uri is not None:
+            damaged = sqlite_damage(exc, self.url)
+            if damaged is not None:
+                raise damaged from exc
+            if self.read_only_uri is not None and "mode=ro" in self.read_only_uri and not Path(f"{path.resolve()}-shm").exists():
                 raise StoreFailure(
                     "store.unavailable",
                     f"cannot open store {redact(self.url)} on a read-only file system: {exc}",
-                    hint=f"its write-ahead log {path.name}-wal holds recent commits that SQLite reads only with "
+                    hint=f"its write-ahead log {path.name}-wal may hold recent commits, which SQLite reads only with "
                     f"the {path.name}-shm file beside it; copy the store's files to a writable directory",
                 ) from exc
-            raise sqlite_damage(exc, self.url) or StoreFailure(
-                "store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
+            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
         self._check_tables(present)
 
     def _require_tables(self) -> None:

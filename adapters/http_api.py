@@ -77,9 +77,10 @@ HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 """Request bodies above this are refused before they are read (the CLI's JSON text bound)."""
 MAX_RUNS_PAGE = 500
 WORKER_THREADS = 256
-#: Threads that answer ``GET /health`` (apart from the WORKER_THREADS of every other request).
-HEALTH_THREADS = 4
 """Requests run on worker threads (they block on the store, or on ``wait``): this many at once."""
+#: Threads that answer ``GET /health`` (apart from the WORKER_THREADS of every other request).
+#: Each may wait up to HEALTH_PROBE_SECONDS for a store that does not answer.
+HEALTH_THREADS = 64
 
 log = logging.getLogger("agentfold.http")
 
@@ -850,6 +851,7 @@ Service = Annotated[ApiService, Depends(authorized)]
 def _bearer_of(request: Request) -> str | None:
     """The bearer token a request carries, if any (compare it with ``hmac.compare_digest``)."""
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    credentials = credentials.strip()
     return credentials if scheme.lower() == "bearer" and credentials else None
 
 
@@ -957,6 +959,7 @@ class BearerFirst:
                 header = value
                 break
         scheme, _, credentials = header.partition(b" ")
+        credentials = credentials.strip()  # as FastAPI's HTTPBearer reads it
         if scheme.lower() != b"bearer" or not credentials:
             error = Unauthorized("http.unauthorized", "this endpoint needs Authorization: Bearer <token>",
                                  hint=f"send the token the server was started with (${TOKEN_ENV})")

@@ -141,6 +141,7 @@ class FileLeases(_Durable):
         self._lock = threading.Lock()
         self._held: set[TreeID] = set()
         self._fd = -1
+        self._reopen_failed = False
         self._open()
 
     def _open(self) -> None:
@@ -164,8 +165,12 @@ class FileLeases(_Durable):
             try:
                 self._open()
             except OSError as exc:
-                log.warning("the lease file %s was removed or replaced, and cannot be opened again: %s", self.path, exc)
+                if not self._reopen_failed:  # once per outage, not at every poll
+                    log.warning("the lease file %s was removed or replaced, and cannot be opened again: %s",
+                                self.path, exc)
+                self._reopen_failed = True
                 return set()
+            self._reopen_failed = False
             lost = {tree_id for tree_id in self._held if not self._fcntl(fcntl.F_WRLCK, tree_id)}
             self._held -= lost
             os.close(old)  # its locks excluded nobody any more

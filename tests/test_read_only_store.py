@@ -130,6 +130,13 @@ def test_a_read_only_copy_taken_with_its_write_ahead_log_is_read_whole(tmp_path:
     got = json.loads(ok(agentfold("trees", "--json", store=copy)).stdout)
     assert got == expected  # the resolution that lives only in the log is there
     assert json.loads(ok(agentfold("unknown", "--json", store=copy)).stdout)["unknown_effects"] == still
+    # Through a symbolic link from elsewhere: SQLite looks for the log beside the file the link
+    # names, and so must the choice of how to open it (it once took the link's folder, found no
+    # log there and read the file without it: the resolved effect was unknown again).
+    link = tmp_path / "link.db"
+    link.symlink_to(mount_point / "agentfold.db")
+    linked = json.loads(ok(agentfold("unknown", "--json", store=f"sqlite:///{link}")).stdout)["unknown_effects"]
+    assert linked == still
 
     # Without the -shm file SQLite cannot read such a log there: a clear refusal, not old data.
     subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
@@ -140,3 +147,12 @@ def test_a_read_only_copy_taken_with_its_write_ahead_log_is_read_whole(tmp_path:
     ran = agentfold("trees", "--json", store=copy)
     assert ran.code == 1 and json.loads(ran.stderr)["error"]["code"] == "store.unavailable", ran.stderr
     assert "-shm" in json.loads(ran.stderr)["error"]["hint"]
+
+
+def test_a_file_that_is_no_database_on_a_read_only_file_system_is_store_damaged(mount_point: Path) -> None:
+    (mount_point / "agentfold.db").write_bytes(b"not an SQLite database " * 200)
+    assert _mount(mount_point, "remount,ro")
+    ran = agentfold("trees", "--json", store=f"sqlite:///{mount_point / 'agentfold.db'}")
+    assert ran.code == 1, ran.stderr
+    error = json.loads(ran.stderr)["error"]
+    assert error["code"] == "store.damaged" and "-shm" not in error["hint"], error

@@ -33,13 +33,32 @@ def _connect(server: ApiServer) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
-def _closed_after(conn: socket.socket, sent: bytes) -> float:
-    """Send ``sent``, then the seconds until the server closes the connection (it answers nothing)."""
-    started = time.monotonic()
-    if sent:
-        conn.sendall(sent)
-    assert conn.recv(65536) == b"", "the server answered a request it had not received whole"
-    return time.monotonic() - started
+def _closed_after(server: ApiServer, sent: bytes) -> float:
+    """Connect, send ``sent``, then the seconds from the connection to the server closing it
+    (it answers nothing)."""
+    with _connect(server) as conn:
+        started = time.monotonic()
+        if sent:
+            conn.sendall(sent)
+        assert conn.recv(65536) == b"", "the server answered a request it had not received whole"
+        return time.monotonic() - started
+
+
+def _exchange(conn: socket.socket, request: bytes) -> bytes:
+    """Send one request on ``conn`` and read its whole response (Content-Length framed)."""
+    conn.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, "the server closed the connection in a response"
+        body += chunk
+    return head
 
 
 def test_connections_that_do_not_send_a_whole_request_in_time_are_closed_and_answered_ones_are_not(
@@ -47,16 +66,15 @@ def test_connections_that_do_not_send_a_whole_request_in_time_are_closed_and_ans
 ) -> None:
     server = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path, env=DEADLINES)
     try:
-        with _connect(server) as idle, _connect(server) as partial_head, _connect(server) as partial_body:
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                waits = [
-                    pool.submit(_closed_after, idle, b""),
-                    pool.submit(_closed_after, partial_head, b"GET /health HTTP/1.1\r\nHost: te"),
-                    pool.submit(_closed_after, partial_body, (
-                        f"POST /runs HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {TOKEN}\r\n"
-                        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()),
-                ]
-                idle_s, head_s, body_s = (w.result(timeout=60) for w in waits)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waits = [
+                pool.submit(_closed_after, server, b""),
+                pool.submit(_closed_after, server, b"GET /health HTTP/1.1\r\nHost: te"),
+                pool.submit(_closed_after, server, (
+                    f"POST /runs HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()),
+            ]
+            idle_s, head_s, body_s = (w.result(timeout=60) for w in waits)
         assert HEAD_WAIT * 0.8 <= idle_s < HEAD_WAIT + 4, idle_s
         assert HEAD_WAIT * 0.8 <= head_s < HEAD_WAIT + 4, head_s
         # The head came at once: the body had its own BODY_WAIT seconds more.
@@ -64,14 +82,19 @@ def test_connections_that_do_not_send_a_whole_request_in_time_are_closed_and_ans
 
         # A client that keeps its connection and sends whole requests is never cut, however long
         # it stays; neither is a request whose answer takes longer than the deadlines (a long poll).
-        c = server.client()
-        started = time.monotonic()
-        while time.monotonic() - started < HEAD_WAIT * 3:
-            assert c.get("/health").status_code == 200
-            time.sleep(HEAD_WAIT / 4)
-        polled = time.monotonic()
-        slow = c.get("/runs", params={"min_position": 10**9, "wait": HEAD_WAIT + BODY_WAIT + 1})
-        assert slow.status_code == 200 and time.monotonic() - polled >= HEAD_WAIT + BODY_WAIT
+        # One raw connection (an HTTP client library would reconnect behind our back).
+        with _connect(server) as conn:
+            get = f"GET /health HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+            started = time.monotonic()
+            while time.monotonic() - started < HEAD_WAIT * 3:
+                assert _exchange(conn, get).startswith(b"HTTP/1.1 200")
+                time.sleep(HEAD_WAIT * 0.6)
+            poll = (f"GET /runs?min_position={10**9}&wait={HEAD_WAIT + BODY_WAIT + 1:g} HTTP/1.1\r\nHost: test\r\n"
+                    f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
+            polled = time.monotonic()
+            assert _exchange(conn, poll).startswith(b"HTTP/1.1 200")
+            assert time.monotonic() - polled >= HEAD_WAIT + BODY_WAIT
+            assert _exchange(conn, get).startswith(b"HTTP/1.1 200")  # the same connection, still open
     finally:
         server.stop()
 
@@ -84,10 +107,19 @@ def test_health_answers_at_once_while_long_polls_hold_every_worker_thread(tmp_pa
             def long_poll(_: int) -> int:
                 with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
                                   timeout=60) as c:
-                    return c.get("/runs", params={"min_position": 10**9, "wait": 10}).status_code
+                    return c.get("/runs", params={"min_position": 10**9, "wait": 20}).status_code
 
             answered = pool.map(long_poll, range(polls))
-            time.sleep(2.0)  # every worker thread is waiting now
+            # Until every worker thread is taken, a cheap authenticated read answers at once.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    httpx.get(server.url + "/runs", params={"limit": 1}, timeout=1.0,
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+                except httpx.TimeoutException:
+                    break  # the worker threads are all waiting now
+                assert time.monotonic() < deadline, "the long polls never took every worker thread"
+                time.sleep(0.2)
             started = time.monotonic()
             health = httpx.get(server.url + "/health", timeout=30)
             took = time.monotonic() - started
@@ -114,6 +146,10 @@ def test_serve_warns_about_a_short_token_and_plain_http_beyond_loopback_and_refu
     assert "warning: AGENTFOLD_API_TOKEN is 5 characters long" in short
     everywhere = _serve_stderr(tmp_path, "--host", "0.0.0.0")
     assert "warning: serving plain HTTP on 0.0.0.0" in everywhere
+    for token in ("tökén-" + "x" * 20, "two words and more", " padded-token-0123456789 "):
+        ran = agentfold("serve", "--port", "0", store=f"sqlite:///{tmp_path / 'agentfold.db'}",
+                        env={"AGENTFOLD_API_TOKEN": token}, timeout=60)
+        assert ran.code == 2 and "http.token_invalid" in ran.stderr, (ran.code, ran.stderr)
     for name, value in (("AGENTFOLD_HTTP_HEAD_WAIT", "soon"), ("AGENTFOLD_HTTP_BODY_WAIT", "0")):
         ran: Ran = agentfold("serve", "--port", "0", store=f"sqlite:///{tmp_path / 'agentfold.db'}",
                              env={"AGENTFOLD_API_TOKEN": TOKEN, name: value}, timeout=60)
