@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from domain.errors import AgentfoldError, InvalidInput
@@ -45,6 +46,9 @@ def register(command: Any) -> None:
     """Add this module's commands with ``command(name, handler, help, timeout=False)`` (adapters.cli)."""
     serve = command("serve", cmd_serve, "serve the authenticated HTTP API over the store (docs/http-api.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--side-effect-dir", metavar="DIR", default=None,
+                       help="the folder scenarios started over HTTP may name side-effect logs in (relative "
+                       "paths resolve against it); without it a scenario with side_effect_log is refused")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
     serve.add_argument("--no-follow", action="store_true",
@@ -154,6 +158,10 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
         raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
                            hint="0 turns the scan off")
     protocol = request_read_deadlines()  # AGENTFOLD_HTTP_HEAD_WAIT / _BODY_WAIT: refused before listening
+    side_effect_dir = Path(args.side_effect_dir) if args.side_effect_dir is not None else None
+    if side_effect_dir is not None and not side_effect_dir.is_dir():
+        raise InvalidInput("cli.argument_invalid", f"--side-effect-dir {args.side_effect_dir!r} is not a folder",
+                           hint="create it first, or leave the option out to refuse side-effect logs")
     if len(token.strip()) < MIN_TOKEN_CHARS:
         _say(f"warning: {TOKEN_ENV} is {len(token.strip())} characters long; a token anyone can guess opens every "
              f"run (use {MIN_TOKEN_CHARS} or more, e.g. $(openssl rand -hex 32))")
@@ -168,7 +176,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     try:
         store = ctx.open_store(create=True)
         try:
-            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every)
+            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
+                                      side_effect_dir=side_effect_dir)
             try:
                 recovered = service.recover() if args.recover else []
                 host, port = sock.getsockname()[:2]

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import os
+import pathlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future
@@ -50,7 +51,13 @@ from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import RandomIds, Runtime
-from adapters.scenario import scenario_input, scenario_program, validate_scenario
+from adapters.scenario import (
+    confine_side_effect_logs,
+    confined_input_log,
+    scenario_input,
+    scenario_program,
+    validate_scenario,
+)
 from adapters.sources import ProgramSources
 from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, duplicate_key, normalize
 from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
@@ -441,6 +448,9 @@ class ApiService:
     ids: _StartIds
     token: str
     follower: FollowerThread | None = None
+    #: The folder a scenario's side-effect logs may be in (relative ones are resolved against
+    #: it); None: a scenario that names one is refused.
+    side_effect_dir: pathlib.Path | None = None
     queries: HostQueries = field(init=False)
     folding: HostQueries = field(init=False)
     _probe: Future[Any] | None = field(init=False, default=None)
@@ -452,9 +462,11 @@ class ApiService:
 
     @classmethod
     def open(
-        cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True, adopt_every: float = 0.0
+        cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True, adopt_every: float = 0.0,
+        side_effect_dir: pathlib.Path | None = None,
     ) -> ApiService:
-        """``adopt_every``: seconds between scans for runs nobody owns (a dead peer's), 0 = none."""
+        """``adopt_every``: seconds between scans for runs nobody owns (a dead peer's), 0 = none;
+        ``side_effect_dir``: where scenarios' side-effect logs may be (None: nowhere)."""
         ids = _StartIds()
         runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids, adopt_orphans_every=adopt_every)
         follower = None
@@ -465,7 +477,7 @@ class ApiService:
         except BaseException:
             runtime.close()
             raise
-        return cls(store, sources, runtime, ids, token, follower)
+        return cls(store, sources, runtime, ids, token, follower, side_effect_dir)
 
     def recover(self) -> list[dict[str, Any]]:
         """Adopt every live tree nobody owns (``--recover``); one entry per live tree."""
@@ -636,7 +648,10 @@ class ApiService:
         if body.scenario is not None:
             if "input" in body.model_fields_set:
                 raise RequestInvalid("a scenario carries its own input (its input member); drop input")
-            doc = validate_scenario(body.scenario)
+            doc = validate_scenario(body.scenario, base_dir=self.side_effect_dir)
+            # A scenario's tools append to its side-effect log inside this server: only where
+            # the operator allowed (any path the server could write to, before).
+            confine_side_effect_logs(doc, self.side_effect_dir)
             program = scenario_program(doc)
             run_input: JSON = scenario_input(doc)
             configuration: JSON = doc
@@ -647,6 +662,10 @@ class ApiService:
                 raise NotFound("engine.program.unavailable", f"this server binds no Program named {body.program!r}",
                                hint="start a scenario, or a Program the server was started with")
             program, run_input, configuration = found, normalize(body.input, what="input"), None
+            if isinstance(run_input, dict) and "side_effect_log" in run_input:
+                # The bound kernel demo appends to the file its input names: confined like a scenario's log.
+                run_input = {**run_input, "side_effect_log": confined_input_log(
+                    run_input["side_effect_log"], "input.side_effect_log", self.side_effect_dir)}
         if body.start_id is not None:
             handle = self.runtime.start(program, run_input, start_id=body.start_id, configuration=configuration)
         else:

@@ -326,6 +326,46 @@ def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
     return str(log)
 
 
+def side_effect_logs(doc: dict[str, Any], path: str = "$") -> list[tuple[str, str]]:
+    """Every ``side_effect_log`` of a validated scenario and of its Delegates' scenarios, with
+    where each is (``$.delegates[0].scenario.side_effect_log``)."""
+    found = [(f"{path}.side_effect_log", str(doc["side_effect_log"]))] if doc.get("side_effect_log") else []
+    for i, delegate in enumerate(doc.get("delegates", [])):
+        found += side_effect_logs(delegate["scenario"], f"{path}.delegates[{i}].scenario")
+    return found
+
+
+def confine_side_effect_logs(doc: dict[str, Any], folder: Path | None) -> None:
+    """Refuse a validated scenario that names a side-effect log outside ``folder`` (any log
+    when ``folder`` is None): what a server lets a client's scenario append to."""
+    for where, log in side_effect_logs(doc):
+        problem = side_effect_log_refusal(log, folder)
+        if problem is not None:
+            raise ScenarioError(where, problem)
+
+
+def side_effect_log_refusal(log: str, folder: Path | None) -> str | None:
+    """Why a server refuses the (absolute) side-effect log ``log``, or None when it is inside ``folder``."""
+    if folder is None:
+        return "this server writes no side-effect logs (it was started without --side-effect-dir): drop side_effect_log"
+    if not Path(log).is_relative_to(folder.resolve()):
+        return f"{log!r} is outside this server's --side-effect-dir {str(folder.resolve())!r}"
+    return None
+
+
+def confined_input_log(value: Any, where: str, folder: Path | None) -> str:
+    """A Program input's ``side_effect_log`` (the kernel demo's), resolved against ``folder`` and
+    refused outside it, as a scenario's is (``engine.start.input_invalid``)."""
+    try:
+        log = _side_effect_log(value, where, folder)
+    except ScenarioError as exc:
+        raise InvalidInput("engine.start.input_invalid", exc.message) from exc
+    problem = side_effect_log_refusal(log, folder)
+    if problem is not None:
+        raise InvalidInput("engine.start.input_invalid", f"{where}: {problem}")
+    return log
+
+
 def load_scenario_file(path: str | Path) -> dict[str, Any]:
     file = Path(path)
     try:

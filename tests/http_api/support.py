@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -63,8 +64,10 @@ class ApiServer:
         return self.log.read_text() if self.log.exists() else ""
 
 
-def serve_command(store: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "adapters.cli", "serve", "--store", store, "--port", "0", "--json", *args]
+def serve_command(store: str, *args: str, side_effects: bool = True) -> list[str]:
+    # The tests' scenarios log their tool calls under the temporary folder (pytest's tmp_path).
+    allow = [] if "--side-effect-dir" in args or not side_effects else ["--side-effect-dir", tempfile.gettempdir()]
+    return [sys.executable, "-m", "adapters.cli", "serve", "--store", store, "--port", "0", "--json", *allow, *args]
 
 
 def server_env(token: str | None = TOKEN) -> dict[str, str]:
@@ -76,11 +79,12 @@ def server_env(token: str | None = TOKEN) -> dict[str, str]:
 
 
 def start_server(store: str, log_dir: Path, *args: str, timeout: float = 60.0,
-                 env: dict[str, str] | None = None) -> ApiServer:
+                 env: dict[str, str] | None = None, side_effects: bool = True) -> ApiServer:
     """Start ``agentfold serve`` (``env``: more environment variables) and wait until ``/health`` answers."""
     log = log_dir / f"server-{uuid.uuid4().hex[:8]}.log"
     with log.open("w") as err:
-        proc = subprocess.Popen(serve_command(store, *args), stdout=subprocess.PIPE, stderr=err, text=True,
+        proc = subprocess.Popen(serve_command(store, *args, side_effects=side_effects), stdout=subprocess.PIPE,
+                                stderr=err, text=True,
                                 cwd=ROOT, env={**server_env(), **(env or {})})
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout

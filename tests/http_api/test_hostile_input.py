@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.http_api.support import ApiServer, ok, problem
+from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.http_api.test_api import HELLO, parked_approval, run, sid, start, unknown_of
-from tests.test_cli_interaction import LEFT_TO_HOST, two_call_round
+from tests.test_cli_interaction import LEFT_TO_HOST, one_tool_call, two_call_round
 
 
 def _post(c: httpx.Client, url: str, body: Any) -> httpx.Response:
@@ -183,3 +184,42 @@ def test_a_cursor_with_digits_that_are_not_ascii_is_refused_not_a_500(api: ApiSe
     for after in ("m²", "f¹¹", "m٣"):
         problem(c.get("/runs", params={"after": after}), 422, "http.cursor_invalid")
     ok(c.get("/runs", params={"after": "m3"}))
+
+
+def test_a_scenario_may_log_side_effects_only_inside_the_servers_side_effect_dir(tmp_path: Path) -> None:
+    # A client's scenario named any file the server could append to (its tools write one JSON
+    # line per call there, with arguments the client chose): a write primitive on the machine.
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    outside = tmp_path / "victim.txt"
+    server = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path, "--side-effect-dir", str(allowed))
+    try:
+        c = server.client()
+        for log, sid_ in ((str(outside), "out-abs"), ("../victim.txt", "out-rel")):
+            refused = problem(c.post("/runs", json={"scenario": one_tool_call(Path(log)), "start_id": sid(sid_)}),
+                              422, "scenario.invalid")
+            assert "outside this server's --side-effect-dir" in refused["detail"], refused
+        # The same door through the bound kernel demo Program, whose input names its log.
+        order = {"customer": "ada", "amount_cents": 100, "side_effect_log": str(outside)}
+        refused = problem(c.post("/runs", json={"program": "demo.payment", "input": order}), 422,
+                          "engine.start.input_invalid")
+        assert "outside this server's --side-effect-dir" in refused["detail"], refused
+        assert not outside.exists()
+        ok(c.post("/runs", json={"scenario": one_tool_call(Path("calls.jsonl")), "start_id": sid("inside"),
+                                 "wait": 10}), 201)
+        assert (allowed / "calls.jsonl").read_text().count("\n") == 1  # relative: inside the folder
+        ok(c.post("/runs", json={"program": "demo.payment", "input": {**order, "side_effect_log": "pay.jsonl"},
+                                 "wait": 10}), 201)
+        assert (allowed / "pay.jsonl").exists()
+    finally:
+        server.stop()
+    # Without the option, no scenario may name a log at all.
+    bare = start_server(f"sqlite:///{tmp_path / 'other.db'}", tmp_path, side_effects=False)
+    try:
+        refused = problem(bare.client().post("/runs", json={"scenario": one_tool_call(allowed / "x.jsonl")}),
+                          422, "scenario.invalid")
+        assert "started without --side-effect-dir" in refused["detail"], refused
+        ok(bare.client().post("/runs", json={"scenario": HELLO, "start_id": sid("no-log")}), 201)
+    finally:
+        bare.stop()
+    assert not (allowed / "x.jsonl").exists()
