@@ -350,8 +350,6 @@ def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> Non
                         "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)", reason)
 
 
-
-
 def _on_read_only_fs(path: Path) -> bool:
     """Whether ``path`` (or, when it does not exist, its folder) is on a read-only file system."""
     try:
@@ -362,8 +360,8 @@ def _on_read_only_fs(path: Path) -> bool:
 
 
 def sqlite_read_only_uri(path: Path) -> str | None:
-    """The ``file:`` URI to read the SQLite store at ``path`` with, when its file system is
-    mounted read-only; None when it takes writes (or ``path`` cannot be examined).
+    """The ``file:`` URI to read the SQLite store at ``path`` with, its file system being
+    mounted read-only (None when ``path`` cannot be examined).
 
     There SQLite cannot create the ``-shm`` file a WAL-mode store needs: with no write-ahead
     log beside it (a store closed cleanly, or a copy of its main file), every commit is in
@@ -371,8 +369,6 @@ def sqlite_read_only_uri(path: Path) -> str | None:
     something else still writes to is not supported); with a log, even an empty one,
     ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
     """
-    if not _on_read_only_fs(path):
-        return None
     try:
         real = path.resolve()  # SQLite names the -wal after the file a link points to
         logged = Path(f"{real}-wal").exists()
@@ -410,11 +406,13 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
         seen = seen.__cause__ or seen.__context__
     return None
 
+
 #: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
     "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
 )
+
 
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
@@ -432,14 +430,16 @@ class EventStore:
             raise InvalidInput("store.url_invalid", f"{redact(url)} names a directory, not an SQLite file",
                                hint="name the store's file, e.g. sqlite:///path/agentfold.db")
         # A store on a read-only file system (a backup or an evidence copy mounted read-only) is
-        # read through a read-only URI: SQLite cannot open a WAL-mode file there otherwise.
-        self.read_only_uri = (
-            sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"])) if self.backend == "sqlite" and not create else None
-        )
+        # read through a read-only URI: SQLite cannot open a WAL-mode file there otherwise. A
+        # command that would create runs there is refused before anything is opened (sqlite3
+        # would only say "unable to open database file").
+        self.read_only_uri: str | None = None
+        if self.backend == "sqlite" and _on_read_only_fs(Path(settings["SQLITE_DBNAME"])):
+            if create:
+                raise self._read_only_failure()
+            self.read_only_uri = sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"]))
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
-        elif self.backend == "sqlite" and _on_read_only_fs(Path(settings["SQLITE_DBNAME"])):
-            raise self._read_only_failure()  # before anything is opened: sqlite3 says "unable to open"
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
@@ -562,7 +562,8 @@ class EventStore:
             damaged = sqlite_damage(exc, self.url)
             if damaged is not None:
                 raise damaged from exc
-            if self.read_only_uri is not None and "mode=ro" in self.read_only_uri and not Path(f"{path.resolve()}-shm").exists():
+            without_shm = not Path(f"{path.resolve()}-shm").exists()
+            if self.read_only_uri is not None and self.read_only_uri.endswith("mode=ro") and without_shm:
                 raise StoreFailure(
                     "store.unavailable",
                     f"cannot open store {redact(self.url)} on a read-only file system: {exc}",

@@ -850,28 +850,38 @@ def _service(request: Request) -> ApiService:
     return service
 
 
+def token_refusal(authorization: str, token: str) -> Unauthorized | None:
+    """Why an ``Authorization`` header value does not carry the server's bearer token (None
+    when it does): the one check of the dependency, the early middleware and ``/health``."""
+    scheme, _, credentials = authorization.partition(" ")
+    credentials = credentials.strip()  # as FastAPI's HTTPBearer reads it
+    hint = f"send the token the server was started with (${TOKEN_ENV})"
+    if scheme.lower() != "bearer" or not credentials:
+        return Unauthorized("http.unauthorized", "this endpoint needs Authorization: Bearer <token>", hint=hint)
+    if not hmac.compare_digest(credentials.encode("utf-8"), token.encode("utf-8")):
+        return Unauthorized("http.unauthorized", "the bearer token is not this server's", hint=hint, invalid_token=True)
+    return None
+
+
+def unauthorized_response(error: Unauthorized) -> Response:
+    challenge = 'Bearer error="invalid_token"' if error.details.get("invalid_token") else "Bearer"
+    return problem_response(401, error.code, error.message, error.hint, headers={"WWW-Authenticate": challenge})
+
+
 def authorized(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> ApiService:
-    """The service, for a request that carries the server's bearer token."""
+    """The service, for a request that carries the server's bearer token (``credentials``:
+    declared for the OpenAPI document's security scheme)."""
     service = _service(request)
-    if credentials is None:
-        raise Unauthorized("http.unauthorized", "this endpoint needs Authorization: Bearer <token>",
-                           hint=f"send the token the server was started with (${TOKEN_ENV})")
-    if not hmac.compare_digest(credentials.credentials.encode("utf-8"), service.token.encode("utf-8")):
-        raise Unauthorized("http.unauthorized", "the bearer token is not this server's",
-                           hint=f"send the token the server was started with (${TOKEN_ENV})", invalid_token=True)
+    refusal = token_refusal(request.headers.get("authorization", ""), service.token)
+    if refusal is not None:
+        raise refusal
     return service
 
 
 Service = Annotated[ApiService, Depends(authorized)]
 
-
-def _bearer_of(request: Request) -> str | None:
-    """The bearer token a request carries, if any (compare it with ``hmac.compare_digest``)."""
-    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-    credentials = credentials.strip()
-    return credentials if scheme.lower() == "bearer" and credentials else None
 
 
 async def distinct_keys(request: Request, service: Service) -> None:
@@ -972,26 +982,12 @@ class BearerFirst:
         if scope["type"] != "http" or self.service is None or scope.get("path") in self.public:
             await self.app(scope, receive, send)
             return
-        header = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, credentials = header.partition(b" ")
-        credentials = credentials.strip()  # as FastAPI's HTTPBearer reads it
-        if scheme.lower() != b"bearer" or not credentials:
-            error = Unauthorized("http.unauthorized", "this endpoint needs Authorization: Bearer <token>",
-                                 hint=f"send the token the server was started with (${TOKEN_ENV})")
-            challenge = "Bearer"
-        elif not hmac.compare_digest(credentials, self.service.token.encode("utf-8")):
-            error = Unauthorized("http.unauthorized", "the bearer token is not this server's",
-                                 hint=f"send the token the server was started with (${TOKEN_ENV})")
-            challenge = 'Bearer error="invalid_token"'
-        else:
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        refusal = token_refusal(header.decode("latin-1"), self.service.token)  # as Starlette decodes headers
+        if refusal is None:
             await self.app(scope, receive, send)
-            return
-        response = problem_response(401, error.code, error.message, error.hint, headers={"WWW-Authenticate": challenge})
-        await response(scope, receive, send)
+        else:
+            await unauthorized_response(refusal)(scope, receive, send)
 
 
 #: A connection must send a request's head within this many seconds of being opened (or of
@@ -1093,8 +1089,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
         try:
             return json_response(await anyio.to_thread.run_sync(service.health, limiter=limiter))
         except StoreFailure as exc:
-            given = _bearer_of(request)
-            if given is not None and hmac.compare_digest(given.encode("utf-8"), service.token.encode("utf-8")):
+            if token_refusal(request.headers.get("authorization", ""), service.token) is None:
                 raise
             # No token needed here: say what (the code), not where (store paths, server addresses).
             raise StoreFailure(exc.code, "the server is not healthy now",
@@ -1235,13 +1230,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     Handler = Callable[[Request, Any], Awaitable[Response]]
 
     async def agentfold_error(request: Request, exc: AgentfoldError) -> Response:
-        headers = {}
         if isinstance(exc, Unauthorized):
-            headers["WWW-Authenticate"] = 'Bearer error="invalid_token"' if exc.details.get("invalid_token") else "Bearer"
-            extra: dict[str, Any] = {}
-        else:
-            extra = exc.members()
-        return problem_response(exc.http_status, exc.code, exc.message, exc.hint, extra, headers)
+            return unauthorized_response(exc)
+        return problem_response(exc.http_status, exc.code, exc.message, exc.hint, exc.members())
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
         for e in exc.errors():

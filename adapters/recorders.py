@@ -159,22 +159,15 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
     connect_uri: str | None = None
 
     def _create_connection(self) -> SQLiteConnection:
-        if self.connect_uri is not None:
-            try:
-                connection = sqlite3.connect(database=self.connect_uri, uri=True, check_same_thread=False,
-                                             isolation_level=None, cached_statements=SQLITE_STATEMENT_CACHE)
-            except sqlite3.Error as exc:
-                raise InterfaceError(exc) from exc
-            connection.row_factory = sqlite3.Row
-            return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
-        if getattr(self, "_opened_once", False) and not self.is_sqlite_memory_mode and not os.path.exists(self.db_name):
+        read_only = self.connect_uri is not None  # nothing to create, switch or watch: it only reads
+        if not read_only and getattr(self, "_opened_once", False) and not self.is_sqlite_memory_mode and not os.path.exists(self.db_name):
             # The store file was removed while this process had it open: a new connection would
             # create an empty file in its place (sqlite3 creates what it does not find), which
             # later writes would go to behind the operator's back (EventStore.check_file).
             raise InterfaceError(f"the SQLite store file {self.db_name} was removed while this process had it open")
         try:
             connection = sqlite3.connect(
-                database=self.db_name,
+                database=self.connect_uri or self.db_name,
                 uri=True,
                 check_same_thread=False,
                 isolation_level=None,
@@ -183,7 +176,7 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
             )
         except (sqlite3.Error, TypeError) as exc:
             raise InterfaceError(exc) from exc
-        if not self.is_sqlite_memory_mode and not self.is_journal_mode_wal:
+        if not read_only and not self.is_sqlite_memory_mode and not self.is_journal_mode_wal:
             try:
                 mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
                 if str(mode).lower() != "wal":

@@ -34,12 +34,6 @@ from adapters.transcripts import TranscriptStore, transcripts_from_store
 from tests.feed.support import ROOT, read_topic_confluent, stored_envelopes
 from tests.feed.workload import Workload
 
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
-
 
 class Command:
     """``python -m adapters.cli ARGS`` in a child process, its stderr read line by line."""

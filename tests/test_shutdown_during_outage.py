@@ -48,12 +48,6 @@ from tests.test_cli_interaction import FINAL, two_call_round
 from tests.test_feed_reconnects import Command, _publish, _runs, _scalar, transcripts_built_from_every_event
 from tests.test_store_opening import assert_rows_equal_folding
 
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
-
 #: The documented bounds are 12 s (followers) and 15 s (serve) from the signal; this leaves
 #: room for a slow machine (today's code took minutes, or for ever for a hung server).
 BOUND = 20.0

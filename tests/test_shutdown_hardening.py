@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from adapters.eventstore import EventStore
 from adapters.feed import APPLICATION_PREFIX
@@ -41,12 +40,6 @@ from tests.test_cli_interaction import approval
 from tests.test_feed_reconnects import Command, _runs
 from tests.test_shutdown_during_outage import KILL_AFTER, OwnServer, own_pg, publish_the_rest_once  # noqa: F401 - a fixture
 from tests.test_store_opening import assert_rows_equal_folding
-
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
 
 #: A command stopped between two healthy batches exits at once; this leaves room for a slow machine.
 SOON = 4.0

@@ -35,12 +35,6 @@ from tests.feed.workload import Run, Workload
 RUNS = 200
 CRASH_EXIT = 75
 
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
-
 
 @dataclass(frozen=True)
 class Feed:

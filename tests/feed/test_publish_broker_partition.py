@@ -42,12 +42,6 @@ from tests.feed.workload import Workload
 from tests.test_feed_reconnects import Command
 from tests.test_pg_silent_cut import packets_dropped, require_iptables
 
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
-
 BATCH = 100
 #: docs/kafka.md: each record gets 50 s, the batch 60 s; the margin is for a loaded CI machine.
 NOTICED_WITHIN = 90.0

@@ -27,12 +27,6 @@ from tests.feed.support import ROOT, read_topic_confluent
 from tests.feed.workload import Workload
 from tests.test_cli import agentfold, ok, refused
 
-# kafka-python 3.0 loads its protocol schemas with deprecated importlib.resources calls.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:read_text is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:open_text is deprecated:DeprecationWarning"),
-]
-
 
 def _wait_until(condition: Callable[[], bool], seconds: float, process: subprocess.Popen[str], what: str) -> float:
     """Wait for ``condition`` while ``process`` stays alive; returns the seconds it took."""
