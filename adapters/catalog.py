@@ -39,6 +39,21 @@ class Catalog:
     def resolve(self, ref: ProgramRef) -> Program | None:
         return self._programs.get(ref.digest)
 
+    def programs(self) -> list[Program]:
+        """Every registered Program (child bindings included), in registration order."""
+        with self._lock:
+            return list(self._programs.values())
+
+    def loaders(self) -> dict[str, Loader | Sequence[Loader]]:
+        with self._lock:
+            return dict(self._loaders)
+
+    def add_loaders(self, loaders: Mapping[str, Loader | Sequence[Loader]]) -> None:
+        """Register configuration loaders for program names that have none yet."""
+        with self._lock:
+            for name, loader in loaders.items():
+                self._loaders.setdefault(name, loader)
+
     def load(self, ref: ProgramRef, configuration: JSON) -> Program:
         """The Program for ``ref``, rebuilt from ``configuration`` by its loader if needed."""
         program = self.resolve(ref)

@@ -52,19 +52,19 @@ from typing import Any, NoReturn
 from eventsourcing.persistence import PersistenceError
 
 from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, sqlite_damage, store_url_from_env
+from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.recorders import TreeHead
 from adapters.resolution import ABSENT, settlement_for
-from adapters.runtime import CrashPlan, RandomIds, Runtime
+from adapters.runtime import CrashPlan, Runtime
 from adapters.scenario import load_scenario_file, scenario_input, scenario_program
 from adapters.sources import ProgramSources, default_sources
-from domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize, parse_json_text
-from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound, Rejected
+from domain.canonical import JSON, parse_json_text
+from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
-from domain.kernel import Kernel
-from domain.program import Program, ProgramResolver, SignalRequest
+from domain.program import Program, ProgramResolver
 from domain.requests import Settlement
 from domain.tree import ProcessState, TreeState
 from projections.host_views import pending_tool_inputs
@@ -371,11 +371,7 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         settlement = _settlement_for(args, probe, programs, effect_id)
         # Validate on a private fold first, with the kernel's own rules: a refused
         # resolution must not even make this command take ownership (WriterActivated).
-        found = probe.find_effect(effect_id)
-        process_id = found[0].process_id if found is not None else None
-        Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
-            effect_id, settlement.status, settlement.payload, process_id=process_id
-        )
+        process_id = checked_resolution(probe, effect_id, settlement)
         _, tree, owned = _admit_and_drive(
             ctx, store, tree_id, lambda runtime: runtime.resolve_unknown_effect(effect_id, settlement, process_id=process_id),
             f"resolved {effect_id}")
@@ -599,7 +595,7 @@ def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 def _signal_id(given: str | None, prefix: str) -> SignalID:
     # An empty --signal-id is an invalid id (identity.invalid), not "make one up".
-    return SignalID(given) if given is not None else SignalID(f"{prefix}:{os.urandom(16).hex()}")
+    return SignalID(given) if given is not None else fresh_signal_id(prefix)
 
 
 def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -610,27 +606,10 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     try:
         tree_id = store.find_process_tree(process_id)
         tree, _ = _fold(store, ctx.sources, tree_id)
-        match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
-        process = tree.processes.get(process_id)
-        resent = process.signal_index.get(SignalID(args.signal_id)) if process and args.signal_id else None
-        if resent is not None:
-            # A retry of an answer already admitted (its wait is no longer pending): hand it to
-            # the kernel, which deduplicates identical content (accepted false) and refuses a
-            # different answer under the same id (engine.signal.conflict).
-            value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
-            signal = SignalRequest(SignalID(args.signal_id), {"input_response": value}, wait_id)
-        elif match is None or match.wait_id != wait_id:
-            current = process.current_wait if process is not None else None
-            raise Rejected(
-                "engine.signal.rejected",
-                f"wait {wait_id} is not a pending tool input of process {process_id}"
-                + (f" (its current wait is {current})" if current else ""),
-                hint=f"list pending inputs with `{PROG} pending`",
-            )
-        else:
-            signal = match.response_signal(_signal_id(args.signal_id, "answer"), response)
+        signal = answer_signal(tree, process_id, wait_id, response, _signal_id(args.signal_id, "answer"),
+                               listing_hint=f"list pending inputs with `{PROG} pending`")
         accepted, after, driven = _admit_and_drive(
-            ctx, store, tree_id, lambda runtime: runtime.deliver_signals(process_id, [signal]), f"answered {wait_id}")
+            ctx, store, tree_id, lambda runtime: deliver_answer(runtime, tree_id, process_id, signal), f"answered {wait_id}")
     finally:
         store.close()
     summary = tree_summary(after)

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import orjson
@@ -601,11 +601,20 @@ class EventStore:
         return self.recorder  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        """Close the connections; every later use of this store is refused (``store.closed``)."""
         stop = getattr(self, "_watchdog_stop", None)
         if stop is not None:
             stop.set()
         if getattr(self, "factory", None) is not None:
             self.factory.close()
+        # eventsourcing raised its own unclassified ConnectionPoolClosedError (with no message)
+        # from a closed SQLite or PostgreSQL store, and a closed memory store went on working.
+        self.recorder = self.snapshots = _Closed(self.url)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            _Closed(self.url).refuse()
 
     def _watch_statements(self, wait: float) -> None:
         """End every session of this store once a statement has waited ``wait`` seconds for a
@@ -723,6 +732,7 @@ class EventStore:
         pool: the owner-lease session, a follower's LISTEN session (``listen``: the server's
         ``tcp_user_timeout`` is left alone, see ``set_server_tcp``). ``interrupt`` ends it as it
         ends the pooled ones, and refuses new ones (``store.unavailable``)."""
+        self._check_open()
         if self._interrupted:
             raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
         conn = InterruptibleConnection.connect(**pg_conninfo(self._settings), autocommit=True)
@@ -1085,6 +1095,7 @@ class EventStore:
 
     def leases(self) -> LeaseManager:
         """A new lease manager (one per runtime)."""
+        self._check_open()
         if self.backend == "memory":
             return MemoryLeases(self._memory_leases, self._memory_lock)
         if self.backend == "sqlite":
@@ -1093,6 +1104,22 @@ class EventStore:
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
         # Its session is one of the store's, so ``interrupt`` ends it with the others.
         return PostgresLeases(pg_conninfo(self._settings), session=self.session)
+
+
+class _Closed:
+    """What a closed EventStore reads and writes through: every use is refused."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def refuse(self) -> NoReturn:
+        raise StoreFailure(
+            "store.closed", f"the store {redact(self._url)} was closed by this process",
+            hint="open a new EventStore; close a Runtime before the store it uses",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        self.refuse()
 
 
 class _SessionSocket:

@@ -21,7 +21,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import pathlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -47,6 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from adapters.cli import tree_summary
 from adapters.eventstore import EventStore, seconds_setting, sqlite_damage
 from adapters.follower import Follower, one_line
+from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.resolution import ABSENT, settlement_for
@@ -59,14 +59,12 @@ from adapters.scenario import (
     validate_scenario,
 )
 from adapters.sources import ProgramSources
-from domain.canonical import JSON, MAX_PAYLOAD_BYTES, MAX_TOOL_INPUT_BYTES, duplicate_key, normalize
-from domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
-from domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
-from domain.kernel import Kernel
-from domain.program import ProgramResolver, SignalRequest
+from domain.canonical import JSON, MAX_PAYLOAD_BYTES, duplicate_key, normalize
+from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
+from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
+from domain.program import ProgramResolver
 from domain.requests import Settlement
 from domain.tree import TreeState
-from projections.host_views import pending_tool_inputs
 from projections.read_models import Entry
 
 API_VERSION = "1"
@@ -679,42 +677,8 @@ class ApiService:
         sid = SignalID(body.signal_id) if body.signal_id is not None else None
         tree_id = self._tree_of_process(pid)
         tree, _ = self.queries.fold(tree_id)
-        match = next((p for p in pending_tool_inputs(tree) if p.process_id == pid), None)
-        process = tree.processes.get(pid)
-        resent = process.signal_index.get(sid) if process is not None and sid is not None else None
-        if resent is not None and sid is not None:
-            # A retry of an answer already admitted: the kernel deduplicates identical content
-            # (accepted false) and refuses a different answer under the same id (signal.conflict).
-            value = normalize(body.response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
-            signal = SignalRequest(sid, {"input_response": value}, wid)
-        elif match is None or match.wait_id != wid:
-            state = wait_state(tree, pid, wid)
-            if state is not None and state["state"] == "answered":
-                raise _answered_elsewhere(pid, wid, state)
-            current = process.current_wait if process is not None else None
-            raise Rejected(
-                "engine.signal.rejected",
-                f"wait {wid} is not a pending tool input of process {pid}"
-                + (f" (its current wait is {current})" if current else ""),
-                hint="list pending inputs with GET /pending-inputs",
-                wait=state,
-            )
-        else:
-            signal = match.response_signal(sid or _fresh_signal_id("answer"), body.response)
-        try:
-            accepted = self.runtime.deliver_signals(pid, [signal])
-        except Rejected as exc:
-            if exc.code not in ("engine.signal.rejected", "engine.process.finished"):
-                raise
-            # Another answer won the race: say what the wait holds now. The owner refuses
-            # the loser inside the cycle that appends the winner; capture waits for that
-            # cycle, so the state shown is the committed one, winner included.
-            state = wait_state(self.runtime.capture(tree_id), pid, wid)
-            if state is not None and state["state"] == "answered":
-                # Whether the winner's Tool child has finished by now or not, the loser
-                # hears the same thing: the wait was answered by someone else.
-                raise _answered_elsewhere(pid, wid, state) from exc
-            raise Rejected(exc.code, exc.message, exc.hint, wait=state) from exc
+        signal = answer_signal(tree, pid, wid, body.response, sid, listing_hint="list pending inputs with GET /pending-inputs")
+        accepted = deliver_answer(self.runtime, tree_id, pid, signal)
         return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
 
     def steer(self, process_id: str, body: Steer) -> dict[str, Any]:
@@ -723,7 +687,7 @@ class ApiService:
             raise RequestInvalid("give either text (one user message) or messages")
         pid = ProcessID(process_id)
         messages = [{"role": "user", "content": body.text}] if body.text is not None else list(body.messages or [])
-        signal = steer_signal(body.signal_id or _fresh_signal_id("steer"), *messages)
+        signal = steer_signal(body.signal_id or fresh_signal_id("steer"), *messages)
         tree_id = self._tree_of_process(pid)
         accepted = self.runtime.deliver_signals(pid, [signal])
         return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
@@ -739,13 +703,9 @@ class ApiService:
             )
         probe, programs = self.queries.fold(tree_id)
         settlement = resolution_settlement(body, probe, programs, eid)
-        found = probe.find_effect(eid)
-        process_id = found[0].process_id if found is not None else None
         # The kernel's own rules on a private copy: a refused resolution must not even
         # make this server take ownership (WriterActivated).
-        Kernel(probe, lambda ref: None, RandomIds()).resolve_effect(
-            eid, settlement.status, settlement.payload, process_id=process_id
-        )
+        process_id = checked_resolution(probe, eid, settlement)
         self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
         driven = self.runtime.drives(tree_id)
         return self._written(
@@ -785,19 +745,6 @@ def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str,
     )
 
 
-def _answered_elsewhere(process_id: ProcessID, wait_id: WaitID, state: dict[str, Any]) -> Rejected:
-    return Rejected(
-        "engine.signal.rejected",
-        f"wait {wait_id} of process {process_id} was already answered (by {state['answered_by']})",
-        "read the run to see how it went on; resend with that signal id and answer to retry it",
-        wait=state,
-    )
-
-
-def _fresh_signal_id(prefix: str) -> SignalID:
-    return SignalID(f"{prefix}:{os.urandom(16).hex()}")
-
-
 def _parse_cursor(after: str | None) -> tuple[str | None, int]:
     if after is None or after == "":
         return None, 0
@@ -805,21 +752,6 @@ def _parse_cursor(after: str | None) -> tuple[str | None, int]:
         return after[0], int(after[1:])
     raise InvalidInput("http.cursor_invalid", f"after={after!r} is not a cursor this API returned",
                        hint="pass the cursor or next_after of a previous page")
-
-
-def wait_state(tree: TreeState, process_id: ProcessID, wait_id: WaitID) -> dict[str, Any] | None:
-    """What a wait holds now: open, answered (and by which signal id), or closed unanswered."""
-    process = tree.processes.get(process_id)
-    wait = process.waits.get(wait_id) if process is not None else None
-    if process is None or wait is None:
-        return None
-    answered_by = None
-    if wait.answered_by is not None:
-        # Host signals stay in the mailbox as receipts once consumed: their ids remain.
-        record = next((r for r in process.mailbox if r.arrival == wait.answered_by), None)
-        answered_by = record.signal_id if record is not None else None
-    state = "answered" if wait.answered_by is not None else ("closed" if wait.closed else "open")
-    return {"wait_id": wait_id, "process_id": process_id, "state": state, "answered_by": answered_by}
 
 
 def resolution_settlement(
@@ -1335,5 +1267,4 @@ __all__ = [
     "openapi_text",
     "problem_body",
     "resolution_settlement",
-    "wait_state",
 ]

@@ -89,7 +89,7 @@ class PendingToolInput:
             raise InvalidInput(
                 "engine.signal.schema",
                 "the answer does not satisfy the wait's response schema: " + "; ".join(problems[:3]),
-                hint="answer with JSON matching the response schema shown by `agentfold pending`",
+                hint="answer with JSON matching the response_schema of the pending input (`agentfold pending`, GET /pending-inputs)",
             )
         return SignalRequest(SignalID(signal_id), {"input_response": value}, self.wait_id)
 

@@ -1,0 +1,44 @@
+"""A closed EventStore refuses every later use with ``store.closed`` (every backend).
+
+eventsourcing's own ConnectionPoolClosedError (no message, no code) used to escape from a
+closed SQLite or PostgreSQL store, and a closed memory store went on working; an embedding
+service that closed a store under a live Runtime got an unclassified failure, or none.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.errors import StoreFailure
+from domain.ids import TreeID
+from tests.kernel_programs import chain_program
+
+
+def test_every_use_of_a_closed_store_is_refused_as_store_closed(store_url: str) -> None:
+    program = chain_program()
+    store = EventStore(store_url)
+    runtime = Runtime(store, Catalog([program]))
+    try:
+        assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=30).status == "completed"
+    finally:
+        store.close()
+    tree = TreeID.for_start("before")
+    uses = {
+        "heads": store.heads,
+        "read": lambda: store.read(tree),
+        "load": lambda: store.load(tree),
+        "leases": store.leases,
+        "notifications": lambda: store.notifications(0),
+        "a start through a runtime": lambda: runtime.start(program, {"n": 1}, start_id="after"),
+        "a tree captured from the store": lambda: runtime.capture(tree),
+    }
+    for name, use in uses.items():
+        with pytest.raises(StoreFailure) as refused:
+            use()
+        assert refused.value.code == "store.closed", name
+        assert "was closed by this process" in refused.value.message and refused.value.hint, name
+    runtime.close()
+    store.close()  # closing again is harmless
