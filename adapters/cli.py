@@ -829,7 +829,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
         try:
             def make() -> Follower:
                 return Follower(store, ctx.sources.catalog(), batch_size=args.batch,
-                                poll_interval=args.poll_interval, on_corrupt=on_corrupt)
+                                poll_interval=args.poll_interval, on_corrupt=on_corrupt, on_unbound=say)
 
             follower = make()
             try:

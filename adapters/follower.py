@@ -94,6 +94,19 @@ def corrupt_tree_line(found: CorruptTree) -> str:
     )
 
 
+def unbound_tree_line(tree_id: str, program: str) -> str:
+    """The one line that reports a tree projected without its Program."""
+    return (
+        f"tree {tree_id} runs program {program!r}, which this process does not bind: its rows hold the kernel's "
+        "view only (no pending inputs, rounds or delegates; unknown effects without their requests); project "
+        "with a console script that binds it (docs/python.md), then `project --rebuild`"
+    )
+
+
+def _log_unbound(line: str) -> None:
+    log.warning("read models: %s", line)
+
+
 def _log_corrupt(found: CorruptTree) -> None:
     log.warning("read models: %s", corrupt_tree_line(found))
 
@@ -111,9 +124,12 @@ class Follower:
         cache_trees: int = 1024,
         poll_interval: float = 0.05,
         on_corrupt: Callable[[CorruptTree], None] | None = None,
+        on_unbound: Callable[[str], None] | None = None,
     ) -> None:
         """``on_corrupt`` is called once per tree this follower finds corrupt, after the batch
-        that records it committed (default: a warning on the ``agentfold.follower`` logger)."""
+        that records it committed (default: a warning on the ``agentfold.follower`` logger).
+        ``on_unbound`` is called (with a one-line report) once per tree whose Program this
+        follower's catalog does not bind (same default)."""
         if batch_size < 1:
             raise InvalidInput("projection.batch_invalid", f"batch size {batch_size} must be at least 1")
         if not poll_interval > 0:
@@ -134,6 +150,8 @@ class Follower:
         # Trees recorded corrupt (by any follower): their later events are skipped.
         self._corrupt: set[str] = {c.tree_id for c in self.read_models.corrupt_trees()}
         self.corrupt_found: list[CorruptTree] = []  # found (and committed) by this follower
+        self.on_unbound = on_unbound or _log_unbound
+        self._unbound: set[TreeID] = set()  # reported already
 
     @property
     def position(self) -> int:
@@ -246,7 +264,7 @@ class Follower:
             read = self.store.read(tree_id, upto=1)
             first = read[0].event if read else None
             created = self.read_models.created_position(str(tree_id))
-        programs = self._programs(first) if bind else None
+        programs = self._programs(tree_id, first) if bind else None
         if upto == 0:
             state, digest = TreeState(programs), None
         else:
@@ -264,13 +282,18 @@ class Follower:
             self._cache.popitem(last=False)
         return folded
 
-    def _programs(self, started: Any) -> ProgramResolver | None:
-        """The tree's Programs when this follower's catalog binds them, else the kernel's view."""
+    def _programs(self, tree_id: TreeID, started: Any) -> ProgramResolver | None:
+        """The tree's Programs when this follower's catalog binds them, else the kernel's view
+        (reported once: the tree's Interaction rows are then missing from the tables, and
+        every reader trusts the tables)."""
         if not isinstance(started, TreeStarted):
             return None
         try:
             self.catalog.load(started.program, started.configuration)
         except NotFound:
+            if tree_id not in self._unbound:
+                self._unbound.add(tree_id)
+                self.on_unbound(unbound_tree_line(str(tree_id), started.program.name))
             return None
         return self.catalog.resolve
 

@@ -164,6 +164,15 @@ class Host:
         queries = self.queries()
         return queries.pending(queries.tree_of(tree)) if tree is not None else queries.pending()
 
+    def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
+        """Runs in creation order (``GET /runs``): ``status`` as the kernel names it
+        (``running``, ``waiting``, ``completed``, ...); page on with the last entry's ``cursor``."""
+        return self.queries().runs(status=status, limit=limit, after=after)
+
+    def delegates(self, process_id: str) -> Entry:
+        """Which child each delegated tool call of an Interaction started (``agentfold delegates``)."""
+        return self.queries().delegates(process_id)
+
     def run(self, tree: str) -> Entry:
         """One run's summary (``GET /runs/{tree}``): status, root process, output or failure."""
         queries = self.queries()

@@ -758,6 +758,8 @@ class Runtime:
         # Seconds between scans for live trees nobody owns (a dead peer's runs); 0 = never.
         self.adopt_orphans_every = adopt_orphans_every
         self.orphans_adopted = 0
+        # The live trees the last store-wide ``recover()`` could not take, with why.
+        self.recover_failures: dict[TreeID, AgentfoldError] = {}
         self.appends = 0
         self.events_appended = 0
         self._dispatch_pool = ThreadPoolExecutor(
@@ -1029,12 +1031,19 @@ class Runtime:
 
         Nothing is called again: in-flight Effects are re-dispatched only under a
         ``same_identity`` policy, otherwise they settle unknown.
+
+        Of every live tree (``tree`` None): a tree this runtime cannot take (its Program is
+        not bound here, its history is corrupt) is left alone, logged and listed in
+        ``recover_failures`` (tree id -> the error), so that one such run does not stop a
+        worker from taking up the others; a failing store still raises. One tree: its
+        error is raised.
         """
         self._check_open()
         if tree is not None:
             tree_ids = [self.tree_of(tree)]
         else:
             tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True)]
+            self.recover_failures = {}
         handles = []
         for tree_id in tree_ids:
             head = self.store.head(tree_id)
@@ -1042,7 +1051,14 @@ class Runtime:
                 # Nothing to drive; its result is in the store.
                 handles.append(RunHandle(self, tree_id, ProcessID(head.root_process_id), StartID(head.start_id)))
                 continue
-            driver = self._try_adopt(tree_id)
+            try:
+                driver = self._try_adopt(tree_id)
+            except AgentfoldError as exc:
+                if tree is not None or (isinstance(exc, StoreFailure) and not isinstance(exc, CorruptStream)):
+                    raise
+                log.warning("recover: tree %s left alone: %s", tree_id, exc)
+                self.recover_failures[tree_id] = exc
+                continue
             if driver is None:
                 if tree is not None:
                     raise Fenced(
@@ -1763,6 +1779,12 @@ class Runtime:
         if self._shut:
             return
         self._closed = True
+        # No dispatch permission from here on: a cycle that starts now commits its Steps with
+        # their Effects declared but not permitted (the next owner dispatches them), instead of
+        # a permission for a call this runtime will not make, which recovery could only record
+        # as unknown although nothing was called. (A cycle already past this check when close
+        # began still commits its permissions: those calls are abandoned, as calls in flight.)
+        self.stop_dispatching()
         self._watch_stop.set()
         watcher = self._watcher
         if watcher is not None and watcher is not threading.current_thread():

@@ -1,6 +1,6 @@
 """docs/python.md runs as written: every example, in order, in one empty folder.
 
-A block starting with ``# file: NAME.py`` is saved as that module; every other ``python``
+A block starting with ``# file: NAME.py`` is saved as that module (and must import); every other ``python``
 block is run as its own ``python`` process (the package importable as installed), and when a
 ``text`` block follows it, its standard output must be exactly that text. So a change that
 breaks what the embedding guide tells users (a renamed API, a changed error code, an
@@ -29,12 +29,15 @@ def test_every_python_example_in_the_embedding_guide_runs_and_prints_what_the_gu
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     env.pop("AGENTFOLD_STORE", None)
     ran = saved = compared = 0
+    modules: list[str] = []
     for index, (language, body) in enumerate(found):
         if language != "python":
             continue
         first = body.splitlines()[0]
         if first.startswith("# file: "):
-            (tmp_path / first.removeprefix("# file: ").strip()).write_text(body)
+            name = first.removeprefix("# file: ").strip()
+            (tmp_path / name).write_text(body)
+            modules.append(name.removesuffix(".py"))
             saved += 1
             continue
         script = tmp_path / f"example_{index}.py"
@@ -49,6 +52,10 @@ def test_every_python_example_in_the_embedding_guide_runs_and_prints_what_the_gu
                 f"example {index} of docs/python.md printed something else than the guide shows:\n{done.stdout}"
             )
             compared += 1
+    # A module no example runs (the worker) must at least import.
+    imported = subprocess.run([sys.executable, "-c", "; ".join(f"import {m}" for m in modules)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert imported.returncode == 0, imported.stderr
     # The guide's structure itself: modules saved, programs run, outputs checked (a fence typo
     # would otherwise silently drop an example from this test).
-    assert (saved, ran, compared) == (3, 4, 4), (saved, ran, compared)
+    assert (saved, ran, compared) == (4, 4, 4), (saved, ran, compared)

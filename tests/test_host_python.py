@@ -176,6 +176,10 @@ def test_a_host_reads_runs_its_runtime_never_started_when_given_their_programs(u
             [entry] = host.unknown()
             assert entry["request"]["tool_call"]["invocation"]["call"]["name"] == "book"
             assert host.run("r4")["status"] == "waiting"
+            assert [r["start_id"] for r in host.runs(status="waiting")] == ["r4"]
+            assert host.runs(status="completed") == []
+            root = host.run("r4")["root_process_id"]
+            assert host.delegates(root) == {"process_id": root, "found": True, "delegates": []}
             host.resolve(entry["effect_id"], output="booked")
             bare.wait_idle(TreeID.for_start("r4"))
             assert [p["prompt"] for p in host.pending("r4")] == [{"question": "ok?"}]
