@@ -9,6 +9,7 @@ the call is unknown: the runtime records it and a host must settle it.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -136,11 +137,28 @@ class OpenAIChatModel:
     bodies raise :class:`ModelError` (the effect becomes unknown).
     """
 
-    def __init__(self, base_url: str, model: str, api_key: str = "", timeout: float = 60.0) -> None:
+    def __init__(
+        self, base_url: str, model: str, api_key: str = "", timeout: float = 60.0, *,
+        max_retries: int = 0, retry_wait: float = 1.0,
+    ) -> None:
+        """``max_retries``: how many more times one model call is sent when no completion came
+        back because the server was unreachable, timed out, or answered 408, 409, 429 or 5xx
+        (0, the default: never; the call's outcome is then unknown at once). Waits
+        ``retry_wait`` seconds, doubled after each attempt, at most ``MAX_RETRY_WAIT``; a
+        ``Retry-After`` in seconds is honoured up to that bound. Only the response that comes
+        back is recorded: a model call has no effect outside the response it returns, so
+        sending it again cannot do anything twice (unlike a tool call, never retried)."""
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or not 0 <= max_retries <= 10:
+            raise ValueError("max_retries must be an integer from 0 to 10")
+        if not 0 <= retry_wait <= MAX_RETRY_WAIT:
+            raise ValueError(f"retry_wait must be from 0 to {MAX_RETRY_WAIT:g} seconds")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_wait = retry_wait
+        self.sleep = time.sleep  # replaceable in tests that count waits
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": to_openai_messages(request.messages)}
@@ -163,14 +181,41 @@ class OpenAIChatModel:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(http, timeout=self.timeout) as response:
-                body = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}") from exc
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            raise ModelError(f"the model server is unreachable: {exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
-        return from_openai_response(body)
+        wait = self.retry_wait
+        for attempt in range(1, self.max_retries + 2):
+            retry_after: float | None = None
+            http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(http, timeout=self.timeout) as response:
+                    body = json.loads(response.read())
+                return from_openai_response(body)
+            except urllib.error.HTTPError as exc:
+                failure = ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}")
+                if exc.code not in RETRY_STATUSES:
+                    raise failure from exc
+                retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+                cause: Exception = exc
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                failure, cause = ModelError(f"the model server is unreachable: {exc}"), exc
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
+            if attempt > self.max_retries:
+                if attempt > 1:
+                    failure = ModelError(f"{failure} (after {attempt} attempts)")
+                raise failure from cause
+            self.sleep(min(MAX_RETRY_WAIT, retry_after if retry_after is not None else wait))
+            wait = min(MAX_RETRY_WAIT, wait * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: HTTP statuses after which ``OpenAIChatModel`` may send a model call again (with ``max_retries``).
+RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+#: The longest wait between two attempts of one model call (seconds).
+MAX_RETRY_WAIT = 30.0
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` given in seconds (an HTTP date is ignored: the usual backoff applies)."""
+    if value is None or not value.strip().isascii() or not value.strip().isdigit():
+        return None
+    return float(value.strip())

@@ -18,6 +18,8 @@ class FakeOpenAI:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.fail_with: int | None = None
+        self.fail_first = 0  # this many requests fail with ``fail_first_with``, then the script answers
+        self.fail_first_with = 503
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,6 +36,10 @@ class FakeOpenAI:
                     return
                 if server.fail_with is not None:
                     self._send(server.fail_with, {"error": {"message": "injected failure"}})
+                    return
+                if server.fail_first:
+                    server.fail_first -= 1
+                    self._send(server.fail_first_with, {"error": {"message": "injected transient failure"}})
                     return
                 if not server.script:
                     self._send(500, {"error": {"message": "script exhausted"}})

@@ -90,3 +90,67 @@ def test_a_server_error_leaves_the_model_effect_unknown_until_a_host_resolves_it
     assert result.status == "completed"
     assert result.output["model_response"]["message"]["content"][0]["text"] == "hi"
     assert len(server.requests) == 1
+
+
+def _retrying(server_url: str, retries: int) -> tuple[OpenAIChatModel, list[float]]:
+    model = OpenAIChatModel(server_url, model="gpt-test", timeout=5, max_retries=retries, retry_wait=0.25)
+    waits: list[float] = []
+    model.sleep = waits.append  # the waits it would take, without taking them
+    return model, waits
+
+
+def test_with_max_retries_a_transient_server_error_is_sent_again_and_only_the_answer_is_recorded(tmp_path) -> None:
+    with FakeOpenAI([completion("hello")]) as server:
+        server.fail_first, server.fail_first_with = 2, 503
+        model, waits = _retrying(server.base_url, 2)
+        program = compile_interaction(InteractionConfig(name="test.openai.retry", model=model))
+        store = EventStore(f"sqlite:///{tmp_path / 'r.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
+            result = handle.result(30)
+            events = [r.event for r in store.read(handle.tree_id)]
+        store.close()
+    assert result.status == "completed"
+    assert result.output["model_response"]["message"]["content"][0]["text"] == "hello"
+    assert len(server.requests) == 3 and server.requests[0] == server.requests[2]  # the same call, sent again
+    assert waits == [0.25, 0.5]
+    settled = [e for e in events if type(e).__name__ == "EffectSettled"]
+    assert len(settled) == 1 and settled[0].status == "succeeded"  # one model Effect, one settlement
+
+
+def test_retries_stop_at_max_retries_and_never_follow_a_refusal(tmp_path) -> None:
+    with FakeOpenAI([completion("hello")]) as server:
+        server.fail_with = 400  # the request itself is wrong: sending it again cannot help
+        model, waits = _retrying(server.base_url, 3)
+        program = compile_interaction(InteractionConfig(name="test.openai.refused", model=model))
+        store = EventStore(f"sqlite:///{tmp_path / 'f.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
+            [unknown] = unknown_effects(runtime.wait_idle(handle.tree_id), runtime.catalog.resolve)
+        store.close()
+    assert len(server.requests) == 1 and waits == []
+    assert "HTTP 400" in unknown["diagnostic"]["message"]
+    # Nothing listens: every attempt fails to connect; the call is unknown after 1 + 2 attempts.
+    with FakeOpenAI([]) as gone:
+        url = gone.base_url
+    model, waits = _retrying(url, 2)
+    program = compile_interaction(InteractionConfig(name="test.openai.unreachable", model=model))
+    store = EventStore(f"sqlite:///{tmp_path / 'u.db'}")
+    with Runtime(store, Catalog([program])) as runtime:
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
+        [unknown] = unknown_effects(runtime.wait_idle(handle.tree_id), runtime.catalog.resolve)
+    store.close()
+    assert unknown["kind"] == "model" and waits == [0.25, 0.5]
+    assert "unreachable" in unknown["diagnostic"]["message"] and "(after 3 attempts)" in unknown["diagnostic"]["message"]
+
+
+def test_max_retries_and_retry_wait_are_checked_when_the_model_is_made() -> None:
+    for bad in ({"max_retries": -1}, {"max_retries": 11}, {"max_retries": True}, {"retry_wait": 31.0}):
+        try:
+            OpenAIChatModel("http://127.0.0.1:9/v1", "m", **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
+    from adapters.models import _retry_after
+
+    assert _retry_after(" 7 ") == 7.0 and _retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None and _retry_after(None) is None
