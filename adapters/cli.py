@@ -605,8 +605,8 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         tree_id = store.find_process_tree(process_id)
-        tree, _ = _fold(store, ctx.sources, tree_id)
-        signal = answer_signal(tree, process_id, wait_id, response, _signal_id(args.signal_id, "answer"),
+        tree, programs = _fold(store, ctx.sources, tree_id)
+        signal = answer_signal(tree, programs, process_id, wait_id, response, _signal_id(args.signal_id, "answer"),
                                listing_hint=f"list pending inputs with `{PROG} pending`")
         accepted, after, driven = _admit_and_drive(
             ctx, store, tree_id, lambda runtime: deliver_answer(runtime, tree_id, process_id, signal), f"answered {wait_id}")

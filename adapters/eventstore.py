@@ -602,6 +602,8 @@ class EventStore:
 
     def close(self) -> None:
         """Close the connections; every later use of this store is refused (``store.closed``)."""
+        if getattr(self, "_closed", False):
+            return
         stop = getattr(self, "_watchdog_stop", None)
         if stop is not None:
             stop.set()
@@ -609,7 +611,12 @@ class EventStore:
             self.factory.close()
         # eventsourcing raised its own unclassified ConnectionPoolClosedError (with no message)
         # from a closed SQLite or PostgreSQL store, and a closed memory store went on working.
-        self.recorder = self.snapshots = _Closed(self.url)
+        # Everything reaches the database through these three (read models and audit through
+        # ``factory.datastore``).
+        closed = _Closed(self.url)
+        self.recorder = self.snapshots = closed
+        if getattr(self, "factory", None) is not None:
+            self.factory = closed
         self._closed = True
 
     def _check_open(self) -> None:
@@ -800,7 +807,7 @@ class EventStore:
         reply lost) or not at all. The store cannot be used afterwards; ``close`` it as usual.
         SQLite and memory stores have nothing to interrupt: their calls never wait on a server.
         """
-        if self.backend != "postgresql" or self._interrupted:
+        if self.backend != "postgresql" or self._interrupted or getattr(self, "_closed", False):
             return
         self._interrupted = True
         self._watchdog_stop.set()

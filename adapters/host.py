@@ -67,17 +67,25 @@ def answered_elsewhere(process_id: ProcessID, wait_id: WaitID, state: dict[str, 
 
 
 def answer_signal(
-    tree: TreeState, process_id: ProcessID, wait_id: WaitID, response: JSON, signal_id: SignalID | None, *,
-    listing_hint: str,
+    tree: TreeState, programs: ProgramResolver | None, process_id: ProcessID, wait_id: WaitID, response: JSON,
+    signal_id: SignalID | None, *, listing_hint: str,
 ) -> SignalRequest:
     """The signal that answers a Tool child's current input wait, checked against the wait's
     response schema and 1 MiB; refused (``engine.signal.rejected``) when the wait is not a
-    pending tool input of that process.
+    pending tool input of that process, and (``engine.program.unavailable``) when the tree was
+    folded without its Programs (``programs`` None): its waits cannot be read then.
 
     A signal id already admitted by the process is a retry: its signal is handed to the
     kernel as it is, which deduplicates identical content (accepted false) and refuses a
     different answer under the same id (``engine.signal.conflict``).
     """
+    if programs is None:
+        program = tree.processes[process_id].program.name if process_id in tree.processes else "?"
+        raise NotFound(
+            "engine.program.unavailable",
+            f"the Program of process {process_id} ({program}) is not bound here: its tool input waits cannot be read",
+            hint="answer from a process that binds the run's Programs (docs/python.md)",
+        )
     process = tree.processes.get(process_id)
     if signal_id is not None and process is not None and signal_id in process.signal_index:
         value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
@@ -234,8 +242,8 @@ class Host:
         sid = SignalID(signal_id) if signal_id is not None else None
         queries = self.queries()
         tree_id = queries.tree_of_process(pid)
-        tree, _ = queries.fold(tree_id)
-        signal = answer_signal(tree, pid, wid, response, sid, listing_hint="list pending inputs with Host.pending()")
+        tree, programs = queries.fold(tree_id)
+        signal = answer_signal(tree, programs, pid, wid, response, sid, listing_hint="list pending inputs with Host.pending()")
         return deliver_answer(self.runtime, tree_id, pid, signal)
 
     def steer(

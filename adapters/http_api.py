@@ -676,8 +676,9 @@ class ApiService:
         pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
         sid = SignalID(body.signal_id) if body.signal_id is not None else None
         tree_id = self._tree_of_process(pid)
-        tree, _ = self.queries.fold(tree_id)
-        signal = answer_signal(tree, pid, wid, body.response, sid, listing_hint="list pending inputs with GET /pending-inputs")
+        tree, programs = self.queries.fold(tree_id)
+        signal = answer_signal(tree, programs, pid, wid, body.response, sid,
+                               listing_hint="list pending inputs with GET /pending-inputs")
         accepted = deliver_answer(self.runtime, tree_id, pid, signal)
         return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
 

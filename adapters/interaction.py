@@ -89,7 +89,7 @@ class ModelDispatcher:
         self.observation_failures = ObservationFailures()
         self._lock = threading.Lock()
 
-    def _request(self, request: EffectRequest, body: dict[str, Any]) -> ModelRequest:
+    def _request(self, request: EffectRequest, body: dict[str, Any], context: DispatchContext | None = None) -> ModelRequest:
         req = body["request"]
         return ModelRequest(
             process_id=request.relation.process_id,
@@ -100,6 +100,7 @@ class ModelDispatcher:
             options=dict(req.get("options") or {}),
             tools=tuple(self.definition.manifest.definitions(body.get("advertised_tool_names", ()))),
             applied_steer_signal_ids=tuple(body.get("applied_steer_signal_ids", ())),
+            cancelled=context.cancelled if context is not None else None,
         )
 
     def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
@@ -109,7 +110,7 @@ class ModelDispatcher:
         body = payload.get("model_call")
         if not isinstance(body, dict) or not isinstance(body.get("request"), dict):
             return Settlement.failed("the model dispatcher received a payload that is not a model_call")
-        model_request = self._request(request, body)
+        model_request = self._request(request, body, context)
         original = list(model_request.messages)
         policy = self.definition.context_policy
         if policy is not None:

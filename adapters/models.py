@@ -12,10 +12,11 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from adapters.dispatch import CancelFlag
 from domain.canonical import JSON
 from domain.ids import EffectAttemptID, EffectID, ProcessID
 
@@ -30,6 +31,8 @@ class ModelRequest:
     options: dict[str, Any] = field(default_factory=dict)
     tools: tuple[dict[str, Any], ...] = ()
     applied_steer_signal_ids: tuple[str, ...] = ()
+    #: Set when the run is canceled or its owner stops: a client stops waiting to retry then.
+    cancelled: CancelFlag | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -142,12 +145,15 @@ class OpenAIChatModel:
         max_retries: int = 0, retry_wait: float = 1.0,
     ) -> None:
         """``max_retries``: how many more times one model call is sent when no completion came
-        back because the server was unreachable, timed out, or answered 408, 409, 429 or 5xx
-        (0, the default: never; the call's outcome is then unknown at once). Waits
-        ``retry_wait`` seconds, doubled after each attempt, at most ``MAX_RETRY_WAIT``; a
-        ``Retry-After`` in seconds is honoured up to that bound. Only the response that comes
-        back is recorded: a model call has no effect outside the response it returns, so
-        sending it again cannot do anything twice (unlike a tool call, never retried)."""
+        back: the connection was refused, reset or timed out, or the server answered 408, 409,
+        429, 500, 502, 503 or 504 (0, the default: never; the call's outcome is then unknown at
+        once). A name that does not resolve or a certificate that does not verify is not
+        retried. Waits ``retry_wait`` seconds, doubled after each attempt, at most
+        ``MAX_RETRY_WAIT``; a ``Retry-After`` in seconds is honoured up to that bound; a run
+        canceled (or an owner stopping) meanwhile ends the waiting. Only the response that
+        comes back is recorded: a model call has no effect outside the response it returns, so
+        sending it again cannot do anything twice (unlike a tool call, never retried); a
+        completion lost on its way back (a reset while reading it) is paid for twice."""
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or not 0 <= max_retries <= 10:
             raise ValueError("max_retries must be an integer from 0 to 10")
         if not 0 <= retry_wait <= MAX_RETRY_WAIT:
@@ -158,7 +164,7 @@ class OpenAIChatModel:
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_wait = retry_wait
-        self.sleep = time.sleep  # replaceable in tests that count waits
+        self.sleep: Callable[[float, CancelFlag | None], object] = _pause  # replaceable in tests that count waits
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": to_openai_messages(request.messages)}
@@ -197,13 +203,21 @@ class OpenAIChatModel:
                 cause: Exception = exc
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
                 failure, cause = ModelError(f"the model server is unreachable: {exc}"), exc
+                reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+                if not isinstance(reason, (ConnectionError, TimeoutError)):  # DNS, TLS, a bad URL: it would fail again
+                    raise failure from exc
             except json.JSONDecodeError as exc:
                 raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
             if attempt > self.max_retries:
                 if attempt > 1:
                     failure = ModelError(f"{failure} (after {attempt} attempts)")
                 raise failure from cause
-            self.sleep(min(MAX_RETRY_WAIT, retry_after if retry_after is not None else wait))
+            delay = min(MAX_RETRY_WAIT, retry_after if retry_after is not None else wait)
+            if request.cancelled is not None and request.cancelled.is_set():
+                raise ModelError(f"{failure} (not sent again: the run is stopping)") from cause
+            self.sleep(delay, request.cancelled)
+            if request.cancelled is not None and request.cancelled.is_set():
+                raise ModelError(f"{failure} (not sent again: the run is stopping)") from cause
             wait = min(MAX_RETRY_WAIT, wait * 2)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -212,6 +226,14 @@ class OpenAIChatModel:
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 #: The longest wait between two attempts of one model call (seconds).
 MAX_RETRY_WAIT = 30.0
+
+
+def _pause(seconds: float, cancelled: CancelFlag | None) -> None:
+    """Wait between two attempts; a cancellation ends the wait."""
+    if cancelled is None:
+        time.sleep(seconds)
+    else:
+        cancelled.wait(seconds)
 
 
 def _retry_after(value: str | None) -> float | None:

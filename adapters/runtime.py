@@ -476,7 +476,7 @@ class _Driver:
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
             # told "stopped" may recover the tree at once, from another runtime.
             self.runtime._forget(self)
-            if isinstance(exc, StoreFailure):
+            if isinstance(exc, StoreFailure) and exc.code != "store.closed":
                 # An append failed (a full disk, a database that went away): the watcher
                 # adopts the tree again once the store takes appends (``_adopt_lost``),
                 # instead of leaving it without an owner until someone runs `recover`.
@@ -684,7 +684,11 @@ class _Driver:
 def _store_down(exc: BaseException) -> bool:
     """A failure of the store that may pass (try again later), as opposed to a corrupt history
     or a refusal that would repeat."""
-    return isinstance(exc, (StoreFailure, PersistenceError, OSError)) and not isinstance(exc, CorruptStream)
+    return (
+        isinstance(exc, (StoreFailure, PersistenceError, OSError))
+        and not isinstance(exc, CorruptStream)
+        and getattr(exc, "code", None) != "store.closed"  # closed by this process: it will not come back
+    )
 
 
 def quiet_stop_signals() -> None:
@@ -1032,17 +1036,20 @@ class Runtime:
         Nothing is called again: in-flight Effects are re-dispatched only under a
         ``same_identity`` policy, otherwise they settle unknown.
 
-        Of every live tree (``tree`` None): a tree this runtime cannot take (its Program is
-        not bound here, its history is corrupt) is left alone, logged and listed in
-        ``recover_failures`` (tree id -> the error), so that one such run does not stop a
-        worker from taking up the others; a failing store still raises. One tree: its
-        error is raised.
+        Of every live tree (``tree`` None): a parked tree with nothing in flight is left
+        as it is (``needs_recovery``: adopting it would only append a ``WriterActivated``
+        to its history at every worker start; the runtime that admits input for it, or an
+        orphan scan, takes it up); a tree this runtime cannot take (its Program is not
+        bound here or cannot be rebuilt, its history is corrupt) is left alone, logged and
+        listed in ``recover_failures`` (tree id -> the error), so that one such run does
+        not stop a worker from taking up the others; a failing store still raises. One
+        tree: it is taken whatever its state, and its error is raised.
         """
         self._check_open()
         if tree is not None:
             tree_ids = [self.tree_of(tree)]
         else:
-            tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True)]
+            tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True) if self.needs_recovery(h)]
             self.recover_failures = {}
         handles = []
         for tree_id in tree_ids:
@@ -1053,11 +1060,14 @@ class Runtime:
                 continue
             try:
                 driver = self._try_adopt(tree_id)
-            except AgentfoldError as exc:
-                if tree is not None or (isinstance(exc, StoreFailure) and not isinstance(exc, CorruptStream)):
+            except Exception as exc:
+                if tree is not None or _store_down(exc):
                     raise
-                log.warning("recover: tree %s left alone: %s", tree_id, exc)
-                self.recover_failures[tree_id] = exc
+                failure = exc if isinstance(exc, AgentfoldError) else AgentfoldError(
+                    "engine.program.unavailable", f"rebuilding the Program of tree {tree_id} failed: "
+                    f"{type(exc).__name__}: {exc}", hint="fix the loader, or bind the exact Program this tree runs")
+                log.warning("recover: tree %s left alone: %s", tree_id, failure)
+                self.recover_failures[tree_id] = failure
                 continue
             if driver is None:
                 if tree is not None:

@@ -2,7 +2,7 @@
 
 docs/python.md shows the happy path (tests/test_docs_python.py runs it); these prove the
 promises around it on a real SQLite store: a refused action appends nothing (no event, no
-owner change), an answer that lost the race names the signal that won, input for a run
+owner change), a second answer under another signal id names the signal that answered, input for a run
 another runtime owns is taken up by that owner, and a Host reads runs its runtime never
 started when given their Programs.
 """
@@ -104,7 +104,7 @@ def test_refused_resolutions_append_nothing_and_do_not_take_the_run_over(url: st
         store.close()
 
 
-def test_an_answer_that_lost_the_race_names_the_signal_that_won_and_changes_nothing(url: str) -> None:
+def test_a_second_answer_under_another_signal_id_names_the_signal_that_answered_and_changes_nothing(url: str) -> None:
     program = agent()
     store = EventStore(url)
     try:

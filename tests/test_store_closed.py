@@ -11,6 +11,7 @@ import pytest
 
 from adapters.catalog import Catalog
 from adapters.eventstore import EventStore
+from adapters.host import Host
 from adapters.runtime import Runtime
 from domain.errors import StoreFailure
 from domain.ids import TreeID
@@ -34,6 +35,10 @@ def test_every_use_of_a_closed_store_is_refused_as_store_closed(store_url: str) 
         "notifications": lambda: store.notifications(0),
         "a start through a runtime": lambda: runtime.start(program, {"n": 1}, start_id="after"),
         "a tree captured from the store": lambda: runtime.capture(tree),
+        # Host questions go through the read models (SQLite, PostgreSQL) or the fold (memory).
+        "Host.pending": Host(runtime).pending,
+        "Host.unknown": Host(runtime).unknown,
+        "Host.runs": Host(runtime).runs,
     }
     for name, use in uses.items():
         with pytest.raises(StoreFailure) as refused:

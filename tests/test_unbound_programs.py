@@ -11,6 +11,7 @@ every reader then trusted, without a word.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from adapters.catalog import Catalog
@@ -28,14 +29,25 @@ def lost_reply(request: object, context: object) -> Settlement:
 
 def test_recover_takes_up_the_runs_it_can_and_lists_the_ones_whose_program_it_does_not_bind(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'runs.db'}"
-    kept, retired = chain_program(lost_reply, name="test.kept"), chain_program(lost_reply, name="test.retired")
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def held(request: object, context: object) -> Settlement:
+        entered.release()
+        release.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+    kept, retired = chain_program(held, name="test.kept"), chain_program(held, name="test.retired")
     store = EventStore(url)
     try:
-        with Runtime(store, Catalog([kept, retired])) as old_worker:
-            for program, start in ((retired, "old-run"), (kept, "run")):
-                old_worker.wait_idle(old_worker.start(program, {"n": 2}, start_id=start).tree_id)
+        # The old worker stops while each run's first call is in flight: both need recovery.
+        old_worker = Runtime(store, Catalog([kept, retired]))
+        for program, start in ((retired, "old-run"), (kept, "run")):
+            old_worker.start(program, {"n": 2}, start_id=start)
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)
+        old_worker.close()
+        release.set()
         retired_events = len(store.read(TreeID.for_start("old-run")))
-        # The new deployment binds only the kept Program (its dispatcher now answers).
+        # The new deployment binds only the kept Program (its dispatcher now answers at once).
         kept_now = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.kept")
         assert kept_now.ref == kept.ref
         with Runtime(store, Catalog([kept_now])) as worker:
@@ -43,10 +55,33 @@ def test_recover_takes_up_the_runs_it_can_and_lists_the_ones_whose_program_it_do
             assert [str(h.start_id) for h in handles] == ["run"]
             [(tree, error)] = worker.recover_failures.items()
             assert tree == TreeID.for_start("old-run") and error.code == "engine.program.unavailable"
-            [unknown] = [e for p in worker.capture("run").live.values() for e in p.unknown_effects()]
+            # The call in flight when the old worker stopped is unknown, never made again.
+            [unknown] = [e for p in worker.wait_idle(handles[0].tree_id).live.values() for e in p.unknown_effects()]
             worker.resolve_unknown_effect(unknown.effect_id, Settlement.succeeded({"value": 1}))
             assert handles[0].result(timeout=30).status == "completed"
+            # Asked again: the retired run still cannot be taken, and says so again.
+            assert worker.recover() == []
+            assert [(t, e.code) for t, e in worker.recover_failures.items()] == [(tree, "engine.program.unavailable")]
         assert len(store.read(TreeID.for_start("old-run"))) == retired_events  # left alone: nothing appended
+    finally:
+        store.close()
+
+
+def test_a_worker_start_leaves_parked_runs_as_they_are(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    program = chain_program(lost_reply, name="test.parked")
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as first:
+            first.wait_idle(first.start(program, {"n": 2}, start_id="parked").tree_id)  # parked on an unknown
+        before = len(store.read(TreeID.for_start("parked")))
+        for _restart in range(3):
+            with Runtime(store, Catalog([program])) as worker:
+                assert worker.recover() == [] and worker.recover_failures == {}
+        assert len(store.read(TreeID.for_start("parked"))) == before  # no WriterActivated per restart
+        with Runtime(store, Catalog([program])) as worker:  # one tree by name: taken whatever its state
+            [handle] = worker.recover("parked")
+            assert worker.owns(handle.tree_id)
     finally:
         store.close()
 
@@ -64,3 +99,38 @@ def test_project_says_which_runs_it_projects_without_their_program(tmp_path: Pat
     tree = TreeID.for_start("refund-1")
     assert f"tree {tree} runs program 'myapp.refund', which this process does not bind" in ran.stderr, ran.stderr
     assert "project --rebuild" in ran.stderr
+
+
+def test_an_answer_for_a_run_whose_program_is_not_bound_says_so_and_appends_nothing(tmp_path: Path) -> None:
+    from adapters.host import Host
+    from domain.errors import NotFound
+    from tests.test_cli import refused
+    from tests.test_host_python import INPUT, agent
+
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    program = agent()
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            run = runtime.start(program, INPUT, start_id="answer-me")
+            runtime.wait_idle(run.tree_id)
+            host.resolve(host.unknown("answer-me")[0]["effect_id"], output="booked")
+            runtime.wait_idle(run.tree_id)
+            [pending] = host.pending("answer-me")
+        before = len(store.read(run.tree_id))
+        # The plain console script binds no such Program: it cannot read the wait, and says why
+        # (it used to answer "wait W is not a pending tool input (its current wait is W)").
+        error = refused(agentfold("answer", pending["process_id"], pending["wait_id"], '{"ok": true}', "--json",
+                                  store=url)).error()
+        assert error["code"] == "engine.program.unavailable", error
+        with Runtime(store) as bare:
+            try:
+                Host(bare).answer(pending["process_id"], pending["wait_id"], {"ok": True})
+            except NotFound as exc:
+                assert exc.code == "engine.program.unavailable"
+            else:
+                raise AssertionError("answered without the Program")
+        assert len(store.read(run.tree_id)) == before
+    finally:
+        store.close()

@@ -95,7 +95,7 @@ def test_a_server_error_leaves_the_model_effect_unknown_until_a_host_resolves_it
 def _retrying(server_url: str, retries: int) -> tuple[OpenAIChatModel, list[float]]:
     model = OpenAIChatModel(server_url, model="gpt-test", timeout=5, max_retries=retries, retry_wait=0.25)
     waits: list[float] = []
-    model.sleep = waits.append  # the waits it would take, without taking them
+    model.sleep = lambda seconds, cancelled: waits.append(seconds)  # the waits it would take, without taking them
     return model, waits
 
 
@@ -154,3 +154,43 @@ def test_max_retries_and_retry_wait_are_checked_when_the_model_is_made() -> None
     from adapters.models import _retry_after
 
     assert _retry_after(" 7 ") == 7.0 and _retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None and _retry_after(None) is None
+
+
+def test_a_canceled_run_stops_waiting_to_send_its_model_call_again(tmp_path) -> None:
+    import time
+
+    with FakeOpenAI([]) as server:
+        server.fail_with = 503
+        model = OpenAIChatModel(server.base_url, model="gpt-test", timeout=5, max_retries=5, retry_wait=20.0)
+        program = compile_interaction(InteractionConfig(name="test.openai.cancel", model=model))
+        store = EventStore(f"sqlite:///{tmp_path / 'c.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
+            deadline = time.monotonic() + 10
+            while not server.requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started = time.monotonic()
+            runtime.cancel(handle.root_process_id)
+            result = handle.result(timeout=15)
+            ended_in = time.monotonic() - started
+        store.close()
+    assert result.status == "canceled"
+    assert ended_in < 5, ended_in  # not the 20 s wait, nor the runtime's 5 s cancellation grace
+    assert len(server.requests) == 1  # the wait ended without sending it again
+
+
+def test_a_model_server_name_that_does_not_resolve_is_not_retried() -> None:
+    from adapters.models import ModelError, ModelRequest
+
+    model = OpenAIChatModel("http://agentfold-no-such-host.invalid/v1", "m", timeout=5, max_retries=3, retry_wait=0.1)
+    waits: list[float] = []
+    model.sleep = lambda seconds, cancelled: waits.append(seconds)
+    request = ModelRequest(process_id="process:p", model_call_sequence=1, effect_id="effect:" + "0" * 64,  # type: ignore[arg-type]
+                           attempt_id=None, messages=({"role": "user", "content": [{"type": "text", "text": "hi"}]},))
+    try:
+        model.call(request)
+    except ModelError as exc:
+        assert "unreachable" in str(exc) and "attempts" not in str(exc)
+    else:
+        raise AssertionError("the call succeeded")
+    assert waits == []
