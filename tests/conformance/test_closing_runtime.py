@@ -1,4 +1,4 @@
-"""A closing runtime starts no further dispatch (docs/kernel-adaptations.md), found by mutation.
+"""A closing runtime starts no further dispatch and grants no new permission (docs/kernel-adaptations.md).
 
 Scenarios 23 and 24 abort the blocked store call, so the owner line never reached the point
 where it would start the next call; a runtime that started it anyway went unnoticed. Here the
@@ -64,3 +64,43 @@ def test_a_closing_runtime_starts_no_call_for_a_permission_its_last_append_commi
     assert [r.effect_id for r in unknown] == [second]
     assert unknown[0].diagnostic is not None and unknown[0].diagnostic.code == EngineCode.DISPATCH_INTERRUPTED
     assert env.log.count() == 1
+
+
+def test_a_step_committed_while_the_runtime_closes_permits_no_call_and_the_next_owner_makes_it(env: Env) -> None:
+    """``close`` grants no dispatch permission once it begins: a run whose call returns while
+    ``close`` waits for another run's append commits its next Step with the Effect declared
+    but not permitted, and the next owner makes that call, instead of recording a call
+    nobody made as unknown."""
+    from tests.kernel_programs import CallLog, GatedCall
+
+    held = chain_program(counted(env.log), name="closing.held")
+    gate = GatedCall(CallLog(env.tmp_path / "moving.jsonl"), at=0)
+    moving = chain_program(gate, name="closing.moving")
+    runtime, faulty = env.runtime(held, moving)
+    running = runtime.start(moving, {"n": 2})
+    assert gate.entered.wait(10)  # its first call is in progress
+    fault = faulty.arm(holding(EffectSettled), "block_after")
+    runtime.start(held, {"n": 2})
+    fault.wait()  # the other run's owner line is inside a store call: close has to wait for it
+
+    with pytest.raises(RuntimeStopped) as busy:
+        runtime.close(timeout=0.2)
+    assert busy.value.code == "engine.runtime.busy"
+    before = env.version(running.tree_id)
+    gate.release.set()  # the first call returns while the runtime is closing
+    deadline = time.monotonic() + 10
+    while env.version(running.tree_id) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    committed = env.events(running.tree_id)[before:]
+    second = effect_id(running.root_process_id, 2, 0)
+    assert any(getattr(e, "effect_id", None) == second for e in committed), committed  # declared
+    assert not any(isinstance(e, EffectDispatched) and e.effect_id == second for e in committed)  # not permitted
+    fault.release("proceed")
+    runtime.close(timeout=5)
+
+    restorer, _ = env.runtime(held, moving)
+    restorer.recover(str(running.tree_id))
+    assert restorer.result(running.tree_id, timeout=30).status == "completed"
+    tree = restorer.wait_idle(running.tree_id)
+    assert [r for p in tree.processes.values() for r in p.unknown_effects()] == []
+    assert [c["index"] for c in gate.log.calls()] == [0, 1]  # each call made once, the second by the next owner
