@@ -52,7 +52,7 @@ from typing import Any, NoReturn
 from eventsourcing.persistence import PersistenceError
 
 from adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, sqlite_damage, store_url_from_env
-from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id
+from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id, unknown_effect_tree
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
@@ -360,13 +360,8 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
     effect_id = parse_effect_id(args.effect_id)
     store = ctx.open_store()
     try:
-        tree_id = store.tree_of_unknown_effect(effect_id)
-        if tree_id is None:
-            raise NotFound(
-                "engine.effect.not_pending",
-                f"effect {effect_id} is not an unknown effect of any tree in {redact(ctx.store_url)}",
-                hint=f"list unknown effects with `{PROG} unknown`",
-            )
+        tree_id = unknown_effect_tree(store, effect_id, listing_hint=f"list unknown effects with `{PROG} unknown`",
+                                      where=redact(ctx.store_url))
         probe, programs = _fold(store, ctx.sources, tree_id)
         settlement = _settlement_for(args, probe, programs, effect_id)
         # Validate on a private fold first, with the kernel's own rules: a refused

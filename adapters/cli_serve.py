@@ -162,8 +162,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if side_effect_dir is not None and not side_effect_dir.is_dir():
         raise InvalidInput("cli.argument_invalid", f"--side-effect-dir {args.side_effect_dir!r} is not a folder",
                            hint="create it first, or leave the option out to refuse side-effect logs")
-    if len(token.strip()) < MIN_TOKEN_CHARS:
-        _say(f"warning: {TOKEN_ENV} is {len(token.strip())} characters long; a token anyone can guess opens every "
+    if len(token) < MIN_TOKEN_CHARS:  # no surrounding whitespace by now
+        _say(f"warning: {TOKEN_ENV} is {len(token)} characters long; a token anyone can guess opens every "
              f"run (use {MIN_TOKEN_CHARS} or more, e.g. $(openssl rand -hex 32))")
     if not _loopback(args.host):
         _say(f"warning: serving plain HTTP on {args.host}: the token and every run travel unencrypted; put a "

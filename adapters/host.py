@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from adapters.eventstore import EventStore
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries
 from adapters.resolution import ABSENT, settlement_for
@@ -124,6 +125,16 @@ def deliver_answer(runtime: Runtime, tree_id: TreeID, process_id: ProcessID, sig
         raise Rejected(exc.code, exc.message, exc.hint, wait=state) from exc
 
 
+def unknown_effect_tree(store: EventStore, effect_id: EffectID, *, listing_hint: str, where: str = "this store") -> TreeID:
+    """The tree holding ``effect_id`` as an unknown Effect (per the tree index), else
+    ``engine.effect.not_pending``: it does not exist, or its outcome is not unknown (any more)."""
+    tree_id = store.tree_of_unknown_effect(effect_id)
+    if tree_id is None:
+        raise NotFound("engine.effect.not_pending", f"effect {effect_id} is not an unknown effect of any tree in {where}",
+                       hint=listing_hint)
+    return tree_id
+
+
 def checked_resolution(tree: TreeState, effect_id: EffectID, settlement: Settlement) -> ProcessID | None:
     """Apply the kernel's resolution rules to a private fold (``tree`` is changed): the Process
     of the unknown Effect, or the kernel's refusal (not unknown, already resolved, ...)."""
@@ -206,11 +217,7 @@ class Host:
         ``output`` and ``status`` (``succeeded``, the default, or ``failed``).
         """
         eid = parse_effect_id(effect_id)
-        store = self.runtime.store
-        tree_id = store.tree_of_unknown_effect(eid)
-        if tree_id is None:
-            raise NotFound("engine.effect.not_pending", f"effect {eid} is not an unknown effect of any tree in this store",
-                           hint="list unknown effects with Host.unknown()")
+        tree_id = unknown_effect_tree(self.runtime.store, eid, listing_hint="list unknown effects with Host.unknown()")
         probe, programs = self.queries().fold(tree_id)
         settlement = self.settlement(probe, programs, eid, output=output, disposition=disposition, status=status,
                                      model_response=model_response)
@@ -260,5 +267,6 @@ class Host:
 
 
 __all__ = [
-    "Host", "answer_signal", "answered_elsewhere", "checked_resolution", "deliver_answer", "fresh_signal_id", "wait_state",
+    "Host", "answer_signal", "answered_elsewhere", "checked_resolution", "deliver_answer", "fresh_signal_id",
+    "unknown_effect_tree", "wait_state",
 ]

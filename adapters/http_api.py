@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from adapters.cli import tree_summary
 from adapters.eventstore import EventStore, seconds_setting, sqlite_damage
 from adapters.follower import Follower, one_line
-from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id
+from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id, unknown_effect_tree
 from adapters.interaction import steer_signal
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
 from adapters.resolution import ABSENT, settlement_for
@@ -696,12 +696,7 @@ class ApiService:
     def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
         """``agentfold resolve``: validated on a private fold first, then settled."""
         eid = parse_effect_id(effect_id)
-        tree_id = self.store.tree_of_unknown_effect(eid)
-        if tree_id is None:
-            raise NotFound(
-                "engine.effect.not_pending", f"effect {eid} is not an unknown effect of any tree in this store",
-                hint="list unknown effects with GET /unknown-effects",
-            )
+        tree_id = unknown_effect_tree(self.store, eid, listing_hint="list unknown effects with GET /unknown-effects")
         probe, programs = self.queries.fold(tree_id)
         settlement = resolution_settlement(body, probe, programs, eid)
         # The kernel's own rules on a private copy: a refused resolution must not even

@@ -213,9 +213,7 @@ class OpenAIChatModel:
                     failure = ModelError(f"{failure} (after {attempt} attempts)")
                 raise failure from cause
             delay = min(MAX_RETRY_WAIT, retry_after if retry_after is not None else wait)
-            if request.cancelled is not None and request.cancelled.is_set():
-                raise ModelError(f"{failure} (not sent again: the run is stopping)") from cause
-            self.sleep(delay, request.cancelled)
+            self.sleep(delay, request.cancelled)  # returns at once when the run is stopping
             if request.cancelled is not None and request.cancelled.is_set():
                 raise ModelError(f"{failure} (not sent again: the run is stopping)") from cause
             wait = min(MAX_RETRY_WAIT, wait * 2)

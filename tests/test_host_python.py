@@ -61,6 +61,17 @@ def agent() -> Program:
     return compile_interaction(InteractionConfig(name="host.test", model=model, tools=[Book(), Approve()]))
 
 
+def parked_on_approval(runtime: Runtime, program: Program, start_id: str) -> tuple[Any, dict[str, Any]]:
+    """Start a run, settle its lost booking as booked, and return it with its pending approval."""
+    host = Host(runtime)
+    run = runtime.start(program, INPUT, start_id=start_id)
+    runtime.wait_idle(run.tree_id)
+    host.resolve(host.unknown(start_id)[0]["effect_id"], output="booked")
+    runtime.wait_idle(run.tree_id)
+    [pending] = host.pending(start_id)
+    return run, pending
+
+
 def stored(store: EventStore, start_id: str) -> list[str]:
     return [type(r.event).__name__ for r in store.read(TreeID.for_start(start_id))]
 
@@ -110,11 +121,7 @@ def test_a_second_answer_under_another_signal_id_names_the_signal_that_answered_
     try:
         with Runtime(store, Catalog([program])) as runtime:
             host = Host(runtime)
-            run = runtime.start(program, INPUT, start_id="r2")
-            runtime.wait_idle(run.tree_id)
-            host.resolve(host.unknown("r2")[0]["effect_id"], output="booked")
-            runtime.wait_idle(run.tree_id)
-            [pending] = host.pending("r2")
+            run, pending = parked_on_approval(runtime, program, "r2")
             with pytest.raises(InvalidInput) as schema:
                 host.answer(pending["process_id"], pending["wait_id"], {"nope": 1})
             assert schema.value.code == "engine.signal.schema"

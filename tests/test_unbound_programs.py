@@ -105,19 +105,14 @@ def test_an_answer_for_a_run_whose_program_is_not_bound_says_so_and_appends_noth
     from adapters.host import Host
     from domain.errors import NotFound
     from tests.test_cli import refused
-    from tests.test_host_python import INPUT, agent
+    from tests.test_host_python import agent, parked_on_approval
 
     url = f"sqlite:///{tmp_path / 'runs.db'}"
     program = agent()
     store = EventStore(url)
     try:
         with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            run = runtime.start(program, INPUT, start_id="answer-me")
-            runtime.wait_idle(run.tree_id)
-            host.resolve(host.unknown("answer-me")[0]["effect_id"], output="booked")
-            runtime.wait_idle(run.tree_id)
-            [pending] = host.pending("answer-me")
+            run, pending = parked_on_approval(runtime, program, "answer-me")
         before = len(store.read(run.tree_id))
         # The plain console script binds no such Program: it cannot read the wait, and says why
         # (it used to answer "wait W is not a pending tool input (its current wait is W)").

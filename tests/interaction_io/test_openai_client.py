@@ -118,28 +118,29 @@ def test_with_max_retries_a_transient_server_error_is_sent_again_and_only_the_an
     assert len(settled) == 1 and settled[0].status == "succeeded"  # one model Effect, one settlement
 
 
+def _parked_unknown(model: OpenAIChatModel, name: str, path) -> dict:
+    """Run a one-call Interaction with ``model`` until it parks; its one unknown Effect."""
+    program = compile_interaction(InteractionConfig(name=name, model=model))
+    store = EventStore(f"sqlite:///{path}")
+    with Runtime(store, Catalog([program])) as runtime:
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
+        [unknown] = unknown_effects(runtime.wait_idle(handle.tree_id), runtime.catalog.resolve)
+    store.close()
+    return unknown
+
+
 def test_retries_stop_at_max_retries_and_never_follow_a_refusal(tmp_path) -> None:
     with FakeOpenAI([completion("hello")]) as server:
         server.fail_with = 400  # the request itself is wrong: sending it again cannot help
         model, waits = _retrying(server.base_url, 3)
-        program = compile_interaction(InteractionConfig(name="test.openai.refused", model=model))
-        store = EventStore(f"sqlite:///{tmp_path / 'f.db'}")
-        with Runtime(store, Catalog([program])) as runtime:
-            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
-            [unknown] = unknown_effects(runtime.wait_idle(handle.tree_id), runtime.catalog.resolve)
-        store.close()
+        unknown = _parked_unknown(model, "test.openai.refused", tmp_path / "f.db")
     assert len(server.requests) == 1 and waits == []
     assert "HTTP 400" in unknown["diagnostic"]["message"]
     # Nothing listens: every attempt fails to connect; the call is unknown after 1 + 2 attempts.
     with FakeOpenAI([]) as gone:
         url = gone.base_url
     model, waits = _retrying(url, 2)
-    program = compile_interaction(InteractionConfig(name="test.openai.unreachable", model=model))
-    store = EventStore(f"sqlite:///{tmp_path / 'u.db'}")
-    with Runtime(store, Catalog([program])) as runtime:
-        handle = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
-        [unknown] = unknown_effects(runtime.wait_idle(handle.tree_id), runtime.catalog.resolve)
-    store.close()
+    unknown = _parked_unknown(model, "test.openai.unreachable", tmp_path / "u.db")
     assert unknown["kind"] == "model" and waits == [0.25, 0.5]
     assert "unreachable" in unknown["diagnostic"]["message"] and "(after 3 attempts)" in unknown["diagnostic"]["message"]
 
