@@ -32,7 +32,7 @@ from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEv
 
 from adapters.catalog import Catalog
 from adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
-from adapters.eventstore import CorruptStream, EventStore
+from adapters.eventstore import CorruptStream, EventStore, read_failure
 from adapters.read_models import ReadModels
 from adapters.recorders import EVENTS_TABLE, TreeHead
 from adapters.runtime import index_head
@@ -185,7 +185,7 @@ def _raw(store: EventStore, tree_id: TreeID, *, upto: int | None = None) -> list
     try:
         return list(store.recorder.select_events(tree_id.uuid, lte=upto))
     except PersistenceError as exc:
-        raise StoreFailure("store.read_failed", f"reading tree {tree_id} failed: {exc}") from exc
+        raise read_failure(exc, f"reading tree {tree_id}") from exc
 
 
 def consistent_read(store: EventStore, tree_id: TreeID, attempts: int = 20) -> tuple[TreeHead | None, list[StoredEvent]]:
@@ -360,7 +360,7 @@ def _latest_snapshot(store: EventStore, tree_id: TreeID) -> tuple[int, bytes] | 
     try:
         rows = store.snapshots.select_events(tree_id.uuid, desc=True, limit=1)
     except PersistenceError as exc:
-        raise StoreFailure("store.read_failed", f"reading the snapshots of tree {tree_id} failed: {exc}") from exc
+        raise read_failure(exc, f"reading the snapshots of tree {tree_id}") from exc
     return (rows[0].originator_version, bytes(rows[0].state)) if rows else None
 
 

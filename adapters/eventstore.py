@@ -407,6 +407,12 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
     return None
 
 
+def read_failure(exc: BaseException, what: str) -> StoreFailure:
+    """A failed read of ``what``: ``store.damaged`` with what to do when SQLite found its file
+    damaged, else ``store.read_failed``."""
+    return sqlite_damage(exc) or StoreFailure("store.read_failed", f"{what} failed: {exc}")
+
+
 #: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
@@ -918,7 +924,7 @@ class EventStore:
         try:
             stored = self.recorder.select_events(tree_id.uuid, gt=after or None, lte=upto)
         except PersistenceError as exc:
-            raise StoreFailure("store.read_failed", f"reading tree {tree_id} failed: {exc}") from exc
+            raise read_failure(exc, f"reading tree {tree_id}") from exc
         out: list[RecordedEvent] = []
         digest = previous_digest
         expected = after + 1

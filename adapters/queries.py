@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from adapters.catalog import Catalog
-from adapters.eventstore import CorruptStream, EventStore
+from adapters.eventstore import CorruptStream, EventStore, read_failure
 from adapters.read_models import PENDING, UNKNOWN, ReadModels
 from adapters.recorders import TreeHead
 from adapters.sources import ProgramSources
@@ -397,6 +397,6 @@ class HostQueries:
         try:
             head = self.store.max_notification_id()
         except Exception as exc:
-            raise StoreFailure("store.read_failed", f"cannot read the notification log: {exc}") from exc
+            raise read_failure(exc, "reading the notification log") from exc
         models = self.read_models()
         return {"store": head, "read_models": models.position() if models is not None else None}
