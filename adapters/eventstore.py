@@ -93,6 +93,23 @@ log = logging.getLogger("agentfold.store")
 
 DEFAULT_STORE = "sqlite:///./agentfold.db"
 SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
+
+#: The shape of a storage snapshot's tree. 1: before mailbox compaction (every consumed record
+#: kept, no ``arrivals``/``consumed_through`` counters; releases before 2026-11-29 21:20 UTC);
+#: 2: compacted mailboxes. Snapshots of 2 written before the member existed have no ``format``.
+#: A snapshot of another format is not used: the load folds the events (the truth), and the
+#: runtime's next append writes a current snapshot. Bump it whenever the tree's JSON changes
+#: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
+SNAPSHOT_FORMAT = 2
+
+
+def snapshot_format(data: dict[str, Any]) -> int:
+    """The format of a stored snapshot's JSON (-1 when it names one that is not a number)."""
+    given = data.get("format")
+    if given is not None:
+        return given if isinstance(given, int) and not isinstance(given, bool) else -1
+    compacted = all("arrivals" in process["mailbox"] for process in data["tree"]["processes"])
+    return 2 if compacted else 1
 # The tables every store has (created together by ``EventStore(url)``).
 STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
 # Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
@@ -405,6 +422,10 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
             return StoreFailure("store.damaged", f"{name} is damaged: {text}", hint=DAMAGED_HINT)
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+class OutdatedSnapshot(ValueError):
+    """A stored snapshot in a format this release does not read back (``SNAPSHOT_FORMAT``)."""
 
 
 def read_failure(exc: BaseException, what: str) -> StoreFailure:
@@ -961,6 +982,9 @@ class EventStore:
                 snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
             except (PersistenceError, AgentfoldError):
                 raise  # the store itself failed, or a refusal that folding would meet as well
+            except OutdatedSnapshot as exc:  # written by an earlier release (an upgrade)
+                log.info("snapshot of tree %s is not used (%s); folding from its first event", tree_id, exc)
+                snapshot = None
             except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: the events are the truth
                 # A damaged snapshot row (a disk fault, a hand edit) would otherwise make a
                 # healthy history unreadable, and with it every store-wide listing.
@@ -1007,7 +1031,7 @@ class EventStore:
     @staticmethod
     def encode_snapshot(state: TreeState, digest: str) -> bytes:
         """The snapshot JSON of a folded tree at its version (serialize under the owner's lock)."""
-        return orjson.dumps({"tree": state.to_json(compact=True), "digest": digest})
+        return orjson.dumps({"format": SNAPSHOT_FORMAT, "tree": state.to_json(compact=True), "digest": digest})
 
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
@@ -1034,6 +1058,9 @@ class EventStore:
         if not rows:
             return None
         data = orjson.loads(stored_json(rows[0].state))
+        found = snapshot_format(data)
+        if found != SNAPSHOT_FORMAT:
+            raise OutdatedSnapshot(f"it is in format {found}, this release reads format {SNAPSHOT_FORMAT}")
         return TreeState.from_json(data["tree"], programs), str(data["digest"])
 
     # -- index and feed ----------------------------------------------------

@@ -7,6 +7,7 @@ are an integrity error at their position, never a crash or a silently different 
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from pathlib import Path
@@ -23,9 +24,10 @@ from adapters.codec import (
     STATE_COMPRESSOR,
     stored_json,
 )
-from adapters.eventstore import CorruptStream, EventStore, LoadedTree
+from adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, LoadedTree
 from domain.ids import TreeID
 from domain.integrity import SealError
+from domain.tree import TreeState
 from tests.test_fold_rules import TREE, one_effect, settled
 
 TIMESTAMP = "2026-01-01T00:00:00.000000Z"
@@ -173,4 +175,55 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
     reason = "does not match the event stored there" if damage == "another digest" else "unreadable"
     assert any("snapshot of tree" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    store.close()
+
+
+def before_mailbox_compaction(snapshot: dict[str, object]) -> dict[str, object]:
+    """``snapshot`` as releases before mailbox compaction wrote it: no ``format`` member, no
+    ``arrivals``/``consumed_through`` counters, the cursor counting every consumed record
+    (they kept them all). Read back as if it were current, its state is not the fold's."""
+    tree = json.loads(json.dumps(snapshot["tree"]))
+    for process in tree["processes"]:
+        mailbox = process["mailbox"]
+        mailbox["cursor"] = mailbox.pop("arrivals")
+        del mailbox["consumed_through"]
+    return {"tree": tree, "digest": snapshot["digest"]}
+
+
+@pytest.mark.parametrize("written_as", ["before mailbox compaction", "a later format", "a format that is no number"])
+def test_a_snapshot_in_another_format_is_not_used_and_audit_does_not_count_it(
+    durable_store_url: str, written_as: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by an upgrade audit: snapshots written before mailbox compaction were read back
+    # with made-up counters, so a load gave another state than folding the events (`show`
+    # differed, `audit verify` failed a sound history, and the runtime's next snapshots carried
+    # the difference forward).
+    from adapters.audit import verify_tree
+
+    store, tree_id, catalog, plain, row = snapshotted(durable_store_url, "snap-format")
+    assert plain.digest is not None
+    current = json.loads(EventStore.encode_snapshot(plain.state, plain.digest))
+    assert current["format"] == SNAPSHOT_FORMAT
+    body = {
+        "before mailbox compaction": before_mailbox_compaction(current),
+        "a later format": {**current, "format": SNAPSHOT_FORMAT + 1},
+        "a format that is no number": {**current, "format": str(SNAPSHOT_FORMAT)},
+    }[written_as]
+    if written_as == "before mailbox compaction":  # read back as if current, it would mislead
+        misread = TreeState.from_json(body["tree"], catalog.resolve)  # type: ignore[arg-type]
+        assert misread.to_json() != plain.state.to_json()
+    store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
+    store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic,
+                                               json.dumps(body).encode())])
+    with caplog.at_level("INFO", logger="agentfold.store"):
+        loaded = store.load(tree_id, catalog.resolve)
+    assert loaded.snapshot_version == 0  # folded from the first event
+    assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
+    assert any("snapshot of tree" in r.getMessage() and "is not used" in r.getMessage() for r in caplog.records)
+    check, _, _ = verify_tree(store, tree_id, catalog)
+    assert check.problems == []
+    # The current format is used as before.
+    store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
+    store.save_snapshot(tree_id, loaded.state, plain.digest)
+    assert store.load(tree_id, catalog.resolve).snapshot_version == plain.state.version
     store.close()
