@@ -60,14 +60,21 @@ class ScriptedModel:
     The n-th model call of a Process (its model call sequence n) receives entry n-1, so
     a recovered or resolved run sees exactly the same script. An entry
     ``{"error": "..."}`` raises: that call's outcome is unknown.
+
+    ``requests`` holds the most recent ``keep_requests`` requests it received, oldest first
+    (for tests and debugging): a scenario's model serves every run of that scenario in a
+    long-lived server, so an unbounded log grew with every run.
     """
 
-    def __init__(self, responses: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, responses: Sequence[dict[str, Any]], *, keep_requests: int = 256) -> None:
         self.responses = list(responses)
+        self.keep_requests = keep_requests
         self.requests: list[ModelRequest] = []
 
     def call(self, request: ModelRequest) -> dict[str, Any]:
         self.requests.append(request)
+        if len(self.requests) > self.keep_requests:
+            del self.requests[: len(self.requests) - self.keep_requests]
         index = request.model_call_sequence - 1
         if index >= len(self.responses):
             raise ModelError(f"the script has {len(self.responses)} responses; call {request.model_call_sequence} has none")

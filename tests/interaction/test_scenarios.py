@@ -1799,3 +1799,18 @@ def test_i26_a_tool_child_failure_after_a_success_prefix_propagates_unchanged_an
     assert [r["disposition"] for r in state.round.results] == ["succeeded"]
     assert [(e.tool_call_index, e.disposition) for e in only_round(again).entries] == [(0, "succeeded")]
     assert log.count() == 1
+
+
+def test_a_scripted_model_serving_many_runs_keeps_only_its_recent_requests() -> None:
+    # Found by a scale audit: a scenario's model serves every run of that scenario in a
+    # long-lived process (`serve`, a worker), and its request log grew with every run
+    # (~25 MB per 5,000 runs).
+    from adapters.models import ModelRequest, ScriptedModel
+
+    model = ScriptedModel([{"content": [{"type": "text", "text": "done"}]}], keep_requests=3)
+    for n in range(10):
+        request = ModelRequest(process_id=f"process:{n:032x}", model_call_sequence=1,  # type: ignore[arg-type]
+                               effect_id="effect:" + f"{n:064x}", attempt_id=None, messages=())  # type: ignore[arg-type]
+        assert model.call(request)["content"][0]["text"] == "done"
+    assert [r.process_id for r in model.requests] == [f"process:{n:032x}" for n in (7, 8, 9)]
+    assert ScriptedModel([]).keep_requests == 256
