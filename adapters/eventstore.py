@@ -1131,6 +1131,12 @@ class EventStore:
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
 
+    def changes(self, after: int, upto: int, limit: int = 10_000) -> list[tuple[int, TreeID, int]]:
+        """(notification id, tree, position) of the events after notification ``after`` up to
+        ``upto``, at most ``limit``, in notification order; their states are not read."""
+        return [(n, TreeID.from_uuid(uuid.UUID(hex=tree)), position)
+                for n, tree, position in self.index.select_changes(after, upto, limit)]
+
     # -- leases ------------------------------------------------------------
 
     def leases(self) -> LeaseManager:

@@ -16,7 +16,8 @@ still raises.
 
 from __future__ import annotations
 
-import uuid
+import collections
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -104,6 +105,10 @@ class HostQueries:
         self.sources = sources
         self._read_models = read_models
         self._use_read_models = use_read_models and store.backend in ("sqlite", "postgresql")
+        # Trees folded while the tables lagged behind them: a long-lived reader (a server) that
+        # answers many requests during a follower's catch-up folds each version of a tree once.
+        self._folded_rows: collections.OrderedDict[str, TreeRows] = collections.OrderedDict()
+        self._folded_lock = threading.Lock()
 
     # -- which path ------------------------------------------------------------
 
@@ -161,8 +166,10 @@ class HostQueries:
         The tables answer for every tree the follower has projected up to the store's
         head; the trees with events after the tables' position (usually a handful: the
         follower is milliseconds behind) are folded now. So an answer is never stale, and
-        its cost is the tables' plus the lag's, not a fold of every tree. None when there
-        are no tables, or when they lag so far behind that folding everything is cheaper.
+        its cost is the tables' plus the lag's, not a fold of every tree (which trees changed
+        is read without the events' states, and this object keeps what it folded, so each
+        version of a lagging tree is folded once while a follower catches up). None when
+        there are no tables, or when they lag so far behind that folding everything is cheaper.
         """
         models = self.read_models()
         if models is None:
@@ -179,32 +186,55 @@ class HostQueries:
             fresh.created[found.tree_id] = found.created_position
         if position >= head:
             return models, fresh
-        first_seen: dict[TreeID, int] = {}
+        # tree -> [the notification that created it (0: created before the tables' position),
+        # its last position up to ``head``]; read without the events' states
+        changed: dict[TreeID, list[int]] = {}
         after = position
         while after < head:
-            batch = self.store.notifications(after, 1000)
+            batch = self.store.changes(after, head)
             if not batch:
                 break
-            for n in batch:
-                if n.id > head:
-                    break
-                tree_id = TreeID.from_uuid(uuid.UUID(str(n.originator_id)))
-                if tree_id not in first_seen and str(tree_id) not in fresh.corrupt:
-                    first_seen[tree_id] = n.id if n.originator_version == 1 else 0
-                    if len(first_seen) > OVERLAY_LIMIT:
+            for n, tree_id, version in batch:
+                seen = changed.get(tree_id)
+                if seen is not None:
+                    seen[1] = version
+                elif str(tree_id) not in fresh.corrupt:
+                    changed[tree_id] = [n if version == 1 else 0, version]
+                    if len(changed) > OVERLAY_LIMIT:
                         return None
-            after = batch[-1].id
-        for tree_id, first in first_seen.items():
-            fresh.created[str(tree_id)] = first or models.created_position(str(tree_id))
-            try:
-                tree, programs = self.fold(tree_id)
-            except CorruptStream as exc:
-                # One damaged tree must not take every other tree's answer down with it:
-                # listings name it, a question about this tree alone raises it (``_rows``).
-                fresh.corrupt[str(tree_id)] = exc
-                continue
-            fresh.rows[str(tree_id)] = project_tree(tree, programs)
+            after = batch[-1][0]
+        for tree_id, (first, version) in changed.items():
+            key = str(tree_id)
+            fresh.created[key] = first or models.created_position(key)
+            rows = self._folded(key, version)
+            if rows is None:
+                try:
+                    tree, programs = self.fold(tree_id)
+                except CorruptStream as exc:
+                    # One damaged tree must not take every other tree's answer down with it:
+                    # listings name it, a question about this tree alone raises it.
+                    fresh.corrupt[key] = exc
+                    continue
+                rows = project_tree(tree, programs)
+                self._keep_folded(key, rows)
+            fresh.rows[key] = rows
         return models, fresh
+
+    def _folded(self, tree_id: str, version: int) -> TreeRows | None:
+        """Rows this object folded earlier for a lagging tree, if they reach ``version``."""
+        with self._folded_lock:
+            rows = self._folded_rows.get(tree_id)
+            if rows is None or int(rows.run["version"]) < version:
+                return None
+            self._folded_rows.move_to_end(tree_id)
+            return rows
+
+    def _keep_folded(self, tree_id: str, rows: TreeRows) -> None:
+        with self._folded_lock:
+            self._folded_rows[tree_id] = rows
+            self._folded_rows.move_to_end(tree_id)
+            while len(self._folded_rows) > OVERLAY_LIMIT:
+                self._folded_rows.popitem(last=False)
 
     def _corrupt(self, fresh: Fresh, relevant: Callable[[TreeHead | None], bool],
                  within: Callable[[int], bool] = lambda created: True) -> list[tuple[int, Entry]]:
@@ -282,21 +312,31 @@ class HostQueries:
         return out
 
     def _rows(self, tree_id: TreeID, min_position: int | None) -> tuple[Entry, TreeRows | None, ReadModels | None]:
-        """One tree's run entry, and either its fresh rows or the tables to read them from."""
-        view = self.view(min_position)
-        if view is not None:
-            models, fresh = view
-            corrupt = fresh.corrupt.get(str(tree_id))
-            if corrupt is not None:
-                raise corrupt  # a question about this tree alone fails, as a fold would
-            rows = fresh.rows.get(str(tree_id))
-            if rows is not None:
-                return rows.run, rows, None
+        """One tree's run entry, and either its fresh rows or the tables to read them from.
+
+        The tables answer when their row of this tree is as recent as the tree's index row
+        (read first: a tree only grows, and its index row is written with its events), else
+        this tree alone is folded: a question about one run never pays for the rest of the
+        tables' lag (``min_position`` is then met too: the answer reflects the tree's head).
+        """
+        models = self.read_models()
+        if models is not None:
+            for found in models.corrupt_trees():
+                if found.tree_id == str(tree_id):
+                    # Recorded by the follower, which has no other rows of it: a question
+                    # about this tree alone fails, as a fold would.
+                    raise CorruptStream(found.tree_id, found.position, found.rule, found.detail)
+            head = self.store.head(tree_id)
             run = models.run(str(tree_id))
-            if run is not None:
+            if run is not None and head is not None and int(run["version"]) >= head.version:
                 return run, None, models
+            kept = self._folded(str(tree_id), head.version) if head is not None else None
+            if kept is not None:
+                return kept.run, kept, None
         tree, programs = self.fold(tree_id)
         rows = project_tree(tree, programs)
+        if models is not None:
+            self._keep_folded(str(tree_id), rows)
         return rows.run, rows, None
 
     def run(self, tree_id: TreeID, *, min_position: int | None = None) -> Entry:

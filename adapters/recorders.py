@@ -136,6 +136,12 @@ class IndexQueries:
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         raise NotImplementedError
 
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+        """(notification id, tree uuid hex, position) of the events after notification ``after``
+        up to ``upto``, in notification order, at most ``limit``: which trees changed, without
+        reading the events' states."""
+        raise NotImplementedError
+
 
 # ---------------------------------------------------------------------------
 # SQLite
@@ -471,6 +477,14 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return str(row[0]) if row else None
 
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(
+                f"SELECT rowid, originator_id, originator_version FROM {self.events_table_name} "
+                "WHERE rowid > ? AND rowid <= ? ORDER BY rowid LIMIT ?", (after, upto, limit),
+            )
+            return [(int(r[0]), str(r[1]).replace("-", ""), int(r[2])) for r in c.fetchall()]
+
 
 class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
@@ -668,6 +682,15 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         )
         return str(rows[0]["tree_id"]) if rows else None
 
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+        rows = self._select(
+            f'SELECT notification_id, originator_id, originator_version FROM "{self._schema}".{self.events_table_name} '
+            "WHERE notification_id > %s AND notification_id <= %s ORDER BY notification_id LIMIT %s",
+            (after, upto, limit),
+        )
+        return [(int(r["notification_id"]), UUID(str(r["originator_id"])).hex, int(r["originator_version"]))
+                for r in rows]
+
 
 class PostgresSnapshotRecorder(PostgresAggregateRecorder):
     def __init__(self, datastore: Any) -> None:
@@ -737,6 +760,10 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                 if effect_id in head.unknown_effect_ids:
                     return head.tree_id
         return None
+
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+        return [(n.id, UUID(str(n.originator_id)).hex, n.originator_version)
+                for n in self.select_notifications(after + 1, limit, stop=upto)]
 
 
 class MemorySnapshotRecorder(POPOAggregateRecorder):

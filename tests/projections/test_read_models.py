@@ -359,6 +359,62 @@ def test_the_cli_reads_the_tables_when_current_and_folds_when_they_lag(tmp_path:
     assert [p["prompt"] for p in refolded] == [folded["pending"][0]["prompt"]] * 2
 
 
+def test_a_question_about_one_run_folds_at_most_that_run_while_the_tables_lag(durable_store_url: str) -> None:
+    # Found by a scale audit: with the tables 1,500 trees behind, GET /runs/{tree} folded all
+    # 1,500 trees on every request (1.9 s on SQLite, 2.6 s on PostgreSQL, against 3 ms).
+    url = durable_store_url
+    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    for start in ("seen-1", "seen-2"):
+        assert agentfold(url, "run", str(demo), "--start-id", start).returncode == 0
+    assert agentfold(url, "project").returncode == 0
+    for start in ("new-1", "new-2", "new-3"):  # the tables lag three trees behind
+        assert agentfold(url, "run", str(demo), "--start-id", start).returncode == 0
+    seen, changed, new = (TreeID.for_start(s) for s in ("seen-1", "seen-2", "new-2"))  # type: ignore[arg-type]
+    [wait] = json.loads(agentfold(url, "pending", "--json").stdout)["pending"][1:2]
+    assert wait["tree_id"] == str(changed)
+    answered = agentfold(url, "answer", wait["process_id"], wait["wait_id"], '{"approved": true}')
+    assert answered.returncode == 0, answered.stderr  # seen-2 moved on after the tables saw it
+
+    store = EventStore(url)
+    try:
+        loads: list[TreeID] = []
+        load = store.load
+
+        def counted(tree_id: TreeID, *args: Any, **kwargs: Any) -> Any:
+            loads.append(tree_id)
+            return load(tree_id, *args, **kwargs)
+
+        store.load = counted  # type: ignore[method-assign]
+        queries = HostQueries(store, default_sources())
+        assert queries.run(seen)["status"] == "waiting" and loads == []  # its row is current: the tables answer
+        assert queries.run(changed)["status"] == "completed" and loads == [changed]  # only this run is folded
+        loads.clear()
+        assert queries.run(new)["start_id"] == "new-2" and queries.pending(new)[0]["tree_id"] == str(new)
+        assert loads == [new]  # once: the second question finds what the first folded
+        # A listing folds the trees the tables lag behind; a long-lived reader (the server's)
+        # folds each version of them once, however many requests come while the tables lag.
+        lagging = {TreeID.for_start(s) for s in ("new-1", "new-2", "new-3")} | {changed}  # type: ignore[arg-type]
+        loads.clear()
+        first = queries.pending()
+        assert sorted(loads) == sorted(lagging - {new, changed})  # new-2 and seen-2 were folded above
+        loads.clear()
+        assert queries.pending() == first and queries.runs() == queries.runs() and loads == []
+        # A lagging tree that moves on is folded again (never answered from what was kept).
+        new_1 = TreeID.for_start("new-1")  # type: ignore[arg-type]
+        [waiting] = [p for p in first if p["tree_id"] == str(new_1)]
+        answered = agentfold(url, "answer", waiting["process_id"], waiting["wait_id"], '{"approved": true}')
+        assert answered.returncode == 0, answered.stderr
+        after_answer = queries.pending()
+        assert loads == [new_1] and after_answer == [p for p in first if p["tree_id"] != str(new_1)]
+        assert queries.run(new_1)["status"] == "completed" and loads == [new_1]
+        store.load = load  # type: ignore[method-assign]
+        # What it answers is the fold's answer (the path the CLI takes without tables).
+        without_tables = HostQueries(store, default_sources(), use_read_models=False)
+        assert queries.run(changed) == project_tree(*without_tables.fold(changed)).run
+    finally:
+        store.close()
+
+
 def test_a_postgresql_follower_wakes_on_notify_and_a_host_reads_its_own_write(pg_database: str) -> None:
     url = pg_database
     demo = ROOT / "adapters" / "scenarios" / "demo.json"
