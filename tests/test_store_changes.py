@@ -1,0 +1,36 @@
+"""``EventStore.changes``: which trees the events after a notification id belong to, read
+without the events' states (what a reader uses to find the trees its read models lag behind).
+It must say exactly what the notification log says, on every store."""
+
+from __future__ import annotations
+
+import uuid
+
+from adapters.catalog import Catalog
+from adapters.eventstore import EventStore
+from adapters.runtime import Runtime
+from domain.ids import TreeID
+from domain.requests import Settlement
+from tests.kernel_programs import chain_program
+
+
+def test_changes_name_the_trees_and_positions_of_the_notification_log(store_url: str) -> None:
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.changes")
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            for start in ("one", "two"):
+                runtime.start(program, {"n": 3}, start_id=start).result(timeout=30)
+        log = [(n.id, TreeID.from_uuid(uuid.UUID(str(n.originator_id))), n.originator_version)
+               for n in store.notifications(0, 10_000)]
+        assert {tree for _, tree, _ in log} == {TreeID.for_start("one"), TreeID.for_start("two")}  # type: ignore[arg-type]
+        head = store.max_notification_id()
+        assert log[-1][0] == head
+        assert store.changes(0, head) == log
+        middle = log[len(log) // 2][0]
+        assert store.changes(middle, head) == [c for c in log if c[0] > middle]
+        assert store.changes(0, middle) == [c for c in log if c[0] <= middle]
+        assert store.changes(0, head, limit=3) == log[:3]
+        assert store.changes(head, head) == []
+    finally:
+        store.close()
