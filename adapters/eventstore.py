@@ -424,6 +424,17 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """A tree with events in a range of the notification log (``EventStore.changes``)."""
+
+    tree_id: TreeID
+    first: int  # the notification id of its first event in the range
+    low: int  # its lowest position in the range (1: the range holds its creation)
+    high: int  # its highest position in the range
+    last: int  # the notification id of its last event in the range
+
+
 class OutdatedSnapshot(ValueError):
     """A stored snapshot in a format this release does not read back (``SNAPSHOT_FORMAT``)."""
 
@@ -1131,11 +1142,11 @@ class EventStore:
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
 
-    def changes(self, after: int, upto: int, limit: int = 10_000) -> list[tuple[int, TreeID, int]]:
-        """(notification id, tree, position) of the events after notification ``after`` up to
-        ``upto``, at most ``limit``, in notification order; their states are not read."""
-        return [(n, TreeID.from_uuid(uuid.UUID(hex=tree)), position)
-                for n, tree, position in self.index.select_changes(after, upto, limit)]
+    def changes(self, after: int, upto: int, limit: int = 10_000) -> list[Changed]:
+        """The trees the first ``limit`` events after notification ``after`` (up to ``upto``)
+        belong to, each with its positions there, without reading the events' states."""
+        return [Changed(TreeID.from_uuid(uuid.UUID(hex=tree)), first, low, high, last)
+                for tree, first, low, high, last in self.index.select_changes(after, upto, limit)]
 
     # -- leases ------------------------------------------------------------
 

@@ -194,15 +194,15 @@ class HostQueries:
             batch = self.store.changes(after, head)
             if not batch:
                 break
-            for n, tree_id, version in batch:
-                seen = changed.get(tree_id)
+            for change in batch:
+                seen = changed.get(change.tree_id)
                 if seen is not None:
-                    seen[1] = version
-                elif str(tree_id) not in fresh.corrupt:
-                    changed[tree_id] = [n if version == 1 else 0, version]
+                    seen[1] = max(seen[1], change.high)
+                elif str(change.tree_id) not in fresh.corrupt:
+                    changed[change.tree_id] = [change.first if change.low == 1 else 0, change.high]
                     if len(changed) > OVERLAY_LIMIT:
                         return None
-            after = batch[-1][0]
+            after = max(change.last for change in batch)
         for tree_id, (first, version) in changed.items():
             key = str(tree_id)
             fresh.created[key] = first or models.created_position(key)

@@ -136,10 +136,10 @@ class IndexQueries:
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         raise NotImplementedError
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
-        """(notification id, tree uuid hex, position) of the events after notification ``after``
-        up to ``upto``, in notification order, at most ``limit``: which trees changed, without
-        reading the events' states."""
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        """Which trees the first ``limit`` events after notification ``after`` (up to ``upto``)
+        belong to, without reading their states: per tree (uuid hex), its first notification id
+        there, its lowest and highest position there, and its last notification id there."""
         raise NotImplementedError
 
 
@@ -477,13 +477,15 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return str(row[0]) if row else None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(
-                f"SELECT rowid, originator_id, originator_version FROM {self.events_table_name} "
-                "WHERE rowid > ? AND rowid <= ? ORDER BY rowid LIMIT ?", (after, upto, limit),
+                "SELECT originator_id, MIN(n), MIN(originator_version), MAX(originator_version), MAX(n) FROM "
+                f"(SELECT rowid AS n, originator_id, originator_version FROM {self.events_table_name} "
+                "WHERE rowid > ? AND rowid <= ? ORDER BY rowid LIMIT ?) GROUP BY originator_id",
+                (after, upto, limit),
             )
-            return [(int(r[0]), str(r[1]).replace("-", ""), int(r[2])) for r in c.fetchall()]
+            return [(str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in c.fetchall()]
 
 
 class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
@@ -682,13 +684,15 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         )
         return str(rows[0]["tree_id"]) if rows else None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
         rows = self._select(
-            f'SELECT notification_id, originator_id, originator_version FROM "{self._schema}".{self.events_table_name} '
-            "WHERE notification_id > %s AND notification_id <= %s ORDER BY notification_id LIMIT %s",
+            "SELECT originator_id, MIN(n) AS first, MIN(originator_version) AS low, MAX(originator_version) AS high, "
+            "MAX(n) AS last FROM (SELECT notification_id AS n, originator_id, originator_version "
+            f'FROM "{self._schema}".{self.events_table_name} WHERE notification_id > %s AND notification_id <= %s '
+            "ORDER BY notification_id LIMIT %s) AS recent GROUP BY originator_id",
             (after, upto, limit),
         )
-        return [(int(r["notification_id"]), UUID(str(r["originator_id"])).hex, int(r["originator_version"]))
+        return [(UUID(str(r["originator_id"])).hex, int(r["first"]), int(r["low"]), int(r["high"]), int(r["last"]))
                 for r in rows]
 
 
@@ -761,9 +765,16 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                     return head.tree_id
         return None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[int, str, int]]:
-        return [(n.id, UUID(str(n.originator_id)).hex, n.originator_version)
-                for n in self.select_notifications(after + 1, limit, stop=upto)]
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        trees: dict[str, list[int]] = {}
+        for n in self.select_notifications(after + 1, limit, stop=upto):
+            tree = UUID(str(n.originator_id)).hex
+            seen = trees.get(tree)
+            if seen is None:
+                trees[tree] = [n.id, n.originator_version, n.originator_version, n.id]
+            else:
+                seen[1:] = [min(seen[1], n.originator_version), max(seen[2], n.originator_version), n.id]
+        return [(tree, first, low, high, last) for tree, (first, low, high, last) in trees.items()]
 
 
 class MemorySnapshotRecorder(POPOAggregateRecorder):

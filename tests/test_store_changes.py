@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 
 from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
+from adapters.eventstore import Changed, EventStore
 from adapters.runtime import Runtime
 from domain.ids import TreeID
 from domain.requests import Settlement
@@ -23,14 +23,22 @@ def test_changes_name_the_trees_and_positions_of_the_notification_log(store_url:
                 runtime.start(program, {"n": 3}, start_id=start).result(timeout=30)
         log = [(n.id, TreeID.from_uuid(uuid.UUID(str(n.originator_id))), n.originator_version)
                for n in store.notifications(0, 10_000)]
-        assert {tree for _, tree, _ in log} == {TreeID.for_start("one"), TreeID.for_start("two")}  # type: ignore[arg-type]
         head = store.max_notification_id()
         assert log[-1][0] == head
-        assert store.changes(0, head) == log
+
+        def expected(after: int, upto: int, limit: int = 10_000) -> set[Changed]:
+            window = [c for c in log if after < c[0] <= upto][:limit]
+            trees = {tree for _, tree, _ in window}
+            return {Changed(tree, min(n for n, t, _ in window if t == tree), min(p for _, t, p in window if t == tree),
+                            max(p for _, t, p in window if t == tree), max(n for n, t, _ in window if t == tree))
+                    for tree in trees}
+
         middle = log[len(log) // 2][0]
-        assert store.changes(middle, head) == [c for c in log if c[0] > middle]
-        assert store.changes(0, middle) == [c for c in log if c[0] <= middle]
-        assert store.changes(0, head, limit=3) == log[:3]
+        for after, upto, limit in ((0, head, 10_000), (middle, head, 10_000), (0, middle, 10_000), (0, head, 3),
+                                   (middle - 2, head, 4)):
+            assert set(store.changes(after, upto, limit)) == expected(after, upto, limit), (after, upto, limit)
+        assert {c.tree_id for c in store.changes(0, head)} == {TreeID.for_start("one"), TreeID.for_start("two")}  # type: ignore[arg-type]
+        assert all(c.low == 1 for c in store.changes(0, head))
         assert store.changes(head, head) == []
     finally:
         store.close()
