@@ -56,7 +56,7 @@ from adapters.host import answer_signal, checked_resolution, deliver_answer, fre
 from adapters.interaction import steer_signal
 from adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_program
 from adapters.queries import HostQueries, Listing, corrupt_tree_error
-from adapters.recorders import TreeHead
+from adapters.recorders import HeadFilter, TreeHead
 from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import CrashPlan, Runtime
 from adapters.scenario import load_scenario_file, scenario_input, scenario_program
@@ -66,7 +66,7 @@ from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from domain.program import Program, ProgramResolver
 from domain.requests import Settlement
-from domain.tree import ProcessState, TreeState
+from domain.tree import STATUSES, ProcessState, TreeState
 from projections.host_views import pending_tool_inputs
 
 PROG = "agentfold"
@@ -215,14 +215,16 @@ def _fold(store: EventStore, sources: ProgramSources, tree_id: TreeID) -> tuple[
 
 
 def cmd_trees(ctx: Context, args: argparse.Namespace) -> Outcome:
+    only = HeadFilter(live_only=args.live, status=args.status, classification=args.classification, last=args.last)
     store = ctx.open_store()
     try:
-        heads = store.heads(live_only=args.live)
+        heads = store.heads(only=only)
     finally:
         store.close()
     data = {"trees": [h.to_json() for h in heads]}
     if not heads:
-        return Outcome(data, f"no {'live ' if args.live else ''}trees in {redact(ctx.store_url)}")
+        wanted = [w for w in ("live" if args.live else None, args.status, args.classification) if w]
+        return Outcome(data, f"no {' '.join(f'{w} ' for w in wanted)}trees in {redact(ctx.store_url)}")
     rows = [("TREE", "START", "PROGRAM", "STATUS", "TREE STATE", "VERSION", "UNKNOWN")]
     rows += [
         (h.tree_id, h.start_id, h.program, h.status, h.classification, str(h.version), str(len(h.unknown_effect_ids)))
@@ -943,6 +945,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     trees = command("trees", cmd_trees, "list the trees in the store (the tree index)")
     trees.add_argument("--live", action="store_true", help="only trees that are not terminal")
+    trees.add_argument("--status", choices=STATUSES, help="only trees whose root Process has this status")
+    trees.add_argument("--classification", choices=("progress", "parked", "terminal"),
+                       help="only trees in this state")
+    trees.add_argument("--last", type=_positive_int, metavar="N",
+                       help="only the N most recently started of those trees (still listed oldest first)")
     show = command("show", cmd_show, "show one folded tree: processes, mailboxes, waits, effects, budgets")
     show.add_argument("tree", metavar="TREE", help="a tree id (tree:...), a start id or a process id")
     command("unknown", cmd_unknown, "list every unknown effect of the live trees")

@@ -68,6 +68,7 @@ from adapters.recorders import (
     PROCESSES_TABLE,
     SNAPSHOTS_TABLE,
     TREES_TABLE,
+    HeadFilter,
     IndexQueries,
     MemorySnapshotRecorder,
     MemoryTreeRecorder,
@@ -1076,8 +1077,9 @@ class EventStore:
 
     # -- index and feed ----------------------------------------------------
 
-    def heads(self, *, live_only: bool = False) -> list[TreeHead]:
-        return self.index.select_heads(live_only=live_only)
+    def heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+        """Index rows in creation order: every tree, the live ones, or those ``only`` keeps."""
+        return self.index.select_heads(live_only=live_only, only=only)
 
     def head(self, tree_id: TreeID) -> TreeHead | None:
         return self.index.select_head(tree_id)

@@ -29,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import anyio.to_thread
 import psycopg
@@ -64,7 +64,7 @@ from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from domain.program import ProgramResolver
 from domain.requests import Settlement
-from domain.tree import TreeState
+from domain.tree import STATUSES, TreeState
 from projections.read_models import Entry
 
 API_VERSION = "1"
@@ -90,6 +90,7 @@ HEALTH_THREADS = 64
 log = logging.getLogger("agentfold.http")
 
 RunStatus = Literal["running", "waiting", "paused", "completed", "failed", "canceled", "timed_out", "killed"]
+assert get_args(RunStatus) == STATUSES  # the statuses the kernel names, in its order
 Classification = Literal["progress", "parked", "terminal"]
 
 

@@ -118,10 +118,45 @@ def head_from_row(row: Any) -> TreeHead:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class HeadFilter:
+    """Which index rows a listing wants: not terminal (``live_only``), a root status, a
+    classification; ``last``: only the N most recently created (still oldest first)."""
+
+    live_only: bool = False
+    status: str | None = None
+    classification: str | None = None
+    last: int | None = None
+
+    def sql(self, table: str, mark: str) -> tuple[str, list[Any]]:
+        """The SELECT of the rows, in creation order (``mark``: the driver's placeholder)."""
+        conditions, params = [], []
+        if self.live_only:
+            conditions.append("classification <> 'terminal'")
+        if self.status is not None:
+            conditions.append(f"status = {mark}")
+            params.append(self.status)
+        if self.classification is not None:
+            conditions.append(f"classification = {mark}")
+            params.append(self.classification)
+        sql = f"SELECT {HEAD_COLUMNS} FROM {table}" + (" WHERE " + " AND ".join(conditions) if conditions else "")
+        if self.last is None:
+            return sql + " ORDER BY created_at, tree_id", params
+        newest = sql + f" ORDER BY created_at DESC, tree_id DESC LIMIT {mark}"
+        return f"SELECT * FROM ({newest}) AS newest ORDER BY created_at, tree_id", [*params, self.last]
+
+    def keeps(self, head: TreeHead) -> bool:
+        return (
+            (not self.live_only or head.classification != "terminal")
+            and (self.status is None or head.status == self.status)
+            and (self.classification is None or head.classification == self.classification)
+        )
+
+
 class IndexQueries:
     """Queries over the tree index, implemented per backend."""
 
-    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
         raise NotImplementedError
 
     def select_head(self, tree_id: str) -> TreeHead | None:
@@ -436,13 +471,10 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             ids.extend(range(last - len(chunk) + 1, last + 1))
         return ids
 
-    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
-        sql = f"SELECT {HEAD_COLUMNS} FROM {TREES_TABLE}"
-        if live_only:
-            sql += " WHERE classification != 'terminal'"
-        sql += " ORDER BY created_at, tree_id"
+    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+        sql, params = (only or HeadFilter(live_only=live_only)).sql(TREES_TABLE, "?")
         with self.datastore.transaction(commit=False) as c:
-            c.execute(sql)
+            c.execute(sql, params)
             return [head_from_row(r) for r in c.fetchall()]
 
     def select_head(self, tree_id: str) -> TreeHead | None:
@@ -655,11 +687,9 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             curs.execute(sql, params, prepare=True)
             return list(curs.fetchall())
 
-    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
-        sql = f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE}'
-        if live_only:
-            sql += " WHERE classification <> 'terminal'"
-        return [head_from_row(r) for r in self._select(sql + " ORDER BY created_at, tree_id")]
+    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+        sql, params = (only or HeadFilter(live_only=live_only)).sql(f'"{self._schema}".{TREES_TABLE}', "%s")
+        return [head_from_row(r) for r in self._select(sql, tuple(params))]
 
     def select_head(self, tree_id: str) -> TreeHead | None:
         rows = self._select(f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = %s', (tree_id,))
@@ -739,12 +769,11 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                     self._processes[pid] = head.tree_id
         return ids
 
-    def select_heads(self, *, live_only: bool = False) -> list[TreeHead]:
+    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+        only = only or HeadFilter(live_only=live_only)
         with self._index_lock:
-            heads = list(self._heads.values())
-        if live_only:
-            heads = [h for h in heads if h.classification != "terminal"]
-        return sorted(heads, key=lambda h: (h.created_at, h.tree_id))
+            heads = sorted((h for h in self._heads.values() if only.keeps(h)), key=lambda h: (h.created_at, h.tree_id))
+        return heads if only.last is None else heads[len(heads) - only.last :] if only.last else []
 
     def select_head(self, tree_id: str) -> TreeHead | None:
         with self._index_lock:

@@ -72,7 +72,9 @@ from domain.program import (
     program_ref_of,
 )
 
-TERMINAL = frozenset({"completed", "failed", "canceled", "timed_out", "killed"})
+#: Every status of a Process, live ones first.
+STATUSES = ("running", "waiting", "paused", "completed", "failed", "canceled", "timed_out", "killed")
+TERMINAL = frozenset(STATUSES[3:])
 
 CAUSE_STATUS = {
     "completion": "completed",
