@@ -25,7 +25,7 @@ from typing import Any, overload
 from adapters.catalog import Catalog
 from adapters.eventstore import CorruptStream, EventStore, read_failure
 from adapters.read_models import PENDING, UNKNOWN, ReadModels
-from adapters.recorders import TreeHead
+from adapters.recorders import HeadFilter, TreeHead
 from adapters.sources import ProgramSources
 from domain.errors import NotFound, StoreFailure
 from domain.events import TreeStarted
@@ -262,7 +262,7 @@ class HostQueries:
         """Runs in creation order (``cursor`` of the last entry pages on).
 
         Cursors from the tables are the runs' ``created_position``; from folding (no
-        tables) they count runs in index order. ``view`` lets a caller that already
+        tables) they count the runs that match the filters, in index order. ``view`` lets a caller that already
         chose the path pass it (False: fold). A tree whose history cannot be read is left
         out and named in ``corrupt`` by the page whose range holds it (matching the
         filters by its index row).
@@ -297,17 +297,22 @@ class HostQueries:
             last = int(page[-1]["cursor"]) if len(page) == limit else None
             corrupt = self._corrupt(fresh, matches, lambda created: created > after and (last is None or created <= last))
             return Listing(page, (e for _, e in corrupt))
+        # A page of the index, filtered and paged in the database (the cursor counts the runs
+        # that match the filters); a tree that cannot be read is named and another takes its place.
         out = Listing()
-        for n, head in enumerate(self.store.heads(), start=1):
-            if n <= after or not matches(head):
-                continue
-            try:
-                tree, _ = self.fold(TreeID(head.tree_id))
-            except CorruptStream as exc:
-                out.corrupt.append(corrupt_tree_entry(exc, head))
-                continue
-            out.append({**project_tree(tree).run, "cursor": n})
-            if len(out) >= limit:
+        position = after
+        while len(out) < limit:
+            heads = self.store.heads(only=HeadFilter(status=status, classification=classification, offset=position,
+                                                     limit=limit - len(out)))
+            for head in heads:
+                position += 1
+                try:
+                    tree, _ = self.fold(TreeID(head.tree_id))
+                except CorruptStream as exc:
+                    out.corrupt.append(corrupt_tree_entry(exc, head))
+                    continue
+                out.append({**project_tree(tree).run, "cursor": position})
+            if not heads:
                 break
         return out
 

@@ -121,12 +121,15 @@ def head_from_row(row: Any) -> TreeHead:
 @dataclass(frozen=True, slots=True)
 class HeadFilter:
     """Which index rows a listing wants: not terminal (``live_only``), a root status, a
-    classification; ``last``: only the N most recently created (still oldest first)."""
+    classification; ``last``: only the N most recently created (still oldest first); else
+    ``limit`` rows after the first ``offset`` (a page; ``offset`` is read only with ``limit``)."""
 
     live_only: bool = False
     status: str | None = None
     classification: str | None = None
     last: int | None = None
+    offset: int = 0
+    limit: int | None = None
 
     def sql(self, table: str, mark: str) -> tuple[str, list[Any]]:
         """The SELECT of the rows, in creation order (``mark``: the driver's placeholder)."""
@@ -141,7 +144,10 @@ class HeadFilter:
             params.append(self.classification)
         sql = f"SELECT {HEAD_COLUMNS} FROM {table}" + (" WHERE " + " AND ".join(conditions) if conditions else "")
         if self.last is None:
-            return sql + " ORDER BY created_at, tree_id", params
+            sql += " ORDER BY created_at, tree_id"
+            if self.limit is None:
+                return sql, params
+            return sql + f" LIMIT {mark} OFFSET {mark}", [*params, self.limit, self.offset]
         newest = sql + f" ORDER BY created_at DESC, tree_id DESC LIMIT {mark}"
         return f"SELECT * FROM ({newest}) AS newest ORDER BY created_at, tree_id", [*params, self.last]
 
@@ -773,7 +779,9 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
         only = only or HeadFilter(live_only=live_only)
         with self._index_lock:
             heads = sorted((h for h in self._heads.values() if only.keeps(h)), key=lambda h: (h.created_at, h.tree_id))
-        return heads if only.last is None else heads[len(heads) - only.last :] if only.last else []
+        if only.last is not None:
+            return heads[len(heads) - only.last :] if only.last else []
+        return heads if only.limit is None else heads[only.offset : only.offset + only.limit]
 
     def select_head(self, tree_id: str) -> TreeHead | None:
         with self._index_lock:
