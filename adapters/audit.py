@@ -32,7 +32,7 @@ from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEv
 
 from adapters.catalog import Catalog
 from adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
-from adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, read_failure, snapshot_format
+from adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, decode_snapshot, read_failure
 from adapters.read_models import ReadModels
 from adapters.recorders import EVENTS_TABLE, TreeHead
 from adapters.runtime import index_head
@@ -380,13 +380,15 @@ def _snapshot_findings(
                         f"a snapshot claims version {version}; the stream ends at position {last}")]
     folded_tree, digest, bound = seen
     try:
-        stored = orjson.loads(stored_json(body))
-        stored_tree, stored_digest = stored["tree"], stored["digest"]
-        outdated = snapshot_format(stored) != SNAPSHOT_FORMAT
+        stored = decode_snapshot(body)
     except (orjson.JSONDecodeError, KeyError, TypeError, SealError) as exc:
         return [Finding(name, version, "snapshot.mismatch", f"the snapshot at version {version} is malformed: {exc}")]
-    if outdated:
-        return []  # an earlier release's format: loads do not start from it (they fold the events)
+    if stored.format == -1:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} is malformed: its format is not a number")]
+    if stored.format != SNAPSHOT_FORMAT:
+        return []  # another release's format: loads do not start from it (they fold the events)
+    stored_tree, stored_digest = stored.tree, stored.digest
     if stored_digest != digest:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot names digest {stored_digest}; position {version} has {digest}")]

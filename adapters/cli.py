@@ -66,7 +66,7 @@ from domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from domain.program import Program, ProgramResolver
 from domain.requests import Settlement
-from domain.tree import STATUSES, ProcessState, TreeState
+from domain.tree import CLASSIFICATIONS, STATUSES, ProcessState, TreeState
 from projections.host_views import pending_tool_inputs
 
 PROG = "agentfold"
@@ -946,7 +946,7 @@ def build_parser() -> argparse.ArgumentParser:
     trees = command("trees", cmd_trees, "list the trees in the store (the tree index)")
     trees.add_argument("--live", action="store_true", help="only trees that are not terminal")
     trees.add_argument("--status", choices=STATUSES, help="only trees whose root Process has this status")
-    trees.add_argument("--classification", choices=("progress", "parked", "terminal"),
+    trees.add_argument("--classification", choices=CLASSIFICATIONS,
                        help="only trees in this state")
     trees.add_argument("--last", type=_positive_int, metavar="N",
                        help="only the N most recently started of those trees (still listed oldest first)")

@@ -111,6 +111,23 @@ def snapshot_format(data: dict[str, Any]) -> int:
         return given if isinstance(given, int) and not isinstance(given, bool) else -1
     compacted = all("arrivals" in process["mailbox"] for process in data["tree"]["processes"])
     return 2 if compacted else 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSnapshot:
+    """A snapshot row's state, decoded (``decode_snapshot``)."""
+
+    format: int  # SNAPSHOT_FORMAT, an earlier or later one, or -1: a format member that is no number
+    tree: dict[str, Any]
+    digest: str
+
+
+def decode_snapshot(state: bytes) -> StoredSnapshot:
+    """A stored snapshot row's state (deflated or not): its format, tree JSON and digest.
+    Malformed: ``SealError``, ``orjson.JSONDecodeError``, ``KeyError`` or ``TypeError``."""
+    data = orjson.loads(stored_json(state))
+    return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]))
+
 # The tables every store has (created together by ``EventStore(url)``).
 STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
 # Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
@@ -1069,11 +1086,10 @@ class EventStore:
         rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1, lte=upto)
         if not rows:
             return None
-        data = orjson.loads(stored_json(rows[0].state))
-        found = snapshot_format(data)
-        if found != SNAPSHOT_FORMAT:
-            raise OutdatedSnapshot(f"it is in format {found}, this release reads format {SNAPSHOT_FORMAT}")
-        return TreeState.from_json(data["tree"], programs), str(data["digest"])
+        stored = decode_snapshot(rows[0].state)
+        if stored.format != SNAPSHOT_FORMAT:
+            raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}")
+        return TreeState.from_json(stored.tree, programs), stored.digest
 
     # -- index and feed ----------------------------------------------------
 

@@ -64,7 +64,7 @@ from domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from domain.program import ProgramResolver
 from domain.requests import Settlement
-from domain.tree import STATUSES, TreeState
+from domain.tree import CLASSIFICATIONS, STATUSES, TreeState
 from projections.read_models import Entry
 
 API_VERSION = "1"
@@ -90,8 +90,9 @@ HEALTH_THREADS = 64
 log = logging.getLogger("agentfold.http")
 
 RunStatus = Literal["running", "waiting", "paused", "completed", "failed", "canceled", "timed_out", "killed"]
-assert get_args(RunStatus) == STATUSES  # the statuses the kernel names, in its order
 Classification = Literal["progress", "parked", "terminal"]
+if get_args(RunStatus) != STATUSES or get_args(Classification) != CLASSIFICATIONS:  # pragma: no cover
+    raise RuntimeError("the API's statuses or classifications are not the kernel's (domain.tree)")
 
 
 # ---------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class TreeSummary(_Doc):
     root_process_id: str
     program: str
     status: str
-    classification: Literal["progress", "parked", "terminal"]
+    classification: Classification
     version: int
     unknown_effect_ids: list[str]
 
@@ -253,7 +254,7 @@ class Run(_Doc):
     root_process_id: str
     program: str
     status: str
-    classification: Literal["progress", "parked", "terminal"]
+    classification: Classification
     version: int
     output: Any
     failure: dict[str, str] | None
@@ -553,7 +554,9 @@ class ApiService:
             ) from None
 
     def _reach(self, min_position: int | None, wait: float) -> None:
-        """Wait (bounded) for the read models to reflect ``min_position``; else reads fold."""
+        """Wait (bounded) for the read models to reflect ``min_position``; else listings fold
+        what the tables lack. (A read about one run never waits: it folds that run alone
+        when the tables are behind it, see ``HostQueries._rows``.)"""
         if min_position is None or wait <= 0 or self.follower is None:
             return
         models = self.queries.read_models()
@@ -592,32 +595,29 @@ class ApiService:
 
     def run(self, ref: str, min_position: int | None, wait: float) -> Entry:
         tree_id = self.queries.tree_of(ref)
-        self._reach(min_position, wait)
-        return self.queries.run(tree_id, min_position=min_position)
+        return self.queries.run(tree_id, min_position=min_position)  # never older than the run's head
 
     def results(self, ref: str, min_position: int | None, wait: float) -> Entry:
         tree_id = self.queries.tree_of(ref)
-        self._reach(min_position, wait)
-        return self.queries.results(tree_id, min_position=min_position)
+        return self.queries.results(tree_id, min_position=min_position)  # never older than the run's head
 
     def delegates(self, process_id: str, min_position: int | None, wait: float) -> Entry:
         ProcessID(process_id)  # identity.invalid before any lookup
-        self._reach(min_position, wait)
         return self.queries.delegates(process_id, min_position=min_position)
 
     def pending(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
         tree_id = self.queries.tree_of(ref) if ref is not None else None
-        self._reach(min_position, wait)
-        if tree_id is not None:
+        if tree_id is not None:  # one run: its answer reflects its head, nothing to wait for
             return {"pending": self.queries.pending(tree_id, min_position=min_position)}
+        self._reach(min_position, wait)
         listing = self.queries.pending(min_position=min_position)
         return _complete({"pending": listing}, listing, "tool input waits")
 
     def unknown(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
         tree_id = self.queries.tree_of(ref) if ref is not None else None
-        self._reach(min_position, wait)
-        if tree_id is not None:
+        if tree_id is not None:  # one run: its answer reflects its head, nothing to wait for
             return {"unknown_effects": self.queries.unknown(tree_id, min_position=min_position)}
+        self._reach(min_position, wait)
         listing = self.queries.unknown(min_position=min_position)
         return _complete({"unknown_effects": listing}, listing, "unknown effects")
 

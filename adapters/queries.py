@@ -17,6 +17,7 @@ still raises.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -106,7 +107,9 @@ class HostQueries:
         self._read_models = read_models
         self._use_read_models = use_read_models and store.backend in ("sqlite", "postgresql")
         # Trees folded while the tables lagged behind them: a long-lived reader (a server) that
-        # answers many requests during a follower's catch-up folds each version of a tree once.
+        # answers many requests during a follower's catch-up reuses them (two requests that
+        # miss at once may both fold). Dropped once the tables catch up with the tree. Readers
+        # share these rows: callers must not change what a query returns.
         self._folded_rows: collections.OrderedDict[str, TreeRows] = collections.OrderedDict()
         self._folded_lock = threading.Lock()
 
@@ -203,6 +206,7 @@ class HostQueries:
                     if len(changed) > OVERLAY_LIMIT:
                         return None
             after = max(change.last for change in batch)
+        self._forget_folded(str(tree_id) for tree_id in changed)
         for tree_id, (first, version) in changed.items():
             key = str(tree_id)
             fresh.created[key] = first or models.created_position(key)
@@ -224,17 +228,27 @@ class HostQueries:
         """Rows this object folded earlier for a lagging tree, if they reach ``version``."""
         with self._folded_lock:
             rows = self._folded_rows.get(tree_id)
-            if rows is None or int(rows.run["version"]) < version:
+            if rows is None or rows.version < version:
                 return None
             self._folded_rows.move_to_end(tree_id)
             return rows
 
     def _keep_folded(self, tree_id: str, rows: TreeRows) -> None:
         with self._folded_lock:
+            kept = self._folded_rows.get(tree_id)
+            if kept is not None and kept.version > rows.version:
+                return  # a request that folded later finished first: keep the newer rows
             self._folded_rows[tree_id] = rows
             self._folded_rows.move_to_end(tree_id)
             while len(self._folded_rows) > OVERLAY_LIMIT:
                 self._folded_rows.popitem(last=False)
+
+    def _forget_folded(self, lagging: Iterable[str]) -> None:
+        """Drop what was kept for the trees the tables have caught up with (not in ``lagging``)."""
+        keep = set(lagging)
+        with self._folded_lock:
+            for tree_id in [t for t in self._folded_rows if t not in keep]:
+                del self._folded_rows[tree_id]
 
     def _corrupt(self, fresh: Fresh, relevant: Callable[[TreeHead | None], bool],
                  within: Callable[[int], bool] = lambda created: True) -> list[tuple[int, Entry]]:
@@ -270,11 +284,12 @@ class HostQueries:
         if view is True:
             view = self.view(min_position)
 
+        wanted = HeadFilter(status=status, classification=classification)
+
         def matches(head: TreeHead | None) -> bool:
             if head is None:
                 return status is None and classification is None
-            return (status is None or head.status == status) and (
-                classification is None or head.classification == classification)
+            return wanted.keeps(head)
 
         if isinstance(view, tuple):
             models, fresh = view
@@ -302,8 +317,7 @@ class HostQueries:
         out = Listing()
         position = after
         while len(out) < limit:
-            heads = self.store.heads(only=HeadFilter(status=status, classification=classification, offset=position,
-                                                     limit=limit - len(out)))
+            heads = self.store.heads(only=dataclasses.replace(wanted, offset=position, limit=limit - len(out)))
             for head in heads:
                 position += 1
                 try:

@@ -780,7 +780,7 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
         with self._index_lock:
             heads = sorted((h for h in self._heads.values() if only.keeps(h)), key=lambda h: (h.created_at, h.tree_id))
         if only.last is not None:
-            return heads[len(heads) - only.last :] if only.last else []
+            return heads[max(0, len(heads) - only.last) :]
         return heads if only.limit is None else heads[only.offset : only.offset + only.limit]
 
     def select_head(self, tree_id: str) -> TreeHead | None:

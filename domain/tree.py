@@ -74,6 +74,8 @@ from domain.program import (
 
 #: Every status of a Process, live ones first.
 STATUSES = ("running", "waiting", "paused", "completed", "failed", "canceled", "timed_out", "killed")
+#: Every classification of a tree (``TreeState.classification``).
+CLASSIFICATIONS = ("progress", "parked", "terminal")
 TERMINAL = frozenset(STATUSES[3:])
 
 CAUSE_STATUS = {

@@ -323,6 +323,30 @@ def test_an_sqlite_file_with_damaged_pages_is_store_damaged_with_what_to_do(tmp_
         assert "malformed" in error["message"] and ".recover" in error["hint"]
 
 
+def test_damage_met_while_reading_a_tree_is_store_damaged_with_what_to_do(tmp_path: Path) -> None:
+    # Only the events table is damaged (its root page): the tree index still answers, and the
+    # damage is met while a tree's events are read. That read said store.read_failed, without
+    # what to do (a review found no test reached it: the test above damages every page).
+    import sqlite3
+
+    db = tmp_path / "store.db"
+    store = f"sqlite:///{db}"
+    ok(agentfold("run", str(ROOT / "adapters" / "scenarios" / "demo.json"), "--start-id", "demo", store=store))
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the main file
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'agentfold_events'").fetchone()
+    data = bytearray(db.read_bytes())
+    data[(root - 1) * 4096 + 3 : (root - 1) * 4096 + 5] = b"\xff\xff"  # an impossible cell count
+    db.write_bytes(bytes(data))
+    assert [t["start_id"] for t in ok(agentfold("trees", "--json", store=store)).json()["trees"]] == ["demo"]
+    for command in (["show", "demo"], ["audit", "verify", "demo"]):
+        failed = agentfold(*command, "--json", store=store)
+        assert failed.code == 1, failed.stderr
+        error = failed.error()
+        assert error["code"] == "store.damaged", (command, error)
+        assert "malformed" in error["message"] and ".recover" in error["hint"]
+
+
 def test_a_timeout_out_of_range_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     demo = str(ROOT / "adapters" / "scenarios" / "demo.json")

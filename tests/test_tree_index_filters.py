@@ -46,6 +46,8 @@ def test_the_index_filters_by_status_classification_and_the_latest_n(store_url: 
         assert listed(last=2) == ["d", "e"]  # the latest two, oldest first
         assert listed(classification="terminal", last=2) == ["c", "e"]
         assert listed(live_only=True, last=10) == ["b", "d"]
+        assert listed(live_only=True, last=3) == ["b", "d"]  # more than there are, fewer than twice
+        assert listed(last=7) == ["a", "b", "c", "d", "e"]
         # A page: `limit` rows after the first `offset` of those that match (the fold path of GET /runs).
         assert listed(offset=1, limit=2) == ["b", "c"]
         assert listed(classification="terminal", offset=1, limit=5) == ["c", "e"]
