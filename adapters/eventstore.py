@@ -128,6 +128,7 @@ def decode_snapshot(state: bytes) -> StoredSnapshot:
     data = orjson.loads(stored_json(state))
     return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]))
 
+
 # The tables every store has (created together by ``EventStore(url)``).
 STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
 # Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
