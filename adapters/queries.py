@@ -170,9 +170,9 @@ class HostQueries:
         head; the trees with events after the tables' position (usually a handful: the
         follower is milliseconds behind) are folded now. So an answer is never stale, and
         its cost is the tables' plus the lag's, not a fold of every tree (which trees changed
-        is read without the events' states, and this object keeps what it folded, so each
-        version of a lagging tree is folded once while a follower catches up). None when
-        there are no tables, or when they lag so far behind that folding everything is cheaper.
+        is read without the events' states, and this object keeps what it folded, so a
+        lagging tree is folded again only when it has changed). None when there are no
+        tables, or when they lag so far behind that folding everything is cheaper.
         """
         models = self.read_models()
         if models is None:
@@ -188,6 +188,7 @@ class HostQueries:
             fresh.corrupt[found.tree_id] = CorruptStream(found.tree_id, found.position, found.rule, found.detail)
             fresh.created[found.tree_id] = found.created_position
         if position >= head:
+            self._forget_folded(())  # caught up: nothing kept is needed any more
             return models, fresh
         # tree -> [the notification that created it (0: created before the tables' position),
         # its last position up to ``head``]; read without the events' states
@@ -247,6 +248,8 @@ class HostQueries:
         """Drop what was kept for the trees the tables have caught up with (not in ``lagging``)."""
         keep = set(lagging)
         with self._folded_lock:
+            if not self._folded_rows:
+                return
             for tree_id in [t for t in self._folded_rows if t not in keep]:
                 del self._folded_rows[tree_id]
 
@@ -276,8 +279,8 @@ class HostQueries:
         """Runs in creation order (``cursor`` of the last entry pages on).
 
         Cursors from the tables are the runs' ``created_position``; from folding (no
-        tables) they count the runs that match the filters, in index order. ``view`` lets a caller that already
-        chose the path pass it (False: fold). A tree whose history cannot be read is left
+        tables) they count the runs that match the filters, in index order. ``view`` lets a
+        caller that already chose the path pass it (False: fold). A tree whose history cannot be read is left
         out and named in ``corrupt`` by the page whose range holds it (matching the
         filters by its index row).
         """

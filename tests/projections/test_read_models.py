@@ -411,6 +411,10 @@ def test_a_question_about_one_run_folds_at_most_that_run_while_the_tables_lag(du
         # What it answers is the fold's answer (the path the CLI takes without tables).
         without_tables = HostQueries(store, default_sources(), use_read_models=False)
         assert queries.run(changed) == project_tree(*without_tables.fold(changed)).run
+        # Once the tables catch up, nothing folded is kept (a server would hold it for good).
+        assert set(queries._folded_rows) == {str(t) for t in lagging}
+        assert agentfold(url, "project").returncode == 0
+        assert queries.pending() == after_answer and len(queries._folded_rows) == 0
     finally:
         store.close()
 
