@@ -491,8 +491,13 @@ def verify_tree(
     return check, folded, stored
 
 
-def verify(store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSources) -> VerifyReport:
-    """Verify each tree; the first problem of the first failing tree is the report's first error."""
+def verify(
+    store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSources,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Verify each tree; the first problem of the first failing tree is the report's first error.
+
+    ``progress(trees, events)`` is called after each tree with the trees and events verified so far."""
     started = time.perf_counter()
     catalog = sources.catalog()
     read_models: ReadModels | None = None
@@ -500,9 +505,13 @@ def verify(store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSource
     if ReadModels.exist(store):
         read_models = ReadModels(store, create=False)
         current = read_models.is_current()
-    checks = [
-        verify_tree(store, tree_id, catalog, read_models, models_current=current)[0] for tree_id in tree_ids
-    ]
+    checks: list[TreeCheck] = []
+    events = 0
+    for tree_id in tree_ids:
+        checks.append(verify_tree(store, tree_id, catalog, read_models, models_current=current)[0])
+        events += checks[-1].events
+        if progress is not None:
+            progress(len(checks), events)
     return VerifyReport(checks, time.perf_counter() - started)
 
 

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
-        report = audit.verify(store, tree_ids, ctx.sources)
+        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)))
     finally:
         store.close()
     data = report.to_json()
@@ -61,6 +62,27 @@ def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
     if not report.checks:
         lines = [f"no trees in {redact(ctx.store_url)}"]
     return Outcome(data, "\n".join(lines), 0 if report.ok else 1)
+
+
+#: Seconds between the progress lines of a long `audit verify` (on stderr; stdout keeps the report).
+PROGRESS_EVERY = 5.0
+
+
+class _ProgressLine:
+    """Says on stderr how far a long verification is, every ``PROGRESS_EVERY`` seconds."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = self.said = time.monotonic()
+
+    def __call__(self, trees: int, events: int) -> None:
+        now = time.monotonic()
+        if now - self.said < PROGRESS_EVERY or trees == self.total:
+            return
+        self.said = now
+        rate = events / (now - self.started) if now > self.started else 0.0
+        print(f"{PROG}: audit verify: {trees:,} of {self.total:,} trees, {events:,} events ({rate:,.0f} events/s)",
+              file=sys.stderr, flush=True)
 
 
 def _unique(tree_ids: Any) -> list[TreeID]:

@@ -251,3 +251,26 @@ def test_verify_as_a_subprocess_prints_the_rule_and_position(chain: Any) -> None
     assert "FAILED" in ran.stdout
     assert "position 7: integrity.missing_event" in ran.stdout
 
+
+
+def test_a_long_verification_says_how_far_it_is_on_stderr(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a scale audit: `audit verify --all` ran 52 s on 50,000 runs and said nothing
+    # until it ended. A progress line goes to stderr (every 5 s; every tree here), never to
+    # stdout, which keeps the report (JSON stays parseable), and none after the last tree.
+    import adapters.cli_audit
+
+    for start in ("one", "two", "three"):
+        record_chain(durable_store_url, start_id=start)
+    quiet = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=chain_sources())
+    assert quiet.code == 0 and quiet.stderr == ""  # a short verification says nothing more
+    monkeypatch.setattr(adapters.cli_audit, "PROGRESS_EVERY", 0.0)
+    ran = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=chain_sources())
+    assert ran.code == 0 and ran.json() == quiet.json() | {"seconds": ran.json()["seconds"]}
+    lines = ran.stderr.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        f"agentfold: audit verify: 1 of 3 trees, {LAST} events",
+        f"agentfold: audit verify: 2 of 3 trees, {2 * LAST} events",
+    ]
+    assert all(line.endswith(" events/s)") for line in lines)
