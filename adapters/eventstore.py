@@ -1012,7 +1012,7 @@ class EventStore:
                 snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
             except (PersistenceError, AgentfoldError):
                 raise  # the store itself failed, or a refusal that folding would meet as well
-            except OutdatedSnapshot as exc:  # written by an earlier release (an upgrade)
+            except OutdatedSnapshot as exc:  # another release's format (after an upgrade or a downgrade)
                 log.info("snapshot of tree %s is not used (%s); folding from its first event", tree_id, exc)
                 snapshot = None
             except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: the events are the truth
