@@ -1096,7 +1096,7 @@ class EventStore:
 
     def heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
         """Index rows in creation order: every tree, the live ones, or those ``only`` keeps."""
-        return self.index.select_heads(live_only=live_only, only=only)
+        return self.index.select_heads(only or HeadFilter(live_only=live_only))
 
     def head(self, tree_id: TreeID) -> TreeHead | None:
         return self.index.select_head(tree_id)

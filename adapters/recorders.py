@@ -162,7 +162,7 @@ class HeadFilter:
 class IndexQueries:
     """Queries over the tree index, implemented per backend."""
 
-    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
         raise NotImplementedError
 
     def select_head(self, tree_id: str) -> TreeHead | None:
@@ -477,8 +477,8 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             ids.extend(range(last - len(chunk) + 1, last + 1))
         return ids
 
-    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
-        sql, params = (only or HeadFilter(live_only=live_only)).sql(TREES_TABLE, "?")
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        sql, params = only.sql(TREES_TABLE, "?")
         with self.datastore.transaction(commit=False) as c:
             c.execute(sql, params)
             return [head_from_row(r) for r in c.fetchall()]
@@ -693,8 +693,8 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             curs.execute(sql, params, prepare=True)
             return list(curs.fetchall())
 
-    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
-        sql, params = (only or HeadFilter(live_only=live_only)).sql(f'"{self._schema}".{TREES_TABLE}', "%s")
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        sql, params = only.sql(f'"{self._schema}".{TREES_TABLE}', "%s")
         return [head_from_row(r) for r in self._select(sql, tuple(params))]
 
     def select_head(self, tree_id: str) -> TreeHead | None:
@@ -775,8 +775,7 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                     self._processes[pid] = head.tree_id
         return ids
 
-    def select_heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
-        only = only or HeadFilter(live_only=live_only)
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
         with self._index_lock:
             heads = sorted((h for h in self._heads.values() if only.keeps(h)), key=lambda h: (h.created_at, h.tree_id))
         if only.last is not None:
