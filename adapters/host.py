@@ -146,6 +146,20 @@ def checked_resolution(tree: TreeState, effect_id: EffectID, settlement: Settlem
     return process_id
 
 
+def _whole_run(limit: int | None, after: str | None) -> None:
+    if limit is not None or after is not None:
+        raise InvalidInput("host.page_invalid", "one run's listing is not paged: limit and after list every run",
+                           hint="drop tree to page through every run, or drop limit and after")
+
+
+def _page_limit(limit: int | None) -> int:
+    if limit is None:
+        return 100
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
+    return limit
+
+
 class Host:
     """A host service's view of a Runtime's store, in Python: the questions of
     :class:`~adapters.queries.HostQueries` (the same JSON entries as the HTTP API) and the
@@ -173,15 +187,26 @@ class Host:
 
     # -- questions ---------------------------------------------------------------
 
-    def unknown(self, tree: str | None = None) -> list[Entry]:
-        """Effects whose outcome is unknown, waiting for :meth:`resolve` (of one run, or all)."""
+    def unknown(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
+        """Effects whose outcome is unknown, waiting for :meth:`resolve`: of one run, of all,
+        or (``limit``) a page of all as ``GET /unknown-effects`` (a :class:`ListingPage`: page
+        on with its ``next_after``)."""
         queries = self.queries()
-        return queries.unknown(queries.tree_of(tree)) if tree is not None else queries.unknown()
+        if tree is not None:
+            _whole_run(limit, after)
+            return queries.unknown(queries.tree_of(tree))
+        return queries.unknown() if limit is None and after is None else queries.unknown_page(
+            limit=_page_limit(limit), after=after)
 
-    def pending(self, tree: str | None = None) -> list[Entry]:
-        """Tool calls waiting for a human's :meth:`answer` (of one run, or all)."""
+    def pending(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
+        """Tool calls waiting for a human's :meth:`answer`: of one run, of all, or (``limit``)
+        a page of all as ``GET /pending-inputs`` (see :meth:`unknown`)."""
         queries = self.queries()
-        return queries.pending(queries.tree_of(tree)) if tree is not None else queries.pending()
+        if tree is not None:
+            _whole_run(limit, after)
+            return queries.pending(queries.tree_of(tree))
+        return queries.pending() if limit is None and after is None else queries.pending_page(
+            limit=_page_limit(limit), after=after)
 
     def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
         """Runs in creation order (``GET /runs``): ``status`` as the kernel names it

@@ -48,7 +48,7 @@ from adapters.eventstore import EventStore, seconds_setting, sqlite_damage
 from adapters.follower import Follower, one_line
 from adapters.host import answer_signal, checked_resolution, deliver_answer, fresh_signal_id, unknown_effect_tree
 from adapters.interaction import steer_signal
-from adapters.queries import HostQueries, Listing, corrupt_tree_error
+from adapters.queries import HostQueries, Listing, corrupt_tree_error, cursor_invalid
 from adapters.resolution import ABSENT, settlement_for
 from adapters.runtime import RandomIds, Runtime
 from adapters.scenario import (
@@ -261,13 +261,16 @@ class Run(_Doc):
     processes: list[RunProcess]
 
 
+_NEXT_PAGE = "the cursor of the next page (null: this page is the last)"
+
+
 class ListedRun(Run):
     cursor: str = Field(..., description="pass as `after` to list the runs created after this one")
 
 
 class RunList(_Doc):
     runs: list[ListedRun]
-    next_after: str | None = Field(..., description="the cursor of the next page (null: this page is the last)")
+    next_after: str | None = Field(..., description=_NEXT_PAGE)
 
 
 class Results(_Doc):
@@ -298,6 +301,17 @@ class UnknownList(_Doc):
     unknown_effects: list[dict[str, Any]] = Field(..., description="unknown effects (docs/cli.md#unknown)")
 
 
+class PendingPage(_Doc):
+    pending: list[PendingInput]
+    next_after: str | None = Field(..., description=_NEXT_PAGE)
+
+
+class UnknownPage(_Doc):
+    unknown_effects: list[dict[str, Any]] = Field(
+        ..., description="unknown effects (docs/cli.md#unknown)")
+    next_after: str | None = Field(..., description=_NEXT_PAGE)
+
+
 class CorruptTree(_Doc):
     tree_id: str
     start_id: str | None
@@ -318,17 +332,20 @@ class _Partial(Problem):
 
 
 class PartialPending(_Partial):
-    pending: list[PendingInput] = Field(default_factory=list, description="the tool input waits of every other tree")
+    pending: list[PendingInput] = Field(default_factory=list,
+                                              description="this page's tool input waits of every other tree")
+    next_after: str | None = Field(None, description=_NEXT_PAGE)
 
 
 class PartialUnknown(_Partial):
     unknown_effects: list[dict[str, Any]] = Field(default_factory=list,
-                                                  description="the unknown effects of every other tree")
+                                                  description="this page's unknown effects of every other tree")
+    next_after: str | None = Field(None, description=_NEXT_PAGE)
 
 
 class PartialRunList(_Partial):
     runs: list[ListedRun] = Field(default_factory=list, description="this page's runs, the unreadable trees left out")
-    next_after: str | None = Field(None, description="the cursor of the next page (null: this page is the last)")
+    next_after: str | None = Field(None, description=_NEXT_PAGE)
 
 
 class _Written(_Doc):
@@ -605,21 +622,23 @@ class ApiService:
         ProcessID(process_id)  # identity.invalid before any lookup
         return self.queries.delegates(process_id, min_position=min_position)
 
-    def pending(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
-        tree_id = self.queries.tree_of(ref) if ref is not None else None
-        if tree_id is not None:  # one run: its answer reflects its head, nothing to wait for
-            return {"pending": self.queries.pending(tree_id, min_position=min_position)}
-        self._reach(min_position, wait)
-        listing = self.queries.pending(min_position=min_position)
-        return _complete({"pending": listing}, listing, "tool input waits")
+    def pending(self, ref: str, min_position: int | None, wait: float) -> dict[str, Any]:
+        # one run: its answer reflects its head, nothing to wait for
+        return {"pending": self.queries.pending(self.queries.tree_of(ref), min_position=min_position)}
 
-    def unknown(self, ref: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
-        tree_id = self.queries.tree_of(ref) if ref is not None else None
-        if tree_id is not None:  # one run: its answer reflects its head, nothing to wait for
-            return {"unknown_effects": self.queries.unknown(tree_id, min_position=min_position)}
+    def unknown(self, ref: str, min_position: int | None, wait: float) -> dict[str, Any]:
+        return {"unknown_effects": self.queries.unknown(self.queries.tree_of(ref), min_position=min_position)}
+
+    def pending_page(self, limit: int, after: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
+        """A page of every run's tool input waits, runs in creation order (``m``/``f`` cursors as ``runs``)."""
         self._reach(min_position, wait)
-        listing = self.queries.unknown(min_position=min_position)
-        return _complete({"unknown_effects": listing}, listing, "unknown effects")
+        page = self.queries.pending_page(limit=limit, after=after, min_position=min_position)
+        return _complete({"pending": page, "next_after": page.next_after}, page, "tool input waits")
+
+    def unknown_page(self, limit: int, after: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
+        self._reach(min_position, wait)
+        page = self.queries.unknown_page(limit=limit, after=after, min_position=min_position)
+        return _complete({"unknown_effects": page, "next_after": page.next_after}, page, "unknown effects")
 
     # -- writes ----------------------------------------------------------------
 
@@ -747,8 +766,7 @@ def _parse_cursor(after: str | None) -> tuple[str | None, int]:
         return None, 0
     if after[0] in "mf" and after[1:].isascii() and after[1:].isdigit() and len(after) <= 19:  # a cursor fits a signed 64-bit integer
         return after[0], int(after[1:])
-    raise InvalidInput("http.cursor_invalid", f"after={after!r} is not a cursor this API returned",
-                       hint="pass the cursor or next_after of a previous page")
+    raise cursor_invalid(after)
 
 
 def resolution_settlement(
@@ -827,6 +845,8 @@ async def distinct_keys(request: Request, service: Service) -> None:
         path, key = duplicate
         raise RequestInvalid(f"body: {path} has the key {key!r} twice",
                              "send each key once (JSON parsers keep only the last one, silently)")
+PageLimit = Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE, description="at most this many runs per page (listings of entries: entries, whole runs only, unless one run alone has more)")]
+PageAfter = Annotated[str | None, Query(description="a cursor from a previous page")]
 MinPosition = Annotated[int | None, Query(ge=0, description="answer only once the reads reflect this position")]
 ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, allow_inf_nan=False, description="seconds to wait for the read models to "
                                   "reach min_position before answering by folding")]
@@ -1036,8 +1056,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     @api.get("/runs", tags=["runs"], summary="runs in creation order, a page at a time",
              responses={**_ok(RunList, "a page of runs"), **_partial(PartialRunList, "runs")})
     def list_runs(service: Service, status: RunStatus | None = None, classification: Classification | None = None,
-                  limit: Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE)] = 100,
-                  after: Annotated[str | None, Query(description="a cursor from a previous page")] = None,
+                  limit: PageLimit = 100, after: PageAfter = None,
                   min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.runs(status=status, classification=classification, limit=limit, after=after,
                                           min_position=min_position, wait=wait))
@@ -1073,16 +1092,21 @@ def create_app(service: ApiService | None = None) -> FastAPI:
                       wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.delegates(process_id, min_position, wait))
 
-    @api.get("/pending-inputs", tags=["pending inputs"], summary="every tool input wait, runs in creation order",
-             responses={**_ok(PendingList, "current tool input waits"), **_partial(PartialPending, "tool input waits")})
-    def get_pending(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
-        return json_response(service.pending(None, min_position, wait))
+    @api.get("/pending-inputs", tags=["pending inputs"],
+             summary="every tool input wait, runs in creation order, a page at a time",
+             responses={**_ok(PendingPage, "a page of current tool input waits"),
+                        **_partial(PartialPending, "tool input waits")})
+    def get_pending(service: Service, limit: PageLimit = 100, after: PageAfter = None,
+                    min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.pending_page(limit, after, min_position, wait))
 
-    @api.get("/unknown-effects", tags=["unknown effects"], summary="every unknown effect of the live runs",
-             responses={**_ok(UnknownList, "unknown effects of live processes"),
+    @api.get("/unknown-effects", tags=["unknown effects"],
+             summary="every unknown effect of the live runs, a page at a time",
+             responses={**_ok(UnknownPage, "a page of unknown effects of live processes"),
                         **_partial(PartialUnknown, "unknown effects")})
-    def get_unknown(service: Service, min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
-        return json_response(service.unknown(None, min_position, wait))
+    def get_unknown(service: Service, limit: PageLimit = 100, after: PageAfter = None,
+                    min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.unknown_page(limit, after, min_position, wait))
 
     # -- writes --------------------------------------------------------------
 

@@ -16,6 +16,8 @@ still raises.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import dataclasses
 import threading
@@ -28,7 +30,7 @@ from adapters.eventstore import CorruptStream, EventStore, read_failure
 from adapters.read_models import PENDING, UNKNOWN, ReadModels
 from adapters.recorders import HeadFilter, TreeHead
 from adapters.sources import ProgramSources
-from domain.errors import NotFound, StoreFailure
+from domain.errors import InvalidInput, NotFound, StoreFailure
 from domain.events import TreeStarted
 from domain.ids import TreeID
 from domain.program import ProgramResolver
@@ -37,6 +39,12 @@ from projections.read_models import Entry, TreeRows, project_tree
 
 PROG = "agentfold"
 OVERLAY_LIMIT = 2000  # trees the tables may lag behind before a query folds everything instead
+#: A page of a store-wide listing read by folding (no read models) stops after folding this
+#: many runs, with a ``next_after`` even when it found no entry: one request never folds
+#: every live run of a large store.
+FOLD_PAGE_RUNS = 1000
+_FOLD_BATCH = 100  # index rows read at a time by a folding page
+_LAST_ORD = 1 << 62  # above any row's ``ord``: (created, _LAST_ORD) is past every row of that run
 
 
 class Listing(list[Entry]):
@@ -51,6 +59,72 @@ class Listing(list[Entry]):
     def __init__(self, entries: Iterable[Entry] = (), corrupt: Iterable[Entry] = ()) -> None:
         super().__init__(entries)
         self.corrupt: list[Entry] = list(corrupt)
+
+
+class ListingPage(Listing):
+    """One page of a store-wide listing (:meth:`HostQueries.pending_page`,
+    :meth:`HostQueries.unknown_page`): ``next_after`` is the cursor to pass as ``after``
+    for the next page (None: this page is the last). A run's entries are never split
+    between pages."""
+
+    def __init__(self, entries: Iterable[Entry] = (), corrupt: Iterable[Entry] = (),
+                 next_after: str | None = None) -> None:
+        super().__init__(entries, corrupt)
+        self.next_after = next_after
+
+
+def cursor_invalid(after: str, why: str = "is not a cursor this API returned", *,
+                   hint: str = "pass the cursor or next_after of a previous page") -> InvalidInput:
+    return InvalidInput("http.cursor_invalid", f"after={after!r} {why}", hint=hint)
+
+
+@dataclass(frozen=True, slots=True)
+class PageCursor:
+    """Where a listing page starts: after the run created at ``created`` (``m``: the read
+    models' creation positions), or after the index key ``key`` (``f``: folding, in the
+    index's (created_at, tree_id) order); ``path`` None: the first page."""
+
+    path: str | None = None
+    created: int = 0
+    key: tuple[str, str] | None = None
+
+    @staticmethod
+    def of_key(key: tuple[str, str]) -> str:
+        return "f" + base64.urlsafe_b64encode(f"{key[0]}\n{key[1]}".encode()).decode("ascii").rstrip("=")
+
+    @classmethod
+    def parse(cls, after: str | None) -> PageCursor:
+        if after is None or after == "":
+            return cls()
+        # A creation position fits a signed 64-bit integer.
+        if after[0] == "m" and after[1:].isascii() and after[1:].isdigit() and len(after) <= 19:
+            return cls("m", int(after[1:]))
+        if after[0] == "f" and len(after) <= 200:
+            try:
+                text = base64.urlsafe_b64decode(after[1:] + "=" * (-len(after[1:]) % 4)).decode("ascii")
+                created_at, tree_id = text.split("\n")
+                TreeID(tree_id)
+            except (binascii.Error, UnicodeDecodeError, ValueError, InvalidInput):
+                raise cursor_invalid(after) from None
+            if created_at.isprintable() and cls.of_key((created_at, tree_id)) == after:
+                return cls("f", key=(created_at, tree_id))
+        raise cursor_invalid(after)
+
+
+def _relevant_to(member: str) -> Callable[[TreeHead | None], bool]:
+    """Which trees a store-wide listing of ``member`` reads, by their index rows: only a tree
+    with an unknown effect can list one; a tool input wait can exist in any live tree (a
+    sibling call may still be running). Both paths pick the trees they read (and so the
+    corrupt trees they name) so."""
+
+    def relevant(head: TreeHead | None) -> bool:
+        if head is None:
+            return True  # no index row to judge by: name it rather than hide it
+        if head.classification == "terminal":
+            return False
+        return member != "unknown" or bool(head.unknown_effect_ids)
+
+    return relevant
 
 
 def corrupt_tree_entry(exc: CorruptStream, head: TreeHead | None) -> Entry:
@@ -421,38 +495,124 @@ class HostQueries:
             return rows.unknown if rows is not None else models.unknown(str(tree_id))  # type: ignore[union-attr]
         return self._listing("unknown", UNKNOWN, min_position)
 
+    def pending_page(self, *, limit: int = 100, after: str | None = None,
+                     min_position: int | None = None) -> ListingPage:
+        """A page of every run's tool input waits (``GET /pending-inputs``): at most ``limit``
+        entries unless one run alone has more; page on with ``next_after``."""
+        return self._page("pending", PENDING, limit, after, min_position)
+
+    def unknown_page(self, *, limit: int = 100, after: str | None = None,
+                     min_position: int | None = None) -> ListingPage:
+        """A page of every run's unknown effects (``GET /unknown-effects``), as :meth:`pending_page`."""
+        return self._page("unknown", UNKNOWN, limit, after, min_position)
+
     def _listing(self, member: str, table: str, min_position: int | None) -> Listing:
         """Every run's entries of one kind, runs in creation order; corrupt trees named."""
+        return self._page(member, table, None, None, min_position)
 
-        def relevant(head: TreeHead | None) -> bool:
-            # Only a tree with an unknown effect (per its index row) can list one; a tool
-            # input wait can exist in any live tree (a sibling call may still be running).
-            # Both paths pick the trees they read (and so the corrupt trees they name) so.
-            if head is None:
-                return True  # no index row to judge by: name it rather than hide it
-            if head.classification == "terminal":
-                return False
-            return member != "unknown" or bool(head.unknown_effect_ids)
+    def _page(self, member: str, table: str, limit: int | None, after: str | None,
+              min_position: int | None) -> ListingPage:
+        """Entries of runs after the cursor ``after``, runs in creation order, whole runs:
+        ``limit`` entries at most unless the first run alone has more (None: every entry).
+        A cursor names the path that produced it (``m`` the tables, ``f``
+        folding): the two order runs differently, and pages must not skip or repeat runs."""
+        cursor = PageCursor.parse(after)
+        relevant = _relevant_to(member)
+        if cursor.path in (None, "m"):
+            view = self.view(min_position)
+            if view is not None:
+                # the first page starts before every run (a lagging tree's creation may read 0)
+                return self._table_page(member, table, view, relevant, limit, cursor.created if cursor.path else -1)
+            if cursor.path == "m":
+                if self.read_models() is None:
+                    raise cursor_invalid(str(after), "names read models this store lacks",
+                                         hint="list again without after")
+                raise TimeoutError("the read models are too far behind to page on")
+        return self._fold_page(member, relevant, limit, cursor.key)
 
-        view = self.view(min_position)
-        if view is not None:
-            models, fresh = view
-            listed = [(created, e) for created, tree, e in models.ordered(table) if not fresh.skipped(tree)]
-            for tree, rows in fresh.rows.items():
-                listed.extend((fresh.created[tree], e) for e in getattr(rows, member))
-            listed.sort(key=lambda pair: pair[0])  # stable: a tree's entries keep their order
-            return Listing((e for _, e in listed), (e for _, e in self._corrupt(fresh, relevant)))
-        entries = Listing()
-        for head in self.store.heads(live_only=True):
-            if not relevant(head):
-                continue
-            try:
-                state, programs = self.fold(TreeID(head.tree_id))
-            except CorruptStream as exc:
-                entries.corrupt.append(corrupt_tree_entry(exc, head))
-                continue
-            entries.extend(getattr(project_tree(state, programs), member))
-        return entries
+    @staticmethod
+    def _table_rows(models: ReadModels, table: str, fresh: Fresh, key: tuple[int, int],
+                    want: int | None) -> tuple[list[tuple[int, Entry]], bool]:
+        """The first ``want`` rows (None: all) after ``key`` of trees the fresh rows do not
+        replace, as (created_position, entry); and whether no other row follows them."""
+        rows: list[tuple[int, Entry]] = []
+        while True:
+            ask = None if want is None else want - len(rows)
+            batch = models.ordered(table, after=key, limit=ask)
+            rows.extend((created, entry) for created, _, tree, entry in batch if not fresh.skipped(tree))
+            if ask is None or len(batch) < ask:
+                return rows, True
+            if want is not None and len(rows) >= want:
+                return rows, False
+            key = (batch[-1][0], batch[-1][1])
+
+    def _table_page(self, member: str, table: str, view: tuple[ReadModels, Fresh],
+                    relevant: Callable[[TreeHead | None], bool], limit: int | None, after: int) -> ListingPage:
+        models, fresh = view
+        # One row more than a page: whether another run follows is then known without a query.
+        rows, complete = self._table_rows(models, table, fresh, (after, _LAST_ORD), None if limit is None else limit + 1)
+        listed = list(rows)
+        for tree, tree_rows in fresh.rows.items():
+            if fresh.created[tree] > after:
+                listed.extend((fresh.created[tree], e) for e in getattr(tree_rows, member))
+        listed.sort(key=lambda pair: pair[0])  # stable: a tree's entries keep their order
+        runs: list[tuple[int, list[Entry]]] = []
+        for created, entry in listed:
+            if runs and runs[-1][0] == created:
+                runs[-1][1].append(entry)
+            else:
+                runs.append((created, [entry]))
+        cut = rows[-1][0] if rows and not complete else None  # its rows may go on past the ones read
+        page = ListingPage()
+        last, more = after, False
+        for created, entries in runs:
+            if limit is not None and page and len(page) + len(entries) > limit:
+                more = True
+                break
+            if created == cut:  # only ever the page's first run: every row read before it is in the page
+                entries = [e for _, _, _, e in models.ordered(table, created=created)]
+            page.extend(entries)
+            last = created
+        else:
+            more = cut is not None and bool(self._table_rows(models, table, fresh, (last, _LAST_ORD), 1)[0])
+        page.next_after = f"m{last}" if more else None
+        # A page that is not the last ends at its last run: a corrupt tree after it belongs to a later page.
+        named = self._corrupt(fresh, relevant, lambda created: created > after and (not more or created <= last))
+        page.corrupt.extend(e for _, e in named)
+        return page
+
+    def _fold_page(self, member: str, relevant: Callable[[TreeHead | None], bool], limit: int | None,
+                   key: tuple[str, str] | None) -> ListingPage:
+        """A page by folding the live runs after the index key ``key`` (see ``FOLD_PAGE_RUNS``)."""
+        page = ListingPage()
+        folded = 0
+        while True:
+            heads = self.store.heads(only=HeadFilter(live_only=True, after=key,
+                                                     limit=None if limit is None else _FOLD_BATCH))
+            for head in heads:
+                here = (head.created_at, head.tree_id)
+                if not relevant(head):
+                    key = here
+                    continue
+                # A full page ends before the next run it would read (so None means: no more).
+                if limit is not None and (len(page) >= limit or folded >= FOLD_PAGE_RUNS) and key is not None:
+                    page.next_after = PageCursor.of_key(key)
+                    return page
+                folded += 1
+                try:
+                    state, programs = self.fold(TreeID(head.tree_id))
+                except CorruptStream as exc:
+                    page.corrupt.append(corrupt_tree_entry(exc, head))
+                    key = here
+                    continue
+                entries = getattr(project_tree(state, programs), member)
+                if limit is not None and page and len(page) + len(entries) > limit and key is not None:
+                    page.next_after = PageCursor.of_key(key)
+                    return page
+                page.extend(entries)
+                key = here
+            if limit is None or len(heads) < _FOLD_BATCH:
+                return page
 
     def position(self) -> dict[str, Any]:
         """The store's last notification id and the read models' tracking position."""

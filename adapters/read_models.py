@@ -470,14 +470,29 @@ class ReadModels:
         return self._bodies(statement, params)
 
     @on_a_live_connection
-    def ordered(self, table: str) -> list[tuple[int, str, Entry]]:
-        """Every row of the pending or unknown table as (created_position, tree_id, entry), in order."""
+    def ordered(self, table: str, *, after: tuple[int, int] | None = None, limit: int | None = None,
+                created: int | None = None) -> list[tuple[int, int, str, Entry]]:
+        """Rows of the pending or unknown table as (created_position, ord, tree_id, entry), in
+        that order: every row, the first ``limit`` after the key ``after`` (created_position,
+        ord), or the rows of the run created at ``created``."""
         if table not in (PENDING, UNKNOWN):
             raise ValueError(table)
+        statement = f"SELECT created_position, ord, tree_id, body FROM {table}"
+        params: list[Any] = []
+        if created is not None:
+            statement += " WHERE created_position = ?"
+            params.append(created)
+        elif after is not None:
+            statement += " WHERE (created_position, ord) > (?, ?)"
+            params += after
+        statement += " ORDER BY created_position, ord"
+        if limit is not None:
+            statement += " LIMIT ?"
+            params.append(limit)
         with self.datastore.transaction(commit=False) as c:
-            c.execute(self._sql(f"SELECT created_position, tree_id, body FROM {table} ORDER BY created_position, ord"))
+            c.execute(self._sql(statement), tuple(params))
             rows = c.fetchall()
-        return [(int(r["created_position"]), str(r["tree_id"]), orjson.loads(r["body"])) for r in rows]
+        return [(int(r["created_position"]), int(r["ord"]), str(r["tree_id"]), orjson.loads(r["body"])) for r in rows]
 
     def pending_wait(self, wait_id: str) -> Entry | None:
         found = self._bodies(f"SELECT body FROM {PENDING} WHERE wait_id = ?", (wait_id,))

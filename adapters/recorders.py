@@ -121,7 +121,8 @@ def head_from_row(row: Any) -> TreeHead:
 @dataclass(frozen=True, slots=True)
 class HeadFilter:
     """Which index rows a listing wants: not terminal (``live_only``), a root status, a
-    classification; ``last``: only the N most recently created (still oldest first); else
+    classification; only rows after ``after`` (a ``(created_at, tree_id)`` key: the
+    index's order); ``last``: only the N most recently created (still oldest first); else
     ``limit`` rows after the first ``offset`` (a page; ``offset`` is read only with ``limit``)."""
 
     live_only: bool = False
@@ -130,6 +131,7 @@ class HeadFilter:
     last: int | None = None
     offset: int = 0
     limit: int | None = None
+    after: tuple[str, str] | None = None
 
     def sql(self, table: str, mark: str) -> tuple[str, list[Any]]:
         """The SELECT of the rows, in creation order (``mark``: the driver's placeholder)."""
@@ -142,6 +144,9 @@ class HeadFilter:
         if self.classification is not None:
             conditions.append(f"classification = {mark}")
             params.append(self.classification)
+        if self.after is not None:
+            conditions.append(f"(created_at, tree_id) > ({mark}, {mark})")
+            params += self.after
         sql = f"SELECT {HEAD_COLUMNS} FROM {table}" + (" WHERE " + " AND ".join(conditions) if conditions else "")
         if self.last is None:
             sql += " ORDER BY created_at, tree_id"
@@ -156,6 +161,7 @@ class HeadFilter:
             (not self.live_only or head.classification != "terminal")
             and (self.status is None or head.status == self.status)
             and (self.classification is None or head.classification == self.classification)
+            and (self.after is None or (head.created_at, head.tree_id) > self.after)
         )
 
 

@@ -13,8 +13,12 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.http_api.support import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -101,3 +105,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def durable_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh store URL on a backend that survives process death."""
     return make_store_url(request.param, tmp_path, request)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ApiServer]]:
+    """``agentfold serve`` processes a test started (append them): each is stopped at the end
+    of the test and must have ended cleanly."""
+    started: list[ApiServer] = []
+    yield started
+    for server in started:
+        code, _ = server.stop()
+        assert code == 0, server.logs()

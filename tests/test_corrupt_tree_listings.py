@@ -18,7 +18,6 @@ SQLite files and PostgreSQL databases.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -285,14 +284,6 @@ def test_the_read_models_answer_like_folding_and_drop_the_corrupt_trees_stale_ro
 # The HTTP API
 
 
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[list[ApiServer]]:
-    started: list[ApiServer] = []
-    yield started
-    for server in started:
-        code, _ = server.stop()
-        assert code == 0, server.logs()
-
 
 @pytest.mark.parametrize("follow", [True, False], ids=["read-models", "folding"])
 def test_http_listings_answer_503_store_corrupt_with_every_healthy_entry_and_the_corrupt_tree(
@@ -306,9 +297,10 @@ def test_http_listings_answer_503_store_corrupt_with_every_healthy_entry_and_the
     servers.append(before := start_server(store, tmp_path, "--no-follow"))
     c = before.client()
     pending = ok(c.get("/pending-inputs"))
-    assert set(pending) == {"pending"} and len(pending["pending"]) == 3
+    assert set(pending) == {"pending", "next_after"} and len(pending["pending"]) == 3
+    assert pending["next_after"] is None
     unknown = ok(c.get("/unknown-effects"))
-    assert set(unknown) == {"unknown_effects"}
+    assert set(unknown) == {"unknown_effects", "next_after"} and unknown["next_after"] is None
     runs = ok(c.get("/runs"))
     assert set(runs) == {"runs", "next_after"} and len(runs["runs"]) == 4
     servers.remove(before)
@@ -341,6 +333,12 @@ def test_http_listings_answer_503_store_corrupt_with_every_healthy_entry_and_the
     assert without_detail(second["corrupt_trees"]) == corrupt_trees
     third = ok(c.get("/runs", params={"limit": 1, "after": second["next_after"]}))
     assert [r["tree_id"] for r in third["runs"]] == [trees["wait-2"]]
+    # The pending inputs page the same way ("bad" waits too; "unknown-1" has no wait).
+    first = ok(c.get("/pending-inputs", params={"limit": 1}))
+    assert first["pending"] == of_trees(pending["pending"], trees["wait-1"]) and "corrupt_trees" not in first
+    second = problem(c.get("/pending-inputs", params={"limit": 1, "after": first["next_after"]}), 503, "store.corrupt")
+    assert second["pending"] == of_trees(pending["pending"], trees["wait-2"])
+    assert (second["next_after"], without_detail(second["corrupt_trees"])) == (None, corrupt_trees)
 
     # Questions about one tree: the healthy ones answer, the corrupt one fails as before.
     assert ok(c.get("/runs/wait-1/pending-inputs"))["pending"] == of_trees(pending["pending"], trees["wait-1"])

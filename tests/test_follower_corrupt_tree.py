@@ -362,14 +362,6 @@ def test_project_follow_reports_each_corrupt_tree_once_and_keeps_projecting_the_
 # agentfold serve's follower
 
 
-@pytest.fixture
-def servers() -> Iterator[list[ApiServer]]:
-    started: list[ApiServer] = []
-    yield started
-    for server in started:
-        code, _ = server.stop()
-        assert code == 0, server.logs()
-
 
 def test_serve_keeps_its_read_models_current_past_a_corrupt_tree_and_logs_it_once(
     durable_store_url: str, tmp_path: Path, servers: list[ApiServer]

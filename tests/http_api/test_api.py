@@ -86,8 +86,21 @@ def written(data: dict[str, Any], *keys: str) -> dict[str, Any]:
     return data
 
 
+def every_page(c: httpx.Client, path: str, member: str, limit: int = 500) -> list[dict[str, Any]]:
+    """Every entry of a paged store-wide listing, following ``next_after``."""
+    entries: list[dict[str, Any]] = []
+    params: dict[str, Any] = {"limit": limit}
+    while True:
+        page = ok(c.get(path, params=params))
+        assert set(page) == {member, "next_after"}, page
+        entries += page[member]
+        if page["next_after"] is None:
+            return entries
+        params["after"] = page["next_after"]
+
+
 def pending_of(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
-    return [p for p in ok(c.get("/pending-inputs"))["pending"] if p["tree_id"] == tree_id]
+    return [p for p in every_page(c, "/pending-inputs", "pending") if p["tree_id"] == tree_id]
 
 
 def unknown_of(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
@@ -98,7 +111,7 @@ def unknown_of(c: httpx.Client, tree_id: str) -> list[dict[str, Any]]:
     two requests at different moments may rightly differ."""
     for _ in range(100):
         listed = ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]
-        everywhere = [e for e in ok(c.get("/unknown-effects"))["unknown_effects"] if e["tree_id"] == tree_id]
+        everywhere = [e for e in every_page(c, "/unknown-effects", "unknown_effects") if e["tree_id"] == tree_id]
         again = ok(c.get(f"/runs/{tree_id}/unknown-effects"))["unknown_effects"]
         if listed == again:
             assert listed == everywhere
