@@ -44,6 +44,7 @@ import signal
 import sqlite3
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -736,12 +737,34 @@ def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(data, "\n".join(lines))
 
 
+#: Seconds between the progress lines of a long store-wide command (``audit verify``, the
+#: catch-up of ``project``), on stderr: stdout keeps the report.
+PROGRESS_EVERY = 5.0
+
+
+class Ticker:
+    """Says when a long command's next progress line is due (every ``PROGRESS_EVERY`` s)."""
+
+    def __init__(self) -> None:
+        self.started = self.said = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.said < PROGRESS_EVERY:
+            return False
+        self.said = now
+        return True
+
+    def rate(self, count: int) -> float:
+        """``count`` per second since the command began."""
+        elapsed = time.monotonic() - self.started
+        return count / elapsed if elapsed > 0 else 0.0
+
+
 def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
     """Bring the read models up to date (once, or following), or rebuild them from zero."""
-    import threading
-    import time
-
     from adapters.follower import (
+        BatchReport,
         Follower,
         FollowProgress,
         StopGuard,
@@ -829,11 +852,23 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
                                 poll_interval=args.poll_interval, on_corrupt=on_corrupt, on_unbound=say)
 
             follower = make()
+            ticker = Ticker()
+
+            def on_batch(report: BatchReport) -> None:
+                # A catch-up of a large store takes minutes: say how far it is (on stderr).
+                if not ticker.due():
+                    return
+                head = store.max_notification_id()
+                if report.position < head:  # none once caught up: the report follows
+                    events = follower.events_applied if follower is not None else 0
+                    say(f"at position {report.position:,} of {head:,} ({events:,} events, "
+                        f"{ticker.rate(events):,.0f} events/s)")
+
             try:
                 if args.rebuild:
-                    follower.rebuild(stop)
+                    follower.rebuild(stop, on_batch)
                 else:
-                    follower.catch_up(stop)
+                    follower.catch_up(stop, on_batch)
             except Exception as exc:
                 if not (stop.is_set() and store_failed(exc)):
                     raise

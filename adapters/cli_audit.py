@@ -12,12 +12,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from adapters import audit
-from adapters.cli import PROG, Context, Outcome, _short, _show_text, _UsageError
+from adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError
 from adapters.eventstore import redact
 from domain.canonical import JSON
 from domain.errors import InvalidInput
@@ -64,25 +63,18 @@ def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(data, "\n".join(lines), 0 if report.ok else 1)
 
 
-#: Seconds between the progress lines of a long `audit verify` (on stderr; stdout keeps the report).
-PROGRESS_EVERY = 5.0
-
-
 class _ProgressLine:
-    """Says on stderr how far a long verification is, every ``PROGRESS_EVERY`` seconds."""
+    """Says on stderr how far a long verification is (every ``PROGRESS_EVERY`` seconds)."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self.started = self.said = time.monotonic()
+        self.ticker = Ticker()
 
     def __call__(self, trees: int, events: int) -> None:
-        now = time.monotonic()
-        if now - self.said < PROGRESS_EVERY or trees == self.total:
+        if trees == self.total or not self.ticker.due():
             return
-        self.said = now
-        rate = events / (now - self.started) if now > self.started else 0.0
-        print(f"{PROG}: audit verify: {trees:,} of {self.total:,} trees, {events:,} events ({rate:,.0f} events/s)",
-              file=sys.stderr, flush=True)
+        print(f"{PROG}: audit verify: {trees:,} of {self.total:,} trees, {events:,} events "
+              f"({self.ticker.rate(events):,.0f} events/s)", file=sys.stderr, flush=True)
 
 
 def _unique(tree_ids: Any) -> list[TreeID]:

@@ -299,27 +299,32 @@ class Follower:
 
     # -- loops -----------------------------------------------------------------
 
-    def catch_up(self, stop: threading.Event | None = None) -> int:
+    def catch_up(self, stop: threading.Event | None = None,
+                 on_batch: Callable[[BatchReport], None] | None = None) -> int:
         """Project everything committed so far; returns the number of events applied.
 
         ``stop``: once it is set, return after the batch in progress (committed with its
-        position), caught up or not: a command stopped by SIGTERM/SIGINT."""
+        position), caught up or not: a command stopped by SIGTERM/SIGINT. ``on_batch``:
+        called after each committed batch."""
         total = 0
         while stop is None or not stop.is_set():
             report = self.step()
             total += report.events
+            if on_batch is not None:
+                on_batch(report)
             if report.events < self.batch_size and self._position >= self.store.max_notification_id():
                 break
         return total
 
-    def rebuild(self, stop: threading.Event | None = None) -> int:
+    def rebuild(self, stop: threading.Event | None = None,
+                on_batch: Callable[[BatchReport], None] | None = None) -> int:
         """Empty the tables and project the whole log again from position zero (until ``stop``
         is set, as ``catch_up``: a later ``catch_up`` goes on from where it stopped)."""
         self.read_models.reset()
         self._cache.clear()
         self._corrupt.clear()  # found again (and recorded again) from the log
         self._position = 0
-        return self.catch_up(stop)
+        return self.catch_up(stop, on_batch)
 
     def follow(self, stop: threading.Event, on_batch: Callable[[BatchReport], None] | None = None) -> None:
         """Project new events as they are committed, until ``stop`` is set."""

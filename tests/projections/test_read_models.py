@@ -574,3 +574,35 @@ def test_a_tree_the_current_programs_cannot_fold_is_projected_with_the_kernels_v
         ]
     finally:
         store.close()
+
+
+def test_a_long_catch_up_says_how_far_it_is_on_stderr_and_stdout_keeps_the_report(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a scale audit: `project` caught up with 50,000 runs in 66 s without a word.
+    # A progress line per due moment goes to stderr (every 5 s; every batch here), none once
+    # caught up; stdout keeps the report (JSON stays parseable).
+    import adapters.cli
+    from tests.audit.support import chain_sources, cli, record_chain
+
+    for start in ("one", "two", "three"):
+        record_chain(durable_store_url, start_id=start)
+    head = EventStore(durable_store_url)
+    try:
+        last = head.max_notification_id()
+    finally:
+        head.close()
+    monkeypatch.setattr(adapters.cli, "PROGRESS_EVERY", 0.0)
+    ran = cli(capsys, "project", "--batch", "10", "--json", "--store", durable_store_url, sources=chain_sources())
+    assert ran.code == 0, ran.stderr
+    report = ran.json()
+    assert (report["events"], report["position"]) == (last, last)
+    lines = ran.stderr.splitlines()
+    batches = -(-last // 10)  # the last batch reaches the head: no line for it
+    assert [line.split(" (")[0] for line in lines] == [
+        f"agentfold: project: at position {10 * i} of {last}" for i in range(1, batches)
+    ]
+    assert all(line.endswith(" events/s)") for line in lines)
+    monkeypatch.setattr(adapters.cli, "PROGRESS_EVERY", 5.0)
+    quiet = cli(capsys, "project", "--rebuild", "--json", "--store", durable_store_url, sources=chain_sources())
+    assert quiet.code == 0 and quiet.stderr == ""  # a short catch-up says nothing more
