@@ -546,8 +546,8 @@ def _agentfold_program(R: int, B: int):
     """The same workload as an agentfold Interaction: the scripted model and tool above."""
     import json as _json
 
-    from adapters.interaction import InteractionConfig, compile_interaction
-    from adapters.tools import ToolOutput
+    from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+    from agentfold.adapters.tools import ToolOutput
 
     class LoopModel:
         def call(self, request):
@@ -578,8 +578,8 @@ def _agentfold_program(R: int, B: int):
 
 
 def _agentfold_timed(url: str, R: int, B: int, before_timed: Callable[[], None]) -> dict:
-    from adapters.eventstore import EventStore
-    from adapters.runtime import Runtime
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.adapters.runtime import Runtime
 
     store = EventStore(url)  # creates tables: not timed
     program = _agentfold_program(R, B)
@@ -602,7 +602,7 @@ def _agentfold_timed(url: str, R: int, B: int, before_timed: Callable[[], None])
 
 def run_agentfold(R: int, B: int, backend: str, pg_url: str | None) -> dict:
     try:
-        import adapters.runtime  # noqa: F401
+        import agentfold.adapters.runtime  # noqa: F401
     except ImportError as e:
         raise Skip(f"agentfold is not installed in this environment ({e}); pip install -e <agentfold checkout>")
     if backend == "postgres":

@@ -18,9 +18,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from domain.ids import WaitKey
-from domain.program import (
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.domain.ids import WaitKey
+from agentfold.domain.program import (
     Complete,
     Continue,
     Descriptor,
@@ -32,7 +32,7 @@ from domain.program import (
     dispatcher_effect,
     wait_effect,
 )
-from domain.requests import EffectRequest, Settlement
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import IMPL, JsonStrategy, config_digest
 
 LISTENER_SIGNAL_SCHEMA = {

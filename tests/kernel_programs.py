@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from domain.errors import Failure, FailureKind
-from domain.ids import ChildKey, Digest, WaitKey
-from domain.program import (
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.domain.errors import Failure, FailureKind
+from agentfold.domain.ids import ChildKey, Digest, WaitKey
+from agentfold.domain.program import (
     ChildSpec,
     ChildWaitSpec,
     Complete,
@@ -36,7 +36,7 @@ from domain.program import (
     wait_children_effect,
     wait_effect,
 )
-from domain.requests import EffectRequest, Settlement
+from agentfold.domain.requests import EffectRequest, Settlement
 
 IMPL = Digest.of(b"tests.kernel_programs")
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program
 
 

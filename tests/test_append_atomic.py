@@ -21,13 +21,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext
-from adapters.eventstore import EventStore
-from adapters.recorders import EVENTS_TABLE, TREES_TABLE
-from adapters.runtime import Runtime
-from domain.errors import AgentfoldError
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.recorders import EVENTS_TABLE, TREES_TABLE
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import AgentfoldError
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program
 
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.budget import Budget, Quota
-from domain.canonical import MAX_PAYLOAD_BYTES
-from domain.errors import AgentfoldError, EngineCode, InvalidInput, NotFound, Rejected, ResourceLimitExceeded
-from domain.events import ProcessTerminated, TreeLimits, event_body
-from domain.ids import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.budget import Budget, Quota
+from agentfold.domain.canonical import MAX_PAYLOAD_BYTES
+from agentfold.domain.errors import AgentfoldError, EngineCode, InvalidInput, NotFound, Rejected, ResourceLimitExceeded
+from agentfold.domain.events import ProcessTerminated, TreeLimits, event_body
+from agentfold.domain.ids import (
     ChildKey,
     Digest,
     EffectAttemptID,
@@ -36,9 +36,9 @@ from domain.ids import (
     effect_id,
     wait_id_for,
 )
-from domain.program import SettlementStatus, SignalRequest
-from domain.requests import Settlement
-from domain.tree import TreeState
+from agentfold.domain.program import SettlementStatus, SignalRequest
+from agentfold.domain.requests import Settlement
+from agentfold.domain.tree import TreeState
 from tests.bad_input_programs import gate_program, listener_program, pair_program, two_waits_program
 from tests.kernel_programs import asker_program, chain_program
 

@@ -1,7 +1,7 @@
 """The ``agentfold`` CLI, run as a real subprocess against real stores (docs/cli.md).
 
 Every test drives the command line the way an operator does: a child Python process
-runs ``python -m adapters.cli`` (or the installed console script) on an SQLite file
+runs ``python -m agentfold.adapters.cli`` (or the installed console script) on an SQLite file
 (and, for the main flow, on PostgreSQL too). Crashes are real process deaths
 (``os._exit(75)`` inside the charge dispatch); external calls are counted in the demo
 program's side-effect log, outside the processes that made them.
@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.kernel_demo import payment_program, read_log
-from adapters.runtime import Runtime
-from domain.ids import TreeID
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.kernel_demo import payment_program, read_log
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.ids import TreeID
 from tests.kernel_programs import asker_program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,11 +47,11 @@ class Ran:
 
 def agentfold(*args: str, store: str | None = None, cwd: Path | None = None,
               env: dict[str, str] | None = None, timeout: float = 120) -> Ran:
-    """Run ``python -m adapters.cli ARGS [--store STORE]`` in a child process."""
+    """Run ``python -m agentfold.adapters.cli ARGS [--store STORE]`` in a child process."""
     child_env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     child_env["PYTHONPATH"] = str(ROOT)
     child_env.update(env or {})
-    command = [sys.executable, "-m", "adapters.cli", *args]
+    command = [sys.executable, "-m", "agentfold.adapters.cli", *args]
     if store is not None:
         command += ["--store", store]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd or ROOT, env=child_env, timeout=timeout)
@@ -295,7 +295,7 @@ def test_a_store_that_fails_exits_1(tmp_path: Path) -> None:
     assert len(ran.stderr.strip().splitlines()) == 1
     assert ran.stderr.startswith("agentfold: error:")
     # Commands that create a store classify it the same way (they once said cli.internal)
-    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    demo = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
     for command in (["trees"], ["run", demo], ["kernel-demo-run", "--side-effect-log", str(tmp_path / "log")]):
         failed = agentfold(*command, "--json", store=f"sqlite:///{broken}")
         assert failed.code == 1, failed.stderr
@@ -310,7 +310,7 @@ def test_an_sqlite_file_with_damaged_pages_is_store_damaged_with_what_to_do(tmp_
     # is malformed" used to be store.unavailable with "check that the store is reachable and writable".
     db = tmp_path / "store.db"
     store = f"sqlite:///{db}"
-    ok(agentfold("run", str(ROOT / "adapters" / "scenarios" / "demo.json"), store=store))
+    ok(agentfold("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), store=store))
     data = bytearray(db.read_bytes())
     for page in range(1, len(data) // 4096):  # every b-tree page after the first: a wrong cell count
         data[page * 4096 + 3 : page * 4096 + 5] = b"\xff\xff"
@@ -331,7 +331,7 @@ def test_damage_met_while_reading_a_tree_is_store_damaged_with_what_to_do(tmp_pa
 
     db = tmp_path / "store.db"
     store = f"sqlite:///{db}"
-    ok(agentfold("run", str(ROOT / "adapters" / "scenarios" / "demo.json"), "--start-id", "demo", store=store))
+    ok(agentfold("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--start-id", "demo", store=store))
     with sqlite3.connect(db) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the main file
         (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'agentfold_events'").fetchone()
@@ -349,7 +349,7 @@ def test_damage_met_while_reading_a_tree_is_store_damaged_with_what_to_do(tmp_pa
 
 def test_a_timeout_out_of_range_is_refused_before_anything_is_stored(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
-    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    demo = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
     for timeout in ("-1", "nan", "inf", "2592001"):
         assert refused(agentfold("run", demo, "--timeout", timeout, "--json", store=store)).error()["code"] == "cli.usage"
         assert refused(agentfold("recover", "--timeout", timeout, store=store)).stderr.startswith(
@@ -551,7 +551,7 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     directory; an empty --signal-id a fresh one; an empty --crash-after no crash; a store URL
     naming a directory said "disk I/O error" (exit 1)."""
     store = sqlite_url(tmp_path)
-    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    demo = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
     assert refused(agentfold("run", demo, "--json", store="", cwd=tmp_path)).error()["code"] == "store.url_invalid"
     assert not (tmp_path / "agentfold.db").exists()
     # The same mistake in the environment (AGENTFOLD_STORE=$UNSET_VAR): it ran on ./agentfold.db.

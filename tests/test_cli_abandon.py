@@ -24,7 +24,7 @@ from tests.test_cli_interaction import FINAL, approval, logged_calls, one_tool_c
 
 #: The installed console script (what users run) and the module form the other tests use.
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "agentfold")
-ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", "adapters.cli"]}
+ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", "agentfold.adapters.cli"]}
 
 
 def hanging_scenario(tmp_path: Path) -> Path:

@@ -783,7 +783,7 @@ def test_json_arguments_too_large_for_a_command_line_come_from_a_file_or_standar
     env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     env["PYTHONPATH"] = str(ROOT)
     piped = subprocess.run(
-        [sys.executable, "-m", "adapters.cli", "resolve", final["effect_id"], "--model-response", "-", "--store", store],
+        [sys.executable, "-m", "agentfold.adapters.cli", "resolve", final["effect_id"], "--model-response", "-", "--store", store],
         input=json.dumps(FINAL), capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )
     assert piped.returncode == 0, piped.stderr

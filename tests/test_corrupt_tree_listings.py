@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from adapters.eventstore import CorruptStream, EventStore
-from adapters.queries import HostQueries
-from adapters.sources import default_sources
-from domain.ids import TreeID
+from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.test_cli import Ran, agentfold

@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import EngineCode, Rejected
-from domain.events import EffectResolved, EffectSettled
-from domain.program import Replay
-from domain.requests import EffectRequest, Settlement, SettlementStatus
-from domain.tree import EffectRecord, TreeState
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import EngineCode, Rejected
+from agentfold.domain.events import EffectResolved, EffectSettled
+from agentfold.domain.program import Replay
+from agentfold.domain.requests import EffectRequest, Settlement, SettlementStatus
+from agentfold.domain.tree import EffectRecord, TreeState
 from tests.kernel_programs import chain_program
 
 

@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.events import EffectDeclared, EffectDispatched, EffectSettled
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.events import EffectDeclared, EffectDispatched, EffectSettled
 from tests.kernel_programs import CallLog, GatedCall, chain_program
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.recorders import SQLITE_STATEMENT_CACHE, TreeHead
-from domain.canonical import canonical_bytes
-from domain.errors import Failure, FailureKind
-from domain.events import (
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.recorders import SQLITE_STATEMENT_CACHE, TreeHead
+from agentfold.domain.canonical import canonical_bytes
+from agentfold.domain.errors import Failure, FailureKind
+from agentfold.domain.events import (
     EVENT_TYPES,
     CheckpointCommitted,
     ControlRequested,
@@ -39,8 +39,8 @@ from domain.events import (
     event_body,
     event_from_body,
 )
-from domain.ids import EffectAttemptID, ProcessID, SignalID, WaitID
-from domain.ids import effect_id as derive_effect_id
+from agentfold.domain.ids import EffectAttemptID, ProcessID, SignalID, WaitID
+from agentfold.domain.ids import effect_id as derive_effect_id
 from tests.audit.support import record_demo
 
 PID = ProcessID("process:" + "a1" * 16)
@@ -237,7 +237,7 @@ def test_the_runtime_clock_reads_like_strftime_across_seconds(monkeypatch: pytes
     import time as time_module
     from datetime import UTC, datetime
 
-    import adapters.runtime as runtime_module
+    import agentfold.adapters.runtime as runtime_module
 
     # The cached text of a second must change with the second (and the date), and the
     # microseconds keep their six digits.
@@ -252,7 +252,7 @@ def test_the_cancel_flag_behaves_like_an_event() -> None:
     import threading
     import time as time_module
 
-    from adapters.dispatch import DispatchContext
+    from agentfold.adapters.dispatch import DispatchContext
 
     context = DispatchContext()
     assert not context.cancelled.is_set()

@@ -28,21 +28,21 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import APPLICATION_PREFIX, Publisher, ensure_topic, envelope_bytes, store_envelopes
-from adapters.transcripts import TranscriptStore, transcripts_from_store
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import APPLICATION_PREFIX, Publisher, ensure_topic, envelope_bytes, store_envelopes
+from agentfold.adapters.transcripts import TranscriptStore, transcripts_from_store
 from tests.feed.support import ROOT, read_topic_confluent, stored_envelopes
 from tests.feed.workload import Workload
 
 
 class Command:
-    """``python -m adapters.cli ARGS`` in a child process, its stderr read line by line."""
+    """``python -m agentfold.adapters.cli ARGS`` in a child process, its stderr read line by line."""
 
     def __init__(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
         env["PYTHONPATH"] = str(ROOT)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", *args], cwd=ROOT, env=env,
+            [sys.executable, "-m", "agentfold.adapters.cli", *args], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self._lines: queue.Queue[str] = queue.Queue()
@@ -394,9 +394,9 @@ def test_only_connection_failures_are_retried_by_following_commands() -> None:
     # say why instead of printing a retry line every 30 s for ever.
     from eventsourcing.persistence import OperationalError, ProgrammingError
 
-    from adapters.eventstore import CorruptStream
-    from adapters.follower import store_failed
-    from domain.errors import StoreFailure
+    from agentfold.adapters.eventstore import CorruptStream
+    from agentfold.adapters.follower import store_failed
+    from agentfold.domain.errors import StoreFailure
 
     def wrapped(cause: BaseException, code: str = "store.read_failed") -> StoreFailure:
         failure = StoreFailure(code, f"reading failed: {cause}")

@@ -1,8 +1,8 @@
 """Every fold rule of DESIGN.md "Rules the fold enforces", proved on hand-built bad streams.
 
 Each test starts from a valid stream (built event by event with the pydantic models of
-``domain.events`` and the derived ids of ``domain.ids``, or recorded by a real Runtime),
-corrupts it in one place, and asserts that :func:`domain.tree.fold_tree` raises
+``agentfold.domain.events`` and the derived ids of ``agentfold.domain.ids``, or recorded by a real Runtime),
+corrupts it in one place, and asserts that :func:`agentfold.domain.tree.fold_tree` raises
 :class:`FoldError` with the exact rule name and the exact position (one-based) of the
 offending event. Every corrupt stream's prefix before the bad event must fold cleanly,
 so the error is known to come from that event and not from an earlier mistake.
@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.budget import Budget
-from domain.errors import Failure, FailureKind
-from domain.events import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.budget import Budget
+from agentfold.domain.errors import Failure, FailureKind
+from agentfold.domain.events import (
     CheckpointCommitted,
     ControlRequested,
     EffectDeclared,
@@ -36,7 +36,7 @@ from domain.events import (
     TreeStarted,
     WriterActivated,
 )
-from domain.ids import (
+from agentfold.domain.ids import (
     ChildKey,
     Digest,
     EffectAttemptID,
@@ -55,7 +55,7 @@ from domain.ids import (
     wait_id_for,
     wait_opened_signal_id,
 )
-from domain.program import (
+from agentfold.domain.program import (
     ChildSpec,
     Complete,
     Continue,
@@ -69,7 +69,7 @@ from domain.program import (
     signal_child_effect,
     start_child_effect,
 )
-from domain.tree import FoldError, TreeState, fold_tree
+from agentfold.domain.tree import FoldError, TreeState, fold_tree
 from tests.bad_input_programs import listener_program
 from tests.kernel_programs import IMPL, JsonStrategy, asker_program, chain_program, config_digest, parent_program
 
@@ -1660,7 +1660,7 @@ def test_terminal_unresolved_a_termination_lists_exactly_its_unknown_effects() -
 
 
 def test_terminal_output_schema_a_completed_output_satisfies_the_output_schema() -> None:
-    from domain.program import Descriptor
+    from agentfold.domain.program import Descriptor
     from tests.kernel_programs import IMPL, Chain, config_digest
 
     program = Program(
@@ -1768,7 +1768,7 @@ def test_recorded_streams_corrupted_in_one_place_name_the_broken_rule(
 
 def test_event_store_load_reports_the_fold_rule_of_a_corrupt_stream() -> None:
     """A corrupt stream written past the runtime is refused on load with its position and rule."""
-    from adapters.eventstore import CorruptStream
+    from agentfold.adapters.eventstore import CorruptStream
 
     store = EventStore("memory:")
     events = one_effect()

@@ -29,12 +29,12 @@ import httpx
 import orjson
 import pytest
 
-from adapters.eventstore import CorruptStream, EventStore
-from adapters.queries import HostQueries
-from adapters.read_models import CorruptTree, ReadModels
-from adapters.sources import default_sources
-from domain.ids import TreeID
-from projections.read_models import project_tree
+from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.read_models import CorruptTree, ReadModels
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.ids import TreeID
+from agentfold.projections.read_models import project_tree
 from tests.audit.support import Sql
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.streams import expect_line, read_both
@@ -308,7 +308,7 @@ def test_project_follow_reports_each_corrupt_tree_once_and_keeps_projecting_the_
 
     env = {**{k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}, "PYTHONPATH": str(ROOT)}
     follower = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "project", "--follow", "--store", store],
+        [sys.executable, "-m", "agentfold.adapters.cli", "project", "--follow", "--store", store],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
     children.append(follower)

@@ -1,4 +1,4 @@
-"""adapters.host.Host: the Python host's questions and actions, with the CLI's and the HTTP API's rules.
+"""agentfold.adapters.host.Host: the Python host's questions and actions, with the CLI's and the HTTP API's rules.
 
 docs/python.md shows the happy path (tests/test_docs_python.py runs it); these prove the
 promises around it on a real SQLite store: a refused action appends nothing (no event, no
@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.host import Host
-from adapters.interaction import InteractionConfig, compile_interaction
-from adapters.models import ScriptedModel
-from adapters.runtime import Runtime
-from adapters.sources import ProgramSources
-from adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
-from domain.errors import InvalidInput, NotFound, Rejected
-from domain.ids import TreeID
-from domain.program import Program
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.sources import ProgramSources
+from agentfold.adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
+from agentfold.domain.errors import InvalidInput, NotFound, Rejected
+from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Program
 
 INPUT = {"messages": [{"role": "user", "content": "Book it."}]}
 

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
 from tests.kernel_programs import CallLog, GatedCall, chain_program
 
 ROOT = Path(__file__).resolve().parent.parent
 
 ANOTHER_PROCESS = """
 import json, sys
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
 from tests.kernel_programs import chain_program
 program = chain_program(name="test.lease_file")
 store = EventStore(sys.argv[1], create=False)

@@ -17,12 +17,12 @@ import time
 import psycopg
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext
-from adapters.eventstore import EventStore
-from adapters.runtime import LOST_TREE_ATTEMPTS, Runtime
-from domain.program import Replay
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import LOST_TREE_ATTEMPTS, Runtime
+from agentfold.domain.program import Replay
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program
 
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import psycopg
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import EngineCode
-from domain.events import WriterActivated
-from domain.ids import TreeID
-from domain.program import Program, Replay
-from domain.requests import Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import EngineCode
+from agentfold.domain.events import WriterActivated
+from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Program, Replay
+from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 
 EFFECTS = 3

@@ -1,6 +1,6 @@
 """An append that committed although its writer heard a failure (the reply was lost).
 
-The PostgreSQL recorder retries an append whose connection died (adapters/recorders.py).
+The PostgreSQL recorder retries an append whose connection died (agentfold/adapters/recorders.py).
 When the first attempt had committed and another writer appended right after it, the
 retry is a version conflict (a stale duplicate, Scope's rule): the owner reloads the tree
 and finds its own dispatch permission there. That call must still be made, exactly once;
@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext
-from adapters.eventstore import EventStore, VersionConflict
-from adapters.runtime import Runtime
-from domain.events import EffectDispatched, StepCommitted
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore, VersionConflict
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.events import EffectDispatched, StepCommitted
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program
 
 

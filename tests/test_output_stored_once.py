@@ -17,22 +17,22 @@ import orjson
 import pytest
 from eventsourcing.persistence import StoredEvent
 
-from adapters.catalog import Catalog
-from adapters.codec import TOPIC_PREFIX, DecodeError, PydanticMapper, stored_json
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from adapters.eventstore import EventStore
-from adapters.feed import envelope_of
-from adapters.interaction import InteractionConfig, compile_interaction
-from adapters.models import ScriptedModel
-from adapters.runtime import Runtime
-from adapters.tools import ToolOutput
-from domain.events import OutputRef, ProcessTerminated, event_body, event_version
-from domain.ids import TreeID
-from domain.integrity import chain_digest, content_bytes, seal
-from domain.program import Complete, Continue, Descriptor, OutputOf, Program, Signal, Step, dispatcher_effect
-from domain.requests import EffectRequest, Settlement
-from domain.tree import fold_tree
-from projections.transcripts import SchemaVersionUnsupported, TreeTranscripts, check_envelope
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import TOPIC_PREFIX, DecodeError, PydanticMapper, stored_json
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import envelope_of
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.tools import ToolOutput
+from agentfold.domain.events import OutputRef, ProcessTerminated, event_body, event_version
+from agentfold.domain.ids import TreeID
+from agentfold.domain.integrity import chain_digest, content_bytes, seal
+from agentfold.domain.program import Complete, Continue, Descriptor, OutputOf, Program, Signal, Step, dispatcher_effect
+from agentfold.domain.requests import EffectRequest, Settlement
+from agentfold.domain.tree import fold_tree
+from agentfold.projections.transcripts import SchemaVersionUnsupported, TreeTranscripts, check_envelope
 from tests.kernel_programs import IMPL, JsonStrategy, config_digest
 from tests.test_fold_rules import assert_corrupt, eid, one_effect, settled, step, terminated
 
@@ -205,7 +205,7 @@ def test_a_reference_is_only_valid_right_after_the_complete_step_that_consumed_i
         *one_effect()[:5],
         step(2, "checkpoint", consumed=1),
     ]
-    from domain.events import CheckpointCommitted
+    from agentfold.domain.events import CheckpointCommitted
 
     events.append(CheckpointCommitted(process_id=events[0].process_id, step=2, kind="test.mark", acknowledges=None))
     events.append(step(3, "complete"))
@@ -294,7 +294,7 @@ def test_a_reference_the_transcript_builder_cannot_resolve_is_reported_not_fatal
 def test_drift_compares_outputs_not_their_storage_form() -> None:
     """A history written before outputs were stored by reference (inline output) shows no drift
     against the current code, which stores a reference; a different output still does."""
-    from domain.drift import find_drift
+    from agentfold.domain.drift import find_drift
 
     store = EventStore("memory:")
     tree_id, catalog = run_interaction(store, "drift-1")

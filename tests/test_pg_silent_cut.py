@@ -3,7 +3,7 @@
 A host that loses power or its network, or a firewall or NAT that forgets a connection,
 sends no reset: each end of the connection goes on waiting for the other. Linux sends the
 first keepalive after 2 hours and resends unacknowledged data for ~15 minutes, so without
-``AGENTFOLD_PG_TCP_TIMEOUT`` (``adapters.eventstore.pg_tcp_params``):
+``AGENTFOLD_PG_TCP_TIMEOUT`` (``agentfold.adapters.eventstore.pg_tcp_params``):
 
 * the server kept a vanished owner's lease session, with its advisory locks, for hours:
   no other runtime could adopt that owner's runs (its orphan scan saw the leases held);
@@ -35,20 +35,20 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from adapters.transcripts import TranscriptStore
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.transcripts import TranscriptStore
 from tests.kernel_programs import chain_program
 
 ROOT = Path(__file__).resolve().parent.parent
 
 OWNER = r"""
 import sys, threading
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from adapters.transcripts import TranscriptStore
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.transcripts import TranscriptStore
 from tests.kernel_programs import chain_program
 
 def call(request, context):

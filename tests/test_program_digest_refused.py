@@ -11,14 +11,14 @@ import threading
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import AgentfoldError
-from domain.ids import Digest
-from domain.program import Program
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import AgentfoldError
+from agentfold.domain.ids import Digest
+from agentfold.domain.program import Program
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program
 
 

@@ -99,7 +99,7 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
     read_only_refusal(agentfold("resolve", unknown["effect_id"], "--output", '"done"', "--json", store=copy))
     read_only_refusal(agentfold("cancel", unknown["process_id"], "--json", store=copy))
     # A command that creates runs says so too (it said "unable to open database file").
-    read_only_refusal(agentfold("run", str(ROOT / "adapters" / "scenarios" / "demo.json"), "--json", store=copy))
+    read_only_refusal(agentfold("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--json", store=copy))
     assert sorted(p.name for p in mount_point.iterdir()) == ["agentfold.db"]
     assert json.loads(ok(agentfold("trees", "--json", store=store)).stdout) == json.loads(expected["trees"])
 

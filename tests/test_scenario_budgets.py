@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from adapters.scenario import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.scenario import (
     ScenarioError,
     scenario_catalog,
     scenario_input,
@@ -27,7 +27,7 @@ from adapters.scenario import (
     unbudgeted_scenario_program,
     validate_scenario,
 )
-from domain.tree import TreeState
+from agentfold.domain.tree import TreeState
 from tests.test_cli import agentfold, ok, refused, sqlite_url
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from adapters.scenario import legacy_scenario_program, scenario_catalog, scenario_input, scenario_program
-from adapters.scenario import validate_scenario as validated
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.scenario import legacy_scenario_program, scenario_catalog, scenario_input, scenario_program
+from agentfold.adapters.scenario import validate_scenario as validated
 from tests.test_cli_interaction import FINAL, two_call_round
 
 

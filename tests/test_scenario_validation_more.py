@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from adapters.scenario import validate_scenario
+from agentfold.adapters.scenario import validate_scenario
 from tests.test_cli import agentfold, ok, refused, sqlite_url
 
 MODEL = {"responses": [{"finish_reason": "stop", "message": {"content": "done"}}]}

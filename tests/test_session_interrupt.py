@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.eventstore import EventStore, end_session
+from agentfold.adapters.eventstore import EventStore, end_session
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_a_session_the_server_ended_is_still_ended_without_error(pg_store: Event
 
 
 def test_lease_sessions_are_ended_by_the_store_interruption(pg_store: EventStore) -> None:
-    """The owner-lease session (adapters.leases) is a session of the store: interrupting the
+    """The owner-lease session (agentfold.adapters.leases) is a session of the store: interrupting the
     store ends a lease statement waiting on the server, and no new lease session is opened."""
     leases = pg_store.leases()
     try:

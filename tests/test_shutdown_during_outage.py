@@ -35,10 +35,10 @@ import httpx
 import psycopg
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import APPLICATION_PREFIX, store_envelopes
-from adapters.follower import StopGuard
-from adapters.read_models import APPLICATION, ReadModels
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import APPLICATION_PREFIX, store_envelopes
+from agentfold.adapters.follower import StopGuard
+from agentfold.adapters.read_models import APPLICATION, ReadModels
 from tests.feed.support import read_topic_confluent
 from tests.http_api.support import TOKEN, ok, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool

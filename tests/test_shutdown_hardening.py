@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from adapters.eventstore import EventStore
-from adapters.feed import APPLICATION_PREFIX
-from adapters.read_models import APPLICATION, ReadModels
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import APPLICATION_PREFIX
+from agentfold.adapters.read_models import APPLICATION, ReadModels
 from tests.http_api.support import TOKEN, ok, start_server
 from tests.test_cli import ROOT, agentfold
 from tests.test_cli import ok as ran_ok
@@ -298,7 +298,7 @@ def test_a_signal_while_publish_once_prints_its_report_and_exits_does_not_kill_i
     env["PYTHONPATH"] = str(ROOT)
     topic = f"late-{uuid.uuid4().hex[:8]}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", url, "publish", "--bootstrap", kafka_bootstrap,
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "publish", "--bootstrap", kafka_bootstrap,
          "--topic", topic, "--once", "--json"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

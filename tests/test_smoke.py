@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.ids import SignalID
-from domain.program import SignalRequest
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.ids import SignalID
+from agentfold.domain.program import SignalRequest
 from tests.kernel_programs import CallLog, asker_program, chain_program, logged_call, parent_program
 
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import orjson
 
-from adapters.catalog import Catalog
-from adapters.codec import stored_json
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.events import TreeEvent
-from domain.ids import TreeID
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import stored_json
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.events import TreeEvent
+from agentfold.domain.ids import TreeID
 from tests.kernel_programs import chain_program
 
 EVERY = 10
@@ -75,9 +75,9 @@ def test_each_snapshot_is_stored_by_the_append_that_makes_it_due(store_url: str)
 def test_a_large_snapshot_is_written_after_its_append_off_the_owner_line(store_url: str, monkeypatch: Any) -> None:
     """A snapshot larger than INLINE_SNAPSHOT_BYTES (here: any) comes back from the append and is
     deflated and stored by the runtime afterwards; it is as good as one written inline."""
-    import adapters.eventstore
+    import agentfold.adapters.eventstore
 
-    monkeypatch.setattr(adapters.eventstore, "INLINE_SNAPSHOT_BYTES", 0)
+    monkeypatch.setattr(agentfold.adapters.eventstore, "INLINE_SNAPSHOT_BYTES", 0)
     store = EventStore(store_url)
     program = chain_program(name="test.snapshots.large")
     catalog = Catalog([program])

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import AgentfoldError
-from domain.requests import Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import AgentfoldError
+from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 
 #: Bytes of every call's result: ~300 calls fill the file system below.

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from eventsourcing.persistence import StoredEvent
 
-from adapters.catalog import Catalog
-from adapters.codec import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import (
     COMPRESS_MIN_BYTES,
     COMPRESSED,
     MAX_STATE_BYTES,
@@ -24,10 +24,10 @@ from adapters.codec import (
     STATE_COMPRESSOR,
     stored_json,
 )
-from adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, LoadedTree
-from domain.ids import TreeID
-from domain.integrity import SealError
-from domain.tree import TreeState
+from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, LoadedTree
+from agentfold.domain.ids import TreeID
+from agentfold.domain.integrity import SealError
+from agentfold.domain.tree import TreeState
 from tests.test_fold_rules import TREE, one_effect, settled
 
 TIMESTAMP = "2026-01-01T00:00:00.000000Z"
@@ -198,7 +198,7 @@ def test_a_snapshot_in_another_format_is_not_used_and_audit_skips_it(
     # with made-up counters, so a load gave another state than folding the events (`show`
     # differed, `audit verify` failed a sound history, and the runtime's next snapshots carried
     # the difference forward).
-    from adapters.audit import verify_tree
+    from agentfold.adapters.audit import verify_tree
 
     store, tree_id, catalog, plain, row = snapshotted(durable_store_url, "snap-format")
     assert plain.digest is not None

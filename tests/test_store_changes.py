@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import uuid
 
-from adapters.catalog import Catalog
-from adapters.eventstore import Changed, EventStore
-from adapters.runtime import Runtime
-from domain.ids import TreeID
-from domain.requests import Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import Changed, EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.ids import TreeID
+from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 
 

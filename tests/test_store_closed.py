@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.host import Host
-from adapters.runtime import Runtime
-from domain.errors import StoreFailure
-from domain.ids import TreeID
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import StoreFailure
+from agentfold.domain.ids import TreeID
 from tests.kernel_programs import chain_program
 
 

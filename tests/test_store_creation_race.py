@@ -17,8 +17,8 @@ import uuid
 
 import psycopg
 
-from adapters.eventstore import EventStore
-from adapters.read_models import ReadModels
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.read_models import ReadModels
 from tests.conftest import require_postgres
 
 OPENERS = 3

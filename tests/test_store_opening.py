@@ -24,18 +24,18 @@ import orjson
 import psycopg
 import pytest
 
-from adapters.cli import CREATING_COMMANDS
-from adapters.eventstore import EventStore
-from adapters.read_models import ReadModels
-from adapters.sources import default_sources
-from domain.errors import NotFound
-from domain.ids import TreeID
-from projections.read_models import project_tree
+from agentfold.adapters.cli import CREATING_COMMANDS
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.read_models import ReadModels
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.errors import NotFound
+from agentfold.domain.ids import TreeID
+from agentfold.projections.read_models import project_tree
 from tests.conftest import require_postgres
 from tests.streams import expect_line, read_both
 from tests.test_cli import ROOT, Ran, agentfold, ok, refused
 
-DEMO = ROOT / "adapters" / "scenarios" / "demo.json"
+DEMO = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
 FAST = 15.0  # seconds: the pool's wait was 30 s; a direct connection fails at once or within 10 s
 
 
@@ -338,7 +338,7 @@ def test_a_read_only_role_runs_the_read_commands_on_an_existing_store(readable_s
 
 def assert_rows_equal_folding(store: EventStore, models: ReadModels, tree_ids: list[str]) -> None:
     """Each tree's read-model rows are exactly what folding its history gives."""
-    from adapters.queries import HostQueries
+    from agentfold.adapters.queries import HostQueries
 
     folding = HostQueries(store, default_sources(), use_read_models=False)
     for tree_id in tree_ids:
@@ -354,7 +354,7 @@ def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_
     env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     env["PYTHONPATH"] = str(ROOT)
     follower = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "0.05"],
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "0.05"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     out, err = read_both(follower)
@@ -438,7 +438,7 @@ def test_exactly_the_documented_commands_create_a_missing_sqlite_file(tmp_path: 
     env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     env.update({"PYTHONPATH": str(ROOT), "AGENTFOLD_API_TOKEN": "t" * 32})
     server = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", f"sqlite:///{path}", "serve", "--port", "0", "--json"],
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", f"sqlite:///{path}", "serve", "--port", "0", "--json"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -459,8 +459,8 @@ def test_appends_index_and_read_model_reads_go_on_after_the_pooled_sessions_are_
     # A server restart, a failover or pg_terminate_backend ends every pooled session. The
     # next use of each dead connection failed once, and an append that met one stopped its
     # tree (store.append_failed). Our own queries now retry like eventsourcing's do.
-    from adapters.catalog import Catalog
-    from adapters.runtime import Runtime
+    from agentfold.adapters.catalog import Catalog
+    from agentfold.adapters.runtime import Runtime
     from tests.kernel_programs import chain_program
 
     program = chain_program(name="test.reconnect")
@@ -494,7 +494,7 @@ def test_a_store_failure_while_naming_a_run_is_reported_as_one_not_as_not_found(
     """``find_process_tree`` looks a tree id up as a run when it names no process; a store that
     fails during that look (PostgreSQL's pool handing out no connection) must answer 503 /
     exit 1, not "process ... is not in this store" (404 / exit 2) as it did."""
-    from domain.errors import StoreFailure
+    from agentfold.domain.errors import StoreFailure
 
     store = EventStore(f"sqlite:///{tmp_path / 's.db'}")
     try:

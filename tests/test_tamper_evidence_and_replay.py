@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from adapters.eventstore import CorruptStream, EventStore
-from adapters.runtime import Runtime
-from domain.errors import EngineCode, Rejected
-from domain.ids import TreeID
-from domain.program import Descriptor, Program
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import EngineCode, Rejected
+from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Descriptor, Program
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.audit.support import Sql
 from tests.bad_input_programs import Pair
 from tests.kernel_programs import IMPL, chain_program, config_digest

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import CorruptStream, EventStore
-from adapters.runtime import Runtime
-from domain.ids import TreeID
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql
 from tests.kernel_programs import chain_program
 from tests.test_cli import agentfold

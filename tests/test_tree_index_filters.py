@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.recorders import HeadFilter
-from adapters.runtime import Runtime
-from domain.requests import Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.recorders import HeadFilter
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 from tests.test_cli import agentfold, ok, refused
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.ids import TreeID
-from domain.requests import Settlement
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.ids import TreeID
+from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 from tests.test_cli import agentfold, ok
 
@@ -102,8 +102,8 @@ def test_project_says_which_runs_it_projects_without_their_program(tmp_path: Pat
 
 
 def test_an_answer_for_a_run_whose_program_is_not_bound_says_so_and_appends_nothing(tmp_path: Path) -> None:
-    from adapters.host import Host
-    from domain.errors import NotFound
+    from agentfold.adapters.host import Host
+    from agentfold.domain.errors import NotFound
     from tests.test_cli import refused
     from tests.test_host_python import agent, parked_on_approval
 

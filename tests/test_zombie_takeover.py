@@ -27,22 +27,22 @@ from typing import Any
 
 import psycopg
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import Fenced
-from domain.events import WriterActivated
-from domain.ids import SignalID
-from domain.program import SignalRequest
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import Fenced
+from agentfold.domain.events import WriterActivated
+from agentfold.domain.ids import SignalID
+from agentfold.domain.program import SignalRequest
 from tests.kernel_programs import asker_program
 
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import sys
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
 from tests.kernel_programs import asker_program
 program = asker_program("zombie.asker")
 runtime = Runtime(EventStore(sys.argv[1], create=False), Catalog([program]), poll_interval=0)

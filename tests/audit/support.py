@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.cli import main
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from adapters.scenario import PROGRAM_NAME, scenario_program
-from adapters.sources import ProgramSources
-from domain.ids import StartID, TreeID
-from domain.program import Program
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.cli import main
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.scenario import PROGRAM_NAME, scenario_program
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.ids import StartID, TreeID
+from agentfold.domain.program import Program
 from tests.kernel_programs import chain_program
 from tests.test_cli import Ran, agentfold, ok
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "adapters" / "scenarios" / "demo.json"
+DEMO = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str, sources: ProgramSources | None = None) -> Ran:

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from adapters.sources import ProgramSources
-from domain.program import Complete, Continue, Program, Signal, Step, dispatcher_effect
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.program import Complete, Continue, Program, Signal, Step, dispatcher_effect
 from tests.audit.support import chain_sources, cli, record_chain, record_demo
 from tests.kernel_programs import IMPL, Chain, chain_program
 

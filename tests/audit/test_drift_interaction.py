@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from adapters.scenario import PROGRAM_NAME, scenario_program
-from adapters.sources import ProgramSources
-from domain.ids import TreeID
-from domain.interaction.interaction import CompletionCandidate, CompletionDecision, InteractionStrategy
-from domain.program import Checkpoint, Program, Step
+from agentfold.adapters.scenario import PROGRAM_NAME, scenario_program
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.ids import TreeID
+from agentfold.domain.interaction.interaction import CompletionCandidate, CompletionDecision, InteractionStrategy
+from agentfold.domain.program import Checkpoint, Program, Step
 from tests.audit.support import Sql, cli, record_demo
 from tests.audit.test_verify_interaction import events, step_starting_tool
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from domain.ids import TreeID
+from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, record_demo
 from tests.conftest import make_store_url
 from tests.test_cli import Ran, agentfold, ok, refused

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from domain.ids import TreeID
+from agentfold.domain.ids import TreeID
 from tests.audit.support import CountingSources, Sql, cli, record_demo
 from tests.test_cli import agentfold, ok
 

@@ -18,12 +18,12 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.read_models import RUNS
-from domain.events import EffectSettled, event_body
-from domain.ids import TreeID, effect_id
-from domain.integrity import chain_digest, content_bytes, seal
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.read_models import RUNS
+from agentfold.domain.events import EffectSettled, event_body
+from agentfold.domain.ids import TreeID, effect_id
+from agentfold.domain.integrity import chain_digest, content_bytes, seal
 from tests.audit.support import Sql, chain_sources, cli, digest_of_state, record_chain
 from tests.kernel_programs import chain_program
 from tests.test_cli import agentfold, ok
@@ -259,13 +259,13 @@ def test_a_long_verification_says_how_far_it_is_on_stderr(
     # Found by a scale audit: `audit verify --all` ran 52 s on 50,000 runs and said nothing
     # until it ended. A progress line goes to stderr (every 5 s; every tree here), never to
     # stdout, which keeps the report (JSON stays parseable), and none after the last tree.
-    import adapters.cli
+    import agentfold.adapters.cli
 
     for start in ("one", "two", "three"):
         record_chain(durable_store_url, start_id=start)
     quiet = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=chain_sources())
     assert quiet.code == 0 and quiet.stderr == ""  # a short verification says nothing more
-    monkeypatch.setattr(adapters.cli, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(agentfold.adapters.cli, "PROGRESS_EVERY", 0.0)
     ran = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=chain_sources())
     assert ran.code == 0 and ran.json() == quiet.json() | {"seconds": ran.json()["seconds"]}
     lines = ran.stderr.splitlines()

@@ -20,9 +20,9 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.sources import ProgramSources
-from domain.ids import TreeID
-from domain.integrity import chain_digest, content_bytes, seal, unseal
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.ids import TreeID
+from agentfold.domain.integrity import chain_digest, content_bytes, seal, unseal
 from tests.audit.support import Sql, cli, record_chain, record_demo
 
 Edit = Callable[[dict[str, Any]], dict[str, Any]]

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from adapters.dispatch import DispatchContext, FunctionDispatcher
-from domain.budget import Budget
-from domain.ids import ChildKey, Digest, ProcessID, SignalID, WaitKey
-from domain.program import (
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.domain.budget import Budget
+from agentfold.domain.ids import ChildKey, Digest, ProcessID, SignalID, WaitKey
+from agentfold.domain.program import (
     ChildSpec,
     ChildWaitSpec,
     Complete,
@@ -46,7 +46,7 @@ from domain.program import (
     wait_children_effect,
     wait_effect,
 )
-from domain.requests import EffectRequest, Settlement
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import CallLog, JsonStrategy, asker_program, config_digest
 
 IMPL = Digest.of(b"tests.conformance.programs")

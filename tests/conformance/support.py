@@ -1,6 +1,6 @@
 """Store wrappers and the test environment of the conformance suite.
 
-* :class:`FaultyStore` wraps an :class:`~adapters.eventstore.EventStore` the way
+* :class:`FaultyStore` wraps an :class:`~agentfold.adapters.eventstore.EventStore` the way
   Scope's conformance driver wraps a TreeCommitter. Every successful append is
   immediately repeated and the identical retry must succeed too (the *probe*: an
   identical retry at the head is idempotent); a failed append is never retried. One
@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.eventstore import AppendResult, EventStore, LoadedTree, VersionConflict
-from adapters.recorders import TreeHead
-from adapters.runtime import Runtime
-from domain.errors import NotFound, StoreFailure
-from domain.events import TreeEvent, WriterActivated
-from domain.ids import TreeID
-from domain.program import Program
-from domain.tree import ProcessState, TreeState
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import AppendResult, EventStore, LoadedTree, VersionConflict
+from agentfold.adapters.recorders import TreeHead
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import NotFound, StoreFailure
+from agentfold.domain.events import TreeEvent, WriterActivated
+from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Program
+from agentfold.domain.tree import ProcessState, TreeState
 from tests.crash.worker import GrantAllLeases  # a lease manager that grants everything: an owner whose lease was lost
 from tests.kernel_programs import CallLog
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.runtime import RuntimeStopped
-from domain.errors import EngineCode
-from domain.events import EffectDispatched, EffectSettled
-from domain.ids import effect_id
+from agentfold.adapters.runtime import RuntimeStopped
+from agentfold.domain.errors import EngineCode
+from agentfold.domain.events import EffectDispatched, EffectSettled
+from agentfold.domain.ids import effect_id
 from tests.conformance.programs import counted
 from tests.conformance.support import Env, holding
 from tests.kernel_programs import chain_program

@@ -2,7 +2,7 @@
 
 Every test runs on memory, SQLite and PostgreSQL (the ``store_url`` fixture).
 
-How Scope's commit protocol maps onto ours (DESIGN.md, ``adapters.runtime``):
+How Scope's commit protocol maps onto ours (DESIGN.md, ``agentfold.adapters.runtime``):
 
 * Scope commits a whole prospective TreeSnapshot per boundary; we append a list of
   events at an expected version. A "pending boundary" is the append holding an
@@ -12,7 +12,7 @@ How Scope's commit protocol maps onto ours (DESIGN.md, ``adapters.runtime``):
   ``ControlRequested``/``ProcessTerminated``. ``ErrCommitConflict`` and
   ``ErrTreeIncarnationConflict`` are both a :class:`VersionConflict` (the stream
   version is the only precondition); a writer that meets another incarnation's
-  ``WriterActivated`` stops :class:`~domain.errors.Fenced`.
+  ``WriterActivated`` stops :class:`~agentfold.domain.errors.Fenced`.
 * The steady-state batching (settlement + next Step + next dispatch permission in one
   append) and the adoption of a Step in the append of the input that made it possible
   mean that one append can carry several of Scope's boundaries. Where a scenario needs
@@ -39,13 +39,13 @@ from typing import Any
 
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.eventstore import VersionConflict
-from adapters.runtime import RandomIds, Runtime, RuntimeStopped
-from domain.budget import Allocation, Budget
-from domain.canonical import canonical_bytes
-from domain.errors import AgentfoldError, Fenced, StoreFailure
-from domain.events import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import VersionConflict
+from agentfold.adapters.runtime import RandomIds, Runtime, RuntimeStopped
+from agentfold.domain.budget import Allocation, Budget
+from agentfold.domain.canonical import canonical_bytes
+from agentfold.domain.errors import AgentfoldError, Fenced, StoreFailure
+from agentfold.domain.events import (
     ControlRequested,
     EffectDeclared,
     EffectDispatched,
@@ -59,11 +59,11 @@ from domain.events import (
     TreeStarted,
     WriterActivated,
 )
-from domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, child_process_id, effect_id
-from domain.kernel import Kernel
-from domain.program import Program, SettlementStatus, SignalRequest
-from domain.requests import Settlement
-from domain.tree import TreeState
+from agentfold.domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, child_process_id, effect_id
+from agentfold.domain.kernel import Kernel
+from agentfold.domain.program import Program, SettlementStatus, SignalRequest
+from agentfold.domain.requests import Settlement
+from agentfold.domain.tree import TreeState
 from tests.conformance.programs import (
     controller_program,
     counted,

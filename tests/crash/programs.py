@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.dispatch import FunctionDispatcher
-from domain.ids import ChildKey, WaitKey
-from domain.program import (
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import FunctionDispatcher
+from agentfold.domain.ids import ChildKey, WaitKey
+from agentfold.domain.program import (
     Boundary,
     ChildSpec,
     ChildWaitSpec,

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import Fenced
-from domain.events import EffectDeclared, TreeEvent
-from domain.ids import EffectID, TreeID
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import Fenced
+from agentfold.domain.events import EffectDeclared, TreeEvent
+from agentfold.domain.ids import EffectID, TreeID
 from tests.crash import programs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from domain.errors import AgentfoldError, EngineCode
-from domain.events import (
+from agentfold.domain.errors import AgentfoldError, EngineCode
+from agentfold.domain.events import (
     EffectDispatched,
     EffectResolved,
     EffectSettled,
@@ -29,9 +29,9 @@ from domain.events import (
     SignalAdmitted,
     WriterActivated,
 )
-from domain.ids import SignalID, WaitID
-from domain.program import SignalRequest
-from domain.requests import Settlement
+from agentfold.domain.ids import SignalID, WaitID
+from agentfold.domain.program import SignalRequest
+from agentfold.domain.requests import Settlement
 from tests.crash import programs
 from tests.crash.support import (
     count,

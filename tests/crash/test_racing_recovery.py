@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import Fenced
-from domain.events import EffectDispatched, EffectSettled, SignalAdmitted, TreeEvent, WriterActivated
-from domain.ids import SignalID
-from domain.program import SignalRequest
-from domain.requests import EffectRequest, Settlement
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import Fenced
+from agentfold.domain.events import EffectDispatched, EffectSettled, SignalAdmitted, TreeEvent, WriterActivated
+from agentfold.domain.ids import SignalID
+from agentfold.domain.program import SignalRequest
+from agentfold.domain.requests import EffectRequest, Settlement
 from tests.crash import programs
 from tests.crash.support import ROOT, crash, dispatcher_effects, events, tree_of, wait_lease_free
 from tests.kernel_programs import CallLog, chain_program

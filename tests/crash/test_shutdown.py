@@ -16,8 +16,8 @@ from tests.crash.support import ROOT
 
 SCRIPT = """
 import sys
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
 from tests.kernel_programs import asker_program
 
 directory = sys.argv[1]

@@ -30,12 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from adapters.eventstore import EventStore
-from adapters.runtime import CrashPlan, Runtime
-from domain.errors import Fenced
-from domain.ids import SignalID, TreeID
-from domain.program import SignalRequest
-from domain.requests import Settlement
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import CrashPlan, Runtime
+from agentfold.domain.errors import Fenced
+from agentfold.domain.ids import SignalID, TreeID
+from agentfold.domain.program import SignalRequest
+from agentfold.domain.requests import Settlement
 from tests.crash import programs
 
 FENCED_EXIT = 3

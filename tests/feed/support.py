@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from domain.canonical import canonical_bytes
-from domain.integrity import chain_digest
+from agentfold.domain.canonical import canonical_bytes
+from agentfold.domain.integrity import chain_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 KAFKA_DOC = ROOT / "docs" / "kafka.md"
@@ -110,8 +110,8 @@ def verify_chain(envelopes: Iterable[dict[str, Any]]) -> int:
 
 def stored_envelopes(url: str) -> list[dict[str, Any]]:
     """Every envelope the publisher would produce from the store at ``url``, in log order."""
-    from adapters.eventstore import EventStore
-    from adapters.feed import store_envelopes
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.adapters.feed import store_envelopes
 
     store = EventStore(url)
     try:

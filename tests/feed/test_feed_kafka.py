@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import Publisher, PublisherPosition, store_envelopes
-from adapters.transcripts import TranscriptStore, consume_all, transcripts_from_store
-from domain.json_schema import schema_errors
-from projections.transcripts import build_transcripts
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import Publisher, PublisherPosition, store_envelopes
+from agentfold.adapters.transcripts import TranscriptStore, consume_all, transcripts_from_store
+from agentfold.domain.json_schema import schema_errors
+from agentfold.projections.transcripts import build_transcripts
 from tests.feed.support import ROOT, TopicRead, documented_envelope_schema, read_topic_confluent, verify_chain
 from tests.feed.workload import Run, Workload
 
@@ -47,7 +47,7 @@ class Feed:
 
 def _agentfold(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "adapters.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "agentfold.adapters.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})}, check=False,
     )
 
@@ -248,7 +248,7 @@ def test_a_publisher_killed_after_producing_before_storing_its_position_resends_
 
         # Restart following; more runs arrive meanwhile; SIGTERM ends it cleanly.
         follower = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", *publish], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [sys.executable, "-m", "agentfold.adapters.cli", *publish], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
         )
         try:

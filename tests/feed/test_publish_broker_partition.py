@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import PublisherPosition, envelope_bytes, store_envelopes
-from domain.json_schema import schema_errors
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import PublisherPosition, envelope_bytes, store_envelopes
+from agentfold.domain.json_schema import schema_errors
 from tests.conftest import require_kafka
 from tests.feed.support import ROOT, documented_envelope_schema, read_topic_confluent
 from tests.feed.workload import Workload

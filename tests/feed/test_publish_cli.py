@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import Publisher, PublisherPosition, store_envelopes
-from domain.errors import InvalidInput
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import Publisher, PublisherPosition, store_envelopes
+from agentfold.domain.errors import InvalidInput
 from tests.feed.support import ROOT, read_topic_confluent
 from tests.feed.workload import Workload
 from tests.test_cli import agentfold, ok, refused
@@ -79,7 +79,7 @@ def test_a_following_publisher_on_postgresql_is_woken_by_notify_and_exits_cleanl
         # The safety-net re-check comes only every 10 x 100 s: anything published within
         # seconds of its append was woken by NOTIFY.
         follower = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", *publish, "--poll-interval", "100"], cwd=ROOT,
+            [sys.executable, "-m", "agentfold.adapters.cli", *publish, "--poll-interval", "100"], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:

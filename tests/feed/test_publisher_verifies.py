@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from adapters.eventstore import EventStore
-from adapters.feed import PublisherPosition
-from domain.ids import TreeID
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import PublisherPosition
+from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql
 from tests.feed.support import read_topic_confluent, stored_envelopes
 from tests.test_cli import agentfold

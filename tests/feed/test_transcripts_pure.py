@@ -18,11 +18,11 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.feed import envelope_bytes, store_envelopes
-from adapters.transcripts import TranscriptStore, transcripts_from_store
-from domain.json_schema import schema_errors
-from projections.transcripts import (
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import envelope_bytes, store_envelopes
+from agentfold.adapters.transcripts import TranscriptStore, transcripts_from_store
+from agentfold.domain.json_schema import schema_errors
+from agentfold.projections.transcripts import (
     EnvelopeInvalid,
     SchemaVersionUnsupported,
     TranscriptGap,
@@ -310,7 +310,7 @@ def test_agentfold_transcript_prints_one_transcript(runs_store: Any, tmp_path: P
     finally:
         store.close()
     pid = runs["trip-0"].root_process_id
-    agentfold = [sys.executable, "-m", "adapters.cli"]
+    agentfold = [sys.executable, "-m", "agentfold.adapters.cli"]
     shown = subprocess.run([*agentfold, "transcript", pid, "--db", db, "--json"], cwd=ROOT, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == build_transcripts(_envelopes(url))[pid]
@@ -323,7 +323,7 @@ def test_agentfold_transcript_prints_one_transcript(runs_store: Any, tmp_path: P
 def test_agentfold_transcript_reads_and_creates_nothing_on_a_mistyped_db(tmp_path: Path, pg_database: str) -> None:
     """``transcript`` is a read: a --db without the transcript tables is transcripts.not_found
     (exit 2) and is left as it was: no file, no directory, no tables."""
-    agentfold = [sys.executable, "-m", "adapters.cli"]
+    agentfold = [sys.executable, "-m", "agentfold.adapters.cli"]
 
     def refused(db: str) -> str:
         ran = subprocess.run([*agentfold, "transcript", "process:nope", "--db", db, "--json"], cwd=ROOT,
@@ -349,7 +349,7 @@ def test_agentfold_transcript_reads_and_creates_nothing_on_a_mistyped_db(tmp_pat
 def test_transcripts_refuses_an_idle_exit_that_is_not_a_positive_number(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     for value in ("-2", "0", "nan"):
-        ran = subprocess.run([sys.executable, "-m", "adapters.cli", "transcripts", "--bootstrap", "127.0.0.1:1",
+        ran = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "transcripts", "--bootstrap", "127.0.0.1:1",
                               "--topic", "t", "--group", "g", "--db", f"sqlite:///{db}", "--idle-exit", value],
                              cwd=ROOT, capture_output=True, text=True)
         assert ran.returncode == 2 and "cli.usage: argument --idle-exit" in ran.stderr, ran.stderr
@@ -357,7 +357,7 @@ def test_transcripts_refuses_an_idle_exit_that_is_not_a_positive_number(tmp_path
 
 
 def test_an_assistant_reply_without_text_says_so_in_the_printed_transcript() -> None:
-    from adapters.cli_feed import transcript_text
+    from agentfold.adapters.cli_feed import transcript_text
 
     call = {"name": "weather", "arguments": '{"city": "Lisbon"}', "tool_call_ref": "process:p/1/0"}
     entries = [

@@ -23,16 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.eventstore import EventStore
-from adapters.interaction import steer_signal
-from adapters.runtime import Runtime
-from adapters.scenario import scenario_catalog, scenario_program, validate_scenario
-from domain.ids import EffectID, ProcessID, TreeID
-from domain.interaction.settle import settle_model_result, settle_tool_result
-from domain.program import Program
-from domain.requests import effect_request
-from domain.tree import TreeState
-from projections.host_views import pending_tool_inputs, unknown_effects
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import steer_signal
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.scenario import scenario_catalog, scenario_program, validate_scenario
+from agentfold.domain.ids import EffectID, ProcessID, TreeID
+from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.program import Program
+from agentfold.domain.requests import effect_request
+from agentfold.domain.tree import TreeState
+from agentfold.projections.host_views import pending_tool_inputs, unknown_effects
 
 SHAPES = ("trip", "delegate", "unknown")
 

@@ -1,6 +1,6 @@
 """A real ``agentfold serve`` process and a real HTTP client for the HTTP API tests.
 
-The server runs as a child process (``python -m adapters.cli serve --port 0 --json``);
+The server runs as a child process (``python -m agentfold.adapters.cli serve --port 0 --json``);
 its first stdout line says where it listens. Tests talk to it with httpx only and
 stop it with SIGTERM, which must end it cleanly (exit status 0).
 """
@@ -67,7 +67,7 @@ class ApiServer:
 def serve_command(store: str, *args: str, side_effects: bool = True) -> list[str]:
     # The tests' scenarios log their tool calls under the temporary folder (pytest's tmp_path).
     allow = [] if "--side-effect-dir" in args or not side_effects else ["--side-effect-dir", tempfile.gettempdir()]
-    return [sys.executable, "-m", "adapters.cli", "serve", "--store", store, "--port", "0", "--json", *allow, *args]
+    return [sys.executable, "-m", "agentfold.adapters.cli", "serve", "--store", store, "--port", "0", "--json", *allow, *args]
 
 
 def server_env(token: str | None = TOKEN) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from adapters.kernel_demo import payment_input, read_log
+from agentfold.adapters.kernel_demo import payment_input, read_log
 from tests.http_api.support import TOKEN, ApiServer, ok, problem, wait_until
 from tests.test_cli_interaction import (
     APPROVAL_PROMPT,

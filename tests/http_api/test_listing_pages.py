@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-import adapters.queries as queries_module
-from adapters.eventstore import EventStore
-from adapters.host import Host
-from adapters.runtime import Runtime
-from adapters.sources import default_sources
-from domain.errors import InvalidInput
+import agentfold.adapters.queries as queries_module
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.errors import InvalidInput
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.test_cli import agentfold
 from tests.test_cli_interaction import LEFT_TO_HOST, approval

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.http_api import openapi_text
+from agentfold.adapters.http_api import openapi_text
 from tests.http_api.support import (
     ROOT,
     TOKEN,
@@ -157,7 +157,7 @@ def test_answers_racing_on_a_run_the_server_does_not_own_one_adopts_and_wins(
 def test_request_bodies_above_the_limit_are_refused_with_413_declared_or_streamed(
     crashed: tuple[ApiServer, Path, dict[str, Any]],
 ) -> None:
-    from adapters.http_api import MAX_BODY_BYTES
+    from agentfold.adapters.http_api import MAX_BODY_BYTES
 
     server, _, _ = crashed
     c = server.client()
@@ -177,7 +177,7 @@ def test_request_bodies_above_the_limit_are_refused_with_413_declared_or_streame
 def test_the_start_line_counts_recovered_runs_by_outcome() -> None:
     """``serve --recover``'s text start line once said "8 live run(s) adopted" for 1 adopted
     run and 7 parked ones left as they are (the --json line lists each run's outcome)."""
-    from adapters.cli_serve import recovered_text
+    from agentfold.adapters.cli_serve import recovered_text
 
     entries = [{"tree_id": f"tree:{i:032x}", "outcome": "parked"} for i in range(7)]
     entries.append({"tree_id": "tree:" + "f" * 32, "outcome": "adopted"})

@@ -38,7 +38,7 @@ def damage_every_page_but_the_schema(db: Path) -> None:
 def test_a_store_damaged_under_a_running_server_is_503_store_damaged(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     store = f"sqlite:///{db}"
-    demo = str(ROOT / "adapters" / "scenarios" / "demo.json")
+    demo = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
     assert agentfold("run", demo, "--start-id", "before-damage", store=store).code == 0
     server = start_server(store, tmp_path)
     try:

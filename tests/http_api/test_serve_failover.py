@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.eventstore import EventStore
-from domain.events import WriterActivated
-from domain.ids import TreeID
+from agentfold.adapters.eventstore import EventStore
+from agentfold.domain.events import WriterActivated
+from agentfold.domain.ids import TreeID
 from tests.http_api.conftest import _pg_database
 from tests.http_api.support import ROOT, TOKEN, ApiServer, ok, start_server, wait_until
 from tests.http_api.test_serve import serve_once
@@ -211,7 +211,7 @@ def test_a_run_whose_owner_line_here_stopped_on_a_store_failure_is_still_adopted
         env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
         env["PYTHONPATH"] = str(ROOT)
         command = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli", "answer", wait["process_id"], wait["wait_id"],
+            [sys.executable, "-m", "agentfold.adapters.cli", "answer", wait["process_id"], wait["wait_id"],
              '{"approved": true}', "--signal-id", "a1", "--store", store],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_until(lambda: blocked_in_the_tool(command.pid), timeout=30)

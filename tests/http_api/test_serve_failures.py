@@ -210,7 +210,7 @@ def test_a_store_error_that_reaches_the_http_layer_is_a_503_problem() -> None:
     import anyio
     from eventsourcing.persistence import OperationalError
 
-    from adapters.http_api import create_app
+    from agentfold.adapters.http_api import create_app
 
     app = create_app(None)
 

@@ -31,10 +31,10 @@ import httpx
 import psycopg
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.http_api import HEALTH_PROBE_SECONDS
-from adapters.leases import PROBE_STALL_SECONDS
-from adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.http_api import HEALTH_PROBE_SECONDS
+from agentfold.adapters.leases import PROBE_STALL_SECONDS
+from agentfold.adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
 from tests.http_api.support import TOKEN, ok, problem, send_at_once, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
@@ -166,7 +166,7 @@ def test_no_new_connection_recreates_a_store_file_removed_under_the_process(tmp_
     # in CI as a flake of the test above).
     from eventsourcing.persistence import InterfaceError
 
-    from adapters.eventstore import EventStore
+    from agentfold.adapters.eventstore import EventStore
 
     db = tmp_path / "store.db"
     store = EventStore(f"sqlite:///{db}")

@@ -11,16 +11,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.runtime import Runtime
-from domain.errors import Fenced, StoreFailure
-from domain.events import EffectSettled, TreeEvent
-from domain.ids import EffectID, ProcessID, TreeID
-from domain.program import Program
-from domain.requests import EffectRequest, effect_request
-from domain.tree import TreeState
-from projections.host_views import unknown_effects
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import Fenced, StoreFailure
+from agentfold.domain.events import EffectSettled, TreeEvent
+from agentfold.domain.ids import EffectID, ProcessID, TreeID
+from agentfold.domain.program import Program
+from agentfold.domain.requests import EffectRequest, effect_request
+from agentfold.domain.tree import TreeState
+from agentfold.projections.host_views import unknown_effects
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_EXIT = 75

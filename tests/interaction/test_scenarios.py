@@ -15,7 +15,7 @@ adaptations, said once here and repeated where they matter:
 * Go's ``ErrX`` sentinels are our ``AgentfoldError`` codes. Go's zero values have no
   counterpart: a ToolCallRef cannot be built invalid, and "no attribution" is a real
   value whose reference is None.
-* Tools are real Python objects implementing ``adapters.tools.Tool``; the model is
+* Tools are real Python objects implementing ``agentfold.adapters.tools.Tool``; the model is
   ``ScriptedModel`` (wrapped by ``GatedModel`` to hold a call open).
 """
 
@@ -32,29 +32,42 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.catalog import Catalog
-from adapters.dispatch import DispatchCancelled, DispatchContext
-from adapters.eventstore import EventStore
-from adapters.interaction import Delegate, InteractionConfig, compile_interaction, steer_signal
-from adapters.models import ScriptedModel
-from adapters.runtime import RandomIds, RuntimeStopped, index_head, utc_now
-from adapters.scenario import scenario_catalog
-from adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput, tool_invocation_from_request
-from domain.budget import Budget
-from domain.errors import InvalidInput, NotFound, Rejected
-from domain.events import EffectDeclared, EffectDispatched, EffectSettled, TreeLimits, TreeStarted, WriterActivated
-from domain.ids import ChildKey, ProcessID, StartID
-from domain.interaction.chat import ToolCall
-from domain.interaction.interaction import CompletionCandidate, CompletionDecision
-from domain.interaction.refs import ToolCallRef, delegate_child_key, tool_call_ref_of_child, tool_child_key
-from domain.interaction.settle import settle_model_result, settle_prepared_context, settle_tool_result
-from domain.interaction.state import InteractionState
-from domain.kernel import Kernel, start_tree
-from domain.program import Program, SignalRequest
-from domain.requests import Settlement, effect_request
-from domain.tree import TreeState
-from projections.host_views import delegate_attributions, pending_tool_inputs, run_summary, unknown_effects
-from projections.settled_results import ResultEntry, RoundResults, settled_results
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import Delegate, InteractionConfig, compile_interaction, steer_signal
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import RandomIds, RuntimeStopped, index_head, utc_now
+from agentfold.adapters.scenario import scenario_catalog
+from agentfold.adapters.tools import (
+    ToolFailure,
+    ToolInputRequired,
+    ToolInvocation,
+    ToolOutput,
+    tool_invocation_from_request,
+)
+from agentfold.domain.budget import Budget
+from agentfold.domain.errors import InvalidInput, NotFound, Rejected
+from agentfold.domain.events import (
+    EffectDeclared,
+    EffectDispatched,
+    EffectSettled,
+    TreeLimits,
+    TreeStarted,
+    WriterActivated,
+)
+from agentfold.domain.ids import ChildKey, ProcessID, StartID
+from agentfold.domain.interaction.chat import ToolCall
+from agentfold.domain.interaction.interaction import CompletionCandidate, CompletionDecision
+from agentfold.domain.interaction.refs import ToolCallRef, delegate_child_key, tool_call_ref_of_child, tool_child_key
+from agentfold.domain.interaction.settle import settle_model_result, settle_prepared_context, settle_tool_result
+from agentfold.domain.interaction.state import InteractionState
+from agentfold.domain.kernel import Kernel, start_tree
+from agentfold.domain.program import Program, SignalRequest
+from agentfold.domain.requests import Settlement, effect_request
+from agentfold.domain.tree import TreeState
+from agentfold.projections.host_views import delegate_attributions, pending_tool_inputs, run_summary, unknown_effects
+from agentfold.projections.settled_results import ResultEntry, RoundResults, settled_results
 from tests.interaction.support import (
     CRASH_EXIT,
     child_by_key,
@@ -1805,7 +1818,7 @@ def test_a_scripted_model_serving_many_runs_keeps_only_its_recent_requests() -> 
     # Found by a scale audit: a scenario's model serves every run of that scenario in a
     # long-lived process (`serve`, a worker), and its request log grew with every run
     # (~25 MB per 5,000 runs).
-    from adapters.models import ModelRequest, ScriptedModel
+    from agentfold.adapters.models import ModelRequest, ScriptedModel
 
     model = ScriptedModel([{"content": [{"type": "text", "text": "done"}]}], keep_requests=3)
     for n in range(10):

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.interaction import AdapterConfig, InteractionConfig, adapt, compile_interaction, steer_signal
-from adapters.models import ModelError, ModelRequest
-from adapters.runtime import Runtime
-from domain.budget import Budget
-from domain.interaction.interaction import STEER_SCHEMA
-from domain.interaction.refs import ToolCallRef
-from domain.json_schema import schema_errors
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import AdapterConfig, InteractionConfig, adapt, compile_interaction, steer_signal
+from agentfold.adapters.models import ModelError, ModelRequest
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.budget import Budget
+from agentfold.domain.interaction.interaction import STEER_SCHEMA
+from agentfold.domain.interaction.refs import ToolCallRef
+from agentfold.domain.json_schema import schema_errors
 
 
 def go_bool(value: bool) -> str:

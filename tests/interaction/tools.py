@@ -1,6 +1,6 @@
 """Real Python tools and models for the Interaction tests.
 
-Every tool implements the ``adapters.tools.Tool`` protocol and runs for real on the
+Every tool implements the ``agentfold.adapters.tools.Tool`` protocol and runs for real on the
 runtime's dispatch threads. A :class:`CallLog` shared by the tools of one test counts
 the real calls and records the order in which calls start and end, so a test can
 prove concurrency limits and "ran exactly once". A call can be *held* running with a
@@ -8,7 +8,7 @@ prove concurrency limits and "ran exactly once". A call can be *held* running wi
 releases it when it wants; a held call honours its Process's cancellation by raising
 ``DispatchCancelled`` (its outcome is then unknown), unless told to ignore it.
 
-Models: ``adapters.models.ScriptedModel`` does the scripting; :class:`GatedModel`
+Models: ``agentfold.adapters.models.ScriptedModel`` does the scripting; :class:`GatedModel`
 wraps it to hold a given model call open.
 """
 
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.dispatch import DispatchCancelled
-from adapters.models import ModelRequest, ScriptedModel
-from adapters.tools import ToolInvocation, ToolOutput
-from domain.canonical import JSON
+from agentfold.adapters.dispatch import DispatchCancelled
+from agentfold.adapters.models import ModelRequest, ScriptedModel
+from agentfold.adapters.tools import ToolInvocation, ToolOutput
+from agentfold.domain.canonical import JSON
 
 WAIT = 15.0
 """Upper bound of every blocking wait in these tests: a broken behaviour fails, never hangs."""
@@ -289,8 +289,8 @@ class _KeyedParent:
         return data
 
     def decide(self, state: Any, window: Sequence[Any]) -> Any:
-        from domain.ids import ChildKey, WaitKey
-        from domain.program import (
+        from agentfold.domain.ids import ChildKey, WaitKey
+        from agentfold.domain.program import (
             ChildSpec,
             ChildWaitSpec,
             Complete,
@@ -314,8 +314,8 @@ class _KeyedParent:
 
 
 def keyed_parent(child: Any, key: str, child_input: JSON) -> Any:
-    from domain.ids import Digest
-    from domain.program import Descriptor, Program
+    from agentfold.domain.ids import Digest
+    from agentfold.domain.program import Descriptor, Program
 
     return Program(
         Descriptor("tests.keyed-parent"),

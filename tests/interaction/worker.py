@@ -2,7 +2,7 @@
 
     python -m tests.interaction.worker STORE_URL SCENARIO_FILE START_ID CRASH_POINT
 
-The scenario Program is rebuilt by its document alone (``adapters.scenario``), so the
+The scenario Program is rebuilt by its document alone (``agentfold.adapters.scenario``), so the
 test process recovers the tree with nothing but the store: no Program object, no
 model, no tool of the dead process survives. Exit 75: the crash plan fired; 0: the
 run ended without reaching it (a JSON summary on stdout); 4: any other error.
@@ -14,9 +14,9 @@ import json
 import sys
 import traceback
 
-from adapters.eventstore import EventStore
-from adapters.runtime import CrashPlan, Runtime
-from adapters.scenario import load_scenario_file, scenario_catalog, scenario_input, scenario_program
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import CrashPlan, Runtime
+from agentfold.adapters.scenario import load_scenario_file, scenario_catalog, scenario_input, scenario_program
 
 
 def main(argv: list[str]) -> int:

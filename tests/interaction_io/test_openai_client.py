@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 
-from adapters.catalog import Catalog
-from adapters.eventstore import EventStore
-from adapters.interaction import InteractionConfig, compile_interaction
-from adapters.models import OpenAIChatModel
-from adapters.runtime import Runtime
-from adapters.tools import ToolOutput
-from domain.interaction.settle import settle_model_result
-from domain.requests import effect_request
-from projections.host_views import unknown_effects
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import OpenAIChatModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.tools import ToolOutput
+from agentfold.domain.interaction.settle import settle_model_result
+from agentfold.domain.requests import effect_request
+from agentfold.projections.host_views import unknown_effects
 from tests.interaction_io.fake_openai import FakeOpenAI, completion
 
 
@@ -152,7 +152,7 @@ def test_max_retries_and_retry_wait_are_checked_when_the_model_is_made() -> None
         except ValueError:
             continue
         raise AssertionError(f"{bad} was accepted")
-    from adapters.models import _retry_after
+    from agentfold.adapters.models import _retry_after
 
     assert _retry_after(" 7 ") == 7.0 and _retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None and _retry_after(None) is None
 
@@ -181,7 +181,7 @@ def test_a_canceled_run_stops_waiting_to_send_its_model_call_again(tmp_path) -> 
 
 
 def test_a_model_server_name_that_does_not_resolve_is_not_retried() -> None:
-    from adapters.models import ModelError, ModelRequest
+    from agentfold.adapters.models import ModelError, ModelRequest
 
     model = OpenAIChatModel("http://agentfold-no-such-host.invalid/v1", "m", timeout=5, max_retries=3, retry_wait=0.1)
     waits: list[float] = []

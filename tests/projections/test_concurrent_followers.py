@@ -31,13 +31,13 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.eventstore import EventStore
-from adapters.follower import Follower
-from adapters.queries import HostQueries
-from adapters.read_models import CORRUPT, DELEGATES, PENDING, ROUNDS, RUNS, UNKNOWN, ReadModels
-from adapters.sources import default_sources
-from domain.ids import TreeID
-from projections.read_models import project_tree
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.follower import Follower
+from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.read_models import CORRUPT, DELEGATES, PENDING, ROUNDS, RUNS, UNKNOWN, ReadModels
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.ids import TreeID
+from agentfold.projections.read_models import project_tree
 from tests.conftest import fresh_pg_database
 from tests.feed.workload import Workload
 
@@ -90,7 +90,7 @@ def write_runs(url: str, stop: threading.Event, index: int, done: list[int], err
 def start_follower(url: str, batch: int, poll: float) -> subprocess.Popen[str]:
     """``agentfold project --follow``, as an operator runs it next to ``serve``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow",
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "project", "--follow",
          "--batch", str(batch), "--poll-interval", str(poll)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -228,10 +228,10 @@ def test_audit_verify_flags_a_run_whose_events_projected_is_not_its_version(tmp_
     url = f"sqlite:///{tmp_path / 'agentfold.db'}"
 
     def agentfold(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "adapters.cli", "--store", url, *argv], cwd=root,
+        return subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "--store", url, *argv], cwd=root,
                               capture_output=True, text=True, timeout=120, check=False)
 
-    assert agentfold("run", str(root / "adapters" / "scenarios" / "demo.json"), "--start-id", "trip").returncode == 0
+    assert agentfold("run", str(root / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--start-id", "trip").returncode == 0
     assert agentfold("project").returncode == 0
     verified = agentfold("audit", "verify", "--all", "--json")
     assert verified.returncode == 0, verified.stdout

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import psycopg
 
-from adapters.follower import corrupt_tree_line, follow_until_stopped, one_line, retry_until_stopped
-from adapters.read_models import CorruptTree
-from domain.errors import StoreFailure
+from agentfold.adapters.follower import corrupt_tree_line, follow_until_stopped, one_line, retry_until_stopped
+from agentfold.adapters.read_models import CorruptTree
+from agentfold.domain.errors import StoreFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBPQ = ("server closed the connection unexpectedly\n\tThis probably means the server terminated abnormally\n"
@@ -107,7 +107,7 @@ def test_failure_lines_are_one_line() -> None:
 
 
 def test_the_feed_commands_print_one_line_per_message() -> None:
-    code = ("from adapters.cli_feed import _say; "
+    code = ("from agentfold.adapters.cli_feed import _say; "
             f"_say('publish')('following failed: OperationalError: ' + {LIBPQ!r} + '; retrying in 0.5 s')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     assert done.stderr.count("\n") == 1, done.stderr

@@ -29,14 +29,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.cli import main as cli_main
-from adapters.eventstore import EventStore
-from adapters.follower import Follower
-from adapters.queries import HostQueries
-from adapters.read_models import ReadModels
-from adapters.sources import default_sources
-from domain.ids import TreeID
-from projections.read_models import project_tree
+from agentfold.adapters.cli import main as cli_main
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.follower import Follower
+from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.read_models import ReadModels
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.ids import TreeID
+from agentfold.projections.read_models import project_tree
 
 # Named as before: the derandomized Hypothesis test below draws its histories from its source's digest.
 from tests.conftest import fresh_pg_database as _fresh_pg
@@ -168,7 +168,7 @@ def make_history(store: str, tmp: Path, doc: dict[str, Any], crash: str | None, 
     if crash is not None:
         # A real process death at the crash point (exit 75), or a run that parks before reaching it.
         subprocess.run(
-            [sys.executable, "-m", "adapters.cli", "--store", store, "run", str(path), "--start-id", start_id,
+            [sys.executable, "-m", "agentfold.adapters.cli", "--store", store, "run", str(path), "--start-id", start_id,
              "--crash-after", crash, "--timeout", "20"],
             cwd=ROOT, capture_output=True, timeout=120, check=False,
         )
@@ -280,7 +280,7 @@ def dump_tables(url: str) -> dict[str, Any]:
 
 def agentfold(url: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "adapters.cli", "--store", url, *argv], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, *argv], cwd=ROOT, capture_output=True, text=True,
         timeout=180, env={**os.environ, **(env or {})}, check=False,
     )
 
@@ -289,7 +289,7 @@ def test_a_follower_killed_between_view_and_tracking_resumes_without_loss_or_dou
     durable_store_url: str, tmp_path: Path
 ) -> None:
     url = durable_store_url
-    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    demo = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
     for i in range(4):
         assert agentfold(url, "run", str(demo), "--start-id", f"trip-{i}").returncode == 0
     store = EventStore(url)
@@ -326,7 +326,7 @@ def test_a_follower_killed_between_view_and_tracking_resumes_without_loss_or_dou
 
 def test_the_cli_reads_the_tables_when_current_and_folds_when_they_lag(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    demo = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
     assert agentfold(url, "run", str(demo), "--start-id", "trip").returncode == 0
     folded = json.loads(agentfold(url, "pending", "--json").stdout)
     assert len(folded["pending"]) == 1
@@ -363,7 +363,7 @@ def test_a_question_about_one_run_folds_at_most_that_run_while_the_tables_lag(du
     # Found by a scale audit: with the tables 1,500 trees behind, GET /runs/{tree} folded all
     # 1,500 trees on every request (1.9 s on SQLite, 2.6 s on PostgreSQL, against 3 ms).
     url = durable_store_url
-    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    demo = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
     for start in ("seen-1", "seen-2"):
         assert agentfold(url, "run", str(demo), "--start-id", start).returncode == 0
     assert agentfold(url, "project").returncode == 0
@@ -421,12 +421,12 @@ def test_a_question_about_one_run_folds_at_most_that_run_while_the_tables_lag(du
 
 def test_a_postgresql_follower_wakes_on_notify_and_a_host_reads_its_own_write(pg_database: str) -> None:
     url = pg_database
-    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    demo = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
     EventStore(url).close()  # an empty store (`project` refuses a database without one, as on SQLite)
     assert agentfold(url, "project").returncode == 0  # creates the read-model tables
     # The safety-net re-check comes only every 1000 s: catching up within seconds proves NOTIFY woke it.
     follower = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "100"],
+        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "project", "--follow", "--poll-interval", "100"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -555,7 +555,7 @@ def test_a_tree_the_current_programs_cannot_fold_is_projected_with_the_kernels_v
 
     url = f"sqlite:///{tmp_path / 'agentfold.db'}"
     drifted = record_chain(url, n=4, start_id="drifted")
-    demo = ROOT / "adapters" / "scenarios" / "demo.json"
+    demo = ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"
     assert agentfold(url, "run", str(demo), "--start-id", "trip").returncode == 0
 
     store = EventStore(url)
@@ -582,7 +582,7 @@ def test_a_long_catch_up_says_how_far_it_is_on_stderr_and_stdout_keeps_the_repor
     # Found by a scale audit: `project` caught up with 50,000 runs in 66 s without a word.
     # A progress line per due moment goes to stderr (every 5 s; every batch here), none once
     # caught up; stdout keeps the report (JSON stays parseable).
-    import adapters.cli
+    import agentfold.adapters.cli
     from tests.audit.support import chain_sources, cli, record_chain
 
     for start in ("one", "two", "three"):
@@ -592,7 +592,7 @@ def test_a_long_catch_up_says_how_far_it_is_on_stderr_and_stdout_keeps_the_repor
         last = head.max_notification_id()
     finally:
         head.close()
-    monkeypatch.setattr(adapters.cli, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(agentfold.adapters.cli, "PROGRESS_EVERY", 0.0)
     ran = cli(capsys, "project", "--batch", "10", "--json", "--store", durable_store_url, sources=chain_sources())
     assert ran.code == 0, ran.stderr
     report = ran.json()
@@ -603,6 +603,6 @@ def test_a_long_catch_up_says_how_far_it_is_on_stderr_and_stdout_keeps_the_repor
         f"agentfold: project: at position {10 * i} of {last}" for i in range(1, batches)
     ]
     assert all(line.endswith(" events/s)") for line in lines)
-    monkeypatch.setattr(adapters.cli, "PROGRESS_EVERY", 5.0)
+    monkeypatch.setattr(agentfold.adapters.cli, "PROGRESS_EVERY", 5.0)
     quiet = cli(capsys, "project", "--rebuild", "--json", "--store", durable_store_url, sources=chain_sources())
     assert quiet.code == 0 and quiet.stderr == ""  # a short catch-up says nothing more

@@ -1,0 +1,802 @@
+"""Audit and replay over one store: verification, time travel, exact export/import, drift.
+
+* :func:`verify` reads every event of a tree from position 1 (never a snapshot),
+  recomputes the digest chain, folds with every rule (with the tree's Programs bound
+  when the sources can bind them, so Interaction invariants are checked too), checks
+  the tree index (version, head digest, root status, classification, unknown effects,
+  process lookups) and, when the read models exist, that their rows equal the pure
+  projections of the fold at the version they reflect.
+* :func:`replay` folds a tree up to a position and returns its state: no Runtime, no
+  dispatcher, nothing but reads of the store.
+* :func:`export_lines` / :func:`import_history` move one tree's stored records, byte
+  for byte, as JSON Lines (docs/audit.md "Export format"); an import verifies the whole
+  file before it writes anything and writes in one append with the tree index.
+* :func:`drift` re-runs the current ``decide`` over the recorded windows
+  (``agentfold.domain.drift``).
+
+What each check proves, and what it does not, is in docs/audit.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEvent
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
+from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, decode_snapshot, read_failure
+from agentfold.adapters.read_models import ReadModels
+from agentfold.adapters.recorders import EVENTS_TABLE, TreeHead
+from agentfold.adapters.runtime import index_head
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.canonical import JSON
+from agentfold.domain.drift import DriftReport, find_drift, first_difference
+from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
+from agentfold.domain.events import TreeEvent, TreeStarted, event_body, event_version
+from agentfold.domain.ids import ProcessID, StartID, TreeID
+from agentfold.domain.integrity import SealError
+from agentfold.domain.program import ProgramResolver
+from agentfold.domain.tree import FoldError, TreeState
+from agentfold.projections.read_models import project_tree
+from agentfold.projections.working_context import working_contexts
+
+PROG = "agentfold"
+
+
+# ---------------------------------------------------------------------------
+# Findings
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One broken rule: the tree, the position where it shows, the rule and why."""
+
+    tree: str
+    position: int
+    rule: str
+    detail: str
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"tree": self.tree, "position": self.position, "rule": self.rule, "detail": self.detail}
+
+
+@dataclass(slots=True)
+class TreeCheck:
+    """The verification of one tree."""
+
+    tree_id: str
+    events: int = 0
+    programs_bound: bool = False
+    read_model: str = "absent"
+    """``equal``, ``mismatch``, ``not_projected`` (no row yet, the read models are behind) or
+    ``absent`` (this store has no read models); ``skipped`` when the history itself is broken."""
+    problems: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "tree": self.tree_id,
+            "ok": self.ok,
+            "events": self.events,
+            "programs_bound": self.programs_bound,
+            "read_model": self.read_model,
+            "problems": [p.to_json() for p in self.problems],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    checks: list[TreeCheck]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def events(self) -> int:
+        return sum(c.events for c in self.checks)
+
+    @property
+    def first_error(self) -> Finding | None:
+        for check in self.checks:
+            if check.problems:
+                return check.problems[0]
+        return None
+
+    def to_json(self) -> dict[str, JSON]:
+        first = self.first_error
+        return {
+            "ok": self.ok,
+            "trees": len(self.checks),
+            "events": self.events,
+            "first_error": first.to_json() if first is not None else None,
+            "results": [c.to_json() for c in self.checks],
+            "seconds": round(self.seconds, 6),
+        }
+
+
+# ---------------------------------------------------------------------------
+# Which trees
+
+
+def tree_of(store: EventStore, ref: str) -> TreeID:
+    """A tree id, a process id or a start id, to a tree that has events or an index row."""
+    candidates: list[TreeID] = []
+    if ref.startswith("tree:"):
+        candidates.append(TreeID(ref))  # identity.invalid when malformed, as every command says it
+    else:
+        found = store.tree_of_process(ref) if ref.startswith("process:") else None
+        if found is not None:
+            candidates.append(found)
+        try:
+            candidates.append(TreeID.for_start(StartID(ref)))
+        except InvalidInput:
+            if not candidates:
+                raise  # neither a process of this store nor a valid start id: as ``show`` says it
+        except ValueError:
+            pass
+    for tree_id in candidates:
+        if store.head(tree_id) is not None or _raw(store, tree_id, upto=1):
+            return tree_id
+    raise NotFound(
+        "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
+        hint=f"list trees with `{PROG} trees`",
+    )
+
+
+def all_trees(store: EventStore) -> list[TreeID]:
+    """Every tree of the store: the index's, then any that has events but no index row."""
+    trees = [TreeID(h.tree_id) for h in store.heads()]
+    seen = set(trees)
+    for tree_id in _event_trees(store):
+        if tree_id not in seen:
+            seen.add(tree_id)
+            trees.append(tree_id)
+    return trees
+
+
+def _event_trees(store: EventStore) -> list[TreeID]:
+    """Distinct trees of the events table (a tree whose index row is gone is still audited)."""
+    if store.backend == "memory":
+        return []
+    with store.factory.datastore.transaction(commit=False) as c:
+        c.execute(f"SELECT DISTINCT originator_id AS o FROM {EVENTS_TABLE}")
+        rows = c.fetchall()
+    out = []
+    for row in rows:
+        value = row["o"]
+        out.append(TreeID.from_uuid(value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))))
+    return out
+
+
+def _raw(store: EventStore, tree_id: TreeID, *, upto: int | None = None) -> list[StoredEvent]:
+    try:
+        return list(store.recorder.select_events(tree_id.uuid, lte=upto))
+    except PersistenceError as exc:
+        raise read_failure(exc, f"reading tree {tree_id}") from exc
+
+
+def consistent_read(store: EventStore, tree_id: TreeID, attempts: int = 20) -> tuple[TreeHead | None, list[StoredEvent]]:
+    """The tree's index row and its stored events, as of one moment.
+
+    The index row is read before and after the events: every append changes it, so
+    equal rows mean no append committed in between (a live tree is read again).
+    """
+    for _ in range(attempts):
+        before = store.head(tree_id)
+        stored = _raw(store, tree_id)
+        after = store.head(tree_id)
+        if before == after:
+            return before, stored
+        time.sleep(0.01)
+    raise StoreFailure(
+        "audit.tree_busy", f"tree {tree_id} kept changing while it was read", hint="try again when it is idle"
+    )
+
+
+# ---------------------------------------------------------------------------
+# The history: chain and fold, from position 1
+
+
+def programs_for(catalog: Catalog, first: TreeEvent | None) -> ProgramResolver | None:
+    """The tree's Programs when the catalog binds them (or rebuilds them from the stored configuration)."""
+    if not isinstance(first, TreeStarted):
+        return None
+    try:
+        catalog.load(first.program, first.configuration)
+    except AgentfoldError:  # not bound here, or its stored configuration no longer loads
+        return None
+    return catalog.resolve
+
+
+Watcher = Callable[[TreeState, ProgramResolver | None, str | None], None]
+
+
+@dataclass(slots=True)
+class Folded:
+    """A stream read and folded from position 1 until its end or its first broken rule."""
+
+    state: TreeState
+    programs: ProgramResolver | None
+    digest: str | None = None
+    events: list[tuple[int, TreeEvent]] = field(default_factory=list)
+    timestamps: list[str] = field(default_factory=list)
+    problem: Finding | None = None
+
+
+def fold_stored(
+    tree_id: TreeID,
+    stored: Sequence[StoredEvent],
+    mapper: PydanticMapper,
+    catalog: Catalog,
+    *,
+    watch: Mapping[int, Sequence[Watcher]] | None = None,
+    keep: bool = False,
+) -> Folded:
+    """Check positions, decode and verify the chain of, and fold ``stored`` (one tree, in order).
+
+    ``watch`` maps positions to callbacks called with the folded tree, its Programs and
+    the chain digest right after that position.
+    ``keep`` keeps the decoded events and their timestamps (import, drift).
+    """
+    programs: ProgramResolver | None = None
+    if stored and stored[0].originator_version == 1:
+        try:
+            programs = programs_for(catalog, mapper.decode(tree_id, stored[0], None).event)
+        except DecodeError:
+            programs = None  # position 1 itself is broken: the loop names the rule
+    folded = Folded(TreeState(programs), programs)
+    state = folded.state
+    digest: str | None = None
+    expected = 1
+    name = str(tree_id)
+    for record in stored:
+        position = record.originator_version
+        if position != expected:
+            folded.problem = Finding(
+                name, expected, "integrity.missing_event",
+                f"position {expected} is missing (the next stored position is {position})",
+            )
+            break
+        try:
+            decoded = mapper.decode(tree_id, record, digest)
+            state.apply(decoded.event, position)
+        except DecodeError as exc:
+            folded.problem = Finding(name, exc.position, exc.rule, exc.detail)
+            break
+        except FoldError as exc:
+            folded.problem = Finding(name, exc.position, exc.rule, exc.detail)
+            break
+        digest = decoded.digest
+        if keep:
+            folded.events.append((position, decoded.event))
+            folded.timestamps.append(decoded.timestamp)
+        if watch and position in watch:
+            for watcher in watch[position]:
+                watcher(state, programs, digest)
+        expected += 1
+    folded.digest = digest
+    if folded.problem is None:
+        folded.problem = _unfinished_step(name, state)
+    return folded
+
+
+_UNFINISHED = {
+    "declare": ("effect.declaration", "its EffectDeclared events"),
+    "checkpoint": ("checkpoint.pairing", "its CheckpointCommitted"),
+    "terminate": ("step.sequence", "its ProcessTerminated"),
+}
+
+
+def _unfinished_step(tree: str, state: TreeState) -> Finding | None:
+    """A history ends between whole Steps: every append holds a Step with everything that follows it."""
+    # The fold keeps what must follow the last Step privately; the runtime reads it the same way.
+    expect = state._expect
+    if expect is None:
+        return None
+    rule, missing = _UNFINISHED[expect[0]]
+    return Finding(
+        tree, state.version + 1, rule,
+        f"the stream ends after step {expect[2]} of {expect[1]} without {missing}",
+    )
+
+
+def _index_findings(tree_id: TreeID, head: TreeHead | None, folded: Folded, store: EventStore) -> list[Finding]:
+    """The tree index must name the end of the chain and agree with the fold at that end."""
+    name = str(tree_id)
+    last = folded.state.version
+    if head is None:
+        return [Finding(name, last, "index.head_mismatch", "the tree index has no row for this tree")]
+    if head.version != last:
+        return [
+            Finding(
+                name, min(head.version, last) + 1, "index.head_mismatch",
+                f"the tree index says version {head.version} ({head.head_digest}) but the stream ends at "
+                f"position {last}",
+            )
+        ]
+    if head.head_digest != folded.digest:
+        return [
+            Finding(
+                name, last, "index.head_mismatch",
+                f"the tree index's head digest {head.head_digest} is not the digest {folded.digest} of position {last}",
+            )
+        ]
+    expected = index_head(folded.state, tree_id, [], "")
+    for column in ("start_id", "root_process_id", "program", "status", "classification", "unknown_effect_ids"):
+        stored, folded_value = getattr(head, column), getattr(expected, column)
+        if stored != folded_value:
+            return [
+                Finding(
+                    name, last, "index.row_mismatch",
+                    f"the tree index's {column} is {stored!r}; the fold at position {last} gives {folded_value!r}",
+                )
+            ]
+    for pid in folded.state.processes:
+        owner = store.tree_of_process(ProcessID(pid))
+        if owner != tree_id:
+            return [
+                Finding(
+                    name, last, "index.process_mismatch",
+                    f"process {pid} is indexed under {owner or 'no tree'}, not this tree",
+                )
+            ]
+    return []
+
+
+def _latest_snapshot(store: EventStore, tree_id: TreeID) -> tuple[int, bytes] | None:
+    try:
+        rows = store.snapshots.select_events(tree_id.uuid, desc=True, limit=1)
+    except PersistenceError as exc:
+        raise read_failure(exc, f"reading the snapshots of tree {tree_id}") from exc
+    return (rows[0].originator_version, bytes(rows[0].state)) if rows else None
+
+
+def _without_state(tree: Any) -> Any:
+    """A snapshot's tree without strategy states (a fold without Programs has none)."""
+    return {**tree, "processes": [{k: v for k, v in p.items() if k != "state"} for p in tree.get("processes", [])]}
+
+
+def _snapshot_findings(
+    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool] | None, last: int
+) -> list[Finding]:
+    """The latest storage snapshot (what loads start from) must be the fold at its version."""
+    version, body = snapshot
+    name = str(tree_id)
+    if seen is None or version > last:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"a snapshot claims version {version}; the stream ends at position {last}")]
+    folded_tree, digest, bound = seen
+    try:
+        stored = decode_snapshot(body)
+    except (orjson.JSONDecodeError, KeyError, TypeError, SealError) as exc:
+        return [Finding(name, version, "snapshot.mismatch", f"the snapshot at version {version} is malformed: {exc}")]
+    if stored.format == -1:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} is malformed: its format is not a number")]
+    if stored.format != SNAPSHOT_FORMAT:
+        return []  # another release's format: loads do not start from it (they fold the events)
+    stored_tree, stored_digest = stored.tree, stored.digest
+    if stored_digest != digest:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot names digest {stored_digest}; position {version} has {digest}")]
+    if not bound:
+        stored_tree, folded_tree = _without_state(stored_tree), _without_state(folded_tree)
+    path = first_difference(stored_tree, folded_tree)
+    if path is not None:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} differs from the fold at {path}")]
+    return []
+
+
+def _normalized(value: Any) -> Any:
+    return orjson.loads(orjson.dumps(value))
+
+
+def verify_tree(
+    store: EventStore, tree_id: TreeID, catalog: Catalog, read_models: ReadModels | None = None,
+    *, models_current: bool = False, check_index: bool = True, check_snapshot: bool = True,
+) -> tuple[TreeCheck, Folded, list[StoredEvent]]:
+    """Verify one tree (see the module docstring); also returns the fold and the stored records."""
+    check = TreeCheck(str(tree_id))
+    rows: dict[str, Any] | None = None
+    seen: dict[str, Any] = {}
+    watch: dict[int, list[Watcher]] = {}
+    # Rows and snapshot first, events after: a live tree only grows, so the events read
+    # reach every version these reflect.
+    counted: tuple[int, int] | None = None
+    if read_models is not None:
+        rows = read_models.tree_rows(str(tree_id))
+        counted = read_models.counter(str(tree_id))
+        check.read_model = "not_projected" if rows["run"] is None else "pending"
+    snapshot = _latest_snapshot(store, tree_id) if check_snapshot else None
+    head, stored = consistent_read(store, tree_id)
+
+    def capture_rows(state: TreeState, programs: ProgramResolver | None, digest: str | None) -> None:
+        seen["rows"] = _normalized(project_tree(state, programs).to_json())
+
+    at = int(rows["version"]) if rows is not None and rows["run"] is not None else 0
+    if at:
+        watch.setdefault(at, []).append(capture_rows)
+    if snapshot is not None:
+
+        def capture_snapshot(state: TreeState, programs: ProgramResolver | None, digest: str | None) -> None:
+            seen["snapshot"] = (_normalized(state.to_json(compact=True)), digest, programs is not None)
+
+        watch.setdefault(snapshot[0], []).append(capture_snapshot)
+    folded = fold_stored(tree_id, stored, store.mapper, catalog, watch=watch)
+    check.events = folded.state.version
+    check.programs_bound = folded.programs is not None
+    if not stored and head is not None:
+        folded.problem = Finding(
+            str(tree_id), 1, "integrity.missing_event",
+            f"the tree index names version {head.version} but no event of the tree is stored",
+        )
+    if folded.problem is not None:
+        check.problems.append(folded.problem)
+        if read_models is not None:
+            check.read_model = "skipped"
+        return check, folded, stored
+    if check_index:
+        check.problems.extend(_index_findings(tree_id, head, folded, store))
+    if snapshot is not None:
+        check.problems.extend(_snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version))
+    if rows is not None:
+        last = folded.state.version
+        if rows["run"] is None:
+            if models_current:
+                check.read_model = "mismatch"
+                check.problems.append(
+                    Finding(str(tree_id), last, "read_model.mismatch",
+                            "the read models are current but hold no row for this tree")
+                )
+        elif at > last:
+            check.read_model = "mismatch"
+            check.problems.append(
+                Finding(str(tree_id), last, "read_model.mismatch",
+                        f"the read models reflect version {at}, beyond the stream's end at {last}")
+            )
+        else:
+            expected = seen["rows"]
+            path = first_difference(_normalized(rows), expected)
+            if path is None:
+                check.read_model = "equal"
+            else:
+                check.read_model = "mismatch"
+                check.problems.append(
+                    Finding(str(tree_id), at, "read_model.mismatch",
+                            f"the stored rows differ from the projection of the fold at position {at} at {path}")
+                )
+            # The follower's count of the events it applied to the tree must be its version
+            # (read with the rows; a follower that moved on in between is not a finding).
+            if counted is not None and counted[0] == at and counted[1] != at:
+                check.read_model = "mismatch"
+                check.problems.append(
+                    Finding(str(tree_id), at, "read_model.mismatch",
+                            f"the read models counted {counted[1]} events applied to this tree for version {at} "
+                            "(events_projected must equal version: events applied twice or skipped)")
+                )
+    return check, folded, stored
+
+
+def verify(
+    store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSources,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Verify each tree; the first problem of the first failing tree is the report's first error.
+
+    ``progress(trees, events)`` is called after each tree with the trees and events verified so far."""
+    started = time.perf_counter()
+    catalog = sources.catalog()
+    read_models: ReadModels | None = None
+    current = False
+    if ReadModels.exist(store):
+        read_models = ReadModels(store, create=False)
+        current = read_models.is_current()
+    checks: list[TreeCheck] = []
+    events = 0
+    for tree_id in tree_ids:
+        checks.append(verify_tree(store, tree_id, catalog, read_models, models_current=current)[0])
+        events += checks[-1].events
+        if progress is not None:
+            progress(len(checks), events)
+    return VerifyReport(checks, time.perf_counter() - started)
+
+
+# ---------------------------------------------------------------------------
+# Replay
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    tree: TreeState
+    programs: ProgramResolver | None
+    position: int
+    last: int
+    event: dict[str, JSON]
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "tree_id": self.tree.tree_id,
+            "position": self.position,
+            "version": self.last,
+            "programs_bound": self.programs is not None,
+            "event": self.event,
+            "tree": self.tree.to_json(),
+            "working_context": working_contexts(self.tree, self.programs),
+        }
+
+
+def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSources) -> Replay:
+    """The folded state of a tree right after ``position``: reads only, nothing is dispatched."""
+    if position < 1:
+        raise InvalidInput("audit.position_out_of_range", f"position {position} is before the first event (1)")
+    records = store.read(tree_id, upto=position)  # verifies the chain up to the position
+    if not records:
+        raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
+    if len(records) < position:
+        raise InvalidInput(
+            "audit.position_out_of_range",
+            f"tree {tree_id} has positions 1..{len(records)}; there is no position {position}",
+            hint=f"pick a position between 1 and {len(records)}",
+        )
+    head = store.head(tree_id)
+    last = max(head.version if head is not None else 0, position)
+    programs = programs_for(sources.catalog(), records[0].event)
+    tree = _fold_records(tree_id, records, programs)
+    if tree is None:  # the current Programs do not fold this history: show the kernel's view
+        programs = None
+        tree = _fold_records(tree_id, records, None)
+        assert tree is not None
+    record = records[-1]
+    event = {
+        "position": record.position,
+        "type": record.type,
+        "schema_version": event_version(record.event),
+        "process_id": record.event.process_id,
+        "timestamp": record.timestamp,
+        "digest": record.digest,
+        "body": _normalized(event_body(record.event)),
+    }
+    return Replay(tree, programs, position, last, event)
+
+
+def _fold_records(tree_id: TreeID, records: Sequence[Any], programs: ProgramResolver | None) -> TreeState | None:
+    tree = TreeState(programs)
+    for record in records:
+        try:
+            tree.apply(record.event, record.position)
+        except FoldError as exc:
+            if programs is not None:
+                return None
+            raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+    return tree
+
+
+# ---------------------------------------------------------------------------
+# Export and import
+
+
+EXPORT_MEMBERS = frozenset({"tree", "position", "topic", "state"})
+
+
+def export_line(tree_id: TreeID, record: StoredEvent) -> str:
+    """One stored record as one JSON Lines line (ASCII; ``state`` is the record's sealed JSON
+    text, inflated when it is stored compressed)."""
+    state = stored_json(record.state)
+    try:
+        text = state.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a verified history is canonical JSON, hence UTF-8
+        raise StoreFailure("audit.export_invalid", f"position {record.originator_version} is not UTF-8") from exc
+    body = {"position": record.originator_version, "state": text, "topic": record.topic, "tree": str(tree_id)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n"
+
+
+def export_lines(store: EventStore, tree_id: TreeID, sources: ProgramSources) -> list[str]:
+    """A verified tree's records as JSON Lines; a history that fails verification is refused.
+
+    The snapshot is not exported (it is a cache), so its check does not stand in the way.
+    """
+    check, _, stored = verify_tree(store, tree_id, sources.catalog(), check_snapshot=False)
+    if check.problems:
+        problem = check.problems[0]
+        raise CorruptStream(str(tree_id), problem.position, problem.rule, problem.detail)
+    return [export_line(tree_id, record) for record in stored]
+
+
+def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent]]:
+    """Parse an export file (one tree's records, positions in order); the format only."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput("import.format", f"the file is not UTF-8 text: {exc}") from exc
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise InvalidInput("import.format", "the file holds no records", hint="export a tree with `agentfold export`")
+    tree_id: TreeID | None = None
+    stored: list[StoredEvent] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            body = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput("import.format", f"line {number} is not JSON: {exc}", line=number) from exc
+        if not isinstance(body, dict) or set(body) != EXPORT_MEMBERS:
+            raise InvalidInput(
+                "import.format", f"line {number} must be an object with exactly {sorted(EXPORT_MEMBERS)}", line=number
+            )
+        position, topic, state, tree = body["position"], body["topic"], body["state"], body["tree"]
+        if not isinstance(position, int) or isinstance(position, bool) or position < 1:
+            raise InvalidInput("import.format", f"line {number}: position must be a positive integer", line=number)
+        if not isinstance(topic, str) or not isinstance(state, str) or not isinstance(tree, str):
+            raise InvalidInput("import.format", f"line {number}: tree, topic and state must be text", line=number)
+        try:
+            this_tree = TreeID(tree)
+            state_bytes = state.encode("utf-8")
+        except (ValueError, UnicodeEncodeError, InvalidInput) as exc:
+            raise InvalidInput("import.format", f"line {number}: {exc}", line=number) from exc
+        if tree_id is None:
+            tree_id = this_tree
+        elif this_tree != tree_id:
+            raise InvalidInput(
+                "import.format", f"line {number} belongs to {this_tree}, the file started with {tree_id}",
+                hint="an export file holds one tree", line=number,
+            )
+        # Stored as the store's own writer stores it (compressed when that pays).
+        stored.append(StoredEvent(tree_id.uuid, position, topic, STATE_COMPRESSOR.compress(state_bytes)))
+    assert tree_id is not None
+    return tree_id, stored
+
+
+@dataclass(frozen=True, slots=True)
+class ImportReport:
+    tree_id: TreeID
+    events: int
+    written: int
+    already: int
+    programs_bound: bool
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "tree_id": self.tree_id,
+            "events": self.events,
+            "written": self.written,
+            "already_present": self.already,
+            "changed": self.written > 0,
+            "programs_bound": self.programs_bound,
+        }
+
+
+def check_export(data: bytes, sources: ProgramSources) -> tuple[TreeID, list[StoredEvent], Folded]:
+    """Parse and verify a whole export file (chain and every fold rule) without any store."""
+    tree_id, stored = parse_export(data)
+    mapper = PydanticMapper(transcoder=OrjsonTranscoder())  # the store's own decoding and checks
+    folded = fold_stored(tree_id, stored, mapper, sources.catalog(), keep=True)
+    if folded.problem is None and stored[0].originator_version != 1:
+        folded.problem = Finding(str(tree_id), 1, "integrity.missing_event", "the file does not start at position 1")
+    if folded.problem is not None:
+        p = folded.problem
+        raise InvalidInput(
+            "import.corrupt",
+            f"the file's history of {tree_id} breaks {p.rule} at position {p.position}: {p.detail}; nothing was written",
+            tree=p.tree, position=p.position, rule=p.rule,
+        )
+    return tree_id, stored, folded
+
+
+def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEvent], folded: Folded) -> ImportReport:
+    """Write a verified history into ``store`` in one append (with its index row); idempotent.
+
+    Records the store already holds identically are skipped; a store whose history of
+    the tree differs anywhere is refused (``import.conflict``) and nothing is written.
+    """
+    bound = folded.programs is not None
+    for _ in range(3):
+        existing = _raw(store, tree_id)
+        for mine, theirs in zip(stored, existing, strict=False):
+            try:
+                theirs_json = stored_json(theirs.state)
+            except SealError:
+                theirs_json = None  # a damaged row in the store: it is not what the file holds
+            if (mine.originator_version, mine.topic, stored_json(mine.state)) != (
+                theirs.originator_version, theirs.topic, theirs_json
+            ):
+                raise Rejected(
+                    "import.conflict",
+                    f"the store holds a different history of {tree_id}: position {theirs.originator_version} differs; "
+                    "nothing was written",
+                    hint="import into another store, or verify both histories with `agentfold audit verify`",
+                    tree=str(tree_id), position=theirs.originator_version,
+                )
+        if len(existing) >= len(stored):
+            return ImportReport(tree_id, len(stored), 0, len(stored), bound)
+        new = list(stored[len(existing):])
+        new_events = [event for _, event in folded.events[len(existing):]]
+        head = index_head(folded.state, tree_id, new_events, folded.timestamps[-1])
+        head = dataclasses.replace(
+            head, head_digest=folded.digest or "", created_at=folded.timestamps[0], updated_at=folded.timestamps[-1]
+        )
+        try:
+            store.recorder.insert_events(new, head=head)
+        except IntegrityError:
+            continue  # another writer appended meanwhile: compare again
+        except PersistenceError as exc:
+            raise StoreFailure("store.append_failed", f"importing tree {tree_id} failed: {exc}") from exc
+        return ImportReport(tree_id, len(stored), len(new), len(existing), bound)
+    raise StoreFailure("audit.import_contended", f"tree {tree_id} kept changing while it was imported")
+
+
+# ---------------------------------------------------------------------------
+# Drift
+
+
+def drift(store: EventStore, tree_id: TreeID, sources: ProgramSources) -> DriftReport:
+    """Re-decide every recorded Step of a tree with the sources' current Programs.
+
+    The history's chain is verified first (a broken chain is a corrupt stream, not
+    drift); a fold rule the current code breaks is the report's ``error``.
+    """
+    _, stored = consistent_read(store, tree_id)
+    if not stored:
+        raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
+    decoded = _decode_all(store, tree_id, stored)
+    catalog = sources.catalog()
+    programs = programs_for(catalog, decoded[0][1])
+    if programs is None:
+        first = decoded[0][1]
+        name = first.program.name if isinstance(first, TreeStarted) else "?"
+        raise NotFound(
+            "engine.program.unavailable",
+            f"the current code binds no program for tree {tree_id} ({name}): there is nothing to compare",
+            hint="run the command with the sources (catalog) that hold the new version of the program",
+        )
+    return find_drift(decoded, programs, tree_id=str(tree_id))
+
+
+def _decode_all(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEvent]) -> list[tuple[int, TreeEvent]]:
+    out: list[tuple[int, TreeEvent]] = []
+    digest: str | None = None
+    for record in stored:
+        try:
+            decoded = store.mapper.decode(tree_id, record, digest)
+        except DecodeError as exc:
+            raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+        out.append((decoded.position, decoded.event))
+        digest = decoded.digest
+    return out
+
+
+__all__ = [
+    "Finding",
+    "ImportReport",
+    "Replay",
+    "TreeCheck",
+    "VerifyReport",
+    "all_trees",
+    "check_export",
+    "consistent_read",
+    "drift",
+    "export_line",
+    "export_lines",
+    "fold_stored",
+    "import_history",
+    "parse_export",
+    "replay",
+    "tree_of",
+    "verify",
+    "verify_tree",
+]
+

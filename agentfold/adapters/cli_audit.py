@@ -1,0 +1,284 @@
+"""CLI commands: `audit verify`, `audit drift`, `replay`, `export`, `import` (docs/audit.md).
+
+Exit status: 0 when the history is intact (no drift; the export or import succeeded),
+1 when a check found something wrong (the report says what, where and which rule),
+2 when the input was refused (an unknown tree, a position out of range, a corrupt or
+conflicting import file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from agentfold.adapters import audit
+from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError
+from agentfold.adapters.eventstore import redact
+from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.ids import TreeID
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    # A nested command parses its own options: repeat the shared ones (unset unless given).
+    parser.add_argument("--store", metavar="URL", default=argparse.SUPPRESS,
+                        help="event store URL (default: $AGENTFOLD_STORE, else sqlite:///./agentfold.db)")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON (docs/audit.md)")
+
+
+# ---------------------------------------------------------------------------
+# audit verify
+
+
+def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
+    if bool(args.trees) == bool(args.all):
+        raise _UsageError("cli.usage", "name the trees to verify, or pass --all (not both)",
+                          f"see `{PROG} audit verify --help`")
+    store = ctx.open_store()
+    try:
+        tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
+        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)))
+    finally:
+        store.close()
+    data = report.to_json()
+    rate = report.events / report.seconds if report.seconds > 0 else 0.0
+    lines = [
+        f"verified {len(report.checks)} tree(s), {report.events} event(s) in {report.seconds:.2f} s "
+        f"({rate:,.0f} events/s): {'OK' if report.ok else 'FAILED'}"
+    ]
+    for check in report.checks:
+        notes = ["programs bound" if check.programs_bound else "kernel rules only (programs not bound)"]
+        if check.read_model != "absent":
+            notes.append(f"read models {check.read_model.replace('_', ' ')}")
+        state = "ok" if check.ok else "FAILED"
+        lines.append(f"{check.tree_id}  {check.events} event(s)  {state}  ({'; '.join(notes)})")
+        for problem in check.problems:
+            lines.append(f"  position {problem.position}: {problem.rule}: {problem.detail}")
+    if not report.checks:
+        lines = [f"no trees in {redact(ctx.store_url)}"]
+    return Outcome(data, "\n".join(lines), 0 if report.ok else 1)
+
+
+class _ProgressLine:
+    """Says on stderr how far a long verification is (every ``PROGRESS_EVERY`` seconds)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.ticker = Ticker()
+
+    def __call__(self, trees: int, events: int) -> None:
+        if trees == self.total or not self.ticker.due():
+            return
+        print(f"{PROG}: audit verify: {trees:,} of {self.total:,} trees, {events:,} events "
+              f"({self.ticker.rate(events):,.0f} events/s)", file=sys.stderr, flush=True)
+
+
+def _unique(tree_ids: Any) -> list[TreeID]:
+    seen: dict[TreeID, None] = {}
+    for tree_id in tree_ids:
+        seen.setdefault(tree_id, None)
+    return list(seen)
+
+
+# ---------------------------------------------------------------------------
+# audit drift
+
+
+def cmd_audit_drift(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        tree_id = audit.tree_of(store, args.tree)
+        report = audit.drift(store, tree_id, ctx.sources)
+    finally:
+        store.close()
+    data = report.to_json()
+    if report.drift is not None:
+        d = report.drift
+        lines = [
+            f"DRIFT in {tree_id}: process {d.process_id} step {d.step} (position {d.position}) decides differently "
+            f"with the current code",
+            f"  first difference at position {d.differs_at}: {d.path}",
+            "  recorded:",
+            *[f"    {e['type']} {_short(e['body'], 300)}" for e in d.recorded],
+            "  current code:",
+            *[f"    {e['type']} {_short(e['body'], 300)}" for e in d.current],
+        ]
+        return Outcome(data, "\n".join(lines), 1)
+    if report.error is not None:
+        e = report.error
+        text = (
+            f"the current code cannot fold {tree_id}: position {e.position}: {e.rule}: {e.detail} "
+            f"(after {report.decisions} matching decision(s))"
+        )
+        return Outcome(data, text, 1)
+    return Outcome(
+        data, f"no drift: the current code makes the same {report.decisions} decision(s) over {report.events} event(s)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# replay
+
+
+def cmd_replay(ctx: Context, args: argparse.Namespace) -> Outcome:
+    store = ctx.open_store()
+    try:
+        tree_id = audit.tree_of(store, args.tree)
+        replayed = audit.replay(store, tree_id, args.at, ctx.sources)
+    finally:
+        store.close()
+    data = replayed.to_json()
+    event = replayed.event
+    lines = [
+        f"{tree_id} at position {replayed.position} of {replayed.last}: {event['type']} of {event['process_id']} "
+        f"({event['timestamp']})",
+        f"  {_short(event['body'], 400)}",
+        "",
+        _show_text(replayed.tree),
+    ]
+    contexts = data["working_context"]
+    assert isinstance(contexts, dict)
+    for pid, context in contexts.items():
+        lines += ["", f"working context of {pid}: {context['phase']}"]
+        if context.get("messages") is not None:
+            for message in context["messages"]:
+                lines.append(f"  {message.get('role')}: {_short(message.get('content') or message, 200)}")
+        request = context.get("model_request")
+        if request:
+            lines.append(
+                f"  model call {request['model_call_sequence']} ({request['phase']}) sends {len(request['messages'])} "
+                "message(s)"
+            )
+        upcoming = context.get("next_model_request")
+        if upcoming:
+            lines.append(f"  the next model request would contain {len(upcoming['messages'])} message(s)")
+    if replayed.programs is None:
+        lines += ["", "(the tree's programs are not bound here: kernel view, no strategy state)"]
+    return Outcome(data, "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------
+# export and import
+
+
+def _position(text: str) -> int:
+    """A position: an integer of at most 63 bits (a larger one cannot be stored anywhere);
+    one past the tree's end is ``audit.position_out_of_range``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(1 << 63) <= value < (1 << 63):
+        raise argparse.ArgumentTypeError(f"{text} is beyond any position")
+    return value
+
+
+def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
+    as_json = bool(getattr(args, "json", False))
+    if args.out is None and as_json:
+        raise _UsageError("cli.usage", "without --out the export itself is printed; --json needs --out FILE")
+    if args.out is not None and not args.out.strip():
+        raise _UsageError("cli.usage", "--out is empty", "name the file to write, or leave --out out to print")
+    store = ctx.open_store()
+    try:
+        tree_id = audit.tree_of(store, args.tree)
+        lines = audit.export_lines(store, tree_id, ctx.sources)
+    finally:
+        store.close()
+    text = "".join(lines)
+    if args.out is None:
+        return Outcome(None, text[:-1])  # the CLI ends the output with the last newline
+    try:
+        _write_atomically(Path(args.out), text.encode("ascii"))
+    except OSError as exc:
+        raise InvalidInput(
+            "export.unwritable", f"cannot write {args.out}: {exc.strerror or exc}",
+            "write to an existing directory you may write to; nothing was written",
+        ) from exc
+    data: dict[str, JSON] = {"tree_id": tree_id, "events": len(lines), "out": str(args.out)}
+    return Outcome(data, f"exported {len(lines)} event(s) of {tree_id} to {args.out}")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write the whole file or nothing (a reader never sees half an export)."""
+    directory = path.resolve().parent
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_import(ctx: Context, args: argparse.Namespace) -> Outcome:
+    try:
+        data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    except OSError as exc:
+        raise InvalidInput("import.unreadable", f"cannot read {args.file}: {exc.strerror}") from exc
+    # Everything is verified before the store is even opened: a refused file writes nothing.
+    tree_id, stored, folded = audit.check_export(data, ctx.sources)
+    store = ctx.open_store(create=True)
+    try:
+        report = audit.import_history(store, tree_id, stored, folded)
+    finally:
+        store.close()
+    if report.written == 0:
+        text = f"{tree_id}: the store already holds these {report.events} event(s); nothing changed"
+    elif report.already:
+        text = f"{tree_id}: appended {report.written} event(s) after the {report.already} already stored"
+    else:
+        text = f"imported {tree_id}: {report.written} event(s) into {redact(ctx.store_url)}"
+    if not report.programs_bound:
+        text += " (verified with the kernel rules only: its programs are not bound here)"
+    return Outcome(report.to_json(), text)
+
+
+# ---------------------------------------------------------------------------
+# Registration
+
+
+def register(command: Any) -> None:
+    """Add this module's commands with ``command(name, handler, help, timeout=False)`` (agentfold.adapters.cli)."""
+    audit_parser = command("audit", cmd_audit_verify, "verify histories and check new code against them (docs/audit.md)")
+    actions = audit_parser.add_subparsers(
+        dest="audit_command", metavar="ACTION", required=True, parser_class=type(audit_parser)
+    )
+    verify = actions.add_parser(
+        "verify", help="recompute digest chains, check every fold rule, the tree index and the read models",
+        description="Recompute each tree's digest chain from position 1, fold it with every rule, check the tree "
+        "index and the read models; exit 1 if anything is wrong.",
+    )
+    _add_common(verify)
+    verify.add_argument("trees", metavar="TREE", nargs="*", help="a tree id, a start id or a process id")
+    verify.add_argument("--all", action="store_true", help="every tree of the store")
+    verify.set_defaults(handler=cmd_audit_verify)
+    drift = actions.add_parser(
+        "drift", help="re-run decide over the recorded windows with the current code",
+        description="Re-decide every recorded Step with the current Programs and report the first that differs.",
+    )
+    _add_common(drift)
+    drift.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
+    drift.set_defaults(handler=cmd_audit_drift)
+
+    replay = command("replay", cmd_replay, "show the folded state of a tree at a position (no call of anything)")
+    replay.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
+    replay.add_argument("--at", type=_position, required=True, metavar="POSITION", help="the position (1 = TreeStarted)")
+
+    export = command("export", cmd_export, "write a tree's stored events as JSON Lines (docs/audit.md)")
+    export.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
+    export.add_argument("--out", metavar="FILE", default=None, help="write to FILE (default: standard output)")
+
+    imported = command("import", cmd_import, "verify an export file, then write it into --store in one append")
+    imported.add_argument("file", metavar="FILE", help="a file written by `agentfold export` (- reads stdin)")
+
+
+__all__ = ["register"]
+

@@ -1,0 +1,252 @@
+"""CLI commands: `serve`: the HTTP API (docs/http-api.md)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ipaddress
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentfold.domain.errors import AgentfoldError, InvalidInput
+
+DEFAULT_PORT = 8080
+#: Seconds uvicorn lets HTTP requests in progress finish after SIGTERM/SIGINT.
+REQUEST_GRACE = 10
+#: Seconds after SIGTERM/SIGINT by which ``serve`` has exited in any case (StopGuard): the
+#: request grace, the calls' 2 s (``agentfold.adapters.cli.CALLS_GRACE``, as for a command past its
+#: ``--timeout``), closing the runtime and the store, ``ABANDON_GRACE``.
+SERVE_STOP_LIMIT = 15.0
+#: Seconds after the runtime closed that a call still running may take before it is counted abandoned.
+ABANDON_GRACE = 0.5
+#: Seconds between a server's scans for live runs nobody owns (``--adopt-every``).
+DEFAULT_ADOPT_EVERY = 5.0
+
+
+
+def recovered_text(entries: list[dict[str, Any]]) -> str:
+    """How the start line counts ``--recover``'s live runs, by outcome (parked runs are left
+    as they are, not adopted)."""
+    counts = collections.Counter(str(e.get("outcome")) for e in entries)
+    parts = [f"{counts[o]} live run(s) {label}" for o, label in
+             (("adopted", "adopted"), ("parked", "parked and left as they are"), ("skipped", "skipped"))
+             if counts[o]]
+    return "".join(", " + part for part in parts)
+
+def register(command: Any) -> None:
+    """Add this module's commands with ``command(name, handler, help, timeout=False)`` (agentfold.adapters.cli)."""
+    serve = command("serve", cmd_serve, "serve the authenticated HTTP API over the store (docs/http-api.md)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--side-effect-dir", metavar="DIR", default=None,
+                       help="the folder scenarios started over HTTP may name side-effect logs in (relative "
+                       "paths resolve against it); without it a scenario with side_effect_log is refused")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT,
+                       help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
+    serve.add_argument("--no-follow", action="store_true",
+                       help="do not keep the read models current in this process (reads fold unless another "
+                       "follower keeps them current)")
+    serve.add_argument("--recover", action="store_true",
+                       help="at startup, before serving, adopt every live run nobody owns and count them in the "
+                       "start line")
+    serve.add_argument("--adopt-every", type=float, default=DEFAULT_ADOPT_EVERY, metavar="SECONDS",
+                       help="while serving, adopt the live runs nobody owns (those of a server or command that "
+                       f"died) this often (default {DEFAULT_ADOPT_EVERY:g}; 0 = never)")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket first, so the address printed is the one served (also for port 0)."""
+    if not 0 <= port <= 65535:
+        raise InvalidInput("cli.argument_invalid", f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise AgentfoldError("http.listen_failed", f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                             hint="pick another --port or --host") from exc
+    return sock
+
+
+def _server(config: Any, stop: threading.Event, stopping: list[int], on_stop: Callable[[], None]) -> Any:
+    """A uvicorn server that also notes the signal, sets ``stop`` and calls ``on_stop`` when
+    SIGTERM or SIGINT asks it to shut down (uvicorn handles them itself while it serves), so
+    the stop bound counts from the signal."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            stopping.append(sig)
+            stop.set()
+            on_stop()
+
+    return Server(config)
+
+
+#: Below this many characters ``serve`` warns that its token is easy to guess.
+MIN_TOKEN_CHARS = 16
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (a ``--host`` value) only accepts connections from this machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"agentfold: {line}\n")
+    sys.stderr.flush()
+
+
+def _exit_at_once(as_json: bool, stopping: list[int], runtime: Any) -> Callable[[float], None]:
+    """The StopGuard overrun of ``serve``: the last lines it would print, then exit status 0 at
+    once (another thread is still inside a call to a store that does not answer; what it did
+    is decided by recovery, as after a crash)."""
+
+    def overrun(seconds: float) -> None:
+        try:
+            abandoned = int(runtime.dispatches_running())
+        except Exception:  # noqa: BLE001 - exiting anyway
+            abandoned = 0
+        sys.stderr.write(f"agentfold: still not stopped {seconds:.0f} s after the signal: exiting now; "
+                         "recovery decides the outcome of what was in progress\n")
+        if abandoned:
+            sys.stderr.write(f"agentfold: abandoning {abandoned} dispatcher call(s) still running; "
+                             "recovery decides their outcomes\n")
+        data = {"stopped": True, "signal": stopping[0] if stopping else None, "abandoned_dispatches": abandoned}
+        sys.stdout.write((json.dumps(data, sort_keys=True) if as_json else "agentfold: server stopped") + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return overrun
+
+
+def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
+    # Imported here: the web stack is only loaded by the command that serves.
+    import uvicorn
+
+    from agentfold.adapters.cli import CALLS_GRACE, Outcome
+    from agentfold.adapters.eventstore import redact
+    from agentfold.adapters.follower import STOP_GRACE, StopGuard
+    from agentfold.adapters.http_api import TOKEN_ENV, ApiService, create_app, request_read_deadlines
+
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token.strip():
+        raise InvalidInput("http.token_missing", f"set {TOKEN_ENV} to the bearer token clients must send",
+                           hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
+    if not (token.isascii() and token.isprintable()) or token != token.strip() or " " in token:
+        # HTTP headers carry bytes: a client could not send such a token as the server compares it.
+        raise InvalidInput("http.token_invalid", f"{TOKEN_ENV} must be printable ASCII without spaces",
+                           hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
+    adopt_every = args.adopt_every
+    if not (adopt_every >= 0 and math.isfinite(adopt_every)):
+        raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
+                           hint="0 turns the scan off")
+    protocol = request_read_deadlines()  # AGENTFOLD_HTTP_HEAD_WAIT / _BODY_WAIT: refused before listening
+    side_effect_dir = Path(args.side_effect_dir) if args.side_effect_dir is not None else None
+    if side_effect_dir is not None and not side_effect_dir.is_dir():
+        raise InvalidInput("cli.argument_invalid", f"--side-effect-dir {args.side_effect_dir!r} is not a folder",
+                           hint="create it first, or leave the option out to refuse side-effect logs")
+    if len(token) < MIN_TOKEN_CHARS:  # no surrounding whitespace by now
+        _say(f"warning: {TOKEN_ENV} is {len(token)} characters long; a token anyone can guess opens every "
+             f"run (use {MIN_TOKEN_CHARS} or more, e.g. $(openssl rand -hex 32))")
+    if not _loopback(args.host):
+        _say(f"warning: serving plain HTTP on {args.host}: the token and every run travel unencrypted; put a "
+             "TLS-terminating reverse proxy in front (docs/http-api.md)")
+    sock = _listen(args.host, args.port)
+    stopping: list[int] = []
+    abandoned = 0
+    stop = threading.Event()
+    guard: StopGuard | None = None
+    try:
+        store = ctx.open_store(create=True)
+        try:
+            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
+                                      side_effect_dir=side_effect_dir)
+            try:
+                recovered = service.recover() if args.recover else []
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                url = f"http://{shown}:{port}"
+                started = {
+                    "listening": url, "port": port, "store": redact(ctx.store_url),
+                    "follower": service.follower is not None, "recovered": recovered,
+                    "adopt_every": adopt_every,
+                }
+                if getattr(args, "json", False):
+                    sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
+                else:
+                    sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
+                                     f"{', read models followed' if service.follower else ''}"
+                                     f"{recovered_text(recovered)}"
+                                     f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
+                sys.stdout.flush()
+                config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                        lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False,
+                                        http=protocol)
+                # From the signal on, no call is started (Runtime.drain): the calls under way
+                # finish and are recorded while requests finish; Effects declared meanwhile
+                # are started by the run's next owner (another server's scan, recover).
+                server = _server(config, stop, stopping, on_stop=service.runtime.stop_dispatching)
+                # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
+                # raises the signal again: ours only note it, so the cleanup below always runs.
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, lambda number, frame: stopping.append(number))
+                # From the signal to the store closed: during an outage, store calls (of requests,
+                # owner lines, the follower) would wait minutes; once the store has not answered
+                # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
+                # requests keep their REQUEST_GRACE s and owner lines finish their appends.
+                guard = StopGuard(
+                    stop, store.interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
+                    overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
+                    needed=lambda: not store.answers(),
+                ).start()
+                server.run(sockets=[sock])
+            finally:
+                try:
+                    service.runtime.drain(CALLS_GRACE)  # the calls under way: recorded if they return now
+                finally:
+                    service.close()
+                abandoned = _abandoned_calls(service.runtime, grace=ABANDON_GRACE)
+        finally:
+            try:
+                store.close()
+            finally:
+                if guard is not None:
+                    guard.done()
+    finally:
+        sock.close()
+    if abandoned:
+        # Their threads cannot be stopped from outside, and the interpreter would wait for
+        # them at exit; what they did is decided by recovery (replay or unknown), as after a crash.
+        sys.stderr.write(
+            f"agentfold: abandoning {abandoned} dispatcher call(s) still running; "
+            "recovery decides their outcomes\n"
+        )
+    return Outcome({"stopped": True, "signal": stopping[0] if stopping else None,
+                    "abandoned_dispatches": abandoned},
+                   "agentfold: server stopped", exit_now=abandoned > 0)
+
+
+def _abandoned_calls(runtime: Any, grace: float = 2.0) -> int:
+    """Dispatcher calls still running after the runtime closed (each was told to cancel),
+    once they had ``grace`` seconds to return."""
+    deadline = time.monotonic() + grace
+    while runtime.dispatches_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return int(runtime.dispatches_running())

@@ -1,0 +1,1397 @@
+"""The event store: one eventsourcing stream per root tree, on memory, SQLite or PostgreSQL.
+
+Store URLs:
+
+* ``memory:`` - a volatile store inside this process (tests);
+* ``sqlite:///path/to/file.db`` (``sqlite:////abs/path.db``) - the embedded default;
+* ``postgresql://user:password@host:port/dbname`` - production. No query string: TLS and
+  other connection settings come from libpq's environment variables (``PGSSLMODE``,
+  ``PGSSLROOTCERT``, ``PGCONNECT_TIMEOUT``, ...; docs/cli.md).
+
+``EventStore(url)`` creates agentfold's tables in a new database (or a new SQLite file);
+``EventStore(url, create=False)`` creates nothing and refuses a store without them
+(``store.not_found``), so a role that may only read can open an existing store.
+Opening a PostgreSQL store first makes one direct connection with a short timeout, so a
+wrong password, a missing database or an unreachable server is reported at once with the
+server's own reason (not after the connection pool's 30 s wait).
+
+An append writes a list of events atomically at an expected version (optimistic
+concurrency). A duplicate version raises :class:`VersionConflict`, unless the very
+same events (same digests) are already the head of the stream, which makes a retry
+after a lost response idempotent. Loading a tree reads its latest snapshot and folds
+only the events after it, verifying the digest chain of every event read.
+
+``EventStore.interrupt()`` makes every PostgreSQL call of a store fail at once, for a
+command that stops while the server does not answer (``agentfold.adapters.follower.StopGuard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import sqlite3
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
+
+import orjson
+from eventsourcing.persistence import (
+    InfrastructureFactory,
+    IntegrityError,
+    Notification,
+    PersistenceError,
+    StoredEvent,
+)
+from eventsourcing.utils import Environment
+
+from agentfold.adapters.codec import (
+    STATE_COMPRESSOR,
+    DecodeError,
+    OrjsonTranscoder,
+    PydanticMapper,
+    RecordedEvent,
+    stored_json,
+)
+from agentfold.adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases, RefusedLeases
+from agentfold.adapters.recorders import (
+    EVENTS_TABLE,
+    PG_POOL_WAIT,
+    PROCESSES_TABLE,
+    SNAPSHOTS_TABLE,
+    TREES_TABLE,
+    HeadFilter,
+    IndexQueries,
+    MemorySnapshotRecorder,
+    MemoryTreeRecorder,
+    PostgresSnapshotRecorder,
+    PostgresTreeRecorder,
+    SQLiteSnapshotRecorder,
+    SQLiteTreeRecorder,
+    TreeHead,
+    cache_statements,
+    fail_fast_without_connection,
+    postgres_schema_lock,
+    prefer_recent_connections,
+    reconnect_steadily,
+)
+from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
+from agentfold.domain.events import TreeEvent
+from agentfold.domain.ids import ProcessID, StartID, TreeID
+from agentfold.domain.integrity import SealError, unseal
+from agentfold.domain.program import ProgramResolver
+from agentfold.domain.tree import FoldError, TreeState
+
+log = logging.getLogger("agentfold.store")
+
+DEFAULT_STORE = "sqlite:///./agentfold.db"
+SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
+
+#: The shape of a storage snapshot's tree. 1: before mailbox compaction (every consumed record
+#: kept, no ``arrivals``/``consumed_through`` counters; releases before 2026-11-29 21:20 UTC);
+#: 2: compacted mailboxes. Snapshots of 2 written before the member existed have no ``format``.
+#: A snapshot of another format is not used: the load folds the events (the truth), and the
+#: runtime's next append writes a current snapshot. Bump it whenever the tree's JSON changes
+#: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
+SNAPSHOT_FORMAT = 2
+
+
+def snapshot_format(data: dict[str, Any]) -> int:
+    """The format of a stored snapshot's JSON (-1 when it names one that is not a number)."""
+    given = data.get("format")
+    if given is not None:
+        return given if isinstance(given, int) and not isinstance(given, bool) else -1
+    compacted = all("arrivals" in process["mailbox"] for process in data["tree"]["processes"])
+    return 2 if compacted else 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSnapshot:
+    """A snapshot row's state, decoded (``decode_snapshot``)."""
+
+    format: int  # SNAPSHOT_FORMAT, an earlier or later one, or -1: a format member that is no number
+    tree: dict[str, Any]
+    digest: str
+
+
+def decode_snapshot(state: bytes) -> StoredSnapshot:
+    """A stored snapshot row's state (deflated or not): its format, tree JSON and digest.
+    Malformed: ``SealError``, ``orjson.JSONDecodeError``, ``KeyError`` or ``TypeError``."""
+    data = orjson.loads(stored_json(state))
+    return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]))
+
+
+# The tables every store has (created together by ``EventStore(url)``).
+STORE_TABLES = (EVENTS_TABLE, TREES_TABLE, PROCESSES_TABLE, SNAPSHOTS_TABLE)
+# Seconds the first PostgreSQL connection may take (PGCONNECT_TIMEOUT, when set, wins).
+PG_CONNECT_TIMEOUT = 10
+#: Seconds a PostgreSQL statement may go unanswered before this process ends its sessions to the
+#: server (``AGENTFOLD_PG_STATEMENT_WAIT``; 0: no bound). See ``EventStore._watch_statements``.
+PG_STATEMENT_WAIT = 60.0
+#: Seconds either end of a PostgreSQL connection waits for the other at the TCP level before it
+#: drops the connection (``AGENTFOLD_PG_TCP_TIMEOUT``; 0: the operating system's defaults). See
+#: ``pg_tcp_params``.
+PG_TCP_TIMEOUT = 30
+NOT_FOUND_HINT = "check the store URL; a store is created by opening it with create=True"
+PG_URL_HINT = "write it as postgresql://user:password@host:port/dbname, percent-encoding @ : / ? # in the user or password"
+PG_ENVIRONMENT_HINT = (
+    "set libpq's environment variables instead, e.g. PGSSLMODE, PGSSLROOTCERT, PGCONNECT_TIMEOUT: "
+    "see the store URLs in docs/cli.md"
+)
+
+
+class VersionConflict(Rejected):
+    """Another writer appended at this version first: reload, re-validate, never retry blindly."""
+
+    def __init__(self, tree_id: TreeID, expected: int) -> None:
+        super().__init__(
+            "engine.tree.version_conflict",
+            f"tree {tree_id} changed after version {expected}",
+            hint="reload the tree and validate the request again",
+        )
+        self.tree_id = tree_id
+        self.expected = expected
+
+
+class CorruptStream(StoreFailure):
+    """The stored history breaks a rule (digest chain or fold)."""
+
+    def __init__(self, tree_id: str, position: int, rule: str, detail: str) -> None:
+        super().__init__(
+            "store.corrupt", f"tree {tree_id} is corrupt at position {position}: {rule}: {detail}",
+            f"see what is wrong with `agentfold audit verify {tree_id}`",
+            tree_id=str(tree_id), position=position, rule=rule,
+        )
+        self.tree_id = tree_id
+        self.position = position
+        self.rule = rule
+        self.detail = detail  # the broken rule's text (also in the message)
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    digest: str
+    notification_ids: tuple[int, ...]
+    #: The snapshot JSON an append did not write because it is larger than
+    #: ``INLINE_SNAPSHOT_BYTES``: the caller writes it afterwards (``write_snapshot``).
+    snapshot_body: bytes | None = None
+
+
+#: Snapshots whose JSON is at most this long are written in the append's own transaction.
+#: A larger one (a long conversation: every message, every finished Tool child) takes
+#: milliseconds to deflate (~3 ms per 200 KB), so it is handed back to be written after
+#: the append, off the owner's critical path (zlib runs without the GIL, on another core).
+INLINE_SNAPSHOT_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class LoadedTree:
+    state: TreeState
+    digest: str | None
+    snapshot_version: int = 0
+
+
+def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
+    """Split a store URL into a backend name and eventsourcing environment settings."""
+    if url in ("memory:", "memory://"):
+        return "memory", {"PERSISTENCE_MODULE": "eventsourcing.popo"}
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        if not path:
+            raise InvalidInput("store.url_invalid", f"sqlite URL {url!r} names no file", hint="sqlite:///path/to/file.db")
+        if "?" in path or "#" in path:
+            # It used to become part of the file name: `sqlite:///runs.db?mode=ro` opened (and
+            # created) a file called "runs.db?mode=ro", and nothing was read-only.
+            raise InvalidInput(
+                "store.url_invalid",
+                f"sqlite URL {url!r} has parameters after '?' or '#': agentfold takes none, and a file name cannot contain them",
+                hint="sqlite:///path/to/file.db (read-only commands never write to the file)",
+            )
+        return "sqlite", {
+            "PERSISTENCE_MODULE": "eventsourcing.sqlite",
+            "SQLITE_DBNAME": path,
+            "SQLITE_LOCK_TIMEOUT": "30",
+        }
+    if url.startswith(("postgresql://", "postgres://")):
+        if "?" in url or "#" in url:
+            # Parameters were silently dropped before (a `?sslmode=require` connected in
+            # plain text): refuse them rather than ignore a security setting.
+            base = redact(url.split("?", 1)[0].split("#", 1)[0])
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {base} has parameters after '?' or '#', which agentfold does not pass on",
+                hint=f"remove them; {PG_ENVIRONMENT_HINT}",
+            )
+        # urllib's own messages may quote parts of the password (an unencoded '/' in it
+        # makes the rest look like a port): say what is wrong in our words.
+        try:
+            parts = urlsplit(url)
+            hostname = parts.hostname
+        except ValueError:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} is malformed: its host is not a name, an IPv4 address "
+                "or an IPv6 address in [brackets]",
+                hint=PG_URL_HINT,
+            ) from None
+        try:
+            port = parts.port
+        except ValueError:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} has no valid port: a port is a number from 1 to 65535",
+                hint=PG_URL_HINT,
+            ) from None
+        dbname = unquote(parts.path.lstrip("/"))
+        if not hostname or not dbname:
+            raise InvalidInput(
+                "store.url_invalid", f"PostgreSQL URL {redact(url)} needs a host and a database", hint=PG_URL_HINT,
+            )
+        if port == 0:
+            raise InvalidInput(
+                "store.url_invalid",
+                f"PostgreSQL URL {redact(url)} has no valid port: a port is a number from 1 to 65535",
+                hint=PG_URL_HINT,
+            )
+        return "postgresql", {
+            "PERSISTENCE_MODULE": "eventsourcing.postgres",
+            "POSTGRES_DBNAME": dbname,
+            "POSTGRES_HOST": hostname,
+            "POSTGRES_PORT": str(port or 5432),
+            "POSTGRES_USER": unquote(parts.username or "postgres"),
+            "POSTGRES_PASSWORD": unquote(parts.password or ""),
+            "POSTGRES_POOL_SIZE": "4",
+            "POSTGRES_MAX_OVERFLOW": "8",
+            "POSTGRES_IDLE_IN_TRANSACTION_SESSION_TIMEOUT": "30",
+        }
+    raise InvalidInput(
+        "store.url_invalid",
+        f"unsupported store URL {url!r}",
+        hint="use memory:, sqlite:///path.db or postgresql://user:pass@host:port/db",
+    )
+
+
+def seconds_setting(name: str, default: float, low: float, high: float, *, zero: str = "",
+                    code: str = "store.setting_invalid") -> float:
+    """A number of seconds from the environment variable ``name`` (from ``low`` to ``high``, or 0
+    when ``zero`` says what 0 means), else ``default``; anything else is refused before connecting."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if (zero and value == 0) or low <= value <= high:  # NaN fails both
+        return value
+    allowed = f"from {low:g} to {high:g}" + (f", or 0 ({zero})" if zero else "")
+    raise InvalidInput(
+        code,
+        f"{name}={text!r} is not a number of seconds {allowed}",
+        hint=f"unset it for the default ({default:g} s), or set e.g. {name}=10",
+    )
+
+
+def pg_statement_wait() -> float:
+    """``AGENTFOLD_PG_STATEMENT_WAIT`` (0: no bound), else ``PG_STATEMENT_WAIT``."""
+    return seconds_setting("AGENTFOLD_PG_STATEMENT_WAIT", PG_STATEMENT_WAIT, 1, 86400, zero="no bound")
+
+
+def pg_pool_wait() -> float:
+    """Seconds a PostgreSQL store call waits for a pooled connection: ``AGENTFOLD_PG_POOL_WAIT``
+    (a number from 1 to 3600), else ``PG_POOL_WAIT``."""
+    return seconds_setting("AGENTFOLD_PG_POOL_WAIT", PG_POOL_WAIT, 1, 3600)
+
+
+def pg_tcp_timeout() -> int:
+    """``AGENTFOLD_PG_TCP_TIMEOUT`` (a whole number of seconds from 1 to 3600, or 0 for the operating
+    system's defaults), else ``PG_TCP_TIMEOUT``."""
+    value = seconds_setting("AGENTFOLD_PG_TCP_TIMEOUT", PG_TCP_TIMEOUT, 1, 3600, zero="the system's defaults")
+    if value != int(value):
+        raise InvalidInput(
+            "store.setting_invalid", f"AGENTFOLD_PG_TCP_TIMEOUT={value:g} is not a whole number of seconds",
+            hint=f"unset it for the default ({PG_TCP_TIMEOUT} s), or set e.g. AGENTFOLD_PG_TCP_TIMEOUT=10",
+        )
+    return int(value)
+
+
+def _tcp_settings(timeout: int) -> dict[str, int]:
+    """Keepalives idle ``timeout`` s, then every third of it (at least 1 s), 3 unanswered probes;
+    data unacknowledged for ``timeout`` s ends the connection (milliseconds)."""
+    return {"idle": timeout, "interval": max(1, timeout // 3), "count": 3, "user_timeout": timeout * 1000}
+
+
+def pg_tcp_params(timeout: int | None = None) -> dict[str, Any]:
+    """libpq parameters that make this end of a connection notice, within about ``timeout``
+    seconds (default: ``pg_tcp_timeout()``), that the server is gone without a word (its host
+    lost power or its network, a firewall or NAT dropped the connection): TCP keepalives and
+    ``tcp_user_timeout`` (``_tcp_settings``). By default Linux sends the first keepalive after
+    2 hours and resends unacknowledged data for ~15 minutes, while a call waits on the dead
+    connection. The server's end gets the same through ``set_server_tcp``. Connections over a
+    Unix socket ignore both."""
+    timeout = pg_tcp_timeout() if timeout is None else timeout
+    if not timeout:
+        return {}
+    tcp = _tcp_settings(timeout)
+    return {"keepalives": 1, "keepalives_idle": tcp["idle"], "keepalives_interval": tcp["interval"],
+            "keepalives_count": tcp["count"], "tcp_user_timeout": tcp["user_timeout"]}
+
+
+_server_tcp_refused = threading.Event()  # warned once per process
+
+
+def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> None:
+    """Ask the server to notice, within about ``timeout`` seconds, that this session's client
+    is gone without a word (0: leave the server's settings). ``conn`` is in autocommit mode.
+
+    The server otherwise keeps the session of a vanished process for hours (its
+    ``tcp_keepalives_*`` default to the system's: 2 hours), and with the session its advisory
+    locks: the owner leases of that process's runs, which no other runtime could adopt. Set
+    with ``SET`` on the open session (any role may, for its own session), not as startup
+    ``options``, which PgBouncer refuses. ``user_timeout=False`` leaves the server's
+    ``tcp_user_timeout`` alone: it would also end a session whose client does not read for
+    ``timeout`` seconds (a LISTEN session while its follower is busy). A server that knows no
+    ``tcp_user_timeout`` (before PostgreSQL 12) gets the keepalives; one that refuses the
+    settings (a proxy) gets nothing, with one warning per process. Through a proxy, the
+    settings apply to the proxy's connection, not this process's."""
+    if not timeout:
+        return
+    import psycopg
+
+    tcp = _tcp_settings(timeout)
+    keepalives = (f"SET tcp_keepalives_idle = {tcp['idle']}; SET tcp_keepalives_interval = {tcp['interval']}; "
+                  f"SET tcp_keepalives_count = {tcp['count']}")
+    try:
+        try:
+            conn.execute(f"{keepalives}; SET tcp_user_timeout = {tcp['user_timeout']}" if user_timeout else keepalives)
+        except psycopg.errors.UndefinedObject:
+            if not user_timeout:
+                raise
+            conn.execute(keepalives)  # PostgreSQL 11: no tcp_user_timeout
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as exc:
+        if not _server_tcp_refused.is_set():
+            _server_tcp_refused.set()
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("the PostgreSQL server refused its TCP keepalive settings (%s): it may keep the session "
+                        "of a vanished process, and its leases, for hours (AGENTFOLD_PG_TCP_TIMEOUT)", reason)
+
+
+def _on_read_only_fs(path: Path) -> bool:
+    """Whether ``path`` (or, when it does not exist, its folder) is on a read-only file system."""
+    try:
+        target = path if path.exists() else path.absolute().parent
+        return bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def sqlite_read_only_uri(path: Path) -> str | None:
+    """The ``file:`` URI to read the SQLite store at ``path`` with, its file system being
+    mounted read-only (None when ``path`` cannot be examined).
+
+    There SQLite cannot create the ``-shm`` file a WAL-mode store needs: with no write-ahead
+    log beside it (a store closed cleanly, or a copy of its main file), every commit is in
+    the file, so it is opened ``immutable`` (docs/cli.md: a read-only view of a folder that
+    something else still writes to is not supported); with a log, even an empty one,
+    ``mode=ro`` reads the log too (SQLite then needs the ``-shm`` file beside it).
+    """
+    try:
+        real = path.resolve()  # SQLite names the -wal after the file a link points to
+        logged = Path(f"{real}-wal").exists()
+    except OSError:
+        return None
+    return f"{real.as_uri()}?{'mode=ro' if logged else 'immutable=1'}"
+
+
+#: SQLite's primary result codes for a file whose pages are damaged or that is no database.
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+DAMAGED_HINT = (
+    "the SQLite file itself is damaged (its pages, not a history that fails verification): stop the processes "
+    "that use it and restore it from a backup, or salvage its rows with `sqlite3 FILE .recover | sqlite3 NEW.db` "
+    "and check the copy with `agentfold audit verify --all`"
+)
+
+
+def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
+    """``store.damaged`` when ``exc`` (or an error it was raised from) is SQLite finding its
+    file damaged (``database disk image is malformed``) or not a database; else None."""
+    name = f"the store {redact(url)}" if url else "the store's file"
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        code = getattr(seen, "sqlite_errorcode", None)
+        text = str(seen)
+        if (isinstance(code, int) and code & 0xFF == _SQLITE_NOTADB) or "file is not a database" in text:
+            return StoreFailure(
+                "store.damaged", f"{name} is not an SQLite database, or its first page is damaged ({text})",
+                hint="check that the URL names the store's file; if it does, " + DAMAGED_HINT,
+            )
+        if (isinstance(code, int) and code & 0xFF == _SQLITE_CORRUPT) or "database disk image is malformed" in text:
+            return StoreFailure("store.damaged", f"{name} is damaged: {text}", hint=DAMAGED_HINT)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """A tree with events in a range of the notification log (``EventStore.changes``)."""
+
+    tree_id: TreeID
+    first: int  # the notification id of its first event in the range
+    low: int  # its lowest position in the range (1: the range holds its creation)
+    high: int  # its highest position in the range
+    last: int  # the notification id of its last event in the range
+
+
+class OutdatedSnapshot(ValueError):
+    """A stored snapshot in a format this release does not read back (``SNAPSHOT_FORMAT``)."""
+
+
+def read_failure(exc: BaseException, what: str) -> StoreFailure:
+    """A failed read of ``what``: ``store.damaged`` with what to do when SQLite found its file
+    damaged, else ``store.read_failed``."""
+    return sqlite_damage(exc) or StoreFailure("store.read_failed", f"{what} failed: {exc}")
+
+
+#: What to do when the store refused an append (nothing of it was written).
+APPEND_FAILED_HINT = (
+    "nothing of this append was stored; fix the store (free disk space, write access), then the run "
+    "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
+)
+
+
+class EventStore:
+    """Tree streams, snapshots and the tree index over one eventsourcing database.
+
+    ``create``: make the tables (and the SQLite file) when they are missing; when False,
+    nothing is created and a store without agentfold's tables is refused
+    (``store.not_found``). A memory store is always new.
+    """
+
+    def __init__(self, url: str = DEFAULT_STORE, *, create: bool = True) -> None:
+        self.url = url
+        self.backend, settings = parse_store_url(url)
+        self._settings = settings
+        if self.backend == "sqlite" and Path(settings["SQLITE_DBNAME"]).is_dir():
+            raise InvalidInput("store.url_invalid", f"{redact(url)} names a directory, not an SQLite file",
+                               hint="name the store's file, e.g. sqlite:///path/agentfold.db")
+        # A store on a read-only file system (a backup or an evidence copy mounted read-only) is
+        # read through a read-only URI: SQLite cannot open a WAL-mode file there otherwise. A
+        # command that would create runs there is refused before anything is opened (sqlite3
+        # would only say "unable to open database file").
+        self.read_only_uri: str | None = None
+        if self.backend == "sqlite" and _on_read_only_fs(Path(settings["SQLITE_DBNAME"])):
+            if create:
+                raise self._read_only_failure()
+            self.read_only_uri = sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"]))
+        if self.backend == "sqlite" and not create:
+            self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
+        pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
+        statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
+        self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
+        if self.backend == "postgresql":  # read once per store: pg_conninfo takes it from settings
+            settings["AGENTFOLD_PG_TCP_TIMEOUT"] = str(self._tcp_timeout)
+        self._watchdog_stop = threading.Event()
+        if self.backend == "postgresql":
+            check_postgres(url, settings)
+        self.mapper = PydanticMapper(transcoder=OrjsonTranscoder())
+        self._memory_leases: dict[TreeID, object] = {}
+        self._memory_lock = threading.Lock()
+        # Every PostgreSQL session this store opened (pooled, LISTEN): ``interrupt`` ends them.
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._sessions_lock = threading.Lock()
+        self._interrupted = False
+        try:
+            if self.backend == "memory":
+                self.factory: Any = None
+                self.recorder: Any = MemoryTreeRecorder()
+                self.snapshots: Any = MemorySnapshotRecorder()
+            else:
+                env = Environment("AGENTFOLD", settings)
+                self.factory = InfrastructureFactory.construct(env)
+                if self.backend == "sqlite":
+                    cache_statements(self.factory.datastore)
+                    self.factory.datastore.pool.connect_uri = self.read_only_uri
+                    self.recorder = SQLiteTreeRecorder(self.factory.datastore)
+                    self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
+                else:
+                    prefer_recent_connections(self.factory.datastore)
+                    fail_fast_without_connection(self.factory.datastore, pool_wait)
+                    reconnect_steadily(self.factory.datastore)
+                    self._track_sessions(self.factory.datastore.pool)
+                    if not os.environ.get("PGCONNECT_TIMEOUT"):  # the pool's own connections: bounded too
+                        self.factory.datastore.pool.kwargs["connect_timeout"] = PG_CONNECT_TIMEOUT
+                    self.factory.datastore.pool.kwargs.update(pg_tcp_params(self._tcp_timeout))
+                    if statement_wait > 0:  # stopped by close(), also when opening fails below
+                        threading.Thread(target=self._watch_statements, args=(statement_wait,), daemon=True,
+                                         name="agentfold-pg-watchdog").start()
+                    self.recorder = PostgresTreeRecorder(self.factory.datastore)
+                    self.snapshots = PostgresSnapshotRecorder(self.factory.datastore)
+                if create:
+                    with self.schema_lock():
+                        self.recorder.create_table()
+                        self.snapshots.create_table()
+                elif self.backend == "postgresql":
+                    self._require_tables()
+        except (InvalidInput, NotFound):
+            self.close()
+            raise
+        except (PersistenceError, OSError) as exc:
+            self.close()
+            raise sqlite_damage(exc, url) or StoreFailure(
+                "store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+        # The SQLite file this store opened: appends check that its path still names it.
+        self._file: tuple[Path, int, int] | None = None
+        if self.backend == "sqlite":
+            path = Path(settings["SQLITE_DBNAME"])
+            try:
+                info = path.stat()
+            except OSError:
+                info = None
+            if info is not None:
+                self._file = (path, info.st_dev, info.st_ino)
+
+    def check_file(self) -> None:
+        """Refuse to go on with an SQLite file that was removed or replaced since it was opened.
+
+        SQLite keeps writing to the file it opened, even once its path names another file or
+        none: every step appended after an operator deleted (or restored over) the store would
+        be lost with the old file, while the commands reported success.
+        """
+        if self._file is None:
+            return
+        path, device, inode = self._file
+        try:
+            info = os.stat(path)
+        except OSError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != (device, inode):
+            raise StoreFailure(
+                "store.unavailable",
+                f"the store's file {path} was {'removed' if info is None else 'replaced'} while this process had "
+                "it open: nothing more is written to it",
+                hint="restart the process to use the file now at that path (what was written after the change is "
+                "in the old file only if a process still holds it open)",
+            )
+
+    def check_writable(self) -> None:
+        """Refuse a write to a store opened on a read-only file system, before anything else."""
+        if self.read_only_uri is not None:
+            raise self._read_only_failure()
+
+    def _read_only_failure(self) -> StoreFailure:
+        return StoreFailure(
+            "store.read_only",
+            f"the store {redact(self.url)} is on a read-only file system: nothing can be written to it",
+            hint="read commands (trees, show, unknown, results, audit verify, replay, export) work as they "
+            "are; to run, settle or recover its trees, copy the store's files to a writable directory",
+        )
+
+    def schema_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Serializes table creation with other processes opening the same database
+        (PostgreSQL; SQLite's DDL runs under its own write lock)."""
+        if self.backend == "postgresql":
+            return postgres_schema_lock(self.factory.datastore)
+        return contextlib.nullcontext()
+
+    def _require_sqlite_store(self, path: Path) -> None:
+        """Refuse a missing file, or one without agentfold's tables, before eventsourcing opens
+        it: its connections would create the file and switch it to WAL journaling."""
+        if not path.exists():
+            raise NotFound("store.not_found", f"no store at {redact(self.url)}: the file does not exist",
+                           hint=NOT_FOUND_HINT)
+        try:
+            uri = self.read_only_uri or f"{path.absolute().as_uri()}?mode=ro"
+            with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+                present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.Error as exc:
+            damaged = sqlite_damage(exc, self.url)
+            if damaged is not None:
+                raise damaged from exc
+            without_shm = not Path(f"{path.resolve()}-shm").exists()
+            if self.read_only_uri is not None and self.read_only_uri.endswith("mode=ro") and without_shm:
+                raise StoreFailure(
+                    "store.unavailable",
+                    f"cannot open store {redact(self.url)} on a read-only file system: {exc}",
+                    hint=f"its write-ahead log {path.name}-wal may hold recent commits, which SQLite reads only with "
+                    f"the {path.name}-shm file beside it; copy the store's files to a writable directory",
+                ) from exc
+            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
+        self._check_tables(present)
+
+    def _require_tables(self) -> None:
+        """Refuse a PostgreSQL database without agentfold's tables (``create=False`` creates nothing)."""
+        with self.factory.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = ANY(%s)",
+                (self.factory.datastore.schema, list(STORE_TABLES)),
+            )
+            present = {str(row["relname"]) for row in c.fetchall()}
+        self._check_tables(present)
+
+    def _check_tables(self, present: set[str]) -> None:
+        missing = [t for t in STORE_TABLES if t not in present]
+        if len(missing) == len(STORE_TABLES):
+            raise NotFound("store.not_found", f"no agentfold store in {redact(self.url)}: it has none of its tables",
+                           hint=NOT_FOUND_HINT)
+        if missing:
+            raise NotFound(
+                "store.not_found",
+                f"{redact(self.url)} is not a complete agentfold store: tables {', '.join(missing)} are missing",
+                hint="open it once with a command that creates a store, as a role that may create tables",
+            )
+
+    @property
+    def index(self) -> IndexQueries:
+        return self.recorder  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close the connections; every later use of this store is refused (``store.closed``)."""
+        if getattr(self, "_closed", False):
+            return
+        stop = getattr(self, "_watchdog_stop", None)
+        if stop is not None:
+            stop.set()
+        if getattr(self, "factory", None) is not None:
+            self.factory.close()
+        # eventsourcing raised its own unclassified ConnectionPoolClosedError (with no message)
+        # from a closed SQLite or PostgreSQL store, and a closed memory store went on working.
+        # Everything reaches the database through these three (read models and audit through
+        # ``factory.datastore``).
+        closed = _Closed(self.url)
+        self.recorder = self.snapshots = closed
+        if getattr(self, "factory", None) is not None:
+            self.factory = closed
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            _Closed(self.url).refuse()
+
+    def _watch_statements(self, wait: float) -> None:
+        """End every session of this store once a statement has waited ``wait`` seconds for a
+        server that does not answer a new session either (the watchdog thread of a PostgreSQL
+        store).
+
+        A server that stops answering without ending its sessions (its processes frozen, a
+        network path that drops packets without a reset) held every call in progress for as
+        long as that lasted: HTTP requests and CLI commands never answered, and each kept its
+        pooled connection. Ending the sessions is what a server restart does: the calls in
+        progress fail (an append's outcome is decided from what is stored, as after any lost
+        reply), the idle pooled connections fail at their next use instead of waiting in
+        turn, new ones are opened (bounded by the connect timeout and the pool wait) once the
+        server answers, and the owner-lease session reports its leases lost (the runs are
+        adopted again).
+
+        A statement can also wait on a server that answers: for a lock (VACUUM, ANALYZE or an
+        index build on the events table, an operator's transaction), or run long. Cutting it
+        would cost every lease and make every call in flight unknown, for nothing: the server
+        then answers on a new session, and the statement is left to finish (one warning,
+        looked at again after another ``wait``), unless the server lists the waiting session as
+        idle: then it is not running the statement, the connection was lost on the way (a
+        firewall or NAT that forgot it), and that session alone is ended (the call is retried
+        on a new session or fails). ``AGENTFOLD_PG_TCP_TIMEOUT`` (``pg_tcp_params``) usually
+        ends such a connection sooner, at the TCP level.
+        """
+        period = min(1.0, wait / 4)
+        where = f"{self._settings['POSTGRES_HOST']}:{self._settings['POSTGRES_PORT']}"
+        next_look = 0.0
+        while not self._watchdog_stop.wait(period):
+            now = time.monotonic()
+            if now < next_look:
+                continue
+            with self._sessions_lock:
+                sessions = [c for c in self._sessions if not c.closed and not c.broken]
+            hung: dict[Any, float] = {}
+            pids: dict[Any, int] = {}
+            for conn in sessions:
+                since = getattr(conn, "_agentfold_busy_since", None)
+                if since is not None and now - since > wait:
+                    hung[conn] = since
+                    pids[conn] = getattr(conn, "_agentfold_pid", 0)
+            if not hung:
+                continue
+            waited = now - min(hung.values())
+            states = self._ask(
+                "SELECT pid, state, extract(epoch FROM clock_timestamp() - state_change)::float8 "
+                "FROM pg_stat_activity WHERE pid = ANY(%s)", [list(pids.values())], 2.0)
+            if states is not None:
+                # The server answers. A session it has listed as idle since before this process
+                # began to wait on it never got the statement: the connection was lost on the way
+                # (a firewall or NAT that forgot it, a path that drops its packets), and the call
+                # would wait until TCP gives up (~15 minutes without AGENTFOLD_PG_TCP_TIMEOUT).
+                # Only that session ends (the call fails and is retried on a new one). A session
+                # the server runs, went idle after the wait began (its answer may still be on
+                # the way), or does not list (a pooler in between; a server that does not let
+                # this role read pg_stat_activity) is left.
+                asked = time.monotonic()
+                idle_for = {int(pid): float(seconds) for pid, state, seconds in states
+                            if state is not None and str(state).startswith("idle") and seconds is not None}
+                lost = [c for c, since in hung.items()
+                        if pids[c] in idle_for and idle_for[pids[c]] >= asked - since - 1.0
+                        and getattr(c, "_agentfold_busy_since", None) == since]
+                for conn in lost:
+                    log.warning(
+                        "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session but reports "
+                        "this one (pid %d) idle: the connection was lost on the way (a firewall, NAT or network "
+                        "dropping it without a reset); ending it (the call fails with store.unavailable or is retried "
+                        "on a new session)", now - hung[conn], where, pids[conn])
+                    try:
+                        end_session(conn)
+                    except Exception:  # noqa: BLE001 - a session closed meanwhile needs nothing
+                        pass
+                if len(lost) < len(hung):
+                    log.warning(
+                        "a statement has waited %.0f s for PostgreSQL at %s, which answers a new session: a lock wait "
+                        "or a slow statement, left to finish", now - min(t for c, t in hung.items() if c not in lost),
+                        where)
+                    next_look = time.monotonic() + wait
+                continue
+            if self._watchdog_stop.is_set():
+                return
+            log.warning(
+                "PostgreSQL at %s has not answered a statement for %.0f s, nor a new session for 2 s: ending this "
+                "process's %d session(s) to it, as a server restart would (calls in progress fail with "
+                "store.unavailable; sessions are opened again once it answers; AGENTFOLD_PG_STATEMENT_WAIT sets the "
+                "wait)", where, waited, len(sessions))
+            for conn in sessions:
+                try:
+                    end_session(conn)
+                except Exception:  # noqa: BLE001 - a session closed meanwhile needs nothing
+                    pass
+
+    # -- stopping ----------------------------------------------------------
+
+    def _track_sessions(self, pool: Any) -> None:
+        """Remember every connection the pool opens (its configure callback sees each one), so
+        that ``interrupt`` can end the ones in use: psycopg_pool keeps no list of them. The
+        pool opens them as ``InterruptibleConnection``, which ``end_session`` can end. Must
+        run before the pool is opened."""
+        pool.connection_class = InterruptibleConnection
+        configure = pool._configure
+
+        def track(conn: Any) -> None:
+            with self._sessions_lock:
+                self._sessions.add(conn)
+            if configure is not None:
+                configure(conn)
+            set_server_tcp(conn, self._tcp_timeout)
+
+        pool._configure = track
+
+    def session(self, *, listen: bool = False) -> Any:
+        """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
+        pool: the owner-lease session, a follower's LISTEN session (``listen``: the server's
+        ``tcp_user_timeout`` is left alone, see ``set_server_tcp``). ``interrupt`` ends it as it
+        ends the pooled ones, and refuses new ones (``store.unavailable``)."""
+        self._check_open()
+        if self._interrupted:
+            raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
+        conn = InterruptibleConnection.connect(**pg_conninfo(self._settings), autocommit=True)
+        try:
+            set_server_tcp(conn, self._tcp_timeout, user_timeout=not listen)
+        except BaseException:
+            conn.close()
+            raise
+        with self._sessions_lock:
+            self._sessions.add(conn)
+        if self._interrupted:  # interrupted while it connected: end it like the others
+            end_session(conn)
+        return conn
+
+    def answers(self, timeout: float = 2.0) -> bool:
+        """Whether the PostgreSQL server answers ``SELECT 1`` on a new session of its own within
+        ``timeout`` seconds (always True for SQLite and memory stores): a stopped, unreachable
+        or hung server does not. The attempt runs in a daemon thread, so a server that accepts
+        the connection and then never answers cannot hold the caller."""
+        if self.backend != "postgresql":
+            return True
+        return self._ask("SELECT 1", (), timeout) is not None
+
+    def _ask(self, sql: str, args: Sequence[Any], timeout: float) -> list[tuple[Any, ...]] | None:
+        """The rows of one query on a new session of this PostgreSQL store's database: None when
+        the server does not answer within ``timeout`` seconds (see ``answers``), no rows when it
+        answers the query with an error."""
+        import psycopg
+
+        rows: list[list[tuple[Any, ...]]] = []
+        finished = threading.Event()
+        params = {**pg_conninfo(self._settings), "connect_timeout": max(2, math.ceil(timeout))}
+
+        def probe() -> None:
+            try:
+                with psycopg.connect(**params) as conn:
+                    try:
+                        rows.append(conn.execute(sql, args).fetchall())
+                    except psycopg.DatabaseError as exc:
+                        if isinstance(exc, psycopg.OperationalError):
+                            raise
+                        rows.append([])  # it answers, with an error (e.g. no right to read the view)
+            except Exception:  # noqa: BLE001 - any other failure means it does not answer
+                pass
+            finally:
+                finished.set()
+
+        threading.Thread(target=probe, name="agentfold-store-probe", daemon=True).start()
+        finished.wait(timeout)
+        return rows[0] if rows else None
+
+    def interrupt(self) -> None:
+        """Make every call of this store that waits on PostgreSQL fail now, and every later one
+        at once; for a command that stops while the server does not answer
+        (``agentfold.adapters.follower.StopGuard``). Safe from any thread; idempotent.
+
+        During an outage a store call waits the pool's 30 s for a connection
+        (``AGENTFOLD_PG_POOL_WAIT``), or waits up to ``AGENTFOLD_PG_STATEMENT_WAIT`` (for ever
+        with 0) for a server that no longer
+        answers on a connection it has. This closes the connection pool (a call waiting for a
+        connection fails with psycopg_pool's ``PoolClosed``, and so does every later one,
+        after eventsourcing's retries: about 2 s) and shuts down the network connection of
+        every session still open (pooled ones in use, LISTEN sessions from ``session``), so a
+        query in progress fails too. A transaction ends as a whole either way: committed (its
+        reply lost) or not at all. The store cannot be used afterwards; ``close`` it as usual.
+        SQLite and memory stores have nothing to interrupt: their calls never wait on a server.
+        """
+        if self.backend != "postgresql" or self._interrupted or getattr(self, "_closed", False):
+            return
+        self._interrupted = True
+        self._watchdog_stop.set()
+        pool = self.factory.datastore.pool
+        # A short join: an idle pool worker stops at once; one still connecting to a server
+        # that does not answer is a daemon thread, left to its own connect timeout.
+        pool.close(timeout=0.05)
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        for conn in sessions:
+            end_session(conn)
+
+    # -- appends -----------------------------------------------------------
+
+    def append(
+        self,
+        tree_id: TreeID,
+        expected_version: int,
+        events: Sequence[TreeEvent],
+        *,
+        previous_digest: str | None,
+        timestamp: str,
+        head: TreeHead | None = None,
+        snapshot: TreeState | None = None,
+    ) -> AppendResult:
+        """Append ``events`` at positions ``expected_version + 1 ...`` in one transaction.
+
+        ``snapshot``: the folded tree after these events (its version is the last one's
+        position), saved in the same transaction as the tree's only snapshot when its JSON
+        is at most ``INLINE_SNAPSHOT_BYTES`` long, else returned as ``snapshot_body``."""
+        self.check_file()
+        self.check_writable()
+        tree_uuid = tree_id.uuid
+        stored: list[StoredEvent] = []
+        digest = previous_digest
+        for offset, event in enumerate(events, start=1):
+            record, digest = self.mapper.encode(tree_id, tree_uuid, expected_version + offset, event, timestamp, digest)
+            stored.append(record)
+        assert digest is not None
+        if head is not None:
+            head = head.with_digest(digest)
+        saved: StoredEvent | None = None
+        deferred: bytes | None = None
+        if snapshot is not None:
+            if snapshot.version != expected_version + len(events):
+                raise ValueError(f"a snapshot at version {snapshot.version} does not follow this append")
+            body = self.encode_snapshot(snapshot, digest)
+            if len(body) <= INLINE_SNAPSHOT_BYTES:
+                saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, STATE_COMPRESSOR.compress(body))
+            else:
+                deferred = body
+        try:
+            if self.backend == "memory":
+                ids = self.recorder.insert_events(stored, head=head)
+                if saved is not None:  # one process, one lock per recorder: nothing reads in between
+                    self.snapshots.insert_events([saved])
+                    self.snapshots.prune(tree_uuid, saved.originator_version)
+            else:
+                ids = self.recorder.insert_events(stored, head=head, snapshot=saved)
+        except IntegrityError as exc:
+            try:
+                ours = self._already_stored(tree_id, stored)
+                # A conflict is another writer's event at our first position. Any other
+                # constraint failure (a trigger, a CHECK an operator added) is a refused write:
+                # taken for a conflict, it was retried 64 times and reported as contention.
+                taken = ours or bool(self.recorder.select_events(tree_id.uuid, gt=expected_version, limit=1))
+            except PersistenceError as failure:
+                raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {failure}") from exc
+            if ours:
+                return AppendResult(digest, (), deferred)
+            if not taken:
+                raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
+            raise VersionConflict(tree_id, expected_version) from exc
+        except PersistenceError as exc:
+            raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
+                               hint=APPEND_FAILED_HINT) from exc
+        return AppendResult(digest, tuple(ids or ()), deferred)
+
+    def _already_stored(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:
+        """Identical events already stored as the stream's head: an idempotent retry.
+
+        Only at the head: the same events with others after them are a stale duplicate, a
+        conflict (Scope's rule; a writer whose reply was lost and who meets a conflict finds
+        its own committed events when it reloads)."""
+        first, last = stored[0].originator_version, stored[-1].originator_version
+        existing = self.recorder.select_events(tree_id.uuid, gt=first - 1)
+        if not existing or existing[-1].originator_version != last:
+            return False
+        try:
+            return [(s.originator_version, s.topic, stored_json(s.state)) for s in existing] == [
+                (s.originator_version, s.topic, stored_json(s.state)) for s in stored
+            ]
+        except SealError:
+            return False  # a damaged stored row is not our events: a conflict, found on load
+
+    # -- reads -------------------------------------------------------------
+
+    def read(
+        self,
+        tree_id: TreeID,
+        *,
+        after: int = 0,
+        upto: int | None = None,
+        previous_digest: str | None = None,
+        verify: bool = True,
+    ) -> list[RecordedEvent]:
+        """Events after position ``after`` (verified against ``previous_digest``)."""
+        try:
+            stored = self.recorder.select_events(tree_id.uuid, gt=after or None, lte=upto)
+        except PersistenceError as exc:
+            raise read_failure(exc, f"reading tree {tree_id}") from exc
+        out: list[RecordedEvent] = []
+        digest = previous_digest
+        expected = after + 1
+        for record in stored:
+            if record.originator_version != expected:
+                raise CorruptStream(tree_id, expected, "integrity.missing_event", f"position {expected} is missing")
+            try:
+                decoded = self.mapper.decode(tree_id, record, digest, verify=verify)
+            except DecodeError as exc:
+                raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+            out.append(decoded)
+            digest = decoded.digest
+            expected += 1
+        return out
+
+    def read_raw(self, tree_id: TreeID) -> list[StoredEvent]:
+        return list(self.recorder.select_events(tree_id.uuid))
+
+    def load(
+        self,
+        tree_id: TreeID,
+        programs: ProgramResolver | None = None,
+        *,
+        use_snapshot: bool = True,
+        verify: bool = True,
+        upto: int | None = None,
+    ) -> LoadedTree:
+        """Fold a tree from its latest snapshot (if any) and the events after it."""
+        state: TreeState | None = None
+        digest: str | None = None
+        snapshot_version = 0
+        if use_snapshot:
+            try:
+                snapshot = self.latest_snapshot(tree_id, programs, upto=upto)
+            except (PersistenceError, AgentfoldError):
+                raise  # the store itself failed, or a refusal that folding would meet as well
+            except OutdatedSnapshot as exc:  # another release's format (after an upgrade or a downgrade)
+                log.info("snapshot of tree %s is not used (%s); folding from its first event", tree_id, exc)
+                snapshot = None
+            except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: the events are the truth
+                # A damaged snapshot row (a disk fault, a hand edit) would otherwise make a
+                # healthy history unreadable, and with it every store-wide listing.
+                log.warning("snapshot of tree %s is unreadable (%s: %s); folding from its first event",
+                            tree_id, type(exc).__name__, exc)
+                snapshot = None
+            if snapshot is not None and not self._snapshot_matches(tree_id, snapshot[0].version, snapshot[1]):
+                # Readable but not of this history (a hand edit, a restored backup of another
+                # store): trusting it would chain the next append to a wrong digest.
+                log.warning("snapshot of tree %s at version %s does not match the event stored there; "
+                            "folding from its first event", tree_id, snapshot[0].version)
+                snapshot = None
+            if snapshot is not None:
+                state, digest = snapshot
+                snapshot_version = state.version
+        if state is None:
+            state = TreeState(programs)
+        records = self.read(tree_id, after=state.version, upto=upto, previous_digest=digest, verify=verify)
+        if not records and state.version == 0:
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist in {redact(self.url)}")
+        for record in records:
+            try:
+                state.apply(record.event, record.position)
+            except FoldError as exc:
+                raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+            digest = record.digest
+        return LoadedTree(state, digest, snapshot_version)
+
+    # -- snapshots ---------------------------------------------------------
+
+    def stored_digest(self, tree_id: TreeID, position: int) -> str | None:
+        """The digest recorded in the event stored at ``position`` (one row read, not
+        verified); None when no event is stored there; ``SealError`` when it is damaged."""
+        rows = self.recorder.select_events(tree_id.uuid, gt=position - 1, lte=position)
+        return unseal(stored_json(rows[0].state)).digest if rows else None
+
+    def _snapshot_matches(self, tree_id: TreeID, version: int, digest: str) -> bool:
+        """Whether the event stored at ``version`` carries ``digest``."""
+        try:
+            return self.stored_digest(tree_id, version) == digest
+        except SealError:
+            return False  # the event itself is damaged: the full fold reports where
+
+    @staticmethod
+    def encode_snapshot(state: TreeState, digest: str) -> bytes:
+        """The snapshot JSON of a folded tree at its version (serialize under the owner's lock)."""
+        return orjson.dumps({"format": SNAPSHOT_FORMAT, "tree": state.to_json(compact=True), "digest": digest})
+
+    def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
+        self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
+
+    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
+        """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
+        states are: a long conversation's snapshot holds every message) and drop older ones."""
+        self.check_writable()
+        state_version = version
+        body = STATE_COMPRESSOR.compress(body)
+        try:
+            self.snapshots.insert_events([StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)])
+        except IntegrityError:
+            return  # the same version was already snapshotted
+        # Only the newest snapshot is ever read; keeping the others would grow storage
+        # with the square of a long conversation.
+        self.snapshots.prune(tree_id.uuid, state_version)
+
+    def latest_snapshot(
+        self, tree_id: TreeID, programs: ProgramResolver | None, *, upto: int | None = None
+    ) -> tuple[TreeState, str] | None:
+        """The newest snapshot (at or before ``upto``), folded back into a tree."""
+        rows = self.snapshots.select_events(tree_id.uuid, desc=True, limit=1, lte=upto)
+        if not rows:
+            return None
+        stored = decode_snapshot(rows[0].state)
+        if stored.format != SNAPSHOT_FORMAT:
+            raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}")
+        return TreeState.from_json(stored.tree, programs), stored.digest
+
+    # -- index and feed ----------------------------------------------------
+
+    def heads(self, *, live_only: bool = False, only: HeadFilter | None = None) -> list[TreeHead]:
+        """Index rows in creation order: every tree, the live ones, or those ``only`` keeps."""
+        return self.index.select_heads(only or HeadFilter(live_only=live_only))
+
+    def head(self, tree_id: TreeID) -> TreeHead | None:
+        return self.index.select_head(tree_id)
+
+    def versions(self, tree_ids: Sequence[TreeID]) -> dict[TreeID, int]:
+        """The stored version of each tree (from the tree index), in one query."""
+        return {TreeID(k): v for k, v in self.index.select_versions([str(t) for t in tree_ids]).items()}
+
+    def tree_of_process(self, process_id: str) -> TreeID | None:
+        found = self.index.tree_of_process(process_id)
+        return TreeID(found) if found else None
+
+    def find_tree(self, ref: str) -> TreeID:
+        """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
+        if ref.startswith("tree:"):
+            tree_id = TreeID(ref)
+            if self.head(tree_id) is None:
+                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
+            return tree_id
+        found = self.tree_of_process(ref)
+        if found is not None:
+            return found
+        tree_id = TreeID.for_start(StartID(ref))
+        if self.head(tree_id) is None:
+            raise NotFound(
+                "engine.tree.not_found", f"no tree, start id or process {str(ref)!r} in this store",
+                hint="list trees with `agentfold trees`",
+            )
+        return tree_id
+
+    def find_process_tree(self, process_id: str) -> TreeID:
+        """The tree of a process (InvalidInput for a malformed id, else NotFound)."""
+        found = self.tree_of_process(ProcessID(process_id))
+        if found is None:
+            head = self._head_named(process_id)
+            if head is not None:  # a run's tree id or start id where a process id was wanted
+                raise NotFound(
+                    "engine.process.not_found",
+                    f"{str(process_id)!r} names the run {head.tree_id} (started as {head.start_id!r}), not a process",
+                    hint=f"pass a process id: the run's root process is {head.root_process_id} "
+                    f"(`agentfold show {head.tree_id}` lists every process of the run)",
+                )
+            raise NotFound("engine.process.not_found", f"process {process_id} is not in this store")
+        return found
+
+    def _head_named(self, ref: str) -> TreeHead | None:
+        """The index row of the tree ``ref`` names as a tree id or a start id, if any."""
+        try:
+            tree_id = TreeID(ref) if ref.startswith("tree:") else TreeID.for_start(StartID(ref))
+        except (AgentfoldError, ValueError):
+            return None  # not a tree id or start id either
+        return self.head(tree_id)  # a store failure is reported as one, never as "not found"
+
+    def tree_of_unknown_effect(self, effect_id: str) -> TreeID | None:
+        found = self.index.tree_of_unknown_effect(effect_id)
+        return TreeID(found) if found else None
+
+    def notifications(self, after: int, limit: int = 500) -> Sequence[Notification]:
+        found: Sequence[Notification] = self.recorder.select_notifications(after, limit, inclusive_of_start=False)
+        return found
+
+    def max_notification_id(self) -> int:
+        return int(self.recorder.max_notification_id() or 0)
+
+    def changes(self, after: int, upto: int, limit: int = 10_000) -> list[Changed]:
+        """The trees the first ``limit`` events after notification ``after`` (up to ``upto``)
+        belong to, each with its positions there, without reading the events' states."""
+        return [Changed(TreeID.from_uuid(uuid.UUID(hex=tree)), first, low, high, last)
+                for tree, first, low, high, last in self.index.select_changes(after, upto, limit)]
+
+    # -- leases ------------------------------------------------------------
+
+    def leases(self) -> LeaseManager:
+        """A new lease manager (one per runtime)."""
+        self._check_open()
+        if self.backend == "memory":
+            return MemoryLeases(self._memory_leases, self._memory_lock)
+        if self.backend == "sqlite":
+            if self.read_only_uri is not None:  # a runtime may read it (find a tree); taking one is refused
+                return RefusedLeases(self._read_only_failure)
+            return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
+        # Its session is one of the store's, so ``interrupt`` ends it with the others.
+        return PostgresLeases(pg_conninfo(self._settings), session=self.session)
+
+
+class _Closed:
+    """What a closed EventStore reads and writes through: every use is refused."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def refuse(self) -> NoReturn:
+        raise StoreFailure(
+            "store.closed", f"the store {redact(self._url)} was closed by this process",
+            hint="open a new EventStore; close a Runtime before the store it uses",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        self.refuse()
+
+
+class _SessionSocket:
+    """A duplicate of a PostgreSQL session's socket descriptor, held for the session's life.
+
+    Shutting the socket down through the connection's own descriptor number would race with
+    its owner: the owner may close the connection between our reading the number and using
+    it, and the number be reused at once by an unrelated socket, which we would then shut
+    down. A duplicate refers to the same open socket (shutting it down ends the connection),
+    and its number cannot be reused while we hold it; it is closed, under the same lock as
+    the shutdown, when the connection is closed (or collected)."""
+
+    def __init__(self, fd: int) -> None:
+        self._lock = threading.Lock()
+        self._fd = os.dup(fd)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return  # the session was closed: its socket is not ours to touch any more
+            sock = socket.socket(fileno=self._fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                sock.detach()  # the descriptor stays ours until release()
+
+    def release(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _interruptible_connection_class() -> Any:
+    import psycopg
+
+    class InterruptibleConnection(psycopg.Connection[Any]):
+        """A psycopg connection that ``end_session`` can end from any thread without a race:
+        it holds a duplicate of its socket's descriptor from its opening to its closing
+        (``_SessionSocket``). Open it with ``InterruptibleConnection.connect(...)`` as with
+        ``psycopg.connect``; a connection pool opens it when it is its ``connection_class``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Opened by the thread that connects it, before anyone else can see it.
+            self._agentfold_socket: _SessionSocket | None = _SessionSocket(self.pgconn.socket)
+            self._agentfold_busy_since: float | None = None  # see wait()
+            self._agentfold_pid: int = self.pgconn.backend_pid  # read by the watchdog's thread
+            weakref.finalize(self, self._agentfold_socket.release)  # never closed: at collection
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            """psycopg's wait for the server (every statement, fetch and commit), marked with its
+            start for ``EventStore._watch_statements``; a wait with its own timeout (a LISTEN
+            session's ``notifies``) is not marked."""
+            if kwargs.get("timeout") is not None:
+                return super().wait(*args, **kwargs)
+            self._agentfold_busy_since = time.monotonic()
+            try:
+                return super().wait(*args, **kwargs)
+            finally:
+                self._agentfold_busy_since = None
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                # Also when psycopg closes nothing (a broken connection counts as closed).
+                held = getattr(self, "_agentfold_socket", None)
+                if held is not None:
+                    held.release()
+
+    return InterruptibleConnection
+
+
+InterruptibleConnection: Any = _interruptible_connection_class()
+
+
+def end_session(conn: Any) -> None:
+    """Shut down the network connection of an ``InterruptibleConnection``, from any thread:
+    whatever waits on it (a query, a notification) fails at once with
+    ``psycopg.OperationalError``, even when the server does not answer. The socket is shut
+    down, not closed: its owner still closes the connection, and sees a lost connection.
+
+    Race-free: the shutdown goes through the duplicate descriptor the connection holds from
+    its opening to its closing, so a connection its owner closes meanwhile is left alone
+    (closed already, or ended just before), and never a socket that took its number. A
+    connection opened otherwise cannot be ended safely: ``TypeError``."""
+    held = getattr(conn, "_agentfold_socket", None)
+    if held is None:
+        raise TypeError(f"{type(conn).__name__} cannot be ended from another thread: open it as an "
+                        "agentfold.adapters.eventstore.InterruptibleConnection")
+    held.shutdown()
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages (also when the URL is malformed)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host_and_path = rest.rpartition("@")
+    # The last '@' ends the user and password, even when an unencoded '/', '?' or '#' in
+    # the password would make a URL parser cut the host part earlier: never show a secret.
+    if not sep or rest.startswith("/") or not at or ":" not in userinfo:  # sqlite:///path has no user
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host_and_path}"
+
+
+def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
+    """psycopg parameters of a direct connection to a PostgreSQL store (the first connection,
+    the owner-lease session, the follower's LISTEN session): at most ``PG_CONNECT_TIMEOUT``
+    seconds to connect, unless PGCONNECT_TIMEOUT says otherwise, and ``pg_tcp_params``."""
+    params: dict[str, Any] = {
+        "dbname": settings["POSTGRES_DBNAME"], "host": settings["POSTGRES_HOST"],
+        "port": settings["POSTGRES_PORT"], "user": settings["POSTGRES_USER"],
+        "password": settings["POSTGRES_PASSWORD"],
+    }
+    if not os.environ.get("PGCONNECT_TIMEOUT"):
+        params["connect_timeout"] = PG_CONNECT_TIMEOUT
+    kept = settings.get("AGENTFOLD_PG_TCP_TIMEOUT")
+    params.update(pg_tcp_params(int(kept) if kept is not None else None))
+    return params
+
+
+def check_postgres(url: str, settings: dict[str, str]) -> None:
+    """Connect once, directly, with a short timeout, and explain a failure.
+
+    The connection pool would retry a failing connection for 30 s and then say only that
+    it got none; this says why at once. psycopg gives no SQLSTATE for a failed connection
+    (libpq keeps only the message), so a missing database (3D000) is recognized by the
+    server's message, which is English unless the server's ``lc_messages`` says otherwise
+    (a translated message is still reported, as ``store.unavailable``).
+    """
+    import psycopg
+
+    try:
+        psycopg.connect(**pg_conninfo(settings)).close()
+    except psycopg.Error as exc:
+        raise connect_failure(url, settings, exc) from exc
+
+
+def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFound | StoreFailure:
+    """A classified error for a failed PostgreSQL connection, with the server's reason on one line."""
+    text = str(exc)
+    text = text.removeprefix("connection failed: ")
+    if settings["POSTGRES_PASSWORD"]:
+        text = text.replace(settings["POSTGRES_PASSWORD"], "***")
+    lines: list[str] = []
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if line and line not in lines:  # libpq repeats the reason for each SSL/non-SSL attempt
+            lines.append(line)
+    reason = "; ".join(lines) or type(exc).__name__
+    shown = redact(url)
+    dbname = settings["POSTGRES_DBNAME"]
+    if f'database "{dbname}" does not exist' in reason:
+        return NotFound(
+            "store.not_found", f"no database {dbname!r} on the PostgreSQL server of {shown}: {reason}",
+            hint="check the database name in the URL, or create the database first with CREATE DATABASE",
+        )
+    login = ("password authentication failed", "no password supplied", "authentication failed",
+             "pg_hba.conf", "not permitted to log in", "role \"")
+    if any(marker in reason for marker in login):
+        return StoreFailure(
+            "store.unavailable", f"PostgreSQL refused the login to {shown}: {reason}",
+            hint="check the user and password in the URL; without a password libpq reads ~/.pgpass or PGPASSFILE",
+        )
+    if "SSL" in reason or "certificate" in reason:
+        return StoreFailure(
+            "store.unavailable", f"cannot connect to the PostgreSQL server of {shown}: {reason}",
+            hint="check PGSSLMODE, PGSSLROOTCERT, which names the CA that signed the server's certificate, and the "
+            "host name in the URL: verify-full compares it with the certificate",
+        )
+    timeout = os.environ.get("PGCONNECT_TIMEOUT") or str(PG_CONNECT_TIMEOUT)
+    return StoreFailure(
+        "store.unavailable", f"cannot connect to the PostgreSQL server of {shown}: {reason}",
+        hint=f"check that the server runs and is reachable at the URL's host and port; "
+        f"the first connection waits at most {timeout} s, PGCONNECT_TIMEOUT sets it",
+    )
+
+
+def store_url_from_env(explicit: str | None = None) -> str:
+    if explicit is not None and not explicit.strip():
+        # An empty --store (an unset shell variable) must not silently mean the default store.
+        raise InvalidInput("store.url_invalid", "--store is empty",
+                           hint="give sqlite:///path.db, postgresql://... or memory:, or leave --store out")
+    if explicit:
+        return explicit
+    env = os.environ.get("AGENTFOLD_STORE")
+    if env is not None and not env.strip():
+        # Set but empty (``AGENTFOLD_STORE=$UNSET_VAR``): the same mistake, in the environment.
+        raise InvalidInput("store.url_invalid", "AGENTFOLD_STORE is set but empty",
+                           hint="set it to sqlite:///path.db, postgresql://... or memory:, or unset it "
+                           "for the default store")
+    return env or DEFAULT_STORE
+
+
+def tree_uuid(tree_id: TreeID) -> uuid.UUID:
+    return tree_id.uuid

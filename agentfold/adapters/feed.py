@@ -1,0 +1,548 @@
+"""The Kafka feed publisher: every stored event, in order, as a documented JSON envelope.
+
+The publisher follows the store's notification log (every event of every tree, in
+commit order) from its tracked position and produces each event to one topic with
+kafka-python (``acks="all"``, idempotent producer):
+
+* key: the root tree id (``tree:<32 hex>``), so one tree's events share a partition
+  and keep their order;
+* value: the envelope (docs/kafka.md), canonical JSON;
+* headers: ``type``, ``notification_id``, ``schema_version``.
+
+Delivery: a batch is produced, flushed, and every send is confirmed by the broker
+before the batch's last notification id is stored as the publisher's position (the
+eventsourcing tracking table ``agentfold_tracking``, application name
+``agentfold.publisher:<topic>``). A crash between the broker's acknowledgement and the
+position write re-sends that batch on restart: duplicates are possible inside the
+unacknowledged window, a gap never is. Consumers dedupe by ``notification_id`` (or by
+``(tree_id, position)``).
+
+Following: PostgreSQL stores wake the publisher with LISTEN/NOTIFY on the channel every
+append notifies (``agentfold_events``), with polling as a safety net; SQLite stores are
+polled. One publisher per (store, topic): a second one only duplicates.
+
+Failures while following (``Publisher.follow_until_stopped``): a failure of the store (a
+restarted or failed-over server, a terminated session) or a retriable failure of the
+broker (unreachable, no acknowledgement in time) is reported as one line and retried with
+the read models' backoff policy (``agentfold.adapters.follower.retry_until_stopped``); each attempt
+starts again from the *stored* position, so at most the batch whose position was not
+stored is produced again. A corrupt stream, a second publisher on the topic
+(``feed.position_conflict``) and a record the broker refuses for good (too large, not
+authorized) stop the publisher.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import IntegrityError, Notification, Tracking
+
+from agentfold.adapters.codec import TOPIC_PREFIX, stored_json
+from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.read_models import tracking_recorder
+from agentfold.domain.errors import AgentfoldError, InvalidInput, StoreFailure
+from agentfold.domain.events import EVENT_TYPES
+from agentfold.domain.ids import TreeID
+from agentfold.domain.integrity import SealError, chain_digest, unseal
+
+APPLICATION_PREFIX = "agentfold.publisher:"
+DEFAULT_PARTITIONS = 3
+DEFAULT_BATCH = 500
+DEFAULT_POLL_INTERVAL = 0.05  # seconds; a PostgreSQL follower's safety net is 10 x this
+CRASH_EXIT = 75
+# Seconds of one wait for acknowledgements, so that ``Publisher.interrupt`` ends the wait soon.
+ACK_SLICE = 0.25
+# One event may hold several payloads of up to 4 MiB each (TreeStarted: input and configuration).
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+Envelope = dict[str, Any]
+
+
+class FeedError(AgentfoldError):
+    """The broker did not acknowledge (or could not be reached); nothing was recorded as published.
+
+    ``retriable``: the broker may take the same records later (it was unreachable, or did not
+    answer in time), as opposed to refusing them for good (too large, not authorized).
+    """
+
+    def __init__(self, message: str, *, retriable: bool = True) -> None:
+        super().__init__("feed.unavailable", message, "check --bootstrap and the broker; run again: the publisher and the transcripts consumer resume where they stopped")
+        self.retriable = retriable
+
+
+def _retriable(exc: BaseException) -> bool:
+    """kafka-python marks the errors a later attempt may not meet (``KafkaError.retriable``)."""
+    return bool(getattr(exc, "retriable", False))
+
+
+def publish_failed(exc: BaseException) -> bool:
+    """The failures a following publisher retries: the store's, and the broker's retriable ones."""
+    from agentfold.adapters.follower import store_failed
+
+    if isinstance(exc, FeedError):
+        return exc.retriable
+    if isinstance(exc, AgentfoldError) and exc.code == "feed.position_conflict":
+        return False  # another publisher on this topic: retrying only races it again
+    return store_failed(exc)
+
+
+# ---------------------------------------------------------------------------
+# Envelopes
+
+
+def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> Envelope:
+    """The feed envelope of one stored event (the body exactly as stored, defaults omitted);
+    with ``chain``, only once its digest chains to the previous event of its tree."""
+    originator = notification.originator_id
+    tree_id = TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
+    position = int(notification.originator_version)
+    tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
+    name, _, version_text = tag.partition("@")
+    if name not in EVENT_TYPES or (version_text and not (version_text.isascii() and version_text.isdigit())):
+        raise CorruptStream(tree_id, position, "stream.event_type", f"unknown topic {notification.topic!r}")
+    try:
+        sealed = unseal(stored_json(notification.state))
+    except SealError as exc:
+        raise CorruptStream(tree_id, position, "integrity.format", str(exc)) from exc
+    if chain is not None:
+        chain.check(tree_id, position, tag, sealed.content, sealed.digest)
+    body = sealed.body
+    return {
+        "notification_id": int(notification.id),
+        "tree_id": str(tree_id),
+        "position": position,
+        "process_id": str(body.get("process_id", "")),
+        "type": name,
+        "schema_version": int(version_text) if version_text else 1,
+        "timestamp": sealed.timestamp,
+        "payload": body,
+        "digest": sealed.digest,
+    }
+
+
+class ChainCheck:
+    """The digest chain of what a publisher produces (``agentfold.domain.integrity``): each event's
+    recorded digest must be the one its tree's previous event and its own content give, so a
+    stored event changed by hand, or a history with a hole, never reaches the topic
+    (``store.corrupt``, as loading the tree says it).
+
+    The previous digest comes from the event before in the same batch or an earlier one (the
+    last ``capacity`` trees are remembered), else from the store (one read per tree)."""
+
+    def __init__(self, store: EventStore, capacity: int = 10_000) -> None:
+        self.store = store
+        self.capacity = capacity
+        self._last: collections.OrderedDict[TreeID, tuple[int, str]] = collections.OrderedDict()
+
+    def check(self, tree_id: TreeID, position: int, tag: str, content: bytes, recorded: str) -> None:
+        previous = self._previous(tree_id, position)
+        expected = chain_digest(previous, tree_id, position, tag, content)
+        if expected != recorded:
+            raise CorruptStream(tree_id, position, "integrity.digest_chain",
+                                f"recorded digest {recorded} but the chain gives {expected}")
+        self._last[tree_id] = (position, recorded)
+        self._last.move_to_end(tree_id)
+        if len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+    def _previous(self, tree_id: TreeID, position: int) -> str | None:
+        if position == 1:
+            return None
+        known = self._last.get(tree_id)
+        if known is not None and known[0] == position - 1:
+            return known[1]
+        try:
+            digest = self.store.stored_digest(tree_id, position - 1)
+        except SealError as exc:
+            raise CorruptStream(tree_id, position - 1, "integrity.format", str(exc)) from exc
+        if digest is None:
+            raise CorruptStream(tree_id, position - 1, "integrity.missing_event", f"position {position - 1} is missing")
+        return digest
+
+
+def envelope_bytes(envelope: Envelope) -> bytes:
+    """The record value: canonical JSON (sorted keys, no whitespace)."""
+    return orjson.dumps(envelope, option=orjson.OPT_SORT_KEYS)
+
+
+def envelope_headers(envelope: Envelope) -> list[tuple[str, bytes]]:
+    return [
+        ("type", str(envelope["type"]).encode()),
+        ("notification_id", str(envelope["notification_id"]).encode()),
+        ("schema_version", str(envelope["schema_version"]).encode()),
+    ]
+
+
+def store_envelopes(store: EventStore, after: int = 0, batch: int = 1000) -> Iterator[Envelope]:
+    """Every envelope the publisher would produce, read straight from the notification log."""
+    position = after
+    while True:
+        notifications = store.notifications(position, batch)
+        if not notifications:
+            return
+        for n in notifications:
+            yield envelope_of(n)
+        position = notifications[-1].id
+
+
+# ---------------------------------------------------------------------------
+# Position
+
+
+class PublisherPosition:
+    """The publisher's tracked position in the store's own database (eventsourcing tracking)."""
+
+    def __init__(self, store: EventStore, topic: str) -> None:
+        if store.backend not in ("sqlite", "postgresql"):
+            raise InvalidInput(
+                "feed.store_unsupported", f"a {store.backend} store has no database to track the publisher's position in",
+                hint="publish from a sqlite:/// or postgresql:// store",
+            )
+        self.application = APPLICATION_PREFIX + topic
+        self.tracking = tracking_recorder(store)
+
+    def get(self) -> int:
+        return int(self.tracking.max_tracking_id(self.application) or 0)
+
+    def save(self, notification_id: int) -> None:
+        self.tracking.insert_tracking(Tracking(self.application, notification_id))
+
+
+# ---------------------------------------------------------------------------
+# Kafka
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS, replication_factor: int = 1) -> bool:
+    """Create the topic if it is missing; True when this call created it."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="agentfold-publisher-admin")
+    except KafkaError as exc:
+        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+    try:
+        admin.create_topics(
+            {topic: {"num_partitions": partitions, "replication_factor": replication_factor,
+                     "configs": {"max.message.bytes": str(MAX_RECORD_BYTES)}}},
+            wait_for_metadata=True,
+        )
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    except KafkaError as exc:
+        raise FeedError(f"cannot create topic {topic}: {exc}", retriable=_retriable(exc)) from exc
+    finally:
+        admin.close()
+
+
+def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """The producer settings the feed relies on (acks=all, idempotence) plus ``extra``."""
+    config: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "client_id": "agentfold-publisher",
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": 2,
+        "batch_size": 256 * 1024,
+        "max_request_size": MAX_RECORD_BYTES,
+        # Shorter than the publisher's wait for acknowledgements (ack_timeout, 60 s), so that a
+        # batch the broker does not take normally ends as failed (expired) records, not as a timeout.
+        "delivery_timeout_ms": 50_000,
+    }
+    config.update(extra)
+    return config
+
+
+def new_producer(bootstrap: str) -> Any:
+    """A kafka-python producer with ``producer_config`` (FeedError when the broker cannot be reached)."""
+    from kafka import KafkaProducer
+    from kafka.errors import KafkaError
+
+    try:
+        return KafkaProducer(**producer_config(bootstrap))
+    except KafkaError as exc:
+        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+
+
+def discard_producer(producer: Any) -> None:
+    """Close a producer at once, dropping the records it still holds (a batch that failed: never
+    recorded as published, so produced again from the stored position)."""
+    try:
+        producer.close(timeout=0)
+    except Exception:  # noqa: BLE001 - close() flushes first and refuses while records are pending
+        # kafka-python's close() would force-close its sender after that flush; do it directly,
+        # or the old sender thread would go on sending the dropped batch next to its re-send.
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+
+
+def crash_hook_from_env() -> Callable[[int], None]:
+    """``AGENTFOLD_PUBLISHER_CRASH=after-produce:N``: die (os._exit) after the broker acknowledged
+    batch N and before its position is stored (real process death, for the crash tests)."""
+    spec = os.environ.get("AGENTFOLD_PUBLISHER_CRASH", "")
+    if not spec:
+        return lambda batch: None
+    kind, _, n = spec.partition(":")
+    if kind != "after-produce" or not (n.isascii() and n.isdigit()):
+        raise InvalidInput("feed.crash_spec", f"AGENTFOLD_PUBLISHER_CRASH={spec!r} is not after-produce:N")
+    target = int(n)
+
+    def hook(batch: int) -> None:
+        if batch == target:
+            os._exit(CRASH_EXIT)
+
+    return hook
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    events: int
+    position: int
+    failures: int = 0  # store or broker failures retried while following
+
+
+class Publisher:
+    """Produces a store's events to a topic, storing its position after each acknowledged batch."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        bootstrap: str,
+        topic: str,
+        *,
+        partitions: int = DEFAULT_PARTITIONS,
+        replication_factor: int = 1,
+        batch_size: int = DEFAULT_BATCH,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        ack_timeout: float = 60.0,
+        producer: Any = None,
+    ) -> None:
+        if batch_size < 1:
+            raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
+        if not (poll_interval > 0 and math.isfinite(poll_interval)):  # NaN compares false
+            raise InvalidInput("feed.poll_interval_invalid", f"poll interval {poll_interval} must be positive and finite")
+        self.store = store
+        self.topic = topic
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.ack_timeout = ack_timeout
+        self._position = PublisherPosition(store, topic)
+        self.position = self._position.get()
+        self._chain = ChainCheck(store)
+        ensure_topic(bootstrap, topic, partitions, replication_factor)
+        # A producer of its own is replaced after a broker failure (see follow_until_stopped).
+        self._bootstrap = bootstrap if producer is None else None
+        self.producer: Any = producer if producer is not None else new_producer(bootstrap)
+        self._crash = crash_hook_from_env()
+        self._interrupted = threading.Event()
+        self.batches = 0
+        self.steps = 0  # steps that ended without an error (store and broker answered): progress, for the backoff
+        self.events = 0
+        self.bytes = 0
+        self.failures = 0  # failures retried while following, counted as they happen
+
+    # -- one batch ---------------------------------------------------------------
+
+    def step(self) -> int:
+        """Produce the next batch (at most ``batch_size`` events); returns how many."""
+        notifications = self.store.notifications(self.position, self.batch_size)
+        if not notifications:
+            self.steps += 1
+            return 0
+        # Up to the first event that cannot be read or does not verify: what comes before it
+        # is published (and its position stored), then the publisher stops on it.
+        envelopes: list[Envelope] = []
+        corrupt: CorruptStream | None = None
+        for notification in notifications:
+            try:
+                envelopes.append(envelope_of(notification, self._chain))
+            except CorruptStream as exc:
+                corrupt = exc
+                break
+        notifications = notifications[: len(envelopes)]
+        if not notifications:
+            assert corrupt is not None
+            raise corrupt
+        self.produce(envelopes)
+        self.batches += 1
+        self._crash(self.batches)
+        last = int(notifications[-1].id)
+        try:
+            self._position.save(last)
+        except IntegrityError as exc:
+            # A retried write whose first attempt committed (its reply was lost) finds exactly
+            # its own position stored: that is success. Anything else means someone stored a
+            # position at or past ours: another publisher runs on this topic.
+            if self._position.get() != last:
+                raise StoreFailure(
+                    "feed.position_conflict",
+                    f"another publisher advanced {self._position.application} past {self.position}: {exc}",
+                ) from exc
+        self.position = last
+        self.events += len(notifications)
+        if corrupt is not None:
+            raise corrupt
+        self.steps += 1
+        return len(notifications)
+
+    def produce(self, envelopes: Sequence[Envelope]) -> None:
+        """Send envelopes and wait until the broker acknowledged every one (else raise FeedError;
+        also, retriable, once ``interrupt`` was called)."""
+        from kafka.errors import KafkaError
+
+        futures = []
+        try:
+            for envelope in envelopes:
+                value = envelope_bytes(envelope)
+                self.bytes += len(value)
+                futures.append(
+                    self.producer.send(
+                        self.topic, value=value, key=str(envelope["tree_id"]).encode(), headers=envelope_headers(envelope)
+                    )
+                )
+            self._flush()
+        except KafkaError as exc:  # no metadata in time (broker unreachable), a record too large, no flush in time
+            raise FeedError(
+                f"the broker did not take the records of topic {self.topic}: {exc}",
+                retriable=_retriable(exc),
+            ) from exc
+        for future in futures:
+            try:
+                future.get(timeout=self.ack_timeout)
+            except Exception as exc:  # any failed send: the batch is not acknowledged
+                raise FeedError(
+                    f"the broker did not acknowledge a record of topic {self.topic}: {exc}",
+                    retriable=_retriable(exc),
+                ) from exc
+
+    def _flush(self) -> None:
+        """The producer's ``flush(ack_timeout)``, in slices: kafka-python's flush cannot be
+        interrupted from another thread, and ``interrupt`` must end it (``FeedError``)."""
+        from kafka.errors import KafkaTimeoutError
+
+        deadline = time.monotonic() + self.ack_timeout
+        while True:
+            try:
+                self.producer.flush(timeout=max(min(ACK_SLICE, deadline - time.monotonic()), 0.001))
+                return
+            except KafkaTimeoutError:
+                if self._interrupted.is_set():
+                    raise FeedError(f"stopped waiting for the broker to acknowledge records of topic {self.topic}: "
+                                    "the publisher was interrupted") from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    # -- loops -----------------------------------------------------------------
+
+    def drain(self, stop: threading.Event | None = None) -> PublishReport:
+        """Publish everything committed so far, then return (``--once``). Once ``stop`` is set,
+        return after the batch in progress (acknowledged, its position stored), drained or not."""
+        before = self.events
+        while stop is None or not stop.is_set():
+            count = self.step()
+            if count < self.batch_size and self.position >= self.store.max_notification_id():
+                break
+        return PublishReport(self.events - before, self.position)
+
+    def follow(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> PublishReport:
+        """Publish new events as they are committed, until ``stop`` is set (then return cleanly)."""
+        from agentfold.adapters.follower import NewEvents
+
+        before = self.events
+        if stop.is_set():
+            return PublishReport(0, self.position)  # not even a LISTEN session: stopping must not wait
+        waiter = NewEvents(self.store, self.poll_interval)
+        try:
+            while not stop.is_set():
+                count = self.step()
+                if count:
+                    if on_batch is not None:
+                        on_batch(count)
+                    continue
+                waiter.wait(stop)
+        finally:
+            waiter.close()
+        return PublishReport(self.events - before, self.position)
+
+    def follow_until_stopped(
+        self, stop: threading.Event, say: Callable[[str], None], *, backoff: float = 0.5, max_backoff: float = 30.0
+    ) -> PublishReport:
+        """``follow`` until ``stop`` is set, through the failures ``publish_failed`` accepts.
+
+        Each failure is one line (``say``), then a wait (``retry_until_stopped``: doubling from
+        ``backoff`` up to ``max_backoff`` while the attempts make no progress, back to ``backoff``
+        after an attempt in which a step succeeded); the next attempt reads the stored position again
+        (the store may hold a later one than this object, if the reply to a position write was
+        lost) and goes on from there, so at most the batch whose position was not stored is
+        produced again. After a broker failure it also starts a new producer: the old one's
+        session (pending records, idempotence sequence numbers) may mean nothing to a restarted
+        broker, and kafka-python does not always recover from that by itself. Anything else is
+        raised.
+        """
+        from agentfold.adapters.follower import retry_until_stopped
+
+        before, failed_before = self.events, self.failures
+        again = False
+
+        def attempt() -> None:
+            nonlocal again
+            if again:
+                if self.producer is None and self._bootstrap is not None:
+                    self.producer = new_producer(self._bootstrap)
+                self.position = self._position.get()
+                say(f"following again from position {self.position}")
+            again = True
+            try:
+                self.follow(stop)
+            except FeedError:
+                if self._bootstrap is not None:
+                    producer, self.producer = self.producer, None
+                    discard_producer(producer)
+                raise
+
+        def failed() -> None:
+            self.failures += 1  # as it happens: the report at the last resort shows it
+
+        # Progress (the wait back to ``backoff``): a step that ended without an error, not
+        # time: during an outage each attempt may wait long for the store or the broker.
+        retry_until_stopped(
+            attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed,
+            progress=lambda: self.steps,
+        )
+        return PublishReport(self.events - before, self.position, self.failures - failed_before)
+
+    def interrupt(self) -> None:
+        """End a wait for acknowledgements now (``FeedError``, retriable) and drop what is
+        pending at ``close``, for a publisher that stops (``agentfold.adapters.follower.StopGuard``): the
+        batch is not recorded as published, and is produced again by the next run. Safe from
+        any thread."""
+        self._interrupted.set()
+
+    def close(self) -> None:
+        """Flush and close the producer. Records the broker still has not taken after
+        ``ack_timeout`` (a failed batch, never recorded as published) are dropped: stopping
+        during a broker outage ends cleanly. Once interrupted, they are dropped at once."""
+        from kafka.errors import KafkaError
+
+        if self.producer is None:
+            return
+        if self._interrupted.is_set():
+            discard_producer(self.producer)
+            return
+        try:
+            self._flush()
+            self.producer.close(timeout=5)
+        except (KafkaError, FeedError):
+            discard_producer(self.producer)
+

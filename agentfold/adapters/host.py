@@ -1,0 +1,297 @@
+"""What a host does to runs: answer a tool's input wait, steer an Interaction, settle an unknown Effect.
+
+One set of rules for the three front ends: Python (:class:`Host`), the CLI (``agentfold
+answer``, ``steer``, ``resolve``) and the HTTP API. Each rule is checked against the
+tree as stored before anything is appended: a refused answer or resolution leaves the
+store exactly as it was (and does not even make the caller take the tree over).
+
+Python hosts use :class:`Host` (docs/python.md)::
+
+    host = Host(runtime)
+    for entry in host.unknown():                       # the same JSON entries as GET /unknown-effects
+        host.resolve(entry["effect_id"], output={"confirmation": "H-1042"})
+    for entry in host.pending():                       # the same JSON entries as GET /pending-inputs
+        host.answer(entry["process_id"], entry["wait_id"], {"approved": True})
+    host.steer(root_process_id, "Prefer a window seat.")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import steer_signal
+from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.resolution import ABSENT, settlement_for
+from agentfold.adapters.runtime import RandomIds, Runtime
+from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize
+from agentfold.domain.errors import InvalidInput, NotFound, Rejected
+from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
+from agentfold.domain.kernel import Kernel
+from agentfold.domain.program import ProgramResolver, SignalRequest
+from agentfold.domain.requests import Settlement
+from agentfold.domain.tree import TreeState
+from agentfold.projections.host_views import pending_tool_inputs
+from agentfold.projections.read_models import Entry
+
+
+def fresh_signal_id(prefix: str) -> SignalID:
+    """A signal id for an answer or a steer the caller did not name (``answer:<32 hex>``)."""
+    return SignalID(f"{prefix}:{os.urandom(16).hex()}")
+
+
+def wait_state(tree: TreeState, process_id: ProcessID, wait_id: WaitID) -> dict[str, Any] | None:
+    """What a wait holds now: open, answered (and by which signal id), or closed unanswered."""
+    process = tree.processes.get(process_id)
+    wait = process.waits.get(wait_id) if process is not None else None
+    if process is None or wait is None:
+        return None
+    answered_by = None
+    if wait.answered_by is not None:
+        # Host signals stay in the mailbox as receipts once consumed: their ids remain.
+        record = next((r for r in process.mailbox if r.arrival == wait.answered_by), None)
+        answered_by = record.signal_id if record is not None else None
+    state = "answered" if wait.answered_by is not None else ("closed" if wait.closed else "open")
+    return {"wait_id": wait_id, "process_id": process_id, "state": state, "answered_by": answered_by}
+
+
+def answered_elsewhere(process_id: ProcessID, wait_id: WaitID, state: dict[str, Any]) -> Rejected:
+    return Rejected(
+        "engine.signal.rejected",
+        f"wait {wait_id} of process {process_id} was already answered (by {state['answered_by']})",
+        "read the run to see how it went on; resend with that signal id and answer to retry it",
+        wait=state,
+    )
+
+
+def answer_signal(
+    tree: TreeState, programs: ProgramResolver | None, process_id: ProcessID, wait_id: WaitID, response: JSON,
+    signal_id: SignalID | None, *, listing_hint: str,
+) -> SignalRequest:
+    """The signal that answers a Tool child's current input wait, checked against the wait's
+    response schema and 1 MiB; refused (``engine.signal.rejected``) when the wait is not a
+    pending tool input of that process, and (``engine.program.unavailable``) when the tree was
+    folded without its Programs (``programs`` None): its waits cannot be read then.
+
+    A signal id already admitted by the process is a retry: its signal is handed to the
+    kernel as it is, which deduplicates identical content (accepted false) and refuses a
+    different answer under the same id (``engine.signal.conflict``).
+    """
+    if programs is None:
+        program = tree.processes[process_id].program.name if process_id in tree.processes else "?"
+        raise NotFound(
+            "engine.program.unavailable",
+            f"the Program of process {process_id} ({program}) is not bound here: its tool input waits cannot be read",
+            hint="answer from a process that binds the run's Programs (docs/python.md)",
+        )
+    process = tree.processes.get(process_id)
+    if signal_id is not None and process is not None and signal_id in process.signal_index:
+        value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
+        return SignalRequest(signal_id, {"input_response": value}, wait_id)
+    match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
+    if match is None or match.wait_id != wait_id:
+        state = wait_state(tree, process_id, wait_id)
+        if state is not None and state["state"] == "answered":
+            raise answered_elsewhere(process_id, wait_id, state)
+        current = process.current_wait if process is not None else None
+        raise Rejected(
+            "engine.signal.rejected",
+            f"wait {wait_id} is not a pending tool input of process {process_id}"
+            + (f" (its current wait is {current})" if current else ""),
+            hint=listing_hint,
+            wait=state,
+        )
+    return match.response_signal(signal_id or fresh_signal_id("answer"), response)
+
+
+def deliver_answer(runtime: Runtime, tree_id: TreeID, process_id: ProcessID, signal: SignalRequest) -> bool:
+    """Deliver an answer built by :func:`answer_signal`; when another answer won the race for
+    the wait meanwhile, the refusal says which signal id answered it (``wait`` member)."""
+    try:
+        return runtime.deliver_signals(process_id, [signal])
+    except Rejected as exc:
+        if exc.code not in ("engine.signal.rejected", "engine.process.finished") or signal.wait_id is None:
+            raise
+        # The owner refuses the loser inside the cycle that appends the winner; capture waits
+        # for that cycle, so the state shown is the committed one, winner included.
+        state = wait_state(runtime.capture(tree_id), process_id, signal.wait_id)
+        if state is not None and state["state"] == "answered":
+            # Whether the winner's Tool child has finished by now or not, the loser hears the
+            # same thing: the wait was answered by someone else.
+            raise answered_elsewhere(process_id, signal.wait_id, state) from exc
+        raise Rejected(exc.code, exc.message, exc.hint, wait=state) from exc
+
+
+def unknown_effect_tree(store: EventStore, effect_id: EffectID, *, listing_hint: str, where: str = "this store") -> TreeID:
+    """The tree holding ``effect_id`` as an unknown Effect (per the tree index), else
+    ``engine.effect.not_pending``: it does not exist, or its outcome is not unknown (any more)."""
+    tree_id = store.tree_of_unknown_effect(effect_id)
+    if tree_id is None:
+        raise NotFound("engine.effect.not_pending", f"effect {effect_id} is not an unknown effect of any tree in {where}",
+                       hint=listing_hint)
+    return tree_id
+
+
+def checked_resolution(tree: TreeState, effect_id: EffectID, settlement: Settlement) -> ProcessID | None:
+    """Apply the kernel's resolution rules to a private fold (``tree`` is changed): the Process
+    of the unknown Effect, or the kernel's refusal (not unknown, already resolved, ...)."""
+    found = tree.find_effect(effect_id)
+    process_id = found[0].process_id if found is not None else None
+    Kernel(tree, lambda ref: None, RandomIds()).resolve_effect(
+        effect_id, settlement.status, settlement.payload, process_id=process_id
+    )
+    return process_id
+
+
+def _whole_run(limit: int | None, after: str | None) -> None:
+    if limit is not None or after is not None:
+        raise InvalidInput("host.page_invalid", "one run's listing is not paged: limit and after list every run",
+                           hint="drop tree to page through every run, or drop limit and after")
+
+
+def _page_limit(limit: int | None) -> int:
+    if limit is None:
+        return 100
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
+    return limit
+
+
+class Host:
+    """A host service's view of a Runtime's store, in Python: the questions of
+    :class:`~agentfold.adapters.queries.HostQueries` (the same JSON entries as the HTTP API) and the
+    actions of ``agentfold answer``, ``steer`` and ``resolve``, with the same rules and
+    error codes. Actions go through ``runtime``: it adopts a run nobody owns, or hands the
+    input to the live runtime that owns it.
+
+    ``sources``: Programs and loaders to bind into ``runtime``'s catalog, for runs it did not
+    start (a host process that only answers and resolves): without their exact Program a
+    run's calls cannot be interpreted, and actions on it are refused
+    (``engine.program.unavailable``).
+    """
+
+    def __init__(self, runtime: Runtime, sources: ProgramSources | None = None) -> None:
+        self.runtime = runtime
+        if sources is not None:
+            for program in sources.programs:
+                runtime.catalog.add(program)
+            runtime.catalog.add_loaders(sources.loaders)
+
+    def queries(self) -> HostQueries:
+        """Host questions answered with every Program the runtime has bound by now."""
+        catalog = self.runtime.catalog
+        return HostQueries(self.runtime.store, ProgramSources(tuple(catalog.programs()), catalog.loaders()))
+
+    # -- questions ---------------------------------------------------------------
+
+    def unknown(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
+        """Effects whose outcome is unknown, waiting for :meth:`resolve`: of one run, of all,
+        or (``limit``) a page of all as ``GET /unknown-effects`` (a :class:`ListingPage`: page
+        on with its ``next_after``)."""
+        queries = self.queries()
+        if tree is not None:
+            _whole_run(limit, after)
+            return queries.unknown(queries.tree_of(tree))
+        return queries.unknown() if limit is None and after is None else queries.unknown_page(
+            limit=_page_limit(limit), after=after)
+
+    def pending(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
+        """Tool calls waiting for a human's :meth:`answer`: of one run, of all, or (``limit``)
+        a page of all as ``GET /pending-inputs`` (see :meth:`unknown`)."""
+        queries = self.queries()
+        if tree is not None:
+            _whole_run(limit, after)
+            return queries.pending(queries.tree_of(tree))
+        return queries.pending() if limit is None and after is None else queries.pending_page(
+            limit=_page_limit(limit), after=after)
+
+    def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
+        """Runs in creation order (``GET /runs``): ``status`` as the kernel names it
+        (``running``, ``waiting``, ``completed``, ...); page on with the last entry's ``cursor``."""
+        return self.queries().runs(status=status, limit=limit, after=after)
+
+    def delegates(self, process_id: str) -> Entry:
+        """Which child each delegated tool call of an Interaction started (``agentfold delegates``)."""
+        return self.queries().delegates(process_id)
+
+    def run(self, tree: str) -> Entry:
+        """One run's summary (``GET /runs/{tree}``): status, root process, output or failure."""
+        queries = self.queries()
+        return queries.run(queries.tree_of(tree))
+
+    def results(self, tree: str) -> Entry:
+        """The settled tool results of each open round (``agentfold results``)."""
+        queries = self.queries()
+        return queries.results(queries.tree_of(tree))
+
+    # -- actions -------------------------------------------------------------------
+
+    def resolve(
+        self, effect_id: EffectID | str, *, output: JSON = ABSENT, disposition: str | None = None,
+        status: str | None = None, model_response: JSON = ABSENT,
+    ) -> Settlement:
+        """Settle an unknown Effect with the outcome the host found out; returns the Settlement
+        recorded.
+
+        A tool call: ``output`` (text, or ``{"content", "details"}``) and ``disposition``
+        (``succeeded``, the default, ``failed`` or ``rejected``). A model call:
+        ``model_response`` (``{"message": ..., "finish_reason": ...}``). Any other Effect:
+        ``output`` and ``status`` (``succeeded``, the default, or ``failed``).
+        """
+        eid = parse_effect_id(effect_id)
+        tree_id = unknown_effect_tree(self.runtime.store, eid, listing_hint="list unknown effects with Host.unknown()")
+        probe, programs = self.queries().fold(tree_id)
+        settlement = self.settlement(probe, programs, eid, output=output, disposition=disposition, status=status,
+                                     model_response=model_response)
+        process_id = checked_resolution(probe, eid, settlement)
+        self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
+        return settlement
+
+    @staticmethod
+    def settlement(
+        tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID, *, output: JSON, disposition: str | None,
+        status: str | None, model_response: JSON,
+    ) -> Settlement:
+        def refused(message: str) -> InvalidInput:
+            return InvalidInput("host.resolution_invalid", message)
+
+        return settlement_for(
+            tree, programs, effect_id,
+            model_response=model_response if model_response is ABSENT else normalize(model_response, what="model_response"),
+            output=output if output is ABSENT else normalize(output, what="output"),
+            disposition=disposition, status=status, usage=refused, wrong_kind=refused,
+        )
+
+    def answer(
+        self, process_id: ProcessID | str, wait_id: WaitID | str, response: JSON, *, signal_id: str | None = None
+    ) -> bool:
+        """Answer a Tool child's input wait (checked against its response schema); True when
+        admitted, False when this signal id already delivered this very answer."""
+        pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
+        sid = SignalID(signal_id) if signal_id is not None else None
+        queries = self.queries()
+        tree_id = queries.tree_of_process(pid)
+        tree, programs = queries.fold(tree_id)
+        signal = answer_signal(tree, programs, pid, wid, response, sid, listing_hint="list pending inputs with Host.pending()")
+        return deliver_answer(self.runtime, tree_id, pid, signal)
+
+    def steer(
+        self, process_id: ProcessID | str, message: str | Sequence[dict[str, Any]], *, signal_id: str | None = None
+    ) -> bool:
+        """User message(s) for the Interaction's next model request: a text (one user message)
+        or chat messages. True when admitted, False when this signal id was already admitted."""
+        if isinstance(message, str):
+            messages: list[dict[str, Any]] = [{"role": "user", "content": message}]
+        else:
+            messages = list(message)
+        signal = steer_signal(SignalID(signal_id) if signal_id is not None else fresh_signal_id("steer"), *messages)
+        return self.runtime.deliver_signals(ProcessID(process_id), [signal])
+
+
+__all__ = [
+    "Host", "answer_signal", "answered_elsewhere", "checked_resolution", "deliver_answer", "fresh_signal_id",
+    "unknown_effect_tree", "wait_state",
+]

@@ -1,0 +1,248 @@
+"""Chat models: a scripted model and an OpenAI-compatible chat-completions client.
+
+A model receives a :class:`ModelRequest` (messages, options, tool definitions, the
+call's attribution) and returns a response in agentfold's canonical shape
+(``{"message", "finish_reason", "usage"?}``). Raising anything means the outcome of
+the call is unknown: the runtime records it and a host must settle it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentfold.adapters.dispatch import CancelFlag
+from agentfold.domain.canonical import JSON
+from agentfold.domain.ids import EffectAttemptID, EffectID, ProcessID
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    process_id: ProcessID
+    model_call_sequence: int
+    effect_id: EffectID
+    attempt_id: EffectAttemptID | None
+    messages: tuple[dict[str, Any], ...]
+    options: dict[str, Any] = field(default_factory=dict)
+    tools: tuple[dict[str, Any], ...] = ()
+    applied_steer_signal_ids: tuple[str, ...] = ()
+    #: Set when the run is canceled or its owner stops: a client stops waiting to retry then.
+    cancelled: CancelFlag | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "process_id": self.process_id,
+            "model_call_sequence": self.model_call_sequence,
+            "effect_id": self.effect_id,
+            "messages": list(self.messages),
+            "options": self.options,
+            "tools": list(self.tools),
+            "applied_steer_signal_ids": list(self.applied_steer_signal_ids),
+        }
+
+
+class Model(Protocol):
+    def call(self, request: ModelRequest) -> dict[str, Any]: ...
+
+
+class ModelError(Exception):
+    """The model call failed; its outcome is unknown."""
+
+
+class ScriptedModel:
+    """Returns scripted responses in order, per Interaction Process.
+
+    The n-th model call of a Process (its model call sequence n) receives entry n-1, so
+    a recovered or resolved run sees exactly the same script. An entry
+    ``{"error": "..."}`` raises: that call's outcome is unknown.
+
+    ``requests`` holds the most recent ``keep_requests`` requests it received, oldest first
+    (for tests and debugging): a scenario's model serves every run of that scenario in a
+    long-lived server, so an unbounded log grew with every run.
+    """
+
+    def __init__(self, responses: Sequence[dict[str, Any]], *, keep_requests: int = 256) -> None:
+        self.responses = list(responses)
+        self.keep_requests = keep_requests
+        self.requests: list[ModelRequest] = []
+
+    def call(self, request: ModelRequest) -> dict[str, Any]:
+        self.requests.append(request)
+        if len(self.requests) > self.keep_requests:
+            del self.requests[: len(self.requests) - self.keep_requests]
+        index = request.model_call_sequence - 1
+        if index >= len(self.responses):
+            raise ModelError(f"the script has {len(self.responses)} responses; call {request.model_call_sequence} has none")
+        entry = self.responses[index]
+        if "error" in entry:
+            raise ModelError(str(entry["error"]))
+        return dict(entry)
+
+
+# ---------------------------------------------------------------------------
+# OpenAI-compatible chat completions
+
+
+def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = "".join(p.get("text", "") for p in m.get("content", []))
+        role = m["role"]
+        if role == "tool":
+            for r in m.get("tool_results", []):
+                output = r.get("output") or {}
+                content = "".join(p.get("text", "") for p in output.get("content", []))
+                if output.get("details") is not None:
+                    details = json.dumps(output["details"], sort_keys=True)
+                    content = f"{content}\n{details}" if content else details
+                out.append({"role": "tool", "tool_call_id": r["id"], "content": content})
+            continue
+        entry: dict[str, Any] = {"role": role, "content": text if text or role != "assistant" else None}
+        if role == "assistant" and m.get("tool_calls"):
+            entry["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", "")}}
+                for c in m["tool_calls"]
+            ]
+        out.append(entry)
+    return out
+
+
+def from_openai_response(body: Any) -> dict[str, Any]:
+    """Map an OpenAI chat-completions response to agentfold's response shape."""
+    try:
+        choice = body["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ModelError(f"the response has no choices[0].message: {str(body)[:200]}") from exc
+    result_message: dict[str, Any] = {"role": "assistant"}
+    if message.get("content"):
+        result_message["content"] = [{"type": "text", "text": message["content"]}]
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        calls.append({"id": call.get("id", ""), "name": fn.get("name", ""), "arguments": fn.get("arguments") or ""})
+    if calls:
+        result_message["tool_calls"] = calls
+    response: dict[str, Any] = {"message": result_message, "finish_reason": choice.get("finish_reason") or "stop"}
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        response["usage"] = {
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "total_tokens": int(usage.get("total_tokens") or 0),
+        }
+    return response
+
+
+class OpenAIChatModel:
+    """A client of an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint.
+
+    Tools are sent as function definitions with ``tool_choice`` ``"auto"`` when the
+    bound ToolSet or Delegates offer any. Transport errors, HTTP errors and malformed
+    bodies raise :class:`ModelError` (the effect becomes unknown).
+    """
+
+    def __init__(
+        self, base_url: str, model: str, api_key: str = "", timeout: float = 60.0, *,
+        max_retries: int = 0, retry_wait: float = 1.0,
+    ) -> None:
+        """``max_retries``: how many more times one model call is sent when no completion came
+        back: the connection was refused, reset or timed out, or the server answered 408, 409,
+        429, 500, 502, 503 or 504 (0, the default: never; the call's outcome is then unknown at
+        once). A name that does not resolve or a certificate that does not verify is not
+        retried. Waits ``retry_wait`` seconds, doubled after each attempt, at most
+        ``MAX_RETRY_WAIT``; a ``Retry-After`` in seconds is honoured up to that bound; a run
+        canceled (or an owner stopping) meanwhile ends the waiting. Only the response that
+        comes back is recorded: a model call has no effect outside the response it returns, so
+        sending it again cannot do anything twice (unlike a tool call, never retried); a
+        completion lost on its way back (a reset while reading it) is paid for twice."""
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or not 0 <= max_retries <= 10:
+            raise ValueError("max_retries must be an integer from 0 to 10")
+        if not 0 <= retry_wait <= MAX_RETRY_WAIT:
+            raise ValueError(f"retry_wait must be from 0 to {MAX_RETRY_WAIT:g} seconds")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_wait = retry_wait
+        self.sleep: Callable[[float, CancelFlag | None], object] = _pause  # replaceable in tests that count waits
+
+    def payload(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": to_openai_messages(request.messages)}
+        for key, value in request.options.items():
+            if key not in ("messages", "tools", "tool_choice", "model"):
+                body[key] = value
+        if request.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t["parameters"]},
+                }
+                for t in request.tools
+            ]
+            body["tool_choice"] = "auto"
+        return body
+
+    def call(self, request: ModelRequest) -> dict[str, Any]:
+        data = json.dumps(self.payload(request)).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        wait = self.retry_wait
+        for attempt in range(1, self.max_retries + 2):
+            retry_after: float | None = None
+            http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(http, timeout=self.timeout) as response:
+                    body = json.loads(response.read())
+                return from_openai_response(body)
+            except urllib.error.HTTPError as exc:
+                failure = ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}")
+                if exc.code not in RETRY_STATUSES:
+                    raise failure from exc
+                retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+                cause: Exception = exc
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                failure, cause = ModelError(f"the model server is unreachable: {exc}"), exc
+                reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+                if not isinstance(reason, (ConnectionError, TimeoutError)):  # DNS, TLS, a bad URL: it would fail again
+                    raise failure from exc
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
+            if attempt > self.max_retries:
+                if attempt > 1:
+                    failure = ModelError(f"{failure} (after {attempt} attempts)")
+                raise failure from cause
+            delay = min(MAX_RETRY_WAIT, retry_after if retry_after is not None else wait)
+            self.sleep(delay, request.cancelled)  # returns at once when the run is stopping
+            if request.cancelled is not None and request.cancelled.is_set():
+                raise ModelError(f"{failure} (not sent again: the run is stopping)") from cause
+            wait = min(MAX_RETRY_WAIT, wait * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: HTTP statuses after which ``OpenAIChatModel`` may send a model call again (with ``max_retries``).
+RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+#: The longest wait between two attempts of one model call (seconds).
+MAX_RETRY_WAIT = 30.0
+
+
+def _pause(seconds: float, cancelled: CancelFlag | None) -> None:
+    """Wait between two attempts; a cancellation ends the wait."""
+    if cancelled is None:
+        time.sleep(seconds)
+    else:
+        cancelled.wait(seconds)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` given in seconds (an HTTP date is ignored: the usual backoff applies)."""
+    if value is None or not value.strip().isascii() or not value.strip().isdigit():
+        return None
+    return float(value.strip())

@@ -1,0 +1,828 @@
+"""eventsourcing application recorders that also keep the tree index, atomically.
+
+Every append writes the tree's events and, in the same transaction, upserts one row
+of ``agentfold_trees`` (the tree's head: version, head digest, root status,
+classification, unknown effect ids) and inserts one row of ``agentfold_processes``
+per new Process. The index is therefore never ahead of or behind the events, and it
+anchors the digest chain: a truncated stream no longer reaches the recorded head.
+
+Tables (documented in docs/read-models.md):
+
+* ``agentfold_events``  (eventsourcing's events table; notification ids are the feed order)
+* ``agentfold_snapshots`` (folded tree states, so a long tree loads without folding from zero)
+* ``agentfold_trees``, ``agentfold_processes`` (the index described above)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+from uuid import UUID
+
+import orjson
+import psycopg
+from eventsourcing.persistence import InterfaceError, OperationalError, PersistenceError, StoredEvent
+from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
+from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
+from eventsourcing.sqlite import (
+    SQLITE3_DEFAULT_LOCK_TIMEOUT,
+    SQLiteAggregateRecorder,
+    SQLiteApplicationRecorder,
+    SQLiteConnection,
+    SQLiteConnectionPool,
+    SQLiteCursor,
+)
+from psycopg.sql import SQL, Composed
+from psycopg_pool import PoolTimeout
+from psycopg_pool.base import AttemptWithBackoff
+
+from agentfold.domain.errors import StoreFailure
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+EVENTS_TABLE = "agentfold_events"
+SNAPSHOTS_TABLE = "agentfold_snapshots"
+TREES_TABLE = "agentfold_trees"
+PROCESSES_TABLE = "agentfold_processes"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeHead:
+    """One row of ``agentfold_trees``."""
+
+    tree_id: str
+    start_id: str
+    root_process_id: str
+    program: str
+    status: str
+    classification: str
+    version: int
+    head_digest: str
+    unknown_effect_ids: tuple[str, ...] = ()
+    created_at: str = ""
+    updated_at: str = ""
+    new_processes: tuple[str, ...] = field(default=(), compare=False)
+
+    def with_digest(self, head_digest: str) -> TreeHead:
+        """This row with its head digest (what ``dataclasses.replace`` does, a few times cheaper)."""
+        return TreeHead(
+            self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
+            self.version, head_digest, self.unknown_effect_ids, self.created_at, self.updated_at, self.new_processes,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tree_id": self.tree_id,
+            "start_id": self.start_id,
+            "root_process_id": self.root_process_id,
+            "program": self.program,
+            "status": self.status,
+            "classification": self.classification,
+            "version": self.version,
+            "head_digest": self.head_digest,
+            "unknown_effect_ids": list(self.unknown_effect_ids),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
+            self.version, self.head_digest, orjson.dumps(list(self.unknown_effect_ids)).decode(),
+            self.created_at or self.updated_at, self.updated_at,
+        )
+
+
+HEAD_COLUMNS = (
+    "tree_id, start_id, root_process_id, program, status, classification, version, head_digest, "
+    "unknown_effect_ids, created_at, updated_at"
+)
+
+
+def head_from_row(row: Any) -> TreeHead:
+    return TreeHead(
+        row["tree_id"], row["start_id"], row["root_process_id"], row["program"], row["status"],
+        row["classification"], int(row["version"]), row["head_digest"],
+        tuple(orjson.loads(row["unknown_effect_ids"])), str(row["created_at"]), str(row["updated_at"]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HeadFilter:
+    """Which index rows a listing wants: not terminal (``live_only``), a root status, a
+    classification; only rows after ``after`` (a ``(created_at, tree_id)`` key: the
+    index's order); ``last``: only the N most recently created (still oldest first); else
+    ``limit`` rows after the first ``offset`` (a page; ``offset`` is read only with ``limit``)."""
+
+    live_only: bool = False
+    status: str | None = None
+    classification: str | None = None
+    last: int | None = None
+    offset: int = 0
+    limit: int | None = None
+    after: tuple[str, str] | None = None
+
+    def sql(self, table: str, mark: str) -> tuple[str, list[Any]]:
+        """The SELECT of the rows, in creation order (``mark``: the driver's placeholder)."""
+        conditions, params = [], []
+        if self.live_only:
+            conditions.append("classification <> 'terminal'")
+        if self.status is not None:
+            conditions.append(f"status = {mark}")
+            params.append(self.status)
+        if self.classification is not None:
+            conditions.append(f"classification = {mark}")
+            params.append(self.classification)
+        if self.after is not None:
+            conditions.append(f"(created_at, tree_id) > ({mark}, {mark})")
+            params += self.after
+        sql = f"SELECT {HEAD_COLUMNS} FROM {table}" + (" WHERE " + " AND ".join(conditions) if conditions else "")
+        if self.last is None:
+            sql += " ORDER BY created_at, tree_id"
+            if self.limit is None:
+                return sql, params
+            return sql + f" LIMIT {mark} OFFSET {mark}", [*params, self.limit, self.offset]
+        newest = sql + f" ORDER BY created_at DESC, tree_id DESC LIMIT {mark}"
+        return f"SELECT * FROM ({newest}) AS newest ORDER BY created_at, tree_id", [*params, self.last]
+
+    def keeps(self, head: TreeHead) -> bool:
+        return (
+            (not self.live_only or head.classification != "terminal")
+            and (self.status is None or head.status == self.status)
+            and (self.classification is None or head.classification == self.classification)
+            and (self.after is None or (head.created_at, head.tree_id) > self.after)
+        )
+
+
+class IndexQueries:
+    """Queries over the tree index, implemented per backend."""
+
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        raise NotImplementedError
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        raise NotImplementedError
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        raise NotImplementedError
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        raise NotImplementedError
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        raise NotImplementedError
+
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        """Which trees the first ``limit`` events after notification ``after`` (up to ``upto``)
+        belong to, without reading their states: per tree (uuid hex), its first notification id
+        there, its lowest and highest position there, and its last notification id there."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------
+# SQLite
+
+
+#: Prepared statements each SQLite connection keeps (sqlite3's default is 128).
+SQLITE_STATEMENT_CACHE = 128
+
+
+class StatementCachingSQLitePool(SQLiteConnectionPool):
+    """eventsourcing's SQLite connections, with a statement cache that holds an append's statements.
+
+    eventsourcing 9.5 opens its connections with ``cached_statements=True``, which sqlite3
+    reads as a cache of ONE statement: every append prepared BEGIN, the event INSERT and the
+    index upsert again (~15 us per append, measured with scripts/bench). Everything else is
+    as the library does it: autocommit (explicit BEGIN), WAL, ``sqlite3.Row`` rows.
+    """
+
+    #: ``file:`` URI the connections open instead of ``db_name`` (a store read on a read-only file
+    #: system: ``EventStore`` sets it, see ``sqlite_read_only_uri``); None: the file, read-write.
+    connect_uri: str | None = None
+
+    def _create_connection(self) -> SQLiteConnection:
+        read_only = self.connect_uri is not None  # nothing to create, switch or watch: it only reads
+        if not read_only and getattr(self, "_opened_once", False) and not self.is_sqlite_memory_mode and not os.path.exists(self.db_name):
+            # The store file was removed while this process had it open: a new connection would
+            # create an empty file in its place (sqlite3 creates what it does not find), which
+            # later writes would go to behind the operator's back (EventStore.check_file).
+            raise InterfaceError(f"the SQLite store file {self.db_name} was removed while this process had it open")
+        try:
+            connection = sqlite3.connect(
+                database=self.connect_uri or self.db_name,
+                uri=True,
+                check_same_thread=False,
+                isolation_level=None,
+                cached_statements=SQLITE_STATEMENT_CACHE,
+                timeout=self.lock_timeout or SQLITE3_DEFAULT_LOCK_TIMEOUT,
+            )
+        except (sqlite3.Error, TypeError) as exc:
+            raise InterfaceError(exc) from exc
+        if not read_only and not self.is_sqlite_memory_mode and not self.is_journal_mode_wal:
+            try:
+                mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    connection.execute("PRAGMA journal_mode=WAL")
+                    self.journal_mode_was_changed_to_wal = True
+            except sqlite3.Error as exc:  # e.g. "file is not a database": a classified store failure
+                connection.close()
+                raise InterfaceError(exc) from exc
+            self.is_journal_mode_wal = True
+        connection.row_factory = sqlite3.Row
+        self._opened_once = True
+        return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
+
+
+class _MostRecentFirst(collections.deque[Any]):
+    """A pool's idle connections, handed out most recently returned first (both the SQLite
+    pool of eventsourcing and psycopg_pool take the oldest from the left and return to the right).
+
+    eventsourcing's pool appends returned connections and pops the oldest: as soon as a
+    second connection exists (the runtime's watcher reads the index now and then), a
+    tree's consecutive appends alternate between two connections, and each finds the
+    other's writes invalidated its page cache (~15 us per append, measured with
+    scripts/bench). Popping the oldest of this deque gives the newest.
+    """
+
+    def append(self, connection: Any) -> None:
+        self.appendleft(connection)
+
+
+def cache_statements(datastore: Any) -> None:
+    """Make ``datastore`` open its SQLite connections with a statement cache (before any is
+    open) and hand out the most recently used idle connection first."""
+    pool = datastore.pool
+    if type(pool) is SQLiteConnectionPool:
+        pool.__class__ = StatementCachingSQLitePool
+        pool._pool = _MostRecentFirst(pool._pool)
+
+
+#: The advisory lock that serializes agentfold's DDL across processes opening one PostgreSQL
+#: database at once (session-level; distinct from the transaction-level keys taken inside it).
+SCHEMA_LOCK_KEY = 7406170102
+
+
+@contextlib.contextmanager
+def postgres_schema_lock(datastore: Any) -> Iterator[None]:
+    """Hold ``SCHEMA_LOCK_KEY`` while this process creates tables in a PostgreSQL database.
+
+    ``CREATE TABLE IF NOT EXISTS`` is not safe against a concurrent identical statement
+    (the second fails on ``pg_type_typname_nsp_index``), and eventsourcing's tracking table
+    decides whether to insert its ``__migration__`` row before its transaction begins: two
+    servers starting together on a new database failed with one of those errors, reported
+    as ``store.unavailable``. Under this lock the second finds the tables made.
+    """
+    with datastore.get_connection() as conn:  # autocommit: the lock outlives the statement
+        conn.execute("SELECT pg_advisory_lock(%s)", (SCHEMA_LOCK_KEY,))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (SCHEMA_LOCK_KEY,))
+
+
+def prefer_recent_connections(datastore: Any) -> None:
+    """Make a PostgreSQL datastore's pool hand out its most recently used idle connection.
+
+    psycopg_pool takes the oldest idle connection and returns connections at the other
+    end, so a single tree's consecutive appends rotate through every pooled connection,
+    and so through as many server processes, each with caches the others' work evicted:
+    ~0.12 ms more per append inside the runtime's chain (fsync on, measured with
+    scripts/bench). The pool still shrinks to its minimum size after ``max_idle`` as it
+    does by itself. Must run before the pool is opened.
+    """
+    pool = datastore.pool
+    idle = getattr(pool, "_pool", None)
+    if not isinstance(idle, collections.deque) or idle:
+        raise TypeError("prefer_recent_connections needs an unopened psycopg_pool pool")
+    pool._pool = _MostRecentFirst(idle)
+
+
+#: Seconds a store call waits for a pooled PostgreSQL connection before it fails
+#: (``AGENTFOLD_PG_POOL_WAIT`` sets it).
+PG_POOL_WAIT = 30.0
+
+
+class NoConnection(StoreFailure, PersistenceError):
+    """The connection pool handed out no PostgreSQL connection within its wait: the server
+    is down or unreachable, or every pooled connection stayed busy. Nothing was sent.
+
+    A ``StoreFailure`` (``store.unavailable``, HTTP 503, exit 1) that is also a library
+    ``PersistenceError`` (what code around eventsourcing catches), but NOT one of the
+    ``InterfaceError``/``OperationalError`` that eventsourcing retries: its recorders retry
+    those up to 10 times, and a pool timeout retried so held a request for 5 minutes
+    (``GET /runs`` answered its 503 after 152 s during an outage)."""
+
+
+def fail_fast_without_connection(datastore: Any, wait: float) -> None:
+    """Make ``datastore``'s pool wait ``wait`` seconds for a connection and then raise
+    :class:`NoConnection` (not retried), instead of psycopg_pool's ``PoolTimeout`` (a
+    ``psycopg.OperationalError``, which eventsourcing turns into its retried
+    ``OperationalError``). Must run before the pool is opened."""
+    pool = datastore.pool
+    pool.timeout = wait
+    getconn = pool.getconn
+    where = f"{datastore.pool.kwargs.get('host')}:{datastore.pool.kwargs.get('port')}"
+
+    def getconn_or_fail(timeout: float | None = None) -> Any:
+        try:
+            return getconn(timeout)
+        except PoolTimeout as exc:
+            raise NoConnection(
+                "store.unavailable",
+                f"no PostgreSQL connection within {pool.timeout if timeout is None else timeout:g} s: the server at "
+                f"{where} is down or unreachable, or all {pool.max_size} pooled connections stayed busy",
+                hint="nothing was sent to the database; retry once PostgreSQL answers (agentfold reconnects by "
+                "itself); AGENTFOLD_PG_POOL_WAIT sets the wait",
+            ) from exc
+
+    pool.getconn = getconn_or_fail
+
+
+#: The longest pause between two attempts of the pool to replace a connection it lost.
+PG_RECONNECT_EVERY = 2.0
+
+
+class _SteadyReconnect(AttemptWithBackoff):
+    """psycopg_pool's reconnection back-off (1, 2, 4 ... s), capped at ``PG_RECONNECT_EVERY``
+    give or take 20% (processes that lost the server together do not reconnect in step)."""
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        if self.delay > PG_RECONNECT_EVERY:
+            self.delay = PG_RECONNECT_EVERY * random.uniform(0.8, 1.2)
+
+
+class _EveryThirtySeconds(logging.Filter):
+    """Lets one of psycopg_pool's "error connecting" warnings through every 30 s: it logs one per
+    failed attempt, and with attempts every 2 s per lost connection an outage wrote hundreds
+    of lines (agentfold's own messages say that the server is down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("error connecting in"):
+            return True
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + 30.0
+        return True
+
+
+_POOL_LOG_FILTER = _EveryThirtySeconds()
+
+
+def reconnect_steadily(datastore: Any) -> None:
+    """Make ``datastore``'s pool try to replace a lost connection every ``PG_RECONNECT_EVERY``
+    seconds, not with psycopg_pool's doubling pauses: after an outage of a minute, its next
+    attempt came up to a minute after the server was back, and every request meanwhile
+    waited for a connection and failed (``GET /health`` 503 for 51 s after a 70 s outage).
+    A server that is down refuses each attempt at once; the pool still gives a connection
+    up after its ``reconnect_timeout`` (5 min) and opens one again when a caller waits."""
+    pool = datastore.pool
+    add_connection = pool._add_connection
+    pool_log = logging.getLogger("psycopg.pool")
+    if _POOL_LOG_FILTER not in pool_log.filters:
+        pool_log.addFilter(_POOL_LOG_FILTER)
+
+    def add_steadily(attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        if attempt is None:
+            attempt = _SteadyReconnect(timeout=pool.reconnect_timeout)
+        add_connection(attempt, growing=growing)
+
+    pool._add_connection = add_steadily
+
+
+#: Rows per multi-row INSERT of events (a steady-state append has four; a start or a large
+#: batch takes several statements).
+SQLITE_ROWS_PER_INSERT = 16
+
+
+class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
+    def __init__(self, datastore: Any, events_table_name: str = EVENTS_TABLE) -> None:
+        super().__init__(datastore, events_table_name)
+        self._insert_statements: dict[int, str] = {}
+
+    def construct_create_table_statements(self) -> list[str]:
+        statements = super().construct_create_table_statements()
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {TREES_TABLE} (tree_id TEXT PRIMARY KEY, start_id TEXT NOT NULL, "
+            "root_process_id TEXT NOT NULL, program TEXT NOT NULL, status TEXT NOT NULL, "
+            "classification TEXT NOT NULL, version INTEGER NOT NULL, head_digest TEXT NOT NULL, "
+            "unknown_effect_ids TEXT NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL)"
+        )
+        statements.append(
+            f"CREATE TABLE IF NOT EXISTS {PROCESSES_TABLE} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL)"
+        )
+        return statements
+
+    def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        ids = self._insert_rows(c, stored_events)
+        head: TreeHead | None = kwargs.get("head")
+        if head is not None:
+            c.execute(
+                f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT(tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
+                "version=excluded.version, head_digest=excluded.head_digest, "
+                "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at",
+                head.row(),
+            )
+            for pid in head.new_processes:
+                c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
+        snapshot: StoredEvent | None = kwargs.get("snapshot")
+        if snapshot is not None:
+            originator = snapshot.originator_id.hex  # type: ignore[union-attr]
+            c.execute(
+                # A row already at this version (planted by hand) is replaced, never a conflict of the events.
+                f"INSERT OR REPLACE INTO {SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) "
+                "VALUES (?,?,?,?)",
+                (originator, snapshot.originator_version, snapshot.topic, snapshot.state),
+            )
+            c.execute(
+                f"DELETE FROM {SNAPSHOTS_TABLE} WHERE originator_id = ? AND originator_version < ?",
+                (originator, snapshot.originator_version),
+            )
+        return ids
+
+    def _insert_rows(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent]) -> list[int]:
+        """Insert the events with one statement per ``SQLITE_ROWS_PER_INSERT`` rows; their
+        notification ids (rowids) in order.
+
+        eventsourcing executes one INSERT per event; a steady-state append holds four, and
+        each statement execution is ~3 us of the owner's critical path (scripts/bench). The
+        rows of one INSERT get consecutive rowids (each is the table's largest plus one, under
+        the write lock this transaction holds), so the last one gives them all.
+        """
+        ids: list[int] = []
+        for start in range(0, len(stored_events), SQLITE_ROWS_PER_INSERT):
+            chunk = stored_events[start : start + SQLITE_ROWS_PER_INSERT]
+            params: list[Any] = []
+            for s in chunk:
+                originator = s.originator_id
+                params += (originator.hex if isinstance(originator, UUID) else originator, s.originator_version, s.topic, s.state)
+            statement = self._insert_statements.get(len(chunk))
+            if statement is None:
+                statement = self._insert_statements[len(chunk)] = (
+                    f"INSERT INTO {self.events_table_name} VALUES " + ",".join(["(?,?,?,?)"] * len(chunk))
+                )
+            c.execute(statement, params)
+            last = int(c.lastrowid)
+            ids.extend(range(last - len(chunk) + 1, last + 1))
+        return ids
+
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        sql, params = only.sql(TREES_TABLE, "?")
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(sql, params)
+            return [head_from_row(r) for r in c.fetchall()]
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT {HEAD_COLUMNS} FROM {TREES_TABLE} WHERE tree_id = ?", (tree_id,))
+            row = c.fetchone()
+        return head_from_row(row) if row else None
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self.datastore.transaction(commit=False) as c:
+            for start in range(0, len(tree_ids), 500):
+                chunk = list(tree_ids[start : start + 500])
+                c.execute(
+                    f"SELECT tree_id, version FROM {TREES_TABLE} WHERE tree_id IN ({','.join('?' * len(chunk))})",
+                    chunk,
+                )
+                out.update({str(r[0]): int(r[1]) for r in c.fetchall()})
+        return out
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT tree_id FROM {PROCESSES_TABLE} WHERE process_id = ?", (process_id,))
+            row = c.fetchone()
+        return str(row[0]) if row else None
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(
+                f"SELECT tree_id FROM {TREES_TABLE} WHERE unknown_effect_ids LIKE ?", (f'%"{effect_id}"%',)
+            )
+            row = c.fetchone()
+        return str(row[0]) if row else None
+
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(
+                "SELECT originator_id, MIN(n), MIN(originator_version), MAX(originator_version), MAX(n) FROM "
+                f"(SELECT rowid AS n, originator_id, originator_version FROM {self.events_table_name} "
+                "WHERE rowid > ? AND rowid <= ? ORDER BY rowid LIMIT ?) GROUP BY originator_id",
+                (after, upto, limit),
+            )
+            return [(str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in c.fetchall()]
+
+
+class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
+    def __init__(self, datastore: Any) -> None:
+        super().__init__(datastore, SNAPSHOTS_TABLE)
+
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
+        with self.datastore.transaction(commit=True) as c:
+            c.execute(
+                f"DELETE FROM {SNAPSHOTS_TABLE} WHERE originator_id = ? AND originator_version < ?",
+                (originator_id.hex, below_version),
+            )
+
+
+# ---------------------------------------------------------------------------
+# PostgreSQL
+
+#: Attempts of one query or append on dead pooled connections: the pool may hold up to its
+#: maximum size (4 + 8 overflow) of idle connections that one server restart ended.
+LIVE_CONNECTION_ATTEMPTS = 13
+
+
+def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
+    """Call ``fn`` again when it met a dead pooled connection, as eventsourcing retries its own
+    PostgreSQL queries.
+
+    A pooled connection whose server session ended (a restart, a failover,
+    ``pg_terminate_backend``) fails once and the pool drops it; without this, that failure
+    reached the caller: an append stopped its tree. Retrying an append is safe: if the lost
+    reply hid a commit, the retry meets the unique (tree, version) key, and the owner finds
+    its own events (``EventStore.append`` at the head, ``_Driver._launch_committed`` after
+    a reload). Not retried: a pool that could not hand out any connection within its wait
+    (the server is down: :class:`NoConnection`, not an ``OperationalError``), which would
+    otherwise hold the caller (an owner line, an HTTP request) for minutes; the caller
+    reports the failure instead.
+    """
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(1, LIVE_CONNECTION_ATTEMPTS + 1):
+            try:
+                return fn(*args, **kwargs)
+            except (InterfaceError, OperationalError) as exc:
+                cause = exc.__cause__
+                # Only a PostgreSQL session can die under a pooled connection; a SQLite error
+                # (a lock held past its 30 s timeout) would only be waited for again.
+                if attempt == LIVE_CONNECTION_ATTEMPTS or not isinstance(cause, psycopg.Error):
+                    raise
+                time.sleep(0.05)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return call
+
+
+def _composed(statement: str) -> Composed:
+    """A DDL statement as eventsourcing's create statements are typed (a Composed)."""
+    return Composed([SQL(statement)])
+
+
+class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
+    def __init__(self, datastore: Any, *, events_table_name: str = EVENTS_TABLE) -> None:
+        super().__init__(datastore, events_table_name=events_table_name)
+        schema = self.datastore.schema
+        self.sql_create_statements.append(
+            _composed(
+                f'CREATE TABLE IF NOT EXISTS "{schema}".{TREES_TABLE} (tree_id text PRIMARY KEY, '
+                "start_id text NOT NULL, root_process_id text NOT NULL, program text NOT NULL, "
+                "status text NOT NULL, classification text NOT NULL, version bigint NOT NULL, "
+                "head_digest text NOT NULL, unknown_effect_ids text NOT NULL, created_at text NOT NULL, "
+                "updated_at text NOT NULL)"
+            )
+        )
+        self.sql_create_statements.append(
+            _composed(
+                f'CREATE TABLE IF NOT EXISTS "{schema}".{PROCESSES_TABLE} '
+                "(process_id text PRIMARY KEY, tree_id text NOT NULL)"
+            )
+        )
+        events = f'"{schema}".{events_table_name}'
+        # One statement per append: lock (insert order = commit order for followers),
+        # notify, upsert the index, insert the events. In autocommit it is one round
+        # trip and one commit, where the library's default path needs a pipeline, a
+        # sync and a separate COMMIT.
+        self.sql_create_statements.append(
+            _composed(
+                f'CREATE OR REPLACE FUNCTION "{schema}".agentfold_append('
+                "p_originator uuid, p_versions bigint[], p_topics text[], p_states bytea[], "
+                "p_head text[], p_new_processes text[]) RETURNS SETOF bigint LANGUAGE plpgsql AS $body$ "
+                "BEGIN "
+                f"LOCK TABLE {events} IN EXCLUSIVE MODE; "
+                f"NOTIFY {events_table_name}; "
+                "IF p_head IS NOT NULL THEN "
+                f'INSERT INTO "{schema}".{TREES_TABLE} ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], p_head[3], '
+                "p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], p_head[11]) "
+                "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
+                "classification=excluded.classification, version=excluded.version, "
+                "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
+                "updated_at=excluded.updated_at; "
+                f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
+                "SELECT unnest(p_new_processes), p_head[1]; "
+                "END IF; "
+                f"RETURN QUERY INSERT INTO {events} (originator_id, originator_version, topic, state) "
+                "SELECT p_originator, x.v, x.t, x.s FROM unnest(p_versions, p_topics, p_states) AS x(v, t, s) "
+                "ORDER BY x.v RETURNING notification_id; "
+                "END $body$"
+            )
+        )
+        # Binary parameters (%b): a text-format bytea[] is hex-escaped element by element in
+        # Python and parsed again by the server; binary halves the client CPU of an append.
+        self._append = f'SELECT * FROM "{schema}".agentfold_append(%b, %b, %b, %b, %b, %b)'
+        # A snapshot goes in the append's transaction, as two more statements before it (one
+        # append in every max(1000, version/8) events); the function keeps its signature, so a
+        # database an earlier release created appends without DDL.
+        self._insert_snapshot = (
+            f'INSERT INTO "{schema}".{SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) '
+            "VALUES (%b, %b, %b, %b) ON CONFLICT (originator_id, originator_version) "
+            "DO UPDATE SET topic = excluded.topic, state = excluded.state"
+        )
+        self._prune_snapshots = (
+            f'DELETE FROM "{schema}".{SNAPSHOTS_TABLE} WHERE originator_id = %b AND originator_version < %b'
+        )
+        self._schema = schema
+
+    def _create_table(self, curs: Any) -> None:
+        # Two processes opening one new database race on CREATE OR REPLACE FUNCTION
+        # ("tuple concurrently updated"): serialize schema creation.
+        curs.execute("SELECT pg_advisory_xact_lock(7406170100)")
+        super()._create_table(curs)
+
+    @on_a_live_connection
+    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        if not stored_events:
+            return []
+        head: TreeHead | None = kwargs.get("head")
+        snapshot: StoredEvent | None = kwargs.get("snapshot")
+        originator = stored_events[0].originator_id
+        if any(e.originator_id != originator for e in stored_events) or (
+            snapshot is not None and snapshot.originator_id != originator
+        ):
+            raise ValueError("one append writes one tree's stream")
+        params = (
+            originator,
+            [e.originator_version for e in stored_events],
+            [e.topic for e in stored_events],
+            [e.state for e in stored_events],
+            [str(v) for v in head.row()] if head is not None else None,
+            list(head.new_processes) if head is not None else [],
+        )
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            if snapshot is None:
+                curs.execute(self._append, params, prepare=True)
+                return [row["agentfold_append"] for row in curs.fetchall()]
+            # The snapshot statements first: the append takes the events table's lock (every
+            # tree's appends wait for it), which is then held only until the COMMIT that follows.
+            with conn.transaction():
+                version = snapshot.originator_version
+                curs.execute(self._insert_snapshot, (originator, version, snapshot.topic, snapshot.state), prepare=True)
+                curs.execute(self._prune_snapshots, (originator, version), prepare=True)
+                curs.execute(self._append, params, prepare=True)
+                ids = [row["agentfold_append"] for row in curs.fetchall()]
+            return ids
+
+    @on_a_live_connection
+    def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(sql, params, prepare=True)
+            return list(curs.fetchall())
+
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        sql, params = only.sql(f'"{self._schema}".{TREES_TABLE}', "%s")
+        return [head_from_row(r) for r in self._select(sql, tuple(params))]
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        rows = self._select(f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = %s', (tree_id,))
+        return head_from_row(rows[0]) if rows else None
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        rows = self._select(
+            f'SELECT tree_id, version FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)', (list(tree_ids),)
+        )
+        return {str(r["tree_id"]): int(r["version"]) for r in rows}
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        rows = self._select(
+            f'SELECT tree_id FROM "{self._schema}".{PROCESSES_TABLE} WHERE process_id = %s', (process_id,)
+        )
+        return str(rows[0]["tree_id"]) if rows else None
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        rows = self._select(
+            f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} WHERE unknown_effect_ids LIKE %s',
+            (f'%"{effect_id}"%',),
+        )
+        return str(rows[0]["tree_id"]) if rows else None
+
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        rows = self._select(
+            "SELECT originator_id, MIN(n) AS first, MIN(originator_version) AS low, MAX(originator_version) AS high, "
+            "MAX(n) AS last FROM (SELECT notification_id AS n, originator_id, originator_version "
+            f'FROM "{self._schema}".{self.events_table_name} WHERE notification_id > %s AND notification_id <= %s '
+            "ORDER BY notification_id LIMIT %s) AS recent GROUP BY originator_id",
+            (after, upto, limit),
+        )
+        return [(UUID(str(r["originator_id"])).hex, int(r["first"]), int(r["low"]), int(r["high"]), int(r["last"]))
+                for r in rows]
+
+
+class PostgresSnapshotRecorder(PostgresAggregateRecorder):
+    def __init__(self, datastore: Any) -> None:
+        super().__init__(datastore, events_table_name=SNAPSHOTS_TABLE)
+
+    @on_a_live_connection
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Delete snapshots older than ``below_version`` (a newer one supersedes them)."""
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(
+                f'DELETE FROM "{self.datastore.schema}".{SNAPSHOTS_TABLE} '
+                "WHERE originator_id = %s AND originator_version < %s",
+                (originator_id, below_version),
+                prepare=True,
+            )
+
+
+# ---------------------------------------------------------------------------
+# Memory
+
+
+class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
+    def __init__(self) -> None:
+        super().__init__()
+        self._heads: dict[str, TreeHead] = {}
+        self._processes: dict[str, str] = {}
+        self._index_lock = threading.Lock()
+
+    def _update_table(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+        ids = super()._update_table(stored_events, **kwargs)
+        head: TreeHead | None = kwargs.get("head")
+        if head is not None:
+            with self._index_lock:
+                previous = self._heads.get(head.tree_id)
+                created = previous.created_at if previous else head.updated_at
+                self._heads[head.tree_id] = TreeHead(
+                    head.tree_id, head.start_id, head.root_process_id, head.program, head.status,
+                    head.classification, head.version, head.head_digest, head.unknown_effect_ids,
+                    created, head.updated_at,
+                )
+                for pid in head.new_processes:
+                    self._processes[pid] = head.tree_id
+        return ids
+
+    def select_heads(self, only: HeadFilter = HeadFilter()) -> list[TreeHead]:
+        with self._index_lock:
+            heads = sorted((h for h in self._heads.values() if only.keeps(h)), key=lambda h: (h.created_at, h.tree_id))
+        if only.last is not None:
+            return heads[max(0, len(heads) - only.last) :]
+        return heads if only.limit is None else heads[only.offset : only.offset + only.limit]
+
+    def select_head(self, tree_id: str) -> TreeHead | None:
+        with self._index_lock:
+            return self._heads.get(tree_id)
+
+    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+        with self._index_lock:
+            return {t: self._heads[t].version for t in tree_ids if t in self._heads}
+
+    def tree_of_process(self, process_id: str) -> str | None:
+        with self._index_lock:
+            return self._processes.get(process_id)
+
+    def tree_of_unknown_effect(self, effect_id: str) -> str | None:
+        with self._index_lock:
+            for head in self._heads.values():
+                if effect_id in head.unknown_effect_ids:
+                    return head.tree_id
+        return None
+
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+        trees: dict[str, list[int]] = {}
+        for n in self.select_notifications(after + 1, limit, stop=upto):
+            tree = UUID(str(n.originator_id)).hex
+            seen = trees.get(tree)
+            if seen is None:
+                trees[tree] = [n.id, n.originator_version, n.originator_version, n.id]
+            else:
+                seen[1:] = [min(seen[1], n.originator_version), max(seen[2], n.originator_version), n.id]
+        return [(tree, first, low, high, last) for tree, (first, low, high, last) in trees.items()]
+
+
+class MemorySnapshotRecorder(POPOAggregateRecorder):
+    def prune(self, originator_id: Any, below_version: int) -> None:
+        """Forget snapshots older than ``below_version`` (they stay in the list, unreachable by id)."""
+        with self._database_lock:
+            index = self._stored_events_index[str(originator_id)]
+            for version in [v for v in index if v < below_version]:
+                del index[version]

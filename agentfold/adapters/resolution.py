@@ -1,0 +1,79 @@
+"""What a host's resolution of an unknown Effect means: one rule for the CLI and the HTTP API.
+
+A host describes the outcome it found out: a model call's response (``model_response``),
+or an ``output`` with a ``disposition`` (tool calls) or a ``status`` (other Effects). The
+Program's own settle helpers turn it into the definite :class:`Settlement` the kernel
+records, so a resolved call looks exactly like one the dispatcher returned.
+
+The front ends parse their input (JSON text, a request body) and say how they name the
+members and how they report a misuse; the rules are here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from agentfold.domain.canonical import JSON
+from agentfold.domain.ids import EffectID
+from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.program import ProgramResolver
+from agentfold.domain.requests import Settlement, effect_request
+from agentfold.domain.tree import TreeState
+
+ABSENT: Any = object()
+"""A member the host did not give (``None`` is a JSON value)."""
+
+
+def settlement_for(
+    tree: TreeState,
+    programs: ProgramResolver | None,
+    effect_id: EffectID,
+    *,
+    model_response: JSON = ABSENT,
+    output: JSON = ABSENT,
+    disposition: str | None = None,
+    status: str | None = None,
+    name: Callable[[str], str] = str,
+    usage: Callable[[str], Exception],
+    wrong_kind: Callable[[str], Exception],
+) -> Settlement:
+    """The definite settlement a host's description of ``effect_id``'s outcome stands for.
+
+    ``name`` spells a member as the front end does (``--model-response``, ``model_response``);
+    ``usage`` builds the error for members that do not go together, ``wrong_kind`` the one for
+    members that do not fit the kind of Effect (a model call vs anything else).
+    """
+    found = tree.find_effect(effect_id)
+    program = programs(found[0].program) if (found is not None and programs is not None) else None
+    request = None
+    if found is not None and program is not None and found[1].target == "dispatcher":
+        request = effect_request(tree, found[0].process_id, effect_id, program)
+    payload = request.payload if request is not None else None
+    is_tool = isinstance(payload, dict) and "tool_call" in payload
+    is_model = isinstance(payload, dict) and "model_call" in payload
+    if model_response is not ABSENT:
+        if output is not ABSENT or disposition is not None or status is not None:
+            raise usage(f"{name('model_response')} takes no {name('output')}, {name('disposition')} or {name('status')}")
+        if not is_model or program is None or request is None:
+            raise wrong_kind(f"effect {effect_id} is not a model call; give {name('output')}")
+        response = model_response
+        if isinstance(response, dict) and isinstance(response.get("message"), dict):
+            # The shape of a scenario's model response: the message role may be left out.
+            response = {**response, "message": {"role": "assistant", **response["message"]}}
+        return settle_model_result(program, request, response)
+    if output is ABSENT:
+        raise usage(f"give {name('output')} (or {name('model_response')} for a model call)")
+    if is_model:
+        raise wrong_kind(f"effect {effect_id} is a model call; give {name('model_response')}")
+    if is_tool and program is not None and request is not None:
+        # A tool call's outcome is its disposition; a status would silently be ignored.
+        if status is not None:
+            raise usage(f"a tool call is resolved with {name('disposition')}, not {name('status')}")
+        return settle_tool_result(program, request, output, disposition or "succeeded")
+    if disposition is not None:
+        raise usage(f"{name('disposition')} applies to tool calls only; use {name('status')}")
+    return Settlement.failed(output) if status == "failed" else Settlement.succeeded(output)
+
+
+__all__ = ["ABSENT", "settlement_for"]

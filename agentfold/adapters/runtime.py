@@ -1,0 +1,1860 @@
+"""The Runtime: drives process trees over an event store.
+
+One owner drives a tree at a time (an owner lease plus version fencing). The owner
+turns the kernel's decisions into appends and calls dispatchers only after the
+append that grants their dispatch permission is committed (write-ahead). Outcomes
+come back to the owner, which records them, runs the next Steps and grants the next
+permissions, all in one append: in steady state one Effect costs one append.
+
+Any runtime may admit input to any tree (signals, answers, controls, resolutions)
+by appending at the tree's current version; a version conflict means reload and
+validate again. When nobody owns the tree, the admitting runtime takes ownership
+(``WriterActivated``) and drives it.
+
+Recovery never calls anything: a dispatched Effect whose outcome was not recorded is
+dispatched again only when its policy is ``same_identity``; otherwise it settles
+unknown and waits for a host (``resolve_unknown_effect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from eventsourcing.persistence import PersistenceError
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext
+from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
+from agentfold.adapters.recorders import TreeHead
+from agentfold.domain.budget import Budget
+from agentfold.domain.canonical import JSON, digest_of, normalize
+from agentfold.domain.errors import (
+    AgentfoldError,
+    EngineCode,
+    Failure,
+    FailureKind,
+    Fenced,
+    InvalidInput,
+    NotFound,
+    Rejected,
+    StoreFailure,
+)
+from agentfold.domain.events import (
+    EffectDeclared,
+    EffectDispatched,
+    EffectSettled,
+    ProcessStarted,
+    TreeEvent,
+    TreeLimits,
+    TreeStarted,
+    WriterActivated,
+)
+from agentfold.domain.ids import (
+    EffectAttemptID,
+    EffectID,
+    ProcessID,
+    StartID,
+    TreeID,
+    TreeIncarnationID,
+    parse_effect_id,
+    root_process_id,
+)
+from agentfold.domain.kernel import Dispatch, Kernel, start_tree
+from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target
+from agentfold.domain.requests import EffectRequest, Settlement, effect_request
+from agentfold.domain.tree import TERMINAL, ProcessState, TreeState
+
+log = logging.getLogger("agentfold.runtime")
+
+
+_second_text: tuple[int, str] = (-1, "")
+
+
+def utc_now() -> str:
+    """The wall clock as ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (every append reads it once).
+
+    ``strftime`` per call was ~4% of the runtime's CPU per effect: the text of the
+    current second is kept and only the microseconds are formatted."""
+    global _second_text
+    micros = time.time_ns() // 1000
+    second, fraction = divmod(micros, 1_000_000)
+    cached = _second_text
+    if cached[0] != second:
+        cached = _second_text = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{cached[1]}.{fraction:06d}Z"
+
+
+class RandomIds:
+    """Fresh attempt and incarnation ids from the operating system's randomness."""
+
+    def attempt_id(self) -> EffectAttemptID:
+        return EffectAttemptID.from_bytes(os.urandom(16))
+
+    def incarnation_id(self) -> TreeIncarnationID:
+        return TreeIncarnationID.from_bytes(os.urandom(16))
+
+    def root_process_id(self) -> ProcessID:
+        return root_process_id(os.urandom(16))
+
+    def start_id(self) -> StartID:
+        return StartID("start:" + os.urandom(16).hex())
+
+
+# ---------------------------------------------------------------------------
+# Crash plans (tests and `agentfold run --crash-after`)
+
+
+@dataclass(slots=True)
+class CrashPlan:
+    """End the process with ``os._exit(code)`` at one chosen point.
+
+    Points: ``declared:N``, ``dispatched:N``, ``in-dispatch:N``, ``settled:N`` count
+    dispatcher Effects in the order their declarations are committed by this process;
+    ``after:<EventType>:N`` ends right after the append holding the N-th event of that
+    type; ``before:<EventType>:N`` ends instead of making that append.
+    """
+
+    point: str
+    code: int = 75
+
+    @classmethod
+    def parse(cls, text: str, code: int = 75) -> CrashPlan:
+        parts = text.split(":")
+        valid = (
+            len(parts) == 2 and parts[0] in ("declared", "dispatched", "in-dispatch", "settled") and parts[1].isascii() and parts[1].isdigit()
+        ) or (len(parts) == 3 and parts[0] in ("after", "before") and bool(parts[1]) and parts[2].isascii() and parts[2].isdigit())
+        if not valid or int(parts[-1]) < 1:
+            raise InvalidInput(
+                "crash.point_invalid",
+                f"invalid crash point {text!r}",
+                hint="use declared:N, dispatched:N, in-dispatch:N, settled:N, after:<Event>:N or before:<Event>:N",
+            )
+        return cls(text, code)
+
+    @property
+    def kind(self) -> str:
+        return self.point.split(":")[0]
+
+    @property
+    def n(self) -> int:
+        return int(self.point.split(":")[-1])
+
+    @property
+    def event_type(self) -> str:
+        return self.point.split(":")[1]
+
+    def exit(self) -> None:
+        os._exit(self.code)
+
+
+# ---------------------------------------------------------------------------
+# Results and handles
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    process_id: ProcessID
+    status: str
+    output: JSON
+    termination: dict[str, Any] | None
+    usage: dict[str, int]
+
+    @classmethod
+    def of(cls, process: ProcessState) -> Result:
+        return cls(
+            process.process_id,
+            process.status,
+            process.output,
+            process.termination.to_json() if process.termination else None,
+            process.usage,
+        )
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "process_id": self.process_id,
+            "status": self.status,
+            "output": self.output,
+            "termination": self.termination,
+            "usage": self.usage,
+        }
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """A started or recovered tree."""
+
+    runtime: Runtime
+    tree_id: TreeID
+    root_process_id: ProcessID
+    start_id: StartID
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until the root Process is terminal and return its Result."""
+        return self.runtime.result(self.tree_id, timeout)
+
+    def status(self) -> str:
+        return self.runtime.status(self.tree_id)
+
+
+class RuntimeStopped(AgentfoldError):
+    """This runtime stopped driving a tree (store failure or fencing); recover it elsewhere."""
+
+    http_status = 503
+
+
+# ---------------------------------------------------------------------------
+# Driver internals
+
+
+@dataclass(slots=True)
+class _Done:
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    status: SettlementStatus
+    payload: JSON
+    diagnostic: Failure | None
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]
+    future: Future[Any]
+
+
+@dataclass(slots=True)
+class _Refresh:
+    pass
+
+
+@dataclass(slots=True)
+class _Kick:
+    """Advance again (the previous cycle hit the per-append event cap)."""
+
+
+MAX_EVENTS_PER_APPEND = 2048
+#: Polls at which a tree whose lease was lost is tried again while the store fails, before the
+#: watcher gives up on it (logged; ``recover`` adopts it later).
+LOST_TREE_ATTEMPTS = 150
+#: The same for a tree a failed append stopped (a full disk waits for an operator): ~1 hour of polls.
+STALLED_TREE_ATTEMPTS = 18_000
+#: Longest stretch (seconds) the watcher spends adopting orphans before its other duties.
+ORPHAN_SCAN_SECONDS = 1.0
+_RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One dispatcher call whose permission is committed."""
+
+    dispatch: Dispatch
+    dispatcher: Any
+    request: EffectRequest
+    context: DispatchContext
+
+
+@dataclass(slots=True)
+class _Flight:
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    context: DispatchContext
+    cancel_deadline: float | None = None
+
+
+class _Driver:
+    """The serial owner line of one tree inside a Runtime."""
+
+    def __init__(self, runtime: Runtime, tree_id: TreeID, loaded: LoadedTree, incarnation: TreeIncarnationID) -> None:
+        self.runtime = runtime
+        self.tree_id = tree_id
+        self.tree = loaded.state
+        self.digest = loaded.digest
+        self.committed = loaded.state.version
+        self.incarnation = incarnation
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._scheduled = False
+        self.flights: dict[EffectID, _Flight] = {}
+        self.finished = False
+        self._launched: list[_Job] = []
+        self._launched_lock = threading.Lock()
+        self.stopped: AgentfoldError | None = None
+        self.idle = False
+        self.last_snapshot = loaded.snapshot_version
+        # The root's Result, set only once an acknowledged append holds its termination:
+        # the folded tree may be ahead of the store while an append is in flight or failed.
+        self.final: Result | None = None
+
+    # -- inbox ---------------------------------------------------------------
+
+    def submit(self, item: Any) -> None:
+        with self._inbox_lock:
+            self._inbox.append(item)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.runtime._owner_pool.submit(self._run)
+
+    def call(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], timeout: float | None = 60.0) -> Any:
+        future: Future[Any] = Future()
+        self.submit(_Call(fn, future))
+        return future.result(timeout)
+
+    def _run(self) -> None:
+        """Owner-pool entry: run the cycles, then start every launched dispatcher call."""
+        self._run_cycles()
+        self.start_jobs(keep_last=False)
+
+    def _run_cycles(self) -> None:
+        with self.runtime._busy_cond:
+            self.runtime._busy += 1
+        try:
+            self._drain()
+        finally:
+            with self.runtime._busy_cond:
+                self.runtime._busy -= 1
+                if self.runtime._busy == 0:
+                    self.runtime._busy_cond.notify_all()
+        if self.finished and self.stopped is None:
+            self.runtime._forget(self)
+
+    def start_jobs(self, *, keep_last: bool) -> _Job | None:
+        """Start the launched calls on the dispatch pool; optionally keep the last for this thread."""
+        with self._launched_lock:
+            jobs = self._launched
+            self._launched = []
+        if not jobs:
+            return None
+        keep = jobs.pop() if keep_last else None
+        for job in jobs:
+            self.runtime._dispatch_pool.submit(self._dispatch_loop, job)
+        return keep
+
+    def _dispatch_loop(self, job: _Job | None) -> None:
+        """A dispatch thread: call, record the outcome, and when nobody else is driving the
+        tree, drive it here and take the next call too (a chain runs without hand-offs)."""
+        while job is not None:
+            done = self._call_dispatcher(job)
+            with self._inbox_lock:
+                self._inbox.append(done)
+                if self._scheduled:
+                    return
+                self._scheduled = True
+            self._run_cycles()
+            job = self.start_jobs(keep_last=True)
+
+    def _drain(self) -> None:
+        while True:
+            with self._inbox_lock:
+                items = list(self._inbox)
+                self._inbox.clear()
+                if not items:
+                    self._scheduled = False
+                    return
+            try:
+                with self.lock:
+                    self._cycle(items)
+            except BaseException as exc:  # noqa: BLE001 - never lose the owner line silently
+                self._stop(RuntimeStopped("engine.runtime.failed", f"owner of {self.tree_id} failed: {exc!r}"), items)
+
+    # -- the cycle -----------------------------------------------------------
+
+    def _cycle(self, items: list[Any]) -> None:
+        if self.stopped is not None:
+            self._reject(items, self.stopped)
+            return
+        if any(isinstance(i, _Refresh) for i in items):
+            self._catch_up()
+            if self.stopped is not None:
+                self._reject(items, self.stopped)
+                return
+        for _attempt in range(64):
+            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids, dispatch=not self.runtime._draining)
+            events: list[TreeEvent] = []
+            replies: list[tuple[Future[Any], Any]] = []
+            settled: list[EffectID] = []
+            for item in items:
+                if isinstance(item, _Done):
+                    produced = kernel.settle_dispatch(
+                        item.process_id, item.effect_id, item.attempt_id, item.status, item.payload, item.diagnostic
+                    )
+                    events.extend(produced)
+                    settled.append(item.effect_id)
+                elif isinstance(item, _Call):
+                    if item.future.done():
+                        continue
+                    version = self.tree.version
+                    try:
+                        produced, value = item.fn(kernel)
+                    except AgentfoldError as exc:
+                        if self.tree.version != version:  # pragma: no cover - functions validate before applying
+                            raise
+                        item.future.set_exception(exc)
+                        continue
+                    events.extend(produced)
+                    replies.append((item.future, value))
+            progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+            events.extend(progress.events)
+            if not events:
+                for eid in settled:
+                    self.flights.pop(eid, None)
+                self._after_commit([], replies)
+                return
+            try:
+                self._append(events)
+            except VersionConflict:
+                self._reload()
+                if self.stopped is not None:
+                    self._reject(items, self.stopped)
+                    return
+                self._launch_committed()
+                continue
+            except (Fenced, StoreFailure) as exc:
+                self._stop(exc, items)
+                return
+            for eid in settled:
+                self.flights.pop(eid, None)
+            if self.stopped is None and not self.runtime._closed:
+                # Closing: a call whose outcome nobody would record is not started; the
+                # committed permission is decided by recovery (replay or unknown).
+                self._launch(progress.dispatches)
+            self._after_commit(events, replies)
+            if len(progress.events) >= MAX_EVENTS_PER_APPEND:
+                self.submit(_Kick())
+            return
+        self._stop(RuntimeStopped("engine.tree.contention", f"tree {self.tree_id} kept changing under its owner"), items)
+
+    def _after_commit(self, events: list[TreeEvent], replies: list[tuple[Future[Any], Any]]) -> None:
+        for future, value in replies:
+            if not future.done():
+                future.set_result(value)
+        self._cancel_stopping_flights()
+        notify = bool(replies)
+        if self.final is None and self.tree.root.terminal:
+            self.final = Result.of(self.tree.root)
+            notify = True
+        idle = not self.flights and not self._inbox
+        if idle != self.idle:
+            notify = True
+        self.idle = idle
+        if idle and self.tree.terminal:
+            # A finished tree needs no owner: give up the lease and the memory it holds;
+            # result() and wait_idle() read it from the store from now on.
+            self.finished = True
+        if notify:  # waking result()/wait_idle() on every append costs more than the append
+            self.cond.notify_all()
+
+    def _reject(self, items: Iterable[Any], exc: AgentfoldError) -> None:
+        for item in items:
+            if isinstance(item, _Call) and not item.future.done():
+                item.future.set_exception(exc)
+
+    def _stop(self, exc: AgentfoldError, items: Iterable[Any] = ()) -> None:
+        with self.lock:
+            if self.stopped is None:
+                self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message, exc.hint)
+            if self.stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
+                # Later result()/wait_idle() calls on this runtime report the failure (Scope:
+                # every published Process's Await returns a RuntimeError), not a stale state.
+                self.runtime._failed[self.tree_id] = self.stopped
+            for flight in self.flights.values():
+                flight.context.cancelled.set()
+            self.idle = True
+            # Give up the tree (and its lease) before anyone hears of the stop: a caller
+            # told "stopped" may recover the tree at once, from another runtime.
+            self.runtime._forget(self)
+            if isinstance(exc, StoreFailure) and exc.code != "store.closed":
+                # An append failed (a full disk, a database that went away): the watcher
+                # adopts the tree again once the store takes appends (``_adopt_lost``),
+                # instead of leaving it without an owner until someone runs `recover`.
+                self.runtime._stalled(self.tree_id)
+            self._reject(items, self.stopped)
+            self.cond.notify_all()
+
+    # -- appends -------------------------------------------------------------
+
+    def _append(self, events: list[TreeEvent]) -> None:
+        runtime = self.runtime
+        crash = runtime.crash
+        exit_after = False
+        if crash is not None:
+            events, exit_after = runtime._crash_check(events)
+        expected = self.committed
+        version = expected + len(events)
+        now = runtime.clock()  # one reading: the events' timestamp and the index row's updated_at
+        # A crash plan may cut this append short (``declared:N``): the folded tree is then ahead
+        # of what is stored, so the index row carries the stored version, not the folded one.
+        head = index_head(self.tree, self.tree_id, events, now, version=version)
+        every = runtime.snapshot_every
+        # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
+        # the tree's size, so this keeps the amortized cost per event constant, while a load
+        # still folds at most ~1/8 of the history after the newest snapshot. Only between whole
+        # Steps (a load resumes there), and only of exactly what this append stores.
+        snapshot = (
+            self.tree
+            if every
+            and version - self.last_snapshot >= max(every, version // 8)
+            and self.tree._expect is None
+            and self.tree.version == version
+            else None
+        )
+        # A snapshot is written in the append's own transaction (no second writer competes for
+        # the store: on SQLite a background snapshot write held up the next appends, ~20% of a
+        # chain's p99 per-effect time), unless it is large (EventStore.INLINE_SNAPSHOT_BYTES):
+        # then its JSON comes back and is deflated and written off the owner line.
+        result = runtime.store.append(
+            self.tree_id, expected, events, previous_digest=self.digest, timestamp=now, head=head, snapshot=snapshot
+        )
+        if crash is not None and exit_after:
+            crash.exit()
+        self.digest = result.digest
+        self.committed = version
+        if snapshot is not None:
+            self.last_snapshot = version
+        if result.snapshot_body is not None:
+            runtime._snapshot_pool.submit(self._write_snapshot, version, result.snapshot_body)
+        runtime.appends += 1
+        runtime.events_appended += len(events)
+        if self.committed != self.tree.version:  # pragma: no cover - defensive
+            raise RuntimeStopped("engine.runtime.failed", "the folded tree and the committed version diverged")
+
+    def _write_snapshot(self, version: int, body: bytes) -> None:
+        """Deflate and store a large snapshot's JSON, off the owner line (it is a cache: a
+        failure only means the next load folds more events)."""
+        try:
+            self.runtime.store.write_snapshot(self.tree_id, version, body)
+        except Exception as exc:  # noqa: BLE001 - the next snapshot will be taken later
+            log.debug("tree %s: snapshot at %d not written: %s", self.tree_id, version, exc)
+
+    def _reload(self) -> None:
+        """Discard uncommitted state and fold the tree again from the store."""
+        try:
+            loaded = self.runtime.store.load(self.tree_id, self.runtime._resolve)
+        except AgentfoldError as exc:
+            self._stop(exc)
+            return
+        if loaded.state.incarnation != self.incarnation:
+            # Fenced: never adopt (or publish) a state another writer produced.
+            self._fence(loaded.state.incarnation)
+            return
+        self.tree = loaded.state
+        self.digest = loaded.digest
+        self.committed = loaded.state.version
+
+    def _catch_up(self) -> None:
+        """Fold events other writers appended after our committed version."""
+        try:
+            records = self.runtime.store.read(self.tree_id, after=self.committed, previous_digest=self.digest)
+            for record in records:
+                if isinstance(record.event, WriterActivated):
+                    self._fence(record.event.incarnation_id)
+                    return
+                self.tree.apply(record.event, record.position)
+                self.digest = record.digest
+                self.committed = record.position
+        except Exception:  # noqa: BLE001 - fall back to a full reload
+            self._reload()
+            return
+        self._check_fence()
+
+    def _check_fence(self) -> None:
+        if self.tree.incarnation != self.incarnation:
+            self._fence(self.tree.incarnation)
+
+    def _fence(self, other: TreeIncarnationID | None) -> None:
+        self._stop(
+            Fenced(
+                "engine.tree.incarnation_conflict",
+                f"tree {self.tree_id} was activated by incarnation {other}; this writer ({self.incarnation}) stops",
+            )
+        )
+
+    # -- dispatch ------------------------------------------------------------
+
+    def _launch_committed(self) -> None:
+        """Launch the dispatch permissions this writer committed without learning it.
+
+        An append whose reply was lost is retried (agentfold.adapters.recorders); if another writer
+        appended in between, the retry is a conflict although the first attempt committed.
+        The reloaded tree then holds this incarnation's permission with no call behind it:
+        without this, the Effect stayed pending under a live owner and the tree never moved.
+        """
+        committed = [
+            Dispatch(process.process_id, record.effect_id, record.attempt_id)
+            for process in self.tree.live.values()
+            for record in process.in_flight()
+            if record.target == Target.DISPATCHER
+            and record.incarnation_id == self.incarnation
+            and record.attempt_id is not None
+            and record.effect_id not in self.flights
+        ]
+        if committed:
+            log.warning("tree %s: launching %d dispatch permission(s) an append committed although its reply was lost",
+                        self.tree_id, len(committed))
+            self._launch(committed)
+
+    def _launch(self, dispatches: Sequence[Dispatch]) -> None:
+        for dispatch in dispatches:
+            process = self.tree.processes[dispatch.process_id]
+            program = self.runtime._resolve(process.program)
+            context = DispatchContext()
+            flight = _Flight(dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, context)
+            self.flights[dispatch.effect_id] = flight
+            try:
+                request = effect_request(self.tree, dispatch.process_id, dispatch.effect_id, program, dispatch.attempt_id)
+            except Exception as exc:  # noqa: BLE001
+                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, f"cannot build the request: {exc}"))
+                continue
+            dispatcher = program.dispatcher if program is not None else None
+            if dispatcher is None:
+                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
+                continue
+            with self._launched_lock:
+                self._launched.append(_Job(dispatch, dispatcher, request, context))
+
+    def _call_dispatcher(self, job: _Job) -> _Done:
+        runtime = self.runtime
+        dispatch, dispatcher, request, context = job.dispatch, job.dispatcher, job.request, job.context
+        with runtime._calls_lock:
+            runtime._calls_running += 1
+        try:
+            settlement = dispatcher.dispatch(request, context)
+            done = _settled(dispatch, settlement)
+        except DispatchCancelled as exc:
+            done = _unknown(dispatch, EngineCode.DISPATCH_CANCELED, str(exc) or "canceled")
+        except TimeoutError as exc:
+            done = _unknown(dispatch, EngineCode.DISPATCH_DEADLINE, f"timed out: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every raised error leaves the outcome unknown
+            code = EngineCode.DISPATCH_CANCELED if context.cancelled.is_set() else EngineCode.DISPATCH_FAILED
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:  # noqa: BLE001 - not an Exception, and still a call whose outcome is unknown
+            # asyncio.CancelledError (a dispatcher bridging to an event loop), SystemExit, ...: left
+            # to escape, it ended this thread without a settlement, and the Effect stayed in flight
+            # under a live owner for good (nobody else may recover a tree whose lease is held).
+            cancelled = isinstance(exc, asyncio.CancelledError) or context.cancelled.is_set()
+            code = EngineCode.DISPATCH_CANCELED if cancelled else EngineCode.DISPATCH_PANICKED
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+        finally:
+            with runtime._calls_lock:
+                runtime._calls_running -= 1
+        crash = runtime.crash
+        if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
+            crash.exit()
+        return done
+
+    def _cancel_stopping_flights(self) -> None:
+        now = time.monotonic()
+        for flight in list(self.flights.values()):
+            process = self.tree.processes.get(flight.process_id)
+            stopping = process is None or process.terminal_intent is not None or process.terminal
+            if not stopping:
+                continue
+            if not flight.context.cancelled.is_set():
+                flight.context.cancelled.set()
+                flight.cancel_deadline = now + self.runtime.cancel_grace
+                timer = threading.Timer(self.runtime.cancel_grace, self._abandon, (flight,))
+                timer.daemon = True
+                timer.start()
+
+    def _abandon(self, flight: _Flight) -> None:
+        """A dispatcher ignored cancellation past the grace period: its outcome is unknown."""
+        if flight.effect_id in self.flights:
+            self.submit(
+                _Done(
+                    flight.process_id, flight.effect_id, flight.attempt_id, SettlementStatus.UNKNOWN, None,
+                    Failure(FailureKind.EXTERNAL, EngineCode.DISPATCH_CANCELED,
+                            "the dispatcher did not return within the cancellation grace period"),
+                )
+            )
+
+
+def _store_down(exc: BaseException) -> bool:
+    """A failure of the store that may pass (try again later), as opposed to a corrupt history
+    or a refusal that would repeat."""
+    return (
+        isinstance(exc, (StoreFailure, PersistenceError, OSError))
+        and not isinstance(exc, CorruptStream)
+        and getattr(exc, "code", None) != "store.closed"  # closed by this process: it will not come back
+    )
+
+
+def quiet_stop_signals() -> None:
+    """Keep SIGINT and SIGTERM away from this thread (the runtime's own threads).
+
+    A signal sent to the process goes to any thread that does not block it. Taken by a
+    dispatch thread stuck in a tool call, Ctrl-C never reached the main thread, whose
+    wait (``result``, ``wait_idle``) it should interrupt: a CLI command went on until its
+    timeout. Blocked here, the main thread (or a signal-waiting thread) gets them.
+    """
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+#: The failure kind of an unknown outcome's diagnostic, by its code (else ``external``).
+_UNKNOWN_KINDS = {EngineCode.DISPATCH_SETTLEMENT_INVALID: FailureKind.CONTRACT,
+                  EngineCode.DISPATCH_PANICKED: FailureKind.PANIC}
+
+
+def _unknown(dispatch: Dispatch, code: str, message: str) -> _Done:
+    return _Done(
+        dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, SettlementStatus.UNKNOWN, None,
+        Failure(_UNKNOWN_KINDS.get(code, FailureKind.EXTERNAL), code, message or code),
+    )
+
+
+def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
+    if not isinstance(settlement, Settlement) or not isinstance(settlement.status, SettlementStatus):
+        return _unknown(dispatch, EngineCode.DISPATCH_SETTLEMENT_INVALID, f"dispatcher returned {type(settlement).__name__}")
+    if settlement.status is SettlementStatus.UNKNOWN:
+        return _unknown(dispatch, EngineCode.DISPATCH_FAILED, "the dispatcher reported an unknown outcome")
+    try:
+        payload = normalize(settlement.payload, what="settlement payload")
+    except InvalidInput as exc:
+        return _unknown(dispatch, EngineCode.DISPATCH_SETTLEMENT_INVALID, exc.message)
+    return _Done(dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, settlement.status, payload, None)
+
+
+# ---------------------------------------------------------------------------
+# The Runtime
+
+
+class Runtime:
+    """Starts, drives, recovers and serves process trees over one event store."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        catalog: Catalog | None = None,
+        *,
+        dispatch_workers: int = 32,
+        owner_workers: int = 4,
+        snapshot_every: int = 1000,
+        poll_interval: float = 0.2,
+        cancel_grace: float = 5.0,
+        crash: CrashPlan | None = None,
+        clock: Callable[[], str] = utc_now,
+        ids: RandomIds | None = None,
+        adopt_on_admit: bool = True,
+        adopt_orphans_every: float = 0.0,
+    ) -> None:
+        self.store = store
+        self.catalog = catalog or Catalog()
+        self.snapshot_every = snapshot_every
+        self.poll_interval = poll_interval
+        self.cancel_grace = cancel_grace
+        self.crash = crash
+        self.clock = clock
+        self.ids = ids or RandomIds()
+        self.adopt_on_admit = adopt_on_admit
+        # Seconds between scans for live trees nobody owns (a dead peer's runs); 0 = never.
+        self.adopt_orphans_every = adopt_orphans_every
+        self.orphans_adopted = 0
+        # The live trees the last store-wide ``recover()`` could not take, with why.
+        self.recover_failures: dict[TreeID, AgentfoldError] = {}
+        self.appends = 0
+        self.events_appended = 0
+        self._dispatch_pool = ThreadPoolExecutor(
+            dispatch_workers, thread_name_prefix="agentfold-dispatch", initializer=quiet_stop_signals
+        )
+        self._calls_lock = threading.Lock()
+        self._calls_running = 0  # dispatcher calls inside a dispatcher right now
+        self._owner_pool = ThreadPoolExecutor(
+            owner_workers, thread_name_prefix="agentfold-owner", initializer=quiet_stop_signals
+        )
+        self._snapshot_pool = ThreadPoolExecutor(  # large snapshots
+            1, thread_name_prefix="agentfold-snapshot", initializer=quiet_stop_signals
+        )
+        self._drivers: dict[TreeID, _Driver] = {}
+        self._adopt_locks = [threading.Lock() for _ in range(64)]
+        self._failed: dict[TreeID, AgentfoldError] = {}
+        # Unknown Effects a host is replaying through this runtime now (Scope: while a replay
+        # is in flight, another replay or a resolution of that Effect is ErrEffectNotPending).
+        self._replaying: set[EffectID] = set()
+        # Trees whose owner line stopped because the lease session ended: adopted again
+        # by the watcher once leases work (see ``_adopt_lost``).
+        self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
+        # tree -> (incarnation, committed version, digest) of the owner line a lost lease stopped
+        self._lost_line: dict[TreeID, tuple[TreeIncarnationID, int, str | None]] = {}
+        self._stalled_trees: set[TreeID] = set()  # of those, the ones a failed append stopped
+        # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
+        self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
+        self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
+        self._busy_cond = threading.Condition()
+        self._shut = False
+        self._lock = threading.RLock()
+        self._leases = store.leases()
+        self._ordinal: dict[EffectID, int] = {}
+        self._counts: dict[str, int] = collections.Counter()
+        self._closed = False
+        self._draining = False  # see drain(): no dispatch permission is granted any more
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
+        # The orphan scan's memory: parked trees found with nothing to drive, and trees that
+        # could not be adopted, each at the stored version it was seen at (looked at again
+        # only once someone appends to it).
+        self._orphans_parked: dict[TreeID, int] = {}
+        self._orphans_refused: dict[TreeID, int] = {}
+        self._next_orphan_scan = 0.0
+        if adopt_orphans_every > 0:
+            self._ensure_watcher()
+
+    # -- programs ------------------------------------------------------------
+
+    def _resolve(self, ref: ProgramRef) -> Program | None:
+        return self.catalog.resolve(ref)
+
+    def _load(self, tree_id: TreeID) -> LoadedTree:
+        """Load a tree with its Programs bound (rebuilding a stored configuration if needed)."""
+        self._bind_programs(tree_id)
+        return self.store.load(tree_id, self._resolve)
+
+    def _bind_programs(self, tree_id: TreeID) -> None:
+        first = self.store.read(tree_id, upto=1)
+        if not first:
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+        started = first[0].event
+        assert isinstance(started, TreeStarted)
+        self.catalog.load(started.program, started.configuration)
+
+    # -- lookups -------------------------------------------------------------
+
+    def tree_of(self, ref: str) -> TreeID:
+        """Resolve a tree id, a start id or a process id to a tree id."""
+        return self.store.find_tree(ref)
+
+    def tree_of_process(self, process_id: ProcessID) -> TreeID:
+        return self.store.find_process_tree(process_id)
+
+    # -- start ---------------------------------------------------------------
+
+    def start(
+        self,
+        program: Program,
+        input: JSON = None,
+        *,
+        start_id: str | None = None,
+        budget: Budget | None = None,
+        capabilities: Sequence[str] = (),
+        limits: TreeLimits | None = None,
+        configuration: JSON = None,
+    ) -> RunHandle:
+        """Start a root Process; starting again with the same start id returns the same tree.
+
+        The same start id with a different program or input is refused with
+        ``engine.start.conflict``.
+        """
+        self._check_open()
+        self.catalog.add(program)
+        sid = StartID(start_id) if start_id is not None else self.ids.start_id()
+        tree_id = TreeID.for_start(sid)
+        started = start_tree(
+            program, input, start_id=sid, root_id=self.ids.root_process_id(), incarnation_id=self.ids.incarnation_id(),
+            budget=budget, capabilities=capabilities, limits=limits,
+            configuration=configuration if configuration is not None else program.configuration,
+        )
+        existing = self.store.head(tree_id)
+        if existing is not None:
+            return self._existing_start(tree_id, started)
+        # Under the tree's adoption lock, as ``_try_adopt``: leases are re-entrant inside one
+        # process, so without it a concurrent start of the same id, or the watcher adopting the
+        # tree again after a lost lease session, could activate it between this start's append
+        # and its owner line's registration (two owner lines; a call recorded unknown, or made twice).
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            driver = self._start_owned(tree_id, started)
+        if driver is None:
+            return self._existing_start(tree_id, started)
+        driver.start_jobs(keep_last=False)
+        self._ensure_watcher()
+        return RunHandle(self, tree_id, started.process_id, sid)
+
+    def _start_owned(self, tree_id: TreeID, started: TreeStarted) -> _Driver | None:
+        """Append the tree's first Steps under its lease and register its owner line (called with
+        the tree's adoption lock held); None when another start or owner got there first."""
+        with self._lock:
+            if tree_id in self._drivers or self._closed:
+                return None
+        if not self._leases.acquire(tree_id):
+            return None
+        tree = TreeState(self._resolve)
+        tree.apply(started)
+        driver = _Driver(self, tree_id, LoadedTree(TreeState(self._resolve), None), started.incarnation_id)
+        with driver.lock:
+            driver.tree = tree
+            driver.committed = 0
+            progress = Kernel(tree, self._resolve, self.ids, dispatch=not self._draining).advance()
+            try:
+                driver._append([started, *progress.events])
+            except VersionConflict:
+                self._leases.release(tree_id)
+                return None
+            except AgentfoldError:
+                self._leases.release(tree_id)
+                raise
+            if not self._register(driver):
+                return driver
+            driver._launch(progress.dispatches)
+            driver._after_commit([], [])
+        return driver
+
+    def _register(self, driver: _Driver) -> bool:
+        """Make ``driver`` the tree's owner line, after its first append; False (the line is
+        stopped) when the lease was lost meanwhile.
+
+        The watcher found no owner line to stop when the lease session ended during the start
+        or the activation: nothing is dispatched without a lease, and the watcher adopts the
+        tree again once a new session works."""
+        tree_id = driver.tree_id
+        with self._lock:
+            self._drivers[tree_id] = driver
+            self._failed.pop(tree_id, None)
+        if self._leases.holds(tree_id):
+            return True
+        self._lease_lost(tree_id, driver)
+        self._ensure_watcher()
+        return False
+
+    def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
+        first = self.store.read(tree_id, upto=1)
+        if not first:
+            raise Rejected("engine.start.in_progress", f"start {started.start_id} is being created by another runtime")
+        original = first[0].event
+        assert isinstance(original, TreeStarted)
+        if original.program != started.program or digest_of(original.input) != digest_of(started.input):
+            raise Rejected(
+                "engine.start.conflict",
+                f"start id {started.start_id} already started {original.program.name} with a different input or program",
+                hint="use a new start id for a different run",
+            )
+        handle = RunHandle(self, tree_id, original.process_id, original.start_id)
+        if tree_id not in self._drivers and self.adopt_on_admit:
+            self._try_adopt(tree_id)
+        return handle
+
+    # -- ownership -----------------------------------------------------------
+
+    def _try_adopt(self, tree_id: TreeID, *, new_only: bool = False) -> _Driver | None:
+        """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does
+        (with ``new_only``, also when this runtime's own owner line already drives it).
+
+        Serialized per tree within this runtime: leases are re-entrant inside one process,
+        so two threads adopting the same tree would both activate it, and the loser's
+        failure would release the lease the winner holds.
+        """
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                driver = self._drivers.get(tree_id)
+                if driver is not None:
+                    return None if new_only else driver
+                if self._closed:
+                    return None
+                if not self._leases.acquire(tree_id):
+                    return None
+            head = self.store.head(tree_id)
+            if head is not None and head.classification == "terminal":
+                # A finished tree needs no writer: activating it would append to a closed history.
+                self._leases.release(tree_id)
+                return None
+            try:
+                return self._activate(tree_id)
+            except BaseException:
+                with self._lock:
+                    owned = tree_id in self._drivers
+                if not owned:
+                    self._leases.release(tree_id)
+                raise
+
+    def _activate(self, tree_id: TreeID) -> _Driver:
+        loaded = self._load(tree_id)
+        incarnation = self.ids.incarnation_id()
+        base_incarnation = loaded.state.incarnation
+        for _ in range(64):
+            driver = _Driver(self, tree_id, loaded, incarnation)
+            with driver.lock:
+                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=not self._draining)
+                activation = kernel.activate(incarnation)
+                progress = kernel.advance()
+                try:
+                    driver._append([*activation.events, *progress.events])
+                except VersionConflict:
+                    loaded = self._load(tree_id)
+                    if loaded.state.incarnation != base_incarnation:
+                        if not self._activated_by_the_dead(tree_id, loaded.state.incarnation):
+                            raise Fenced(
+                                "engine.tree.incarnation_conflict",
+                                f"tree {tree_id} was activated by another writer ({loaded.state.incarnation})",
+                            ) from None
+                        base_incarnation = loaded.state.incarnation
+                    continue
+                if not self._register(driver):
+                    return driver
+                driver._launch([*activation.dispatches, *progress.dispatches])
+                driver._after_commit([], [])
+            driver.start_jobs(keep_last=False)
+            self._ensure_watcher()
+            return driver
+        raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
+
+    def _activated_by_the_dead(self, tree_id: TreeID, other: TreeIncarnationID | None) -> bool:
+        """Whether an activation that committed under this runtime's activation while it held
+        the tree's lease can only be a dead writer's, so that activating again on top of it
+        is safe.
+
+        An exclusive lease held here means no live runtime holds it: a writer that activated
+        meanwhile lost its lease before its statement committed. On PostgreSQL that is a server
+        killed while its takeover statement waited for the events table's lock: the server
+        runs the statement to its commit after the client's death (nothing reads the dead
+        socket while it waits). Fencing this runtime then left the run to a dead owner (its
+        request answered ``409 engine.tree.incarnation_conflict`` until the orphan scan
+        adopted the run again). A writer that still runs is fenced by our activation as it
+        would have been had ours come first. Without an exclusive lease (a lease-less test
+        double) two live writers race: the version fence decides, and the loser stops.
+        """
+        if not getattr(self._leases, "exclusive", False) or not self._leases.holds(tree_id):
+            return False
+        log.warning(
+            "tree %s: incarnation %s activated it while this runtime held its lease (a writer that died while "
+            "its statement waited); activating it again", tree_id, other,
+        )
+        return True
+
+    def recover(self, tree: str | None = None) -> list[RunHandle]:
+        """Take ownership of one tree, or of every live tree nobody owns, and drive them.
+
+        Nothing is called again: in-flight Effects are re-dispatched only under a
+        ``same_identity`` policy, otherwise they settle unknown.
+
+        Of every live tree (``tree`` None): a parked tree with nothing in flight is left
+        as it is (``needs_recovery``: adopting it would only append a ``WriterActivated``
+        to its history at every worker start; the runtime that admits input for it, or an
+        orphan scan, takes it up); a tree this runtime cannot take (its Program is not
+        bound here or cannot be rebuilt, its history is corrupt) is left alone, logged and
+        listed in ``recover_failures`` (tree id -> the error), so that one such run does
+        not stop a worker from taking up the others; a failing store still raises. One
+        tree: it is taken whatever its state, and its error is raised.
+        """
+        self._check_open()
+        if tree is not None:
+            tree_ids = [self.tree_of(tree)]
+        else:
+            tree_ids = [TreeID(h.tree_id) for h in self.store.heads(live_only=True) if self.needs_recovery(h)]
+            self.recover_failures = {}
+        handles = []
+        for tree_id in tree_ids:
+            head = self.store.head(tree_id)
+            if head is not None and head.classification == "terminal":
+                # Nothing to drive; its result is in the store.
+                handles.append(RunHandle(self, tree_id, ProcessID(head.root_process_id), StartID(head.start_id)))
+                continue
+            try:
+                driver = self._try_adopt(tree_id)
+            except Exception as exc:
+                if tree is not None or _store_down(exc):
+                    raise
+                failure = exc if isinstance(exc, AgentfoldError) else AgentfoldError(
+                    "engine.program.unavailable", f"rebuilding the Program of tree {tree_id} failed: "
+                    f"{type(exc).__name__}: {exc}", hint="fix the loader, or bind the exact Program this tree runs")
+                log.warning("recover: tree %s left alone: %s", tree_id, failure)
+                self.recover_failures[tree_id] = failure
+                continue
+            if driver is None:
+                if tree is not None:
+                    raise Fenced(
+                        "engine.tree.owned", f"tree {tree_id} is owned by another live runtime",
+                        hint="that runtime drives it; send input instead, or stop it first",
+                    )
+                continue
+            handles.append(RunHandle(self, tree_id, driver.tree.root.process_id, driver.tree.start_id))  # type: ignore[arg-type]
+        return handles
+
+    def needs_recovery(self, head: TreeHead) -> bool:
+        """Whether adopting the tree of this index row would change anything.
+
+        A parked tree (every live Process waiting, paused or stopped by an unknown
+        outcome) with no dispatch committed but unsettled has nothing to decide and
+        nothing to drive: adopting it would only append a ``WriterActivated``, so a
+        periodic ``recover`` would grow every parked history. It is adopted when input
+        reaches it. Anything else (progress, an Effect in flight, a tree that cannot be
+        loaded, so that adopting reports why) needs recovery.
+        """
+        if head.classification == "terminal":
+            return False
+        if head.classification != "parked":
+            return True
+        try:
+            tree = self._load(TreeID(head.tree_id)).state
+        except AgentfoldError:
+            return True
+        return any(process.in_flight() for process in tree.live.values())
+
+    def owns(self, tree_id: TreeID) -> bool:
+        with self._lock:
+            return tree_id in self._drivers
+
+    def drives(self, tree_id: TreeID) -> bool:
+        """Whether this runtime drives the tree on (it owns it), or the tree has ended (nothing
+        is left to drive): false when another live runtime owns it. Ownership is looked at
+        first: a tree that ends and is released meanwhile is then terminal in the index."""
+        if self.owns(tree_id):
+            return True
+        head = self.store.head(tree_id)
+        return head is not None and head.classification == "terminal"
+
+    def release(self, tree_id: TreeID) -> None:
+        """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
+        with self._lock:
+            driver = self._drivers.pop(tree_id, None)
+        if driver is not None:
+            driver._stop(RuntimeStopped("engine.runtime.released", f"tree {tree_id} was released by its owner"))
+        self._leases.release(tree_id)
+
+    def _forget(self, driver: _Driver) -> None:
+        with self._lock:
+            current = self._drivers.get(driver.tree_id)
+            if current is driver:
+                del self._drivers[driver.tree_id]
+            if driver.final is not None and driver.stopped is None:
+                self._results[driver.tree_id] = driver.final
+                while len(self._results) > _RESULTS_KEPT:
+                    self._results.popitem(last=False)
+        if current is None or current is driver:
+            # Not while another owner line of this runtime drives the tree: the lease (re-entrant
+            # inside the process) is that line's now.
+            self._leases.release(driver.tree_id)
+
+    # -- admission -----------------------------------------------------------
+
+    def _admit(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> Any:
+        self._check_open()
+        driver = self._drivers.get(tree_id)
+        if driver is None and self.adopt_on_admit:
+            try:
+                self._precheck(tree_id, fn)
+            except AgentfoldError:
+                if not self._owned_elsewhere(tree_id):
+                    raise
+                # The precheck refused the request on the tree as this runtime would adopt it
+                # (in-flight Effects decided, e.g. a cancellation finished), but another live
+                # runtime owns it and decides them: a second `cancel` while the first waits for
+                # a call was refused as "already ended canceled". The request is validated
+                # below on the tree as stored, as its owner sees it.
+            else:
+                driver = self._try_adopt(tree_id)
+        if driver is not None:
+            return driver.call(fn)
+        for _ in range(64):
+            loaded = self._load(tree_id)
+            kernel = Kernel(loaded.state, self._resolve, self.ids)
+            base = loaded.state.version
+            events, value = fn(kernel)
+            if not events:
+                return value
+            try:
+                now = self.clock()
+                self.store.append(
+                    tree_id, base, events, previous_digest=loaded.digest, timestamp=now,
+                    head=index_head(loaded.state, tree_id, events, now),
+                )
+            except VersionConflict:
+                continue
+            self._counts["remote_admissions"] += 1
+            if driver is None and self.adopt_on_admit:
+                # The lease was held when this runtime tried to take the tree: by its live
+                # owner (whose watcher catches up with this input), or only for a moment, by
+                # an orphan scan looking whether the parked tree needed driving. In that case
+                # nobody would drive this input until the next scan: take the tree now. The input
+                # is recorded whatever happens here: a failure leaves the tree to the scan.
+                try:
+                    self._try_adopt(tree_id, new_only=True)
+                except Exception as exc:  # noqa: BLE001 - never report a recorded input as failed
+                    log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
+            return value
+        raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def _owned_elsewhere(self, tree_id: TreeID) -> bool:
+        """Whether another runtime holds the tree's lease now (probed: taken and given back,
+        under the tree's adoption lock, so that no adoption here shares the probe's lease).
+
+        False for a finished tree (nobody adopts it: the refusal was judged on it as stored)
+        and when the probe itself fails (the lease session is down): the refusal stands."""
+        try:
+            head = self.store.head(tree_id)
+            if head is None or head.classification == "terminal":
+                return False
+            with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+                with self._lock:
+                    if tree_id in self._drivers or self._leases.holds(tree_id):
+                        return False
+                    if not self._leases.acquire(tree_id):
+                        return True
+                self._leases.release(tree_id)
+                return False
+        except Exception:  # noqa: BLE001 - the refusal in hand is the answer to give
+            return False
+
+    def _precheck(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
+        """Validate an admission before adopting the tree for it.
+
+        A refused request appends nothing, not even the ``WriterActivated`` adoption
+        would write; the request is run against a scratch copy of the stored tree as
+        the new owner would see it (activated, advanced), and its refusal raised here.
+        """
+        scratch = self._load(tree_id).state
+        kernel = Kernel(scratch, self._resolve, self.ids)
+        if not scratch.terminal:  # a finished tree is not adopted (see _try_adopt)
+            kernel.activate(self.ids.incarnation_id())
+            kernel.advance(MAX_EVENTS_PER_APPEND)
+        fn(kernel)
+
+    def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
+        """Admit signals to a Process, all or nothing; False when all were already admitted."""
+        pid = ProcessID(process_id)
+        tree_id = self.tree_of_process(pid)
+
+        def admit(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            events = kernel.admit_signals(pid, requests)
+            return events, bool(events)
+
+        return bool(self._admit(tree_id, admit))
+
+    def _control(self, process_id: ProcessID | str, control: str, reason: str | None) -> bool:
+        pid = ProcessID(process_id)
+        tree_id = self.tree_of_process(pid)
+
+        def request(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            events = kernel.request_control(pid, control, reason)
+            return events, bool(events)
+
+        return bool(self._admit(tree_id, request))
+
+    def pause(self, process_id: ProcessID | str, reason: str = "paused by host") -> bool:
+        return self._control(process_id, "pause", reason)
+
+    def resume(self, process_id: ProcessID | str) -> bool:
+        return self._control(process_id, "resume", None)
+
+    def cancel(self, process_id: ProcessID | str, reason: str = "canceled by host") -> bool:
+        return self._control(process_id, "cancel", reason)
+
+    def kill(self, process_id: ProcessID | str, reason: str = "killed by host") -> bool:
+        return self._control(process_id, "kill", reason)
+
+    def deadline(self, process_id: ProcessID | str, reason: str = "deadline reached") -> bool:
+        return self._control(process_id, "deadline", reason)
+
+    def resolve_unknown_effect(
+        self, effect_id: EffectID | str, settlement: Settlement, *, process_id: ProcessID | str | None = None
+    ) -> None:
+        """Settle an unknown Effect with the definite outcome a host established."""
+        eid = parse_effect_id(effect_id)
+        if not isinstance(settlement, Settlement) or not settlement.status.definite:
+            raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement")
+        self._not_replaying(eid)
+        tree_id = self._tree_of_effect(eid, process_id)
+        pid = ProcessID(process_id) if process_id is not None else None
+
+        def resolve(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            return kernel.resolve_effect(eid, settlement.status, settlement.payload, process_id=pid), None
+
+        self._admit(tree_id, resolve)
+
+    def _not_replaying(self, eid: EffectID) -> None:
+        with self._lock:
+            if eid in self._replaying:
+                raise Rejected("engine.effect.not_pending", f"a replay of effect {eid} is in flight",
+                               hint="wait for the replay's outcome")
+
+    def _tree_of_effect(self, eid: EffectID, process_id: ProcessID | str | None) -> TreeID:
+        if process_id is not None:
+            return self.tree_of_process(ProcessID(process_id))
+        found = self.store.tree_of_unknown_effect(eid)
+        if found is None:
+            raise NotFound(
+                "engine.effect.not_pending", f"effect {eid} is not an unknown effect of any tree",
+                hint="list unknown effects with `agentfold unknown`",
+            )
+        return found
+
+    def replay_unknown_effect(self, effect_id: EffectID | str, *, process_id: ProcessID | str | None = None) -> Settlement:
+        """Dispatch an unknown Effect again under its EffectID (only with ``same_identity``).
+
+        A definite outcome resolves it; an uncertain one raises
+        ``engine.effect.outcome_unknown`` and leaves it unknown.
+        """
+        eid = parse_effect_id(effect_id)
+        with self._lock:
+            self._not_replaying(eid)
+            self._replaying.add(eid)
+        try:
+            return self._replay(eid, process_id)
+        finally:
+            with self._lock:
+                self._replaying.discard(eid)
+
+    def _replay(self, eid: EffectID, process_id: ProcessID | str | None) -> Settlement:
+        tree_id = self._tree_of_effect(eid, process_id)
+        loaded = self._load(tree_id)
+        found = loaded.state.find_effect(eid)
+        if found is None or not found[1].unknown or found[1].resolved_by is not None:
+            raise Rejected("engine.effect.not_pending", f"effect {eid} is not an unknown effect")
+        process, record = found
+        if process.terminal or process.terminal_intent is not None:
+            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing")
+        if record.target != "dispatcher" or record.replay != "same_identity":
+            raise Rejected(
+                "engine.effect.replay_forbidden",
+                f"effect {eid} has replay policy {record.replay!r}; only same_identity effects may be replayed",
+                hint="investigate the outcome and resolve it instead",
+            )
+        program = self._resolve(process.program)
+        attempt = self.ids.attempt_id()
+        request = effect_request(loaded.state, process.process_id, eid, program, attempt)
+        dispatch = Dispatch(process.process_id, eid, attempt)
+        dispatcher = program.dispatcher if program is not None else None
+        try:
+            if dispatcher is None:
+                raise RuntimeError("no dispatcher is bound")
+            done = _settled(dispatch, dispatcher.dispatch(request, DispatchContext()))
+        except Exception as exc:  # noqa: BLE001
+            done = _unknown(dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+        if not done.status.definite:
+            raise Rejected(
+                "engine.effect.outcome_unknown",
+                f"the replay of {eid} did not establish an outcome: {done.diagnostic}",
+                hint="the effect stays unknown; investigate and resolve it",
+            )
+        settlement = Settlement(done.status, done.payload)
+
+        def resolve(kernel: Kernel) -> tuple[list[TreeEvent], Any]:
+            return kernel.resolve_effect(
+                eid, settlement.status, settlement.payload, resolved_by="replay", attempt_id=attempt
+            ), None
+
+        self._admit(tree_id, resolve)
+        return settlement
+
+    # -- observation ---------------------------------------------------------
+
+    def capture(self, tree: str | TreeID) -> TreeState:
+        """The committed folded tree (a private copy for an owned tree)."""
+        tree_id = tree if isinstance(tree, TreeID) else self.tree_of(tree)
+        driver = self._drivers.get(tree_id)
+        if driver is not None:
+            with driver.lock:
+                if driver.stopped is None:  # else its tree may hold events no append acknowledged
+                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
+        return self._load(tree_id).state
+
+    def status(self, tree_id: TreeID) -> str:
+        head = self.store.head(tree_id)
+        if head is None:
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+        return head.status
+
+    def result(self, tree_id: TreeID, timeout: float | None = None) -> Result:
+        """Wait for the root Process to be terminal; return its Result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        while True:
+            driver = self._drivers.get(tree_id)
+            if driver is not None:
+                # Bounded even while the owner line holds the lock inside a blocked store call.
+                if not driver.cond.acquire(timeout=-1 if deadline is None else remaining()):  # type: ignore[arg-type]
+                    raise TimeoutError(f"tree {tree_id} is not finished")
+                try:
+                    def ended(line: _Driver = driver) -> bool:
+                        return line.final is not None or line.stopped is not None
+
+                    driver.cond.wait_for(ended, remaining())
+                    # Only an acknowledged termination is published, never the folded tree's.
+                    if driver.final is not None:
+                        return driver.final
+                    if driver.stopped is not None:
+                        raise driver.stopped
+                    raise TimeoutError(f"tree {tree_id} is not finished")
+                finally:
+                    driver.cond.release()
+            failed = self._failed.get(tree_id)
+            if failed is not None:
+                raise failed
+            kept = self._results.get(tree_id)
+            if kept is not None:
+                return kept
+            head = self.store.head(tree_id)
+            if head is not None and head.status in TERMINAL:
+                return Result.of(self.store.load(tree_id).state.root)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"tree {tree_id} is not finished")
+            time.sleep(0.05)
+
+    def wait_idle(self, tree_id: TreeID, timeout: float = 30.0) -> TreeState:
+        """Wait until this runtime's owner of ``tree_id`` has nothing left to do now.
+
+        The tree is then terminal or parked (waiting for input, paused, or blocked on
+        an unknown Effect), with no dispatch in flight.
+        """
+        driver = self._drivers.get(tree_id)
+        if driver is None:
+            failed = self._failed.get(tree_id)
+            if failed is not None:
+                raise failed
+            return self._load(tree_id).state
+        deadline = time.monotonic() + timeout
+        # Bounded even while the owner line holds the lock inside a blocked store call.
+        if not driver.cond.acquire(timeout=timeout):
+            raise TimeoutError(f"tree {tree_id} is still busy")
+        try:
+            while True:
+                if driver.stopped is not None:
+                    failed = self._failed.get(tree_id)
+                    if failed is not None:
+                        raise failed
+                    return self._load(tree_id).state
+                quiet = driver.idle and not driver.flights and not driver._scheduled
+                if quiet:
+                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"tree {tree_id} is still busy")
+                driver.cond.wait(min(remaining, 0.05))
+        finally:
+            driver.cond.release()
+
+    # -- crash plans ---------------------------------------------------------
+
+    def _crash_check(self, events: list[TreeEvent]) -> tuple[list[TreeEvent], bool]:
+        """Apply the crash plan to one append: maybe cut it, and say whether to exit after it."""
+        plan = self.crash
+        assert plan is not None
+        counts = self._counts
+        for event in events:
+            if isinstance(event, EffectDeclared) and event.target == "dispatcher":
+                counts["dispatcher"] += 1
+                self._ordinal[event.effect_id] = counts["dispatcher"]
+        if plan.kind in ("after", "before"):
+            hit = False
+            for event in events:
+                key = "type:" + type(event).__name__
+                counts[key] += 1
+                if type(event).__name__ == plan.event_type and counts[key] == plan.n:
+                    hit = True
+            if hit and plan.kind == "before":
+                plan.exit()
+            return events, hit
+        for index, event in enumerate(events):
+            eid = getattr(event, "effect_id", None)
+            if eid is None or self._ordinal.get(eid) != plan.n:
+                continue
+            if plan.kind == "declared" and isinstance(event, EffectDeclared):
+                for later in range(index + 1, len(events)):
+                    other = events[later]
+                    if isinstance(other, EffectDispatched) and other.effect_id == event.effect_id:
+                        return events[:later], True
+                return events, True
+            if plan.kind == "dispatched" and isinstance(event, EffectDispatched):
+                return events, True
+            if plan.kind == "settled" and isinstance(event, EffectSettled):
+                return events, True
+        return events, False
+
+    # -- watching other writers ----------------------------------------------
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is not None or self.poll_interval <= 0:
+            return
+        self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Notice appends other writers made to trees this runtime owns (input admitted elsewhere).
+
+        One query per poll reads the owned trees' versions from the tree index; a tree
+        whose stored version is ahead of its owner's is caught up by its owner.
+        """
+        quiet_stop_signals()
+        while not self._watch_stop.wait(self.poll_interval):
+            try:
+                self._check_leases()
+                self._adopt_lost()
+                if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
+                    self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
+                    self.adopt_orphans(budget=ORPHAN_SCAN_SECONDS)
+                with self._lock:
+                    owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
+                if not owned:
+                    continue
+                versions = self.store.versions(list(owned))
+                for tree_id, version in versions.items():
+                    if version > owned[tree_id]:
+                        driver = self._drivers.get(tree_id)
+                        if driver is not None and version > driver.committed:
+                            driver.submit(_Refresh())
+            except Exception:  # noqa: BLE001 - the watcher must survive transient store errors
+                continue
+
+    def _check_leases(self) -> None:
+        """Stop the owner line of every tree whose lease the lease manager lost (e.g. its
+        PostgreSQL session ended): another runtime may adopt the tree from now on."""
+        for tree_id in self._leases.check():
+            with self._lock:
+                driver = self._drivers.get(tree_id)
+            self._lease_lost(tree_id, driver)
+
+    def _lease_lost(self, tree_id: TreeID, driver: _Driver | None) -> None:
+        """Stop the owner line of a tree whose lease was lost, and note the tree to adopt again.
+
+        Also without an owner line: a lease lost while its tree was being activated (the
+        activation then finds its lease gone and stops), or held by no line at all (adopting
+        again looks at the tree first: a finished or parked tree is left alone)."""
+        if driver is not None:
+            driver._stop(
+                Fenced(
+                    "engine.tree.lease_lost",
+                    f"the owner lease of tree {tree_id} was lost (its store session ended); "
+                    "this runtime stops driving it",
+                    hint="the tree continues wherever it is adopted next (`agentfold recover`)",
+                )
+            )
+            log.warning("tree %s: owner lease lost; its owner line stopped", tree_id)
+        with self._lock:
+            if not self._closed:
+                self._lost.setdefault(tree_id, 0)
+                if driver is not None:  # stopped: nothing more is appended by it
+                    self._lost_line.setdefault(tree_id, (driver.incarnation, driver.committed, driver.digest))
+
+    def _stalled(self, tree_id: TreeID) -> None:
+        """Note a tree whose owner line a failed append stopped, to adopt it again (only a
+        runtime with a watcher adopts again; a short-lived one reports the failure and ends)."""
+        if self.poll_interval <= 0:
+            return
+        with self._lock:
+            if not self._closed:
+                self._lost.setdefault(tree_id, 0)
+                self._stalled_trees.add(tree_id)
+        log.warning("tree %s: an append failed; its owner line stopped (adopted again when the store takes "
+                    "appends)", tree_id)
+
+    def stalled_trees(self) -> list[TreeID]:
+        """Trees a failed append stopped that this runtime has not adopted again yet."""
+        with self._lock:
+            return sorted(self._stalled_trees)
+
+    def _adopt_lost(self) -> None:
+        """Drive again, under a new lease, the trees a lost lease session stopped.
+
+        Once the lease manager works again (a new session), each such tree is adopted as
+        ``recover`` would: ``WriterActivated``, then its in-flight Effects are decided as
+        after a crash (a call that was under way settles unknown unless its policy allows a
+        replay: its late outcome reaches only the stopped owner line and is never appended).
+        A tree that finished or parked with nothing in flight is left alone; one whose lease
+        someone else holds, or while the store fails, is tried again at the next polls (for
+        ``LOST_TREE_ATTEMPTS`` polls: another runtime may own it for good).
+        """
+        with self._lock:
+            if not self._lost:
+                return
+            lost = sorted(self._lost)
+        if self._closed or self._draining or not self._leases.healthy():
+            return
+        for tree_id in lost:
+            if self._closed:
+                return
+            with self._lock:
+                already = self._drivers.get(tree_id)  # input admitted here adopted it meanwhile
+            driver = None
+            failure: Exception | None = None
+            retry = False
+            try:
+                head = self.store.head(tree_id) if already is None else None
+                if head is not None and self.needs_recovery(head):
+                    driver = self._try_adopt(tree_id)
+                    # None: its lease is held elsewhere: another runtime's, or still the ended
+                    # session's (the server releases it when that backend has exited, a moment
+                    # later). Stopped: the new session ended too, during the adoption.
+                    retry = driver is None or driver.stopped is not None
+                    if driver is None and self._taken_over(tree_id):
+                        # Another runtime activated it since: it is that runtime's now. Trying
+                        # again at every poll for LOST_TREE_ATTEMPTS polls cost two queries per
+                        # tree per poll, for every run a peer took over after a failover.
+                        retry = False
+                        log.info("tree %s: not adopted again after its lease was lost: another runtime "
+                                 "took it over", tree_id)
+            except Exception as exc:  # noqa: BLE001 - one tree must not keep the others stopped
+                failure = exc
+                # The store is not back yet: try again at the next poll; go on with the others now.
+                retry = _store_down(exc)
+            if retry or failure is not None:
+                with self._lock:
+                    attempts = self._lost[tree_id] = self._lost.get(tree_id, 0) + 1
+                    limit = STALLED_TREE_ATTEMPTS if tree_id in self._stalled_trees else LOST_TREE_ATTEMPTS
+                if retry and attempts < limit:
+                    if failure is not None:
+                        log.debug("tree %s: not adopted again yet: %s", tree_id, failure)
+                    continue
+                if failure is not None:
+                    log.warning("tree %s: cannot be adopted again after its lease was lost (`agentfold recover` "
+                                "adopts it once the store works): %s", tree_id, failure)
+                else:
+                    log.info("tree %s: not adopted again after its lease was lost: another owner holds it", tree_id)
+            with self._lock:
+                self._lost.pop(tree_id, None)
+                self._lost_line.pop(tree_id, None)
+                stalled = tree_id in self._stalled_trees
+                self._stalled_trees.discard(tree_id)
+            if driver is not None and driver is not already and driver.stopped is None:
+                log.warning("tree %s: adopted again after %s (incarnation %s)", tree_id,
+                            "a failed append" if stalled else "its owner lease was lost", driver.incarnation)
+
+    def _taken_over(self, tree_id: TreeID) -> bool:
+        """Whether another incarnation activated the tree after this runtime's owner line lost
+        its lease (a ``WriterActivated`` not ours after what that line had committed)."""
+        line = self._lost_line.get(tree_id)
+        if line is None:
+            return False
+        incarnation, committed, digest = line
+        try:
+            records = self.store.read(tree_id, after=committed, previous_digest=digest)
+        except AgentfoldError:
+            return False  # not known: try again at the next poll
+        return any(isinstance(r.event, WriterActivated) and r.event.incarnation_id != incarnation for r in records)
+
+    def adopt_orphans(self, budget: float | None = None) -> list[TreeID]:
+        """Adopt every live tree nobody owns that needs driving; the trees adopted.
+
+        The trees of a runtime that died (a peer server killed, a command that stopped
+        waiting) hold no lease: each is adopted as ``recover`` adopts it (``WriterActivated``;
+        a call that was under way settles unknown unless its policy allows a replay). A tree
+        whose lease another live runtime holds is left to it; a parked tree with nothing in
+        flight is left as it is (input adopts it); a tree this runtime cannot adopt (its
+        Program is not in the catalog, a corrupt stream) or whose owner line here stopped on
+        a failure is reported once and not tried again until its stored version changes.
+        With ``adopt_orphans_every`` the watcher calls this that often, for at most
+        ``ORPHAN_SCAN_SECONDS`` at a time (``budget``): a scan that finds many orphans (a dead
+        peer's thousand runs) goes on at the next poll, so that the watcher still catches up
+        and checks the leases of this runtime's own trees meanwhile.
+        """
+        began = time.monotonic()
+        if self._closed or self._draining or not self._leases.healthy():
+            return []
+        try:
+            self.store.check_file()  # an SQLite file removed under the process: nothing to scan
+        except StoreFailure:
+            return []
+        heads = self.store.heads(live_only=True)
+        live = {TreeID(h.tree_id) for h in heads}
+        with self._lock:
+            for memory in (self._orphans_parked, self._orphans_refused):
+                for tree_id in [t for t in memory if t not in live]:
+                    del memory[tree_id]
+        adopted: list[TreeID] = []
+        worked = 0  # trees this scan looked at in the store (a lease try, a load, an adoption)
+        for head in heads:
+            if self._closed or self._draining:  # a scan under way when the server is stopping
+                break
+            if budget is not None and worked and time.monotonic() - began > budget:
+                self._next_orphan_scan = 0.0  # the watcher goes on at its next poll
+                break
+            tree_id = TreeID(head.tree_id)
+            with self._lock:
+                if tree_id in self._drivers or tree_id in self._lost:
+                    continue
+                failed = self._failed.get(tree_id)
+                if self._orphans_refused.get(tree_id) == head.version or self._orphans_parked.get(tree_id) == head.version:
+                    continue
+            if failed is not None and failed.code == "engine.runtime.failed":
+                # Its owner line here failed while driving it (an exception in a cycle): adopting
+                # again would repeat it, each time appending a WriterActivated. An operator
+                # decides. (A store failure or a lost lease passes: ``_adopt_lost`` handles those,
+                # and once it let the tree go, the scan may adopt it.)
+                self._orphans_refused[tree_id] = head.version
+                log.warning("tree %s: nobody owns it, but its owner line here stopped (%s): not adopted again by "
+                            "itself; `agentfold recover` adopts it", tree_id, failed.code)
+                continue
+            worked += 1
+            try:
+                if head.classification == "parked" and not self._parked_orphan_needs_driving(tree_id, head):
+                    continue
+                driver = self._try_adopt(tree_id, new_only=True)
+            except Exception as exc:  # classified below: the store is down, a refusal, or a bug
+                if _store_down(exc):
+                    log.debug("orphan scan: the store failed (%s); trying again at the next scan", exc)
+                    return adopted
+                if not isinstance(exc, AgentfoldError):
+                    raise
+                self._orphans_refused[tree_id] = head.version
+                log.warning("tree %s: nobody owns it and it cannot be adopted: %s", tree_id, exc)
+                continue
+            if driver is not None and driver.stopped is None:
+                adopted.append(tree_id)
+                self.orphans_adopted += 1
+                log.warning("tree %s: adopted (its owner is gone; incarnation %s)", tree_id, driver.incarnation)
+        return adopted
+
+    def _parked_orphan_needs_driving(self, tree_id: TreeID, head: TreeHead) -> bool:
+        """Whether a parked tree nobody owns has a call in flight (then: adopt it), holding its
+        lease if so. A parked tree whose lease a live runtime holds is not even loaded: a peer
+        with many parked runs would otherwise cost a fold of each at every version change."""
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                if tree_id in self._drivers or self._closed:
+                    return False
+            if not self._leases.acquire(tree_id):
+                return False  # its owner is alive
+            try:
+                needed = self.needs_recovery(head)
+            except BaseException:
+                self._leases.release(tree_id)
+                raise
+            if needed:
+                return True
+            self._leases.release(tree_id)
+            # Input admitted while this scan held the lease to look: its writer could not take
+            # the tree and appended without driving it (and may have tried again before the
+            # lease was free). The index row then moved on: whoever adopts it drives the input.
+            # (Still parked, or finished: the next scan looks at it again.)
+            latest = self.store.head(tree_id)
+            if latest is not None and latest.version != head.version:
+                return latest.classification not in ("parked", "terminal")
+            with self._lock:
+                self._orphans_parked[tree_id] = head.version
+            return False
+
+    def stop_dispatching(self) -> None:
+        """Grant no dispatch permission from now on (the first half of ``drain``; safe to call
+        from a signal handler: it takes no lock)."""
+        self._draining = True
+
+    def drain(self, timeout: float) -> bool:
+        """Start no call any more; wait up to ``timeout`` seconds for the calls in flight to
+        return and their outcomes to be recorded. True when none is left in flight.
+
+        For an owner about to stop (a command that stops waiting, a server shutting down):
+        closing at once abandons the calls in flight (recovery records them unknown), and a
+        dispatch permission committed after the decision to stop would be recorded for a call
+        never made, which recovery also records unknown. Draining first records what returns
+        within the grace; the Steps it commits keep their Effects declared, without a dispatch
+        permission, and the next owner dispatches them (no unknown). A call still in flight
+        at the end is abandoned by ``close`` as before.
+        """
+        self.stop_dispatching()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._lock:
+                drivers = [d for d in self._drivers.values() if d.stopped is None]
+            if not any(d.flights or d._inbox or d._scheduled for d in drivers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def dispatches_running(self) -> int:
+        """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""
+        with self._calls_lock:
+            return self._calls_running
+
+    def leases_healthy(self) -> bool:
+        """Whether this runtime can take owner leases now (PostgreSQL: its lease session is up)."""
+        return self._leases.healthy()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeStopped("engine.runtime.closed", "this runtime is closed")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop driving every tree and release every lease; in-flight dispatches are abandoned.
+
+        An owner line inside a store call is waited for (up to ``timeout`` seconds): the
+        outcome of its append decides what the tree holds and what its callers are told.
+        If one is still inside after ``timeout``, close refuses with
+        ``engine.runtime.busy`` and the runtime takes no new work; call close again once
+        the store call has returned or failed.
+        """
+        if self._shut:
+            return
+        self._closed = True
+        # No dispatch permission from here on: a cycle that starts now commits its Steps with
+        # their Effects declared but not permitted (the next owner dispatches them), instead of
+        # a permission for a call this runtime will not make, which recovery could only record
+        # as unknown although nothing was called. (A cycle already past this check when close
+        # began still commits its permissions: those calls are abandoned, as calls in flight.)
+        self.stop_dispatching()
+        self._watch_stop.set()
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            # First, so that a tree the watcher is adopting again right now (``_adopt_lost``)
+            # is registered before the drivers are stopped below, and no adoption starts
+            # after this; and because the watcher may be inside a store query: a caller that
+            # closes the store right after us would pull the connection from under it
+            # (SQLite: a segfault).
+            watcher.join(timeout)
+        with self._busy_cond:
+            if not self._busy_cond.wait_for(lambda: self._busy == 0, timeout):
+                raise RuntimeStopped(
+                    "engine.runtime.busy",
+                    f"{self._busy} owner line(s) of this runtime are still inside a store call",
+                    hint="close again once the store call returns or fails",
+                )
+        self._shut = True
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for driver in drivers:
+            with driver.lock:
+                if driver.stopped is None:
+                    driver.stopped = RuntimeStopped("engine.runtime.closed", "the runtime was closed")
+                for flight in driver.flights.values():
+                    flight.context.cancelled.set()
+                driver.cond.notify_all()
+            self._forget(driver)
+        self._owner_pool.shutdown(wait=True, cancel_futures=False)
+        self._snapshot_pool.shutdown(wait=True, cancel_futures=False)
+        self._dispatch_pool.shutdown(wait=False, cancel_futures=True)
+        self._leases.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def index_head(
+    tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str, *, version: int | None = None
+) -> TreeHead:
+    """The ``agentfold_trees`` row after ``events`` (the store fills in the head digest);
+    ``version`` when the stored version differs from the folded one."""
+    root = tree.root
+    assert tree.start_id is not None
+    return TreeHead(
+        tree_id=tree_id,
+        start_id=tree.start_id,
+        root_process_id=root.process_id,
+        program=root.program.name,
+        status=root.status,
+        classification=tree.classification(),
+        version=tree.version if version is None else version,
+        head_digest="",
+        unknown_effect_ids=tuple(sorted(tree.unknown_ids)),
+        created_at=now,
+        updated_at=now,
+        new_processes=tuple(e.process_id for e in events if isinstance(e, (ProcessStarted, TreeStarted))),
+    )
+
+
+__all__ = ["CrashPlan", "RandomIds", "Result", "RunHandle", "Runtime", "RuntimeStopped", "index_head"]

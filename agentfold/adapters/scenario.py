@@ -1,0 +1,557 @@
+"""Scenario files: a JSON description of an Interaction run with a scripted model and tools.
+
+The format is documented in docs/scenarios.md. A scenario is validated completely
+before anything runs; a fault is refused with the JSON path where it lies
+(``scenario.invalid``, e.g. ``$.tools[1].result.failure.kind``). The normalized
+scenario is stored with the tree (``TreeStarted.configuration``) and its digest is in
+the ProgramRef, so every later command rebuilds the exact Program without the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.interaction import Delegate, InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.tools import ToolFailure, ToolInputRequired, ToolInvocation, ToolOutput
+from agentfold.domain.budget import Budget, child_debit
+from agentfold.domain.canonical import JSON, digest_of, duplicate_key, normalize
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.interaction.chat import ChatInput, parse_response
+from agentfold.domain.json_schema import check_schema, resolve_ref
+from agentfold.domain.program import Program
+
+PROGRAM_NAME = "agentfold.scenario"
+
+
+class ScenarioError(InvalidInput):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__("scenario.invalid", f"{path}: {message}", hint="fix the scenario file", path=path)
+
+
+def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ScenarioError(path, "must be an object")
+    for name in required:
+        if name not in value:
+            raise ScenarioError(f"{path}.{name}", "is required")
+    extra = set(value) - set(required) - set(optional)
+    if extra:
+        raise ScenarioError(f"{path}.{sorted(extra)[0]}", "is not a scenario member")
+    return value
+
+
+# Keywords whose value is one schema, a list of schemas, or an object of schemas (as check_schema walks them).
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that apply their schema to the same value: a cycle through them never ends.
+_IN_PLACE = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
+
+
+def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key in _ONE_SCHEMA:
+        if key in schema:
+            out.append((key, schema[key]))
+    for key in _SCHEMA_LISTS:
+        out += [(f"{key}/{i}", sub) for i, sub in enumerate(schema.get(key, []))]
+    for key in _SCHEMA_MAPS:
+        out += [(f"{key}/{name}", sub) for name, sub in schema.get(key, {}).items()]
+    return out
+
+
+def _check_schema(schema: Any, path: str) -> None:
+    """Check a scenario's JSON Schema completely, as the run will use it.
+
+    ``check_schema`` refuses what the validator does not enforce; on top of that every
+    ``$ref`` must resolve (to a schema) and no chain of in-place keywords (``$ref``,
+    ``allOf``, ...) may lead back to itself. Either fault would otherwise show only when
+    the run is under way: every value checked against the schema would be refused.
+    """
+    try:
+        check_schema(schema, "#")
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+
+    def target(node: dict[str, Any], where: str) -> Any:
+        try:
+            found = resolve_ref(schema, node["$ref"])
+        except InvalidInput as exc:
+            raise ScenarioError(path, f"{exc.message} at {where} (a $ref names a schema in this one: #/$defs/...)") from exc
+        if not isinstance(found, (dict, bool)):
+            raise ScenarioError(path, f"$ref {node['$ref']!r} at {where} does not name a schema")
+        return found
+
+    pending: list[tuple[str, Any]] = [("#", schema)]
+    while pending:
+        where, node = pending.pop()
+        if isinstance(node, dict):
+            if "$ref" in node:
+                target(node, where)
+            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
+
+    def in_place(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = [(f"{where}/{k}", v) for k, v in _subschemas(node) if k.split("/")[0] in _IN_PLACE]
+        if "$ref" in node:
+            out.append((node["$ref"], target(node, where)))
+        return out
+
+    # A depth-first search over in-place edges: a node met again on the current path is a loop.
+    done: set[int] = set()
+
+    def visit(node: Any, where: str, active: dict[int, str]) -> None:
+        if not isinstance(node, dict) or id(node) in done:
+            return
+        if id(node) in active:
+            raise ScenarioError(path, f"the schema at {where} refers to itself without end (through $ref, allOf, ...)")
+        active[id(node)] = where
+        for sub_where, sub in in_place(node, where):
+            visit(sub, sub_where, active)
+        del active[id(node)]
+        done.add(id(node))
+
+    pending = [("#", schema)]
+    while pending:
+        where, node = pending.pop()
+        if isinstance(node, dict):
+            visit(node, where, {})
+            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
+
+
+def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> None:
+    if not isinstance(value, dict) or not value:
+        raise ScenarioError(path, "a result is an object with one of output, echo, failure, error, input, cases")
+    keys = set(value)
+    if keys == {"output"}:
+        return
+    if keys == {"echo"}:
+        if value["echo"] is not True:
+            raise ScenarioError(f"{path}.echo", "must be true")
+        return
+    if keys == {"answer"} and answer_allowed:
+        if value["answer"] is not True:
+            raise ScenarioError(f"{path}.answer", "must be true")
+        return
+    if keys == {"failure"}:
+        failure = _obj(value["failure"], f"{path}.failure", ("kind", "output"))
+        if failure["kind"] not in ("failed", "rejected"):
+            raise ScenarioError(f"{path}.failure.kind", "must be failed or rejected")
+        if not isinstance(failure["output"], str):
+            raise ScenarioError(f"{path}.failure.output", "must be a string")
+        return
+    if keys == {"error"}:
+        if not isinstance(value["error"], str):
+            raise ScenarioError(f"{path}.error", "must be a string")
+        return
+    if keys == {"input", "then"}:
+        spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"))
+        _check_schema(spec["response_schema"], f"{path}.input.response_schema")
+        _check_result(value["then"], f"{path}.then", answer_allowed=True)
+        return
+    if keys <= {"cases", "otherwise"} and "cases" in keys:
+        if not isinstance(value["cases"], list):
+            raise ScenarioError(f"{path}.cases", "must be a list")
+        for i, case in enumerate(value["cases"]):
+            case = _obj(case, f"{path}.cases[{i}]", ("when", "result"))
+            _obj(case["when"], f"{path}.cases[{i}].when", (), tuple(case["when"]) if isinstance(case["when"], dict) else ())
+            _check_result(case["result"], f"{path}.cases[{i}].result", answer_allowed=answer_allowed)
+        if "otherwise" in value:
+            _check_result(value["otherwise"], f"{path}.otherwise", answer_allowed=answer_allowed)
+        elif not value["cases"]:
+            # No case and nothing otherwise: every call would raise and become unknown.
+            raise ScenarioError(f"{path}.cases", "is empty and there is no otherwise: no call could have a result")
+        return
+    raise ScenarioError(path, f"unknown result form with members {sorted(keys)}")
+
+
+def validate_scenario(
+    doc: Any, path: str = "$", base_dir: Path | None = None, budget: Budget | None = None
+) -> dict[str, Any]:
+    """Validate a scenario document; return its normalized form (side_effect_log made absolute).
+
+    ``budget``: the Budget the scenario's Interaction runs with (a Delegate's ``budget``;
+    a root run's is unlimited). Each Tool child and Delegate child is granted its budget
+    out of it, so a grant the kernel would refuse at the first call is refused here.
+    """
+    doc = _obj(
+        doc, path, ("name", "model"),
+        ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget"),
+    )
+    if not isinstance(doc["name"], str) or not doc["name"]:
+        raise ScenarioError(f"{path}.name", "must be a non-empty string")
+    _check_description(doc, path)
+    for member in ("tools", "delegates"):
+        if member in doc and not isinstance(doc[member], list):
+            raise ScenarioError(f"{path}.{member}", "must be a list (of objects)")
+    if "input" in doc:
+        try:
+            ChatInput.parse(doc["input"], f"{path}.input")
+        except InvalidInput as exc:
+            raise ScenarioError(f"{path}.input", exc.message) from exc
+    model = _obj(doc["model"], f"{path}.model", ("responses",))
+    if not isinstance(model["responses"], list):
+        raise ScenarioError(f"{path}.model.responses", "must be a list")
+    for i, response in enumerate(model["responses"]):
+        where = f"{path}.model.responses[{i}]"
+        if isinstance(response, dict) and set(response) == {"error"}:
+            if not isinstance(response["error"], str):
+                raise ScenarioError(f"{where}.error", "must be a string")
+            continue
+        response = _obj(response, where, ("finish_reason", "message"), ("usage",))
+        message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"))
+        try:
+            parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
+                            **({"usage": response["usage"]} if "usage" in response else {})}, where)
+        except InvalidInput as exc:
+            raise ScenarioError(where, exc.message) from exc
+    names: set[str] = set()
+    for i, tool in enumerate(doc.get("tools", [])):
+        where = f"{path}.tools[{i}]"
+        tool = _obj(
+            tool, where, ("name", "result"),
+            ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"),
+        )
+        if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
+            raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
+        names.add(tool["name"])
+        _check_description(tool, where)
+        if "parameters" in tool:
+            _check_schema(tool["parameters"], f"{where}.parameters")
+        if "advertises" in tool and (
+            not isinstance(tool["advertises"], list) or not all(isinstance(n, str) for n in tool["advertises"])
+        ):
+            raise ScenarioError(f"{where}.advertises", "must be a list of tool names")
+        if "concurrency" in tool:
+            conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"))
+            if not isinstance(conc["key"], str) or not isinstance(conc["concurrent"], bool):
+                raise ScenarioError(f"{where}.concurrency", "needs a string key and a boolean concurrent")
+        for flag in ("direct_result", "deferred"):
+            if flag in tool and not isinstance(tool[flag], bool):
+                raise ScenarioError(f"{where}.{flag}", "must be a boolean")
+        _check_result(tool["result"], f"{where}.result")
+    own = budget if budget is not None else Budget()
+    if "tool_budget" in doc:
+        if not doc.get("tools"):
+            raise ScenarioError(f"{path}.tool_budget", "is granted to each Tool child: give it only with tools")
+        _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
+    elif doc.get("tools"):
+        _grant(own, None, f"{path}.tool_budget", "each Tool child")
+    deferred = {t["name"] for t in doc.get("tools", []) if t.get("deferred")}
+    for i, tool in enumerate(doc.get("tools", [])):
+        for j, name in enumerate(tool.get("advertises", [])):
+            if name not in deferred:
+                raise ScenarioError(f"{path}.tools[{i}].advertises[{j}]", f"{name!r} is not a deferred tool")
+    for i, delegate in enumerate(doc.get("delegates", [])):
+        where = f"{path}.delegates[{i}]"
+        delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+        if not isinstance(delegate["name"], str) or not delegate["name"]:
+            raise ScenarioError(f"{where}.name", "must be a non-empty string")
+        if delegate["name"] in names:
+            raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
+        names.add(delegate["name"])
+        _check_description(delegate, where)
+        granted = _grant(own, delegate.get("budget"), f"{where}.budget", "the Delegate")
+        _check_schema(delegate["input_schema"], f"{where}.input_schema")
+        if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
+            raise ScenarioError(f"{where}.input_schema", "must be an object schema")
+        delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir, granted)
+    limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"))
+    for name in ("max_model_calls", "max_concurrent_tool_calls"):
+        if name in limits and (not isinstance(limits[name], int) or isinstance(limits[name], bool) or limits[name] < 0):
+            raise ScenarioError(f"{path}.limits.{name}", "must be a non-negative integer")
+    if limits.get("max_model_calls") == 0:
+        raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
+    if "side_effect_log" in doc:
+        doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
+    try:
+        return normalize(doc, what="scenario")  # type: ignore[no-any-return]
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+
+
+def _grant(parent: Budget, value: Any, path: str, whom: str) -> Budget:
+    """The Budget ``value`` describes, granted to ``whom`` out of ``parent`` (kernel rule
+    ``budget.child_allocation``: under a finite parent quota a grant is finite and at most it)."""
+    try:
+        budget = Budget.from_json(value)
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+    refused = child_debit(parent, budget)
+    if isinstance(refused, str):
+        limits = ", ".join(
+            f"{name} <= {quota.maximum}" for name in ("steps", "effects", "signals")
+            if (quota := getattr(parent, name)).maximum is not None
+        )
+        raise ScenarioError(
+            path,
+            f"{whom} would be refused its budget: {refused} (this scenario runs within the Delegate budget "
+            f"{limits}; give {path.rsplit('.', 1)[-1]} a finite maximum of at most that for each of them)",
+        )
+    return budget
+
+
+def _check_description(value: dict[str, Any], path: str) -> None:
+    if "description" in value and not isinstance(value["description"], str):
+        raise ScenarioError(f"{path}.description", "must be a string")
+
+
+def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
+    """The absolute path of a side-effect log, refused now if no tool could ever append to it
+    (each tool call would fail inside the tool and become unknown)."""
+    if not isinstance(value, str) or not value:
+        raise ScenarioError(path, "must be a file path")
+    if "\0" in value:
+        raise ScenarioError(path, "must not contain a NUL character")
+    log = Path(value)
+    if not log.is_absolute():
+        log = (base_dir or Path.cwd()) / log
+    try:
+        log = log.resolve()
+        if log.is_dir():
+            raise ScenarioError(path, f"{str(log)!r} is a directory; give the path of a file to append to")
+        if not log.parent.is_dir():
+            raise ScenarioError(path, f"the folder {str(log.parent)!r} does not exist; create it first")
+    except (OSError, RuntimeError) as exc:  # e.g. a symlink loop, a name too long
+        raise ScenarioError(path, f"is not a usable file path: {exc}") from exc
+    return str(log)
+
+
+def side_effect_logs(doc: dict[str, Any], path: str = "$") -> list[tuple[str, str]]:
+    """Every ``side_effect_log`` of a validated scenario and of its Delegates' scenarios, with
+    where each is (``$.delegates[0].scenario.side_effect_log``)."""
+    found = [(f"{path}.side_effect_log", str(doc["side_effect_log"]))] if doc.get("side_effect_log") else []
+    for i, delegate in enumerate(doc.get("delegates", [])):
+        found += side_effect_logs(delegate["scenario"], f"{path}.delegates[{i}].scenario")
+    return found
+
+
+def confine_side_effect_logs(doc: dict[str, Any], folder: Path | None) -> None:
+    """Refuse a validated scenario that names a side-effect log outside ``folder`` (any log
+    when ``folder`` is None): what a server lets a client's scenario append to."""
+    for where, log in side_effect_logs(doc):
+        problem = side_effect_log_refusal(log, folder)
+        if problem is not None:
+            raise ScenarioError(where, problem)
+
+
+def side_effect_log_refusal(log: str, folder: Path | None) -> str | None:
+    """Why a server refuses the (absolute) side-effect log ``log``, or None when it is inside ``folder``."""
+    if folder is None:
+        return "this server writes no side-effect logs (it was started without --side-effect-dir): drop side_effect_log"
+    if not Path(log).is_relative_to(folder.resolve()):
+        return f"{log!r} is outside this server's --side-effect-dir {str(folder.resolve())!r}"
+    return None
+
+
+def confined_input_log(value: Any, where: str, folder: Path | None) -> str:
+    """A Program input's ``side_effect_log`` (the kernel demo's), resolved against ``folder`` and
+    refused outside it, as a scenario's is (``engine.start.input_invalid``)."""
+    try:
+        log = _side_effect_log(value, where, folder)
+    except ScenarioError as exc:
+        raise InvalidInput("engine.start.input_invalid", exc.message) from exc
+    problem = side_effect_log_refusal(log, folder)
+    if problem is not None:
+        raise InvalidInput("engine.start.input_invalid", f"{where}: {problem}")
+    return log
+
+
+def load_scenario_file(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_bytes()
+    except OSError as exc:
+        raise InvalidInput("scenario.unreadable", f"cannot read scenario {path}: {exc.strerror}") from exc
+    try:
+        doc = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ScenarioError("$", f"not valid JSON: {exc}") from exc
+    duplicate = duplicate_key(text)
+    if duplicate is not None:
+        path, key = duplicate
+        raise ScenarioError(path, f"has the key {key!r} twice (JSON parsers keep only the last one, silently)")
+    return validate_scenario(doc, "$", file.parent.resolve())
+
+
+# ---------------------------------------------------------------------------
+# Scenario tools
+
+
+class SideEffectLog:
+    """Every real tool execution appends one JSON line ``{"tool", "call_id", "arguments"}``."""
+
+    _locks: dict[str, threading.Lock] = {}
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = SideEffectLog._locks.setdefault(path, threading.Lock())
+
+    def record(self, tool: str, call_id: str, arguments: str) -> None:
+        line = json.dumps({"tool": tool, "call_id": call_id, "arguments": arguments}, sort_keys=True) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    # A pipe, FIFO or terminal holds nothing to sync (EINVAL): the line is written.
+                    if exc.errno != errno.EINVAL:
+                        raise
+            finally:
+                os.close(fd)
+
+
+def _subset(when: dict[str, Any], arguments: Any) -> bool:
+    return isinstance(arguments, dict) and all(k in arguments and arguments[k] == v for k, v in when.items())
+
+
+def _output(value: JSON) -> ToolOutput:
+    if isinstance(value, str):
+        return ToolOutput.text(value)
+    return ToolOutput((), value)
+
+
+class ScenarioTool:
+    """A tool whose behaviour the scenario scripts."""
+
+    def __init__(self, spec: dict[str, Any], log: SideEffectLog | None) -> None:
+        self.spec = spec
+        self.name: str = spec["name"]
+        self.description: str = spec.get("description", "")
+        self.parameters: JSON = spec.get("parameters", {"type": "object"})
+        self.direct_result = bool(spec.get("direct_result", False))
+        self.log = log
+        conc = spec.get("concurrency")
+        if conc is not None:
+            key, concurrent = str(conc["key"]), bool(conc["concurrent"])
+
+            def classify(call: Any, arguments: JSON) -> tuple[str, bool]:
+                return key, concurrent
+
+            self.concurrency = classify
+        advertised = list(spec.get("advertises", ()))
+        if advertised:
+
+            def advertise(invocation: ToolInvocation, output: ToolOutput) -> list[str]:
+                return advertised
+
+            self.advertise = advertise
+
+    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        if self.log is not None:
+            self.log.record(self.name, invocation.call.id, invocation.call.arguments)
+        return self._run(self.spec["result"], invocation, arguments)
+
+    def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        if "output" in result:
+            return _output(result["output"])
+        if "echo" in result:
+            return ToolOutput((json.dumps(arguments, sort_keys=True),), arguments)
+        if "failure" in result:
+            raise ToolFailure(result["failure"]["kind"], result["failure"]["output"])
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        if "input" in result:
+            if invocation.continuation is None:
+                raise ToolInputRequired(result["input"]["prompt"], result["input"]["response_schema"], {})
+            then = result["then"]
+            if then == {"answer": True}:
+                return _output(invocation.continuation.response)
+            return self._run(then, invocation, arguments)
+        for case in result.get("cases", []):
+            if _subset(case["when"], arguments):
+                return self._run(case["result"], invocation, arguments)
+        if "otherwise" in result:
+            return self._run(result["otherwise"], invocation, arguments)
+        raise RuntimeError(f"no case of tool {self.name} matches its arguments")
+
+
+def scenario_program(doc: dict[str, Any], *, legacy: bool = False, delegate_budgets: bool = True) -> Program:
+    """Build the exact Program of a validated scenario (deterministic: same doc, same ProgramRef).
+
+    The Tool child Program's identity includes the whole document: its tools behave as the
+    document scripts them (results, side-effect log), so two documents with the same tool
+    definitions are two different Tool programs. ``legacy`` builds the identity releases
+    before 2026-11-30 gave it (the definitions only), so trees they stored still load.
+    ``delegate_budgets=False`` builds what releases before 2026-12-01 built: they accepted
+    a Delegate's ``budget`` but granted its child an unlimited one.
+    """
+    log = SideEffectLog(doc["side_effect_log"]) if doc.get("side_effect_log") else None
+    tools = [ScenarioTool(t, log) for t in doc.get("tools", []) if not t.get("deferred")]
+    deferred = [ScenarioTool(t, log) for t in doc.get("tools", []) if t.get("deferred")]
+    delegates = []
+    for spec in doc.get("delegates", []):
+        nested = spec["scenario"]
+        fixed_input = nested.get("input")
+
+        def build_input(arguments: JSON, fixed: Any = fixed_input) -> JSON:
+            if fixed is not None:
+                return fixed
+            return {"messages": [{"role": "user", "content": json.dumps(arguments, sort_keys=True)}]}
+
+        delegates.append(
+            Delegate(
+                name=spec["name"],
+                description=spec.get("description", ""),
+                program=scenario_program(nested, legacy=legacy, delegate_budgets=delegate_budgets),
+                input_schema=spec["input_schema"],
+                budget=Budget.from_json(spec.get("budget")) if delegate_budgets else Budget(),
+                build_input=build_input,
+            )
+        )
+    limits = doc.get("limits", {})
+    responses = [
+        r if "error" in r else {**r, "message": {"role": "assistant", **r["message"]}}
+        for r in doc["model"]["responses"]
+    ]
+    return compile_interaction(
+        InteractionConfig(
+            name=PROGRAM_NAME,
+            description=doc.get("description", ""),
+            model=ScriptedModel(responses),
+            tools=tools,
+            deferred_tools=deferred,
+            delegates=delegates,
+            max_model_calls=limits.get("max_model_calls"),
+            max_concurrent_tool_calls=limits.get("max_concurrent_tool_calls", 0),
+            tool_budget=Budget.from_json(doc.get("tool_budget")),
+            model_identity="scripted",  # type: ignore[arg-type]
+            tool_identity="scenario" if legacy else "scenario:" + digest_of(doc),  # type: ignore[arg-type]
+            callback_identity="none",  # type: ignore[arg-type]
+            configuration=doc,
+        )
+    )
+
+
+def scenario_input(doc: dict[str, Any]) -> JSON:
+    return doc.get("input") or {"messages": [{"role": "user", "content": doc["name"]}]}
+
+
+def unbudgeted_scenario_program(doc: dict[str, Any]) -> Program:
+    """A scenario Program as releases before 2026-12-01 built it: Delegate budgets ignored."""
+    return scenario_program(doc, delegate_budgets=False)
+
+
+def legacy_scenario_program(doc: dict[str, Any]) -> Program:
+    """A scenario Program with the Tool identity of trees stored before 2026-11-30."""
+    return scenario_program(doc, legacy=True, delegate_budgets=False)
+
+
+#: How a stored scenario tree's Program is rebuilt: the current identity, then the earlier ones.
+SCENARIO_LOADERS = (scenario_program, unbudgeted_scenario_program, legacy_scenario_program)
+
+
+def scenario_catalog(*programs: Program) -> Catalog:
+    """A Catalog that rebuilds scenario Programs from the document stored with each tree."""
+    return Catalog(programs, loaders={PROGRAM_NAME: SCENARIO_LOADERS})

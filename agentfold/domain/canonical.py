@@ -1,0 +1,212 @@
+"""Canonical JSON and bounded payloads.
+
+Canonical JSON is orjson with sorted object keys and no whitespace. Digests of
+payloads and events are SHA-256 over exactly those bytes. A payload is any JSON
+value (objects with string keys, arrays, strings, finite numbers, booleans, null);
+non-finite floats, integers beyond 64 bits and non-string keys are refused, so a
+value always survives a round trip through the store unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.ids import Digest
+
+JSON = Any
+"""A JSON value as Python objects (dict, list, str, int, float, bool, None)."""
+
+MAX_PAYLOAD_BYTES = 4 << 20
+"""Upper bound of one payload (input, output, signal, settlement) in canonical bytes."""
+
+MAX_TOOL_INPUT_BYTES = 1 << 20
+"""Upper bound of a Tool input prompt or answer (seed: tool.MaxInputBytes, 1 MiB)."""
+
+_OPTIONS = orjson.OPT_SORT_KEYS
+
+
+def canonical_bytes(value: JSON) -> bytes:
+    """Canonical JSON bytes of an already valid JSON value."""
+    return orjson.dumps(value, option=_OPTIONS)
+
+
+def digest_of(value: JSON) -> Digest:
+    return Digest.of(canonical_bytes(value))
+
+
+def _text(value: str, path: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("payload.invalid", f"the text at {path} is not valid UTF-8 (it holds a lone surrogate)") from None
+
+
+MAX_DEPTH = 254
+"""The deepest nesting of arrays and objects a payload may have (what orjson encodes)."""
+
+
+def _check(value: Any, path: str, depth: int = 0) -> None:
+    # Walks the value once; orjson alone would silently turn NaN into null.
+    if depth > MAX_DEPTH:
+        raise InvalidInput("payload.invalid", f"the value is nested deeper than {MAX_DEPTH} levels (at {path[:80]}...)")
+    if value is None or value is True or value is False:
+        return
+    if isinstance(value, str):
+        _text(value, path)
+        return
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise InvalidInput("payload.invalid", f"integer at {path} exceeds 64 bits")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput("payload.invalid", f"non-finite number at {path}")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput("payload.invalid", f"non-string object key at {path}")
+            _text(key, f"a key of {path}")
+            _check(item, f"{path}.{key}", depth + 1)
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]", depth + 1)
+        return
+    raise InvalidInput("payload.invalid", f"value of type {type(value).__name__} at {path} is not JSON")
+
+
+def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
+    """Validate a JSON value and return its normalized form (fresh lists and dicts).
+
+    Raises ``payload.invalid`` for non-JSON values and ``payload.too_large`` when the
+    canonical encoding exceeds ``limit`` bytes.
+    """
+    if value is None or value is True or value is False or isinstance(value, str):
+        if isinstance(value, str):
+            _text(value, "$")  # orjson refuses a lone surrogate only when it encodes
+        # A character encodes to at most 6 bytes (``\u0001``), so only a string longer than a
+        # sixth of the limit can exceed it: shorter ones are not encoded at all.
+        data = canonical_bytes(value) if isinstance(value, str) and len(value) > (limit - 2) // 6 else b""
+    else:
+        try:
+            data = canonical_bytes(value)
+        except (TypeError, orjson.JSONEncodeError):
+            _check(value, "$")  # names the offending path
+            raise InvalidInput("payload.invalid", f"{what} is not JSON") from None
+        if b"null" in data:
+            # orjson writes NaN and infinities as null; only then is a walk needed.
+            _check(value, "$")
+    if len(data) > limit:
+        raise InvalidInput(
+            "payload.too_large",
+            f"{what} is {len(data)} bytes, above the limit of {limit}",
+            hint="send a smaller value or store large content elsewhere and pass a reference",
+        )
+    if isinstance(value, (dict, list, tuple)):
+        return orjson.loads(data)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput("payload.invalid", "non-finite number at $")
+    return value
+
+
+def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
+    """Parse JSON text supplied by a caller, then normalize it."""
+    raw = text.encode("utf-8") if isinstance(text, str) else text
+    if len(raw) > limit * 4 + 1024:
+        raise InvalidInput("payload.too_large", f"{what} text is {len(raw)} bytes, above the limit")
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}") from exc
+    # Read once more by the standard library, exactly: it sees a key written twice (orjson
+    # keeps the last one), and an integer beyond 64 bits, which orjson reads as a float
+    # (precision lost, silently), stays an integer that normalize refuses by its path.
+    try:
+        exact = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
+    except RecursionError:
+        raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels") from None
+    duplicate = _first_repeated(exact)
+    if duplicate is not None:
+        raise InvalidInput("payload.invalid", f"{what}: {duplicate[0]} has the key {duplicate[1]!r} twice",
+                           hint="JSON parsers keep only the last one, silently; write each key once")
+    return normalize(exact if _holds_float(value) else value, limit=limit, what=what)
+
+
+class _Repeated(dict[str, Any]):
+    """An object whose text holds ``key`` twice (what ``duplicate_key`` looks for)."""
+
+    key: str
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) == len(pairs):
+        return value
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            repeated = _Repeated(value)
+            repeated.key = key
+            return repeated
+        seen.add(key)
+    return value  # pragma: no cover - unreachable: a shorter dict has a repeated key
+
+
+def duplicate_key(raw: str | bytes) -> tuple[str, str] | None:
+    """Where valid JSON text ``raw`` has a key twice in one object: (the object's JSON path,
+    the key), the first in document order; None when every object's keys are distinct.
+
+    Parsers (orjson, the standard library, pydantic) keep the last of two equal keys
+    without a word; text a person wrote with a key twice almost always means a mistake."""
+    try:
+        value = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=lambda name: None)
+    except (ValueError, RecursionError):
+        return None  # not this check's concern: the caller's parser reports invalid JSON
+    return _first_repeated(value)
+
+
+def _first_repeated(value: Any) -> tuple[str, str] | None:
+    """The first object (from the outside in, in document order) marked by ``_unique_pairs``."""
+    stack: list[tuple[str, Any]] = [("$", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, _Repeated):
+            return path, item.key
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise InvalidInput("payload.invalid", f"{name} is not a JSON number")
+
+
+def _holds_float(value: JSON) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def value_at(value: JSON, path: Sequence[str]) -> tuple[bool, JSON]:
+    """``(True, value[path[0]][path[1]]...)``, or ``(False, None)`` when a key is missing."""
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return False, None
+        value = value[key]
+    return True, value

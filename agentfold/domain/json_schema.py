@@ -1,0 +1,268 @@
+"""A small, pure JSON Schema validator (the subset agentfold's contracts use).
+
+Supported keywords: ``type`` (string or list), ``enum``, ``const``, ``properties``,
+``required``, ``additionalProperties``, ``patternProperties``, ``minProperties``,
+``maxProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
+``uniqueItems``, ``minLength``, ``maxLength``, ``pattern``, ``minimum``, ``maximum``,
+``exclusiveMinimum``, ``exclusiveMaximum``, ``multipleOf``, ``allOf``, ``anyOf``,
+``oneOf``, ``not``, ``if``/``then``/``else`` and local ``$ref`` (``#/...``, including
+``$defs`` and ``definitions``). Annotation keywords (``title``, ``description``,
+``default``, ``examples``, ``format``, ``$schema``, ``$id``) are accepted and ignored.
+Any other keyword is refused when the schema is checked, so a schema never
+silently means less than its author wrote.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from agentfold.domain.errors import InvalidInput
+
+_ANNOTATIONS = {
+    "title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
+    "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding",
+}
+_KEYWORDS = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "uniqueItems",
+    "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$defs", "definitions",
+}
+_TYPES = {"null", "boolean", "object", "array", "number", "integer", "string"}
+
+
+class SchemaError(InvalidInput):
+    """A value does not satisfy a schema, or a schema is not one we can enforce."""
+
+
+def _type_ok(value: Any, name: str) -> bool:
+    if name == "null":
+        return value is None
+    if name == "boolean":
+        return isinstance(value, bool)
+    if name == "object":
+        return isinstance(value, dict)
+    if name == "array":
+        return isinstance(value, list)
+    if name == "string":
+        return isinstance(value, str)
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer()
+        )
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    # JSON equality: 1 == 1.0, but True != 1.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def check_schema(schema: Any, path: str = "#") -> None:
+    """Refuse a schema that is malformed or uses keywords this validator does not enforce."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise SchemaError("schema.invalid", f"schema at {path} must be an object or a boolean")
+    for key, sub in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key not in _KEYWORDS:
+            raise SchemaError("schema.invalid", f"unsupported schema keyword {key!r} at {path}")
+        where = f"{path}/{key}"
+        if key == "type":
+            names = sub if isinstance(sub, list) else [sub]
+            if not names or any(n not in _TYPES for n in names):
+                raise SchemaError("schema.invalid", f"invalid type {sub!r} at {where}")
+        elif key in ("properties", "patternProperties", "$defs", "definitions"):
+            if not isinstance(sub, dict):
+                raise SchemaError("schema.invalid", f"{key} at {path} must be an object")
+            for name, child in sub.items():
+                if key == "patternProperties":
+                    try:
+                        re.compile(name)
+                    except re.error as exc:
+                        raise SchemaError("schema.invalid", f"bad pattern {name!r} at {where}") from exc
+                check_schema(child, f"{where}/{name}")
+        elif key in ("additionalProperties", "items", "not", "if", "then", "else"):
+            check_schema(sub, where)
+        elif key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+            if not isinstance(sub, list) or not sub:
+                raise SchemaError("schema.invalid", f"{key} at {path} must be a non-empty array")
+            for i, child in enumerate(sub):
+                check_schema(child, f"{where}/{i}")
+        elif key == "required":
+            if not isinstance(sub, list) or not all(isinstance(n, str) for n in sub):
+                raise SchemaError("schema.invalid", f"required at {path} must be an array of strings")
+        elif key == "enum":
+            if not isinstance(sub, list):
+                raise SchemaError("schema.invalid", f"enum at {path} must be an array")
+        elif key == "pattern":
+            try:
+                re.compile(sub)
+            except (re.error, TypeError) as exc:
+                raise SchemaError("schema.invalid", f"bad pattern {sub!r} at {path}") from exc
+        elif key in ("minProperties", "maxProperties", "minItems", "maxItems", "minLength", "maxLength"):
+            if not isinstance(sub, int) or isinstance(sub, bool) or sub < 0:
+                raise SchemaError("schema.invalid", f"{key} at {path} must be a non-negative integer")
+        elif key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            if not isinstance(sub, (int, float)) or isinstance(sub, bool):
+                raise SchemaError("schema.invalid", f"{key} at {path} must be a number")
+            if key == "multipleOf" and sub <= 0:
+                raise SchemaError("schema.invalid", f"multipleOf at {path} must be positive")
+        elif key == "uniqueItems":
+            if not isinstance(sub, bool):
+                raise SchemaError("schema.invalid", f"uniqueItems at {path} must be a boolean")
+        elif key == "$ref":
+            if not isinstance(sub, str) or not sub.startswith("#"):
+                raise SchemaError("schema.invalid", f"only local $ref is supported, got {sub!r} at {path}")
+
+
+def resolve_ref(root: Any, ref: str) -> Any:
+    """The schema a local ``$ref`` names inside ``root`` (``schema.invalid`` when it names nothing)."""
+    node = root
+    if ref in ("#", "#/"):
+        return node
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise SchemaError("schema.invalid", f"unresolvable $ref {ref!r}")
+    return node
+
+
+def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[str]:
+    if depth > 64:
+        return [f"{path}: schema nesting too deep"]
+    if schema is True:
+        return []
+    if schema is False:
+        return [f"{path}: no value is allowed here"]
+    out: list[str] = []
+    if "$ref" in schema:
+        out += _errors(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1)
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_type_ok(value, n) for n in names):
+            return [*out, f"{path}: expected {' or '.join(names)}, got {_json_type(value)}"]
+    if "enum" in schema and not any(_equal(value, option) for option in schema["enum"]):
+        out.append(f"{path}: value is not one of {schema['enum']!r}")
+    if "const" in schema and not _equal(value, schema["const"]):
+        out.append(f"{path}: value must equal {schema['const']!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for name in schema.get("required", []):
+            if name not in value:
+                out.append(f"{path}: missing required property {name!r}")
+        patterns = schema.get("patternProperties", {})
+        for name, item in value.items():
+            matched = False
+            if name in props:
+                matched = True
+                out += _errors(item, props[name], root, f"{path}.{name}", depth + 1)
+            for pattern, sub in patterns.items():
+                if re.search(pattern, name):
+                    matched = True
+                    out += _errors(item, sub, root, f"{path}.{name}", depth + 1)
+            if not matched and "additionalProperties" in schema:
+                extra = schema["additionalProperties"]
+                if extra is False:
+                    out.append(f"{path}: unexpected property {name!r}")
+                else:
+                    out += _errors(item, extra, root, f"{path}.{name}", depth + 1)
+        if "minProperties" in schema and len(value) < schema["minProperties"]:
+            out.append(f"{path}: fewer than {schema['minProperties']} properties")
+        if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+            out.append(f"{path}: more than {schema['maxProperties']} properties")
+    if isinstance(value, list):
+        prefix = schema.get("prefixItems", [])
+        for i, item in enumerate(value):
+            if i < len(prefix):
+                out += _errors(item, prefix[i], root, f"{path}[{i}]", depth + 1)
+            elif "items" in schema:
+                out += _errors(item, schema["items"], root, f"{path}[{i}]", depth + 1)
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            out.append(f"{path}: fewer than {schema['minItems']} items")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            out.append(f"{path}: more than {schema['maxItems']} items")
+        if schema.get("uniqueItems"):
+            for i in range(len(value)):
+                if any(_equal(value[i], value[j]) for j in range(i)):
+                    out.append(f"{path}: items are not unique")
+                    break
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            out.append(f"{path}: shorter than {schema['minLength']} characters")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            out.append(f"{path}: longer than {schema['maxLength']} characters")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            out.append(f"{path}: does not match pattern {schema['pattern']!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            out.append(f"{path}: less than minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            out.append(f"{path}: greater than maximum {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            out.append(f"{path}: not greater than {schema['exclusiveMinimum']}")
+        if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
+            out.append(f"{path}: not less than {schema['exclusiveMaximum']}")
+        if "multipleOf" in schema:
+            q = value / schema["multipleOf"]
+            if abs(q - round(q)) > 1e-9:
+                out.append(f"{path}: not a multiple of {schema['multipleOf']}")
+    for sub in schema.get("allOf", []):
+        out += _errors(value, sub, root, path, depth + 1)
+    if "anyOf" in schema and not any(not _errors(value, s, root, path, depth + 1) for s in schema["anyOf"]):
+        out.append(f"{path}: matches none of anyOf")
+    if "oneOf" in schema:
+        matches = sum(1 for s in schema["oneOf"] if not _errors(value, s, root, path, depth + 1))
+        if matches != 1:
+            out.append(f"{path}: matches {matches} of oneOf, expected exactly 1")
+    if "not" in schema and not _errors(value, schema["not"], root, path, depth + 1):
+        out.append(f"{path}: must not match the 'not' schema")
+    if "if" in schema:
+        if not _errors(value, schema["if"], root, path, depth + 1):
+            if "then" in schema:
+                out += _errors(value, schema["then"], root, path, depth + 1)
+        elif "else" in schema:
+            out += _errors(value, schema["else"], root, path, depth + 1)
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def schema_errors(value: Any, schema: Any) -> list[str]:
+    """Every violation of ``schema`` by ``value``, as ``$.path: reason`` lines."""
+    return _errors(value, schema, schema, "$", 0)
+
+
+def validate(value: Any, schema: Any, *, code: str = "schema.violation", what: str = "value") -> None:
+    """Raise a classified error naming the first violations, or return quietly."""
+    problems = schema_errors(value, schema)
+    if problems:
+        shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        raise SchemaError(code, f"{what} does not satisfy its schema: {shown}", hint="fix the value to match the schema")

@@ -1,0 +1,904 @@
+"""The kernel's decision rules: what happens next in a tree, as events.
+
+Every function here is a deterministic function of the folded tree, the bound
+Programs and identities handed in by the caller (an :class:`IdSource`); it validates
+before it produces anything, and applies what it produces to the tree it was given
+so the next decision sees it. The runtime (``adapters``) appends the events in one
+commit and only then calls dispatchers.
+
+Rules implemented here (kernel spec 2-7): scheduling of runnable Processes, the
+Steps budget, Step validation (transition, effects, capabilities, budgets, output
+schema), classified Step failures, framework Effects (wait, wait_children,
+start_child, signal_child, cancel_child), dispatch permission at the batch
+frontier, termination by priority (kill, deadline, cancellation, failure,
+completion), recovery of in-flight Effects on activation, and host admission of
+signals, controls and resolutions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentfold.domain.budget import Budget, child_debit
+from agentfold.domain.canonical import JSON, canonical_bytes, normalize, value_at
+from agentfold.domain.errors import (
+    ClassifiedError,
+    EngineCode,
+    Failure,
+    FailureKind,
+    InvalidInput,
+    NotFound,
+    Rejected,
+    ResourceLimitExceeded,
+)
+from agentfold.domain.events import (
+    CheckpointCommitted,
+    ControlRequested,
+    EffectDeclared,
+    EffectDispatched,
+    EffectResolved,
+    EffectSettled,
+    OutputRef,
+    ProcessStarted,
+    ProcessTerminated,
+    SignalAdmitted,
+    StepCommitted,
+    TreeEvent,
+    TreeLimits,
+    TreeStarted,
+    WriterActivated,
+)
+from agentfold.domain.ids import (
+    EffectAttemptID,
+    EffectID,
+    ProcessID,
+    SignalID,
+    StartID,
+    TreeID,
+    TreeIncarnationID,
+    WaitID,
+    WaitKey,
+    child_process_id,
+)
+from agentfold.domain.ids import (
+    effect_id as derive_effect_id,
+)
+from agentfold.domain.json_schema import schema_errors
+from agentfold.domain.mailbox import check_admission
+from agentfold.domain.program import (
+    NO_STATE,
+    TRANSITION_KINDS,
+    Checkpoint,
+    ChildSpec,
+    ChildWaitSpec,
+    Complete,
+    Continue,
+    Effect,
+    Fail,
+    Operation,
+    OutputOf,
+    Pause,
+    Program,
+    ProgramResolver,
+    SettlementStatus,
+    Signal,
+    SignalRequest,
+    Step,
+    Target,
+    Wait,
+    check_reason,
+)
+from agentfold.domain.tree import (
+    _MISSING,
+    CAUSE_STATUS,
+    FAILURE_CAUSE,
+    EffectRecord,
+    ProcessState,
+    TreeState,
+    intent_cause,
+)
+
+
+class IdSource(Protocol):
+    """Where fresh random identities come from (the adapters own randomness)."""
+
+    def attempt_id(self) -> EffectAttemptID: ...
+
+    def incarnation_id(self) -> TreeIncarnationID: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A dispatch permission granted in this batch: call the dispatcher after the append."""
+
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+
+
+@dataclass(slots=True)
+class Progress:
+    """Events produced (and already applied to the tree) plus the dispatches they permit."""
+
+    events: list[TreeEvent] = field(default_factory=list)
+    dispatches: list[Dispatch] = field(default_factory=list)
+
+
+def _failure(kind: FailureKind, code: str, message: str) -> Failure:
+    return Failure(kind, code, message)
+
+
+# ---------------------------------------------------------------------------
+# Start
+
+
+#: Prefixes a new start id may not have: commands read such a reference as a tree or process id.
+RESERVED_START_PREFIXES = ("tree:", "process:")
+
+
+def start_tree(
+    program: Program,
+    input: JSON,
+    *,
+    start_id: StartID,
+    root_id: ProcessID,
+    incarnation_id: TreeIncarnationID,
+    budget: Budget | None = None,
+    capabilities: Sequence[str] = (),
+    limits: TreeLimits | None = None,
+    configuration: JSON = None,
+) -> TreeStarted:
+    """Validate a root start and build its ``TreeStarted`` event (nothing is appended here)."""
+    reserved = next((p for p in RESERVED_START_PREFIXES if start_id.startswith(p)), None)
+    if reserved is not None:
+        # Commands take "a tree id, a start id or a process id": such a run could not be named
+        # by its start id (histories that already hold one still fold: only new starts are refused).
+        raise InvalidInput(
+            "identity.invalid", f"start id {start_id[:80]!r} begins with {reserved!r}: it would read as "
+            f"a {reserved[:-1]} id", hint="choose a start id that does not begin with tree: or process:",
+        )
+    value = normalize(input, what="input")
+    problems = schema_errors(value, program.descriptor.input_schema)
+    if problems:
+        raise InvalidInput(
+            "engine.start.input_invalid",
+            f"input does not satisfy {program.descriptor.name}'s input schema: " + "; ".join(problems[:3]),
+            hint="fix the input to match the program's input schema",
+        )
+    try:
+        program.strategy.initial(value)
+    except ClassifiedError as exc:
+        raise InvalidInput(exc.failure.code, f"the program refused its input: {exc.failure.message}") from exc
+    except Exception as exc:
+        raise InvalidInput(EngineCode.PROCESS_START_FAILED, f"the program refused its input: {exc}") from exc
+    return TreeStarted(
+        process_id=root_id,
+        tree_id=TreeID.for_start(start_id),
+        start_id=start_id,
+        incarnation_id=incarnation_id,
+        program=program.ref,
+        input=value,
+        budget=budget or Budget(),
+        capabilities=tuple(sorted(set(capabilities))),
+        limits=limits or TreeLimits(),
+        configuration=normalize(configuration, what="configuration"),
+        programs=tuple(sorted((p.ref for p in program.walk() if p is not program), key=lambda r: r.digest)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Progress: run Steps, settle framework Effects, grant dispatch permissions
+
+
+class Kernel:
+    """Applies the kernel rules to one folded tree with the bound Programs."""
+
+    def __init__(self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *, dispatch: bool = True) -> None:
+        """``dispatch=False``: grant no dispatch permission (an owner that is shutting down
+        records what it still has to, but starts no call: a declared Effect without its
+        ``EffectDispatched`` is dispatched by the next owner, never settled unknown)."""
+        self.tree = tree
+        self.programs = programs
+        self.ids = ids
+        self.dispatch = dispatch
+
+    def _emit(self, progress: Progress, event: TreeEvent, next_state: Any = _MISSING) -> None:
+        self.tree.apply(event, next_state=next_state)
+        progress.events.append(event)
+
+    def program_of(self, process: ProcessState) -> Program:
+        program = self.programs(process.program)
+        if program is None:
+            raise NotFound(
+                "engine.program.unavailable",
+                f"no program is bound for {process.program.name} ({process.program.digest})",
+                hint="start the runtime with a catalog that binds this exact program",
+            )
+        return program
+
+    def advance(self, max_events: int = 2048) -> Progress:
+        """Make every local step of progress possible now, up to ``max_events`` events."""
+        progress = Progress()
+        moved = True
+        while moved and len(progress.events) < max_events:
+            moved = False
+            for process in list(self.tree.live.values()):
+                if self._advance_process(process, progress):
+                    moved = True
+                if len(progress.events) >= max_events:
+                    break
+        return progress
+
+    def _advance_process(self, process: ProcessState, progress: Progress) -> bool:
+        if process.terminal:
+            return False
+        intent = process.terminal_intent
+        if intent is not None:
+            if process.in_flight():
+                return False
+            owner, reason = process.intents[intent]
+            cause = intent_cause(intent, owner)
+            self._terminate(progress, process, cause, reason or f"{intent} requested by {owner}", None)
+            return True
+        if process.status != "running":
+            return False
+        if process.batch:
+            record = process.frontier()
+            if record is None or record.phase != "planned":
+                return False
+            if record.target == Target.FRAMEWORK:
+                return self._settle_framework(progress, process, record)
+            elif not self.dispatch:
+                return False
+            else:
+                attempt = self.ids.attempt_id()
+                assert self.tree.incarnation is not None
+                self._emit(
+                    progress,
+                    EffectDispatched.model_construct(
+                        process_id=process.process_id,
+                        effect_id=record.effect_id,
+                        attempt_id=attempt,
+                        incarnation_id=self.tree.incarnation,
+                    ),
+                )
+                progress.dispatches.append(Dispatch(process.process_id, record.effect_id, attempt))
+            return True
+        self._run_step(progress, process)
+        return True
+
+    # -- termination ---------------------------------------------------------
+
+    def _terminate(
+        self,
+        progress: Progress,
+        process: ProcessState,
+        cause: str,
+        reason: str,
+        failure: Failure | None,
+        output: JSON = None,
+        output_of: OutputRef | None = None,
+    ) -> None:
+        unresolved = tuple(sorted(r.effect_id for r in process.unknown_effects()))
+        self._emit(
+            progress,
+            ProcessTerminated.model_construct(
+                process_id=process.process_id,
+                status=CAUSE_STATUS[cause],  # type: ignore[arg-type]
+                cause=cause,  # type: ignore[arg-type]
+                reason=reason,
+                failure=failure,
+                output=None if output_of is not None else output,
+                output_of=output_of,
+                unresolved_effect_ids=unresolved,
+            ),
+        )
+
+    def _fail(self, progress: Progress, process: ProcessState, failure: Failure) -> None:
+        self._terminate(progress, process, FAILURE_CAUSE[failure.kind], failure.message, failure)
+
+    # -- steps ---------------------------------------------------------------
+
+    def _run_step(self, progress: Progress, process: ProcessState) -> None:
+        if not process.budget.steps.allows(process.committed_steps + process.allocated.steps, 1):
+            self._fail(
+                progress,
+                process,
+                _failure(FailureKind.EXECUTION, EngineCode.LIMIT_STEPS, f"step budget of {process.process_id} is spent"),
+            )
+            return
+        program = self.program_of(process)
+        window = process.window()
+        try:
+            step = program.strategy.decide(process.state, window)
+        except ClassifiedError as exc:
+            self._fail(progress, process, exc.failure)
+            return
+        except Exception as exc:  # noqa: BLE001 - any other strategy error fails the Step
+            self._fail(
+                progress,
+                process,
+                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED, f"{type(exc).__name__}: {exc}"),
+            )
+            return
+        try:
+            checked = self._check_step(process, program, step, len(window))
+            if isinstance(step.transition, Complete) and step.transition.output_of is not None:
+                checked.output_of = _output_ref(step.transition.output_of, window[: step.consumed], checked.output)
+        except _StepRefused as refusal:
+            self._fail(progress, process, refusal.failure)
+            return
+        consumed = window[: step.consumed]
+        try:
+            if step.next_state is not NO_STATE:
+                next_state = step.next_state
+            else:
+                next_state = program.strategy.evolve(process.state, checked.facts, consumed)
+        except ClassifiedError as exc:
+            self._fail(progress, process, exc.failure)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._fail(
+                progress,
+                process,
+                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED, f"evolve failed: {type(exc).__name__}: {exc}"),
+            )
+            return
+        seq = process.committed_steps + 1
+        transition = step.transition
+        kind = TRANSITION_KINDS[type(transition)]
+        effects = transition.effects if isinstance(transition, Continue) else ()
+        self._emit(
+            progress,
+            StepCommitted.model_construct(
+                process_id=process.process_id,
+                step=seq,
+                consumed=step.consumed,
+                kind=kind,  # type: ignore[arg-type]
+                facts=checked.facts,
+                effects=len(effects),
+                wait_id=transition.wait_id if isinstance(transition, Wait) else None,
+                reason=transition.reason if isinstance(transition, Pause) else None,
+            ),
+            next_state=next_state,
+        )
+        if isinstance(transition, Checkpoint):
+            self._emit(
+                progress,
+                CheckpointCommitted.model_construct(
+                    process_id=process.process_id, step=seq, kind=transition.kind, acknowledges=checked.acknowledges
+                ),
+            )
+        for index, effect in enumerate(effects):
+            policy = checked.policies[index]
+            self._emit(
+                progress,
+                EffectDeclared.model_construct(
+                    process_id=process.process_id,
+                    effect_id=derive_effect_id(process.process_id, seq, index),
+                    step=seq,
+                    index=index,
+                    target=effect.target.value,
+                    payload=effect.payload,
+                    replay=policy[0],  # type: ignore[arg-type]
+                    capabilities=policy[1],
+                ),
+            )
+        if isinstance(transition, Complete):
+            self._terminate(progress, process, "completion", "", None, checked.output, checked.output_of)
+        elif isinstance(transition, Fail):
+            self._fail(progress, process, transition.failure)
+
+    def _check_step(self, process: ProcessState, program: Program, step: Step, window: int) -> _CheckedStep:
+        def refuse(code: str, message: str, kind: FailureKind = FailureKind.CONTRACT) -> _StepRefused:
+            return _StepRefused(_failure(kind, code, message))
+
+        if not isinstance(step, Step):
+            raise refuse(EngineCode.TRANSITION_INVALID, f"decide returned {type(step).__name__}, not a Step")
+        if not isinstance(step.consumed, int) or not 0 <= step.consumed <= window:
+            raise refuse(EngineCode.TRANSITION_INVALID, f"consumed {step.consumed!r} of a window of {window}")
+        transition = step.transition
+        if type(transition) not in TRANSITION_KINDS:
+            raise refuse(EngineCode.TRANSITION_INVALID, f"unknown transition {type(transition).__name__}")
+        try:
+            facts = normalize(step.facts, what="step facts")
+        except InvalidInput as exc:
+            raise refuse(EngineCode.TRANSITION_INVALID, exc.message) from exc
+        checked = _CheckedStep(facts)
+        if isinstance(transition, Continue):
+            self._check_effects(process, program, transition.effects, checked, refuse)
+        elif isinstance(transition, Wait):
+            wait = process.waits.get(transition.wait_id)
+            consumed_answer = False
+            if wait is not None and wait.answered_by is not None:
+                last = (
+                    process.mailbox[process.cursor + step.consumed - 1].arrival
+                    if step.consumed
+                    else process.consumed_through
+                )
+                consumed_answer = wait.answered_by <= last
+            if wait is None or wait.closed or consumed_answer:
+                raise refuse(EngineCode.TRANSITION_INVALID, f"wait {transition.wait_id} is not an open wait")
+        elif isinstance(transition, Pause):
+            try:
+                check_reason(transition.reason)
+            except InvalidInput as exc:
+                raise refuse(EngineCode.TRANSITION_INVALID, exc.message) from exc
+        elif isinstance(transition, Complete):
+            try:
+                output = normalize(transition.output, what="output")
+            except InvalidInput as exc:
+                raise refuse(EngineCode.OUTPUT_INVALID, exc.message) from exc
+            problems = schema_errors(output, program.descriptor.output_schema)
+            if problems:
+                raise refuse(EngineCode.OUTPUT_INVALID, "output violates the output schema: " + "; ".join(problems[:3]))
+            checked.output = output
+        elif isinstance(transition, Checkpoint):
+            try:
+                checked.acknowledges = normalize(transition.acknowledges, what="checkpoint")
+            except InvalidInput as exc:
+                raise refuse(EngineCode.TRANSITION_INVALID, exc.message) from exc
+            from agentfold.domain.errors import valid_qualified_name
+
+            if not valid_qualified_name(transition.kind):
+                raise refuse(EngineCode.TRANSITION_INVALID, f"checkpoint kind {transition.kind!r} is not qualified")
+        elif isinstance(transition, Fail) and not isinstance(transition.failure, Failure):
+            raise refuse(EngineCode.TRANSITION_INVALID, "a fail transition needs a Failure")
+        return checked
+
+    def _check_effects(
+        self,
+        process: ProcessState,
+        program: Program,
+        effects: Sequence[Effect],
+        checked: _CheckedStep,
+        refuse: Any,
+    ) -> None:
+        opening: set[str] = set()
+        reserve = 0
+        for effect in effects:
+            if not isinstance(effect, Effect):
+                raise refuse(EngineCode.EFFECT_INVALID, f"{type(effect).__name__} is not an Effect")
+            if effect.target is Target.DISPATCHER:
+                policy = program.policy(effect)
+                missing = set(policy.required_capabilities) - set(process.capabilities)
+                if missing:
+                    raise refuse(
+                        EngineCode.CAPABILITY_DENIED,
+                        f"effect requires capabilities {sorted(missing)} the process does not hold",
+                    )
+                checked.policies.append((policy.replay.value, tuple(sorted(policy.required_capabilities))))
+                reserve += 1
+                continue
+            checked.policies.append(("never", ()))
+            reserve += 1
+            payload = effect.payload if isinstance(effect.payload, dict) else {}
+            try:
+                op = Operation(str(payload.get("operation")))
+            except ValueError:
+                raise refuse(EngineCode.EFFECT_INVALID, f"unknown framework operation {payload.get('operation')!r}") from None
+            try:
+                if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
+                    key = WaitKey(payload["key"])
+                    if key in process.open_wait_keys or key in opening:
+                        raise refuse(EngineCode.EFFECT_INVALID, f"wait key {key} is already open")
+                    opening.add(key)
+                    if op is Operation.WAIT_CHILDREN:
+                        reserve += 1
+                        spec = ChildWaitSpec.from_json(payload)
+                        for cid in spec.children:
+                            child = self.tree.processes.get(cid)
+                            if child is None or child.parent_id != process.process_id:
+                                raise refuse(EngineCode.EFFECT_INVALID, f"{cid} is not a direct child of the waiter")
+                elif op is Operation.START_CHILD:
+                    try:
+                        ChildSpec.from_json(payload, self.tree.bound)
+                    except InvalidInput as exc:
+                        # An unbound Program is a failed start the parent observes
+                        # (engine.child.deployment_unavailable), not a refused Step.
+                        if exc.code != "program.unbound":
+                            raise
+                        Budget.from_json(payload.get("budget"))
+                elif op is Operation.SIGNAL_CHILD:
+                    ProcessID(payload["child"])
+                    signal = payload["signal"]
+                    SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
+                else:
+                    ProcessID(payload["child"])
+                    check_reason(payload["reason"])
+            except _StepRefused:
+                raise
+            except (InvalidInput, KeyError, TypeError, ValueError) as exc:
+                raise refuse(EngineCode.EFFECT_INVALID, f"invalid {op.value} effect: {exc}") from exc
+        if effects and not process.budget.effects.allows(process.prepared_effects + process.allocated.effects, len(effects)):
+            raise refuse(EngineCode.LIMIT_EFFECTS, f"{len(effects)} effects exceed the effects budget", FailureKind.EXECUTION)
+        if reserve and not process.budget.signals.allows(
+            process.accepted_signals + process.allocated.signals + process.reserved_signals, reserve
+        ):
+            raise refuse(
+                EngineCode.LIMIT_SIGNALS, "settlement signals would exceed the signals budget", FailureKind.EXECUTION
+            )
+
+    # -- framework effects ---------------------------------------------------
+
+    def _settle_framework(self, progress: Progress, process: ProcessState, record: EffectRecord) -> bool:
+        op = Operation(str(record.operation))
+        payload = record.payload
+        pid = process.process_id
+        eid = record.effect_id
+        if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
+            # Settled by the fold as soon as it reaches the frontier of a running Process
+            # (agentfold.domain.tree: _settle_implicit); reaching here means the Process is not running.
+            return False
+        elif op is Operation.START_CHILD:
+            self._start_child(progress, process, record)
+            return True
+        elif op is Operation.SIGNAL_CHILD:
+            child_id = ProcessID(payload["child"])
+            signal = payload["signal"]
+            request = SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
+            receipt: dict[str, JSON] = {"child": child_id, "signal_id": request.id}
+            child = self.tree.processes.get(child_id)
+            if child is None or child.parent_id != pid:
+                receipt["failure"] = _failure(
+                    FailureKind.CONTRACT, EngineCode.CHILD_CONTROL_NOT_OWNED, f"{child_id} is not a child of {pid}"
+                ).to_json()
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
+            try:
+                admission = check_admission(child, [request], source="parent")
+            except (Rejected, InvalidInput) as exc:
+                receipt["failure"] = _failure(
+                    FailureKind.EXECUTION, EngineCode.CHILD_SIGNAL_REJECTED, exc.message
+                ).to_json()
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
+            for new in admission.new:
+                self._emit(
+                    progress,
+                    SignalAdmitted.model_construct(
+                        process_id=child_id, signal_id=new.id, wait_id=new.wait_id, payload=new.payload, source="parent"
+                    ),
+                )
+            self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
+        else:
+            child_id = ProcessID(payload["child"])
+            receipt = {"child": child_id}
+            child = self.tree.processes.get(child_id)
+            if child is None or child.parent_id != pid:
+                receipt["failure"] = _failure(
+                    FailureKind.CONTRACT, EngineCode.CHILD_CONTROL_NOT_OWNED, f"{child_id} is not a child of {pid}"
+                ).to_json()
+                self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
+                return True
+            if not child.terminal and "cancel" not in child.intents:
+                self._emit(
+                    progress,
+                    ControlRequested.model_construct(process_id=child_id, control="cancel", reason=payload["reason"], owner="parent"),
+                )
+            self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="succeeded", payload=receipt))
+        return True
+
+    def _start_child(self, progress: Progress, parent: ProcessState, record: EffectRecord) -> None:
+        try:
+            spec = ChildSpec.from_json(record.payload, self.tree.bound)
+        except InvalidInput as exc:  # program.unbound: everything else was checked at the Step
+            failure = _failure(FailureKind.EXTERNAL, EngineCode.CHILD_DEPLOYMENT_UNAVAILABLE, exc.message)
+            body = {"key": record.payload["key"], "program": record.payload["program"], "failure": failure.to_json()}
+            self._emit(
+                progress,
+                EffectSettled.model_construct(process_id=parent.process_id, effect_id=record.effect_id, status="failed", payload=body),
+            )
+            return
+        child_id = child_process_id(record.effect_id)
+        base = {"key": spec.key, "program": str(spec.program)}
+
+        def refused(kind: FailureKind, code: str, message: str) -> None:
+            body = {**base, "failure": _failure(kind, code, message).to_json()}
+            self._emit(
+                progress,
+                EffectSettled.model_construct(process_id=parent.process_id, effect_id=record.effect_id, status="failed", payload=body),
+            )
+
+        tree = self.tree
+        if spec.key in parent.child_keys or child_id in tree.processes:
+            refused(FailureKind.CONTRACT, EngineCode.CHILD_IDENTITY_CONFLICT, f"child key {spec.key} is already used")
+            return
+        if not spec.capabilities <= set(parent.capabilities):
+            refused(
+                FailureKind.CONTRACT,
+                EngineCode.CHILD_CAPABILITY_ESCALATION,
+                f"child capabilities {sorted(spec.capabilities - set(parent.capabilities))} exceed the parent's",
+            )
+            return
+        limits = tree.limits
+        active = sum(1 for c in parent.children if not tree.processes[c].terminal)
+        if (
+            parent.depth + 1 > limits.max_depth
+            or (limits.max_children is not None and len(parent.children) >= limits.max_children)
+            or active >= limits.max_active_children
+            or (limits.max_tree_processes is not None and len(tree.processes) >= limits.max_tree_processes)
+        ):
+            refused(FailureKind.EXECUTION, EngineCode.CHILD_TREE_LIMIT, "starting this child would exceed a tree limit")
+            return
+        debit = child_debit(parent.budget, spec.budget)
+        if isinstance(debit, str):
+            refused(FailureKind.EXECUTION, EngineCode.CHILD_BUDGET_EXHAUSTED, debit)
+            return
+        allocated = parent.allocated.plus(debit)
+        for name, used in (
+            ("steps", parent.committed_steps + 1),
+            ("effects", parent.prepared_effects),
+            ("signals", parent.accepted_signals + parent.reserved_signals),
+        ):
+            if not getattr(parent.budget, name).allows(used + getattr(allocated, name), 0):
+                refused(
+                    FailureKind.EXECUTION,
+                    EngineCode.CHILD_BUDGET_EXHAUSTED,
+                    f"the child's {name} grant does not fit the parent's remaining budget",
+                )
+                return
+        parent_program = self.program_of(parent)
+        child_program = parent_program.child(spec.program)
+        if child_program is None:
+            refused(
+                FailureKind.EXTERNAL,
+                EngineCode.CHILD_DEPLOYMENT_UNAVAILABLE,
+                f"program {spec.program.name} is not bound to {parent_program.ref.name}",
+            )
+            return
+        try:
+            value = normalize(spec.input, what="child input")
+        except InvalidInput as exc:
+            refused(FailureKind.CONTRACT, EngineCode.CHILD_INPUT_INVALID, exc.message)
+            return
+        problems = schema_errors(value, child_program.descriptor.input_schema)
+        if problems:
+            refused(FailureKind.CONTRACT, EngineCode.CHILD_INPUT_INVALID, "; ".join(problems[:3]))
+            return
+        try:
+            child_program.strategy.initial(value)
+        except ClassifiedError as exc:
+            refused(exc.failure.kind, exc.failure.code, exc.failure.message)
+            return
+        except Exception as exc:  # noqa: BLE001
+            refused(FailureKind.EXECUTION, EngineCode.PROCESS_START_FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        # ProcessStarted also settles the start-child Effect (the fold derives its result).
+        self._emit(
+            progress,
+            ProcessStarted.model_construct(process_id=child_id, parent_id=parent.process_id, start_effect_id=record.effect_id),
+        )
+
+    # -- dispatcher outcomes ---------------------------------------------------
+
+    def settle_dispatch(
+        self,
+        process_id: ProcessID,
+        effect_id: EffectID,
+        attempt_id: EffectAttemptID,
+        status: SettlementStatus,
+        payload: JSON,
+        diagnostic: Failure | None,
+    ) -> list[TreeEvent]:
+        """Record a dispatcher's outcome; a stale attempt's outcome is dropped (returns [])."""
+        process = self.tree.processes.get(process_id)
+        record = process.effect(effect_id) if process is not None else None
+        if record is None or record.phase != "pending" or record.attempt_id != attempt_id:
+            return []
+        if record.incarnation_id != self.tree.incarnation:
+            return []
+        event = EffectSettled.model_construct(
+            process_id=process_id,
+            effect_id=effect_id,
+            status=status.value,
+            payload=payload,
+            attempt_id=attempt_id,
+            diagnostic=diagnostic,
+        )
+        self.tree.apply(event)
+        return [event]
+
+    # -- recovery ------------------------------------------------------------
+
+    def activate(self, incarnation: TreeIncarnationID) -> Progress:
+        """Take ownership: ``WriterActivated``, then decide every in-flight Effect.
+
+        A dispatched, unsettled Effect is dispatched again under the same EffectID only
+        when its policy is ``same_identity`` and no terminal intent is pending;
+        otherwise it settles unknown without any call.
+        """
+        progress = Progress()
+        assert self.tree.root_id is not None and self.tree.incarnation is not None
+        self._emit(
+            progress,
+            WriterActivated.model_construct(
+                process_id=self.tree.root_id,
+                incarnation_id=incarnation,
+                previous_incarnation_id=self.tree.incarnation,
+            ),
+        )
+        for process in list(self.tree.processes.values()):
+            for record in process.in_flight():
+                replay = record.replay == "same_identity" and process.terminal_intent is None
+                if replay and process.status != "paused":
+                    attempt = self.ids.attempt_id()
+                    self._emit(
+                        progress,
+                        EffectDispatched.model_construct(
+                            process_id=process.process_id,
+                            effect_id=record.effect_id,
+                            attempt_id=attempt,
+                            incarnation_id=incarnation,
+                        ),
+                    )
+                    progress.dispatches.append(Dispatch(process.process_id, record.effect_id, attempt))
+                else:
+                    self._emit(
+                        progress,
+                        EffectSettled.model_construct(
+                            process_id=process.process_id,
+                            effect_id=record.effect_id,
+                            status="unknown",
+                            payload=None,
+                            attempt_id=record.attempt_id,
+                            diagnostic=_failure(
+                                FailureKind.EXTERNAL,
+                                EngineCode.DISPATCH_INTERRUPTED,
+                                "the writer that dispatched this effect stopped before recording its outcome",
+                            ),
+                        ),
+                    )
+        return progress
+
+    # -- host admission ------------------------------------------------------
+
+    def _live(self, pid: ProcessID) -> ProcessState:
+        process = self.tree.processes.get(pid)
+        if process is None:
+            raise NotFound("engine.process.not_found", f"process {pid} is not in tree {self.tree.tree_id}")
+        return process
+
+    def admit_signals(self, pid: ProcessID, requests: Sequence[SignalRequest]) -> list[TreeEvent]:
+        """Admit host signals all or nothing; returns [] when every identity was already admitted."""
+        process = self._live(pid)
+        program = self.program_of(process)
+        admission = check_admission(process, requests, source="host", signal_schema=program.descriptor.signal_schema)
+        events: list[TreeEvent] = []
+        for request in admission.new:
+            event = SignalAdmitted.model_construct(
+                process_id=pid, signal_id=request.id, wait_id=request.wait_id, payload=request.payload, source="host"
+            )
+            self.tree.apply(event)
+            events.append(event)
+        return events
+
+    def request_control(
+        self, pid: ProcessID, control: str, reason: str | None = None, owner: str = "host"
+    ) -> list[TreeEvent]:
+        """Pause, resume, cancel, kill or deadline; repeating a recorded intent changes nothing.
+
+        ``reason`` None: the default text; an empty or oversize reason is refused first
+        (``control.invalid``), also when the request would change nothing."""
+        if control == "pause":
+            reason = check_reason("paused by host" if reason is None else reason)
+        elif control in ("cancel", "kill", "deadline"):
+            reason = check_reason(f"{control} requested by {owner}" if reason is None else reason)
+        elif control != "resume":
+            raise InvalidInput("control.invalid", f"unknown control {control!r}")
+        process = self._live(pid)
+        if process.terminal:
+            raise Rejected(
+                "engine.process.finished", f"process {pid} already ended {process.status}", process_id=pid
+            )
+        if control == "pause":
+            if process.status == "paused":
+                return []
+            if process.status not in ("running", "waiting") or process.terminal_intent is not None:
+                state = f"{process.terminal_intent} requested" if process.terminal_intent else process.status
+                raise Rejected("engine.process.control_invalid", f"cannot pause process {pid}: it is {state}")
+        elif control == "resume":
+            if process.status != "paused":
+                raise Rejected(
+                    "engine.process.control_invalid", f"cannot resume process {pid}: it is {process.status}, not paused"
+                )
+        elif control in process.intents:  # cancel, kill, deadline
+            return []
+        event = ControlRequested.model_construct(process_id=pid, control=control, reason=reason or "", owner=owner)  # type: ignore[arg-type]
+        self.tree.apply(event)
+        return [event]
+
+    def resolve_effect(
+        self,
+        effect_id: EffectID,
+        status: SettlementStatus,
+        payload: JSON,
+        *,
+        resolved_by: str = "host",
+        attempt_id: EffectAttemptID | None = None,
+        process_id: ProcessID | None = None,
+    ) -> list[TreeEvent]:
+        """Settle an unknown Effect with a definite result (host investigation or replay)."""
+        found = self.tree.find_effect(effect_id)
+        if found is None:
+            raise NotFound(
+                "engine.effect.not_pending", f"effect {effect_id} is not an unsettled effect of tree {self.tree.tree_id}",
+                hint="list unknown effects with `agentfold unknown`",
+            )
+        process, record = found
+        if process_id is not None and process.process_id != process_id:
+            raise NotFound("engine.effect.not_pending", f"effect {effect_id} does not belong to process {process_id}")
+        if process.terminal or process.terminal_intent is not None:
+            raise Rejected(
+                "engine.process.finished",
+                f"process {process.process_id} is {process.status if process.terminal else 'terminating'}; "
+                "its unknown effects stay unresolved as evidence",
+            )
+        if not record.unknown or record.resolved_by is not None:
+            raise Rejected(
+                "engine.effect.not_pending",
+                f"effect {effect_id} is {record.phase}"
+                + (f" ({record.status.value})" if record.status else "")
+                + "; only an unknown effect can be resolved",
+            )
+        if not status.definite:
+            raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be succeeded or failed")
+        value = normalize(payload, what="resolution payload")
+        event = EffectResolved.model_construct(
+            process_id=process.process_id,
+            effect_id=effect_id,
+            status=status.value,  # type: ignore[arg-type]
+            payload=value,
+            resolved_by=resolved_by,  # type: ignore[arg-type]
+            attempt_id=attempt_id,
+        )
+        self.tree.apply(event)
+        return [event]
+
+
+class _StepRefused(Exception):
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+@dataclass(slots=True)
+class _CheckedStep:
+    facts: JSON
+    output: JSON = None
+    output_of: OutputRef | None = None
+    acknowledges: JSON = None
+    policies: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+
+def _output_ref(hint: OutputOf, consumed: Sequence[Signal], output: JSON) -> OutputRef | None:
+    """The reference to store for a completion's output, when the hint holds: the output is
+    exactly the value at ``hint.path`` of a succeeded settlement this Step consumes."""
+    for signal in consumed:
+        if signal.effect_id == hint.effect_id and signal.status is SettlementStatus.SUCCEEDED:
+            found, value = value_at(signal.payload, hint.path)
+            if found and canonical_bytes(value) == canonical_bytes(output):
+                return OutputRef(effect_id=hint.effect_id, path=tuple(hint.path))
+            return None
+    return None
+
+
+def check_budget_exceeded(process: ProcessState) -> ResourceLimitExceeded | None:
+    """Helper for hosts: the reason admitting one more signal would exceed the budget, if it would."""
+    if not process.budget.signals.allows(
+        process.accepted_signals + process.allocated.signals + process.reserved_signals, 1
+    ):
+        return ResourceLimitExceeded("engine.limit.signals", f"process {process.process_id} has no signal budget left")
+    return None
+
+
+__all__ = [
+    "Dispatch",
+    "IdSource",
+    "Kernel",
+    "Progress",
+    "start_tree",
+    "WaitID",
+]

@@ -1,0 +1,593 @@
+"""The Strategy contract (decide/evolve), Programs, Effects, Signals and Transitions.
+
+A Strategy is a pair of pure functions plus an initial state:
+
+* ``initial(input) -> state`` (may raise a ClassifiedError to refuse the input);
+* ``decide(state, window) -> Step``: a bounded, deterministic reduction of the
+  committed state and the ordered signal window; no I/O, clock or randomness;
+* ``evolve(state, facts, consumed) -> state``: applies the facts a Step recorded
+  (``StepCommitted.facts``), with the signals it consumed, to the state.
+
+The history stores the facts, never a copy of the whole state, so it grows with the
+conversation and survives code changes (only ``evolve`` must stay compatible).
+
+A :class:`Program` binds one Strategy to its :class:`Descriptor`, its exact
+:class:`ProgramRef` and the exact child Programs it may start. The runtime adds a
+Dispatcher (I/O) in ``adapters``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from agentfold.domain.budget import Budget
+from agentfold.domain.canonical import JSON, canonical_bytes, digest_of, normalize
+from agentfold.domain.errors import MAX_DIAGNOSTIC_BYTES, Failure, InvalidInput, bounded_text, valid_qualified_name
+from agentfold.domain.ids import (
+    ChildKey,
+    Digest,
+    EffectID,
+    ProcessID,
+    SignalID,
+    WaitID,
+    WaitKey,
+)
+from agentfold.domain.json_schema import check_schema
+
+# ---------------------------------------------------------------------------
+# Descriptor and ProgramRef
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A Program's contract: name and the JSON schemas of its input, output and signals.
+
+    ``signal_schema`` governs unaddressed host input; ``None`` means the Program
+    accepts no unaddressed input at all (answers to waits are addressed).
+    """
+
+    name: str
+    description: str = ""
+    input_schema: JSON = True
+    output_schema: JSON = True
+    signal_schema: JSON = None
+
+    def __post_init__(self) -> None:
+        if not valid_qualified_name(self.name):
+            raise InvalidInput("program.invalid", f"descriptor name {self.name!r} is not a qualified name")
+        check_schema(self.input_schema, "#input")
+        check_schema(self.output_schema, "#output")
+        if self.signal_schema is not None:
+            check_schema(self.signal_schema, "#signal")
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": self.input_schema,
+            "output_schema": self.output_schema,
+            "signal_schema": self.signal_schema,
+        }
+
+    @property
+    def digest(self) -> Digest:
+        return digest_of(self.to_json())
+
+
+@dataclass(frozen=True)
+class ProgramRef:
+    """The value identity of one exact behaviour binding (kernel spec 1.4).
+
+    Text form ``name+sha256:<hex>``; the digest covers the name and the four
+    component digests, and is recomputed (never trusted) when decoded.
+    """
+
+    name: str
+    contract_digest: Digest
+    implementation_digest: Digest
+    configuration_digest: Digest
+    bindings_digest: Digest
+
+    def __post_init__(self) -> None:
+        if not valid_qualified_name(self.name):
+            raise InvalidInput("program.invalid", f"program name {self.name!r} is not a qualified name")
+        for name in ("contract_digest", "implementation_digest", "configuration_digest", "bindings_digest"):
+            object.__setattr__(self, name, Digest(getattr(self, name)))
+        # Cached outside the dataclass fields (not serialized, not compared): refs are looked
+        # up by digest on every Step.
+        object.__setattr__(self, "_digest", Digest.of(canonical_bytes(self.components())))
+
+    def components(self) -> dict[str, str]:
+        return {
+            "name": self.name,
+            "contract_digest": self.contract_digest,
+            "implementation_digest": self.implementation_digest,
+            "configuration_digest": self.configuration_digest,
+            "bindings_digest": self.bindings_digest,
+        }
+
+    @property
+    def digest(self) -> Digest:
+        return self.__dict__["_digest"]  # type: ignore[no-any-return]
+
+    def __str__(self) -> str:
+        return f"{self.name}+{self.digest}"
+
+    def to_json(self) -> dict[str, str]:
+        return {**self.components(), "digest": self.digest}
+
+    @classmethod
+    def from_json(cls, value: Any) -> ProgramRef:
+        if not isinstance(value, dict):
+            raise InvalidInput("program.invalid", "a program ref must be an object")
+        fields = {k: value.get(k) for k in (
+            "name", "contract_digest", "implementation_digest", "configuration_digest", "bindings_digest")}
+        if any(not isinstance(v, str) for v in fields.values()):
+            raise InvalidInput("program.invalid", f"incomplete program ref {value!r}")
+        ref = cls(**fields)  # type: ignore[arg-type]
+        if "digest" in value and value["digest"] != ref.digest:
+            raise InvalidInput("program.invalid", "program ref digest does not match its components")
+        return ref
+
+    @staticmethod
+    def bindings_of(children: Sequence[ProgramRef]) -> Digest:
+        """Digest of the canonical, sorted, de-duplicated list of child ref digests."""
+        return digest_of(sorted({c.digest for c in children}))
+
+
+# ---------------------------------------------------------------------------
+# Effects
+
+
+class Target(StrEnum):
+    FRAMEWORK = "framework"
+    DISPATCHER = "dispatcher"
+
+
+class Replay(StrEnum):
+    NEVER = "never"
+    SAME_IDENTITY = "same_identity"
+
+
+class Boundary(StrEnum):
+    TERMINAL_RESULT = "terminal_result"
+    SUBTREE_DRAINED = "subtree_drained"
+
+
+class Operation(StrEnum):
+    WAIT = "wait"
+    WAIT_CHILDREN = "wait_children"
+    START_CHILD = "start_child"
+    SIGNAL_CHILD = "signal_child"
+    CANCEL_CHILD = "cancel_child"
+
+
+@dataclass(frozen=True, slots=True)
+class EffectPolicy:
+    """What the Program's dispatcher promises about one Effect (pure, deterministic).
+
+    ``same_identity`` claims that repeating the Effect under the same EffectID is the
+    same logical external operation; only then may recovery re-dispatch it or a host
+    replay it. ``never`` forbids both (a host can still supply a definite result).
+    """
+
+    replay: Replay = Replay.NEVER
+    required_capabilities: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """One operation a Step declares: a framework operation or an opaque dispatcher payload."""
+
+    target: Target
+    payload: JSON
+
+    @property
+    def operation(self) -> Operation | None:
+        if self.target is Target.FRAMEWORK:
+            return Operation(self.payload["operation"])
+        return None
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"target": self.target.value, "payload": self.payload}
+
+
+def dispatcher_effect(payload: JSON) -> Effect:
+    return Effect(Target.DISPATCHER, normalize(payload, what="effect payload"))
+
+
+def wait_effect(key: WaitKey | str, *, prompt: JSON = None, response_schema: JSON = None) -> Effect:
+    """Open an external wait. An optional ``response_schema`` is enforced on answers at admission.
+
+    ``prompt`` is retained with the wait for hosts (e.g. PendingToolInputs).
+    """
+    payload: dict[str, JSON] = {"operation": Operation.WAIT.value, "key": WaitKey(key)}
+    if prompt is not None:
+        payload["prompt"] = prompt
+    if response_schema is not None:
+        check_schema(response_schema, "#response_schema")
+        payload["response_schema"] = response_schema
+    return Effect(Target.FRAMEWORK, normalize(payload, what="wait effect"))
+
+
+@dataclass(frozen=True, slots=True)
+class ChildWaitSpec:
+    """Wait for direct children to reach a boundary: all, any, or a quorum of n."""
+
+    key: WaitKey
+    children: tuple[ProcessID, ...]
+    boundary: Boundary = Boundary.TERMINAL_RESULT
+    condition: str = "all"  # "all" | "any" | "quorum"
+    quorum: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", WaitKey(self.key))
+        object.__setattr__(self, "children", tuple(ProcessID(c) for c in self.children))
+        object.__setattr__(self, "boundary", Boundary(self.boundary))
+        if not self.children or len(set(self.children)) != len(self.children):
+            raise InvalidInput("effect.invalid", "a child wait needs distinct, non-empty children")
+        if self.condition not in ("all", "any", "quorum"):
+            raise InvalidInput("effect.invalid", f"unknown child wait condition {self.condition!r}")
+        if self.condition == "quorum" and not 0 < self.quorum <= len(self.children):
+            raise InvalidInput("effect.invalid", "a quorum must be between 1 and the number of children")
+
+    @property
+    def required(self) -> int:
+        if self.condition == "all":
+            return len(self.children)
+        if self.condition == "any":
+            return 1
+        return self.quorum
+
+    def to_json(self) -> dict[str, JSON]:
+        body: dict[str, JSON] = {
+            "key": self.key,
+            "children": list(self.children),
+            "boundary": self.boundary.value,
+            "condition": self.condition,
+        }
+        if self.condition == "quorum":
+            body["quorum"] = self.quorum
+        return body
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> ChildWaitSpec:
+        return cls(
+            WaitKey(value["key"]),
+            tuple(value["children"]),
+            Boundary(value.get("boundary", "terminal_result")),
+            value.get("condition", "all"),
+            int(value.get("quorum", 0)),
+        )
+
+
+def wait_children_effect(spec: ChildWaitSpec) -> Effect:
+    return Effect(Target.FRAMEWORK, {"operation": Operation.WAIT_CHILDREN.value, **spec.to_json()})
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One child start: parent-scoped key, exact program, input, grant and capabilities."""
+
+    key: ChildKey
+    program: ProgramRef
+    input: JSON = None
+    budget: Budget = field(default_factory=Budget)
+    capabilities: frozenset[str] = frozenset()
+
+    def to_json(self) -> dict[str, JSON]:
+        """The program by its text ref (its components are in ``TreeStarted.programs``);
+        an unlimited budget and an empty capability set are omitted."""
+        body: dict[str, JSON] = {"key": self.key, "program": str(self.program), "input": self.input}
+        if self.budget != Budget():
+            body["budget"] = self.budget.to_json()
+        if self.capabilities:
+            body["capabilities"] = sorted(self.capabilities)
+        return body
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], programs: Mapping[str, ProgramRef]) -> ChildSpec:
+        """Parse a stored spec; ``programs`` maps ref digests to the tree's bound ProgramRefs."""
+        return cls(
+            ChildKey(value["key"]),
+            program_ref_of(value["program"], programs),
+            value.get("input"),
+            Budget.from_json(value.get("budget")),
+            frozenset(value.get("capabilities", ())),
+        )
+
+
+def program_ref_of(text: Any, programs: Mapping[str, ProgramRef]) -> ProgramRef:
+    """Resolve a ``name+sha256:...`` text ref against the bound ProgramRefs."""
+    if not isinstance(text, str) or "+" not in text:
+        raise InvalidInput("program.invalid", f"a program ref is name+sha256:<hex>, got {str(text)[:120]!r}")
+    name, _, digest = text.partition("+")
+    ref = programs.get(digest)
+    if ref is None or ref.name != name:
+        raise InvalidInput("program.unbound", f"program {text} is not bound in this tree")
+    return ref
+
+
+def start_child_effect(spec: ChildSpec) -> Effect:
+    payload = {"operation": Operation.START_CHILD.value, **spec.to_json()}
+    return Effect(Target.FRAMEWORK, normalize(payload, what="child input"))
+
+
+@dataclass(frozen=True, slots=True)
+class SignalRequest:
+    """What a host (or a parent) submits: an identity, an optional wait address, a payload."""
+
+    id: SignalID
+    payload: JSON
+    wait_id: WaitID | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", SignalID(self.id))
+        if self.id.engine_owned:
+            raise InvalidInput(
+                "signal.invalid",
+                f"signal id {self.id} uses the engine-owned namespace {SignalID.ENGINE_PREFIX!r}",
+                hint="choose another signal id",
+            )
+        if self.wait_id is not None:
+            object.__setattr__(self, "wait_id", WaitID(self.wait_id))
+        object.__setattr__(self, "payload", normalize(self.payload, what="signal payload"))
+
+    @property
+    def payload_digest(self) -> Digest:
+        return digest_of(self.payload)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"id": self.id, "wait_id": self.wait_id, "payload": self.payload}
+
+
+def signal_child_effect(child: ProcessID, request: SignalRequest) -> Effect:
+    return Effect(
+        Target.FRAMEWORK,
+        {"operation": Operation.SIGNAL_CHILD.value, "child": ProcessID(child), "signal": request.to_json()},
+    )
+
+
+def cancel_child_effect(child: ProcessID, reason: str) -> Effect:
+    reason = bounded_text(reason)
+    if not reason:
+        raise InvalidInput("effect.invalid", "a child cancellation needs a reason")
+    return Effect(
+        Target.FRAMEWORK, {"operation": Operation.CANCEL_CHILD.value, "child": ProcessID(child), "reason": reason}
+    )
+
+
+# ---------------------------------------------------------------------------
+# Signals (what a Step sees)
+
+
+class SettlementStatus(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+    @property
+    def definite(self) -> bool:
+        return self is not SettlementStatus.UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One mailbox record as a Step sees it.
+
+    ``status`` is present only on dispatcher settlement signals; ``effect_id`` names
+    the Effect an engine settlement delivers (``settles``).
+    """
+
+    id: SignalID
+    payload: JSON
+    wait_id: WaitID | None = None
+    status: SettlementStatus | None = None
+    effect_id: EffectID | None = None
+
+    @property
+    def engine_owned(self) -> bool:
+        return self.id.engine_owned
+
+    def settles(self, effect: EffectID) -> bool:
+        return self.effect_id == effect
+
+
+# ---------------------------------------------------------------------------
+# Transitions and Steps
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    """Stay schedulable; the effects run in declaration order, one at a time."""
+
+    effects: tuple[Effect, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Adopt the step and record a strategy checkpoint (``kind``, ``acknowledges``).
+
+    The checkpoint is durable no later than any later Step of the Process and
+    before any later Effect of it is dispatched.
+    """
+
+    kind: str = "progress"
+    acknowledges: JSON = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    wait_id: WaitID
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOf:
+    """Where a completion's output is already stored: the result of one of the completing
+    Process's own settled Effects, at ``path`` (object keys, outermost first)."""
+
+    effect_id: EffectID
+    path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """End the Process with ``output``.
+
+    ``output_of`` is a storage hint, not a second output: when the output is exactly the
+    value at that place of a settled Effect's result (a Tool child completing with its
+    tool's completion), ``ProcessTerminated`` refers to it instead of storing the same
+    bytes again. The kernel checks the equality; a hint that does not hold is ignored
+    and the output is stored inline.
+    """
+
+    output: JSON = None
+    output_of: OutputOf | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    failure: Failure
+
+
+Transition = Continue | Checkpoint | Wait | Pause | Complete | Fail
+
+TRANSITION_KINDS: dict[type, str] = {
+    Continue: "continue",
+    Checkpoint: "checkpoint",
+    Wait: "wait",
+    Pause: "pause",
+    Complete: "complete",
+    Fail: "fail",
+}
+
+
+NO_STATE: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What ``decide`` returns: the consumed prefix, the transition and the facts.
+
+    ``next_state`` is an optional shortcut for a Strategy that computes its next state
+    while deciding: it must equal ``evolve(state, facts, consumed)`` exactly (the fold of
+    the stored facts, which is what recovery and audit use, must reach the same state).
+    """
+
+    consumed: int
+    transition: Transition
+    facts: JSON = None
+    next_state: Any = field(default=NO_STATE, compare=False, repr=False)
+
+
+def check_reason(reason: str) -> str:
+    """A control's reason, trimmed: non-empty UTF-8 text of at most ``MAX_DIAGNOSTIC_BYTES``
+    bytes (refused, not cut: what a host sends is stored as sent or not at all)."""
+    text = reason.strip() if isinstance(reason, str) else ""
+    if not text:
+        raise InvalidInput("control.invalid", "a reason must be non-empty text")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidInput("control.invalid", "a reason must be valid UTF-8 text (it holds a lone surrogate)") from None
+    if size > MAX_DIAGNOSTIC_BYTES:
+        raise InvalidInput(
+            "control.invalid", f"a reason is at most {MAX_DIAGNOSTIC_BYTES} bytes of UTF-8, this one is {size}",
+            hint="shorten the reason",
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------
+# Strategy and Program
+
+
+class Strategy(Protocol):
+    """The decide/evolve contract every Process behaviour implements (pure)."""
+
+    def initial(self, input: JSON) -> Any: ...
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step: ...
+
+    def evolve(self, state: Any, facts: JSON, consumed: Sequence[Signal]) -> Any: ...
+
+    def encode_state(self, state: Any) -> JSON: ...
+
+    def decode_state(self, data: JSON) -> Any: ...
+
+
+PolicyFn = Callable[[Effect], EffectPolicy]
+ExpandFn = Callable[[Any, JSON], JSON]
+
+
+def _never(effect: Effect) -> EffectPolicy:
+    return EffectPolicy()
+
+
+def _identity_expand(state: Any, payload: JSON) -> JSON:
+    return payload
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """One exact behaviour binding: Strategy + Descriptor + ProgramRef + child bindings.
+
+    ``policy`` is the dispatcher's pure EffectPolicy function; the policy of each
+    declared Effect is recorded with its declaration. ``expand_request`` rebuilds the
+    full dispatcher payload from the Process state when an Effect's stored payload
+    holds references instead of copies (so history stores each message once).
+    """
+
+    descriptor: Descriptor
+    strategy: Strategy
+    implementation_digest: Digest
+    configuration_digest: Digest
+    children: tuple[Program, ...] = ()
+    policy: PolicyFn = _never
+    expand_request: ExpandFn = _identity_expand
+    configuration: JSON = None
+    dispatcher: Any = field(default=None, compare=False)
+    """The adapters' Dispatcher for this Program's dispatcher Effects; the domain never calls it."""
+    ref: ProgramRef = field(init=False)
+
+    def __post_init__(self) -> None:
+        ref = ProgramRef(
+            name=self.descriptor.name,
+            contract_digest=self.descriptor.digest,
+            implementation_digest=Digest(self.implementation_digest),
+            configuration_digest=Digest(self.configuration_digest),
+            bindings_digest=ProgramRef.bindings_of([c.ref for c in self.children]),
+        )
+        object.__setattr__(self, "ref", ref)
+
+    def child(self, ref: ProgramRef) -> Program | None:
+        """The exact child binding for ``ref``: this Program itself, or a bound child."""
+        if ref == self.ref:
+            return self
+        for candidate in self.children:
+            if candidate.ref == ref:
+                return candidate
+        return None
+
+    def walk(self) -> list[Program]:
+        """This Program and every Program reachable through its child bindings."""
+        seen: dict[Digest, Program] = {}
+        stack = [self]
+        while stack:
+            program = stack.pop()
+            if program.ref.digest in seen:
+                continue
+            seen[program.ref.digest] = program
+            stack.extend(program.children)
+        return list(seen.values())
+
+
+ProgramResolver = Callable[[ProgramRef], Program | None]
