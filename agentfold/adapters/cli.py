@@ -867,7 +867,7 @@ def cmd_project(ctx: Context, args: argparse.Namespace) -> Outcome:
                 head = store.max_notification_id()
                 if report.position < head:  # none once caught up: the report follows
                     events = follower.events_applied if follower is not None else 0
-                    say(f"at position {report.position:,} of {head:,} ({events:,} events, "
+                    say(f"at position {report.position:,} of {head:,} ({events:,} events by this run, "
                         f"{ticker.rate(events):,.0f} events/s)")
 
             try:

@@ -152,7 +152,9 @@ def _whole_run(limit: int | None, after: str | None) -> None:
                            hint="drop tree to page through every run, or drop limit and after")
 
 
-def _page_limit(limit: int | None) -> int:
+def _page_limit(limit: int | None, after: str | None) -> int:
+    if after is not None and not isinstance(after, str):
+        raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {after!r}")
     if limit is None:
         return 100
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -196,7 +198,7 @@ class Host:
             _whole_run(limit, after)
             return queries.unknown(queries.tree_of(tree))
         return queries.unknown() if limit is None and after is None else queries.unknown_page(
-            limit=_page_limit(limit), after=after)
+            limit=_page_limit(limit, after), after=after)
 
     def pending(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
         """Tool calls waiting for a human's :meth:`answer`: of one run, of all, or (``limit``)
@@ -206,7 +208,7 @@ class Host:
             _whole_run(limit, after)
             return queries.pending(queries.tree_of(tree))
         return queries.pending() if limit is None and after is None else queries.pending_page(
-            limit=_page_limit(limit), after=after)
+            limit=_page_limit(limit, after), after=after)
 
     def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
         """Runs in creation order (``GET /runs``): ``status`` as the kernel names it

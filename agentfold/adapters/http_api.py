@@ -54,7 +54,7 @@ from agentfold.adapters.host import (
     unknown_effect_tree,
 )
 from agentfold.adapters.interaction import steer_signal
-from agentfold.adapters.queries import HostQueries, Listing, corrupt_tree_error, cursor_invalid
+from agentfold.adapters.queries import HostQueries, Listing, corrupt_tree_error, cursor_invalid, tables_behind
 from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.scenario import (
@@ -602,9 +602,8 @@ class ApiService:
             view = self.queries.view(min_position)
             if view is None and path == "m":
                 if self.queries.read_models() is None:
-                    raise InvalidInput("http.cursor_invalid", f"cursor {after!r} names read models this store lacks",
-                                       hint="list again without after")
-                raise TimeoutError(f"the read models are too far behind to page on within {wait:g} s")
+                    raise cursor_invalid(after, "names read models this store lacks", hint="list again without after")
+                raise tables_behind()
         if view is not None:
             entries = self.queries.runs(status=status, classification=classification, limit=limit, after=number,
                                         view=view)
@@ -770,8 +769,10 @@ def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str,
 def _parse_cursor(after: str | None) -> tuple[str | None, int]:
     if after is None or after == "":
         return None, 0
-    if after[0] in "mf" and after[1:].isascii() and after[1:].isdigit() and len(after) <= 19:  # a cursor fits a signed 64-bit integer
-        return after[0], int(after[1:])
+    number = after[1:]
+    # a cursor fits a signed 64-bit integer, spelled as this API spells it
+    if after[0] in "mf" and number.isascii() and number.isdigit() and len(after) <= 19 and str(int(number)) == number:
+        return after[0], int(number)
     raise cursor_invalid(after)
 
 

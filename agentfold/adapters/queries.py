@@ -20,6 +20,7 @@ import base64
 import binascii
 import collections
 import dataclasses
+import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -73,9 +74,23 @@ class ListingPage(Listing):
         self.next_after = next_after
 
 
-def cursor_invalid(after: str, why: str = "is not a cursor this API returned", *,
+def cursor_invalid(after: object, why: str = "is not a cursor this API returned", *,
                    hint: str = "pass the cursor or next_after of a previous page") -> InvalidInput:
     return InvalidInput("http.cursor_invalid", f"after={after!r} {why}", hint=hint)
+
+
+def tables_behind() -> StoreFailure:
+    """An ``m`` cursor met read models too far behind the store to answer from (``OVERLAY_LIMIT``)."""
+    return StoreFailure(
+        "projection.behind",
+        f"the read models are more than {OVERLAY_LIMIT} runs behind the store: a page after this cursor "
+        "cannot be answered from them now",
+        hint="retry in a moment (the follower is catching up), or list again without after",
+    )
+
+
+#: An index row's ``created_at`` as the runtime writes it (``utc_now``).
+_CREATED_AT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,10 @@ class PageCursor:
     created: int = 0
     key: tuple[str, str] | None = None
 
+    # A cursor is checked twice: its spelling here, and (``f``) that it names a run of this
+    # store at its place in the index (``HostQueries._page``), so that a forged one is refused
+    # rather than taken for the end of the listing.
+
     @staticmethod
     def of_key(key: tuple[str, str]) -> str:
         return "f" + base64.urlsafe_b64encode(f"{key[0]}\n{key[1]}".encode()).decode("ascii").rstrip("=")
@@ -96,17 +115,20 @@ class PageCursor:
     def parse(cls, after: str | None) -> PageCursor:
         if after is None or after == "":
             return cls()
-        # A creation position fits a signed 64-bit integer.
-        if after[0] == "m" and after[1:].isascii() and after[1:].isdigit() and len(after) <= 19:
-            return cls("m", int(after[1:]))
+        if not isinstance(after, str):
+            raise cursor_invalid(after, "is not a cursor: cursors are strings")
+        # A creation position fits a signed 64-bit integer, spelled as this API spells it.
+        number = after[1:]
+        if after[0] == "m" and number.isascii() and number.isdigit() and len(after) <= 19 and str(int(number)) == number:
+            return cls("m", int(number))
         if after[0] == "f" and len(after) <= 200:
             try:
-                text = base64.urlsafe_b64decode(after[1:] + "=" * (-len(after[1:]) % 4)).decode("ascii")
+                text = base64.urlsafe_b64decode(number + "=" * (-len(number) % 4)).decode("ascii")
                 created_at, tree_id = text.split("\n")
                 TreeID(tree_id)
             except (binascii.Error, UnicodeDecodeError, ValueError, InvalidInput):
                 raise cursor_invalid(after) from None
-            if created_at.isprintable() and cls.of_key((created_at, tree_id)) == after:
+            if _CREATED_AT.fullmatch(created_at) and cls.of_key((created_at, tree_id)) == after:
                 return cls("f", key=(created_at, tree_id))
         raise cursor_invalid(after)
 
@@ -525,9 +547,12 @@ class HostQueries:
                 return self._table_page(member, table, view, relevant, limit, cursor.created if cursor.path else -1)
             if cursor.path == "m":
                 if self.read_models() is None:
-                    raise cursor_invalid(str(after), "names read models this store lacks",
-                                         hint="list again without after")
-                raise TimeoutError("the read models are too far behind to page on")
+                    raise cursor_invalid(after, "names read models this store lacks", hint="list again without after")
+                raise tables_behind()
+        if cursor.key is not None:
+            head = self.store.head(TreeID(cursor.key[1]))
+            if head is None or head.created_at != cursor.key[0]:
+                raise cursor_invalid(after, "names no run of this store")
         return self._fold_page(member, relevant, limit, cursor.key)
 
     @staticmethod

@@ -304,6 +304,7 @@ def test_runs_are_listed_in_creation_order_page_by_page_with_filters(api: ApiSer
     problem(c.get("/runs", params={"limit": 501}), 422, "http.request_invalid")
     problem(c.get("/runs", params={"after": "zzz"}), 422, "http.cursor_invalid")
     problem(c.get("/runs", params={"after": "m" + "9" * 40}), 422, "http.cursor_invalid")  # beyond 64 bits
+    problem(c.get("/runs", params={"after": "m01"}), 422, "http.cursor_invalid")  # not how this API spells m1
     ok(c.post(f"/processes/{parked['root_process_id']}/cancel", json={"wait": 30}))
 
 

@@ -23,7 +23,7 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.host import Host
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.sources import default_sources
-from agentfold.domain.errors import InvalidInput
+from agentfold.domain.errors import InvalidInput, StoreFailure
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.test_cli import agentfold
 from tests.test_cli_interaction import LEFT_TO_HOST, approval
@@ -146,9 +146,17 @@ def test_cursors_are_checked_and_name_their_path(durable_store_url: str, tmp_pat
     start(c, waits(1))
     folded = ok(c.get("/pending-inputs", params={"limit": 1}))
     assert folded["next_after"].startswith("f")
+    created_at, tree_id = base64.urlsafe_b64decode(folded["next_after"][1:] + "==").decode().split("\n")
+
+    def forged(text: str) -> str:
+        return "f" + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    assert forged(f"{created_at}\n{tree_id}") == folded["next_after"]  # what a cursor holds
+    later = created_at[:-2] + ("1Z" if created_at[-2] != "1" else "2Z")
     for path in ("/pending-inputs", "/unknown-effects"):
-        for bad in ("zzz", "m12x", "m" + "9" * 40, "f!!", "f" + base64.urlsafe_b64encode(b"2026\nnot-a-tree").decode(),
-                    folded["next_after"] + "A"):
+        for bad in ("zzz", "m12x", "m01", "m" + "9" * 40, "f!!", forged("2026\nnot-a-tree"), folded["next_after"] + "A",
+                    forged(f"x\n{tree_id}"), forged(f"\n{tree_id}"), forged(f"{later}\n{tree_id}"),
+                    forged(f"{created_at}\ntree:" + "0" * 32)):
             body = problem(c.get(path, params={"after": bad}), 422, "http.cursor_invalid")
             assert "next_after" in body["hint"]
         problem(c.get(path, params={"limit": 0}), 422, "http.request_invalid")
@@ -203,6 +211,35 @@ def test_python_host_pages_like_the_http_api_and_a_folded_page_stops_after_its_b
         with pytest.raises(InvalidInput) as refused:
             host.unknown(after="m1")
         assert refused.value.code == "http.cursor_invalid"
+        with pytest.raises(InvalidInput) as refused:
+            host.pending(after=5)  # type: ignore[arg-type]
+        assert refused.value.code == "host.page_invalid"
     finally:
         runtime.close()
+        store.close()
+
+
+def test_a_tables_cursor_met_while_the_read_models_lag_far_behind_is_503_projection_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a review: this was a 504 http.timeout whose hint spoke of a write taking effect.
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    for i in range(3):
+        path = tmp_path / f"run-{i}.json"
+        path.write_text(json.dumps(waits(1)))
+        agentfold("run", str(path), "--start-id", f"run-{i}", "--json", store=url)
+        if i == 0:
+            assert agentfold("project", "--json", store=url).code == 0  # the tables hold run-0 only
+    store = EventStore(url)
+    try:
+        queries = queries_module.HostQueries(store, default_sources())
+        first = queries.pending_page(limit=1)
+        assert first.next_after is not None and first.next_after.startswith("m")
+        assert len(queries.pending_page(limit=1, after=first.next_after)) == 1  # two runs behind: folded
+        monkeypatch.setattr(queries_module, "OVERLAY_LIMIT", 1)
+        with pytest.raises(StoreFailure) as behind:
+            queries.pending_page(limit=1, after=first.next_after)
+        assert behind.value.code == "projection.behind" and "without after" in (behind.value.hint or "")
+        assert len(queries.pending_page(limit=5)) == 3  # listed again from the start: by folding
+    finally:
         store.close()
