@@ -289,13 +289,13 @@ class Follower:
         if not isinstance(started, TreeStarted):
             return None
         try:
-            self.catalog.load(started.program, started.configuration)
+            program = self.catalog.load(started.program, started.configuration)
         except NotFound:
             if tree_id not in self._unbound:
                 self._unbound.add(tree_id)
                 self.on_unbound(unbound_tree_line(str(tree_id), started.program.name))
             return None
-        return self.catalog.resolve
+        return self.catalog.bound(program)  # held by the folded tree in the cache, no longer
 
     # -- loops -----------------------------------------------------------------
 

@@ -640,10 +640,15 @@ class HostQueries:
                 return page
 
     def position(self) -> dict[str, Any]:
-        """The store's last notification id and the read models' tracking position."""
+        """The store's last notification id and the read models' tracking position.
+
+        The tables' position is read first: the follower commits while this runs, and read
+        the other way round it could come out ahead of the store (a soak audit saw a lag of
+        -12 under load); so ``store - read_models`` is never negative."""
         try:
+            models = self.read_models()
+            tables = models.position() if models is not None else None
             head = self.store.max_notification_id()
         except Exception as exc:
             raise read_failure(exc, "reading the notification log") from exc
-        models = self.read_models()
-        return {"store": head, "read_models": models.position() if models is not None else None}
+        return {"store": head, "read_models": tables}

@@ -57,6 +57,9 @@ _DDL = (
     "position BIGINT NOT NULL, unknown_count INTEGER NOT NULL, pending_count INTEGER NOT NULL, body TEXT NOT NULL)",
     f"CREATE INDEX IF NOT EXISTS {RUNS}_by_created ON {RUNS} (created_position)",
     f"CREATE INDEX IF NOT EXISTS {RUNS}_by_status ON {RUNS} (status, created_position)",
+    # GET /runs?classification=parked: without it a rare classification walked every run (a soak audit:
+    # 15 ms at 35k runs against 4 ms for a status, growing with the store).
+    f"CREATE INDEX IF NOT EXISTS {RUNS}_by_classification ON {RUNS} (classification, created_position)",
     f"CREATE TABLE IF NOT EXISTS {ROUNDS} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, process_id TEXT NOT NULL, "
     "model_call_sequence BIGINT NOT NULL, call_count INTEGER NOT NULL, entry_count INTEGER NOT NULL, "
     "complete BOOLEAN NOT NULL, digest TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",

@@ -542,7 +542,7 @@ class _Driver:
     def _reload(self) -> None:
         """Discard uncommitted state and fold the tree again from the store."""
         try:
-            loaded = self.runtime.store.load(self.tree_id, self.runtime._resolve)
+            loaded = self.runtime.store.load(self.tree_id, self.tree.programs or self.runtime._resolve)
         except AgentfoldError as exc:
             self._stop(exc)
             return
@@ -817,17 +817,17 @@ class Runtime:
         return self.catalog.resolve(ref)
 
     def _load(self, tree_id: TreeID) -> LoadedTree:
-        """Load a tree with its Programs bound (rebuilding a stored configuration if needed)."""
-        self._bind_programs(tree_id)
-        return self.store.load(tree_id, self._resolve)
+        """Load a tree with its Programs bound (rebuilding a stored configuration if needed);
+        the tree holds them for as long as it is held (``Catalog.bound``)."""
+        return self.store.load(tree_id, self.catalog.bound(self._bind_programs(tree_id)))
 
-    def _bind_programs(self, tree_id: TreeID) -> None:
+    def _bind_programs(self, tree_id: TreeID) -> Program:
         first = self.store.read(tree_id, upto=1)
         if not first:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
         started = first[0].event
         assert isinstance(started, TreeStarted)
-        self.catalog.load(started.program, started.configuration)
+        return self.catalog.load(started.program, started.configuration)
 
     # -- lookups -------------------------------------------------------------
 
@@ -888,9 +888,9 @@ class Runtime:
                 return None
         if not self._leases.acquire(tree_id):
             return None
-        tree = TreeState(self._resolve)
+        tree = TreeState(self.catalog.bound(self.catalog.load(started.program, started.configuration)))
         tree.apply(started)
-        driver = _Driver(self, tree_id, LoadedTree(TreeState(self._resolve), None), started.incarnation_id)
+        driver = _Driver(self, tree_id, LoadedTree(TreeState(tree.programs), None), started.incarnation_id)
         with driver.lock:
             driver.tree = tree
             driver.committed = 0
@@ -1354,7 +1354,7 @@ class Runtime:
         if driver is not None:
             with driver.lock:
                 if driver.stopped is None:  # else its tree may hold events no append acknowledged
-                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
+                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
         return self._load(tree_id).state
 
     def status(self, tree_id: TreeID) -> str:
@@ -1427,7 +1427,7 @@ class Runtime:
                     return self._load(tree_id).state
                 quiet = driver.idle and not driver.flights and not driver._scheduled
                 if quiet:
-                    return TreeState.from_json(driver.tree.to_json(), self._resolve)
+                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")

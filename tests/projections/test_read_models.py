@@ -606,3 +606,32 @@ def test_a_long_catch_up_says_how_far_it_is_on_stderr_and_stdout_keeps_the_repor
     monkeypatch.setattr(agentfold.adapters.cli, "PROGRESS_EVERY", 5.0)
     quiet = cli(capsys, "project", "--rebuild", "--json", "--store", durable_store_url, sources=chain_sources())
     assert quiet.code == 0 and quiet.stderr == ""  # a short catch-up says nothing more
+
+
+def test_runs_of_one_classification_are_read_through_an_index_that_older_tables_gain_on_open(tmp_path: Path) -> None:
+    # Found by a soak audit: GET /runs?classification=parked walked every run in creation
+    # order (15 ms at 35k runs, growing), as no index covered the classification.
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    store = EventStore(url)
+    try:
+        ReadModels(store)
+    finally:
+        store.close()
+    db = sqlite3.connect(tmp_path / "agentfold.db")
+    db.execute("DROP INDEX agentfold_rm_runs_by_classification")  # tables an earlier release wrote
+    db.commit()
+    db.close()
+    store = EventStore(url)
+    try:
+        models = ReadModels(store)  # a follower's open: creates what is missing
+        assert models.runs(classification="parked") == []
+    finally:
+        store.close()
+    db = sqlite3.connect(tmp_path / "agentfold.db")
+    plan = " ".join(str(row) for row in db.execute(
+        "EXPLAIN QUERY PLAN SELECT body, created_position FROM agentfold_rm_runs "
+        "WHERE created_position > 0 AND classification = 'parked' ORDER BY created_position LIMIT 100"))
+    db.close()
+    assert "agentfold_rm_runs_by_classification" in plan, plan

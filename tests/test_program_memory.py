@@ -1,0 +1,92 @@
+"""A long-lived runtime or follower keeps the Programs of the runs it holds, not of every run it
+ever started (found by a soak audit: ``agentfold serve`` grew by ~31 MB per 1,000 scenario runs
+and never gave it back, and Python's full collections froze it for up to 2.9 s).
+
+Each scenario document is its own Program (its digest covers the document); the catalog now
+keeps a Program it can rebuild from a run's stored configuration only while a held tree uses
+it (plus the few most recently used), and rebuilds it when a run needs it again.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+from agentfold.adapters.catalog import RECENT_PROGRAMS
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.follower import Follower
+from agentfold.adapters.host import Host
+from agentfold.adapters.read_models import ReadModels
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.scenario import scenario_input, scenario_program, validate_scenario
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.program import Program
+from tests.test_cli_interaction import approval
+
+RUNS = 3 * RECENT_PROGRAMS
+
+
+def hello(i: int) -> dict[str, Any]:
+    return {
+        "name": f"hello-{i}",
+        "input": {"messages": [{"role": "user", "content": f"Say hello to guest {i}."}]},
+        "model": {"responses": [{"finish_reason": "stop", "message": {"content": f"Hello, guest {i}."}}]},
+    }
+
+
+def start(runtime: Runtime, doc: dict[str, Any], start_id: str) -> Any:
+    doc = validate_scenario(doc)
+    return runtime.start(scenario_program(doc), scenario_input(doc), start_id=start_id, configuration=doc)
+
+
+def live_programs() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, Program))
+
+
+def test_a_runtime_holds_the_programs_of_its_live_runs_only_and_rebuilds_a_released_one(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    store = EventStore(url)
+    runtime = Runtime(store, default_sources().catalog())
+    try:
+        parked = start(runtime, approval(None), "parked")
+        runtime.wait_idle(parked.tree_id)
+        before = live_programs()
+        for i in range(RUNS):
+            assert start(runtime, hello(i), f"hello-{i}").result(timeout=30).status == "completed"
+        grown = live_programs() - before
+        # At most the recently used ones stay (each scenario here is one Program), not one per run.
+        assert grown <= RECENT_PROGRAMS, (grown, RUNS)
+        # The parked run's Programs were held by its tree all along: a human answer resumes it.
+        host = Host(runtime)
+        [wait] = host.pending()
+        host.answer(wait["process_id"], wait["wait_id"], {"approved": True})
+        assert runtime.result(parked.tree_id, timeout=30).status == "completed"
+        # A finished run's Program is rebuilt from its stored configuration when asked for again.
+        first = runtime.catalog.resolve(runtime.capture("hello-0").root.program)
+        assert first is not None and first.descriptor.name == "agentfold.scenario"
+    finally:
+        runtime.close()
+        store.close()
+
+
+def test_a_follower_holds_the_programs_of_the_trees_it_caches_only(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    store = EventStore(url)
+    runtime = Runtime(store, default_sources().catalog())
+    try:
+        for i in range(RUNS):
+            assert start(runtime, hello(i), f"hello-{i}").result(timeout=30).status == "completed"
+    finally:
+        runtime.close()
+    try:
+        before = live_programs()
+        follower = Follower(store, default_sources().catalog(), ReadModels(store), cache_trees=8)
+        follower.catch_up()
+        assert len(ReadModels(store).runs(limit=1000)) == RUNS  # every run projected, with its Program
+        grown = live_programs() - before
+        assert grown <= RECENT_PROGRAMS + 8, (grown, RUNS)
+        del follower
+    finally:
+        store.close()
