@@ -215,10 +215,10 @@ def programs_for(catalog: Catalog, first: TreeEvent | None) -> ProgramResolver |
     if not isinstance(first, TreeStarted):
         return None
     try:
-        catalog.load(first.program, first.configuration)
+        program = catalog.load(first.program, first.configuration)
     except AgentfoldError:  # not bound here, or its stored configuration no longer loads
         return None
-    return catalog.resolve
+    return catalog.bound(program)  # the fold holds its Programs however many trees follow
 
 
 Watcher = Callable[[TreeState, ProgramResolver | None, str | None], None]

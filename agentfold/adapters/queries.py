@@ -242,8 +242,8 @@ class HostQueries:
         started = first[0].event
         if isinstance(started, TreeStarted):
             try:
-                catalog.load(started.program, started.configuration)
-                return self.store.load(tree_id, catalog.resolve).state, catalog.resolve
+                programs = catalog.bound(catalog.load(started.program, started.configuration))
+                return self.store.load(tree_id, programs).state, programs
             except (NotFound, CorruptStream):
                 pass
         return self.store.load(tree_id).state, None
