@@ -234,6 +234,10 @@ class Follower:
             self._cache.pop(tree_id, None)
             folded = self._load(tree_id, first - 1, items, bind=False)
             self._apply(tree_id, folded, items)
+        if folded.state.terminal:
+            # A finished run rarely gets another event (a late resolution): one that does is
+            # folded again from the store. Its state and Programs need not be kept meanwhile.
+            self._cache.pop(tree_id, None)
         return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
 
     def _apply(self, tree_id: TreeID, folded: _Folded, items: Sequence[Notification]) -> None:
