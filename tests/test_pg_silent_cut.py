@@ -174,6 +174,11 @@ def read_heads_through_a_cut(url: str) -> float:
         want = [h.tree_id for h in store.heads()]
         pool = store.factory.datastore.pool
         pool.wait(30)  # every pooled connection open: all of them are cut
+        # ... and every one back in the pool (a connection being returned or opened is in no
+        # list below: the read once answered at once on such a connection, nobody had cut it).
+        deadline = time.monotonic() + 10
+        while (stats := pool.get_stats())["pool_available"] < stats["pool_size"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         # The server's list, and the pool's own idle connections (the server's view once missed
         # one under load: the read then answered at once on a connection nobody cut).
         ports = sorted(set(client_ports(url)) | {_local_port(conn) for conn in list(pool._pool)})
