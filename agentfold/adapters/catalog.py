@@ -138,10 +138,9 @@ class Catalog:
         """The Program for ``ref``, rebuilt from ``configuration`` by its loader if needed."""
         program = self.resolve(ref)
         if program is not None:
-            if ref.digest in self._recent:
-                with self._lock:
-                    if ref.digest in self._recent:
-                        self._recent.move_to_end(ref.digest)
+            with self._lock:
+                if ref.digest in self._recent:
+                    self._recent.move_to_end(ref.digest)
             return program
         loaders = self._loaders.get(ref.name)
         if loaders is None or configuration is None:

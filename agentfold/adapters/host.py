@@ -18,12 +18,12 @@ Python hosts use :class:`Host` (docs/python.md)::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.interaction import steer_signal
-from agentfold.adapters.queries import HostQueries
+from agentfold.adapters.queries import HostQueries, ListingPage
 from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.sources import ProgramSources
@@ -146,20 +146,22 @@ def checked_resolution(tree: TreeState, effect_id: EffectID, settlement: Settlem
     return process_id
 
 
-def _whole_run(limit: int | None, after: str | None) -> None:
-    if limit is not None or after is not None:
-        raise InvalidInput("host.page_invalid", "one run's listing is not paged: limit and after list every run",
-                           hint="drop tree to page through every run, or drop limit and after")
-
-
-def _page_limit(limit: int | None, after: str | None) -> int:
+def _entries(queries: HostQueries, listing: Callable[..., list[Entry]], page: Callable[..., ListingPage],
+             tree: str | None, limit: int | None, after: str | None) -> list[Entry]:
+    """One run's entries (``listing(tree)``), every run's (``listing()``), or a page of them."""
+    paged = limit is not None or after is not None
+    if tree is not None:
+        if paged:
+            raise InvalidInput("host.page_invalid", "one run's listing is not paged: limit and after list every run",
+                               hint="drop tree to page through every run, or drop limit and after")
+        return listing(queries.tree_of(tree))
+    if not paged:
+        return listing()
     if after is not None and not isinstance(after, str):
         raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {after!r}")
-    if limit is None:
-        return 100
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
-    return limit
+    return page(limit=100 if limit is None else limit, after=after)
 
 
 class Host:
@@ -194,21 +196,13 @@ class Host:
         or (``limit``) a page of all as ``GET /unknown-effects`` (a :class:`ListingPage`: page
         on with its ``next_after``)."""
         queries = self.queries()
-        if tree is not None:
-            _whole_run(limit, after)
-            return queries.unknown(queries.tree_of(tree))
-        return queries.unknown() if limit is None and after is None else queries.unknown_page(
-            limit=_page_limit(limit, after), after=after)
+        return _entries(queries, queries.unknown, queries.unknown_page, tree, limit, after)
 
     def pending(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
         """Tool calls waiting for a human's :meth:`answer`: of one run, of all, or (``limit``)
         a page of all as ``GET /pending-inputs`` (see :meth:`unknown`)."""
         queries = self.queries()
-        if tree is not None:
-            _whole_run(limit, after)
-            return queries.pending(queries.tree_of(tree))
-        return queries.pending() if limit is None and after is None else queries.pending_page(
-            limit=_page_limit(limit, after), after=after)
+        return _entries(queries, queries.pending, queries.pending_page, tree, limit, after)
 
     def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
         """Runs in creation order (``GET /runs``): ``status`` as the kernel names it

@@ -54,7 +54,14 @@ from agentfold.adapters.host import (
     unknown_effect_tree,
 )
 from agentfold.adapters.interaction import steer_signal
-from agentfold.adapters.queries import HostQueries, Listing, corrupt_tree_error, cursor_invalid, tables_behind
+from agentfold.adapters.queries import (
+    HostQueries,
+    Listing,
+    corrupt_tree_error,
+    cursor_invalid,
+    cursor_number,
+    tables_behind,
+)
 from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.scenario import (
@@ -769,10 +776,9 @@ def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str,
 def _parse_cursor(after: str | None) -> tuple[str | None, int]:
     if after is None or after == "":
         return None, 0
-    number = after[1:]
-    # a cursor fits a signed 64-bit integer, spelled as this API spells it
-    if after[0] in "mf" and number.isascii() and number.isdigit() and len(after) <= 19 and str(int(number)) == number:
-        return after[0], int(number)
+    number = cursor_number(after[1:])
+    if after[0] in "mf" and number is not None:
+        return after[0], number
     raise cursor_invalid(after)
 
 

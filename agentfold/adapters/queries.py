@@ -79,6 +79,14 @@ def cursor_invalid(after: object, why: str = "is not a cursor this API returned"
     return InvalidInput("http.cursor_invalid", f"after={after!r} {why}", hint=hint)
 
 
+def cursor_number(text: str) -> int | None:
+    """The number of an ``m``/``f`` cursor: a creation position or a count, which fits a
+    signed 64-bit integer, spelled as this API spells it (no sign, no leading zero)."""
+    if text.isascii() and text.isdigit() and len(text) <= 18 and str(int(text)) == text:
+        return int(text)
+    return None
+
+
 def tables_behind() -> StoreFailure:
     """An ``m`` cursor met read models too far behind the store to answer from (``OVERLAY_LIMIT``)."""
     return StoreFailure(
@@ -119,8 +127,8 @@ class PageCursor:
             raise cursor_invalid(after, "is not a cursor: cursors are strings")
         # A creation position fits a signed 64-bit integer, spelled as this API spells it.
         number = after[1:]
-        if after[0] == "m" and number.isascii() and number.isdigit() and len(after) <= 19 and str(int(number)) == number:
-            return cls("m", int(number))
+        if after[0] == "m" and (created := cursor_number(number)) is not None:
+            return cls("m", created)
         if after[0] == "f" and len(after) <= 200:
             try:
                 text = base64.urlsafe_b64decode(number + "=" * (-len(number) % 4)).decode("ascii")
