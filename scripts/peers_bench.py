@@ -884,7 +884,9 @@ def main(argv=None):
                     row = measure(sysm, be, R, a.bytes, pg_url, warm, runs)
                     print(f"{row['ms_per_round_median']:.4f} ms/round "
                           f"({time.monotonic() - t0:.1f}s)", flush=True)
-                except Skip as e:
+                except (Skip, ImportError) as e:  # a peer not installed here is skipped, not fatal
+                    if isinstance(e, ImportError):
+                        e = Skip(f"{e.name or e} is not installed in this environment")
                     row = {"system": sysm.name, "backend": be, "R": R, "skipped": str(e)}
                     skipped.append(f"{label}: {e}")
                     print(f"SKIPPED: {e}", flush=True)

@@ -73,12 +73,25 @@ class TreeHead:
     created_at: str = ""
     updated_at: str = ""
     new_processes: tuple[str, ...] = field(default=(), compare=False)
+    #: Only ``version``, ``head_digest`` and ``updated_at`` differ from the row the same writer
+    #: stored with its previous append (see ``Runtime``): the SQLite upsert then leaves the
+    #: other columns, so the partial indexes on them (``TREES_INDEXES``) are not rewritten.
+    progress_only: bool = field(default=False, compare=False)
 
     def with_digest(self, head_digest: str) -> TreeHead:
         """This row with its head digest (what ``dataclasses.replace`` does, a few times cheaper)."""
         return TreeHead(
             self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
             self.version, head_digest, self.unknown_effect_ids, self.created_at, self.updated_at, self.new_processes,
+            self.progress_only,
+        )
+
+    def as_progress_only(self) -> TreeHead:
+        """This row, marked ``progress_only``."""
+        return TreeHead(
+            self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
+            self.version, self.head_digest, self.unknown_effect_ids, self.created_at, self.updated_at,
+            self.new_processes, True,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -110,6 +123,26 @@ HEAD_COLUMNS = (
 )
 
 
+#: The tree index's secondary indexes, as (name, columns and condition). A listing reads its
+#: rows in creation order (``HeadFilter``); the live trees (which ``serve`` scans every few
+#: seconds for runs nobody owns) and the trees holding unknown Effects (a settlement by
+#: Effect id looks its tree up) are a small part of a store that keeps every finished run:
+#: each has a partial index, so those reads cost what they find, not the store's size.
+#: The conditions are written exactly as the queries write them (SQLite uses a partial
+#: index only for a query whose WHERE contains the index's condition).
+LIVE_CONDITION = "classification <> 'terminal'"
+UNKNOWN_CONDITION = "unknown_effect_ids <> '[]'"
+TREES_INDEXES = (
+    (f"{TREES_TABLE}_by_created", "(created_at, tree_id)"),
+    (f"{TREES_TABLE}_live", f"(created_at, tree_id) WHERE {LIVE_CONDITION}"),
+    (f"{TREES_TABLE}_unknown", f"(unknown_effect_ids, tree_id) WHERE {UNKNOWN_CONDITION}"),
+)
+
+
+def trees_index_statements(table: str) -> list[str]:
+    return [f"CREATE INDEX IF NOT EXISTS {name} ON {table} {spec}" for name, spec in TREES_INDEXES]
+
+
 def head_from_row(row: Any) -> TreeHead:
     return TreeHead(
         row["tree_id"], row["start_id"], row["root_process_id"], row["program"], row["status"],
@@ -137,7 +170,7 @@ class HeadFilter:
         """The SELECT of the rows, in creation order (``mark``: the driver's placeholder)."""
         conditions, params = [], []
         if self.live_only:
-            conditions.append("classification <> 'terminal'")
+            conditions.append(LIVE_CONDITION)
         if self.status is not None:
             conditions.append(f"status = {mark}")
             params.append(self.status)
@@ -411,6 +444,19 @@ def reconnect_steadily(datastore: Any) -> None:
 SQLITE_ROWS_PER_INSERT = 16
 
 
+_SQLITE_UPSERT = (
+    f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT(tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
+    "version=excluded.version, head_digest=excluded.head_digest, "
+    "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at"
+)
+_SQLITE_UPSERT_PROGRESS = (
+    f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT(tree_id) DO UPDATE SET version=excluded.version, head_digest=excluded.head_digest, "
+    "updated_at=excluded.updated_at"
+)
+
+
 class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
     def __init__(self, datastore: Any, events_table_name: str = EVENTS_TABLE) -> None:
         super().__init__(datastore, events_table_name)
@@ -427,19 +473,16 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         statements.append(
             f"CREATE TABLE IF NOT EXISTS {PROCESSES_TABLE} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL)"
         )
+        statements += trees_index_statements(TREES_TABLE)  # a store of an earlier release gets them too
         return statements
 
     def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
         ids = self._insert_rows(c, stored_events)
         head: TreeHead | None = kwargs.get("head")
         if head is not None:
-            c.execute(
-                f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT(tree_id) DO UPDATE SET status=excluded.status, classification=excluded.classification, "
-                "version=excluded.version, head_digest=excluded.head_digest, "
-                "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at",
-                head.row(),
-            )
+            # SQLite rewrites an index when the UPDATE sets a column it reads, whatever the value:
+            # setting only what moved keeps a steady-state append off the partial indexes.
+            c.execute(_SQLITE_UPSERT_PROGRESS if head.progress_only else _SQLITE_UPSERT, head.row())
             for pid in head.new_processes:
                 c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
         snapshot: StoredEvent | None = kwargs.get("snapshot")
@@ -516,7 +559,8 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         with self.datastore.transaction(commit=False) as c:
             c.execute(
-                f"SELECT tree_id FROM {TREES_TABLE} WHERE unknown_effect_ids LIKE ?", (f'%"{effect_id}"%',)
+                f"SELECT tree_id FROM {TREES_TABLE} WHERE {UNKNOWN_CONDITION} AND unknown_effect_ids LIKE ?",
+                (f'%"{effect_id}"%',),
             )
             row = c.fetchone()
         return str(row[0]) if row else None
@@ -659,6 +703,13 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # ("tuple concurrently updated"): serialize schema creation.
         curs.execute("SELECT pg_advisory_xact_lock(7406170100)")
         super()._create_table(curs)
+        # Only the missing ones: CREATE INDEX IF NOT EXISTS takes a SHARE lock on the table even
+        # when the index exists, and would queue every append behind it at each open.
+        for name, spec in TREES_INDEXES:
+            curs.execute("SELECT to_regclass(%s) AS i", (f'"{self._schema}".{name}',))
+            row = curs.fetchone()
+            if row is None or row["i"] is None:
+                curs.execute(f'CREATE INDEX IF NOT EXISTS {name} ON "{self._schema}".{TREES_TABLE} {spec}')
 
     @on_a_live_connection
     def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
@@ -721,7 +772,8 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
 
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         rows = self._select(
-            f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} WHERE unknown_effect_ids LIKE %s',
+            f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} '
+            f"WHERE {UNKNOWN_CONDITION} AND unknown_effect_ids LIKE %s",
             (f'%"{effect_id}"%',),
         )
         return str(rows[0]["tree_id"]) if rows else None

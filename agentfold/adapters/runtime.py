@@ -294,6 +294,9 @@ class _Driver:
         self.stopped: AgentfoldError | None = None
         self.idle = False
         self.last_snapshot = loaded.snapshot_version
+        # (status, classification, unknown Effects) of the index row this writer's last append
+        # stored; None until its first append (the stored row may come from another writer).
+        self.stored_head: tuple[str, str, tuple[str, ...]] | None = None
         # The root's Result, set only once an acknowledged append holds its termination:
         # the folded tree may be ahead of the store while an append is in flight or failed.
         self.final: Result | None = None
@@ -498,6 +501,11 @@ class _Driver:
         # A crash plan may cut this append short (``declared:N``): the folded tree is then ahead
         # of what is stored, so the index row carries the stored version, not the folded one.
         head = index_head(self.tree, self.tree_id, events, now, version=version)
+        head_state = (head.status, head.classification, head.unknown_effect_ids)
+        if head_state == self.stored_head:
+            # Nothing but the version moved since this writer's last append, which committed at
+            # ``expected`` (else this append conflicts): the row keeps its other columns.
+            head = head.as_progress_only()
         every = runtime.snapshot_every
         # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
         # the tree's size, so this keeps the amortized cost per event constant, while a load
@@ -522,6 +530,7 @@ class _Driver:
             crash.exit()
         self.digest = result.digest
         self.committed = version
+        self.stored_head = head_state
         if snapshot is not None:
             self.last_snapshot = version
         if result.snapshot_body is not None:
@@ -553,6 +562,7 @@ class _Driver:
         self.tree = loaded.state
         self.digest = loaded.digest
         self.committed = loaded.state.version
+        self.stored_head = None
 
     def _catch_up(self) -> None:
         """Fold events other writers appended after our committed version."""
@@ -565,6 +575,7 @@ class _Driver:
                 self.tree.apply(record.event, record.position)
                 self.digest = record.digest
                 self.committed = record.position
+                self.stored_head = None  # the index row is another writer's now
         except Exception:  # noqa: BLE001 - fall back to a full reload
             self._reload()
             return
