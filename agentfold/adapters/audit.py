@@ -95,34 +95,37 @@ class TreeCheck:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class VerifyReport:
-    checks: list[TreeCheck]
-    seconds: float
+    """What ``verify`` found: ``checks`` holds every tree's check in order, unless ``verify``
+    handed each to its ``on_check`` (then none is held: a store-wide run stays small)."""
+
+    checks: list[TreeCheck] = field(default_factory=list)
+    seconds: float = 0.0
+    trees: int = 0
+    events: int = 0
+    first_error: Finding | None = None
+    """The first problem of the first failing tree."""
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return self.first_error is None
 
-    @property
-    def events(self) -> int:
-        return sum(c.events for c in self.checks)
+    def add(self, check: TreeCheck) -> None:
+        self.trees += 1
+        self.events += check.events
+        if self.first_error is None and check.problems:
+            self.first_error = check.problems[0]
 
-    @property
-    def first_error(self) -> Finding | None:
-        for check in self.checks:
-            if check.problems:
-                return check.problems[0]
-        return None
-
-    def to_json(self) -> dict[str, JSON]:
+    def to_json(self, results: JSON | None = None) -> dict[str, JSON]:
+        """The report; ``results`` in place of the held checks' (see ``cli_audit``)."""
         first = self.first_error
         return {
             "ok": self.ok,
-            "trees": len(self.checks),
+            "trees": self.trees,
             "events": self.events,
             "first_error": first.to_json() if first is not None else None,
-            "results": [c.to_json() for c in self.checks],
+            "results": [c.to_json() for c in self.checks] if results is None else results,
             "seconds": round(self.seconds, 6),
         }
 
@@ -158,7 +161,7 @@ def tree_of(store: EventStore, ref: str) -> TreeID:
 
 def all_trees(store: EventStore) -> list[TreeID]:
     """Every tree of the store: the index's, then any that has events but no index row."""
-    trees = [TreeID(h.tree_id) for h in store.heads()]
+    trees = store.tree_ids()
     seen = set(trees)
     for tree_id in _event_trees(store):
         if tree_id not in seen:
@@ -493,11 +496,12 @@ def verify_tree(
 
 def verify(
     store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSources,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, on_check: Callable[[TreeCheck], None] | None = None,
 ) -> VerifyReport:
     """Verify each tree; the first problem of the first failing tree is the report's first error.
 
-    ``progress(trees, events)`` is called after each tree with the trees and events verified so far."""
+    ``progress(trees, events)`` is called after each tree with the trees and events verified so far.
+    With ``on_check``, each tree's check goes to it as soon as it is made, and the report holds none."""
     started = time.perf_counter()
     catalog = sources.catalog()
     read_models: ReadModels | None = None
@@ -505,14 +509,18 @@ def verify(
     if ReadModels.exist(store):
         read_models = ReadModels(store, create=False)
         current = read_models.is_current()
-    checks: list[TreeCheck] = []
-    events = 0
+    report = VerifyReport()
     for tree_id in tree_ids:
-        checks.append(verify_tree(store, tree_id, catalog, read_models, models_current=current)[0])
-        events += checks[-1].events
+        check = verify_tree(store, tree_id, catalog, read_models, models_current=current)[0]
+        report.add(check)
+        if on_check is None:
+            report.checks.append(check)
+        else:
+            on_check(check)
         if progress is not None:
-            progress(len(checks), events)
-    return VerifyReport(checks, time.perf_counter() - started)
+            progress(report.trees, report.events)
+    report.seconds = time.perf_counter() - started
+    return report
 
 
 # ---------------------------------------------------------------------------

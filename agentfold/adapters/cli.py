@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from eventsourcing.persistence import PersistenceError
 
@@ -105,6 +105,14 @@ class Outcome:
     problems: tuple[AgentfoldError, ...] = ()
     """Reported on stderr after the output, one line each (e.g. the trees a store-wide
     listing could not read: the output is what could be answered)."""
+    body: Callable[[TextIO], None] | None = None
+    """Writes the whole output (in the format asked for) in place of ``data``/``text``: a
+    report too large to hold in memory (``audit verify --all``)."""
+
+
+def json_text(data: JSON) -> str:
+    """``data`` as every command prints it under ``--json`` (one line, keys sorted)."""
+    return json.dumps(data, sort_keys=True, ensure_ascii=False, default=str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1142,8 +1150,10 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
 def print_outcome(outcome: Outcome, as_json: bool) -> int:
     """Print what a command answers (stdout; its problems on stderr); returns its exit status.
     Also for a command's report at the last resort (``agentfold.adapters.follower.exit_at_once``)."""
-    if as_json:
-        sys.stdout.write(json.dumps(outcome.data, sort_keys=True, ensure_ascii=False, default=str) + "\n")
+    if outcome.body is not None:
+        outcome.body(sys.stdout)
+    elif as_json:
+        sys.stdout.write(json_text(outcome.data) + "\n")
     else:
         sys.stdout.write(outcome.text + "\n")
     sys.stdout.flush()

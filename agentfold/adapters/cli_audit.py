@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from agentfold.adapters import audit
-from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError
+from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError, json_text
 from agentfold.adapters.eventstore import redact
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import InvalidInput
@@ -34,33 +36,64 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 # audit verify
 
 
+#: Bytes of per-tree results ``audit verify`` keeps in memory before it spools them to a
+#: temporary file (the report prints them after its summary, which only the end knows).
+SPOOL_BYTES = 8 << 20
+
+
 def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
     if bool(args.trees) == bool(args.all):
         raise _UsageError("cli.usage", "name the trees to verify, or pass --all (not both)",
                           f"see `{PROG} audit verify --help`")
-    store = ctx.open_store()
-    try:
-        tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
-        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)))
-    finally:
-        store.close()
-    data = report.to_json()
-    rate = report.events / report.seconds if report.seconds > 0 else 0.0
-    lines = [
-        f"verified {len(report.checks)} tree(s), {report.events} event(s) in {report.seconds:.2f} s "
-        f"({rate:,.0f} events/s): {'OK' if report.ok else 'FAILED'}"
-    ]
-    for check in report.checks:
+    as_json = bool(getattr(args, "json", False))
+    # Each tree's result is written out as it is made, not held: a store of a million runs.
+    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES, mode="w+", encoding="utf-8")
+    separator = ""
+
+    def keep(check: audit.TreeCheck) -> None:
+        nonlocal separator
+        if as_json:
+            spool.write(separator + json_text(check.to_json()))
+            separator = ", "
+            return
         notes = ["programs bound" if check.programs_bound else "kernel rules only (programs not bound)"]
         if check.read_model != "absent":
             notes.append(f"read models {check.read_model.replace('_', ' ')}")
         state = "ok" if check.ok else "FAILED"
-        lines.append(f"{check.tree_id}  {check.events} event(s)  {state}  ({'; '.join(notes)})")
+        spool.write(f"{check.tree_id}  {check.events} event(s)  {state}  ({'; '.join(notes)})\n")
         for problem in check.problems:
-            lines.append(f"  position {problem.position}: {problem.rule}: {problem.detail}")
-    if not report.checks:
-        lines = [f"no trees in {redact(ctx.store_url)}"]
-    return Outcome(data, "\n".join(lines), 0 if report.ok else 1)
+            spool.write(f"  position {problem.position}: {problem.rule}: {problem.detail}\n")
+
+    store = ctx.open_store()
+    try:
+        tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
+        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)), on_check=keep)
+    except BaseException:
+        spool.close()
+        raise
+    finally:
+        store.close()
+    status = 0 if report.ok else 1
+    rate = report.events / report.seconds if report.seconds > 0 else 0.0
+    summary = (f"verified {report.trees} tree(s), {report.events} event(s) in {report.seconds:.2f} s "
+               f"({rate:,.0f} events/s): {'OK' if report.ok else 'FAILED'}")
+    if not report.trees:
+        summary = f"no trees in {redact(ctx.store_url)}"
+    marker = uuid.uuid4().hex
+
+    def write(out: TextIO) -> None:
+        with spool:
+            spool.seek(0)
+            if as_json:
+                before, after = json_text(report.to_json(results=marker)).split(json_text(marker), 1)
+                out.write(before + "[")
+                shutil.copyfileobj(spool, out, 1 << 20)
+                out.write("]" + after + "\n")
+            else:
+                out.write(summary + "\n")
+                shutil.copyfileobj(spool, out, 1 << 20)
+
+    return Outcome(report.to_json(results=[]), summary, status, body=write)
 
 
 class _ProgressLine:

@@ -207,6 +207,10 @@ class IndexQueries:
     def select_head(self, tree_id: str) -> TreeHead | None:
         raise NotImplementedError
 
+    def select_tree_ids(self) -> list[str]:
+        """Every tree id of the index, in creation order (the rows' other columns unread)."""
+        raise NotImplementedError
+
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         raise NotImplementedError
 
@@ -538,6 +542,11 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return head_from_row(row) if row else None
 
+    def select_tree_ids(self) -> list[str]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT tree_id FROM {TREES_TABLE} ORDER BY created_at, tree_id")
+            return [str(r[0]) for r in c.fetchall()]
+
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         out: dict[str, int] = {}
         with self.datastore.transaction(commit=False) as c:
@@ -758,6 +767,10 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         rows = self._select(f'SELECT {HEAD_COLUMNS} FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = %s', (tree_id,))
         return head_from_row(rows[0]) if rows else None
 
+    def select_tree_ids(self) -> list[str]:
+        rows = self._select(f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} ORDER BY created_at, tree_id')
+        return [str(r["tree_id"]) for r in rows]
+
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         rows = self._select(
             f'SELECT tree_id, version FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)', (list(tree_ids),)
@@ -843,6 +856,9 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
     def select_head(self, tree_id: str) -> TreeHead | None:
         with self._index_lock:
             return self._heads.get(tree_id)
+
+    def select_tree_ids(self) -> list[str]:
+        return [h.tree_id for h in self.select_heads()]
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         with self._index_lock:
