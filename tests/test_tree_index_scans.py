@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.recorders import HeadFilter
+from agentfold.adapters.recorders import HeadFilter, StatementCachingSQLitePool
 from agentfold.adapters.runtime import Runtime, index_head
 from agentfold.domain.ids import TreeID
 from agentfold.domain.requests import EffectRequest, Settlement
-from tests.kernel_programs import chain_program
+from tests.kernel_programs import chain_program, parent_program
 
-INDEXES = ("agentfold_trees_by_created", "agentfold_trees_live", "agentfold_trees_unknown")
+INDEXES = ("agentfold_trees_by_created", "agentfold_trees_live", "agentfold_trees_with_unknown")
 
 
 def _row_matches_the_fold(store: EventStore, runtime: Runtime, tree_id: TreeID) -> dict[str, Any]:
@@ -88,14 +91,6 @@ def test_the_index_row_follows_every_change_of_a_run(store_url: str) -> None:
         store.close()
 
 
-def _plan_sqlite(path: Path, sql: str, params: list[Any]) -> str:
-    con = sqlite3.connect(path)
-    try:
-        return " ".join(str(r[-1]) for r in con.execute("EXPLAIN QUERY PLAN " + sql, params))
-    finally:
-        con.close()
-
-
 def _fill_finished_runs(store: EventStore, n: int) -> None:
     """``n`` finished runs, as rows of the index only (what a long-lived store holds)."""
     rows = [
@@ -113,52 +108,162 @@ def _fill_finished_runs(store: EventStore, n: int) -> None:
     else:
         with store.factory.datastore.get_connection() as conn, conn.cursor() as cur:
             cur.executemany(sql.replace("?", "%s"), rows)
+            # PostgreSQL plans with the table's statistics (autovacuum gathers them in production).
             cur.execute("ANALYZE agentfold_trees")
 
 
-def _live_and_unknown_sql(mark: str) -> tuple[tuple[str, list[Any]], str]:
-    live = HeadFilter(live_only=True).sql("agentfold_trees", mark)
-    unknown = f"SELECT tree_id FROM agentfold_trees WHERE unknown_effect_ids <> '[]' AND unknown_effect_ids LIKE {mark}"
-    return live, unknown
+#: What each store-wide read is asked, and the index that must answer it.
+READS: list[tuple[str, Callable[[EventStore], object], str]] = [
+    ("live", lambda store: store.heads(live_only=True), "agentfold_trees_live"),
+    ("parked", lambda store: store.heads(only=HeadFilter(classification="parked")), "agentfold_trees_live"),
+    ("unknown", lambda store: store.tree_of_unknown_effect("effect:x"), "agentfold_trees_with_unknown"),
+    ("latest", lambda store: store.heads(only=HeadFilter(last=10)), "agentfold_trees_by_created"),
+    ("page", lambda store: store.heads(only=HeadFilter(limit=10, after=("2026", "tree:"))), "agentfold_trees_by_created"),
+]
 
 
-def test_sqlite_reads_live_runs_unknown_effects_and_pages_from_indexes(tmp_path: Path) -> None:
+def _statements_sqlite(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement the store's SQLite connections run, with its parameters filled in."""
+    statements: list[str] = []
+    create = StatementCachingSQLitePool._create_connection
+
+    def traced(pool: StatementCachingSQLitePool) -> Any:
+        connection = create(pool)
+        connection._sqlite_conn.set_trace_callback(statements.append)
+        return connection
+
+    monkeypatch.setattr(StatementCachingSQLitePool, "_create_connection", traced)
+    return statements
+
+
+@pytest.mark.parametrize("name,read,index", READS, ids=[r[0] for r in READS])
+def test_sqlite_reads_live_runs_unknown_effects_and_pages_from_indexes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, read: Callable[[EventStore], object], index: str
+) -> None:
     path = tmp_path / "agentfold.db"
+    statements = _statements_sqlite(monkeypatch)
     store = EventStore(f"sqlite:///{path}")
     try:
         _fill_finished_runs(store, 2000)
-        (live_sql, live_params), unknown_sql = _live_and_unknown_sql("?")
-        live = _plan_sqlite(path, live_sql, live_params)
-        assert "agentfold_trees_live" in live and "TEMP B-TREE" not in live, live
-        unknown = _plan_sqlite(path, unknown_sql, ['%"effect:x"%'])
-        assert "agentfold_trees_unknown" in unknown, unknown
-        page_sql, page_params = HeadFilter(limit=10, after=("2026", "tree:")).sql("agentfold_trees", "?")
-        page = _plan_sqlite(path, page_sql, page_params)
-        assert "agentfold_trees_by_created" in page and "TEMP B-TREE" not in page, page
-        latest_sql, latest_params = HeadFilter(last=10).sql("agentfold_trees", "?")
-        latest = _plan_sqlite(path, latest_sql, latest_params)
-        assert "agentfold_trees_by_created" in latest, latest
-        # The lookups still answer: none of the 2,000 finished runs is live or holds an unknown Effect.
-        assert store.heads(live_only=True) == []
-        assert store.tree_of_unknown_effect("effect:x") is None
-        assert len(store.heads(only=HeadFilter(last=10))) == 10
+        statements.clear()
+        answer = read(store)  # none of the 2,000 finished runs is live or holds an unknown Effect
+        assert answer in ([], None) or len(answer) == 10  # type: ignore[arg-type]
+        (query,) = [q for q in statements if q.lstrip().upper().startswith("SELECT")]
     finally:
         store.close()
+    con = sqlite3.connect(path)
+    try:
+        plan = " ".join(str(r[-1]) for r in con.execute("EXPLAIN QUERY PLAN " + query))
+    finally:
+        con.close()
+    # No sort of the table's rows (``last`` sorts its N rows again, oldest first: "SCAN newest").
+    assert index in plan and "TEMP B-TREE" not in plan.split("SCAN newest")[0], (query, plan)
 
 
-def test_postgresql_reads_live_runs_and_unknown_effects_from_partial_indexes(pg_database: str) -> None:
-    url = pg_database
-    store = EventStore(url)
+@pytest.mark.parametrize("name,read,index", READS[:3], ids=[r[0] for r in READS[:3]])
+def test_postgresql_reads_live_runs_and_unknown_effects_from_partial_indexes(
+    pg_database: str, name: str, read: Callable[[EventStore], object], index: str
+) -> None:
+    store = EventStore(pg_database)
+    asked: list[tuple[str, tuple[Any, ...]]] = []
+    select = store.recorder._select
+
+    def recorded(sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        asked.append((sql, params))
+        return select(sql, params)
+
+    store.recorder._select = recorded  # type: ignore[method-assign]
     try:
         _fill_finished_runs(store, 5000)
-        (live_sql, live_params), unknown_sql = _live_and_unknown_sql("%s")
-        with psycopg.connect(url, autocommit=True) as conn:
-            live = " ".join(r[0] for r in conn.execute("EXPLAIN " + live_sql, live_params))
-            unknown = " ".join(r[0] for r in conn.execute("EXPLAIN " + unknown_sql, ['%"effect:x"%']))
-        assert "agentfold_trees_live" in live and "Seq Scan" not in live, live
-        assert "agentfold_trees_unknown" in unknown and "Seq Scan" not in unknown, unknown
-        assert store.heads(live_only=True) == []
-        assert store.tree_of_unknown_effect("effect:x") is None
+        assert read(store) in ([], None)
+        ((query, params),) = asked
+    finally:
+        store.close()
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        plan = " ".join(r[0] for r in conn.execute("EXPLAIN " + query, params))
+    assert index in plan and "Seq Scan" not in plan, (query, plan)
+
+
+def test_postgresql_open_of_a_store_with_its_indexes_waits_for_no_writer(pg_database: str) -> None:
+    """Opening a store must not queue behind (and ahead of) appends: CREATE INDEX IF NOT EXISTS
+    takes a SHARE lock even when the index exists, so the open only checks that they do."""
+    EventStore(pg_database).close()
+    with psycopg.connect(pg_database) as writer:  # a transaction that writes to the index, held open
+        writer.execute("LOCK TABLE agentfold_trees IN ROW EXCLUSIVE MODE")
+        opened = threading.Event()
+
+        def open_store() -> None:
+            EventStore(pg_database).close()
+            opened.set()
+
+        thread = threading.Thread(target=open_store, daemon=True)
+        thread.start()
+        try:
+            assert opened.wait(20), "the open waited for a writer's transaction on agentfold_trees"
+        finally:
+            writer.rollback()
+            thread.join(20)
+
+
+def test_postgresql_builds_an_earlier_release_s_missing_indexes_without_holding_up_appends(pg_database: str) -> None:
+    """An earlier release's table gets its indexes CONCURRENTLY, after the open's transaction. A
+    plain build waits for the appends in flight and, meanwhile, every new append queues behind it
+    (every tree's: they lock the events table first); with CONCURRENTLY new appends go on."""
+    store = EventStore(pg_database)
+    try:
+        _fill_finished_runs(store, 3000)
+        _drop_indexes(store)
+    finally:
+        store.close()
+    done = threading.Event()
+    with psycopg.connect(pg_database) as in_flight, psycopg.connect(pg_database, autocommit=True) as later:
+        in_flight.execute("UPDATE agentfold_trees SET updated_at = updated_at WHERE tree_id = %s", (f"tree:{1:032x}",))
+        thread = threading.Thread(target=lambda: (EventStore(pg_database).close(), done.set()), daemon=True)
+        thread.start()
+        try:
+            _wait_for(lambda: _waiting_builds(later) > 0)  # the open is building, behind the append in flight
+            later.execute("SET lock_timeout = '2s'")
+            later.execute("UPDATE agentfold_trees SET updated_at = updated_at WHERE tree_id = %s", (f"tree:{2:032x}",))
+            assert not done.is_set()
+        finally:
+            in_flight.rollback()
+            thread.join(30)
+    assert done.is_set()
+    reopened = EventStore(pg_database)
+    try:
+        assert _indexes(reopened) == set(INDEXES)
+        with reopened.factory.datastore.get_connection() as conn:
+            valid = conn.execute(
+                "SELECT count(*) AS n FROM pg_index WHERE indisvalid AND indexrelid = ANY(%s::regclass[])",
+                (list(INDEXES),),
+            ).fetchone()
+        assert valid is not None and valid["n"] == len(INDEXES)
+    finally:
+        reopened.close()
+
+
+def _waiting_builds(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'CREATE INDEX%%' AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_tree_with_a_hundred_unknown_effects_appends_and_is_found(store_url: str) -> None:
+    """The unknown Effects' index is keyed by tree id: a long list of unknown ids (PostgreSQL
+    refuses an index entry over 2,704 bytes) never stops a tree's appends."""
+    child = chain_program(lambda request, context: Settlement.unknown(), name="test.index_unknown_child")
+    middle = parent_program(child, count=10, name="test.index_unknown_middle")
+    root = parent_program(middle, count=10, name="test.index_unknown_root")
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([root, middle, child])) as runtime:
+            handle = runtime.start(root, {"child": {"child": {"n": 1}}}, start_id="many-unknown")
+            runtime.wait_idle(handle.tree_id, timeout=120)
+            stored = _row_matches_the_fold(store, runtime, handle.tree_id)
+        assert stored["classification"] == "parked" and len(stored["unknown_effect_ids"]) == 100
+        for effect_id in stored["unknown_effect_ids"][::33]:
+            assert store.tree_of_unknown_effect(effect_id) == handle.tree_id
     finally:
         store.close()
 
@@ -198,3 +303,66 @@ def _indexes(store: EventStore) -> set[str]:
     with store.factory.datastore.get_connection() as conn:
         rows = conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'agentfold_trees'").fetchall()
     return {str(r["indexname"]) for r in rows} & set(INDEXES)
+
+
+def test_the_row_follows_a_change_another_runtime_made(durable_store_url: str) -> None:
+    """Runtime B pauses A's run (A catches the event up); A resumes it, back to the row state
+    A itself last stored: A's append must set every column again, not only the version."""
+    gate = threading.Event()
+
+    def call(request: EffectRequest, context: DispatchContext) -> Settlement:
+        if request.payload["index"] == 1:
+            gate.wait(30)
+        return Settlement.succeeded({"value": 1})
+
+    program = chain_program(call, name="test.index_remote")
+    mine, theirs = EventStore(durable_store_url), EventStore(durable_store_url)
+    try:
+        with Runtime(mine, Catalog([program]), poll_interval=0.02) as a, \
+                Runtime(theirs, Catalog([program]), adopt_on_admit=False, poll_interval=0) as b:
+            handle = a.start(program, {"n": 4}, start_id="remote")
+            tree_id = handle.tree_id
+            root = a.capture(tree_id).root.process_id
+            _wait_for(lambda: (mine.head(tree_id) or handle).version >= 8)  # type: ignore[union-attr]
+            assert _row_matches_the_fold(mine, a, tree_id)["classification"] == "progress"
+            assert b.pause(root)
+            _wait_for(lambda: a.capture(tree_id).root.status == "paused")  # A caught B's event up
+            assert _row_matches_the_fold(mine, a, tree_id)["status"] == "paused"
+            assert a.resume(root)
+            resumed = _row_matches_the_fold(mine, a, tree_id)
+            assert (resumed["status"], resumed["classification"]) == ("running", "progress")
+            gate.set()
+            assert handle.result(timeout=30).status == "completed"
+            assert _row_matches_the_fold(mine, a, tree_id)["classification"] == "terminal"
+    finally:
+        gate.set()
+        mine.close()
+        theirs.close()
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_steady_state_append_sets_only_the_version_digest_and_time_on_sqlite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What keeps the partial indexes off an Effect's critical path: SQLite rewrites an index
+    whenever an UPDATE sets a column it reads, whatever the value."""
+    statements = _statements_sqlite(monkeypatch)
+    program = chain_program(name="test.index_narrow")
+    store = EventStore(f"sqlite:///{tmp_path / 'agentfold.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            result = runtime.start(program, {"n": 20}, start_id="narrow").result(timeout=60)
+            assert result.status == "completed"
+    finally:
+        store.close()
+    upserts = [q for q in statements if q.startswith("INSERT INTO agentfold_trees")]
+    narrow = [q for q in upserts if "classification=excluded.classification" not in q]
+    assert len(upserts) == 21  # the start, then one append per Effect
+    assert upserts[0] not in narrow and upserts[-1] not in narrow  # created; completed (terminal)
+    assert len(narrow) >= 18 and all("SET version=excluded.version, head_digest" in q for q in narrow)

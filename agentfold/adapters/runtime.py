@@ -294,9 +294,9 @@ class _Driver:
         self.stopped: AgentfoldError | None = None
         self.idle = False
         self.last_snapshot = loaded.snapshot_version
-        # (status, classification, unknown Effects) of the index row this writer's last append
-        # stored; None until its first append (the stored row may come from another writer).
-        self.stored_head: tuple[str, str, tuple[str, ...]] | None = None
+        # ``TreeHead.row_state`` of the index row this writer's last append stored; None until
+        # its first append, and after another writer's (the stored row is then theirs).
+        self.stored_row_state: tuple[str, str, tuple[str, ...]] | None = None
         # The root's Result, set only once an acknowledged append holds its termination:
         # the folded tree may be ahead of the store while an append is in flight or failed.
         self.final: Result | None = None
@@ -500,12 +500,9 @@ class _Driver:
         now = runtime.clock()  # one reading: the events' timestamp and the index row's updated_at
         # A crash plan may cut this append short (``declared:N``): the folded tree is then ahead
         # of what is stored, so the index row carries the stored version, not the folded one.
-        head = index_head(self.tree, self.tree_id, events, now, version=version)
-        head_state = (head.status, head.classification, head.unknown_effect_ids)
-        if head_state == self.stored_head:
-            # Nothing but the version moved since this writer's last append, which committed at
-            # ``expected`` (else this append conflicts): the row keeps its other columns.
-            head = head.as_progress_only()
+        # ``stored``: this writer's last append committed at ``expected`` (else this one conflicts),
+        # so when only the version moved since, the row keeps its other columns.
+        head = index_head(self.tree, self.tree_id, events, now, version=version, stored=self.stored_row_state)
         every = runtime.snapshot_every
         # The interval grows with the tree (1/8 of its length): a snapshot costs in proportion to
         # the tree's size, so this keeps the amortized cost per event constant, while a load
@@ -530,7 +527,7 @@ class _Driver:
             crash.exit()
         self.digest = result.digest
         self.committed = version
-        self.stored_head = head_state
+        self.stored_row_state = head.row_state
         if snapshot is not None:
             self.last_snapshot = version
         if result.snapshot_body is not None:
@@ -562,7 +559,7 @@ class _Driver:
         self.tree = loaded.state
         self.digest = loaded.digest
         self.committed = loaded.state.version
-        self.stored_head = None
+        self.stored_row_state = None
 
     def _catch_up(self) -> None:
         """Fold events other writers appended after our committed version."""
@@ -575,7 +572,7 @@ class _Driver:
                 self.tree.apply(record.event, record.position)
                 self.digest = record.digest
                 self.committed = record.position
-                self.stored_head = None  # the index row is another writer's now
+                self.stored_row_state = None  # the index row is another writer's now
         except Exception:  # noqa: BLE001 - fall back to a full reload
             self._reload()
             return
@@ -1846,25 +1843,29 @@ class Runtime:
 
 
 def index_head(
-    tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str, *, version: int | None = None
+    tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str, *, version: int | None = None,
+    stored: tuple[str, str, tuple[str, ...]] | None = None,
 ) -> TreeHead:
     """The ``agentfold_trees`` row after ``events`` (the store fills in the head digest);
-    ``version`` when the stored version differs from the folded one."""
+    ``version`` when the stored version differs from the folded one; ``progress_only`` when
+    its ``row_state`` is ``stored``, the state the row holds now."""
     root = tree.root
     assert tree.start_id is not None
+    status, classification, unknown = root.status, tree.classification(), tuple(sorted(tree.unknown_ids))
     return TreeHead(
         tree_id=tree_id,
         start_id=tree.start_id,
         root_process_id=root.process_id,
         program=root.program.name,
-        status=root.status,
-        classification=tree.classification(),
+        status=status,
+        classification=classification,
         version=tree.version if version is None else version,
         head_digest="",
-        unknown_effect_ids=tuple(sorted(tree.unknown_ids)),
+        unknown_effect_ids=unknown,
         created_at=now,
         updated_at=now,
         new_processes=tuple(e.process_id for e in events if isinstance(e, (ProcessStarted, TreeStarted))),
+        progress_only=stored == (status, classification, unknown),
     )
 
 
