@@ -1101,6 +1101,11 @@ class EventStore:
     def head(self, tree_id: TreeID) -> TreeHead | None:
         return self.index.select_head(tree_id)
 
+    def count_live(self) -> tuple[dict[str, int], int]:
+        """The live trees per classification (``progress``, ``parked``), and the trees holding
+        unknown Effects: what the index says, counted in the database."""
+        return self.index.count_live()
+
     def tree_ids(self) -> list[TreeID]:
         """Every tree id of the index, in creation order (``heads()`` without the rows: a
         store-wide job over a million runs needs only their ids)."""

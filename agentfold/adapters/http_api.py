@@ -44,7 +44,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentfold.adapters.cli import tree_summary
-from agentfold.adapters.eventstore import EventStore, seconds_setting, sqlite_damage
+from agentfold.adapters.eventstore import EventStore, read_failure, seconds_setting, sqlite_damage
 from agentfold.adapters.follower import Follower, one_line
 from agentfold.adapters.host import (
     answer_signal,
@@ -54,6 +54,8 @@ from agentfold.adapters.host import (
     unknown_effect_tree,
 )
 from agentfold.adapters.interaction import steer_signal
+from agentfold.adapters.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from agentfold.adapters.metrics import Family, render
 from agentfold.adapters.queries import (
     HostQueries,
     Listing,
@@ -483,7 +485,7 @@ class ApiService:
     side_effect_dir: pathlib.Path | None = None
     queries: HostQueries = field(init=False)
     folding: HostQueries = field(init=False)
-    _probe: Future[Any] | None = field(init=False, default=None)
+    _probes: dict[str, Future[Any]] = field(init=False, default_factory=dict)
     _probe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -543,7 +545,7 @@ class ApiService:
                 hint="the server reconnects by itself; check that PostgreSQL is reachable",
             )
         self.store.check_file()  # an SQLite file removed or replaced under the server
-        positions = self._probe_store()  # reads the store: a store that is down answers 503
+        positions = self._bounded("positions", self.queries.position)  # a store that is down answers 503
         stalled = self.runtime.stalled_trees()
         if stalled:
             raise StoreFailure(
@@ -562,21 +564,71 @@ class ApiService:
             "orphans_adopted": self.runtime.orphans_adopted,
         }
 
-    def _probe_store(self) -> dict[str, Any]:
-        """The store's positions, or 503 within ``HEALTH_PROBE_SECONDS`` whatever the store does.
+    def metrics(self) -> str:
+        """GET /metrics: this server's counters and the store's gauges, in Prometheus' text format."""
+        positions, (live, with_unknown) = self._bounded("metrics", self._store_gauges)
+        runtime = self.runtime
+        settled = runtime.calls_settled.snapshot()
+        families = [
+            Family("agentfold_runs_live", "gauge", "Runs of the store that are not terminal, by classification.",
+                   [({"classification": c}, float(live.get(c, 0))) for c in ("progress", "parked")]),
+            Family("agentfold_runs_with_unknown_effects", "gauge",
+                   "Runs of the store holding an unknown Effect (a host must resolve it).", [({}, float(with_unknown))]),
+            Family("agentfold_store_position", "gauge", "Notification id of the store's last event.",
+                   [({}, float(positions["store"]))]),
+        ]
+        if positions["read_models"] is not None:
+            families += [
+                Family("agentfold_read_models_position", "gauge", "Notification id the read models reflect.",
+                       [({}, float(positions["read_models"]))]),
+                Family("agentfold_read_models_lag", "gauge", "Events of the store the read models do not reflect yet.",
+                       [({}, float(positions["store"] - positions["read_models"]))]),
+            ]
+        families += [
+            Family("agentfold_runs_owned", "gauge", "Runs this server drives now.", [({}, float(runtime.owned_count()))]),
+            Family("agentfold_runs_stalled", "gauge", "Runs this server stopped driving on a failed append.",
+                   [({}, float(len(runtime.stalled_trees())))]),
+            Family("agentfold_calls_running", "gauge", "Dispatcher calls (tools, models) in flight in this server.",
+                   [({}, float(runtime.dispatches_running()))]),
+            Family("agentfold_leases_healthy", "gauge", "1 when this server's owner leases work, else 0.",
+                   [({}, 1.0 if runtime.leases_healthy() else 0.0)]),
+            Family("agentfold_calls_settled_total", "counter",
+                   "Dispatcher calls this server made, by outcome (unknown: a host must resolve it).",
+                   [({"outcome": o}, float(settled.get(o, 0))) for o in ("succeeded", "failed", "unknown")]),
+            Family("agentfold_appends_total", "counter", "Appends this server committed.",
+                   [({}, float(runtime.appends))]),
+            Family("agentfold_events_appended_total", "counter", "Events this server appended.",
+                   [({}, float(runtime.events_appended))]),
+            Family("agentfold_orphans_adopted_total", "counter", "Runs nobody owned that this server adopted.",
+                   [({}, float(runtime.orphans_adopted))]),
+            Family("agentfold_append_seconds", "histogram",
+                   "Time of an append (events, index row, any snapshot: one transaction) in this server.",
+                   histogram=runtime.append_seconds),
+        ]
+        return render(families)
+
+    def _store_gauges(self) -> tuple[dict[str, Any], tuple[dict[str, int], int]]:
+        positions = self.queries.position()
+        try:
+            return positions, self.store.count_live()
+        except Exception as exc:
+            raise read_failure(exc, "counting the live runs") from exc
+
+    def _bounded(self, name: str, read: Callable[[], Any]) -> Any:
+        """What ``read`` reads from the store, or 503 within ``HEALTH_PROBE_SECONDS`` whatever the
+        store does (GET /health's positions, GET /metrics' counts).
 
         A read waits up to 30 s for a pooled PostgreSQL connection while the server is down,
-        and a liveness probe must not hang that long. One read at a time: while one is still
-        waiting, later probes wait for it (at most the same bound), none piles up behind it.
+        and a probe must not hang that long. One read of each ``name`` at a time: while one is
+        still waiting, later probes wait for it (at most the same bound), none piles up behind it.
         """
         with self._probe_lock:
-            probe = self._probe
+            probe = self._probes.get(name)
             if probe is None or probe.done():
-                probe = self._probe = Future()
-                threading.Thread(target=_run_into, args=(probe, self.queries.position), daemon=True,
-                                 name="agentfold-health").start()
+                probe = self._probes[name] = Future()
+                threading.Thread(target=_run_into, args=(probe, read), daemon=True, name=f"agentfold-{name}").start()
         try:
-            return probe.result(timeout=HEALTH_PROBE_SECONDS)  # type: ignore[no-any-return]
+            return probe.result(timeout=HEALTH_PROBE_SECONDS)
         except FutureTimeout:
             raise StoreFailure(
                 "store.unavailable", f"the store did not answer within {HEALTH_PROBE_SECONDS:g} s",
@@ -1063,6 +1115,12 @@ def create_app(service: ApiService | None = None) -> FastAPI:
              responses={200: {"description": "the OpenAPI document", "content": {"application/json": {}}}})
     def openapi(service: Service, request: Request) -> Response:
         return json_response(request.app.openapi())
+
+    @api.get("/metrics", tags=["health"], summary="counters and gauges for Prometheus (text format 0.0.4)",
+             responses={200: {"description": "the metrics", "content": {METRICS_CONTENT_TYPE: {}}},
+                        503: _problems()[503]})
+    def metrics(service: Service) -> Response:
+        return Response(service.metrics(), media_type=METRICS_CONTENT_TYPE)
 
     # -- reads ---------------------------------------------------------------
 

@@ -138,6 +138,12 @@ TREES_INDEXES = (
 )
 
 
+_COUNT_LIVE = (
+    f"SELECT classification, count(*) AS n FROM {TREES_TABLE} WHERE {LIVE_CONDITION} GROUP BY classification"
+)
+_COUNT_WITH_UNKNOWN = f"SELECT count(*) AS n FROM {TREES_TABLE} WHERE {UNKNOWN_CONDITION}"
+
+
 def trees_index_statements(table: str, *, concurrently: bool = False) -> list[tuple[str, str]]:
     """(index name, its CREATE INDEX statement) for each of ``TREES_INDEXES``."""
     how = "CONCURRENTLY " if concurrently else ""
@@ -210,6 +216,11 @@ class IndexQueries:
 
     def select_tree_ids(self) -> list[str]:
         """Every tree id of the index, in creation order (the rows' other columns unread)."""
+        raise NotImplementedError
+
+    def count_live(self) -> tuple[dict[str, int], int]:
+        """The live trees per classification, and the trees holding unknown Effects (both read
+        from their partial indexes: they cost what they count)."""
         raise NotImplementedError
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
@@ -548,6 +559,14 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             c.execute(f"SELECT tree_id FROM {TREES_TABLE} ORDER BY created_at, tree_id")
             return [str(r[0]) for r in c.fetchall()]
 
+    def count_live(self) -> tuple[dict[str, int], int]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(_COUNT_LIVE)
+            live = {str(r[0]): int(r[1]) for r in c.fetchall()}
+            c.execute(_COUNT_WITH_UNKNOWN)
+            row = c.fetchone()
+        return live, int(row[0]) if row else 0
+
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         out: dict[str, int] = {}
         with self.datastore.transaction(commit=False) as c:
@@ -807,6 +826,12 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         rows = self._select(f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} ORDER BY created_at, tree_id')
         return [str(r["tree_id"]) for r in rows]
 
+    def count_live(self) -> tuple[dict[str, int], int]:
+        table = f'"{self._schema}".{TREES_TABLE}'
+        live = {str(r["classification"]): int(r["n"]) for r in self._select(_COUNT_LIVE.replace(TREES_TABLE, table))}
+        rows = self._select(_COUNT_WITH_UNKNOWN.replace(TREES_TABLE, table))
+        return live, int(rows[0]["n"]) if rows else 0
+
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         rows = self._select(
             f'SELECT tree_id, version FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)', (list(tree_ids),)
@@ -895,6 +920,15 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
 
     def select_tree_ids(self) -> list[str]:
         return [h.tree_id for h in self.select_heads()]
+
+    def count_live(self) -> tuple[dict[str, int], int]:
+        with self._index_lock:
+            heads = list(self._heads.values())
+        live: dict[str, int] = {}
+        for head in heads:
+            if head.classification != "terminal":
+                live[head.classification] = live.get(head.classification, 0) + 1
+        return live, sum(1 for head in heads if head.unknown_effect_ids)
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         with self._index_lock:

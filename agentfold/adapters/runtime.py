@@ -35,6 +35,7 @@ from eventsourcing.persistence import PersistenceError
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext
 from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
+from agentfold.adapters.metrics import APPEND_BUCKETS, Counter, Histogram
 from agentfold.adapters.recorders import TreeHead
 from agentfold.domain.budget import Budget
 from agentfold.domain.canonical import JSON, digest_of, normalize
@@ -520,9 +521,11 @@ class _Driver:
         # the store: on SQLite a background snapshot write held up the next appends, ~20% of a
         # chain's p99 per-effect time), unless it is large (EventStore.INLINE_SNAPSHOT_BYTES):
         # then its JSON comes back and is deflated and written off the owner line.
+        began = time.perf_counter()
         result = runtime.store.append(
             self.tree_id, expected, events, previous_digest=self.digest, timestamp=now, head=head, snapshot=snapshot
         )
+        runtime.append_seconds.observe(time.perf_counter() - began)
         if crash is not None and exit_after:
             crash.exit()
         self.digest = result.digest
@@ -658,6 +661,7 @@ class _Driver:
         finally:
             with runtime._calls_lock:
                 runtime._calls_running -= 1
+        runtime.calls_settled.add(done.status.value)
         crash = runtime.crash
         if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
             crash.exit()
@@ -774,6 +778,10 @@ class Runtime:
         self.recover_failures: dict[TreeID, AgentfoldError] = {}
         self.appends = 0
         self.events_appended = 0
+        # What GET /metrics reports (agentfold.adapters.metrics): the commit time of every
+        # append, and the outcome of every dispatcher call, since this runtime started.
+        self.append_seconds = Histogram(APPEND_BUCKETS)
+        self.calls_settled = Counter()
         self._dispatch_pool = ThreadPoolExecutor(
             dispatch_workers, thread_name_prefix="agentfold-dispatch", initializer=quiet_stop_signals
         )
@@ -1769,6 +1777,11 @@ class Runtime:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
+
+    def owned_count(self) -> int:
+        """How many trees this runtime drives now."""
+        with self._lock:
+            return len(self._drivers)
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

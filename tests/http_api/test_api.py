@@ -54,7 +54,7 @@ POEM = {
 TREE_SUMMARY_KEYS = {"tree_id", "start_id", "root_process_id", "program", "status", "classification", "version",
                      "unknown_effect_ids"}
 OPERATIONS = {
-    ("get", "/health"), ("get", "/openapi.json"), ("get", "/runs"), ("post", "/runs"), ("get", "/runs/{tree}"),
+    ("get", "/health"), ("get", "/openapi.json"), ("get", "/metrics"), ("get", "/runs"), ("post", "/runs"), ("get", "/runs/{tree}"),
     ("get", "/runs/{tree}/results"), ("get", "/runs/{tree}/pending-inputs"), ("get", "/runs/{tree}/unknown-effects"),
     ("get", "/processes/{process_id}/delegates"), ("get", "/pending-inputs"), ("get", "/unknown-effects"),
     ("post", "/processes/{process_id}/waits/{wait_id}/answer"), ("post", "/processes/{process_id}/steer"),

@@ -83,6 +83,7 @@ def test_a_run_stopped_by_a_failed_append_is_reported_by_health_and_adopted_agai
         assert problem["code"] == "store.append_failed", problem
         assert "1 run(s) stopped on a failed append" in problem["detail"]
         assert ok(c.get(f"/runs/{tree_id}"))["classification"] == "progress"
+        assert "\nagentfold_runs_stalled 1\n" in c.get("/metrics").text  # what an alert watches
 
         refuse_appends(pg_database, False)
         # Nobody runs `recover`: the server adopts the run again by itself, and the call whose
@@ -92,6 +93,8 @@ def test_a_run_stopped_by_a_failed_append_is_reported_by_health_and_adopted_agai
             (tree_id, "tool", "engine.dispatch.interrupted")]
         assert wait_until(lambda: health(server).status_code == 200, timeout=30)
         assert ok(c.get(f"/runs/{tree_id}"))["classification"] == "parked"
+        scraped = c.get("/metrics").text
+        assert "\nagentfold_runs_stalled 0\n" in scraped and "\nagentfold_runs_with_unknown_effects 1\n" in scraped
         time.sleep(1.0)
         assert calls == [1]  # the tool ran once
     finally:
@@ -112,6 +115,10 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_down(
             assert answer.status_code == 503, answer.text
             assert answer.json()["code"] == "store.unavailable", answer.text
             assert took < HEALTH_PROBE_SECONDS + 3, took
+        began = time.monotonic()
+        scrape = httpx.get(server.url + "/metrics", timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert scrape.status_code == 503 and scrape.json()["code"] == "store.unavailable", scrape.text
+        assert time.monotonic() - began < HEALTH_PROBE_SECONDS + 3
         own_pg.start()
         assert wait_until(lambda: health(server).status_code == 200, timeout=90)
         assert json.loads(health(server).text)["status"] == "ok"
