@@ -242,6 +242,33 @@ def test_postgresql_builds_an_earlier_release_s_missing_indexes_without_holding_
         reopened.close()
 
 
+def test_postgresql_builds_again_an_index_an_interrupted_build_left_invalid(pg_database: str) -> None:
+    store = EventStore(pg_database)
+    try:
+        _fill_finished_runs(store, 50)  # the same program on every row: a unique index on it fails
+        _drop_indexes(store)
+    finally:
+        store.close()
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute("CREATE UNIQUE INDEX CONCURRENTLY agentfold_trees_live ON agentfold_trees (program)")
+        invalid = conn.execute(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = 'agentfold_trees_live'::regclass").fetchone()
+        assert invalid == (False,)  # what a build that failed or was cancelled leaves behind
+    reopened = EventStore(pg_database)
+    try:
+        assert reopened.heads(live_only=True) == []
+        with reopened.factory.datastore.get_connection() as conn:
+            rows = conn.execute(
+                "SELECT indexrelid::regclass::text AS name, indisvalid, pg_get_indexdef(indexrelid) AS definition "
+                "FROM pg_index WHERE indrelid = 'agentfold_trees'::regclass").fetchall()
+    finally:
+        reopened.close()
+    live = [r for r in rows if r["name"] == "agentfold_trees_live"]
+    assert len(live) == 1 and live[0]["indisvalid"] and "WHERE (classification <> 'terminal'" in live[0]["definition"]
+    assert {r["name"] for r in rows if r["indisvalid"]} >= set(INDEXES)
+
+
 def _waiting_builds(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'CREATE INDEX%%' AND wait_event_type = 'Lock'"

@@ -748,7 +748,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # build holds every tree's appends (they lock the events table first) while it reads
         # the whole index (0.9 s at 1,000,000 rows, measured).
         for name, statement in trees_index_statements(f'"{self._schema}".{TREES_TABLE}', concurrently=not new_table):
-            if self._index_valid(curs, name) is None:
+            if not self._index_valid(curs, name):  # missing, or left invalid by an interrupted build
                 if new_table:
                     curs.execute(statement)
                 else:
