@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentfold.adapters.cli import tree_summary
 from agentfold.adapters.eventstore import EventStore, read_failure, seconds_setting, sqlite_damage
+from agentfold.adapters.feed import publisher_positions
 from agentfold.adapters.follower import Follower, one_line
 from agentfold.adapters.host import (
     answer_signal,
@@ -566,7 +567,7 @@ class ApiService:
 
     def metrics(self) -> str:
         """GET /metrics: this server's counters and the store's gauges, in Prometheus' text format."""
-        positions, (live, with_unknown) = self._bounded("metrics", self._store_gauges)
+        positions, (live, with_unknown), feeds = self._bounded("metrics", self._store_gauges)
         runtime = self.runtime
         settled = runtime.calls_settled.snapshot()
         families = [
@@ -583,6 +584,13 @@ class ApiService:
                        [({}, float(positions["read_models"]))]),
                 Family("agentfold_read_models_lag", "gauge", "Events of the store the read models do not reflect yet.",
                        [({}, float(positions["store"] - positions["read_models"]))]),
+            ]
+        if feeds:
+            families += [
+                Family("agentfold_feed_position", "gauge", "Notification id a Kafka publisher has published, by topic.",
+                       [({"topic": t}, float(p)) for t, p in sorted(feeds.items())]),
+                Family("agentfold_feed_lag", "gauge", "Events of the store a Kafka publisher has not published yet.",
+                       [({"topic": t}, float(max(0, positions["store"] - p))) for t, p in sorted(feeds.items())]),
             ]
         families += [
             Family("agentfold_runs_owned", "gauge", "Runs this server drives now.", [({}, float(runtime.owned_count()))]),
@@ -607,10 +615,10 @@ class ApiService:
         ]
         return render(families)
 
-    def _store_gauges(self) -> tuple[dict[str, Any], tuple[dict[str, int], int]]:
+    def _store_gauges(self) -> tuple[dict[str, Any], tuple[dict[str, int], int], dict[str, int]]:
         positions = self.queries.position()
         try:
-            return positions, self.store.count_live()
+            return positions, self.store.count_live(), publisher_positions(self.store)
         except Exception as exc:
             raise read_failure(exc, "counting the live runs") from exc
 

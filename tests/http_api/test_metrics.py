@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from tests.http_api.support import ApiServer, ok, problem, start_server
+from tests.test_cli import agentfold
 from tests.test_cli_interaction import LEFT_TO_HOST, approval
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
@@ -114,3 +115,30 @@ def ok_text(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     return response.text
+
+
+def test_metrics_say_how_far_each_kafka_publisher_is(
+    durable_store_url: str, tmp_path: Path, servers: list[ApiServer], kafka_bootstrap: str
+) -> None:
+    server = start_server(durable_store_url, tmp_path)
+    servers.append(server)
+    c = server.client()
+    _, none = parse(ok_text(c.get("/metrics")))
+    assert not any(name.startswith("agentfold_feed") for name, _ in none)  # no publisher has run yet
+
+    done = approval(None)
+    done["model"]["responses"] = done["model"]["responses"][1:]
+    start(c, done)
+    topic = f"metrics-{uuid.uuid4().hex[:8]}"
+    published = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json",
+                          store=durable_store_url)
+    assert published.code == 0, published.stderr
+    position = published.json()["position"]
+    _, caught_up = parse(ok_text(c.get("/metrics")))
+    assert caught_up[("agentfold_feed_position", (("topic", topic),))] == position
+    assert caught_up[("agentfold_feed_lag", (("topic", topic),))] == caught_up[("agentfold_store_position", ())] - position
+
+    start(c, done)  # more events, not published yet
+    _, behind = parse(ok_text(c.get("/metrics")))
+    assert behind[("agentfold_feed_position", (("topic", topic),))] == position
+    assert behind[("agentfold_feed_lag", (("topic", topic),))] == behind[("agentfold_store_position", ())] - position > 0
