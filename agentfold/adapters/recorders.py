@@ -141,7 +141,8 @@ TREES_INDEXES = (
 _COUNT_LIVE = (
     f"SELECT classification, count(*) AS n FROM {TREES_TABLE} WHERE {LIVE_CONDITION} GROUP BY classification"
 )
-_COUNT_WITH_UNKNOWN = f"SELECT count(*) AS n FROM {TREES_TABLE} WHERE {UNKNOWN_CONDITION}"
+# A finished run keeps its unknown Effects' ids as evidence, but nobody can resolve them any more.
+_COUNT_WITH_UNKNOWN = f"SELECT count(*) AS n FROM {TREES_TABLE} WHERE {UNKNOWN_CONDITION} AND {LIVE_CONDITION}"
 
 
 def trees_index_statements(table: str, *, concurrently: bool = False) -> list[tuple[str, str]]:
@@ -219,8 +220,8 @@ class IndexQueries:
         raise NotImplementedError
 
     def count_live(self) -> tuple[dict[str, int], int]:
-        """The live trees per classification, and the trees holding unknown Effects (both read
-        from their partial indexes: they cost what they count)."""
+        """The live trees per classification, and the live trees holding unknown Effects (both
+        read from their partial indexes: they cost what they count)."""
         raise NotImplementedError
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
@@ -928,7 +929,7 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
         for head in heads:
             if head.classification != "terminal":
                 live[head.classification] = live.get(head.classification, 0) + 1
-        return live, sum(1 for head in heads if head.unknown_effect_ids)
+        return live, sum(1 for head in heads if head.unknown_effect_ids and head.classification != "terminal")
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
         with self._index_lock:

@@ -774,6 +774,7 @@ class Runtime:
         # Seconds between scans for live trees nobody owns (a dead peer's runs); 0 = never.
         self.adopt_orphans_every = adopt_orphans_every
         self.orphans_adopted = 0
+        self.recovered = 0  # trees ``recover`` adopted (``serve --recover`` at startup, `agentfold recover`)
         # The live trees the last store-wide ``recover()`` could not take, with why.
         self.recover_failures: dict[TreeID, AgentfoldError] = {}
         self.appends = 0
@@ -1092,6 +1093,7 @@ class Runtime:
                         hint="that runtime drives it; send input instead, or stop it first",
                     )
                 continue
+            self.recovered += 1
             handles.append(RunHandle(self, tree_id, driver.tree.root.process_id, driver.tree.start_id))  # type: ignore[arg-type]
         return handles
 

@@ -20,7 +20,7 @@ import httpx
 
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.test_cli import agentfold
-from tests.test_cli_interaction import LEFT_TO_HOST, approval
+from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, approval, two_call_round, write
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
 
@@ -142,3 +142,34 @@ def test_metrics_say_how_far_each_kafka_publisher_is(
     _, behind = parse(ok_text(c.get("/metrics")))
     assert behind[("agentfold_feed_position", (("topic", topic),))] == position
     assert behind[("agentfold_feed_lag", (("topic", topic),))] == behind[("agentfold_store_position", ())] - position > 0
+
+
+def test_a_crashed_run_taken_over_at_startup_and_a_canceled_one_are_counted_as_they_are(
+    tmp_path: Path, servers: list[ApiServer]
+) -> None:
+    """A process dies after committing a tool call's permission (a real os._exit): the server
+    started with --recover takes the run over (agentfold_runs_recovered_total) and the call is
+    unknown (a host must act). A canceled run keeps its unknown Effect as evidence, which
+    nobody can resolve any more: the gauge stops counting it, as GET /unknown-effects does."""
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    scenario = write(tmp_path, two_call_round(tmp_path / "side-effects.jsonl", final=FINAL))
+    died = agentfold("run", str(scenario), "--start-id", "crashed", "--crash-after", "dispatched:2", "--json",
+                     store=store)
+    assert died.code == 75, died.stderr
+    server = start_server(store, tmp_path, "--recover")
+    servers.append(server)
+    c = server.client()
+    _, after_start = parse(ok_text(c.get("/metrics")))
+    assert after_start[("agentfold_runs_recovered_total", ())] == 1
+    assert after_start[("agentfold_orphans_adopted_total", ())] == 0
+    assert after_start[("agentfold_runs_with_unknown_effects", ())] == 1
+    assert len(ok(c.get("/unknown-effects"))["unknown_effects"]) == 1
+
+    run = ok(c.get("/runs/crashed"))
+    ok(c.post(f"/processes/{run['root_process_id']}/cancel", json={"wait": 30}))
+    assert ok(c.get("/runs/crashed"))["classification"] == "terminal"
+    assert ok(c.get("/unknown-effects", params={"min_position": ok(c.get("/health"))["positions"]["store"]}))[
+        "unknown_effects"] == []
+    _, after_cancel = parse(ok_text(c.get("/metrics")))
+    assert after_cancel[("agentfold_runs_with_unknown_effects", ())] == 0
+    assert after_cancel[("agentfold_runs_live", (("classification", "parked"),))] == 0
