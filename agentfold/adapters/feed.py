@@ -48,7 +48,7 @@ from eventsourcing.persistence import IntegrityError, Notification, Tracking
 
 from agentfold.adapters.codec import TOPIC_PREFIX, stored_json
 from agentfold.adapters.eventstore import CorruptStream, EventStore
-from agentfold.adapters.read_models import TRACKING_TABLE, tracking_recorder
+from agentfold.adapters.read_models import TRACKING_TABLE, table_exists, tracking_recorder
 from agentfold.domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from agentfold.domain.events import EVENT_TYPES
 from agentfold.domain.ids import TreeID
@@ -225,14 +225,7 @@ def publisher_positions(store: EventStore) -> dict[str, int]:
     sql = (f"SELECT application_name AS a, max(notification_id) AS n FROM {TRACKING_TABLE} "
            "WHERE application_name LIKE {mark} GROUP BY application_name")
     with store.factory.datastore.transaction(commit=False) as c:
-        if store.backend == "sqlite":
-            c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (TRACKING_TABLE,))
-            exists = c.fetchone() is not None
-        else:
-            c.execute("SELECT to_regclass(%s) AS t", (TRACKING_TABLE,))
-            row = c.fetchone()
-            exists = row is not None and row["t"] is not None
-        if not exists:
+        if not table_exists(c, store.backend, TRACKING_TABLE):
             return {}
         c.execute(sql.replace("{mark}", "?" if store.backend == "sqlite" else "%s"), (APPLICATION_PREFIX + "%",))
         return {str(r["a"])[len(APPLICATION_PREFIX):]: int(r["n"]) for r in c.fetchall()}

@@ -153,6 +153,16 @@ class _SQLiteTracking(SQLiteTrackingRecorder):
         return [s.replace("EXISTS tracking", f"EXISTS {TRACKING_TABLE}") for s in super().construct_create_table_statements()]
 
 
+def table_exists(cursor: Any, backend: str, name: str) -> bool:
+    """Whether table ``name`` exists in an SQLite or PostgreSQL store (``cursor``: in a transaction)."""
+    if backend == "sqlite":
+        cursor.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
+        return cursor.fetchone() is not None
+    cursor.execute("SELECT to_regclass(%s) AS t", (name,))
+    row = cursor.fetchone()
+    return row is not None and row["t"] is not None
+
+
 def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     """eventsourcing's tracking recorder on ``agentfold_tracking`` in a SQLite or PostgreSQL store
     (one row per follower: the read models, each Kafka publisher), its table created unless not ``create``."""
@@ -226,12 +236,7 @@ class ReadModels:
             return False
         datastore = store.factory.datastore
         with datastore.transaction(commit=False) as c:
-            if store.backend == "sqlite":
-                c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (RUNS,))
-                return c.fetchone() is not None
-            c.execute("SELECT to_regclass(%s) AS t", (RUNS,))
-            row = c.fetchone()
-            return row is not None and row["t"] is not None
+            return table_exists(c, store.backend, RUNS)
 
     # -- position ------------------------------------------------------------
 
@@ -543,13 +548,7 @@ class ReadModels:
         if self._has_corrupt_table:
             return True
         with self.datastore.transaction(commit=False) as c:
-            if self.backend == "sqlite":
-                c.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?", (CORRUPT,))
-                found = c.fetchone() is not None
-            else:
-                c.execute("SELECT to_regclass(%s) AS t", (CORRUPT,))
-                row = c.fetchone()
-                found = row is not None and row["t"] is not None
+            found = table_exists(c, self.backend, CORRUPT)
         self._has_corrupt_table = found
         return found
 
