@@ -155,6 +155,8 @@ def test_a_host_replays_an_unknown_same_identity_effect_under_its_id_and_only_a_
         assert settlement.payload == {"value": 7}
         result = handle.result(timeout=20)
         assert result.status == "completed" and result.output == {"total": 7, "effects": 1}, result
+        # GET /metrics counts every call: the first and the uncertain replay unknown, the last one succeeded.
+        assert runtime.calls_settled.snapshot() == {"unknown": 2, "succeeded": 1}
     assert [eid for eid, _ in seen] == [unknown.effect_id] * 3  # one Effect id for every call
     assert len({attempt for _, attempt in seen}) == 3  # a new attempt id each time
     (resolved,) = [r.event for r in store.read(handle.tree_id) if isinstance(r.event, EffectResolved)]

@@ -222,12 +222,13 @@ def publisher_positions(store: EventStore) -> dict[str, int]:
     ``publish``; a memory store has none). Reads only: nothing is created."""
     if store.backend not in ("sqlite", "postgresql"):
         return {}
+    mark = "?" if store.backend == "sqlite" else "%s"
     sql = (f"SELECT application_name AS a, max(notification_id) AS n FROM {TRACKING_TABLE} "
-           "WHERE application_name LIKE {mark} GROUP BY application_name")
+           f"WHERE application_name LIKE {mark} GROUP BY application_name")
     with store.factory.datastore.transaction(commit=False) as c:
         if not table_exists(c, store.backend, TRACKING_TABLE):
             return {}
-        c.execute(sql.replace("{mark}", "?" if store.backend == "sqlite" else "%s"), (APPLICATION_PREFIX + "%",))
+        c.execute(sql, (APPLICATION_PREFIX + "%",))
         return {str(r["a"])[len(APPLICATION_PREFIX):]: int(r["n"]) for r in c.fetchall()}
 
 

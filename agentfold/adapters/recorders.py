@@ -138,11 +138,13 @@ TREES_INDEXES = (
 )
 
 
-_COUNT_LIVE = (
-    f"SELECT classification, count(*) AS n FROM {TREES_TABLE} WHERE {LIVE_CONDITION} GROUP BY classification"
-)
-# A finished run keeps its unknown Effects' ids as evidence, but nobody can resolve them any more.
-_COUNT_WITH_UNKNOWN = f"SELECT count(*) AS n FROM {TREES_TABLE} WHERE {UNKNOWN_CONDITION} AND {LIVE_CONDITION}"
+def count_live_statements(table: str) -> tuple[str, str]:
+    """The live trees per classification, and the live trees holding unknown Effects (a
+    finished run keeps its unknown Effects' ids as evidence, but nobody can resolve them)."""
+    return (
+        f"SELECT classification, count(*) AS n FROM {table} WHERE {LIVE_CONDITION} GROUP BY classification",
+        f"SELECT count(*) AS n FROM {table} WHERE {UNKNOWN_CONDITION} AND {LIVE_CONDITION}",
+    )
 
 
 def trees_index_statements(table: str, *, concurrently: bool = False) -> list[tuple[str, str]]:
@@ -561,10 +563,11 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             return [str(r[0]) for r in c.fetchall()]
 
     def count_live(self) -> tuple[dict[str, int], int]:
+        by_classification, with_unknown = count_live_statements(TREES_TABLE)
         with self.datastore.transaction(commit=False) as c:
-            c.execute(_COUNT_LIVE)
+            c.execute(by_classification)
             live = {str(r[0]): int(r[1]) for r in c.fetchall()}
-            c.execute(_COUNT_WITH_UNKNOWN)
+            c.execute(with_unknown)
             row = c.fetchone()
         return live, int(row[0]) if row else 0
 
@@ -828,9 +831,9 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         return [str(r["tree_id"]) for r in rows]
 
     def count_live(self) -> tuple[dict[str, int], int]:
-        table = f'"{self._schema}".{TREES_TABLE}'
-        live = {str(r["classification"]): int(r["n"]) for r in self._select(_COUNT_LIVE.replace(TREES_TABLE, table))}
-        rows = self._select(_COUNT_WITH_UNKNOWN.replace(TREES_TABLE, table))
+        by_classification, with_unknown = count_live_statements(f'"{self._schema}".{TREES_TABLE}')
+        live = {str(r["classification"]): int(r["n"]) for r in self._select(by_classification)}
+        rows = self._select(with_unknown)
         return live, int(rows[0]["n"]) if rows else 0
 
     def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:

@@ -1347,6 +1347,7 @@ class Runtime:
             done = _settled(dispatch, dispatcher.dispatch(request, DispatchContext()))
         except Exception as exc:  # noqa: BLE001
             done = _unknown(dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+        self.calls_settled.add(done.status.value)  # a replay is a call too (GET /metrics)
         if not done.status.definite:
             raise Rejected(
                 "engine.effect.outcome_unknown",
