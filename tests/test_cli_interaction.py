@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -425,6 +426,12 @@ def test_an_input_wait_is_pending_refuses_invalid_answers_and_completes_on_one_v
     assert output["model_calls"] == 2
     # The tool ran once to ask and once, resumed, to finish with the answer.
     assert logged_calls(log) == ["call_ok", "call_ok"]
+    # The log tells the two apart: the resume says so and runs under a new Effect (a replay
+    # of one Effect would repeat its id).
+    ask, resume = (json.loads(line) for line in log.read_text().splitlines())
+    assert (ask["resumed"], resume["resumed"]) == (False, True)
+    assert ask["effect_id"] != resume["effect_id"]
+    assert all(re.fullmatch(r"effect:[0-9a-f]{64}", e["effect_id"]) for e in (ask, resume))
     after = store_version(store, tree_id)
 
     # A second answer to the same wait under a new signal id is refused ...

@@ -388,7 +388,10 @@ def load_scenario_file(path: str | Path) -> dict[str, Any]:
 
 
 class SideEffectLog:
-    """Every real tool execution appends one JSON line ``{"tool", "call_id", "arguments"}``."""
+    """Every real tool execution appends one JSON line ``{"tool", "call_id", "arguments",
+    "effect_id", "resumed"}``: the Effect it runs under (the same again only on a replay of
+    that Effect) and whether it resumes after a human answer (an approval tool's ask and its
+    resume are two executions of one call, under two Effects)."""
 
     _locks: dict[str, threading.Lock] = {}
 
@@ -396,8 +399,9 @@ class SideEffectLog:
         self.path = path
         self._lock = SideEffectLog._locks.setdefault(path, threading.Lock())
 
-    def record(self, tool: str, call_id: str, arguments: str) -> None:
-        line = json.dumps({"tool": tool, "call_id": call_id, "arguments": arguments}, sort_keys=True) + "\n"
+    def record(self, tool: str, call_id: str, arguments: str, effect_id: str, resumed: bool) -> None:
+        entry = {"tool": tool, "call_id": call_id, "arguments": arguments, "effect_id": effect_id, "resumed": resumed}
+        line = json.dumps(entry, sort_keys=True) + "\n"
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
@@ -450,7 +454,10 @@ class ScenarioTool:
 
     def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
         if self.log is not None:
-            self.log.record(self.name, invocation.call.id, invocation.call.arguments)
+            self.log.record(
+                self.name, invocation.call.id, invocation.call.arguments, str(invocation.effect_id),
+                invocation.continuation is not None,
+            )
         return self._run(self.spec["result"], invocation, arguments)
 
     def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
