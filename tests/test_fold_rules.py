@@ -1573,6 +1573,49 @@ def test_control_owner_parent_controls_come_only_from_the_parent_cancel_child_ef
     assert_corrupt(replace(events, index, bad) if index == 9 else insert(events, index, bad), bad, "control.owner")
 
 
+def ending_with_a_call_in_flight(intent: str = "kill") -> list[TreeEvent]:
+    """The root started a child, then a call; a host asks the root to end while the call is in flight."""
+    return [
+        *with_child()[:4],  # the child is running
+        step(2, consumed=1, effects=1),  # 5: the root consumes the start and calls out
+        declared(2),  # 6
+        dispatched(2),  # 7
+        control(intent),  # 8: the root cannot end yet
+    ]
+
+
+@pytest.mark.parametrize(
+    ("intent", "kind"), [("kill", "cancel"), ("cancel", "cancel"), ("deadline", "deadline")]
+)
+def test_a_parent_that_has_to_end_records_its_end_on_its_live_children_at_once(intent: str, kind: str) -> None:
+    # spec §2.6 "terminal intent stops the subtree": the child stops before the root's call settles.
+    events = [*ending_with_a_call_in_flight(intent), control(kind, "parent ending", owner="parent", pid=CHILD)]
+    tree = fold_tree(events)
+    assert tree.processes[CHILD].terminal_intent == kind
+    assert tree.processes[CHILD].intents[kind] == ("parent", "parent ending")
+    status = "timed_out" if kind == "deadline" else "canceled"
+    cause = "parent_deadline" if kind == "deadline" else "parent_cancellation"
+    ended = fold_tree([*events, terminated(status, cause, pid=CHILD)])
+    assert ended.processes[CHILD].status == status
+    stepped = step(1, pid=CHILD)
+    assert_corrupt([*events, stepped], stepped, "step.terminal_intent")
+
+
+@pytest.mark.parametrize(("intent", "bad_kind"), [("kill", "deadline"), ("deadline", "cancel"), ("kill", "kill")])
+def test_control_owner_a_child_records_only_the_end_its_ending_parent_gives_it(intent: str, bad_kind: str) -> None:
+    bad = control(bad_kind, "parent ending", owner="parent", pid=CHILD)
+    assert_corrupt([*ending_with_a_call_in_flight(intent), bad], bad, "control.owner")
+
+
+def test_a_stream_stored_before_subtrees_stopped_at_once_still_folds() -> None:
+    # Releases before 2026-12-01 let the child go on until the root itself ended: their
+    # streams stay valid (the fold derives nothing early).
+    events = [*ending_with_a_call_in_flight("kill"), step(1, pid=CHILD), settled(2), terminated("killed", "engine_kill")]
+    tree = fold_tree(events)
+    assert tree.processes[CHILD].committed_steps == 1
+    assert tree.processes[CHILD].terminal_intent == "cancel"  # derived when the root ended
+
+
 # ---------------------------------------------------------------------------
 # Controls
 

@@ -98,6 +98,7 @@ from agentfold.domain.tree import (
     ProcessState,
     TreeState,
     intent_cause,
+    stop_intent,
 )
 
 
@@ -237,7 +238,9 @@ class Kernel:
         intent = process.terminal_intent
         if intent is not None:
             if process.in_flight():
-                return False
+                # It ends once its calls settle; its subtree stops now (spec §2.6): no child
+                # takes another Step or starts another call meanwhile.
+                return self._stop_children(progress, process, intent)
             owner, reason = process.intents[intent]
             cause = intent_cause(intent, owner)
             self._terminate(progress, process, cause, reason or f"{intent} requested by {owner}", None)
@@ -295,6 +298,21 @@ class Kernel:
                 unresolved_effect_ids=unresolved,
             ),
         )
+
+    def _stop_children(self, progress: Progress, process: ProcessState, intent: str) -> bool:
+        """Record on each live child the intent ``process``'s end will give it (its own
+        children follow when ``advance`` reaches it); True when one was recorded."""
+        kind = stop_intent(intent)
+        moved = False
+        for cid in process.children:
+            child = self.tree.processes[cid]
+            if not child.terminal and kind not in child.intents:
+                reason = f"parent {process.process_id} is ending ({intent} requested)"
+                self._emit(
+                    progress, ControlRequested.model_construct(process_id=cid, control=kind, reason=reason, owner="parent")
+                )
+                moved = True
+        return moved
 
     def _fail(self, progress: Progress, process: ProcessState, failure: Failure) -> None:
         self._terminate(progress, process, FAILURE_CAUSE[failure.kind], failure.message, failure)

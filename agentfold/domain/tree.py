@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agentfold.domain.budget import Allocation, Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, value_at
@@ -90,6 +90,13 @@ CAUSE_STATUS = {
     "external_failure": "failed",
     "panic": "failed",
 }
+
+def stop_intent(ending: str) -> Literal["cancel", "deadline"]:
+    """The intent a live child records when its parent ends, or has to end, for ``ending``
+    (the parent's terminal intent): a parent that times out gives its children a deadline,
+    any other end a cancellation (spec §2.6)."""
+    return "deadline" if ending == "deadline" else "cancel"
+
 
 FAILURE_CAUSE = {
     FailureKind.EXECUTION: "execution_failure",
@@ -1079,9 +1086,21 @@ class TreeState:
         if process.terminal:
             raise self.fail(pos, "control.process_terminal", f"process {e.process_id} is {process.status}")
         if e.owner == "parent":
-            if e.control != "cancel":
-                raise self.fail(pos, "control.owner", f"a parent only cancels its children, not {e.control}")
-            self._check_parent_command(pos, process, Operation.CANCEL_CHILD, "control.owner")
+            parent = self.processes.get(process.parent_id) if process.parent_id is not None else None
+            if parent is not None and not parent.terminal and parent.terminal_intent is not None:
+                # A parent that has to end but cannot yet (a call in flight) stops its subtree
+                # at once: each live child records the intent the parent's end will give it.
+                expected = stop_intent(parent.terminal_intent)
+                if e.control != expected:
+                    raise self.fail(
+                        pos, "control.owner",
+                        f"parent {parent.process_id} is ending ({parent.terminal_intent} requested): "
+                        f"its children record {expected}, not {e.control}",
+                    )
+            else:
+                if e.control != "cancel":
+                    raise self.fail(pos, "control.owner", f"a parent only cancels its children, not {e.control}")
+                self._check_parent_command(pos, process, Operation.CANCEL_CHILD, "control.owner")
         if e.control == "pause":
             if process.status not in ("running", "waiting") or process.terminal_intent is not None:
                 raise self.fail(pos, "control.pause_state", f"cannot pause a {process.status} process")
