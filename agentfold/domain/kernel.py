@@ -506,6 +506,16 @@ class Kernel:
                     if op is Operation.WAIT_CHILDREN:
                         reserve += 1
                         spec = ChildWaitSpec.from_json(payload)
+                        # Scope's ChildWaitCondition.Valid: a quorum is an integer, given for
+                        # "quorum" only (from_json, which the fold also reads stored payloads
+                        # with, would take "1", 1.9 or an all/any with a quorum).
+                        quorum = payload.get("quorum")
+                        if "quorum" in payload and (not isinstance(quorum, int) or isinstance(quorum, bool)):
+                            raise refuse(EngineCode.EFFECT_INVALID, f"a quorum is an integer, not {quorum!r}")
+                        if spec.condition != "quorum" and quorum not in (None, 0):
+                            raise refuse(
+                                EngineCode.EFFECT_INVALID, f"a quorum applies to condition quorum, not {spec.condition}"
+                            )
                         for cid in spec.children:
                             child = self.tree.processes.get(cid)
                             if child is None or child.parent_id != process.process_id:
@@ -565,8 +575,12 @@ class Kernel:
                 ).to_json()
                 self._emit(progress, EffectSettled.model_construct(process_id=pid, effect_id=eid, status="failed", payload=receipt))
                 return True
+            program = self.programs(child.program)
             try:
-                admission = check_admission(child, [request], source="parent")
+                admission = check_admission(
+                    child, [request], source="parent", parent_schema=True, check_signal_schema=program is not None,
+                    signal_schema=program.descriptor.signal_schema if program is not None else None,
+                )
             except (Rejected, InvalidInput) as exc:
                 receipt["failure"] = _failure(
                     FailureKind.EXECUTION, EngineCode.CHILD_SIGNAL_REJECTED, exc.message

@@ -48,6 +48,7 @@ def check_admission(
     source: str = "host",
     signal_schema: object = None,
     check_signal_schema: bool = True,
+    parent_schema: bool = False,
 ) -> Admission:
     """Validate a batch of SignalRequests against one Process; all or nothing.
 
@@ -119,7 +120,10 @@ def check_admission(
                         f"process {process.process_id} waits for input on {current}; "
                         "unaddressed input is refused until that wait is answered",
                     )
-            if source == "host" and check_signal_schema:
+            # A parent's signal_child goes through the child's ordinary admission (spec §6.4),
+            # schema included; the fold (``parent_schema`` False) still accepts the parent
+            # signals releases before 2026-12-01 admitted without it.
+            if (source == "host" or (source == "parent" and parent_schema)) and check_signal_schema:
                 if signal_schema is None:
                     raise Rejected(
                         "engine.signal.rejected",

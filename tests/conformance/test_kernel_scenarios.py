@@ -1147,6 +1147,27 @@ def test_s30_signal_child_to_a_full_mailbox_fails_and_leaves_the_child_byte_iden
     assert c.runtime.result(c.tree_id, 10).output["output"]["signals"] == ["fill-1", "fill-2"]
 
 
+def test_signal_child_through_the_childs_admission_rules_a_payload_its_schema_refuses_fails_rejected(
+    env: Env,
+) -> None:
+    """Scope §6.4 (beyond the 40): signal_child delivers "through the child's ordinary
+    admission rules", the signal schema included (Scope's prepareSignals validates every
+    unaddressed external signal). The sleeper accepts objects only: a string fails the
+    receipt ``engine.child.signal.rejected`` (execution) and leaves the child byte-identical.
+    Before, a parent's signal skipped the schema and was admitted.
+    """
+    c = Controlled(env)
+    before = canonical_bytes(process_json(c.stored(), c.child))
+    c.send(signal_to("child", payload="not an object"))
+    [receipt] = receipts_of(c.faulty.calls[-1].events, c.control_effects(c.faulty.calls[-1].events))
+    assert receipt.status == "failed"
+    failure = receipt.payload["failure"]
+    assert (failure["code"], failure["kind"]) == ("engine.child.signal.rejected", "execution")
+    assert "signal schema" in failure["message"]
+    assert not of_type(c.faulty.calls[-1].events, SignalAdmitted, process_id=c.child)
+    assert canonical_bytes(process_json(c.stored(), c.child)) == before
+
+
 def stranger(env: Env, c: Controlled) -> tuple[Any, tuple[int, str, int]]:
     """Another tree's paused root: outside the controller's tree."""
     program = sleeper_program("conformance.stranger")
