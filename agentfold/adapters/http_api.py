@@ -925,7 +925,12 @@ async def distinct_keys(request: Request, service: Service) -> None:
                              "send each key once (JSON parsers keep only the last one, silently)")
 PageLimit = Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE, description="at most this many runs per page (listings of entries: entries, whole runs only, unless one run alone has more)")]
 PageAfter = Annotated[str | None, Query(description="a cursor from a previous page")]
-MinPosition = Annotated[int | None, Query(ge=0, description="answer only once the reads reflect this position")]
+#: The largest position a store can hold (SQLite INTEGER, PostgreSQL bigint); a larger
+#: min_position was passed to SQLite as is and answered 500 (OverflowError).
+MAX_POSITION = (1 << 63) - 1
+MinPosition = Annotated[
+    int | None, Query(ge=0, le=MAX_POSITION, description="answer only once the reads reflect this position")
+]
 ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, allow_inf_nan=False, description="seconds to wait for the read models to "
                                   "reach min_position before answering by folding")]
 TreeRef = Annotated[str, Path(description="a tree id (tree:...), a start id or a process id")]
@@ -1102,6 +1107,10 @@ def create_app(service: ApiService | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         generate_unique_id_function=lambda route: route.name,
+        # A path with a trailing slash is not found (a problem document), not redirected: the
+        # redirect named an absolute http:// URL, which behind a TLS proxy sends clients to
+        # plain HTTP.
+        redirect_slashes=False,
     )
     app.state.service = service
     app.add_middleware(BodyLimit)
