@@ -166,6 +166,17 @@ def problem_response(status: int, code: str, detail: str, hint: str = "", extra:
 # five seconds or one; an integer is still a number of seconds.
 
 
+#: The forms of ids, published in the OpenAPI document only: the server checks ids itself and
+#: refuses a malformed one with 422 identity.invalid (a schema check would answer another code).
+FREE_FORM_ID = r"^[A-Za-z0-9\-_.:]{1,256}$"
+WAIT_ID = r"^wait:[0-9a-f]{64}$"
+EFFECT_ID = r"^effect:[0-9a-f]{64}$"
+
+
+def _pattern(pattern: str) -> dict[str, Any]:
+    return {"pattern": pattern}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -176,20 +187,23 @@ class StartRun(_Body):
     scenario: dict[str, Any] | None = Field(None, description="a scenario document (docs/scenarios.md)")
     program: str | None = Field(None, description="the name of a Program this server binds (e.g. demo.payment)")
     input: Any = Field(None, description="the registered Program's input (only with program)")
-    start_id: str | None = Field(None, description="idempotent start id (default: a fresh one)")
+    start_id: str | None = Field(None, description="idempotent start id (default: a fresh one); not tree:... or "
+                                 "process:...", json_schema_extra=_pattern(FREE_FORM_ID))
     wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Answer(_Body):
     response: Any = Field(..., description="the answer; it must satisfy the wait's response schema (at most 1 MiB)")
-    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
+    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely); not signal:engine:...",
+                                  json_schema_extra=_pattern(FREE_FORM_ID))
     wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
 class Steer(_Body):
     text: str | None = Field(None, description="one user message (give text or messages)")
     messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="user messages")
-    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely)")
+    signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely); not signal:engine:...",
+                                  json_schema_extra=_pattern(FREE_FORM_ID))
     wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
 
@@ -933,8 +947,9 @@ MinPosition = Annotated[
 ]
 ReadWait = Annotated[float, Query(ge=0, le=MAX_READ_WAIT, allow_inf_nan=False, description="seconds to wait for the read models to "
                                   "reach min_position before answering by folding")]
-TreeRef = Annotated[str, Path(description="a tree id (tree:...), a start id or a process id")]
-ProcessRef = Annotated[str, Path(description="a process id (process:...)")]
+TreeRef = Annotated[str, Path(description="a tree id (tree:...), a start id or a process id",
+                              json_schema_extra=_pattern(FREE_FORM_ID))]
+ProcessRef = Annotated[str, Path(description="a process id (process:...)", json_schema_extra=_pattern(FREE_FORM_ID))]
 
 _PROBLEMS = {
     401: "no or a wrong bearer token",
@@ -1214,7 +1229,8 @@ def create_app(service: ApiService | None = None) -> FastAPI:
               summary="answer a pending tool input (validated against its response schema)",
               responses={**_ok(Answered, "admitted, or a resend of an admitted answer"), **_problems(404, 409, 413)})
     def answer(service: Service, process_id: ProcessRef,
-               wait_id: Annotated[str, Path(description="the wait to answer (wait:...)")], body: Answer) -> Response:
+               wait_id: Annotated[str, Path(description="the wait to answer (wait:...)", json_schema_extra=_pattern(WAIT_ID))],
+               body: Answer) -> Response:
         return json_response(service.answer(process_id, wait_id, body))
 
     @api.post("/processes/{process_id}/steer", tags=["processes"],
@@ -1226,7 +1242,8 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     @api.post("/unknown-effects/{effect_id}/resolve", tags=["unknown effects"],
               summary="settle an unknown effect with the outcome the host established",
               responses={**_ok(Resolved, "resolved"), **_problems(404, 409, 413)})
-    def resolve(service: Service, effect_id: Annotated[str, Path(description="an effect id (effect:...)")],
+    def resolve(service: Service, effect_id: Annotated[str, Path(description="an effect id (effect:...)",
+                                                                 json_schema_extra=_pattern(EFFECT_ID))],
                 body: Resolve) -> Response:
         return json_response(service.resolve(effect_id, body))
 
