@@ -153,7 +153,16 @@ def test_snapshots_are_stored_deflated_and_older_json_snapshots_still_load(durab
     store.close()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape", "another digest"])
+def edited_under_its_digest(plain: LoadedTree) -> bytes:
+    """A current snapshot whose tree was edited, its digest and seal left as they were (a
+    tamper audit made a finished tool call look unfinished this way: it was called again)."""
+    assert plain.digest is not None
+    body = json.loads(EventStore.encode_snapshot(plain.state, plain.digest))
+    body["tree"]["processes"][-1]["committed_steps"] += 1
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong shape", "another digest", "edited under its digest"])
 def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     durable_store_url: str, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -166,6 +175,7 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
         "wrong shape": b'{"tree": {"version": "x"}, "digest": 1}',
         # readable, but not this history's: the next append would chain to a wrong digest
         "another digest": EventStore.encode_snapshot(plain.state, "sha256:" + "0" * 64),
+        "edited under its digest": edited_under_its_digest(plain),
     }[damage]
     store.snapshots.prune(tree_id.uuid, plain.state.version + 1)
     store.snapshots.insert_events([StoredEvent(tree_id.uuid, plain.state.version, row.topic, bad)])
@@ -173,7 +183,10 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
         loaded = store.load(tree_id, catalog.resolve)
     assert loaded.snapshot_version == 0
     assert loaded.state.to_json() == plain.state.to_json() and loaded.digest == plain.digest
-    reason = "does not match the event stored there" if damage == "another digest" else "unreadable"
+    reason = {
+        "another digest": "does not match the event stored there",
+        "edited under its digest": "is not the one sealed with its digest",
+    }.get(damage, "unreadable")
     assert any("snapshot of tree" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     store.close()
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from agentfold.adapters.catalog import Catalog
-from agentfold.adapters.eventstore import CorruptStream, EventStore
-from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.eventstore import CorruptStream, EventStore, VersionConflict
+from agentfold.adapters.runtime import Runtime, index_head
+from agentfold.domain.events import ControlRequested, EffectSettled
 from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Program
 from tests.audit.support import Sql
-from tests.kernel_programs import chain_program
+from tests.kernel_programs import CallLog, GatedCall, chain_program
 from tests.test_cli import agentfold
 
 
@@ -75,3 +77,113 @@ def test_a_load_reports_a_missing_reordered_or_inserted_event_at_its_position(
     assert shown.code == 1, shown
     error = shown.error()
     assert error["code"] == "store.corrupt" and f"at position {position}" in error["message"], error
+
+
+def parked_in_flight(url: str, tmp_path: Path) -> tuple[TreeID, CallLog, Program, int]:
+    """A chain whose third call was in flight when its owner stopped (the stream ends with
+    that call's dispatch permission, as after a crash): the tree, its call log, its Program
+    and the stream's last position."""
+    log = CallLog(tmp_path / "calls.jsonl")
+    gate = GatedCall(log, at=2)
+    program = chain_program(gate, name="tamper.cut")
+    runtime = Runtime(EventStore(url), Catalog([program]), poll_interval=0, snapshot_every=0)
+    handle = runtime.start(program, {"n": 3}, start_id="cut-1")
+    assert gate.entered.wait(30)
+    runtime.close()
+    gate.release.set()
+    rows = Sql(url).raw_rows(handle.tree_id)
+    assert rows[-1][1].endswith(":EffectDispatched") and log.count() == 3
+    return handle.tree_id, log, program, rows[-1][0]
+
+
+def test_a_history_cut_at_its_end_is_refused_by_every_load_and_no_call_is_made_again(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # Found by a tamper audit: with its last event (the third call's dispatch permission)
+    # deleted, the stream is a whole history of a tree whose third call was never permitted.
+    # Loads used it: `recover` called the tool again, and its append rewrote the index row
+    # that proved the cut, so `audit verify` said OK afterwards.
+    tree_id, log, program, last = parked_in_flight(durable_store_url, tmp_path)
+    sql = Sql(durable_store_url)
+    sql.delete(tree_id, last)
+    before = (sql.raw_rows(tree_id), sql.head(tree_id))
+
+    store = EventStore(durable_store_url)
+    try:
+        with pytest.raises(CorruptStream) as loaded:
+            store.load(tree_id)
+        assert (loaded.value.rule, loaded.value.position) == ("index.head_mismatch", last)
+        assert f"says version {last}" in loaded.value.message and f"ends at position {last - 1}" in loaded.value.message
+        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+            with pytest.raises(CorruptStream):
+                runtime.recover(str(tree_id))
+    finally:
+        store.close()
+    ran = agentfold("recover", "--json", store=durable_store_url)
+    assert ran.code == 1, ran
+    shown = agentfold("show", str(tree_id), "--json", store=durable_store_url)
+    assert shown.code == 1 and shown.error()["code"] == "store.corrupt", shown
+    assert log.count() == 3  # the cut-off call was not made again
+    assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before  # and the evidence is intact
+    verified = agentfold("audit", "verify", str(tree_id), "--json", store=durable_store_url)
+    assert verified.code == 1 and "index.head_mismatch" in verified.stdout
+
+
+def test_an_append_onto_a_cut_history_is_refused_and_writes_nothing(durable_store_url: str, tmp_path: Path) -> None:
+    # The index row is compared in the append's own transaction, against the end the writer
+    # loaded: a writer that read the stream before it was cut cannot chain onto the cut either.
+    tree_id, _, program, last = parked_in_flight(durable_store_url, tmp_path)
+    store = EventStore(durable_store_url)
+    sql = Sql(durable_store_url)
+    try:
+        before_cut = store.load(tree_id, Catalog([program]).resolve, upto=last - 1)
+        assert before_cut.state.version == last - 1
+        pause = ControlRequested(process_id=before_cut.state.root.process_id, control="pause", reason="hold")
+
+        def append() -> None:
+            store.append(
+                tree_id, last - 1, [pause], previous_digest=before_cut.digest, timestamp="2026-12-01T00:00:00Z",
+                head=index_head(before_cut.state, tree_id, [pause], "2026-12-01T00:00:00Z"),
+            )
+
+        with pytest.raises(VersionConflict):  # uncut, another writer's event holds the position
+            append()
+        sql.delete(tree_id, last)
+        before = (sql.raw_rows(tree_id), sql.head(tree_id))
+        with pytest.raises(CorruptStream) as refused:
+            append()
+        assert refused.value.rule == "index.head_mismatch" and refused.value.position == last
+        assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before
+    finally:
+        store.close()
+
+
+def test_events_added_past_the_index_row_with_a_valid_chain_are_refused_by_loads(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # Found by a tamper audit: a forged settlement appended by hand, chained correctly but with
+    # the index row left alone, was shown as the outcome of the call in flight, and the next
+    # command drove the run on from it (its append then rewrote the row over the evidence).
+    tree_id, log, program, last = parked_in_flight(durable_store_url, tmp_path)
+    store = EventStore(durable_store_url)
+    sql = Sql(durable_store_url)
+    try:
+        loaded = store.load(tree_id, Catalog([program]).resolve)
+        (in_flight,) = loaded.state.root.in_flight()
+        forged = EffectSettled(
+            process_id=loaded.state.root.process_id, effect_id=in_flight.effect_id, status="succeeded",
+            payload={"value": 1}, attempt_id=in_flight.attempt_id,
+        )
+        record, _ = store.mapper.encode(
+            tree_id, tree_id.uuid, last + 1, forged, "2026-12-01T00:00:00Z", loaded.digest
+        )
+        sql.insert(tree_id, last + 1, record.topic, record.state)
+        with pytest.raises(CorruptStream) as refused:
+            store.load(tree_id, Catalog([program]).resolve)
+        assert (refused.value.rule, refused.value.position) == ("index.head_mismatch", last + 1)
+        assert "events were added past it" in refused.value.message
+    finally:
+        store.close()
+    shown = agentfold("show", str(tree_id), "--json", store=durable_store_url)
+    assert shown.code == 1 and shown.error()["code"] == "store.corrupt", shown
+    assert log.count() == 3

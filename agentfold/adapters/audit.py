@@ -42,7 +42,7 @@ from agentfold.domain.drift import DriftReport, find_drift, first_difference
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from agentfold.domain.events import TreeEvent, TreeStarted, event_body, event_version
 from agentfold.domain.ids import ProcessID, StartID, TreeID
-from agentfold.domain.integrity import SealError
+from agentfold.domain.integrity import SealError, unseal
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import FoldError, TreeState
 from agentfold.projections.read_models import project_tree
@@ -401,6 +401,9 @@ def _snapshot_findings(
     if path is not None:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} differs from the fold at {path}")]
+    if not stored.sealed:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} does not match its seal (loads do not use it)")]
     return []
 
 
@@ -598,6 +601,16 @@ def _fold_records(tree_id: TreeID, records: Sequence[Any], programs: ProgramReso
 
 
 EXPORT_MEMBERS = frozenset({"tree", "position", "topic", "state"})
+#: The last line of an export: how many records the file holds and the digest of the last,
+#: so that a file cut after any line (a whole history up to there, which verifies) is refused.
+END_MEMBERS = frozenset({"tree", "end"})
+
+
+def end_line(tree_id: TreeID, records: Sequence[StoredEvent]) -> str:
+    """The end line of an export of ``records`` (verified: the last one's recorded digest)."""
+    digest = unseal(stored_json(records[-1].state)).digest
+    body = {"end": {"events": len(records), "head_digest": digest}, "tree": str(tree_id)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n"
 
 
 def export_line(tree_id: TreeID, record: StoredEvent) -> str:
@@ -621,11 +634,13 @@ def export_lines(store: EventStore, tree_id: TreeID, sources: ProgramSources) ->
     if check.problems:
         problem = check.problems[0]
         raise CorruptStream(str(tree_id), problem.position, problem.rule, problem.detail)
-    return [export_line(tree_id, record) for record in stored]
+    return [*(export_line(tree_id, record) for record in stored), end_line(tree_id, stored)]
 
 
-def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent]]:
-    """Parse an export file (one tree's records, positions in order); the format only."""
+def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent], dict[str, Any] | None]:
+    """Parse an export file (one tree's records, positions in order, then its end line); the
+    format only. Returns the tree, its records and the end line's ``end`` (None: no end line,
+    as in files of releases before 2026-12-01)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -637,11 +652,17 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent]]:
         raise InvalidInput("import.format", "the file holds no records", hint="export a tree with `agentfold export`")
     tree_id: TreeID | None = None
     stored: list[StoredEvent] = []
+    end: dict[str, Any] | None = None
     for number, line in enumerate(lines, start=1):
         try:
             body = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InvalidInput("import.format", f"line {number} is not JSON: {exc}", line=number) from exc
+        if isinstance(body, dict) and set(body) == END_MEMBERS:
+            if number != len(lines):
+                raise InvalidInput("import.format", f"line {number} is an end line, but more lines follow", line=number)
+            end = _end_of(body, number)
+            break
         if not isinstance(body, dict) or set(body) != EXPORT_MEMBERS:
             raise InvalidInput(
                 "import.format", f"line {number} must be an object with exactly {sorted(EXPORT_MEMBERS)}", line=number
@@ -665,8 +686,50 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent]]:
             )
         # Stored as the store's own writer stores it (compressed when that pays).
         stored.append(StoredEvent(tree_id.uuid, position, topic, STATE_COMPRESSOR.compress(state_bytes)))
-    assert tree_id is not None
-    return tree_id, stored
+    if tree_id is None:
+        raise InvalidInput("import.format", "the file holds no records", hint="export a tree with `agentfold export`")
+    if end is not None and end["tree"] != str(tree_id):
+        raise InvalidInput("import.format", f"the end line names {end['tree']}, the records {tree_id}")
+    return tree_id, stored, end
+
+
+def _end_of(body: dict[str, Any], number: int) -> dict[str, Any]:
+    """The end line's members, checked for shape: ``{"tree", "events", "head_digest"}``."""
+    spec = body["end"]
+    count = spec.get("events") if isinstance(spec, dict) else None
+    digest = spec.get("head_digest") if isinstance(spec, dict) else None
+    if (not isinstance(spec, dict) or set(spec) != {"events", "head_digest"} or not isinstance(count, int)
+            or isinstance(count, bool) or not isinstance(digest, str) or not isinstance(body["tree"], str)):
+        raise InvalidInput(
+            "import.format", f'line {number}: an end line is {{"end": {{"events": N, "head_digest": D}}, "tree": T}}',
+            line=number,
+        )
+    return {"tree": body["tree"], "events": count, "head_digest": digest}
+
+
+def _end_problem(end: dict[str, Any] | None, folded: Folded, *, without_end: bool) -> Finding | None:
+    """Whether the verified records are the whole history the file's end line names."""
+    state, name = folded.state, str(folded.state.tree_id)
+    if end is None:
+        if without_end:
+            return None
+        raise InvalidInput(
+            "import.format",
+            f"the file has no end line after its {state.version} record(s): it was cut short, or written by an "
+            "export before 2026-12-01",
+            hint="export the tree again; a whole file of an earlier release imports with --without-end",
+        )
+    if end["events"] != state.version:
+        return Finding(
+            name, min(end["events"], state.version) + 1, "integrity.end",
+            f"the end line says {end['events']} record(s), the file holds {state.version}: it was cut or extended",
+        )
+    if end["head_digest"] != folded.digest:
+        return Finding(
+            name, state.version, "integrity.end",
+            f"the end line's head digest {end['head_digest']} is not the last record's {folded.digest}",
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -688,13 +751,17 @@ class ImportReport:
         }
 
 
-def check_export(data: bytes, sources: ProgramSources) -> tuple[TreeID, list[StoredEvent], Folded]:
+def check_export(
+    data: bytes, sources: ProgramSources, *, without_end: bool = False
+) -> tuple[TreeID, list[StoredEvent], Folded]:
     """Parse and verify a whole export file (chain and every fold rule) without any store."""
-    tree_id, stored = parse_export(data)
+    tree_id, stored, end = parse_export(data)
     mapper = PydanticMapper(transcoder=OrjsonTranscoder())  # the store's own decoding and checks
     folded = fold_stored(tree_id, stored, mapper, sources.catalog(), keep=True)
     if folded.problem is None and stored[0].originator_version != 1:
         folded.problem = Finding(str(tree_id), 1, "integrity.missing_event", "the file does not start at position 1")
+    if folded.problem is None:  # a sound history: is it all of the one exported?
+        folded.problem = _end_problem(end, folded, without_end=without_end)
     if folded.problem is not None:
         p = folded.problem
         raise InvalidInput(
@@ -797,6 +864,7 @@ __all__ = [
     "check_export",
     "consistent_read",
     "drift",
+    "end_line",
     "export_line",
     "export_lines",
     "fold_stored",

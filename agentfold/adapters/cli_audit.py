@@ -232,8 +232,9 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
             "export.unwritable", f"cannot write {args.out}: {exc.strerror or exc}",
             "write to an existing directory you may write to; nothing was written",
         ) from exc
-    data: dict[str, JSON] = {"tree_id": tree_id, "events": len(lines), "out": str(args.out)}
-    return Outcome(data, f"exported {len(lines)} event(s) of {tree_id} to {args.out}")
+    events = len(lines) - 1  # the last line is the end line
+    data: dict[str, JSON] = {"tree_id": tree_id, "events": events, "out": str(args.out)}
+    return Outcome(data, f"exported {events} event(s) of {tree_id} to {args.out}")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -257,7 +258,7 @@ def cmd_import(ctx: Context, args: argparse.Namespace) -> Outcome:
     except OSError as exc:
         raise InvalidInput("import.unreadable", f"cannot read {args.file}: {exc.strerror}") from exc
     # Everything is verified before the store is even opened: a refused file writes nothing.
-    tree_id, stored, folded = audit.check_export(data, ctx.sources)
+    tree_id, stored, folded = audit.check_export(data, ctx.sources, without_end=bool(args.without_end))
     store = ctx.open_store(create=True)
     try:
         report = audit.import_history(store, tree_id, stored, folded)
@@ -311,6 +312,10 @@ def register(command: Any) -> None:
 
     imported = command("import", cmd_import, "verify an export file, then write it into --store in one append")
     imported.add_argument("file", metavar="FILE", help="a file written by `agentfold export` (- reads stdin)")
+    imported.add_argument(
+        "--without-end", action="store_true",
+        help="accept a file without an end line (exports before 2026-12-01): nothing then shows it was not cut short",
+    )
 
 
 __all__ = ["register"]

@@ -28,6 +28,7 @@ command that stops while the server does not answer (``agentfold.adapters.follow
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -69,6 +70,7 @@ from agentfold.adapters.recorders import (
     SNAPSHOTS_TABLE,
     TREES_TABLE,
     HeadFilter,
+    IndexHeadMismatch,
     IndexQueries,
     MemorySnapshotRecorder,
     MemoryTreeRecorder,
@@ -101,7 +103,17 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 #: A snapshot of another format is not used: the load folds the events (the truth), and the
 #: runtime's next append writes a current snapshot. Bump it whenever the tree's JSON changes
 #: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
-SNAPSHOT_FORMAT = 2
+#: 3: sealed (``snapshot_seal``): a snapshot whose tree was edited under its digest is not used.
+SNAPSHOT_FORMAT = 3
+
+
+def snapshot_seal(tree: dict[str, Any], digest: str) -> str:
+    """The seal of a snapshot: a sha256 of its tree's canonical JSON bound to the digest of
+    the event it was taken at. A snapshot's ``digest`` only says which event it claims to
+    follow; without the seal, a tree edited under it (a hand edit, a bad migration) was
+    loaded, shown and driven on as if folded from the events."""
+    body = orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)
+    return "sha256:" + hashlib.sha256(b"agentfold.snapshot\x00" + digest.encode("ascii") + b"\x00" + body).hexdigest()
 
 
 def snapshot_format(data: dict[str, Any]) -> int:
@@ -120,13 +132,20 @@ class StoredSnapshot:
     format: int  # SNAPSHOT_FORMAT, an earlier or later one, or -1: a format member that is no number
     tree: dict[str, Any]
     digest: str
+    seal: str | None = None
+
+    @property
+    def sealed(self) -> bool:
+        """Whether its tree is the one sealed with its digest (``snapshot_seal``)."""
+        return self.seal is not None and self.seal == snapshot_seal(self.tree, self.digest)
 
 
 def decode_snapshot(state: bytes) -> StoredSnapshot:
     """A stored snapshot row's state (deflated or not): its format, tree JSON and digest.
     Malformed: ``SealError``, ``orjson.JSONDecodeError``, ``KeyError`` or ``TypeError``."""
     data = orjson.loads(stored_json(state))
-    return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]))
+    seal = data.get("seal")
+    return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]), seal if isinstance(seal, str) else None)
 
 
 # The tables every store has (created together by ``EventStore(url)``).
@@ -452,6 +471,10 @@ class Changed:
     low: int  # its lowest position in the range (1: the range holds its creation)
     high: int  # its highest position in the range
     last: int  # the notification id of its last event in the range
+
+
+class UnsealedSnapshot(ValueError):
+    """A stored snapshot whose tree does not match its seal (``snapshot_seal``)."""
 
 
 class OutdatedSnapshot(ValueError):
@@ -905,7 +928,9 @@ class EventStore:
             stored.append(record)
         assert digest is not None
         if head is not None:
-            head = head.with_digest(digest)
+            # Memory stores keep no row anyone else could change: nothing to compare.
+            expect = None if self.backend == "memory" else (expected_version, previous_digest or "")
+            head = head.with_digest(digest, expect)
         saved: StoredEvent | None = None
         deferred: bytes | None = None
         if snapshot is not None:
@@ -938,10 +963,31 @@ class EventStore:
             if not taken:
                 raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
             raise VersionConflict(tree_id, expected_version) from exc
+        except IndexHeadMismatch as exc:
+            raise self._head_mismatch(tree_id, exc.stored, expected_version, previous_digest) from exc
         except PersistenceError as exc:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)
+
+    @staticmethod
+    def _head_mismatch(
+        tree_id: TreeID, stored: tuple[int, str] | None, version: int, digest: str | None
+    ) -> CorruptStream:
+        """The index row anchors another end than the stream read or appended to."""
+        if stored is None:
+            return CorruptStream(tree_id, version, "index.head_mismatch", "the tree index has no row for this tree")
+        if stored[0] > version:
+            return CorruptStream(
+                tree_id, version + 1, "index.head_mismatch",
+                f"the tree index says version {stored[0]} ({stored[1]}) but the stream ends at position {version}: "
+                "events after it were deleted; agentfold neither drives nor shows the tree from a cut history",
+            )
+        return CorruptStream(
+            tree_id, min(version, stored[0]) or 1, "index.head_mismatch",
+            f"the tree index anchors version {stored[0]} with digest {stored[1]}, the stream has {digest} there: "
+            "events or the index row were changed; agentfold neither drives nor shows the tree from it",
+        )
 
     def _already_stored(self, tree_id: TreeID, stored: Sequence[StoredEvent]) -> bool:
         """Identical events already stored as the stream's head: an idempotent retry.
@@ -1003,7 +1049,10 @@ class EventStore:
         verify: bool = True,
         upto: int | None = None,
     ) -> LoadedTree:
-        """Fold a tree from its latest snapshot (if any) and the events after it."""
+        """Fold a tree from its latest snapshot (if any) and the events after it; the end
+        reached must be the one the tree index anchors (``index.head_mismatch``: events cut
+        or changed under it), read first, so that an append committed meanwhile only adds."""
+        anchor = self.head(tree_id)
         state: TreeState | None = None
         digest: str | None = None
         snapshot_version = 0
@@ -1014,6 +1063,9 @@ class EventStore:
                 raise  # the store itself failed, or a refusal that folding would meet as well
             except OutdatedSnapshot as exc:  # another release's format (after an upgrade or a downgrade)
                 log.info("snapshot of tree %s is not used (%s); folding from its first event", tree_id, exc)
+                snapshot = None
+            except UnsealedSnapshot as exc:  # edited under its digest: never drive or show from it
+                log.warning("snapshot of tree %s is not used (%s); folding from its first event", tree_id, exc)
                 snapshot = None
             except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: the events are the truth
                 # A damaged snapshot row (a disk fault, a hand edit) would otherwise make a
@@ -1041,7 +1093,37 @@ class EventStore:
             except FoldError as exc:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             digest = record.digest
+        if anchor is not None:
+            self._check_anchor(tree_id, anchor, state.version, digest, upto)
         return LoadedTree(state, digest, snapshot_version)
+
+    def _check_anchor(self, tree_id: TreeID, anchor: TreeHead, version: int, digest: str | None, upto: int | None) -> None:
+        """A load must reach the end the index row anchors (``upto``: as far as it asked)."""
+        end = anchor.version if upto is None else min(upto, anchor.version)
+        if version < end:
+            raise self._head_mismatch(tree_id, (anchor.version, anchor.head_digest), version, digest)
+        if version == anchor.version:
+            if digest != anchor.head_digest:
+                raise self._head_mismatch(tree_id, (anchor.version, anchor.head_digest), version, digest)
+        elif version > anchor.version:
+            # Appended after the row was read (an append writes its events and the row in one
+            # transaction), or events added past the row's end by hand: the row read again
+            # must reach as far, and its earlier end must still be in the chain.
+            again = self.head(tree_id)
+            if again is None or again.version < version:
+                raise CorruptStream(
+                    tree_id, (again.version if again else anchor.version) + 1, "index.head_mismatch",
+                    f"the stream goes on to position {version}, the tree index ends at version "
+                    f"{again.version if again else anchor.version}: events were added past it",
+                )
+            try:
+                stored = self.stored_digest(tree_id, anchor.version)
+            except SealError:
+                stored = None
+            if stored != anchor.head_digest:
+                raise self._head_mismatch(tree_id, (anchor.version, anchor.head_digest), anchor.version, stored)
+            if again.version == version and again.head_digest != digest:
+                raise self._head_mismatch(tree_id, (again.version, again.head_digest), version, digest)
 
     # -- snapshots ---------------------------------------------------------
 
@@ -1061,7 +1143,8 @@ class EventStore:
     @staticmethod
     def encode_snapshot(state: TreeState, digest: str) -> bytes:
         """The snapshot JSON of a folded tree at its version (serialize under the owner's lock)."""
-        return orjson.dumps({"format": SNAPSHOT_FORMAT, "tree": state.to_json(compact=True), "digest": digest})
+        tree = state.to_json(compact=True)
+        return orjson.dumps({"format": SNAPSHOT_FORMAT, "tree": tree, "digest": digest, "seal": snapshot_seal(tree, digest)})
 
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
@@ -1090,6 +1173,8 @@ class EventStore:
         stored = decode_snapshot(rows[0].state)
         if stored.format != SNAPSHOT_FORMAT:
             raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}")
+        if not stored.sealed:
+            raise UnsealedSnapshot("its tree is not the one sealed with its digest (changed after it was written)")
         return TreeState.from_json(stored.tree, programs), stored.digest
 
     # -- index and feed ----------------------------------------------------

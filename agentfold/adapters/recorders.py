@@ -77,13 +77,19 @@ class TreeHead:
     #: stored with its previous append (see ``Runtime``): the SQLite upsert then leaves the
     #: other columns, so the partial indexes on them (``TREES_INDEXES``) are not rewritten.
     progress_only: bool = field(default=False, compare=False)
+    #: The ``(version, head_digest)`` the stored row must hold for the append that writes this
+    #: one (``version`` 0: no row yet); None writes it whatever the row holds (an import, which
+    #: verified the whole history first). A row that anchors a later end than the append's
+    #: start means events were deleted or replaced under it: the append is refused
+    #: (``IndexHeadMismatch``) instead of chaining onto the damage and erasing its evidence.
+    expect: tuple[int, str] | None = field(default=None, compare=False)
 
-    def with_digest(self, head_digest: str) -> TreeHead:
+    def with_digest(self, head_digest: str, expect: tuple[int, str] | None = None) -> TreeHead:
         """This row with its head digest (what ``dataclasses.replace`` does, a few times cheaper)."""
         return TreeHead(
             self.tree_id, self.start_id, self.root_process_id, self.program, self.status, self.classification,
             self.version, head_digest, self.unknown_effect_ids, self.created_at, self.updated_at, self.new_processes,
-            self.progress_only,
+            self.progress_only, expect,
         )
 
     @property
@@ -112,6 +118,29 @@ class TreeHead:
             self.version, self.head_digest, orjson.dumps(list(self.unknown_effect_ids)).decode(),
             self.created_at or self.updated_at, self.updated_at,
         )
+
+
+def head_params(head: TreeHead) -> list[str]:
+    """The ``p_head`` argument of PostgreSQL's ``agentfold_append``: the row, then what it must hold."""
+    values = [str(v) for v in head.row()]
+    if head.expect is not None:
+        values += [str(head.expect[0]), head.expect[1]]
+    return values
+
+
+class IndexHeadMismatch(Exception):
+    """The tree's index row does not anchor the end an append starts from (its
+    ``TreeHead.expect``): the stream under it was cut or changed; nothing was written."""
+
+    def __init__(self, tree_id: str, expected: tuple[int, str], stored: tuple[int, str] | None) -> None:
+        super().__init__(f"{INDEX_MISMATCH_MARK} {tree_id}")
+        self.tree_id = tree_id
+        self.expected = expected
+        self.stored = stored
+
+
+#: What PostgreSQL's ``agentfold_append`` raises when the row does not match (the message).
+INDEX_MISMATCH_MARK = "agentfold.index_head_mismatch"
 
 
 HEAD_COLUMNS = (
@@ -474,6 +503,10 @@ _SQLITE_UPSERT_PROGRESS = (
     "ON CONFLICT(tree_id) DO UPDATE SET version=excluded.version, head_digest=excluded.head_digest, "
     "updated_at=excluded.updated_at"
 )
+#: The same upserts, applied only over the row the append starts from (``TreeHead.expect``).
+_SQLITE_EXPECT = f" WHERE {TREES_TABLE}.version = ? AND {TREES_TABLE}.head_digest = ?"
+_SQLITE_UPSERT_EXPECTING = _SQLITE_UPSERT + _SQLITE_EXPECT
+_SQLITE_UPSERT_PROGRESS_EXPECTING = _SQLITE_UPSERT_PROGRESS + _SQLITE_EXPECT
 
 
 class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
@@ -501,7 +534,15 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         if head is not None:
             # SQLite rewrites an index when the UPDATE sets a column it reads, whatever the value:
             # setting only what moved keeps a steady-state append off the partial indexes.
-            c.execute(_SQLITE_UPSERT_PROGRESS if head.progress_only else _SQLITE_UPSERT, head.row())
+            if head.expect is None:
+                c.execute(_SQLITE_UPSERT_PROGRESS if head.progress_only else _SQLITE_UPSERT, head.row())
+            else:
+                upsert = _SQLITE_UPSERT_PROGRESS_EXPECTING if head.progress_only else _SQLITE_UPSERT_EXPECTING
+                c.execute(upsert, (*head.row(), *head.expect))
+                if c.sqlite_cursor.rowcount != 1:  # the row anchors another end: roll the events back
+                    c.execute(f"SELECT version, head_digest FROM {TREES_TABLE} WHERE tree_id = ?", (head.tree_id,))
+                    row = c.fetchone()
+                    raise IndexHeadMismatch(head.tree_id, head.expect, (int(row[0]), str(row[1])) if row else None)
             for pid in head.new_processes:
                 c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
         snapshot: StoredEvent | None = kwargs.get("snapshot")
@@ -688,9 +729,12 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         )
         events = f'"{schema}".{events_table_name}'
         # One statement per append: lock (insert order = commit order for followers),
-        # notify, upsert the index, insert the events. In autocommit it is one round
+        # notify, insert the events, upsert the index. In autocommit it is one round
         # trip and one commit, where the library's default path needs a pipeline, a
-        # sync and a separate COMMIT.
+        # sync and a separate COMMIT. The events go first: another writer's event at the
+        # same position is a unique violation (a version conflict) before the index row
+        # is compared with the end this append starts from (p_head[12], p_head[13]:
+        # TreeHead.expect; absent, the row is written whatever it holds).
         self.sql_create_statements.append(
             _composed(
                 f'CREATE OR REPLACE FUNCTION "{schema}".agentfold_append('
@@ -699,19 +743,24 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
                 "BEGIN "
                 f"LOCK TABLE {events} IN EXCLUSIVE MODE; "
                 f"NOTIFY {events_table_name}; "
-                "IF p_head IS NOT NULL THEN "
-                f'INSERT INTO "{schema}".{TREES_TABLE} ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], p_head[3], '
-                "p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], p_head[11]) "
-                "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
-                "classification=excluded.classification, version=excluded.version, "
-                "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
-                "updated_at=excluded.updated_at; "
-                f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
-                "SELECT unnest(p_new_processes), p_head[1]; "
-                "END IF; "
                 f"RETURN QUERY INSERT INTO {events} (originator_id, originator_version, topic, state) "
                 "SELECT p_originator, x.v, x.t, x.s FROM unnest(p_versions, p_topics, p_states) AS x(v, t, s) "
                 "ORDER BY x.v RETURNING notification_id; "
+                "IF p_head IS NOT NULL THEN "
+                f'INSERT INTO "{schema}".{TREES_TABLE} AS t ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], '
+                "p_head[3], p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], "
+                "p_head[11]) "
+                "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
+                "classification=excluded.classification, version=excluded.version, "
+                "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
+                "updated_at=excluded.updated_at "
+                "WHERE p_head[12] IS NULL OR (t.version = p_head[12]::bigint AND t.head_digest = p_head[13]); "
+                "IF NOT FOUND THEN "
+                f"RAISE EXCEPTION '{INDEX_MISMATCH_MARK} %', p_head[1]; "
+                "END IF; "
+                f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
+                "SELECT unnest(p_new_processes), p_head[1]; "
+                "END IF; "
                 "END $body$"
             )
         )
@@ -795,22 +844,32 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             [e.originator_version for e in stored_events],
             [e.topic for e in stored_events],
             [e.state for e in stored_events],
-            [str(v) for v in head.row()] if head is not None else None,
+            head_params(head) if head is not None else None,
             list(head.new_processes) if head is not None else [],
         )
-        with self.datastore.get_connection() as conn, conn.cursor() as curs:
-            if snapshot is None:
-                curs.execute(self._append, params, prepare=True)
-                return [row["agentfold_append"] for row in curs.fetchall()]
-            # The snapshot statements first: the append takes the events table's lock (every
-            # tree's appends wait for it), which is then held only until the COMMIT that follows.
-            with conn.transaction():
-                version = snapshot.originator_version
-                curs.execute(self._insert_snapshot, (originator, version, snapshot.topic, snapshot.state), prepare=True)
-                curs.execute(self._prune_snapshots, (originator, version), prepare=True)
-                curs.execute(self._append, params, prepare=True)
-                ids = [row["agentfold_append"] for row in curs.fetchall()]
-            return ids
+        try:
+            with self.datastore.get_connection() as conn, conn.cursor() as curs:
+                if snapshot is None:
+                    curs.execute(self._append, params, prepare=True)
+                    return [row["agentfold_append"] for row in curs.fetchall()]
+                # The snapshot statements first: the append takes the events table's lock (every
+                # tree's appends wait for it), which is then held only until the COMMIT that follows.
+                with conn.transaction():
+                    version = snapshot.originator_version
+                    curs.execute(
+                        self._insert_snapshot, (originator, version, snapshot.topic, snapshot.state), prepare=True
+                    )
+                    curs.execute(self._prune_snapshots, (originator, version), prepare=True)
+                    curs.execute(self._append, params, prepare=True)
+                    ids = [row["agentfold_append"] for row in curs.fetchall()]
+                return ids
+        except PersistenceError as exc:
+            if head is None or head.expect is None or INDEX_MISMATCH_MARK not in str(exc):
+                raise
+            stored = self.select_head(head.tree_id)
+            raise IndexHeadMismatch(
+                head.tree_id, head.expect, (stored.version, stored.head_digest) if stored else None
+            ) from exc
 
     @on_a_live_connection
     def _select(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:

@@ -37,8 +37,15 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
 
 def export(store: str, tree_id: TreeID, out: Path) -> bytes:
     ran = ok(agentfold("export", str(tree_id), "--out", str(out), "--json", store=store))
-    assert ran.json()["events"] == len(out.read_bytes().splitlines())
+    assert ran.json()["events"] == len(out.read_bytes().splitlines()) - 1  # then the end line
     return out.read_bytes()
+
+
+def records(exported: bytes) -> list[bytes]:
+    """The record lines of an export (every line but the end line)."""
+    *lines, end = exported.splitlines(keepends=True)
+    assert set(json.loads(end)) == {"end", "tree"}
+    return lines
 
 
 def import_file(path: Path, store: str) -> Ran:
@@ -61,7 +68,12 @@ def test_export_import_export_is_byte_identical_and_importing_twice_changes_noth
     source, target = stores
     tree_id = record_demo(tmp_path / "run", source)
     first = export(source, tree_id, tmp_path / "first.jsonl")
-    lines = [json.loads(line) for line in first.splitlines()]
+    lines = [json.loads(line) for line in records(first)]
+    # The end line names how many records the file holds and the digest of the last one: the
+    # tree index's head digest.
+    end = json.loads(first.splitlines()[-1])
+    (head,) = ok(agentfold("trees", "--json", store=source)).json()["trees"]
+    assert end == {"end": {"events": len(lines), "head_digest": head["head_digest"]}, "tree": str(tree_id)}
     assert [line["position"] for line in lines] == list(range(1, len(lines) + 1))
     assert {line["tree"] for line in lines} == {str(tree_id)}
     assert first.isascii()
@@ -154,10 +166,10 @@ def test_an_import_continues_a_history_it_imported_before(tmp_path: Path) -> Non
     (pending,) = ok(agentfold("pending", "--json", store=source)).json()["pending"]
     ok(agentfold("answer", pending["process_id"], pending["wait_id"], '{"approved": true}', store=source))
     finished = export(source, tree_id, tmp_path / "finished.jsonl")
-    assert finished.startswith(parked)
+    assert records(finished)[: len(records(parked))] == records(parked)
     report = ok(import_file(tmp_path / "finished.jsonl", target)).json()
-    already = len(parked.splitlines())
-    assert (report["already_present"], report["written"]) == (already, len(finished.splitlines()) - already)
+    already = len(records(parked))
+    assert (report["already_present"], report["written"]) == (already, len(records(finished)) - already)
     assert export(target, tree_id, tmp_path / "again.jsonl") == finished
     assert ok(agentfold("trees", "--json", store=target)).json()["trees"][0]["status"] == "completed"
 
@@ -181,3 +193,38 @@ def test_export_to_standard_output_and_refusals(tmp_path: Path) -> None:
     assert not (tmp_path / "broken.jsonl").exists()
     (tmp_path / "junk.jsonl").write_text('{"tree": "x"}\n')
     assert refused(import_file(tmp_path / "junk.jsonl", store)).error()["code"] == "import.format"
+
+
+def test_a_file_cut_short_is_refused_and_a_whole_file_of_an_earlier_release_imports_when_asked(tmp_path: Path) -> None:
+    # Found by a tamper audit: a file cut after any line is a whole, verifiable history up to
+    # there; it imported, `audit verify` said OK, and `recover` called the cut-off tool again.
+    source, target = sqlite_store(tmp_path, "source.db"), sqlite_store(tmp_path, "target.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    exported = export(source, tree_id, tmp_path / "whole.jsonl")
+    kept, end = records(exported), exported.splitlines(keepends=True)[-1]
+
+    (tmp_path / "cut.jsonl").write_bytes(b"".join(kept[:27]))  # as `head -n 27` leaves it
+    error = refused(import_file(tmp_path / "cut.jsonl", target)).error()
+    assert error["code"] == "import.format" and "no end line after its 27 record(s)" in error["message"]
+    assert "--without-end" in error["hint"]
+    (tmp_path / "cut-end.jsonl").write_bytes(b"".join(kept[:27]) + end)  # records dropped, end line kept
+    error = refused(import_file(tmp_path / "cut-end.jsonl", target)).error()
+    assert error["code"] == "import.corrupt"
+    assert error["detail"] == {"tree": str(tree_id), "position": 28, "rule": "integrity.end"}
+    forged = json.loads(end)
+    forged["end"]["head_digest"] = "sha256:" + "0" * 64
+    (tmp_path / "forged-end.jsonl").write_bytes(b"".join(kept) + json.dumps(forged).encode() + b"\n")
+    error = refused(import_file(tmp_path / "forged-end.jsonl", target)).error()
+    assert error["code"] == "import.corrupt" and error["detail"]["rule"] == "integrity.end"
+    (tmp_path / "end-first.jsonl").write_bytes(end + b"".join(kept))
+    assert refused(import_file(tmp_path / "end-first.jsonl", target)).error()["code"] == "import.format"
+    assert not Path(target.removeprefix("sqlite:///")).exists()  # nothing was even opened
+
+    # An export of an earlier release has no end line: imported on purpose, it is the whole history.
+    (tmp_path / "earlier.jsonl").write_bytes(b"".join(kept))
+    report = ok(agentfold("import", str(tmp_path / "earlier.jsonl"), "--without-end", "--json", store=target)).json()
+    assert report["written"] == len(kept)
+    assert export(target, tree_id, tmp_path / "again.jsonl") == exported
+    # --without-end only drops the need for an end line: one that is there is still checked.
+    cut = refused(agentfold("import", str(tmp_path / "cut-end.jsonl"), "--without-end", "--json", store=target))
+    assert cut.error()["detail"]["rule"] == "integrity.end"
