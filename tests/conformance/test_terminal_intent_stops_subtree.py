@@ -100,11 +100,14 @@ class Blocker(JsonStrategy):
     def __init__(self, child: Program) -> None:
         self.child = child
 
+    def start_middle(self) -> Step:
+        spec = ChildSpec(ChildKey("middle"), self.child.ref)
+        return Step(0, Continue((start_child_effect(spec),)), {"phase": "started"})
+
     def decide(self, state: Any, window: Sequence[Signal]) -> Step:
         phase = state["phase"]
         if phase == "start":
-            spec = ChildSpec(ChildKey("middle"), self.child.ref)
-            return Step(0, Continue((start_child_effect(spec),)), {"phase": "started"})
+            return self.start_middle()
         if phase == "started":
             return Step(1, Continue((dispatcher_effect({"blocking": True}),)), {"phase": "blocked"})
         return Step(len(window), Complete({"done": True}), {"phase": "done"})
@@ -124,17 +127,13 @@ def blocker_program(name: str, child: Program, call: Call) -> Program:
     )
 
 
-class Canceller(JsonStrategy):
-    """Starts ``child``, lets it run until the host's signal, then cancels it and completes."""
-
-    def __init__(self, child: Program) -> None:
-        self.child = child
+class Canceller(Blocker):
+    """Starts ``child``, lets it run until its own call returns, then cancels it and completes."""
 
     def decide(self, state: Any, window: Sequence[Signal]) -> Step:
         phase = state["phase"]
         if phase == "start":
-            spec = ChildSpec(ChildKey("middle"), self.child.ref)
-            return Step(0, Continue((start_child_effect(spec),)), {"phase": "started"})
+            return self.start_middle()
         if phase == "started":
             middle = window[0].payload["process_id"]
             return Step(1, Continue((dispatcher_effect({"hold": True}),)), {"phase": "holding", "middle": middle})
