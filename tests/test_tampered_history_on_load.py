@@ -129,22 +129,27 @@ def test_a_history_cut_at_its_end_is_refused_by_every_load_and_no_call_is_made_a
     assert verified.code == 1 and "index.head_mismatch" in verified.stdout
 
 
-def test_an_append_onto_a_cut_history_is_refused_and_writes_nothing(durable_store_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("row", ["whole row", "progress only"])
+def test_an_append_onto_a_cut_history_is_refused_and_writes_nothing(
+    durable_store_url: str, tmp_path: Path, row: str
+) -> None:
     # The index row is compared in the append's own transaction, against the end the writer
-    # loaded: a writer that read the stream before it was cut cannot chain onto the cut either.
+    # loaded: a writer that read the stream before it was cut cannot chain onto the cut either
+    # (whether its append rewrites the whole row or, in steady state, only its progress).
     tree_id, _, program, last = parked_in_flight(durable_store_url, tmp_path)
     store = EventStore(durable_store_url)
     sql = Sql(durable_store_url)
     try:
         before_cut = store.load(tree_id, Catalog([program]).resolve, upto=last - 1)
         assert before_cut.state.version == last - 1
+        now = "2026-12-01T00:00:00Z"
         pause = ControlRequested(process_id=before_cut.state.root.process_id, control="pause", reason="hold")
+        stored = index_head(before_cut.state, tree_id, [], now).row_state if row == "progress only" else None
+        head = index_head(before_cut.state, tree_id, [pause], now, stored=stored)
+        assert head.progress_only == (row == "progress only")
 
         def append() -> None:
-            store.append(
-                tree_id, last - 1, [pause], previous_digest=before_cut.digest, timestamp="2026-12-01T00:00:00Z",
-                head=index_head(before_cut.state, tree_id, [pause], "2026-12-01T00:00:00Z"),
-            )
+            store.append(tree_id, last - 1, [pause], previous_digest=before_cut.digest, timestamp=now, head=head)
 
         with pytest.raises(VersionConflict):  # uncut, another writer's event holds the position
             append()
@@ -156,6 +161,62 @@ def test_an_append_onto_a_cut_history_is_refused_and_writes_nothing(durable_stor
         assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before
     finally:
         store.close()
+
+
+def test_a_tree_whose_index_row_was_deleted_is_neither_shown_nor_driven(durable_store_url: str, tmp_path: Path) -> None:
+    # Found by a review: with the row deleted too, a cut history had no anchor to compare
+    # with; a pause and a resume drove it on (the cut-off call ran again) and their append
+    # wrote a new row, after which `audit verify` said OK.
+    tree_id, log, program, last = parked_in_flight(durable_store_url, tmp_path)
+    sql = Sql(durable_store_url)
+    store = EventStore(durable_store_url)
+    try:
+        whole = store.load(tree_id, Catalog([program]).resolve)
+        root = whole.state.root.process_id
+        sql._run("DELETE FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))
+        # A writer that loaded before the row went: its append expects the row, and refuses its absence.
+        pause = ControlRequested(process_id=root, control="pause", reason="hold")
+        now = "2026-12-01T00:00:00Z"
+        with pytest.raises(CorruptStream) as refused:
+            store.append(tree_id, last, [pause], previous_digest=whole.digest, timestamp=now,
+                         head=index_head(whole.state, tree_id, [pause], now))
+        assert refused.value.rule == "index.head_mismatch" and "no row for this tree" in refused.value.message
+        sql.delete(tree_id, last)  # and the history cut under it
+        before = sql.raw_rows(tree_id)
+        with pytest.raises(CorruptStream) as loaded:
+            store.load(tree_id)
+        assert loaded.value.rule == "index.head_mismatch" and "no row for this tree" in loaded.value.message
+        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+            for control in (runtime.pause, runtime.resume):
+                with pytest.raises(CorruptStream):
+                    control(root)
+    finally:
+        store.close()
+    assert log.count() == 3 and sql.raw_rows(tree_id) == before
+    assert not sql._run("SELECT 1 FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))
+
+
+def test_a_postgresql_store_of_an_earlier_release_gets_the_checking_append_function(
+    pg_database: str, tmp_path: Path
+) -> None:
+    # Found by a review: the function that compares the row was installed only by an open that
+    # creates tables; commands that open an existing store (answer, recover, ...) kept calling
+    # an earlier release's function, which writes the row without comparing it.
+    tree_id, _, program, last = parked_in_flight(pg_database, tmp_path)
+    sql = Sql(pg_database)
+    sql._run("DROP FUNCTION agentfold_append_checked(uuid, bigint[], text[], bytea[], text[], text[])")
+    store = EventStore(pg_database, create=False)
+    try:
+        before_cut = store.load(tree_id, Catalog([program]).resolve, upto=last - 1)
+        sql.delete(tree_id, last)
+        pause = ControlRequested(process_id=before_cut.state.root.process_id, control="pause", reason="hold")
+        now = "2026-12-01T00:00:00Z"
+        with pytest.raises(CorruptStream):
+            store.append(tree_id, last - 1, [pause], previous_digest=before_cut.digest, timestamp=now,
+                         head=index_head(before_cut.state, tree_id, [pause], now))
+    finally:
+        store.close()
+    assert sql._run("SELECT 1 FROM pg_proc WHERE proname = 'agentfold_append_checked'")
 
 
 def test_events_added_past_the_index_row_with_a_valid_chain_are_refused_by_loads(

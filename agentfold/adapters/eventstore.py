@@ -976,7 +976,11 @@ class EventStore:
     ) -> CorruptStream:
         """The index row anchors another end than the stream read or appended to."""
         if stored is None:
-            return CorruptStream(tree_id, version, "index.head_mismatch", "the tree index has no row for this tree")
+            return CorruptStream(
+                tree_id, max(version, 1), "index.head_mismatch",
+                "the tree index has no row for this tree (it is written with every append): the row was deleted; "
+                "agentfold neither drives nor shows the tree without it",
+            )
         if stored[0] > version:
             return CorruptStream(
                 tree_id, version + 1, "index.head_mismatch",
@@ -1093,8 +1097,9 @@ class EventStore:
             except FoldError as exc:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             digest = record.digest
-        if anchor is not None:
-            self._check_anchor(tree_id, anchor, state.version, digest, upto)
+        if anchor is None:  # every append and every import writes the row with the events
+            raise self._head_mismatch(tree_id, None, state.version, digest)
+        self._check_anchor(tree_id, anchor, state.version, digest, upto)
         return LoadedTree(state, digest, snapshot_version)
 
     def _check_anchor(self, tree_id: TreeID, anchor: TreeHead, version: int, digest: str | None, upto: int | None) -> None:

@@ -121,7 +121,7 @@ class TreeHead:
 
 
 def head_params(head: TreeHead) -> list[str]:
-    """The ``p_head`` argument of PostgreSQL's ``agentfold_append``: the row, then what it must hold."""
+    """The ``p_head`` argument of PostgreSQL's append function: the row, then what it must hold."""
     values = [str(v) for v in head.row()]
     if head.expect is not None:
         values += [str(head.expect[0]), head.expect[1]]
@@ -139,8 +139,11 @@ class IndexHeadMismatch(Exception):
         self.stored = stored
 
 
-#: What PostgreSQL's ``agentfold_append`` raises when the row does not match (the message).
+#: What PostgreSQL's append function raises when the row does not match (the message).
 INDEX_MISMATCH_MARK = "agentfold.index_head_mismatch"
+#: PostgreSQL's append function (one statement per append). Releases before 2026-12-01 called
+#: ``agentfold_append``, which writes the index row without comparing it.
+APPEND_FUNCTION = "agentfold_append_checked"
 
 
 HEAD_COLUMNS = (
@@ -503,10 +506,18 @@ _SQLITE_UPSERT_PROGRESS = (
     "ON CONFLICT(tree_id) DO UPDATE SET version=excluded.version, head_digest=excluded.head_digest, "
     "updated_at=excluded.updated_at"
 )
-#: The same upserts, applied only over the row the append starts from (``TreeHead.expect``).
-_SQLITE_EXPECT = f" WHERE {TREES_TABLE}.version = ? AND {TREES_TABLE}.head_digest = ?"
-_SQLITE_UPSERT_EXPECTING = _SQLITE_UPSERT + _SQLITE_EXPECT
-_SQLITE_UPSERT_PROGRESS_EXPECTING = _SQLITE_UPSERT_PROGRESS + _SQLITE_EXPECT
+#: A tree's first append (``TreeHead.expect`` version 0): the row must not exist yet.
+_SQLITE_INSERT_FIRST = _SQLITE_UPSERT + f" WHERE {TREES_TABLE}.version = ? AND {TREES_TABLE}.head_digest = ?"
+#: Every later append: an UPDATE of the row the append starts from, which must exist (an
+#: upsert would re-create a deleted row, and with it the evidence of a cut history).
+_SQLITE_UPDATE_EXPECTING = (
+    f"UPDATE {TREES_TABLE} SET status = ?, classification = ?, version = ?, head_digest = ?, "
+    "unknown_effect_ids = ?, updated_at = ? WHERE tree_id = ? AND version = ? AND head_digest = ?"
+)
+_SQLITE_UPDATE_PROGRESS_EXPECTING = (
+    f"UPDATE {TREES_TABLE} SET version = ?, head_digest = ?, updated_at = ? "
+    "WHERE tree_id = ? AND version = ? AND head_digest = ?"
+)
 
 
 class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
@@ -537,9 +548,15 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             if head.expect is None:
                 c.execute(_SQLITE_UPSERT_PROGRESS if head.progress_only else _SQLITE_UPSERT, head.row())
             else:
-                upsert = _SQLITE_UPSERT_PROGRESS_EXPECTING if head.progress_only else _SQLITE_UPSERT_EXPECTING
-                c.execute(upsert, (*head.row(), *head.expect))
-                if c.sqlite_cursor.rowcount != 1:  # the row anchors another end: roll the events back
+                if head.expect[0] == 0:
+                    c.execute(_SQLITE_INSERT_FIRST, (*head.row(), *head.expect))
+                elif head.progress_only:
+                    c.execute(_SQLITE_UPDATE_PROGRESS_EXPECTING,
+                              (head.version, head.head_digest, head.updated_at, head.tree_id, *head.expect))
+                else:
+                    row = head.row()
+                    c.execute(_SQLITE_UPDATE_EXPECTING, (*row[4:9], row[10], head.tree_id, *head.expect))
+                if c.sqlite_cursor.rowcount != 1:  # the row anchors another end, or is gone: roll the events back
                     c.execute(f"SELECT version, head_digest FROM {TREES_TABLE} WHERE tree_id = ?", (head.tree_id,))
                     row = c.fetchone()
                     raise IndexHeadMismatch(head.tree_id, head.expect, (int(row[0]), str(row[1])) if row else None)
@@ -734,39 +751,48 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # sync and a separate COMMIT. The events go first: another writer's event at the
         # same position is a unique violation (a version conflict) before the index row
         # is compared with the end this append starts from (p_head[12], p_head[13]:
-        # TreeHead.expect; absent, the row is written whatever it holds).
-        self.sql_create_statements.append(
-            _composed(
-                f'CREATE OR REPLACE FUNCTION "{schema}".agentfold_append('
-                "p_originator uuid, p_versions bigint[], p_topics text[], p_states bytea[], "
-                "p_head text[], p_new_processes text[]) RETURNS SETOF bigint LANGUAGE plpgsql AS $body$ "
-                "BEGIN "
-                f"LOCK TABLE {events} IN EXCLUSIVE MODE; "
-                f"NOTIFY {events_table_name}; "
-                f"RETURN QUERY INSERT INTO {events} (originator_id, originator_version, topic, state) "
-                "SELECT p_originator, x.v, x.t, x.s FROM unnest(p_versions, p_topics, p_states) AS x(v, t, s) "
-                "ORDER BY x.v RETURNING notification_id; "
-                "IF p_head IS NOT NULL THEN "
-                f'INSERT INTO "{schema}".{TREES_TABLE} AS t ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], '
-                "p_head[3], p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], "
-                "p_head[11]) "
-                "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
-                "classification=excluded.classification, version=excluded.version, "
-                "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
-                "updated_at=excluded.updated_at "
-                "WHERE p_head[12] IS NULL OR (t.version = p_head[12]::bigint AND t.head_digest = p_head[13]); "
-                "IF NOT FOUND THEN "
-                f"RAISE EXCEPTION '{INDEX_MISMATCH_MARK} %', p_head[1]; "
-                "END IF; "
-                f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
-                "SELECT unnest(p_new_processes), p_head[1]; "
-                "END IF; "
-                "END $body$"
-            )
+        # TreeHead.expect; absent, the row is written whatever it holds; past version 0 the
+        # row must exist). A new name for the function that checks the row: a database an
+        # earlier release created keeps its unchecked ``agentfold_append`` for that release's
+        # processes, and this one installs its own at the first append if it is missing.
+        self._create_append = _composed(
+            f'CREATE OR REPLACE FUNCTION "{schema}".{APPEND_FUNCTION}('
+            "p_originator uuid, p_versions bigint[], p_topics text[], p_states bytea[], "
+            "p_head text[], p_new_processes text[]) RETURNS SETOF bigint LANGUAGE plpgsql AS $body$ "
+            "BEGIN "
+            f"LOCK TABLE {events} IN EXCLUSIVE MODE; "
+            f"NOTIFY {events_table_name}; "
+            f"RETURN QUERY INSERT INTO {events} (originator_id, originator_version, topic, state) "
+            "SELECT p_originator, x.v, x.t, x.s FROM unnest(p_versions, p_topics, p_states) AS x(v, t, s) "
+            "ORDER BY x.v RETURNING notification_id; "
+            "IF p_head IS NOT NULL THEN "
+            "IF p_head[12] IS NOT NULL AND p_head[12]::bigint > 0 THEN "
+            f'UPDATE "{schema}".{TREES_TABLE} AS t SET status = p_head[5], classification = p_head[6], '
+            "version = p_head[7]::bigint, head_digest = p_head[8], unknown_effect_ids = p_head[9], "
+            "updated_at = p_head[11] "
+            "WHERE t.tree_id = p_head[1] AND t.version = p_head[12]::bigint AND t.head_digest = p_head[13]; "
+            "ELSE "
+            f'INSERT INTO "{schema}".{TREES_TABLE} AS t ({HEAD_COLUMNS}) VALUES (p_head[1], p_head[2], '
+            "p_head[3], p_head[4], p_head[5], p_head[6], p_head[7]::bigint, p_head[8], p_head[9], p_head[10], "
+            "p_head[11]) "
+            "ON CONFLICT (tree_id) DO UPDATE SET status=excluded.status, "
+            "classification=excluded.classification, version=excluded.version, "
+            "head_digest=excluded.head_digest, unknown_effect_ids=excluded.unknown_effect_ids, "
+            "updated_at=excluded.updated_at "
+            "WHERE p_head[12] IS NULL OR (t.version = p_head[12]::bigint AND t.head_digest = p_head[13]); "
+            "END IF; "
+            "IF NOT FOUND THEN "
+            f"RAISE EXCEPTION '{INDEX_MISMATCH_MARK} %', p_head[1]; "
+            "END IF; "
+            f'INSERT INTO "{schema}".{PROCESSES_TABLE} (process_id, tree_id) '
+            "SELECT unnest(p_new_processes), p_head[1]; "
+            "END IF; "
+            "END $body$"
         )
+        self.sql_create_statements.append(self._create_append)
         # Binary parameters (%b): a text-format bytea[] is hex-escaped element by element in
         # Python and parsed again by the server; binary halves the client CPU of an append.
-        self._append = f'SELECT * FROM "{schema}".agentfold_append(%b, %b, %b, %b, %b, %b)'
+        self._append = f'SELECT * FROM "{schema}".{APPEND_FUNCTION}(%b, %b, %b, %b, %b, %b)'
         # A snapshot goes in the append's transaction, as two more statements before it (one
         # append in every max(1000, version/8) events); the function keeps its signature, so a
         # database an earlier release created appends without DDL.
@@ -828,8 +854,15 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
                 curs.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{self._schema}".{name}')
             curs.execute(statement)
 
+    def _install_append_function(self) -> None:
+        with self.datastore.get_connection() as conn, conn.transaction(), conn.cursor() as curs:
+            curs.execute("SELECT pg_advisory_xact_lock(7406170100)")  # as _create_table: one at a time
+            curs.execute(self._create_append)
+
     @on_a_live_connection
-    def insert_events(self, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
+    def insert_events(
+        self, stored_events: Sequence[StoredEvent], *, _installing: bool = False, **kwargs: Any
+    ) -> Sequence[int] | None:
         if not stored_events:
             return []
         head: TreeHead | None = kwargs.get("head")
@@ -851,7 +884,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             with self.datastore.get_connection() as conn, conn.cursor() as curs:
                 if snapshot is None:
                     curs.execute(self._append, params, prepare=True)
-                    return [row["agentfold_append"] for row in curs.fetchall()]
+                    return [row[APPEND_FUNCTION] for row in curs.fetchall()]
                 # The snapshot statements first: the append takes the events table's lock (every
                 # tree's appends wait for it), which is then held only until the COMMIT that follows.
                 with conn.transaction():
@@ -861,9 +894,14 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
                     )
                     curs.execute(self._prune_snapshots, (originator, version), prepare=True)
                     curs.execute(self._append, params, prepare=True)
-                    ids = [row["agentfold_append"] for row in curs.fetchall()]
+                    ids = [row[APPEND_FUNCTION] for row in curs.fetchall()]
                 return ids
         except PersistenceError as exc:
+            if APPEND_FUNCTION in str(exc) and "does not exist" in str(exc) and not _installing:
+                # A database an earlier release created, opened without create_table: install
+                # this release's append function once (CREATE OR REPLACE: concurrent opens agree).
+                self._install_append_function()
+                return self.insert_events(stored_events, _installing=True, **kwargs)
             if head is None or head.expect is None or INDEX_MISMATCH_MARK not in str(exc):
                 raise
             stored = self.select_head(head.tree_id)

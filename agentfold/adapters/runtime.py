@@ -480,10 +480,12 @@ class _Driver:
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
             # told "stopped" may recover the tree at once, from another runtime.
             self.runtime._forget(self)
-            if isinstance(exc, StoreFailure) and exc.code != "store.closed":
+            if isinstance(exc, StoreFailure) and exc.code not in ("store.closed", "store.corrupt"):
                 # An append failed (a full disk, a database that went away): the watcher
                 # adopts the tree again once the store takes appends (``_adopt_lost``),
-                # instead of leaving it without an owner until someone runs `recover`.
+                # instead of leaving it without an owner until someone runs `recover`. A
+                # corrupt history (an append refused by the index row) is no outage: no retry
+                # would mend it (`agentfold audit verify` says what is wrong).
                 self.runtime._stalled(self.tree_id)
             self._reject(items, self.stopped)
             self.cond.notify_all()
