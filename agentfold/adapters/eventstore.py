@@ -1097,9 +1097,17 @@ class EventStore:
             except FoldError as exc:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             digest = record.digest
-        if anchor is None:  # every append and every import writes the row with the events
-            raise self._head_mismatch(tree_id, None, state.version, digest)
-        self._check_anchor(tree_id, anchor, state.version, digest, upto)
+        if anchor is None:
+            # Every append and every import writes the row with the events: none when the row
+            # was read means the tree's first append committed since (read the row again), or
+            # a row deleted by hand.
+            again = self.head(tree_id)
+            if again is None:
+                raise self._head_mismatch(tree_id, None, state.version, digest)
+            if again.version <= state.version:  # else later appends committed too: ours is a prefix
+                self._check_anchor(tree_id, again, state.version, digest, upto)
+        else:
+            self._check_anchor(tree_id, anchor, state.version, digest, upto)
         return LoadedTree(state, digest, snapshot_version)
 
     def _check_anchor(self, tree_id: TreeID, anchor: TreeHead, version: int, digest: str | None, upto: int | None) -> None:
