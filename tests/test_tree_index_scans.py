@@ -388,8 +388,13 @@ def test_a_steady_state_append_sets_only_the_version_digest_and_time_on_sqlite(
             assert result.status == "completed"
     finally:
         store.close()
-    upserts = [q for q in statements if q.startswith("INSERT INTO agentfold_trees")]
-    narrow = [q for q in upserts if "classification=excluded.classification" not in q]
-    assert len(upserts) == 21  # the start, then one append per Effect
-    assert upserts[0] not in narrow and upserts[-1] not in narrow  # created; completed (terminal)
-    assert len(narrow) >= 18 and all("SET version=excluded.version, head_digest" in q for q in narrow)
+    # The start inserts the row; every later append updates the row it starts from (the
+    # update also checks the row's version and digest: the WHERE clause, not what it sets).
+    writes = [q for q in statements if q.startswith(("INSERT INTO agentfold_trees", "UPDATE agentfold_trees"))]
+    sets = [q.split(" WHERE ")[0] if q.startswith("UPDATE") else q for q in writes]
+    narrow = [q for q in sets if "classification" not in q]
+    assert len(writes) == 21  # the start, then one append per Effect
+    assert writes[0].startswith("INSERT") and all(q.startswith("UPDATE") for q in writes[1:])
+    assert sets[0] not in narrow and sets[-1] not in narrow  # created; completed (terminal)
+    assert len(narrow) >= 18
+    assert all(q.startswith("UPDATE agentfold_trees SET version = ") and "head_digest = " in q for q in narrow)

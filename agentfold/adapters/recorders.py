@@ -794,8 +794,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # Python and parsed again by the server; binary halves the client CPU of an append.
         self._append = f'SELECT * FROM "{schema}".{APPEND_FUNCTION}(%b, %b, %b, %b, %b, %b)'
         # A snapshot goes in the append's transaction, as two more statements before it (one
-        # append in every max(1000, version/8) events); the function keeps its signature, so a
-        # database an earlier release created appends without DDL.
+        # append in every max(1000, version/8) events); the function keeps its signature.
         self._insert_snapshot = (
             f'INSERT INTO "{schema}".{SNAPSHOTS_TABLE} (originator_id, originator_version, topic, state) '
             "VALUES (%b, %b, %b, %b) ON CONFLICT (originator_id, originator_version) "
