@@ -263,3 +263,29 @@ def test_cancel_child_of_a_child_with_a_call_in_flight_stops_the_grandchildren_a
         middle_end = runtime.capture(handle.tree_id).processes[mid.process_id]
         assert middle_end.status == "canceled" and middle_end.termination is not None
         assert middle_end.termination.cause == "parent_cancellation"
+
+
+def test_children_keep_the_first_end_they_recorded_a_deadline_then_a_kill_leaves_them_timed_out(
+    store_url: str,
+) -> None:
+    # As Scope's stopProcessTree at each intent: the deadline gives the children a deadline,
+    # the kill that follows a cancel, and a deadline outranks a cancel.
+    calls, gate = Calls(), Gate()
+    leaf = looper_program("subtree.dk-leaf", calls.looping("leaf"))
+    middle = looper_program("subtree.dk-middle", calls.looping("middle"), leaf)
+    root = blocker_program("subtree.dk-root", middle, gate.call)
+    with Runtime(EventStore(store_url), Catalog([root])) as runtime:
+        handle = runtime.start(root, None)
+        assert gate.entered.wait(WAIT)
+        wait_until(lambda: calls.of("leaf") >= 1, "the leaf to run")
+        runtime.deadline(handle.root_process_id)
+        runtime.kill(handle.root_process_id)
+        wait_until(
+            lambda: all(p.terminal for p in by_depth(runtime.capture(handle.tree_id))[1:]), "the descendants to end"
+        )
+        gate.open.set()
+        assert runtime.result(handle.tree_id, timeout=WAIT).status == "killed"
+        _root, mid, low = by_depth(runtime.capture(handle.tree_id))
+        for process in (mid, low):
+            assert process.status == "timed_out"
+            assert process.termination is not None and process.termination.cause == "parent_deadline"
