@@ -74,7 +74,7 @@ class TreeHead:
     updated_at: str = ""
     new_processes: tuple[str, ...] = field(default=(), compare=False)
     #: Only ``version``, ``head_digest`` and ``updated_at`` differ from the row the same writer
-    #: stored with its previous append (see ``Runtime``): the SQLite upsert then leaves the
+    #: stored with its previous append (see ``Runtime``): the SQLite update then leaves the
     #: other columns, so the partial indexes on them (``TREES_INDEXES``) are not rewritten.
     progress_only: bool = field(default=False, compare=False)
     #: The ``(version, head_digest)`` the stored row must hold for the append that writes this
@@ -501,11 +501,6 @@ _SQLITE_UPSERT = (
     "version=excluded.version, head_digest=excluded.head_digest, "
     "unknown_effect_ids=excluded.unknown_effect_ids, updated_at=excluded.updated_at"
 )
-_SQLITE_UPSERT_PROGRESS = (
-    f"INSERT INTO {TREES_TABLE} ({HEAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
-    "ON CONFLICT(tree_id) DO UPDATE SET version=excluded.version, head_digest=excluded.head_digest, "
-    "updated_at=excluded.updated_at"
-)
 #: A tree's first append (``TreeHead.expect`` version 0): the row must not exist yet.
 _SQLITE_INSERT_FIRST = _SQLITE_UPSERT + f" WHERE {TREES_TABLE}.version = ? AND {TREES_TABLE}.head_digest = ?"
 #: Every later append: an UPDATE of the row the append starts from, which must exist (an
@@ -543,23 +538,24 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         ids = self._insert_rows(c, stored_events)
         head: TreeHead | None = kwargs.get("head")
         if head is not None:
-            # SQLite rewrites an index when the UPDATE sets a column it reads, whatever the value:
-            # setting only what moved keeps a steady-state append off the partial indexes.
-            if head.expect is None:
-                c.execute(_SQLITE_UPSERT_PROGRESS if head.progress_only else _SQLITE_UPSERT, head.row())
+            row = head.row()
+            if head.expect is None:  # an import: written whatever the row holds
+                c.execute(_SQLITE_UPSERT, row)
+            elif head.expect[0] == 0:
+                c.execute(_SQLITE_INSERT_FIRST, (*row, *head.expect))
+            elif head.progress_only:
+                # SQLite rewrites an index when the UPDATE sets a column it reads, whatever the
+                # value: setting only what moved keeps a steady-state append off the partial indexes.
+                c.execute(_SQLITE_UPDATE_PROGRESS_EXPECTING,
+                          (head.version, head.head_digest, head.updated_at, head.tree_id, *head.expect))
             else:
-                if head.expect[0] == 0:
-                    c.execute(_SQLITE_INSERT_FIRST, (*head.row(), *head.expect))
-                elif head.progress_only:
-                    c.execute(_SQLITE_UPDATE_PROGRESS_EXPECTING,
-                              (head.version, head.head_digest, head.updated_at, head.tree_id, *head.expect))
-                else:
-                    row = head.row()
-                    c.execute(_SQLITE_UPDATE_EXPECTING, (*row[4:9], row[10], head.tree_id, *head.expect))
-                if c.sqlite_cursor.rowcount != 1:  # the row anchors another end, or is gone: roll the events back
-                    c.execute(f"SELECT version, head_digest FROM {TREES_TABLE} WHERE tree_id = ?", (head.tree_id,))
-                    row = c.fetchone()
-                    raise IndexHeadMismatch(head.tree_id, head.expect, (int(row[0]), str(row[1])) if row else None)
+                c.execute(_SQLITE_UPDATE_EXPECTING, (head.status, head.classification, head.version, head.head_digest,
+                                                     row[8], head.updated_at, head.tree_id, *head.expect))
+            if head.expect is not None and c.sqlite_cursor.rowcount != 1:
+                # The row anchors another end, or is gone: roll the events back.
+                c.execute(f"SELECT version, head_digest FROM {TREES_TABLE} WHERE tree_id = ?", (head.tree_id,))
+                found = c.fetchone()
+                raise IndexHeadMismatch(head.tree_id, head.expect, (int(found[0]), str(found[1])) if found else None)
             for pid in head.new_processes:
                 c.execute(f"INSERT INTO {PROCESSES_TABLE} (process_id, tree_id) VALUES (?, ?)", (pid, head.tree_id))
         snapshot: StoredEvent | None = kwargs.get("snapshot")
