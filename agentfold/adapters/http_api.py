@@ -1134,6 +1134,9 @@ def create_app(service: ApiService | None = None) -> FastAPI:
 
     @app.get("/health", tags=["health"], summary="store reachable; positions (no token needed)",
              responses={**_ok(Health, "the server is up"), 503: _problems()[503], 500: _problems()[500]})
+    # HEAD: the same check and status with no body, for probes that send HEAD (not in the
+    # OpenAPI document, which lists each operation once).
+    @app.head("/health", include_in_schema=False)
     async def health(request: Request) -> Response:
         service = _service(request)
         limiter = getattr(request.app.state, "health_limiter", None)

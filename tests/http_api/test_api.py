@@ -143,6 +143,16 @@ def test_health_answers_without_a_token_with_the_store_and_read_model_positions(
     assert 0 <= positions["read_models"] <= ok(httpx.get(api.url + "/health"))["positions"]["store"]
 
 
+def test_health_answers_head_probes_with_its_status_and_no_body(api: ApiServer) -> None:
+    probe = httpx.head(api.url + "/health")
+    assert probe.status_code == 200, probe.text
+    assert probe.content == b""
+    assert probe.headers["content-type"] == "application/json"
+    assert api.client().head("/health/").status_code == 404  # no redirect, as GET
+    # the other endpoints still answer only what the OpenAPI document lists (HEAD is not one)
+    assert api.client().head("/runs").status_code == 405
+
+
 def test_every_endpoint_but_health_refuses_a_missing_or_wrong_token_with_401(api: ApiServer) -> None:
     document = ok(api.client().get("/openapi.json"))
     operations = {(method, path) for path, ops in document["paths"].items() for method in ops}
