@@ -35,7 +35,7 @@ from agentfold.adapters.read_models import CorruptTree, ReadModels
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.ids import TreeID
 from agentfold.projections.read_models import project_tree
-from tests.audit.support import Sql
+from tests.audit.support import Sql, append_past_index_row
 from tests.http_api.support import ApiServer, ok, problem, start_server
 from tests.streams import expect_line, read_both
 from tests.test_cli import ROOT, Ran, agentfold
@@ -397,3 +397,37 @@ def test_serve_keeps_its_read_models_current_past_a_corrupt_tree_and_logs_it_onc
     assert logs.count(f"read models: tree {bad} (start bad) is corrupt at position {position}") == 1, logs
     assert "read-model follower failed" not in logs and "Traceback" not in logs, logs
     assert ok(c.get("/health"))["follower"] == "running"
+
+
+def test_project_records_a_tree_with_an_event_added_past_its_index_row_even_when_it_chains(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # Found by a regression audit: an event appended by hand with a correct digest chain was
+    # projected (a forged answer or steering message in the tables) while every load refused
+    # the tree (index.head_mismatch).
+    store = durable_store_url
+    _, bad, healthy = runs_with_one_to_damage(store, tmp_path)
+    ran_ok(agentfold("project", store=store))  # "bad" has rows before the forgery
+    forged = append_past_index_row(store, TreeID(bad))
+
+    found = agentfold("project", "--json", store=store)
+    assert found.code == 1, found.stderr
+    [entry] = found.json()["corrupt_trees"]
+    assert entry == {**named(bad, "bad", forged), "rule": "index.head_mismatch", "detail": entry["detail"]}
+    assert entry["detail"].endswith("events were added past it")
+    [error] = stderr_errors(found)
+    assert error["detail"] == {"tree_id": bad, "start_id": "bad", "position": forged, "rule": "index.head_mismatch"}
+    events = EventStore(store)
+    try:
+        models = ReadModels(events, create=False)
+        [record] = models.corrupt_trees()
+        assert (record.tree_id, record.position, record.rule) == (bad, forged, "index.head_mismatch")
+        assert record.found_at == notification_of(events, bad, forged)
+        assert models.tree_rows(bad) == empty_rows(bad)
+        assert set(models.counters()) == set(healthy)
+    finally:
+        events.close()
+    # a rebuild reproduces the record
+    before = dump(store)
+    rebuilt = agentfold("project", "--rebuild", "--json", store=store)
+    assert rebuilt.code == 1 and canon(dump(store)) == canon(before)

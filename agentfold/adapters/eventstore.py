@@ -1211,7 +1211,35 @@ class EventStore:
 
     def versions(self, tree_ids: Sequence[TreeID]) -> dict[TreeID, int]:
         """The stored version of each tree (from the tree index), in one query."""
-        return {TreeID(k): v for k, v in self.index.select_versions([str(t) for t in tree_ids]).items()}
+        return {t: a[0] for t, a in self.anchors(tree_ids).items()}
+
+    def anchors(self, tree_ids: Sequence[TreeID]) -> dict[TreeID, tuple[int, str]]:
+        """The end (version, head digest) each tree's index row anchors, in one query; trees
+        without a row are left out."""
+        return {TreeID(k): a for k, a in self.index.select_anchors([str(t) for t in tree_ids]).items()}
+
+    def past_anchor(
+        self, tree_id: TreeID, position: int, digest: str, anchor: tuple[int, str] | None
+    ) -> CorruptStream | None:
+        """Whether an event read from the notification log lies beyond what the tree's index row
+        (read AFTER the event) anchors: None when it is within, else the refusal a load gives.
+
+        An append writes its events and the row in one transaction, so a row read after an
+        event reaches at least that event's position: an event past it was added by hand
+        (a forged event, correctly chained or not), and one at the row's version must carry
+        the row's head digest."""
+        if anchor is None:
+            return self._head_mismatch(tree_id, None, position, digest)
+        version, head_digest = anchor
+        if position > version:
+            return CorruptStream(
+                tree_id, version + 1, "index.head_mismatch",
+                f"the stream goes on to position {position}, the tree index ends at version {version}: "
+                "events were added past it",
+            )
+        if position == version and digest != head_digest:
+            return self._head_mismatch(tree_id, anchor, position, digest)
+        return None
 
     def tree_of_process(self, process_id: str) -> TreeID | None:
         found = self.index.tree_of_process(process_id)

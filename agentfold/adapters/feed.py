@@ -136,12 +136,23 @@ class ChainCheck:
     (``store.corrupt``, as loading the tree says it).
 
     The previous digest comes from the event before in the same batch or an earlier one (the
-    last ``capacity`` trees are remembered), else from the store (one read per tree)."""
+    last ``capacity`` trees are remembered), else from the store (one read per tree).
+
+    With ``anchor`` called for a batch (after reading it), each event must also lie within
+    the end its tree's index row anchors (``EventStore.past_anchor``): an event added past
+    it by hand, even one chained correctly, is refused as loading the tree refuses it."""
 
     def __init__(self, store: EventStore, capacity: int = 10_000) -> None:
         self.store = store
         self.capacity = capacity
         self._last: collections.OrderedDict[TreeID, tuple[int, str]] = collections.OrderedDict()
+        self._anchors: dict[TreeID, tuple[int, str]] | None = None
+
+    def anchor(self, notifications: Sequence[Notification]) -> None:
+        """Read the index rows of the batch's trees (one query): call it after reading the batch."""
+        trees = {TreeID.from_uuid(n.originator_id if isinstance(n.originator_id, uuid.UUID)
+                                  else uuid.UUID(str(n.originator_id))) for n in notifications}
+        self._anchors = self.store.anchors(sorted(trees))
 
     def check(self, tree_id: TreeID, position: int, tag: str, content: bytes, recorded: str) -> None:
         previous = self._previous(tree_id, position)
@@ -149,6 +160,10 @@ class ChainCheck:
         if expected != recorded:
             raise CorruptStream(tree_id, position, "integrity.digest_chain",
                                 f"recorded digest {recorded} but the chain gives {expected}")
+        if self._anchors is not None:
+            problem = self.store.past_anchor(tree_id, position, recorded, self._anchors.get(tree_id))
+            if problem is not None:
+                raise problem
         self._last[tree_id] = (position, recorded)
         self._last.move_to_end(tree_id)
         if len(self._last) > self.capacity:
@@ -375,6 +390,7 @@ class Publisher:
         if not notifications:
             self.steps += 1
             return 0
+        self._chain.anchor(notifications)
         # Up to the first event that cannot be read or does not verify: what comes before it
         # is published (and its position stored), then the publisher stops on it.
         envelopes: list[Envelope] = []

@@ -171,11 +171,14 @@ class Follower:
             by_tree.setdefault(tree_id, []).append(n)
         updates: list[TreeUpdate] = []
         corrupt: list[CorruptTree] = []
+        # Read after the batch: each tree's index row reaches at least the batch's events (an
+        # append writes both in one transaction); an event past it was added by hand.
+        anchors = self.store.anchors(list(by_tree))
         for tree_id, items in by_tree.items():
             if str(tree_id) in self._corrupt:
                 continue  # corrupt at an earlier position: every later event is unreadable too
             try:
-                updates.append(self._advance(tree_id, items))
+                updates.append(self._advance(tree_id, items, anchors.get(tree_id)))
             except CorruptStream as exc:
                 # One damaged tree must not stop every other tree's read models: record it
                 # with this batch (a pure function of the log, so a rebuild records it again).
@@ -216,7 +219,7 @@ class Follower:
         return CorruptTree(str(tree_id), head.start_id if head is not None else None, created, exc.position,
                            exc.rule, str(exc.detail), found_at)
 
-    def _advance(self, tree_id: TreeID, items: Sequence[Notification]) -> TreeUpdate:
+    def _advance(self, tree_id: TreeID, items: Sequence[Notification], anchor: tuple[int, str] | None) -> TreeUpdate:
         first = items[0].originator_version
         folded = self._cache.get(tree_id)
         if folded is None or folded.state.version != first - 1:
@@ -224,7 +227,7 @@ class Follower:
         else:
             self._cache.move_to_end(tree_id)
         try:
-            self._apply(tree_id, folded, items)
+            self._apply(tree_id, folded, items, anchor)
         except FoldError:
             if folded.programs is None:
                 raise
@@ -233,21 +236,27 @@ class Follower:
             # the tree, as host queries do, rather than stopping every tree's read models.
             self._cache.pop(tree_id, None)
             folded = self._load(tree_id, first - 1, items, bind=False)
-            self._apply(tree_id, folded, items)
+            self._apply(tree_id, folded, items, anchor)
         if folded.state.terminal:
             # A finished run rarely gets another event (a late resolution): one that does is
             # folded again from the store. Its state and Programs need not be kept meanwhile.
             self._cache.pop(tree_id, None)
         return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
 
-    def _apply(self, tree_id: TreeID, folded: _Folded, items: Sequence[Notification]) -> None:
+    def _apply(self, tree_id: TreeID, folded: _Folded, items: Sequence[Notification],
+               anchor: tuple[int, str] | None) -> None:
         for n in items:
             try:
                 record = self.store.mapper.decode(tree_id, n, folded.digest)
-                folded.state.apply(record.event, record.position)
             except DecodeError as exc:
                 self._cache.pop(tree_id, None)
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
+            problem = self.store.past_anchor(tree_id, record.position, record.digest, anchor)
+            if problem is not None:
+                self._cache.pop(tree_id, None)
+                raise problem
+            try:
+                folded.state.apply(record.event, record.position)
             except FoldError as exc:
                 self._cache.pop(tree_id, None)
                 if folded.programs is not None:

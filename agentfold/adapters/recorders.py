@@ -258,7 +258,8 @@ class IndexQueries:
         read from their partial indexes: they cost what they count)."""
         raise NotImplementedError
 
-    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+    def select_anchors(self, tree_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
+        """The version and head digest of each tree's index row (trees without one are left out)."""
         raise NotImplementedError
 
     def tree_of_process(self, process_id: str) -> str | None:
@@ -625,16 +626,17 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return live, int(row[0]) if row else 0
 
-    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
-        out: dict[str, int] = {}
+    def select_anchors(self, tree_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
+        out: dict[str, tuple[int, str]] = {}
         with self.datastore.transaction(commit=False) as c:
             for start in range(0, len(tree_ids), 500):
                 chunk = list(tree_ids[start : start + 500])
                 c.execute(
-                    f"SELECT tree_id, version FROM {TREES_TABLE} WHERE tree_id IN ({','.join('?' * len(chunk))})",
+                    f"SELECT tree_id, version, head_digest FROM {TREES_TABLE} "
+                    f"WHERE tree_id IN ({','.join('?' * len(chunk))})",
                     chunk,
                 )
-                out.update({str(r[0]): int(r[1]) for r in c.fetchall()})
+                out.update({str(r[0]): (int(r[1]), str(r[2])) for r in c.fetchall()})
         return out
 
     def tree_of_process(self, process_id: str) -> str | None:
@@ -928,11 +930,12 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         rows = self._select(with_unknown)
         return live, int(rows[0]["n"]) if rows else 0
 
-    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+    def select_anchors(self, tree_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
         rows = self._select(
-            f'SELECT tree_id, version FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)', (list(tree_ids),)
+            f'SELECT tree_id, version, head_digest FROM "{self._schema}".{TREES_TABLE} WHERE tree_id = ANY(%s)',
+            (list(tree_ids),),
         )
-        return {str(r["tree_id"]): int(r["version"]) for r in rows}
+        return {str(r["tree_id"]): (int(r["version"]), str(r["head_digest"])) for r in rows}
 
     def tree_of_process(self, process_id: str) -> str | None:
         rows = self._select(
@@ -1026,9 +1029,9 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                 live[head.classification] = live.get(head.classification, 0) + 1
         return live, sum(1 for head in heads if head.unknown_effect_ids and head.classification != "terminal")
 
-    def select_versions(self, tree_ids: Sequence[str]) -> dict[str, int]:
+    def select_anchors(self, tree_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
         with self._index_lock:
-            return {t: self._heads[t].version for t in tree_ids if t in self._heads}
+            return {t: (self._heads[t].version, self._heads[t].head_digest) for t in tree_ids if t in self._heads}
 
     def tree_of_process(self, process_id: str) -> str | None:
         with self._index_lock:

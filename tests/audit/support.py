@@ -195,3 +195,19 @@ class Sql:
 def digest_of_state(state: bytes) -> str:
     """The recorded digest of a stored state (``{"digest":"sha256:<64 hex>",...``)."""
     return state[len(b'{"digest":"') : len(b'{"digest":"') + 71].decode()
+
+
+def append_past_index_row(url: str, tree_id: TreeID) -> int:
+    """Append by hand, past the end the tree's index row anchors, a copy of the tree's last event
+    chained correctly from it (a forger who can compute the chain but left the row alone).
+    Returns its position."""
+    store = EventStore(url, create=False)
+    try:
+        last = store.read(tree_id)[-1]
+        record, _ = store.mapper.encode(
+            tree_id, tree_id.uuid, last.position + 1, last.event, "2026-12-01T00:00:00Z", last.digest
+        )
+    finally:
+        store.close()
+    Sql(url).insert(tree_id, last.position + 1, record.topic, record.state)
+    return last.position + 1

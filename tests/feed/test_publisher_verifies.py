@@ -16,7 +16,7 @@ import uuid
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.feed import PublisherPosition
 from agentfold.domain.ids import TreeID
-from tests.audit.support import Sql
+from tests.audit.support import Sql, append_past_index_row
 from tests.feed.support import read_topic_confluent, stored_envelopes
 from tests.test_cli import agentfold
 from tests.test_feed_reconnects import _runs
@@ -67,3 +67,31 @@ def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_
     again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
     assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == damaged["position"]
     assert _position(url, topic) == before[-1]
+
+
+def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_chains(
+    durable_store_url: str, kafka_bootstrap: str,
+) -> None:
+    # Found by a regression audit: a forged event appended by hand with a correct digest chain
+    # (a steering message) was published, and transcripts showed it as the user's words, while
+    # every load refused the tree (index.head_mismatch).
+    url = durable_store_url
+    _runs(url, 3)
+    envelopes = stored_envelopes(url)
+    tree_id = envelopes[0]["tree_id"]
+    forged = append_past_index_row(url, TreeID(tree_id))
+    before = [e["notification_id"] for e in envelopes]
+
+    topic = f"anchor-{uuid.uuid4().hex[:8]}"
+    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
+                    "--json", store=url)
+    assert ran.code == 1, ran.stderr
+    error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "store.corrupt"
+    assert error["detail"] == {"tree_id": tree_id, "position": forged, "rule": "index.head_mismatch"}
+    assert "events were added past it" in error["message"]
+    # every genuine event is on the topic, once; the forged one is not, and the position stops before it
+    assert sorted(read_topic_confluent(kafka_bootstrap, topic, expected=len(before)).notification_ids()) == before
+    assert _position(url, topic) == before[-1]
+    again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
+    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == forged
