@@ -192,6 +192,13 @@ def test_a_tree_whose_index_row_was_deleted_is_neither_shown_nor_driven(durable_
                     control(root)
     finally:
         store.close()
+    # Named by its tree id, the tree is refused as corrupt, not reported as one that does not exist.
+    shown = agentfold("show", str(tree_id), "--json", store=durable_store_url)
+    assert shown.code == 1, shown
+    assert shown.error()["code"] == "store.corrupt"
+    assert shown.error()["detail"] == {"tree_id": str(tree_id), "position": last - 1, "rule": "index.head_mismatch"}
+    missing = agentfold("show", "tree:" + "0" * 32, "--json", store=durable_store_url)
+    assert missing.code == 2 and missing.error()["code"] == "engine.tree.not_found"
     assert log.count() == 3 and sql.raw_rows(tree_id) == before
     assert not sql._run("SELECT 1 FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))
 

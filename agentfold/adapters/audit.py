@@ -708,17 +708,11 @@ def _end_of(body: dict[str, Any], number: int) -> dict[str, Any]:
 
 
 def _end_problem(end: dict[str, Any] | None, folded: Folded, *, without_end: bool) -> Finding | None:
-    """Whether the verified records are the whole history the file's end line names."""
+    """Whether the verified records are the whole history the file's end line names (a file
+    without one was refused before its records were folded, unless ``without_end``)."""
     state, name = folded.state, str(folded.state.tree_id)
     if end is None:
-        if without_end:
-            return None
-        raise InvalidInput(
-            "import.format",
-            f"the file has no end line after its {state.version} record(s): it was cut short, or written by an "
-            "export before 2026-12-01",
-            hint="export the tree again; a whole file of an earlier release imports with --without-end",
-        )
+        return None
     if end["events"] != state.version:
         return Finding(
             name, min(end["events"], state.version) + 1, "integrity.end",
@@ -756,6 +750,15 @@ def check_export(
 ) -> tuple[TreeID, list[StoredEvent], Folded]:
     """Parse and verify a whole export file (chain and every fold rule) without any store."""
     tree_id, stored, end = parse_export(data)
+    if end is None and not without_end:
+        # Before the fold: a file cut short is a file cut short wherever the cut fell (in the
+        # middle of a Step, its fold would otherwise report the half Step first).
+        raise InvalidInput(
+            "import.format",
+            f"the file has no end line after its {len(stored)} record(s): it was cut short, or written by an "
+            "export before 2026-12-01",
+            hint="export the tree again; a whole file of an earlier release imports with --without-end",
+        )
     mapper = PydanticMapper(transcoder=OrjsonTranscoder())  # the store's own decoding and checks
     folded = fold_stored(tree_id, stored, mapper, sources.catalog(), keep=True)
     if folded.problem is None and stored[0].originator_version != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import uuid
@@ -238,10 +239,20 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Write the whole file or nothing (a reader never sees half an export)."""
+    """Write the whole file or nothing (a reader never sees half an export).
+
+    The file gets the mode a plain write would give it (the mode of the file it replaces,
+    else 0666 less the umask), not the temporary file's 0600."""
     directory = path.resolve().parent
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

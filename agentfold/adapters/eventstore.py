@@ -1250,6 +1250,7 @@ class EventStore:
         if ref.startswith("tree:"):
             tree_id = TreeID(ref)
             if self.head(tree_id) is None:
+                self._refuse_unindexed(tree_id)
                 raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
             return tree_id
         found = self.tree_of_process(ref)
@@ -1257,11 +1258,19 @@ class EventStore:
             return found
         tree_id = TreeID.for_start(StartID(ref))
         if self.head(tree_id) is None:
+            self._refuse_unindexed(tree_id)
             raise NotFound(
                 "engine.tree.not_found", f"no tree, start id or process {str(ref)!r} in this store",
                 hint="list trees with `agentfold trees`",
             )
         return tree_id
+
+    def _refuse_unindexed(self, tree_id: TreeID) -> None:
+        """A tree with events but no index row had its row deleted: refused as a load refuses
+        it (``store.corrupt``), not reported as a tree that does not exist."""
+        last = self.recorder.select_events(tree_id.uuid, desc=True, limit=1)
+        if last:
+            raise self._head_mismatch(tree_id, None, last[0].originator_version, None)
 
     def find_process_tree(self, process_id: str) -> TreeID:
         """The tree of a process (InvalidInput for a malformed id, else NotFound)."""

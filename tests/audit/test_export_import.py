@@ -8,11 +8,16 @@ whole file before they write, and refuse a different history of the same tree.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agentfold.adapters import audit
+from agentfold.adapters.sources import default_sources
+from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, record_demo
 from tests.conftest import make_store_url
@@ -207,6 +212,15 @@ def test_a_file_cut_short_is_refused_and_a_whole_file_of_an_earlier_release_impo
     error = refused(import_file(tmp_path / "cut.jsonl", target)).error()
     assert error["code"] == "import.format" and "no end line after its 27 record(s)" in error["message"]
     assert "--without-end" in error["hint"]
+    # Wherever the cut falls (between Steps or in the middle of one), it is the same refusal:
+    # found by a regression audit, a cut inside a Step was reported as a broken history
+    # (import.corrupt effect.declaration) since the fold ran before the end line was looked for.
+    sources = default_sources()
+    for n in range(1, len(kept)):
+        with pytest.raises(InvalidInput) as cut:
+            audit.check_export(b"".join(kept[:n]), sources)
+        assert cut.value.code == "import.format", (n, cut.value.code, cut.value.message)
+        assert f"no end line after its {n} record(s)" in cut.value.message
     (tmp_path / "cut-end.jsonl").write_bytes(b"".join(kept[:27]) + end)  # records dropped, end line kept
     error = refused(import_file(tmp_path / "cut-end.jsonl", target)).error()
     assert error["code"] == "import.corrupt"
@@ -228,3 +242,24 @@ def test_a_file_cut_short_is_refused_and_a_whole_file_of_an_earlier_release_impo
     # --without-end only drops the need for an end line: one that is there is still checked.
     cut = refused(agentfold("import", str(tmp_path / "cut-end.jsonl"), "--without-end", "--json", store=target))
     assert cut.error()["detail"]["rule"] == "integrity.end"
+
+
+def test_export_out_gives_the_file_the_mode_a_plain_write_would(tmp_path: Path) -> None:
+    # Found by a crash audit: every export file was created 0600 (the temporary file's mode),
+    # whatever the umask, unlike a file written with `> file` (or `export` to stdout).
+    store = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", store)
+    out = tmp_path / "tree.jsonl"
+    old = os.umask(0o022)
+    try:
+        export(store, tree_id, out)
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644
+        out.chmod(0o600)  # an operator who restricted the file keeps it restricted
+        export(store, tree_id, out)
+        assert stat.S_IMODE(out.stat().st_mode) == 0o600
+        os.umask(0o077)
+        export(store, tree_id, tmp_path / "private.jsonl")
+        assert stat.S_IMODE((tmp_path / "private.jsonl").stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
