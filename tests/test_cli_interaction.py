@@ -630,6 +630,22 @@ def test_cancel_ends_a_parked_run_and_a_finished_process_cannot_be_canceled(tmp_
     assert logged_calls(log) == ["call_ok", "call_ok"]  # each run's tool asked once; nothing ran after the cancel
 
 
+def test_canceling_a_run_with_an_unknown_call_says_the_unknown_can_no_longer_be_resolved(tmp_path: Path) -> None:
+    # Found by a regression audit: the cancel's summary listed "unknown effects: ..." as a live
+    # run's, inviting a `resolve` that is refused (engine.process.finished).
+    store = sqlite_url(tmp_path)
+    parked = run_json(store, write(tmp_path, two_call_round(None, alpha={"error": "down"})), "--start-id", "u")
+    [unknown] = ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"]
+    effect_id = unknown["effect_id"]
+    canceled = ok(agentfold("cancel", parked["root_process_id"], store=store)).stdout
+    assert "root canceled, tree terminal" in canceled
+    assert f"; unresolved unknown effects (evidence, no longer resolvable): {effect_id}" in canceled
+    assert "; unknown effects:" not in canceled
+    assert refused(agentfold("resolve", effect_id, "--output", "{}", "--json", store=store)).error()["code"] == (
+        "engine.process.finished"
+    )
+
+
 # ---------------------------------------------------------------------------
 # Refused input: exit 2, one line on stderr, nothing appended
 

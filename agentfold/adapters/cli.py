@@ -202,7 +202,10 @@ def _summary_text(summary: Mapping[str, Any]) -> str:
         f"{summary['tree_id']} (start {summary['start_id']}): root {summary['status']}, "
         f"tree {summary['classification']}"
     )
-    if unknown:
+    if unknown and summary["classification"] == "terminal":
+        # The tree ended: they can no longer be resolved (they stay as evidence).
+        text += f"; unresolved unknown effects (evidence, no longer resolvable): {', '.join(unknown)}"
+    elif unknown:
         text += f"; unknown effects: {', '.join(unknown)}"
     return text
 
