@@ -9,6 +9,7 @@ row's bytes alone would not see. Then the store is opened as a user would: ``Eve
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -255,3 +256,34 @@ def test_events_added_past_the_index_row_with_a_valid_chain_are_refused_by_loads
     shown = agentfold("show", str(tree_id), "--json", store=durable_store_url)
     assert shown.code == 1 and shown.error()["code"] == "store.corrupt", shown
     assert log.count() == 3
+
+
+def test_an_append_whose_new_process_is_indexed_already_is_refused_as_corrupt_and_writes_nothing(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # Found by a tamper audit: a history cut back before a child was created, with its index
+    # row rewritten to match, verified OK; re-driving it created the child again under the same
+    # deterministic id, and the process index's stale row refused every append as
+    # store.append_failed (an outage: the runtime retried it for good). The refusal is now
+    # store.corrupt (index.process_mismatch), which no retry is made for.
+    tree_id, _, program, last = parked_in_flight(durable_store_url, tmp_path)
+    other = Runtime(EventStore(durable_store_url), Catalog([chain_program(name="tamper.other")]), poll_interval=0)
+    with other:
+        done = other.start(chain_program(name="tamper.other"), {"n": 1}, start_id="other-1")
+        assert done.result(timeout=30).status == "completed"
+        taken = str(other.capture(str(done.tree_id)).root.process_id)
+    sql = Sql(durable_store_url)
+    store = EventStore(durable_store_url)
+    try:
+        whole = store.load(tree_id, Catalog([program]).resolve)
+        pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
+        now = "2026-12-01T00:00:00Z"
+        head = dataclasses.replace(index_head(whole.state, tree_id, [pause], now), new_processes=(taken,))
+        before = (sql.raw_rows(tree_id), sql.head(tree_id))
+        with pytest.raises(CorruptStream) as refused:
+            store.append(tree_id, last, [pause], previous_digest=whole.digest, timestamp=now, head=head)
+        assert (refused.value.rule, refused.value.position) == ("index.process_mismatch", last + 1)
+        assert f"process {taken}, which this append creates, is indexed already" in refused.value.message
+        assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before
+    finally:
+        store.close()

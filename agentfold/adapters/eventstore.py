@@ -961,7 +961,9 @@ class EventStore:
             if ours:
                 return AppendResult(digest, (), deferred)
             if not taken:
-                raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}") from exc
+                raise self._process_taken(tree_id, expected_version, head) or StoreFailure(
+                    "store.append_failed", f"append to tree {tree_id} failed: {exc}"
+                ) from exc
             raise VersionConflict(tree_id, expected_version) from exc
         except IndexHeadMismatch as exc:
             raise self._head_mismatch(tree_id, exc.stored, expected_version, previous_digest) from exc
@@ -969,6 +971,23 @@ class EventStore:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)
+
+    def _process_taken(self, tree_id: TreeID, expected_version: int, head: TreeHead | None) -> CorruptStream | None:
+        """A refused append whose new Process is indexed already: the process index holds a
+        row this tree's stored history does not explain (its history was cut and its index
+        row rewritten to match, or the row was written by hand). No retry would mend it."""
+        for pid in head.new_processes if head is not None else ():
+            try:
+                owner = self.tree_of_process(pid)
+            except PersistenceError:
+                return None
+            if owner is not None:
+                return CorruptStream(
+                    tree_id, expected_version + 1, "index.process_mismatch",
+                    f"process {pid}, which this append creates, is indexed already (under {owner}): "
+                    "the process index holds a row the stored history does not explain",
+                )
+        return None
 
     @staticmethod
     def _head_mismatch(
