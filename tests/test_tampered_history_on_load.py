@@ -287,3 +287,29 @@ def test_an_append_whose_new_process_is_indexed_already_is_refused_as_corrupt_an
         assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before
     finally:
         store.close()
+
+
+def test_a_tree_whose_first_append_commits_while_it_is_looked_up_is_found_not_refused(
+    durable_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a review: a lookup (`show START_ID`, GET /runs/{start_id}) that read no index row,
+    # then found the tree's events because its first append committed in between, reported the
+    # healthy tree as corrupt ("the row was deleted"). The interleaving is forced here: the
+    # first read of the row answers as it did before the commit.
+    tree_id, _, _, _ = parked_in_flight(durable_store_url, tmp_path)
+    store = EventStore(durable_store_url)
+    real_head = EventStore.head
+    for ref in (str(tree_id), "cut-1"):
+        reads: list[TreeID] = []
+
+        def head_before_the_commit(self: EventStore, tree: TreeID, reads: list[TreeID] = reads) -> object:
+            reads.append(tree)
+            return None if len(reads) == 1 else real_head(self, tree)
+
+        monkeypatch.setattr(EventStore, "head", head_before_the_commit)
+        try:
+            assert store.find_tree(ref) == tree_id
+            assert reads == [tree_id, tree_id]  # the row was read again once events were seen
+        finally:
+            monkeypatch.setattr(EventStore, "head", real_head)
+    store.close()

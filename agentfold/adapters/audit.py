@@ -707,7 +707,7 @@ def _end_of(body: dict[str, Any], number: int) -> dict[str, Any]:
     return {"tree": body["tree"], "events": count, "head_digest": digest}
 
 
-def _end_problem(end: dict[str, Any] | None, folded: Folded, *, without_end: bool) -> Finding | None:
+def _end_problem(end: dict[str, Any] | None, folded: Folded) -> Finding | None:
     """Whether the verified records are the whole history the file's end line names (a file
     without one was refused before its records were folded, unless ``without_end``)."""
     state, name = folded.state, str(folded.state.tree_id)
@@ -764,7 +764,7 @@ def check_export(
     if folded.problem is None and stored[0].originator_version != 1:
         folded.problem = Finding(str(tree_id), 1, "integrity.missing_event", "the file does not start at position 1")
     if folded.problem is None:  # a sound history: is it all of the one exported?
-        folded.problem = _end_problem(end, folded, without_end=without_end)
+        folded.problem = _end_problem(end, folded)
     if folded.problem is not None:
         p = folded.problem
         raise InvalidInput(

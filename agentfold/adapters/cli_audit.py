@@ -245,7 +245,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     else 0666 less the umask), not the temporary file's 0600."""
     directory = path.resolve().parent
     try:
-        mode = stat.S_IMODE(path.stat().st_mode)
+        mode = stat.S_IMODE(path.stat().st_mode) & 0o777  # not its setuid/setgid/sticky bits
     except FileNotFoundError:
         umask = os.umask(0)
         os.umask(umask)

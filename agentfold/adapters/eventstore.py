@@ -1268,28 +1268,33 @@ class EventStore:
         """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
         if ref.startswith("tree:"):
             tree_id = TreeID(ref)
-            if self.head(tree_id) is None:
-                self._refuse_unindexed(tree_id)
+            if self.head(tree_id) is None and not self._indexed_since(tree_id):
                 raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
             return tree_id
         found = self.tree_of_process(ref)
         if found is not None:
             return found
         tree_id = TreeID.for_start(StartID(ref))
-        if self.head(tree_id) is None:
-            self._refuse_unindexed(tree_id)
+        if self.head(tree_id) is None and not self._indexed_since(tree_id):
             raise NotFound(
                 "engine.tree.not_found", f"no tree, start id or process {str(ref)!r} in this store",
                 hint="list trees with `agentfold trees`",
             )
         return tree_id
 
-    def _refuse_unindexed(self, tree_id: TreeID) -> None:
-        """A tree with events but no index row had its row deleted: refused as a load refuses
-        it (``store.corrupt``), not reported as a tree that does not exist."""
+    def _indexed_since(self, tree_id: TreeID) -> bool:
+        """Whether a tree whose index row was not there when read has one now.
+
+        With events stored, the tree's first append committed after the row was read (it
+        writes both in one transaction): the row read again is there. A tree with events
+        and still no row had its row deleted: refused as a load refuses it
+        (``store.corrupt``), not reported as a tree that does not exist."""
         last = self.recorder.select_events(tree_id.uuid, desc=True, limit=1)
-        if last:
-            raise self._head_mismatch(tree_id, None, last[0].originator_version, None)
+        if not last:
+            return False
+        if self.head(tree_id) is not None:
+            return True
+        raise self._head_mismatch(tree_id, None, last[0].originator_version, None)
 
     def find_process_tree(self, process_id: str) -> TreeID:
         """The tree of a process (InvalidInput for a malformed id, else NotFound)."""

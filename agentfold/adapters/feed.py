@@ -150,9 +150,9 @@ class ChainCheck:
 
     def anchor(self, notifications: Sequence[Notification]) -> None:
         """Read the index rows of the batch's trees (one query): call it after reading the batch."""
-        trees = {TreeID.from_uuid(n.originator_id if isinstance(n.originator_id, uuid.UUID)
-                                  else uuid.UUID(str(n.originator_id))) for n in notifications}
-        self._anchors = self.store.anchors(sorted(trees))
+        originators = {n.originator_id for n in notifications}  # one TreeID per tree, not per event
+        trees = sorted(TreeID.from_uuid(o if isinstance(o, uuid.UUID) else uuid.UUID(str(o))) for o in originators)
+        self._anchors = self.store.anchors(trees)
 
     def check(self, tree_id: TreeID, position: int, tag: str, content: bytes, recorded: str) -> None:
         previous = self._previous(tree_id, position)
@@ -198,14 +198,18 @@ def envelope_headers(envelope: Envelope) -> list[tuple[str, bytes]]:
 
 
 def store_envelopes(store: EventStore, after: int = 0, batch: int = 1000) -> Iterator[Envelope]:
-    """Every envelope the publisher would produce, read straight from the notification log."""
+    """Every envelope the publisher would produce, read straight from the notification log,
+    verified as the publisher verifies them (digest chain, index-row anchor: ``CorruptStream``
+    at the first event that fails)."""
     position = after
+    chain = ChainCheck(store)
     while True:
         notifications = store.notifications(position, batch)
         if not notifications:
             return
+        chain.anchor(notifications)
         for n in notifications:
-            yield envelope_of(n)
+            yield envelope_of(n, chain)
         position = notifications[-1].id
 
 

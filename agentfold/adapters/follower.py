@@ -181,7 +181,8 @@ class Follower:
                 updates.append(self._advance(tree_id, items, anchors.get(tree_id)))
             except CorruptStream as exc:
                 # One damaged tree must not stop every other tree's read models: record it
-                # with this batch (a pure function of the log, so a rebuild records it again).
+                # with this batch (a function of the log and of the index rows, which an honest
+                # store only moves forward: a rebuild records it again).
                 self._cache.pop(tree_id, None)
                 corrupt.append(self._corrupt_tree(tree_id, items, exc))
         last = notifications[-1].id

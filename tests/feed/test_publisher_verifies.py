@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import uuid
 
-from agentfold.adapters.eventstore import EventStore
+import pytest
+
+from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.adapters.feed import PublisherPosition
+from agentfold.adapters.transcripts import transcripts_from_store
 from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, append_past_index_row
 from tests.feed.support import read_topic_confluent, stored_envelopes
@@ -95,3 +98,27 @@ def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_c
     assert _position(url, topic) == before[-1]
     again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
     assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == forged
+
+
+def test_transcripts_from_the_store_refuse_a_forged_event_as_the_publisher_does(durable_store_url: str) -> None:
+    # Found by a review: transcripts_from_store read the notification log without the
+    # publisher's checks, so a forged steering message became a user's transcript entry.
+    url = durable_store_url
+    _runs(url, 2)
+    tree_id = stored_envelopes(url)[0]["tree_id"]
+    store = EventStore(url, create=False)
+    try:
+        whole = transcripts_from_store(store)
+        assert whole  # an honest store: transcripts as before
+        forged = append_past_index_row(url, TreeID(tree_id))
+        with pytest.raises(CorruptStream) as refused:
+            transcripts_from_store(store)
+        assert (refused.value.tree_id, refused.value.position, refused.value.rule) == (
+            TreeID(tree_id), forged, "index.head_mismatch"
+        )
+        _tamper(url, tree_id, 3)  # and a changed event: its chain breaks first
+        with pytest.raises(CorruptStream) as changed:
+            transcripts_from_store(store)
+        assert (changed.value.position, changed.value.rule) == (3, "integrity.digest_chain")
+    finally:
+        store.close()
