@@ -504,9 +504,12 @@ def test_scripts_kernel_demo_runs_the_kernel_story_end_to_end() -> None:
     assert proc.stdout.rstrip().endswith("scripts/kernel-demo: OK")
 
 
-def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
+def test_scripts_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     """README's first command: `agentfold demo` on a temporary SQLite store, no services."""
-    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    # The demo keeps its folder for the user to inspect: here it goes under tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([str(ROOT / "scripts" / "demo")], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "the process died with exit status 75; the outside world saw 1 booking(s)" in out
@@ -514,6 +517,8 @@ def test_scripts_demo_runs_the_main_job_end_to_end() -> None:
     assert "exit status 2: agentfold: error: engine.signal.schema" in out
     assert "the run is completed after 3 model calls" in out
     assert "the hotel was booked 1 time(s)" in out
+    [folder] = [p for p in tmp_path.iterdir() if p.name.startswith("agentfold-demo-")]
+    assert f"Inspect the history: agentfold --store sqlite:///{folder / 'demo.db'} show demo-trip" in out
 
 
 def test_hostile_arguments_are_refused_with_exit_2_and_append_nothing(tmp_path: Path) -> None:
