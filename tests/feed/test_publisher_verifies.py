@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,24 @@ def _position(url: str, topic: str) -> int:
         store.close()
 
 
+def _publish_stops(url: str, bootstrap: str, topic: str, before: list[int]) -> dict[str, Any]:
+    """`publish --once` exits 1 with store.corrupt (its error is returned) after publishing exactly
+    the events ``before`` (once each) and storing the last one's position; a publisher started
+    from there (nothing of the tree remembered) stops on the same event again."""
+    ran = agentfold("publish", "--bootstrap", bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
+                    "--json", store=url)
+    assert ran.code == 1, ran.stderr
+    [line] = ran.stderr.strip().splitlines()
+    error: dict[str, Any] = json.loads(line)["error"]
+    assert error["code"] == "store.corrupt"
+    assert sorted(read_topic_confluent(bootstrap, topic, expected=len(before)).notification_ids()) == before
+    assert _position(url, topic) == before[-1]
+    again = agentfold("publish", "--bootstrap", bootstrap, "--topic", topic, "--once", "--json", store=url)
+    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"] == error["detail"]
+    assert _position(url, topic) == before[-1]
+    return error
+
+
 def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_what_came_before(
     durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
@@ -53,23 +72,10 @@ def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_
     before = [e["notification_id"] for e in envelopes if e["notification_id"] < damaged["notification_id"]]
 
     topic = f"verify-{uuid.uuid4().hex[:8]}"
-    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
-                    "--json", store=url)
-    assert ran.code == 1, ran.stderr
-    [line] = ran.stderr.strip().splitlines()
-    error = json.loads(line)["error"]
-    assert error["code"] == "store.corrupt"
+    error = _publish_stops(url, kafka_bootstrap, topic, before)
     assert error["detail"] == {"tree_id": damaged["tree_id"], "position": damaged["position"],
                                "rule": "integrity.digest_chain"}
     assert "recorded digest sha256:" in error["message"]
-    # everything before it is on the topic, once, and its position is stored
-    assert sorted(read_topic_confluent(kafka_bootstrap, topic, expected=len(before)).notification_ids()) == before
-    assert _position(url, topic) == before[-1]
-
-    # a publisher that starts from there (nothing of the tree remembered) stops on it again
-    again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
-    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == damaged["position"]
-    assert _position(url, topic) == before[-1]
 
 
 def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_chains(
@@ -86,18 +92,9 @@ def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_c
     before = [e["notification_id"] for e in envelopes]
 
     topic = f"anchor-{uuid.uuid4().hex[:8]}"
-    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
-                    "--json", store=url)
-    assert ran.code == 1, ran.stderr
-    error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
-    assert error["code"] == "store.corrupt"
+    error = _publish_stops(url, kafka_bootstrap, topic, before)
     assert error["detail"] == {"tree_id": tree_id, "position": forged, "rule": "index.head_mismatch"}
     assert "events were added past it" in error["message"]
-    # every genuine event is on the topic, once; the forged one is not, and the position stops before it
-    assert sorted(read_topic_confluent(kafka_bootstrap, topic, expected=len(before)).notification_ids()) == before
-    assert _position(url, topic) == before[-1]
-    again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
-    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"]["position"] == forged
 
 
 def test_transcripts_from_the_store_refuse_a_forged_event_as_the_publisher_does(durable_store_url: str) -> None:
