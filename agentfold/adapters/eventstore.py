@@ -1006,6 +1006,12 @@ class EventStore:
                 f"the tree index says version {stored[0]} ({stored[1]}) but the stream ends at position {version}: "
                 "events after it were deleted; agentfold neither drives nor shows the tree from a cut history",
             )
+        if stored[0] < version:
+            return CorruptStream(
+                tree_id, stored[0] + 1, "index.head_mismatch",
+                f"the stream goes on to position {version}, the tree index ends at version {stored[0]}: "
+                "events were added past it",
+            )
         return CorruptStream(
             tree_id, min(version, stored[0]) or 1, "index.head_mismatch",
             f"the tree index anchors version {stored[0]} with digest {stored[1]}, the stream has {digest} there: "
@@ -1143,11 +1149,8 @@ class EventStore:
             # must reach as far, and its earlier end must still be in the chain.
             again = self.head(tree_id)
             if again is None or again.version < version:
-                raise CorruptStream(
-                    tree_id, (again.version if again else anchor.version) + 1, "index.head_mismatch",
-                    f"the stream goes on to position {version}, the tree index ends at version "
-                    f"{again.version if again else anchor.version}: events were added past it",
-                )
+                row = again or anchor
+                raise self._head_mismatch(tree_id, (row.version, row.head_digest), version, digest)
             try:
                 stored = self.stored_digest(tree_id, anchor.version)
             except SealError:
@@ -1247,16 +1250,7 @@ class EventStore:
         event reaches at least that event's position: an event past it was added by hand
         (a forged event, correctly chained or not), and one at the row's version must carry
         the row's head digest."""
-        if anchor is None:
-            return self._head_mismatch(tree_id, None, position, digest)
-        version, head_digest = anchor
-        if position > version:
-            return CorruptStream(
-                tree_id, version + 1, "index.head_mismatch",
-                f"the stream goes on to position {position}, the tree index ends at version {version}: "
-                "events were added past it",
-            )
-        if position == version and digest != head_digest:
+        if anchor is None or position > anchor[0] or (position == anchor[0] and digest != anchor[1]):
             return self._head_mismatch(tree_id, anchor, position, digest)
         return None
 
