@@ -30,7 +30,8 @@ from agentfold.domain.ids import TreeID
 from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program, parent_program
 
-INDEXES = ("agentfold_trees_by_created", "agentfold_trees_live", "agentfold_trees_with_unknown")
+TREE_INDEXES = ("agentfold_trees_by_created", "agentfold_trees_live", "agentfold_trees_with_unknown")
+INDEXES = (*TREE_INDEXES, "agentfold_processes_by_tree")
 
 
 def _row_matches_the_fold(store: EventStore, runtime: Runtime, tree_id: TreeID) -> dict[str, Any]:
@@ -119,6 +120,7 @@ READS: list[tuple[str, Callable[[EventStore], object], str]] = [
     ("unknown", lambda store: store.tree_of_unknown_effect("effect:x"), "agentfold_trees_with_unknown"),
     ("latest", lambda store: store.heads(only=HeadFilter(last=10)), "agentfold_trees_by_created"),
     ("page", lambda store: store.heads(only=HeadFilter(limit=10, after=("2026", "tree:"))), "agentfold_trees_by_created"),
+    ("processes", lambda store: store.processes_of_tree(TreeID(f"tree:{7:032x}")), "agentfold_processes_by_tree"),
 ]
 
 
@@ -266,7 +268,7 @@ def test_postgresql_builds_again_an_index_an_interrupted_build_left_invalid(pg_d
         reopened.close()
     live = [r for r in rows if r["name"] == "agentfold_trees_live"]
     assert len(live) == 1 and live[0]["indisvalid"] and "WHERE (classification <> 'terminal'" in live[0]["definition"]
-    assert {r["name"] for r in rows if r["indisvalid"]} >= set(INDEXES)
+    assert {r["name"] for r in rows if r["indisvalid"]} >= set(TREE_INDEXES)
 
 
 def _waiting_builds(conn: psycopg.Connection[Any]) -> int:
@@ -325,10 +327,12 @@ def _drop_indexes(store: EventStore) -> None:
 def _indexes(store: EventStore) -> set[str]:
     if store.backend == "sqlite":
         with store.factory.datastore.transaction(commit=False) as c:
-            c.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'agentfold_trees'")
+            c.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                      "AND tbl_name IN ('agentfold_trees', 'agentfold_processes')")
             return {str(r[0]) for r in c.fetchall()} & set(INDEXES)
     with store.factory.datastore.get_connection() as conn:
-        rows = conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'agentfold_trees'").fetchall()
+        rows = conn.execute("SELECT indexname FROM pg_indexes "
+                            "WHERE tablename IN ('agentfold_trees', 'agentfold_processes')").fetchall()
     return {str(r["indexname"]) for r in rows} & set(INDEXES)
 
 

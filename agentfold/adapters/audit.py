@@ -356,6 +356,16 @@ def _index_findings(tree_id: TreeID, head: TreeHead | None, folded: Folded, stor
                     f"process {pid} is indexed under {owner or 'no tree'}, not this tree",
                 )
             ]
+    # A row left by a history cut back before its Process was created (an append creating it
+    # again is refused), or written by hand. Unless an append since the read created it.
+    extra = [indexed for indexed in store.processes_of_tree(tree_id) if indexed not in folded.state.processes]
+    if extra and store.head(tree_id) == head:
+        return [
+            Finding(
+                name, last, "index.process_mismatch",
+                f"process {extra[0]} is indexed under this tree, but the tree's history has no such Process",
+            )
+        ]
     return []
 
 

@@ -1258,6 +1258,10 @@ class EventStore:
         found = self.index.tree_of_process(process_id)
         return TreeID(found) if found else None
 
+    def processes_of_tree(self, tree_id: TreeID) -> list[str]:
+        """The Process ids ``agentfold_processes`` indexes under ``tree_id`` (in id order)."""
+        return self.index.processes_of_tree(str(tree_id))
+
     def find_tree(self, ref: str) -> TreeID:
         """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
         if ref.startswith("tree:"):

@@ -179,10 +179,20 @@ def count_live_statements(table: str) -> tuple[str, str]:
     )
 
 
-def trees_index_statements(table: str, *, concurrently: bool = False) -> list[tuple[str, str]]:
-    """(index name, its CREATE INDEX statement) for each of ``TREES_INDEXES``."""
+#: The Processes' index by tree: ``audit verify`` reads a tree's rows of ``agentfold_processes``
+#: to find those naming a Process its history lacks. Written only when a Process is created.
+PROCESSES_INDEXES = ((f"{PROCESSES_TABLE}_by_tree", "(tree_id, process_id)"),)
+
+
+def index_statements(schema: str = "", *, concurrently: bool = False) -> list[tuple[str, str]]:
+    """(index name, its CREATE INDEX statement) for each of ``TREES_INDEXES`` and
+    ``PROCESSES_INDEXES``; ``schema`` prefixes the table names (PostgreSQL: ``'"public".'``)."""
     how = "CONCURRENTLY " if concurrently else ""
-    return [(name, f"CREATE INDEX {how}IF NOT EXISTS {name} ON {table} {spec}") for name, spec in TREES_INDEXES]
+    return [
+        (name, f"CREATE INDEX {how}IF NOT EXISTS {name} ON {schema}{table} {spec}")
+        for table, indexes in ((TREES_TABLE, TREES_INDEXES), (PROCESSES_TABLE, PROCESSES_INDEXES))
+        for name, spec in indexes
+    ]
 
 
 def head_from_row(row: Any) -> TreeHead:
@@ -263,6 +273,10 @@ class IndexQueries:
         raise NotImplementedError
 
     def tree_of_process(self, process_id: str) -> str | None:
+        raise NotImplementedError
+
+    def processes_of_tree(self, tree_id: str) -> list[str]:
+        """The Process ids ``agentfold_processes`` indexes under ``tree_id``, in id order."""
         raise NotImplementedError
 
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
@@ -532,7 +546,7 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         statements.append(
             f"CREATE TABLE IF NOT EXISTS {PROCESSES_TABLE} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL)"
         )
-        statements += [sql for _, sql in trees_index_statements(TREES_TABLE)]  # an earlier release's store too
+        statements += [sql for _, sql in index_statements()]  # an earlier release's store too
         return statements
 
     def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:
@@ -644,6 +658,11 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             c.execute(f"SELECT tree_id FROM {PROCESSES_TABLE} WHERE process_id = ?", (process_id,))
             row = c.fetchone()
         return str(row[0]) if row else None
+
+    def processes_of_tree(self, tree_id: str) -> list[str]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT process_id FROM {PROCESSES_TABLE} WHERE tree_id = ? ORDER BY process_id", (tree_id,))
+            return [str(r[0]) for r in c.fetchall()]
 
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         with self.datastore.transaction(commit=False) as c:
@@ -823,7 +842,7 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         # which appends may be writing to, after this transaction and CONCURRENTLY: a plain
         # build holds every tree's appends (they lock the events table first) while it reads
         # the whole index (0.9 s at 1,000,000 rows, measured).
-        for name, statement in trees_index_statements(f'"{self._schema}".{TREES_TABLE}', concurrently=not new_table):
+        for name, statement in index_statements(f'"{self._schema}".', concurrently=not new_table):
             if not self._index_valid(curs, name):  # missing, or left invalid by an interrupted build
                 if new_table:
                     curs.execute(statement)
@@ -943,6 +962,13 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         )
         return str(rows[0]["tree_id"]) if rows else None
 
+    def processes_of_tree(self, tree_id: str) -> list[str]:
+        rows = self._select(
+            f'SELECT process_id FROM "{self._schema}".{PROCESSES_TABLE} WHERE tree_id = %s ORDER BY process_id',
+            (tree_id,),
+        )
+        return [str(r["process_id"]) for r in rows]
+
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         rows = self._select(
             f'SELECT tree_id FROM "{self._schema}".{TREES_TABLE} '
@@ -1036,6 +1062,10 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
     def tree_of_process(self, process_id: str) -> str | None:
         with self._index_lock:
             return self._processes.get(process_id)
+
+    def processes_of_tree(self, tree_id: str) -> list[str]:
+        with self._index_lock:
+            return sorted(pid for pid, tree in self._processes.items() if tree == tree_id)
 
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         with self._index_lock:

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import pytest
 
+from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.ids import TreeID
 from agentfold.domain.integrity import chain_digest, content_bytes, seal, unseal
@@ -193,5 +194,61 @@ def test_a_process_index_row_moved_or_deleted_is_a_process_mismatch(
     assert (error["tree"], error["position"], error["rule"]) == (str(tree_id), last, "index.process_mismatch")
     assert tool in error["detail"]
     assert (str(other) if tampering == "repoint" else "no tree") in error["detail"]
-    by_tree = {r["tree"]: r["ok"] for r in report["results"]}
-    assert by_tree == {str(tree_id): False, str(other): True}
+    by_tree = {r["tree"]: r for r in report["results"]}
+    assert not by_tree[str(tree_id)]["ok"]
+    if tampering == "delete":
+        assert by_tree[str(other)]["ok"]
+    else:  # the other tree now indexes a Process its history lacks
+        (problem,) = by_tree[str(other)]["problems"]
+        assert (problem["rule"], problem["position"]) == ("index.process_mismatch", len(sql.rows(other)))
+        assert f"process {tool} is indexed under this tree, but the tree's history has no such Process" in problem["detail"]
+
+
+def test_a_process_row_naming_a_process_the_history_lacks_is_a_process_mismatch(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str, tmp_path: Path
+) -> None:
+    """What a history cut back before a child was created leaves (with its tree row rewritten to
+    match): a row of agentfold_processes under the tree for a Process its events never create."""
+    store = durable_store_url
+    tree_id = record_demo(tmp_path / "run", store)
+    other = record_chain(store, n=1, start_id="another-tree")
+    sql = Sql(store)
+    stale = "process:" + "ab" * 16
+    sql._run("INSERT INTO agentfold_processes (process_id, tree_id) VALUES (?, ?)", (stale, str(tree_id)))
+    code, report = verify(capsys, store)
+    assert code == 1
+    error = report["first_error"]
+    assert (error["tree"], error["position"], error["rule"]) == (
+        str(tree_id), len(sql.rows(tree_id)), "index.process_mismatch")
+    assert error["detail"] == f"process {stale} is indexed under this tree, but the tree's history has no such Process"
+    assert {r["tree"]: r["ok"] for r in report["results"]} == {str(tree_id): False, str(other): True}
+    sql._run("DELETE FROM agentfold_processes WHERE process_id = ?", (stale,))
+    code, report = verify(capsys, store)
+    assert code == 0, report["first_error"]
+
+
+def test_a_process_row_an_append_wrote_while_the_tree_was_verified_is_not_called_stale(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live tree: an append that creates a Process commits its row with the tree's new index
+    row, after verify read the history. The row is not the history's yet, and not stale."""
+    store = durable_store_url
+    tree_id = record_demo(tmp_path / "run", store)
+    sql = Sql(store)
+    created = "process:" + "cd" * 16
+    real = EventStore.processes_of_tree
+
+    def with_an_append_committing_first(self: EventStore, tree: TreeID) -> list[str]:
+        if tree == tree_id and not sql._run("SELECT 1 FROM agentfold_processes WHERE process_id = ?", (created,)):
+            # What the append's transaction writes to the index (its events are not read again).
+            sql._run("INSERT INTO agentfold_processes (process_id, tree_id) VALUES (?, ?)", (created, str(tree_id)))
+            sql._run("UPDATE agentfold_trees SET updated_at = ? WHERE tree_id = ?", ("2026-12-02T00:00:00Z", str(tree_id)))
+        return real(self, tree)
+
+    monkeypatch.setattr(EventStore, "processes_of_tree", with_an_append_committing_first)
+    code, report = verify(capsys, store)
+    assert code == 0, report["first_error"]
+    monkeypatch.undo()  # the tree at rest, the row still naming a Process its history lacks
+    code, report = verify(capsys, store)
+    assert code == 1 and report["first_error"]["rule"] == "index.process_mismatch", report["first_error"]
+    assert created in report["first_error"]["detail"]
