@@ -103,6 +103,34 @@ def test_a_malformed_postgresql_url_is_refused_as_url_invalid_without_showing_it
     assert text.stderr.startswith("agentfold: error: store.url_invalid: ")
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        # Found by a security review: the catch-all refusal quoted the URL as given.
+        ("postgresql+psycopg://alice:hunter2secret@127.0.0.1:5432/ops", "unsupported store URL"),
+        (" postgresql://alice:hunter2secret@127.0.0.1:5432/ops", "unsupported store URL"),
+        ("postgresql:/alice:hunter2secret@127.0.0.1:5432/ops", "unsupported store URL"),
+        ("postgres:alice:hunter2secret@127.0.0.1/ops", "unsupported store URL"),
+        # libpq ends a value at a NUL: "hs%00ec" connected to the default socket's "hs".
+        ("postgresql://alice:hunter2secret@127.0.0.1:5432/hs%00ec", "has a NUL character"),
+        ("postgresql://al%00ice:hunter2secret@127.0.0.1:5432/ops", "has a NUL character"),
+    ],
+)
+def test_any_refused_store_url_hides_its_password(url: str, reason: str) -> None:
+    ran = refused(agentfold("trees", "--json", store=url))
+    error = ran.error()
+    assert error["code"] == "store.url_invalid" and reason in error["message"], error
+    assert "hunter2" not in ran.stderr and ":***@" in error["message"], error
+
+
+def test_a_store_url_scheme_in_capitals_names_the_same_store(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), "--json",
+                 store=f"sqlite:///{path}"))
+    listed = ok(agentfold("trees", "--json", store=f"SQLite:///{path}")).json()
+    assert len(listed["trees"]) == 1
+
+
 # ---------------------------------------------------------------------------
 # 2. URL parameters are refused, and libpq's environment variables do apply
 

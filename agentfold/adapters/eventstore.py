@@ -32,6 +32,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -220,6 +221,9 @@ class LoadedTree:
 
 def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
     """Split a store URL into a backend name and eventsourcing environment settings."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("postgresql", "postgres", "sqlite"):
+        url = scheme.lower() + sep + rest  # a URL's scheme is case-insensitive (RFC 3986)
     if url in ("memory:", "memory://"):
         return "memory", {"PERSISTENCE_MODULE": "eventsourcing.popo"}
     if url.startswith("sqlite:///"):
@@ -270,6 +274,12 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
                 hint=PG_URL_HINT,
             ) from None
         dbname = unquote(parts.path.lstrip("/"))
+        if "\x00" in url or any("\x00" in unquote(part or "") for part in (parts.username, parts.password, dbname)):
+            # libpq ends a value at a NUL: "db%00x" connected to "db" over the default socket.
+            raise InvalidInput(
+                "store.url_invalid", f"PostgreSQL URL {redact(url)} has a NUL character (%00)",
+                hint=PG_URL_HINT,
+            )
         if not hostname or not dbname:
             raise InvalidInput(
                 "store.url_invalid", f"PostgreSQL URL {redact(url)} needs a host and a database", hint=PG_URL_HINT,
@@ -293,7 +303,7 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
         }
     raise InvalidInput(
         "store.url_invalid",
-        f"unsupported store URL {url!r}",
+        f"unsupported store URL {redact(url)!r}",
         hint="use memory:, sqlite:///path.db or postgresql://user:pass@host:port/db",
     )
 
@@ -1459,16 +1469,24 @@ def end_session(conn: Any) -> None:
     held.shutdown()
 
 
+#: A ``password`` parameter in a URL's query (libpq reads ``?password=``): masked in messages.
+_PASSWORD_PARAMETER = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """The URL without its password, for messages (also when the URL is malformed)."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, host_and_path = rest.rpartition("@")
+    """The URL without its password, for messages (also when the URL is malformed: a scheme in
+    capitals, one slash, no slashes, a ``password`` query parameter)."""
+    scheme, colon, rest = url.partition(":")
+    if not colon or scheme.strip().lower() in ("sqlite", "memory"):  # sqlite:///path has no user
+        return url
+    rest = _PASSWORD_PARAMETER.sub(r"\1***", rest)
+    after = len(rest) - len(rest.lstrip("/"))
+    userinfo, at, host_and_path = rest[after:].rpartition("@")
     # The last '@' ends the user and password, even when an unencoded '/', '?' or '#' in
     # the password would make a URL parser cut the host part earlier: never show a secret.
-    if not sep or rest.startswith("/") or not at or ":" not in userinfo:  # sqlite:///path has no user
-        return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host_and_path}"
+    if at and ":" in userinfo:
+        rest = f"{rest[:after]}{userinfo.split(':', 1)[0]}:***@{host_and_path}"
+    return f"{scheme}:{rest}"
 
 
 def pg_conninfo(settings: dict[str, str]) -> dict[str, Any]:
