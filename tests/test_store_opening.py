@@ -441,6 +441,23 @@ def test_project_follow_survives_terminated_postgresql_sessions_without_gaps_or_
 # 6. The documentation names exactly the commands that create a store
 
 
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (("run", str(DEMO), "--start-id", "bad id"), "identity.invalid"),
+        (("run", str(DEMO), "--start-id", "tree:abc"), "identity.invalid"),  # would read as a tree id
+        (("kernel-demo-run", "--side-effect-log", "/dev/null", "--start-id", "bad id"), "identity.invalid"),
+        (("kernel-demo-run", "--side-effect-log", "/dev/null", "--start-id", "process:x"), "identity.invalid"),
+    ],
+)
+def test_a_run_refused_for_its_start_creates_no_store(tmp_path: Path, argv: tuple[str, ...], code: str) -> None:
+    # Found by an error-code audit: the start id was checked only once the store was created
+    # (exit 2 says "nothing was appended, and nothing was created").
+    ran = refused(agentfold(*argv, "--json", store=f"sqlite:///{tmp_path / 'runs.db'}"))
+    assert ran.error()["code"] == code
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_exactly_the_documented_commands_create_a_missing_sqlite_file(tmp_path: Path) -> None:
     doc = (ROOT / "docs" / "cli.md").read_text()
     sentence = re.search(r"created only by ((?:`[a-z-]+`(?:, | and )?)+)", doc)

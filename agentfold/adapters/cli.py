@@ -65,12 +65,13 @@ from agentfold.adapters.kernel_demo import PROGRAM_NAME, payment_input, payment_
 from agentfold.adapters.queries import HostQueries, Listing, corrupt_tree_error
 from agentfold.adapters.recorders import HeadFilter, TreeHead
 from agentfold.adapters.resolution import ABSENT, settlement_for
-from agentfold.adapters.runtime import CrashPlan, Runtime
+from agentfold.adapters.runtime import CrashPlan, RandomIds, Runtime
 from agentfold.adapters.scenario import load_scenario_file, scenario_input, scenario_program
 from agentfold.adapters.sources import ProgramSources, default_sources
 from agentfold.domain.canonical import JSON, parse_json_text
 from agentfold.domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
-from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
+from agentfold.domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, parse_effect_id, parse_wait_id
+from agentfold.domain.kernel import start_tree
 from agentfold.domain.program import Program, ProgramResolver
 from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, ProcessState, TreeState
@@ -541,12 +542,21 @@ def _head_summary(head: TreeHead) -> dict[str, JSON]:
     }
 
 
+def _check_start(program: Program, input: JSON, start_id: str | None, configuration: JSON) -> None:
+    """Refuse what ``Runtime.start`` would refuse without the store (the start id, the input)
+    before the store is opened: a refused run creates no store (exit 2: nothing created)."""
+    ids = RandomIds()
+    start_tree(program, input, start_id=StartID(start_id) if start_id is not None else ids.start_id(),
+               root_id=ids.root_process_id(), incarnation_id=ids.incarnation_id(), configuration=configuration)
+
+
 def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     crash = CrashPlan.parse(args.crash_after) if args.crash_after is not None else None
     if args.amount_cents < 1:
         raise InvalidInput("cli.argument_invalid", f"--amount-cents must be positive, got {args.amount_cents}")
     program = next((p for p in ctx.sources.programs if p.ref.name == PROGRAM_NAME), None) or payment_program()
     order = payment_input(args.customer, args.amount_cents, args.side_effect_log)
+    _check_start(program, order, args.start_id, program.configuration)
     store = ctx.open_store(create=True)
     try:
         with ctx.runtime(store, crash) as runtime:
@@ -566,6 +576,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     doc = load_scenario_file(args.scenario)
     program = scenario_program(doc)
     crash = CrashPlan.parse(args.crash_after) if args.crash_after is not None else None
+    _check_start(program, scenario_input(doc), args.start_id, doc)
     store = ctx.open_store(create=True)
     try:
         with ctx.runtime(store, crash, program) as runtime:
