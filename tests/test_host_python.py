@@ -192,3 +192,40 @@ def test_a_host_reads_runs_its_runtime_never_started_when_given_their_programs(u
             assert [p["prompt"] for p in host.pending("r4")] == [{"question": "ok?"}]
     finally:
         store.close()
+
+
+def test_arguments_of_the_wrong_kind_get_classified_errors_and_change_nothing(url: str) -> None:
+    # Found by an error-code audit: these ended in TypeError / AttributeError, a library's
+    # IntegrityError, a silently empty listing, or (result of a tree that does not exist) a
+    # wait for as long as the timeout, for ever without one.
+    program = agent()
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run, _ = parked_on_approval(runtime, program, "kinds")
+            host = Host(runtime)
+            root = str(run.root_process_id)
+            before = stored(store, "kinds")
+            cases: list[tuple[Any, str]] = [
+                (lambda: host.steer(root, 5), "interaction.signal.invalid"),  # type: ignore[arg-type]
+                (lambda: host.steer(root, None), "interaction.signal.invalid"),  # type: ignore[arg-type]
+                (lambda: host.run(5), "identity.invalid"),  # type: ignore[arg-type]
+                (lambda: host.results(None), "identity.invalid"),  # type: ignore[arg-type]
+                (lambda: host.runs(status="frob"), "host.page_invalid"),
+                (lambda: host.runs(limit=0), "host.page_invalid"),
+                (lambda: host.runs(limit="5"), "host.page_invalid"),  # type: ignore[arg-type]
+                (lambda: host.runs(after="x"), "host.page_invalid"),  # type: ignore[arg-type]
+                (lambda: host.runs(after=-1), "host.page_invalid"),
+            ]
+            for call, code in cases:
+                with pytest.raises(InvalidInput) as refused:
+                    call()
+                assert refused.value.code == code
+            started = time.monotonic()
+            with pytest.raises(NotFound) as missing:
+                runtime.result(TreeID.for_start("never-started"), 30)
+            assert missing.value.code == "engine.tree.not_found" and time.monotonic() - started < 10
+            assert [e["start_id"] for e in host.runs(status="waiting", limit=1)] == ["kinds"]
+            assert stored(store, "kinds") == before
+    finally:
+        store.close()

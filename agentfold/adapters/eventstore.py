@@ -1274,6 +1274,9 @@ class EventStore:
 
     def find_tree(self, ref: str) -> TreeID:
         """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
+        if not isinstance(ref, str):
+            raise InvalidInput("identity.invalid", f"a run is named by a tree id, a start id or a process id (text), "
+                                                   f"not {type(ref).__name__} {str(ref)[:80]!r}")
         if ref.startswith("tree:"):
             tree_id = TreeID(ref)
             if self.head(tree_id) is None and not self._indexed_since(tree_id):

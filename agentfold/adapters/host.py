@@ -33,7 +33,7 @@ from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, 
 from agentfold.domain.kernel import Kernel
 from agentfold.domain.program import ProgramResolver, SignalRequest
 from agentfold.domain.requests import Settlement
-from agentfold.domain.tree import TreeState
+from agentfold.domain.tree import STATUSES, TreeState
 from agentfold.projections.host_views import pending_tool_inputs
 from agentfold.projections.read_models import Entry
 
@@ -207,6 +207,13 @@ class Host:
     def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
         """Runs in creation order (``GET /runs``): ``status`` as the kernel names it
         (``running``, ``waiting``, ``completed``, ...); page on with the last entry's ``cursor``."""
+        if status is not None and status not in STATUSES:
+            raise InvalidInput("host.page_invalid", f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidInput("host.page_invalid",
+                               f"after must be a cursor (an integer: the last entry's cursor), got {after!r}")
         return self.queries().runs(status=status, limit=limit, after=after)
 
     def delegates(self, process_id: str) -> Entry:
@@ -279,6 +286,10 @@ class Host:
     ) -> bool:
         """User message(s) for the Interaction's next model request: a text (one user message)
         or chat messages. True when admitted, False when this signal id was already admitted."""
+        if not isinstance(message, str | Sequence) or isinstance(message, bytes | bytearray):
+            raise InvalidInput("interaction.signal.invalid",
+                               f"a steer is a text or a list of chat messages, not {type(message).__name__}",
+                               hint='pass "words for the model" or [{"role": "user", "content": "..."}]')
         if isinstance(message, str):
             messages: list[dict[str, Any]] = [{"role": "user", "content": message}]
         else:

@@ -1419,6 +1419,8 @@ class Runtime:
             head = self.store.head(tree_id)
             if head is not None and head.status in TERMINAL:
                 return Result.of(self.store.load(tree_id).state.root)
+            if head is None and tree_id not in self._drivers:  # else it waited for a run nobody starts
+                raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"tree {tree_id} is not finished")
             time.sleep(0.05)
