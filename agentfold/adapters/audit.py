@@ -666,8 +666,9 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent], dict[str, Any]
     for number, line in enumerate(lines, start=1):
         try:
             body = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidInput("import.format", f"line {number} is not JSON: {exc}", line=number) from exc
+        except (ValueError, RecursionError) as exc:  # also a number of more than 4,300 digits, or deep nesting
+            reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise InvalidInput("import.format", f"line {number} is not JSON: {reason}", line=number) from exc
         if isinstance(body, dict) and set(body) == END_MEMBERS:
             if number != len(lines):
                 raise InvalidInput("import.format", f"line {number} is an end line, but more lines follow", line=number)
@@ -820,6 +821,16 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
         try:
             store.recorder.insert_events(new, head=head)
         except IntegrityError:
+            for pid in head.new_processes:  # a Process of the file that another tree has already
+                owner = store.tree_of_process(ProcessID(pid))
+                if owner is not None and owner != tree_id:
+                    raise Rejected(
+                        "import.conflict",
+                        f"process {pid} of {tree_id} is a process of another tree in this store ({owner}); "
+                        "nothing was written",
+                        hint="import into another store, or verify both histories with `agentfold audit verify`",
+                        tree=str(tree_id), process_id=pid,
+                    ) from None
             continue  # another writer appended meanwhile: compare again
         except PersistenceError as exc:
             raise StoreFailure("store.append_failed", f"importing tree {tree_id} failed: {exc}") from exc

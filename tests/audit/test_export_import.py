@@ -16,11 +16,15 @@ from typing import Any
 import pytest
 
 from agentfold.adapters import audit
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.errors import InvalidInput
-from agentfold.domain.ids import TreeID
+from agentfold.domain.ids import ProcessID, StartID, TreeID
 from tests.audit.support import Sql, record_demo
 from tests.conftest import make_store_url
+from tests.kernel_programs import chain_program
 from tests.test_cli import Ran, agentfold, ok, refused
 
 
@@ -263,3 +267,53 @@ def test_export_out_gives_the_file_the_mode_a_plain_write_would(tmp_path: Path) 
     finally:
         os.umask(old)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
+def test_a_file_whose_process_belongs_to_another_tree_of_the_store_is_a_conflict(
+    stores: tuple[str, str], tmp_path: Path
+) -> None:
+    # Found by a security review: a crafted export whose root Process id is a Process of
+    # another tree in the target store was reported as "kept changing while it was imported"
+    # (audit.import_contended, exit 1), after three retries.
+    source, target = stores
+    victim = record_demo(tmp_path / "victim", target, start_id="victim")
+    victims = EventStore(target)
+    try:
+        head = victims.head(victim)
+        assert head is not None
+        taken = head.root_process_id
+    finally:
+        victims.close()
+
+    class SameRoot(RandomIds):
+        def root_process_id(self) -> ProcessID:
+            return ProcessID(taken)
+
+    program = chain_program(name="import.collide")
+    store = EventStore(source)
+    try:
+        with Runtime(store, Catalog([program]), ids=SameRoot()) as runtime:
+            done = runtime.start(program, {"n": 1}, start_id="crafted").result(timeout=30)
+            assert done.status == "completed"
+    finally:
+        store.close()
+    export(source, TreeID.for_start(StartID("crafted")), tmp_path / "crafted.jsonl")
+    before = snapshot_of(target, victim)
+    error = refused(import_file(tmp_path / "crafted.jsonl", target)).error()
+    assert error["code"] == "import.conflict", error
+    assert error["detail"]["process_id"] == taken and str(victim) in error["message"]
+    assert snapshot_of(target, victim) == before
+    assert refused(agentfold("show", "crafted", "--json", store=target)).error()["code"] == "engine.tree.not_found"
+
+
+@pytest.mark.parametrize("line", ["[" * 200_000 + "]" * 200_000, '{"position": ' + "9" * 100_000 + "}"],
+                         ids=["nested-200k-deep", "100k-digit-number"])
+def test_a_line_python_cannot_parse_is_an_import_format_error(tmp_path: Path, line: str) -> None:
+    # Found by a security review: RecursionError / ValueError (the 4,300-digit limit) ended as
+    # cli.internal, exit 1.
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    target = sqlite_store(tmp_path, "target.db")
+    error = refused(import_file(path, target)).error()
+    assert error["code"] == "import.format" and error["message"].startswith("line 1 is not JSON"), error
+    assert not Path(target.removeprefix("sqlite:///")).exists()
