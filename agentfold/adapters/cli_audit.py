@@ -239,25 +239,35 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    """Write the whole file or nothing (a reader never sees half an export).
+    """Write the whole file or nothing (a reader never sees half an export), where a shell's
+    ``>`` would write: through a symbolic link, to the file it names.
 
     The file gets the mode a plain write would give it (the mode of the file it replaces,
-    else 0666 less the umask), not the temporary file's 0600."""
-    directory = path.resolve().parent
+    else 0666 less the umask), not the temporary file's 0600. A device or a pipe
+    (``--out /dev/stdout``) is written as it is: it cannot be replaced."""
     try:
-        mode = stat.S_IMODE(path.stat().st_mode) & 0o777  # not its setuid/setgid/sticky bits
+        found: os.stat_result | None = path.stat()  # through the links
     except FileNotFoundError:
+        found = None
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        with open(path, "wb") as handle:
+            handle.write(data)
+        return
+    target = path.resolve()
+    if found is not None:
+        mode = stat.S_IMODE(found.st_mode) & 0o777  # not its setuid/setgid/sticky bits
+    else:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp, path)
+        os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise

@@ -269,6 +269,30 @@ def test_export_out_gives_the_file_the_mode_a_plain_write_would(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
 
 
+def test_export_out_through_a_symbolic_link_writes_the_file_it_names(tmp_path: Path) -> None:
+    # Found by a security review: the link was replaced by a regular file (a shell's `>`
+    # writes through it), and the temporary file went to the link target's folder, so a link
+    # to another file system failed with "Invalid cross-device link".
+    store = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", store)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "tree.jsonl").write_text("old\n")
+    (kept / "tree.jsonl").chmod(0o640)
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(kept / "tree.jsonl")
+    exported = export(store, tree_id, link)
+    assert link.is_symlink() and (kept / "tree.jsonl").read_bytes() == exported
+    assert stat.S_IMODE((kept / "tree.jsonl").stat().st_mode) == 0o640
+    dangling = tmp_path / "next.jsonl"
+    dangling.symlink_to(kept / "new.jsonl")
+    assert export(store, tree_id, dangling) == exported and dangling.is_symlink()
+    assert (kept / "new.jsonl").read_bytes() == exported
+    assert sorted(p.name for d in (tmp_path, kept) for p in d.iterdir() if p.name.startswith(".")) == []
+    piped = ok(agentfold("export", str(tree_id), "--out", "/dev/stdout", store=store))
+    assert piped.stdout.encode().startswith(exported)  # then the summary line
+
+
 def test_a_file_whose_process_belongs_to_another_tree_of_the_store_is_a_conflict(
     stores: tuple[str, str], tmp_path: Path
 ) -> None:
