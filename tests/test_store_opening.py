@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -111,6 +112,7 @@ def test_a_malformed_postgresql_url_is_refused_as_url_invalid_without_showing_it
         (" postgresql://alice:hunter2secret@127.0.0.1:5432/ops", "unsupported store URL"),
         ("postgresql:/alice:hunter2secret@127.0.0.1:5432/ops", "unsupported store URL"),
         ("postgres:alice:hunter2secret@127.0.0.1/ops", "unsupported store URL"),
+        ("alice:hunter2secret@127.0.0.1/ops", "unsupported store URL"),
         # libpq ends a value at a NUL: "hs%00ec" connected to the default socket's "hs".
         ("postgresql://alice:hunter2secret@127.0.0.1:5432/hs%00ec", "has a NUL character"),
         ("postgresql://al%00ice:hunter2secret@127.0.0.1:5432/ops", "has a NUL character"),
@@ -552,3 +554,26 @@ def test_a_store_failure_while_naming_a_run_is_reported_as_one_not_as_not_found(
         assert raised.value.code == "store.unavailable"
     finally:
         store.close()
+
+
+def test_a_new_sqlite_store_and_its_files_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    # Found by a security review: the store (every conversation) was created 0644 under the
+    # usual umask, readable by every user of the machine.
+    path = tmp_path / "runs.db"
+    old = os.umask(0o022)
+    try:
+        ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), store=f"sqlite:///{path}"))
+        store = EventStore(f"sqlite:///{path}")
+        try:
+            store.heads()  # open: SQLite has its -wal and -shm files now
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir() if p.name.startswith("runs.db")}
+        finally:
+            store.close()
+        assert modes == {"runs.db": 0o600, "runs.db-wal": 0o600, "runs.db-shm": 0o600, "runs.db.leases": 0o600}
+        shared = tmp_path / "shared.db"
+        shared.touch(mode=0o660)
+        shared.chmod(0o660)
+        ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), store=f"sqlite:///{shared}"))
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o660  # an existing file keeps its mode
+    finally:
+        os.umask(old)

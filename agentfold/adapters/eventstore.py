@@ -504,6 +504,17 @@ APPEND_FAILED_HINT = (
 )
 
 
+def _create_private(path: Path) -> None:
+    """Create a new SQLite store's file readable by its owner only (0600): it holds every
+    conversation. SQLite gives the ``-wal`` and ``-shm`` files the database file's mode. An
+    existing file keeps its mode; a file that cannot be created is left to SQLite to report."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return
+    os.close(fd)
+
+
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
 
@@ -530,6 +541,8 @@ class EventStore:
             self.read_only_uri = sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"]))
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
+        if self.backend == "sqlite" and create and self.read_only_uri is None:
+            _create_private(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
@@ -1484,6 +1497,8 @@ def redact(url: str) -> str:
         return url
     rest = _PASSWORD_PARAMETER.sub(r"\1***", rest)
     after = len(rest) - len(rest.lstrip("/"))
+    if not after and "@" in rest:  # no slash after the first ':': "user:password@host/db" or "postgres:u:p@h"
+        return f"{scheme}:***@{rest.rpartition('@')[2]}"
     userinfo, at, host_and_path = rest[after:].rpartition("@")
     # The last '@' ends the user and password, even when an unencoded '/', '?' or '#' in
     # the password would make a URL parser cut the host part earlier: never show a secret.
