@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -217,6 +218,17 @@ def cmd_transcript(ctx: Context, args: argparse.Namespace) -> Outcome:
     return Outcome(found, transcript_text(found))
 
 
+# C0 controls, DEL and C1 controls: ESC, BEL, CSI... drive a terminal (clear it, set its title,
+# move the cursor); a transcript's text comes from the topic, which anyone allowed to write to it fills.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _escaped(line: str) -> str:
+    """The line with every control character shown as its JSON escape (``\u001b``), as the
+    commands that print JSON show it: only the layout's own line breaks reach the terminal."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
+
+
 def _short(value: Any, limit: int = 200) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
     text = " ".join(text.split())
@@ -224,7 +236,7 @@ def _short(value: Any, limit: int = 200) -> str:
 
 
 def transcript_text(t: dict[str, Any]) -> str:
-    """A transcript for people: one line (or two) per entry."""
+    """A transcript for people: one line (or two) per entry, control characters escaped (``_escaped``)."""
     lines = [f"transcript {t['process_id']}  tree {t['tree_id']}  {t['status']}  {t['entry_count']} entries"]
     if t.get("tool_call_ref"):
         lines.append(f"  delegated by tool call {t['tool_call_ref']}")
@@ -264,7 +276,7 @@ def transcript_text(t: dict[str, Any]) -> str:
             lines.append(head + f"[failed] {e['status']} {e.get('cause', '')} {_short(e.get('failure') or e.get('reason', ''))}")
         else:
             lines.append(head + f"[{kind}]")
-    return "\n".join(lines)
+    return "\n".join(_escaped(line) for line in lines)
 
 
 def register(command: Any) -> None:

@@ -17,8 +17,13 @@ offsets never move past what the database holds. A following consumer
 same way: it reports each one, waits (``agentfold.adapters.follower.retry_until_stopped``), opens a
 new connection and goes back to the committed offsets. An envelope past a missing position
 of its tree stops the consumer (:class:`~agentfold.projections.transcripts.TranscriptGap`): it
-never writes a transcript with a hole in it. A record that is not a valid envelope is
-kept in ``agentfold_transcript_rejects`` and skipped.
+never writes a transcript with a hole in it. Nor with an envelope that contradicts what the
+tables hold for its tree (:class:`FeedIntegrityError`): the next position must chain onto the
+tree's last digest (``feed.chain_broken``, checked with the publisher's
+:class:`~agentfold.adapters.feed.ChainCheck`), and a position applied already is a duplicate
+only with the digest applied there (``feed.digest_conflict``; every applied digest is kept in
+``agentfold_transcript_digests``). A record that is not a valid envelope is kept in
+``agentfold_transcript_rejects`` and skipped.
 
 :class:`TranscriptStore` is the embedder's API over the same tables
 (``transcript(process_id)``, ``transcripts(tree_id)``, ``apply(envelopes)``), and
@@ -35,12 +40,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from agentfold.adapters.eventstore import (
     PG_CONNECT_TIMEOUT,
+    CorruptStream,
     EventStore,
     InterruptibleConnection,
     end_session,
@@ -49,8 +55,10 @@ from agentfold.adapters.eventstore import (
     redact,
     set_server_tcp,
 )
-from agentfold.adapters.feed import FeedError, store_envelopes
+from agentfold.adapters.feed import ChainCheck, FeedError, store_envelopes
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
+from agentfold.domain.ids import TreeID
+from agentfold.domain.integrity import content_bytes
 from agentfold.projections.transcripts import (
     Entry,
     Envelope,
@@ -66,6 +74,7 @@ TRANSCRIPTS = "agentfold_transcripts"
 ENTRIES = "agentfold_transcript_entries"
 TREES = "agentfold_transcript_trees"
 REJECTS = "agentfold_transcript_rejects"
+DIGESTS = "agentfold_transcript_digests"
 CRASH_EXIT = 75
 
 _DDL = (
@@ -81,6 +90,8 @@ _DDL = (
     "notification_id BIGINT NOT NULL, state TEXT NOT NULL)",
     f"CREATE TABLE IF NOT EXISTS {REJECTS} (topic TEXT NOT NULL, partition_id INTEGER NOT NULL, "
     "record_offset BIGINT NOT NULL, error TEXT NOT NULL, value TEXT, PRIMARY KEY (topic, partition_id, record_offset))",
+    f"CREATE TABLE IF NOT EXISTS {DIGESTS} (tree_id TEXT NOT NULL, position BIGINT NOT NULL, "
+    "notification_id BIGINT NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (tree_id, position))",
 )
 
 
@@ -122,6 +133,56 @@ class Rejected:
     value: str
 
 
+FEED_TRUST_HINT = (
+    "the topic holds a record that is not the store's event (a second producer, or a forged record: "
+    "protect the topic with ACLs); this tree's transcripts cannot be trusted: publish the store to a new "
+    "topic and rebuild the tables from it in a new group (docs/kafka.md#what-the-consumer-verifies)"
+)
+
+
+class FeedIntegrityError(AgentfoldError):
+    """An envelope that contradicts what the transcript tables hold for its tree: its digest does
+    not chain onto the tree's previous event (``feed.chain_broken``), or its position was applied
+    already with another digest (``feed.digest_conflict``). Nothing of its batch is committed and
+    the consumer stops, as on a gap (``feed.gap``)."""
+
+    def __init__(self, code: str, tree_id: str, position: int, message: str) -> None:
+        super().__init__(code, message, FEED_TRUST_HINT, tree_id=tree_id, position=position)
+        self.tree_id = tree_id
+        self.position = position
+
+
+class _HeldDigests:
+    """What :class:`~agentfold.adapters.feed.ChainCheck` asks of its store (``stored_digest``),
+    answered from the transcript tables: the digest of each tree's last applied envelope."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, str]] = {}
+
+    def stored_digest(self, tree_id: TreeID, position: int) -> str | None:
+        held = self.last.get(str(tree_id))
+        return held[1] if held is not None and held[0] == position else None
+
+
+def _chain_tag(envelope: Envelope) -> str:
+    """The event type as the digest chain names it: ``<type>@<n>`` for a schema version n > 1."""
+    version = int(envelope["schema_version"])
+    return str(envelope["type"]) if version == 1 else f"{envelope['type']}@{version}"
+
+
+UNAVAILABLE_HINT = (
+    "check --db: a PostgreSQL server that is running and reachable from here, with the right host, port, "
+    "user, password and database in the URL; or an SQLite file that is a transcript database"
+)
+
+
+def _unavailable(url: str, exc: BaseException) -> StoreFailure:
+    """``transcripts.unavailable``: the URL without its password (``eventstore.redact``), also in the
+    driver's message."""
+    why = str(exc).replace(url, redact(url))
+    return StoreFailure("transcripts.unavailable", f"cannot open {redact(url)}: {why}", hint=UNAVAILABLE_HINT)
+
+
 def _no_tables(url: str, why: str) -> NotFound:
     return NotFound(
         "transcripts.not_found", f"no transcript database at {redact(url)}: {why}",
@@ -140,7 +201,8 @@ class TranscriptStore:
         if url.startswith("sqlite:///"):
             path = url[len("sqlite:///") :]
             if not path:
-                raise InvalidInput("transcripts.url_invalid", f"sqlite URL {url!r} names no file")
+                raise InvalidInput("transcripts.url_invalid", f"sqlite URL {url!r} names no file",
+                                   hint="use sqlite:///path.db")
             if create:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             elif not Path(path).is_file():
@@ -150,7 +212,7 @@ class TranscriptStore:
             self.backend = "postgresql"
         else:
             raise InvalidInput(
-                "transcripts.url_invalid", f"unsupported database URL {url!r}",
+                "transcripts.url_invalid", f"unsupported database URL {redact(url)!r}",
                 hint="use sqlite:///path.db or postgresql://user:pass@host:port/db",
             )
         self._conn: Any = self._connect(create)
@@ -160,7 +222,7 @@ class TranscriptStore:
                 present = self._has_tables()
             except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
                 self.close()
-                raise StoreFailure("transcripts.unavailable", f"cannot open {redact(url)}: {exc}") from exc
+                raise _unavailable(url, exc) from exc
             if not present:
                 self.close()
                 raise _no_tables(url, "it has no transcript tables")
@@ -214,7 +276,14 @@ class TranscriptStore:
         # and neither end notices for hours that the other vanished (eventstore.pg_tcp_params,
         # set_server_tcp); what the URL itself says wins.
         tcp_timeout = pg_tcp_timeout()
-        given = conninfo_to_dict(self.url)
+        try:
+            given = conninfo_to_dict(self.url)
+        except psycopg.Error as exc:  # its message may quote the whole URL, password included
+            why = str(exc).replace(self.url, redact(self.url))
+            raise InvalidInput(
+                "transcripts.url_invalid", f"cannot read the database URL {redact(self.url)!r}: {why}",
+                hint="use postgresql://user:pass@host:port/db (percent-encode special characters)",
+            ) from exc
         params: dict[str, Any] = {} if os.environ.get("PGCONNECT_TIMEOUT") else {"connect_timeout": PG_CONNECT_TIMEOUT}
         params.update(pg_tcp_params(tcp_timeout))
         params = {k: v for k, v in params.items() if k not in given}
@@ -222,12 +291,12 @@ class TranscriptStore:
             # Interruptible: ``interrupt`` ends its statement from another thread (end_session).
             conn = InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **params)
         except psycopg.Error as exc:
-            raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
+            raise _unavailable(self.url, exc) from exc
         try:
             set_server_tcp(conn, tcp_timeout)
         except psycopg.Error as exc:
             conn.close()
-            raise StoreFailure("transcripts.unavailable", f"cannot open {redact(self.url)}: {exc}") from exc
+            raise _unavailable(self.url, exc) from exc
         return conn
 
     # -- plumbing ----------------------------------------------------------------
@@ -280,11 +349,14 @@ class TranscriptStore:
         by_tree: dict[str, list[Envelope]] = {}
         for envelope in envelopes:
             report.envelopes += 1
-            by_tree.setdefault(str(envelope["tree_id"]), []).append(envelope)
+            by_tree.setdefault(str(check_envelope(envelope)["tree_id"]), []).append(envelope)
         recorded_at = _now()
+        # One chain per transaction: nothing it remembers outlives a batch that was not committed.
+        held = _HeldDigests()
+        chain = ChainCheck(cast(EventStore, held))  # it asks its store only stored_digest (no anchor call)
         with self._transaction() as c:
             for tree_id, items in by_tree.items():
-                self._apply_tree(c, tree_id, items, report, recorded_at)
+                self._apply_tree(c, tree_id, items, report, recorded_at, chain, held)
             for r in rejected:
                 c.execute(
                     self._sql(
@@ -298,25 +370,53 @@ class TranscriptStore:
                 before_commit()
         return report
 
-    def _apply_tree(self, c: Any, tree_id: str, items: Sequence[Envelope], report: ApplyReport, recorded_at: str) -> None:
+    def _apply_tree(
+        self, c: Any, tree_id: str, items: Sequence[Envelope], report: ApplyReport, recorded_at: str,
+        chain: ChainCheck, held: _HeldDigests,
+    ) -> None:
+        """Apply one tree's envelopes: a position already held is a duplicate only with the digest
+        held for it (else ``feed.digest_conflict``); the next position only if its digest chains
+        onto the last one held (else ``feed.chain_broken``); a later one is a gap. Each raises:
+        nothing of the batch is committed."""
         lock = "" if self.backend == "sqlite" else " FOR UPDATE"
         c.execute(self._sql(f"SELECT state FROM {TREES} WHERE tree_id = ?{lock}"), (tree_id,))
         row = c.fetchone()
         builder = TreeTranscripts(tree_id, orjson.loads(row["state"]) if row else None)
         initial_position = builder.position
+        known = self._held_digests(c, tree_id, items, builder)
+        if builder.digest is not None:
+            held.last[tree_id] = (builder.position, builder.digest)
         before = {pid: dict(h) for pid, h in builder.headers.items()}
         entries: list[Entry] = []
+        applied: list[tuple[Any, ...]] = []
         for envelope in items:
-            made = builder.apply(envelope)  # raises TranscriptGap: nothing of this batch is committed
-            if made is None:
+            position, digest = int(envelope["position"]), str(envelope["digest"])
+            if position <= builder.position:
+                if known.get(position, digest) != digest:
+                    raise FeedIntegrityError(
+                        "feed.digest_conflict", tree_id, position,
+                        f"tree {tree_id} position {position} (notification id {envelope['notification_id']}) "
+                        f"has digest {digest}, but the transcripts applied {known[position]} at that position",
+                    )
                 report.duplicates += 1
                 continue
+            # A tree saved by a release that kept no digest is verified from its next envelope on.
+            if position == builder.position + 1 and (position == 1 or builder.digest is not None):
+                self._verify_chain(chain, tree_id, envelope)
+            made = builder.apply(envelope)  # raises TranscriptGap: nothing of this batch is committed
+            assert made is not None  # a duplicate was skipped above
+            known[position] = digest
+            held.last[tree_id] = (position, digest)
+            applied.append((tree_id, position, int(envelope["notification_id"]), digest))
             report.applied += 1
             entries.extend(made)
         if builder.position == initial_position:
             return  # only duplicates
         report.tree_updates += 1
         report.entries += len(entries)
+        c.executemany(
+            self._sql(f"INSERT INTO {DIGESTS} (tree_id, position, notification_id, digest) VALUES (?,?,?,?)"), applied,
+        )
         if entries:
             c.executemany(
                 self._sql(
@@ -351,10 +451,41 @@ class TranscriptStore:
             (tree_id, builder.position, builder.notification_id, _dumps(builder.to_json())),
         )
 
+    def _held_digests(self, c: Any, tree_id: str, items: Sequence[Envelope], builder: TreeTranscripts) -> dict[int, str]:
+        """The digests held for the positions of ``items`` that the tree has applied already
+        (one query, only when some came again); none for positions applied by a release that
+        kept no digests."""
+        known: dict[int, str] = {}
+        if builder.digest is not None:
+            known[builder.position] = builder.digest
+        again = [int(e["position"]) for e in items if int(e["position"]) < builder.position]
+        if again:
+            c.execute(
+                self._sql(f"SELECT position, digest FROM {DIGESTS} WHERE tree_id = ? AND position >= ? AND position <= ?"),
+                (tree_id, min(again), max(again)),
+            )
+            known.update({int(r["position"]): str(r["digest"]) for r in c.fetchall()})
+        return known
+
+    @staticmethod
+    def _verify_chain(chain: ChainCheck, tree_id: str, envelope: Envelope) -> None:
+        """The envelope's digest must be the one its tree's previous digest and its own content
+        give (``ChainCheck``, as the publisher and ``transcripts_from_store`` verify)."""
+        position = int(envelope["position"])
+        content = content_bytes(dict(envelope["payload"]), str(envelope["timestamp"]))
+        try:
+            chain.check(TreeID(tree_id), position, _chain_tag(envelope), content, str(envelope["digest"]))
+        except CorruptStream as exc:
+            raise FeedIntegrityError(
+                "feed.chain_broken", tree_id, position,
+                f"tree {tree_id} position {position} (notification id {envelope['notification_id']}) does not chain "
+                f"onto the event the transcripts hold before it: {exc.detail}",
+            ) from exc
+
     def reset(self) -> None:
         """Empty every table (before rebuilding from the start of a topic)."""
         with self._transaction() as c:
-            for table in (ENTRIES, TRANSCRIPTS, TREES, REJECTS):
+            for table in (ENTRIES, TRANSCRIPTS, TREES, REJECTS, DIGESTS):
                 c.execute(f"DELETE FROM {table}")
 
     # -- queries -----------------------------------------------------------------

@@ -37,6 +37,7 @@ the event that made it.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -70,6 +71,10 @@ ENTRY_KINDS = (
     "delegate_start", "delegate_result", "unknown_outcome", "unknown_resolved", "feedback", "final_output", "failure",
 )
 TOOL_INPUT_WAIT_KEY = "interaction.tool_input"
+# The documented envelope schema's patterns (docs/kafka.md): a digest is exactly the chained
+# SHA-256 (the consumer recomputes it), a tree id exactly the store's.
+DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
+TREE_ID_PATTERN = re.compile(r"tree:[0-9a-f]{32}")
 
 
 class EnvelopeInvalid(ValueError):
@@ -116,10 +121,10 @@ def check_envelope(envelope: Any) -> Envelope:
     for name in ("tree_id", "process_id", "type", "timestamp", "digest"):
         if not isinstance(envelope[name], str) or not envelope[name]:
             raise EnvelopeInvalid(f"{name} must be a non-empty string")
-    if not str(envelope["tree_id"]).startswith("tree:"):
-        raise EnvelopeInvalid("tree_id must be a tree id (tree:...)")
-    if not str(envelope["digest"]).startswith("sha256:"):
-        raise EnvelopeInvalid("digest must be sha256:<hex>")
+    if not TREE_ID_PATTERN.fullmatch(str(envelope["tree_id"])):
+        raise EnvelopeInvalid(f"tree_id must be a tree id (tree:<32 hex>), not {str(envelope['tree_id'])[:80]!r}")
+    if not DIGEST_PATTERN.fullmatch(str(envelope["digest"])):
+        raise EnvelopeInvalid(f"digest must be sha256:<64 lowercase hex>, not {str(envelope['digest'])[:80]!r}")
     if envelope["type"] not in EVENT_TYPES:
         raise EnvelopeInvalid(f"unknown event type {envelope['type']!r}")
     if not isinstance(envelope["payload"], Mapping):
@@ -171,6 +176,9 @@ class TreeTranscripts:
         s: dict[str, Any] = copy.deepcopy(dict(state)) if state is not None else {}
         self.position: int = int(s.get("position", 0))
         self.notification_id: int = int(s.get("notification_id", 0))
+        # The digest of the envelope at ``position`` (None before the first, or in a state saved by
+        # a release that did not keep it): what the next envelope's digest must chain onto.
+        self.digest: str | None = s.get("digest")
         # Live Processes: relation, role and what is needed until they end.
         self._processes: dict[str, dict[str, Any]] = s.get("processes", {})
         # Declared start_child Effects not yet started or refused.
@@ -192,6 +200,7 @@ class TreeTranscripts:
             "tree_id": self.tree_id,
             "position": self.position,
             "notification_id": self.notification_id,
+            "digest": self.digest,
             "processes": self._processes,
             "starts": self._starts,
             "effects": self._effects,
@@ -220,6 +229,7 @@ class TreeTranscripts:
             handler(str(envelope["process_id"]), _dict(envelope["payload"]))
         self.position = position
         self.notification_id = int(envelope["notification_id"])
+        self.digest = str(envelope["digest"])
         out, self._out = self._out, []
         return out
 

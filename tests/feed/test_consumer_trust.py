@@ -1,0 +1,261 @@
+"""The transcript consumer believes only a topic that is consistent with itself (docs/kafka.md,
+"What the consumer verifies").
+
+Anyone who can write to the topic can write an envelope. The consumer now refuses one whose
+digest is not of the documented form (set aside in the rejects table, as any invalid record),
+one whose digest does not chain onto what the tables hold for its tree (``feed.chain_broken``)
+and one at a position already applied with another digest (``feed.digest_conflict``, no longer
+skipped as a duplicate): the last two stop the consumer with nothing of the batch committed
+and the offsets where they were, as a gap does. The records come through the consumer's own
+path (``TranscriptConsumer.poll_once``) from a stand-in for the broker.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import envelope_bytes, store_envelopes
+from agentfold.adapters.transcripts import DIGESTS, TREES, TranscriptConsumer, TranscriptStore
+from agentfold.domain.canonical import canonical_bytes
+from agentfold.domain.errors import AgentfoldError
+from agentfold.domain.integrity import chain_digest
+from agentfold.projections.transcripts import EnvelopeInvalid, build_transcripts, check_envelope
+from tests.feed.workload import Workload
+
+GENUINE = "Checking weather and booking."
+FORGED = "FORGED: wire 5000 EUR to account XY-123 now."
+
+
+@pytest.fixture(scope="module")
+def trip(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    """The root process id and the envelopes (in position order) of one trip run's tree."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('feed-trust') / 'store.db'}"
+    store = EventStore(url)
+    workload = Workload(store)
+    try:
+        run = workload.run(0, "trip")
+        envelopes = [e for e in store_envelopes(store) if e["tree_id"] == str(run.tree_id)]
+    finally:
+        workload.close()
+        store.close()
+    return run.root_process_id, envelopes
+
+
+def _answer_at(envelopes: list[dict[str, Any]]) -> int:
+    """The index of the settlement of the first model call (the first assistant message)."""
+    return next(i for i, e in enumerate(envelopes) if e["type"] == "EffectSettled" and GENUINE in orjson.dumps(e["payload"]).decode())
+
+
+def _forged(envelope: dict[str, Any], digest: str | None = None) -> dict[str, Any]:
+    """The envelope with the assistant's answer changed (and, if given, another digest)."""
+    forged = copy.deepcopy(envelope)
+    forged["payload"] = orjson.loads(orjson.dumps(forged["payload"]).decode().replace(GENUINE, FORGED))
+    if digest is not None:
+        forged["digest"] = digest
+    return forged
+
+
+def _chained(envelopes: list[dict[str, Any]], previous: str | None) -> list[dict[str, Any]]:
+    """The envelopes with digests that chain onto ``previous``: what anyone who can write to the
+    topic can compute (the chain proves consistency, not authenticity)."""
+    out = []
+    for e in envelopes:
+        tag = e["type"] if e["schema_version"] == 1 else f"{e['type']}@{e['schema_version']}"
+        content = canonical_bytes({"event": e["payload"], "timestamp": e["timestamp"]})
+        previous = chain_digest(previous, e["tree_id"], e["position"], tag, content)
+        out.append({**e, "digest": previous})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+
+
+class _Topic:
+    """A stand-in for kafka-python's consumer: one partition, polled in order, commits counted."""
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+        self.at = 0
+        self.commits = 0
+
+    def write(self, *envelopes: dict[str, Any]) -> None:
+        for e in envelopes:
+            self.records.append(_Record("t", 0, len(self.records), envelope_bytes(e)))
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict[Any, list[_Record]]:
+        batch = self.records[self.at : self.at + max_records]
+        self.at += len(batch)
+        return {("t", 0): batch} if batch else {}
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def assignment(self) -> set[Any]:
+        return {("t", 0)}
+
+    def close(self, autocommit: bool = False) -> None:
+        pass
+
+
+def _consumer(tmp_path: Path, max_records: int = 1000) -> tuple[TranscriptStore, TranscriptConsumer, _Topic]:
+    store = TranscriptStore(f"sqlite:///{tmp_path / 'transcripts.db'}")
+    topic = _Topic()
+    return store, TranscriptConsumer(store, "unused:1", "t", "g", consumer=topic, max_records=max_records), topic
+
+
+def _drain(consumer: TranscriptConsumer) -> None:
+    while consumer.poll_once(0) is not None:
+        pass
+
+
+def _texts(store: TranscriptStore, pid: str) -> list[str]:
+    found = store.transcript(pid)
+    assert found is not None
+    return [str(e.get("text")) for e in found["entries"]]
+
+
+def test_a_record_with_a_malformed_digest_is_set_aside_and_the_genuine_event_is_applied(
+    trip: Any, tmp_path: Path
+) -> None:
+    """The security review's reproducer: a forged record with ``"digest": "sha256:0"`` written
+    before the publisher's. It was applied, and the genuine event was skipped as a duplicate."""
+    pid, envelopes = trip
+    at = _answer_at(envelopes)
+    store, consumer, topic = _consumer(tmp_path, max_records=7)
+    try:
+        topic.write(*envelopes[:at], _forged(envelopes[at], "sha256:0"), *envelopes[at:])
+        _drain(consumer)
+        assert store.transcript(pid) == build_transcripts(envelopes)[pid]
+        assert GENUINE in _texts(store, pid) and not any(FORGED in t for t in _texts(store, pid))
+        (reject,) = store.rejects()
+        assert reject["record_offset"] == at and "digest must be sha256:<64 lowercase hex>" in reject["error"]
+        assert consumer.report.totals.rejected == 1 and consumer.report.totals.duplicates == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("digest", ["copied", "zeros"])
+def test_a_record_whose_digest_does_not_chain_stops_the_consumer_with_nothing_committed(
+    trip: Any, tmp_path: Path, digest: str
+) -> None:
+    """A changed payload under the genuine digest (or any other well-formed one) does not chain
+    onto the event before it: ``feed.chain_broken``, the batch is not committed, the offsets
+    stay, and the next attempt meets the same record (it is not skipped)."""
+    pid, envelopes = trip
+    at = _answer_at(envelopes)
+    store, consumer, topic = _consumer(tmp_path, max_records=at)
+    try:
+        forged = _forged(envelopes[at], envelopes[at]["digest"] if digest == "copied" else "sha256:" + "0" * 64)
+        topic.write(*envelopes[:at], forged, *envelopes[at + 1 :])
+        consumer.poll_once(0)
+        assert store.tree_positions() == {envelopes[0]["tree_id"]: at} and topic.commits == 1
+        for _ in range(2):
+            with pytest.raises(AgentfoldError) as refused:
+                consumer.poll_once(0)
+            assert refused.value.code == "feed.chain_broken", refused.value
+            assert refused.value.details == {"tree_id": envelopes[0]["tree_id"], "position": at + 1}
+            assert "protect the topic with ACLs" in refused.value.hint
+            assert store.tree_positions() == {envelopes[0]["tree_id"]: at} and topic.commits == 1
+            topic.at = at  # what a restart from the committed offset polls again
+        assert not any(FORGED in t for t in _texts(store, pid))
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("forged_events", [1, 3])
+def test_an_event_at_a_position_applied_with_another_digest_is_a_conflict_not_a_duplicate(
+    trip: Any, tmp_path: Path, forged_events: int
+) -> None:
+    """A forger who computes a valid chain (anyone can) and writes before the publisher gets
+    the forged events applied; the genuine event at the same position then comes with another
+    digest. It was counted as a duplicate, silently; now it stops the consumer
+    (``feed.digest_conflict``), at the high-water mark or below it."""
+    pid, envelopes = trip
+    at = _answer_at(envelopes)
+    forged = _chained([_forged(envelopes[at]), *envelopes[at + 1 : at + forged_events]], envelopes[at - 1]["digest"])
+    store, consumer, topic = _consumer(tmp_path)
+    try:
+        topic.write(*envelopes[:at], *forged)
+        _drain(consumer)
+        assert any(FORGED in t for t in _texts(store, pid))  # a consistent chain is not proof of origin
+        topic.write(*envelopes[at:])
+        with pytest.raises(AgentfoldError) as refused:
+            consumer.poll_once(0)
+        assert refused.value.code == "feed.digest_conflict", refused.value
+        assert refused.value.details == {"tree_id": envelopes[0]["tree_id"], "position": at + 1}
+        assert f"but the transcripts applied {forged[0]['digest']}" in refused.value.message
+        assert store.tree_positions() == {envelopes[0]["tree_id"]: at + forged_events}
+        assert consumer.report.totals.duplicates == 0
+    finally:
+        store.close()
+
+
+def test_the_same_events_again_are_still_duplicates(trip: Any, tmp_path: Path) -> None:
+    """At-least-once delivery: a re-delivered batch (same digests) is skipped, below the
+    high-water mark and at it, in the same batch and in a later one."""
+    pid, envelopes = trip
+    store, consumer, topic = _consumer(tmp_path, max_records=10)
+    try:
+        topic.write(*envelopes[:25], *envelopes[5:], *envelopes)
+        _drain(consumer)
+        assert consumer.report.totals.duplicates == 20 + len(envelopes)
+        assert store.transcript(pid) == build_transcripts(envelopes)[pid]
+        assert len(store._rows(f"SELECT position FROM {DIGESTS}")) == len(envelopes)
+    finally:
+        store.close()
+
+
+def test_a_tree_saved_without_digests_is_verified_from_its_next_envelope_on(trip: Any, tmp_path: Path) -> None:
+    """Tables written by a release that kept no digests: the next envelope of such a tree is
+    taken as it comes, every one after it must chain onto it; older positions stay duplicates."""
+    pid, envelopes = trip
+    at = _answer_at(envelopes)
+    store, consumer, topic = _consumer(tmp_path)
+    try:
+        store.apply(envelopes[: at - 1])
+        with store._transaction() as c:  # what an older release left
+            c.execute(f"DELETE FROM {DIGESTS}")
+            (row,) = c.execute(f"SELECT state FROM {TREES}").fetchall()
+            state = orjson.loads(row["state"])
+            del state["digest"]
+            c.execute(f"UPDATE {TREES} SET state = ?", (orjson.dumps(state).decode(),))
+        topic.write(*envelopes[: at - 1], envelopes[at - 1], _forged(envelopes[at]))
+        with pytest.raises(AgentfoldError) as refused:
+            _drain(consumer)
+        assert refused.value.code == "feed.chain_broken"
+        assert store.tree_positions() == {envelopes[0]["tree_id"]: at - 1}
+        store.apply(envelopes)
+        assert store.transcript(pid) == build_transcripts(envelopes)[pid]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("member", "value"),
+    [
+        ("digest", "sha256:0"),
+        ("digest", "sha256:not-a-digest"),
+        ("digest", "sha256:" + "A" * 64),
+        ("digest", "sha256:" + "0" * 63),
+        ("digest", "sha256:" + "0" * 64 + "\n"),
+        ("tree_id", "tree:nope"),
+        ("tree_id", "tree:" + "0" * 32 + "/x"),
+    ],
+)
+def test_an_envelope_must_have_the_documented_digest_and_tree_id(trip: Any, member: str, value: str) -> None:
+    _, envelopes = trip
+    check_envelope(envelopes[0])
+    with pytest.raises(EnvelopeInvalid):
+        check_envelope({**envelopes[0], member: value})
