@@ -589,3 +589,21 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     assert error["code"] == "identity.invalid" and "wait:abc" in error["message"], error
     assert refused(agentfold("export", "s-1", "--out", "", store=store)).stderr.startswith("agentfold: error: cli.usage:")
     assert store_version(store, started["tree_id"]) == before
+
+
+@pytest.mark.parametrize("argv", [("trees",), ("trees", "--json"), ("audit", "verify", "--all", "--json")])
+def test_a_reader_that_goes_away_stops_the_command_quietly_as_sigpipe_would(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    # Found by a security review: `agentfold audit verify --all --json | head` printed a
+    # BrokenPipeError traceback (exit 1).
+    store = f"sqlite:///{tmp_path / 'runs.db'}"
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), store=store))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
+        env["PYTHONPATH"] = str(ROOT)
+        ran = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", *argv, "--store", store],
+                             stdout=write, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=120)
+    finally:
+        os.close(write)
+    assert (ran.returncode, ran.stderr) == (141, "")

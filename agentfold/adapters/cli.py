@@ -1189,6 +1189,11 @@ def entry() -> None:
         status = main()
     except KeyboardInterrupt:
         status = 130
+    except BrokenPipeError:
+        # The reader went away (`agentfold ... | head`): stop quietly, as a command killed by
+        # SIGPIPE (exit 141) would, without Python's traceback or its second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 128 + signal.SIGPIPE
     # The command has answered; the process only exits now. Python resets its own signal
     # handlers to the default while it finalizes, so a SIGTERM in that instant (an operator
     # or a scheduler stopping a job that just finished) killed it: exit 143 after a success.
