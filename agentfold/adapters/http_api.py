@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import pathlib
@@ -38,7 +39,8 @@ from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -102,6 +104,10 @@ WORKER_THREADS = 256
 #: Threads that answer ``GET /health`` (apart from the WORKER_THREADS of every other request).
 #: Each may wait up to HEALTH_PROBE_SECONDS for a store that does not answer.
 HEALTH_THREADS = 64
+#: A 422 ``http.request_invalid`` lists at most this many errors (``error_count`` says how many
+#: there were); a name or a value it quotes is cut at ``MAX_SHOWN`` characters.
+MAX_ERRORS = 20
+MAX_SHOWN = 80
 
 log = logging.getLogger("agentfold.http")
 
@@ -177,8 +183,28 @@ def _pattern(pattern: str) -> dict[str, Any]:
     return {"pattern": pattern}
 
 
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` as an error quotes it: cut at ``limit`` characters (a caller's value can be megabytes)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_members(cls, data: Any) -> Any:
+        # pydantic reports every unknown member as an error of its own: a 1 MiB body of
+        # {"k0": 0, "k1": 0, ...} made 87,000 errors (seconds of the event loop, megabytes
+        # of answer). More than MAX_ERRORS of them are one error.
+        fields = cls.model_fields
+        if isinstance(data, dict) and len(data) > len(fields) + MAX_ERRORS:
+            unknown = len(data) - sum(1 for name in fields if name in data)
+            some = ", ".join(repr(shown(str(key))) for key in itertools.islice((k for k in data if k not in fields), 3))
+            raise PydanticCustomError(
+                "extra_forbidden", "{count} members are not permitted ({some}, ...); this body takes only {known}",
+                {"count": unknown, "some": some, "known": ", ".join(fields)})
+        return data
 
 
 class StartRun(_Body):
@@ -201,7 +227,9 @@ class Answer(_Body):
 
 class Steer(_Body):
     text: str | None = Field(None, description="one user message (give text or messages)")
-    messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="user messages")
+    # fail_fast: one error for the first message that is not an object, not one per message
+    # (a 1 MiB [0, 0, ...] made 524,000 errors: 12 s, 46 MB of answer).
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1, fail_fast=True, description="user messages")
     signal_id: str | None = Field(None, description="deduplication id (resend it to retry safely); not signal:engine:...",
                                   json_schema_extra=_pattern(FREE_FORM_ID))
     wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
@@ -932,7 +960,9 @@ async def distinct_keys(request: Request, service: Service) -> None:
     if request.method not in ("POST", "PUT", "PATCH"):
         return
     body = await request.body()  # Starlette keeps it: the handler reads the same bytes
-    duplicate = duplicate_key(body) if body else None
+    # A worker thread: the check parses the body once more (seconds for 16 MiB of small
+    # values), and the event loop must stay free for other requests (GET /health above all).
+    duplicate = await anyio.to_thread.run_sync(duplicate_key, body) if body else None
     if duplicate is not None:
         path, key = duplicate
         raise RequestInvalid(f"body: {path} has the key {key!r} twice",
@@ -1301,7 +1331,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return problem_response(exc.http_status, exc.code, exc.message, exc.hint, exc.members())
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
-        for e in exc.errors():
+        found = exc.errors()
+        for e in found:
             if e.get("type") == "json_invalid":
                 # FastAPI says "body.1: JSON decode error": where, and what, is in its context.
                 ctx = e.get("ctx") or {}
@@ -1311,21 +1342,36 @@ def _install_error_handlers(app: FastAPI) -> None:
                     f"the request body is not valid JSON: {ctx.get('error', 'JSON decode error')} at character {where}",
                     "send one JSON object (Content-Type: application/json)",
                 )
+            if tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes):
+                # FastAPI parses a body as JSON only when its Content-Type says JSON; any other
+                # (or none) reached the model as bytes: "Input should be a valid dictionary".
+                given = request.headers.get("content-type")
+                return problem_response(
+                    422, "http.request_invalid",
+                    "the request body was not read as JSON: its Content-Type is "
+                    + (repr(shown(given)) if given is not None else "missing"),
+                    "send Content-Type: application/json with one JSON object",
+                )
+        # At most MAX_ERRORS, each name cut at MAX_SHOWN characters; error_count: how many.
         errors = [
-            {"location": [str(part) for part in e.get("loc", ())], "message": str(e.get("msg", "invalid"))}
-            for e in exc.errors()
+            {"location": [shown(str(part)) for part in e.get("loc", ())], "message": shown(str(e.get("msg", "invalid")), 400)}
+            for e in found[:MAX_ERRORS]
         ]
         first = errors[0] if errors else {"location": [], "message": "invalid request"}
         detail = f"{'.'.join(first['location']) or 'request'}: {first['message']}"
-        if len(errors) > 1:
-            detail += f" (and {len(errors) - 1} more)"
+        if len(found) > 1:
+            detail += f" (and {len(found) - 1} more)"
         return problem_response(422, "http.request_invalid", detail, "see the OpenAPI document (/openapi.json)",
-                                {"errors": errors})
+                                {"errors": errors, "error_count": len(found)})
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 400:
             # FastAPI could not parse the body (e.g. JSON nested beyond the parser's depth): a
             # request that does not say what to do, as any other unreadable body (422).
+            if isinstance(exc.__cause__, UnicodeDecodeError):
+                return problem_response(422, "http.request_invalid",
+                                        f"the request body is not UTF-8 JSON: {exc.__cause__.reason} at byte "
+                                        f"{exc.__cause__.start}", "send one JSON object encoded as UTF-8")
             return problem_response(422, "http.request_invalid", f"the request body could not be read: {exc.detail}",
                                     "send one JSON object, nested at most 254 levels deep")
         code = {404: "http.not_found", 405: "http.method_not_allowed", 413: "payload.too_large"}.get(

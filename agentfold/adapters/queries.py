@@ -76,6 +76,8 @@ class ListingPage(Listing):
 
 def cursor_invalid(after: object, why: str = "is not a cursor this API returned", *,
                    hint: str = "pass the cursor or next_after of a previous page") -> InvalidInput:
+    if isinstance(after, str) and len(after) > 80:  # a caller's value can be megabytes
+        after = after[:80] + "..."
     return InvalidInput("http.cursor_invalid", f"after={after!r} {why}", hint=hint)
 
 
