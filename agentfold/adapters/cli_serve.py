@@ -48,7 +48,9 @@ def register(command: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--side-effect-dir", metavar="DIR", default=None,
                        help="the folder scenarios started over HTTP may name side-effect logs in (relative "
-                       "paths resolve against it); without it a scenario with side_effect_log is refused")
+                       "paths resolve against it), and the only one this server appends side-effect logs to, "
+                       "whoever started the run (checked at each write); without it a scenario with "
+                       "side_effect_log is refused and no run's tool appends to one")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
     serve.add_argument("--no-follow", action="store_true",
@@ -144,6 +146,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     from agentfold.adapters.eventstore import redact
     from agentfold.adapters.follower import STOP_GRACE, StopGuard
     from agentfold.adapters.http_api import TOKEN_ENV, ApiService, create_app, request_read_deadlines
+    from agentfold.adapters.scenario import side_effect_confinement
 
     token = os.environ.get(TOKEN_ENV, "")
     if not token.strip():
@@ -173,64 +176,68 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     abandoned = 0
     stop = threading.Event()
     guard: StopGuard | None = None
-    try:
-        store = ctx.open_store(create=True)
+    # Every side-effect log this process appends to (any run it drives: started over HTTP,
+    # by a CLI command and adopted, imported) is confined to --side-effect-dir, checked at
+    # each write (none at all without it): docs/scenarios.md.
+    with side_effect_confinement(side_effect_dir):
         try:
-            service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
-                                      side_effect_dir=side_effect_dir)
+            store = ctx.open_store(create=True)
             try:
-                recovered = service.recover() if args.recover else []
-                host, port = sock.getsockname()[:2]
-                shown = f"[{host}]" if ":" in host else host
-                url = f"http://{shown}:{port}"
-                started = {
-                    "listening": url, "port": port, "store": redact(ctx.store_url),
-                    "follower": service.follower is not None, "recovered": recovered,
-                    "adopt_every": adopt_every,
-                }
-                if getattr(args, "json", False):
-                    sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
-                else:
-                    sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
-                                     f"{', read models followed' if service.follower else ''}"
-                                     f"{recovered_text(recovered)}"
-                                     f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
-                sys.stdout.flush()
-                config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                        lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False,
-                                        http=protocol)
-                # From the signal on, no call is started (Runtime.drain): the calls under way
-                # finish and are recorded while requests finish; Effects declared meanwhile
-                # are started by the run's next owner (another server's scan, recover).
-                server = _server(config, stop, stopping, on_stop=service.runtime.stop_dispatching)
-                # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
-                # raises the signal again: ours only note it, so the cleanup below always runs.
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, lambda number, frame: stopping.append(number))
-                # From the signal to the store closed: during an outage, store calls (of requests,
-                # owner lines, the follower) would wait minutes; once the store has not answered
-                # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
-                # requests keep their REQUEST_GRACE s and owner lines finish their appends.
-                guard = StopGuard(
-                    stop, store.interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
-                    overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
-                    needed=lambda: not store.answers(),
-                ).start()
-                server.run(sockets=[sock])
+                service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
+                                          side_effect_dir=side_effect_dir)
+                try:
+                    recovered = service.recover() if args.recover else []
+                    host, port = sock.getsockname()[:2]
+                    shown = f"[{host}]" if ":" in host else host
+                    url = f"http://{shown}:{port}"
+                    started = {
+                        "listening": url, "port": port, "store": redact(ctx.store_url),
+                        "follower": service.follower is not None, "recovered": recovered,
+                        "adopt_every": adopt_every,
+                    }
+                    if getattr(args, "json", False):
+                        sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
+                    else:
+                        sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
+                                         f"{', read models followed' if service.follower else ''}"
+                                         f"{recovered_text(recovered)}"
+                                         f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
+                    sys.stdout.flush()
+                    config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                            lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False,
+                                            http=protocol)
+                    # From the signal on, no call is started (Runtime.drain): the calls under way
+                    # finish and are recorded while requests finish; Effects declared meanwhile
+                    # are started by the run's next owner (another server's scan, recover).
+                    server = _server(config, stop, stopping, on_stop=service.runtime.stop_dispatching)
+                    # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
+                    # raises the signal again: ours only note it, so the cleanup below always runs.
+                    for sig in (signal.SIGTERM, signal.SIGINT):
+                        signal.signal(sig, lambda number, frame: stopping.append(number))
+                    # From the signal to the store closed: during an outage, store calls (of requests,
+                    # owner lines, the follower) would wait minutes; once the store has not answered
+                    # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
+                    # requests keep their REQUEST_GRACE s and owner lines finish their appends.
+                    guard = StopGuard(
+                        stop, store.interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
+                        overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
+                        needed=lambda: not store.answers(),
+                    ).start()
+                    server.run(sockets=[sock])
+                finally:
+                    try:
+                        service.runtime.drain(CALLS_GRACE)  # the calls under way: recorded if they return now
+                    finally:
+                        service.close()
+                    abandoned = _abandoned_calls(service.runtime, grace=ABANDON_GRACE)
             finally:
                 try:
-                    service.runtime.drain(CALLS_GRACE)  # the calls under way: recorded if they return now
+                    store.close()
                 finally:
-                    service.close()
-                abandoned = _abandoned_calls(service.runtime, grace=ABANDON_GRACE)
+                    if guard is not None:
+                        guard.done()
         finally:
-            try:
-                store.close()
-            finally:
-                if guard is not None:
-                    guard.done()
-    finally:
-        sock.close()
+            sock.close()
     if abandoned:
         # Their threads cannot be stopped from outside, and the interpreter would wait for
         # them at exit; what they did is decided by recovery (replay or unknown), as after a crash.

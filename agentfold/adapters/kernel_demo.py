@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.adapters.scenario import SideEffectLogRefused, open_side_effect_log
 from agentfold.domain.errors import Failure, FailureKind
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import (
@@ -176,7 +177,7 @@ def _append_line(path: str, line: dict[str, Any]) -> None:
     # O_APPEND + fsync: the line is on disk before the dispatcher returns, so a crash
     # right after the side effect still leaves the evidence a host investigates.
     data = (json.dumps(line, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_side_effect_log(path)  # in `serve`: only inside its --side-effect-dir (SideEffectLogRefused)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -185,6 +186,13 @@ def _append_line(path: str, line: dict[str, Any]) -> None:
 
 
 def dispatch_payment(request: EffectRequest, context: DispatchContext) -> Settlement:
+    try:
+        return _dispatch_payment(request)
+    except SideEffectLogRefused as exc:  # definite: nothing was charged or sent
+        return Settlement.failed({"error": f"refused: this server does not append to the side-effect log: {exc}"})
+
+
+def _dispatch_payment(request: EffectRequest) -> Settlement:
     payload = request.payload
     log = str(payload["side_effect_log"])
     action = payload.get("action")

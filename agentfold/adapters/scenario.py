@@ -9,11 +9,13 @@ the ProgramRef, so every later command rebuilds the exact Program without the fi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -307,23 +309,150 @@ def _check_description(value: dict[str, Any], path: str) -> None:
 
 def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
     """The absolute path of a side-effect log, refused now if no tool could ever append to it
-    (each tool call would fail inside the tool and become unknown)."""
+    (each tool call would fail inside the tool and become unknown).
+
+    In a process confined to a side-effect folder (``serve``, :func:`side_effect_confinement`)
+    a relative path resolves against that folder, and the path is checked to be inside it
+    as given, before anything on disk is looked at: a refusal never shows where a path
+    outside the folder leads (``/proc/self/cwd/...``) or whether a folder there exists.
+    """
     if not isinstance(value, str) or not value:
         raise ScenarioError(path, "must be a file path")
     if "\0" in value:
         raise ScenarioError(path, "must not contain a NUL character")
+    folder: Path | None = None
+    if _CONFINEMENT.active:
+        folder = _CONFINEMENT.folder
+        if folder is None:
+            raise ScenarioError(path, _NO_LOGS)
+        base_dir = folder
+        if _lexically_inside(value, folder) is None:
+            raise ScenarioError(path, f"{value!r} is outside this server's --side-effect-dir {str(folder)!r}")
     log = Path(value)
     if not log.is_absolute():
         log = (base_dir or Path.cwd()) / log
     try:
         log = log.resolve()
+        if folder is not None and not log.is_relative_to(folder):
+            # A symbolic link inside the folder leads out of it: where to is not told.
+            raise ScenarioError(path, f"{value!r} leads outside this server's --side-effect-dir {str(folder)!r} "
+                                "through a symbolic link")
         if log.is_dir():
             raise ScenarioError(path, f"{str(log)!r} is a directory; give the path of a file to append to")
         if not log.parent.is_dir():
             raise ScenarioError(path, f"the folder {str(log.parent)!r} does not exist; create it first")
     except (OSError, RuntimeError) as exc:  # e.g. a symlink loop, a name too long
+        if folder is not None:  # the message could name what lies outside the folder
+            raise ScenarioError(path, f"{value!r} is not a usable file path inside this server's "
+                                "--side-effect-dir") from exc
         raise ScenarioError(path, f"is not a usable file path: {exc}") from exc
     return str(log)
+
+
+_NO_LOGS = "this server writes no side-effect logs (it was started without --side-effect-dir): drop side_effect_log"
+
+
+class _Confinement:
+    """Where this process may append side-effect logs: anywhere (``active`` False: a CLI
+    command appends where its scenario says), or only inside ``folder`` (resolved; None:
+    nowhere), as ``agentfold serve`` with or without ``--side-effect-dir``."""
+
+    active = False
+    folder: Path | None = None
+    given: Path | None = None  # the folder as the operator wrote it (absolute, not resolved)
+
+
+_CONFINEMENT = _Confinement()
+
+
+@contextlib.contextmanager
+def side_effect_confinement(folder: Path | None) -> Iterator[None]:
+    """Confine every side-effect log this process validates or appends to to ``folder``
+    (None: refuse them all) until the block ends: what ``serve`` does for all the runs it
+    drives, whoever started them (over HTTP, a CLI command, an import)."""
+    previous = (_CONFINEMENT.active, _CONFINEMENT.folder, _CONFINEMENT.given)
+    _CONFINEMENT.folder = folder.resolve() if folder is not None else None
+    _CONFINEMENT.given = Path(os.path.abspath(folder)) if folder is not None else None
+    _CONFINEMENT.active = True
+    try:
+        yield
+    finally:
+        _CONFINEMENT.active, _CONFINEMENT.folder, _CONFINEMENT.given = previous
+
+
+def _lexically_inside(log: str, folder: Path) -> tuple[str, ...] | None:
+    """The names leading from ``folder`` to ``log`` as written (relative: against ``folder``),
+    with ``.`` and ``..`` folded without looking at the disk; None when that leaves the
+    folder or names the folder itself. ``folder`` is the resolved ``--side-effect-dir``; the
+    folder as the operator wrote it (which may be a link to it) is accepted as well."""
+    given = log if os.path.isabs(log) else os.path.join(folder, log)
+    normal = Path(os.path.normpath(given))
+    for start in dict.fromkeys((folder, _CONFINEMENT.given or folder)):
+        if normal.is_relative_to(start) and normal != start:
+            return normal.relative_to(start).parts
+    return None
+
+
+def _is_link(name: str, folder_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=folder_fd).st_mode)
+    except OSError:
+        return False
+
+
+class SideEffectLogRefused(Exception):
+    """A confined process refused to append to a side-effect log (nothing was written)."""
+
+
+def open_side_effect_log(path: str) -> int:
+    """A descriptor to append to the side-effect log ``path`` (created 0644 if missing).
+
+    Unconfined (a CLI command): the path as it is. Confined (:func:`side_effect_confinement`):
+    checked at every open, since the file system may have changed since the run was
+    validated, or the run was never validated by this process (imported, started by a CLI
+    command and adopted): ``path`` must be inside the folder as written, and it is opened
+    from the folder one name at a time without following a symbolic link (``O_NOFOLLOW``),
+    so no link swapped in at any step leads out; the file must be a regular file with a
+    single link (a hard link could be another name of a file outside) or a FIFO. Otherwise
+    :class:`SideEffectLogRefused`, with nothing written.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    if not _CONFINEMENT.active:
+        return os.open(path, flags, 0o644)
+    folder = _CONFINEMENT.folder
+    if folder is None:
+        raise SideEffectLogRefused(_NO_LOGS)
+    names = _lexically_inside(path, folder)
+    if names is None:
+        raise SideEffectLogRefused(f"{path!r} is outside this server's --side-effect-dir")
+    here = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, name in enumerate(names):
+            last = i == len(names) - 1
+            try:
+                if last:
+                    fd = os.open(name, flags | os.O_NOFOLLOW, 0o644, dir_fd=here)
+                else:
+                    below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here)
+            except OSError as exc:
+                # O_NOFOLLOW refuses a link: ELOOP for a file, ENOTDIR for a folder (Linux).
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, here):
+                    raise SideEffectLogRefused(
+                        f"{path!r} is, or lies under, a symbolic link (this server's --side-effect-dir follows none)"
+                    ) from exc
+                raise
+            if not last:
+                os.close(here)
+                here = below
+    finally:
+        os.close(here)
+    status = os.fstat(fd)
+    if stat.S_ISFIFO(status.st_mode):
+        return fd  # a pipe inside the folder: a reader there takes the lines (as before)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+        os.close(fd)
+        raise SideEffectLogRefused(f"{path!r} is not a regular file with a single link (nor a FIFO)")
+    return fd
 
 
 def side_effect_logs(doc: dict[str, Any], path: str = "$") -> list[tuple[str, str]]:
@@ -347,7 +476,7 @@ def confine_side_effect_logs(doc: dict[str, Any], folder: Path | None) -> None:
 def side_effect_log_refusal(log: str, folder: Path | None) -> str | None:
     """Why a server refuses the (absolute) side-effect log ``log``, or None when it is inside ``folder``."""
     if folder is None:
-        return "this server writes no side-effect logs (it was started without --side-effect-dir): drop side_effect_log"
+        return _NO_LOGS
     if not Path(log).is_relative_to(folder.resolve()):
         return f"{log!r} is outside this server's --side-effect-dir {str(folder.resolve())!r}"
     return None
@@ -403,7 +532,7 @@ class SideEffectLog:
         entry = {"tool": tool, "call_id": call_id, "arguments": arguments, "effect_id": effect_id, "resumed": resumed}
         line = json.dumps(entry, sort_keys=True) + "\n"
         with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = open_side_effect_log(self.path)
             try:
                 os.write(fd, line.encode())
                 try:
@@ -454,10 +583,17 @@ class ScenarioTool:
 
     def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
         if self.log is not None:
-            self.log.record(
-                self.name, invocation.call.id, invocation.call.arguments, str(invocation.effect_id),
-                invocation.continuation is not None,
-            )
+            try:
+                self.log.record(
+                    self.name, invocation.call.id, invocation.call.arguments, str(invocation.effect_id),
+                    invocation.continuation is not None,
+                )
+            except SideEffectLogRefused as exc:
+                # Definite: nothing was written and the scripted result was not produced. The
+                # run sees a rejected tool result, as for any call a tool refuses.
+                raise ToolFailure(
+                    "rejected", f"error: refused: this server does not append to the side-effect log: {exc}"
+                ) from exc
         return self._run(self.spec["result"], invocation, arguments)
 
     def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
