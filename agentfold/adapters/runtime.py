@@ -1328,7 +1328,8 @@ class Runtime:
         loaded = self._load(tree_id)
         found = loaded.state.find_effect(eid)
         if found is None or not found[1].unknown or found[1].resolved_by is not None:
-            raise Rejected("engine.effect.not_pending", f"effect {eid} is not an unknown effect")
+            raise Rejected("engine.effect.not_pending", f"effect {eid} is not an unknown effect (any more)",
+                           hint="list unknown effects with Host.unknown() or `agentfold unknown`")
         process, record = found
         if process.terminal or process.terminal_intent is not None:
             raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing")
