@@ -71,6 +71,11 @@ FAULTS: list[tuple[str, dict[str, Any], str, str]] = [
      "non-empty string"),
     ("advertises-string", scenario(tools=[tool(advertises="t2"), tool(name="t2", deferred=True)]),
      "$.tools[0].advertises", "list of tool names"),
+    # Were interaction.toolset.invalid without a path (found by an error-code audit).
+    ("tool-name-space", scenario(tools=[tool(name="bad name!")]), "$.tools[0].name", "[A-Za-z0-9_.-]"),
+    ("tool-name-long", scenario(tools=[tool(name="t" * 129)]), "$.tools[0].name", "1-128 characters"),
+    ("delegate-name-slash", scenario(delegates=[{**DELEGATE, "name": "a/b"}]), "$.delegates[0].name",
+     "[A-Za-z0-9_.-]"),
 ]
 
 

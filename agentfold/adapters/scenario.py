@@ -29,6 +29,7 @@ from agentfold.domain.budget import Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, duplicate_key, normalize
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.interaction.chat import ChatInput, parse_response
+from agentfold.domain.interaction.toolset import check_name
 from agentfold.domain.json_schema import check_schema, resolve_ref
 from agentfold.domain.program import Program
 
@@ -225,6 +226,7 @@ def validate_scenario(
         )
         if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
             raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
+        _check_tool_name(tool["name"], f"{where}.name")
         names.add(tool["name"])
         _check_description(tool, where)
         if "parameters" in tool:
@@ -258,6 +260,7 @@ def validate_scenario(
         delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
         if not isinstance(delegate["name"], str) or not delegate["name"]:
             raise ScenarioError(f"{where}.name", "must be a non-empty string")
+        _check_tool_name(delegate["name"], f"{where}.name")
         if delegate["name"] in names:
             raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
         names.add(delegate["name"])
@@ -305,6 +308,14 @@ def _grant(parent: Budget, value: Any, path: str, whom: str) -> Budget:
 def _check_description(value: dict[str, Any], path: str) -> None:
     if "description" in value and not isinstance(value["description"], str):
         raise ScenarioError(f"{path}.description", "must be a string")
+
+
+def _check_tool_name(name: str, path: str) -> None:
+    """A tool's or a Delegate's name as the Interaction's toolset takes it, refused here with its path."""
+    try:
+        check_name(name, "a")
+    except InvalidInput as exc:
+        raise ScenarioError(path, f"{name[:80]!r} must be 1-128 characters of [A-Za-z0-9_.-]") from exc
 
 
 def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:

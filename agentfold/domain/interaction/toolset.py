@@ -29,7 +29,8 @@ Classifier = Callable[[ToolCall, JSON], tuple[str, bool]]
 """``(call, arguments) -> (key, concurrent)``: pure, deterministic, bounded."""
 
 
-def _check_name(name: str, what: str) -> None:
+def check_name(name: str, what: str) -> None:
+    """A tool's or a Delegate's name as models accept it (interaction.toolset.invalid)."""
     if not isinstance(name, str) or not name or len(name) > 128 or not all(c.isalnum() or c in "_-." for c in name):
         raise InvalidInput("interaction.toolset.invalid", f"{what} name {name!r} must be 1-128 of [A-Za-z0-9_.-]")
 
@@ -50,7 +51,7 @@ class ToolSpec:
     concurrency: Classifier | None = None
 
     def __post_init__(self) -> None:
-        _check_name(self.name, "tool")
+        check_name(self.name, "tool")
         _check_description(self.description, f"tool {self.name}")
         check_schema(self.parameters, f"#tool:{self.name}")
 
@@ -100,7 +101,7 @@ class DelegateSpec:
     build_input: Callable[[JSON], JSON] | None = None
 
     def __post_init__(self) -> None:
-        _check_name(self.name, "delegate")
+        check_name(self.name, "delegate")
         _check_description(self.description, f"delegate {self.name}")
         if not isinstance(self.input_schema, dict) or self.input_schema.get("type") != "object":
             raise InvalidInput("interaction.delegate.invalid", f"delegate {self.name} needs an object input schema")
