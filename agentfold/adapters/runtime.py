@@ -1332,7 +1332,8 @@ class Runtime:
                            hint="list unknown effects with Host.unknown() or `agentfold unknown`")
         process, record = found
         if process.terminal or process.terminal_intent is not None:
-            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing")
+            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing",
+                           hint="nothing to replay: the run's outcome no longer depends on this effect")
         if record.target != "dispatcher" or record.replay != "same_identity":
             raise Rejected(
                 "engine.effect.replay_forbidden",

@@ -823,7 +823,8 @@ class Kernel:
         process = self._live(pid)
         if process.terminal:
             raise Rejected(
-                "engine.process.finished", f"process {pid} already ended {process.status}", process_id=pid
+                "engine.process.finished", f"process {pid} already ended {process.status}",
+                hint="an ended process takes no more controls", process_id=pid,
             )
         if control == "pause":
             if process.status == "paused":
@@ -867,6 +868,7 @@ class Kernel:
                 "engine.process.finished",
                 f"process {process.process_id} is {process.status if process.terminal else 'terminating'}; "
                 "its unknown effects stay unresolved as evidence",
+                hint="nothing to resolve: the run's outcome no longer depends on them",
             )
         if not record.unknown or record.resolved_by is not None:
             raise Rejected(

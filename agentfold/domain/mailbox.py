@@ -77,7 +77,7 @@ def check_admission(
         raise Rejected(
             "engine.process.finished",
             f"process {process.process_id} is {process.status}; it admits no more input",
-            process_id=process.process_id,
+            hint="a finished run takes no more input: start a new run to go on", process_id=process.process_id,
         )
     for request in new:
         if request.wait_id is not None:
