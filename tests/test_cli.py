@@ -607,3 +607,15 @@ def test_a_reader_that_goes_away_stops_the_command_quietly_as_sigpipe_would(tmp_
     finally:
         os.close(write)
     assert (ran.returncode, ran.stderr) == (141, "")
+
+
+def test_refusals_found_by_the_error_code_audit_say_what_to_do(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'runs.db'}"
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), "--start-id", "k", store=store))
+    missing = refused(agentfold("show", "tree:" + "0" * 32, "--json", store=store)).error()
+    assert missing["code"] == "engine.tree.not_found" and "agentfold trees" in missing["hint"], missing
+    before = refused(agentfold("replay", "k", "--at", "0", "--json", store=store)).error()
+    assert before["code"] == "audit.position_out_of_range" and before["hint"], before
+    # "@" alone named the current folder: "cannot read : Is a directory".
+    empty = refused(agentfold("answer", "process:" + "0" * 32, "wait:" + "0" * 64, "@", "--json", store=store)).error()
+    assert empty["code"] == "cli.argument_invalid" and "names no file" in empty["message"], empty

@@ -563,7 +563,8 @@ class Replay:
 def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSources) -> Replay:
     """The folded state of a tree right after ``position``: reads only, nothing is dispatched."""
     if position < 1:
-        raise InvalidInput("audit.position_out_of_range", f"position {position} is before the first event (1)")
+        raise InvalidInput("audit.position_out_of_range", f"position {position} is before the first event (1)",
+                           hint="positions start at 1")
     records = store.read(tree_id, upto=position)  # verifies the chain up to the position
     if not records:
         raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")

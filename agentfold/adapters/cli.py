@@ -455,8 +455,8 @@ def _drive(ctx: Context, runtime: Runtime, tree_id: TreeID, done: str) -> TreeSt
     except (TimeoutError, AgentfoldError) as exc:
         raise AgentfoldError(
             "cli.drive_failed",
-            f"{done}, but driving tree {tree_id} on did not finish: {exc}",
-            hint=f"look with `{PROG} show {tree_id}`; `{PROG} recover` drives it on",
+            f"{done}, but driving {tree_id} on did not finish: {exc}",
+            hint=f"look with `{PROG} show {tree_id}`; `{PROG} recover` drives it on", tree_id=str(tree_id),
         ) from exc
 
 
@@ -960,6 +960,9 @@ def json_argument(text: str, what: str) -> JSON:
         raw = sys.stdin.buffer.read()
     elif text.startswith("@"):
         path = text[1:]
+        if not path:
+            raise InvalidInput("cli.argument_invalid", f"{what}: '@' names no file",
+                               hint="@PATH reads the JSON from a file, - from standard input")
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:

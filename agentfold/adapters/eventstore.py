@@ -1293,7 +1293,8 @@ class EventStore:
         if ref.startswith("tree:"):
             tree_id = TreeID(ref)
             if self.head(tree_id) is None and not self._indexed_since(tree_id):
-                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist")
+                raise NotFound("engine.tree.not_found", f"tree {ref} does not exist",
+                               hint="list trees with `agentfold trees`")
             return tree_id
         found = self.tree_of_process(ref)
         if found is not None:
