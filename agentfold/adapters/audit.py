@@ -666,7 +666,11 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent], dict[str, Any]
     end: dict[str, Any] | None = None
     for number, line in enumerate(lines, start=1):
         try:
-            body = json.loads(line)
+            body = json.loads(line, object_pairs_hook=_distinct_members)
+        except _RepeatedMember as exc:
+            raise InvalidInput("import.format", f"line {number} has the member {exc.key!r} twice in one object",
+                               hint="a JSON parser keeps the last one without a word: export the tree again",
+                               line=number) from exc
         except (ValueError, RecursionError) as exc:  # also a number of more than 4,300 digits, or deep nesting
             reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise InvalidInput("import.format", f"line {number} is not JSON: {reason}", line=number) from exc
@@ -703,6 +707,24 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent], dict[str, Any]
     if end is not None and end["tree"] != str(tree_id):
         raise InvalidInput("import.format", f"the end line names {end['tree']}, the records {tree_id}")
     return tree_id, stored, end
+
+
+class _RepeatedMember(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _distinct_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of an export line (a record's members, an end line's): each member once."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedMember(key)
+            seen.add(key)
+    return value
 
 
 def _end_of(body: dict[str, Any], number: int) -> dict[str, Any]:

@@ -330,6 +330,22 @@ def test_a_file_whose_process_belongs_to_another_tree_of_the_store_is_a_conflict
     assert refused(agentfold("show", "crafted", "--json", store=target)).error()["code"] == "engine.tree.not_found"
 
 
+def test_a_record_with_a_member_twice_is_an_import_format_error(tmp_path: Path) -> None:
+    # Found by a security review: {"position": 1, ..., "position": 2} was read as position 2
+    # (the parser keeps the last) and reported as "position 1 is missing".
+    source = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    first, *rest = export(source, tree_id, tmp_path / "tree.jsonl").splitlines(keepends=True)
+    doubled = first.replace(b'"position":1', b'"position":1,"position":2', 1)
+    assert doubled != first
+    (tmp_path / "doubled.jsonl").write_bytes(doubled + b"".join(rest))
+    target = sqlite_store(tmp_path, "target.db")
+    error = refused(import_file(tmp_path / "doubled.jsonl", target)).error()
+    assert error["code"] == "import.format", error
+    assert error["message"] == "line 1 has the member 'position' twice in one object", error
+    assert not Path(target.removeprefix("sqlite:///")).exists()
+
+
 @pytest.mark.parametrize("line", ["[" * 200_000 + "]" * 200_000, '{"position": ' + "9" * 100_000 + "}"],
                          ids=["nested-200k-deep", "100k-digit-number"])
 def test_a_line_python_cannot_parse_is_an_import_format_error(tmp_path: Path, line: str) -> None:
