@@ -274,7 +274,7 @@ def fold_stored(
             )
             break
         try:
-            decoded = mapper.decode(tree_id, record, digest)
+            decoded = mapper.decode(tree_id, record, digest, canonical=True)
             state.apply(decoded.event, position)
         except DecodeError as exc:
             folded.problem = Finding(name, exc.position, exc.rule, exc.detail)

@@ -169,9 +169,15 @@ class PydanticMapper(Mapper[uuid.UUID]):
         return StoredEvent(tree_uuid, position, TOPIC_PREFIX + tag, state), digest
 
     def decode(
-        self, tree_id: str, stored: StoredEvent, previous: str | None, *, verify: bool = True
+        self, tree_id: str, stored: StoredEvent, previous: str | None, *, verify: bool = True,
+        canonical: bool = False,
     ) -> RecordedEvent:
-        """Decode and (by default) verify the digest chain of one stored event."""
+        """Decode and (by default) verify the digest chain of one stored event.
+
+        ``canonical`` (audit, import): the content must also be the canonical JSON of what it
+        holds, as every writer stores it. The chain is over the stored bytes, but a consumer
+        of the feed rebuilds them from the envelope's values: a valid JSON with a space, keys
+        out of order or a member twice would chain here and not there."""
         position = stored.originator_version
         topic = stored.topic
         tag = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
@@ -191,6 +197,9 @@ class PydanticMapper(Mapper[uuid.UUID]):
             raise DecodeError(position, "integrity.format", str(exc)) from exc
         except Exception as exc:
             raise DecodeError(position, "integrity.format", f"{type(exc).__name__}: {exc}") from exc
+        if canonical and content_bytes(unsealed.body, unsealed.timestamp) != unsealed.content:
+            raise DecodeError(position, "integrity.format",
+                              "the stored content is not canonical JSON (sorted keys, no spaces, each member once)")
         if verify:
             expected = chain_digest(previous, tree_id, position, tag, unsealed.content)
             if expected != unsealed.digest:

@@ -22,6 +22,7 @@ from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import ProcessID, StartID, TreeID
+from agentfold.domain.integrity import chain_digest
 from tests.audit.support import Sql, record_demo
 from tests.conftest import make_store_url
 from tests.kernel_programs import chain_program
@@ -356,4 +357,40 @@ def test_a_line_python_cannot_parse_is_an_import_format_error(tmp_path: Path, li
     target = sqlite_store(tmp_path, "target.db")
     error = refused(import_file(path, target)).error()
     assert error["code"] == "import.format" and error["message"].startswith("line 1 is not JSON"), error
+    assert not Path(target.removeprefix("sqlite:///")).exists()
+
+
+@pytest.mark.parametrize("edit", [
+    (b'"event":{', b'"event": {'),  # a space
+    (b'"timestamp":', b'"event":{},"timestamp":'),  # a member twice (the parser keeps the last)
+], ids=["space", "member-twice"])
+def test_a_history_chained_over_content_that_is_not_canonical_json_is_refused(
+    tmp_path: Path, edit: tuple[bytes, bytes]
+) -> None:
+    # Found by a review: such a file (its chain recomputed) was imported and verified, and the
+    # publisher published it; the transcript consumer, which rebuilds the content from the
+    # envelope's values, then stopped the whole topic with feed.chain_broken.
+    source = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    lines = [json.loads(line) for line in records(export(source, tree_id, tmp_path / "tree.jsonl"))]
+    previous = None
+    out = []
+    for record in lines:
+        state = record["state"].encode()
+        content = b"{" + state[len(b'{"digest":"sha256:') + 64 + 2:]
+        if record["position"] == 2:
+            content = content.replace(*edit, 1)
+            json.loads(content)  # still valid JSON
+        previous = chain_digest(previous, str(tree_id), record["position"], record["topic"].split(":", 1)[1], content)
+        out.append(json.dumps({**record, "state": '{"digest":"' + previous + '",' + content[1:].decode()},
+                              separators=(",", ":")))
+    out.append(json.dumps({"end": {"events": len(lines), "head_digest": previous}, "tree": str(tree_id)},
+                          separators=(",", ":")))
+    crafted = tmp_path / "crafted.jsonl"
+    crafted.write_text("\n".join(out) + "\n")
+    target = sqlite_store(tmp_path, "target.db")
+    error = refused(import_file(crafted, target)).error()
+    assert error["code"] == "import.corrupt", error
+    assert (error["detail"]["position"], error["detail"]["rule"]) == (2, "integrity.format"), error
+    assert "not canonical JSON" in error["message"]
     assert not Path(target.removeprefix("sqlite:///")).exists()
