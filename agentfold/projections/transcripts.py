@@ -129,6 +129,10 @@ def check_envelope(envelope: Any) -> Envelope:
         raise EnvelopeInvalid(f"unknown event type {envelope['type']!r}")
     if not isinstance(envelope["payload"], Mapping):
         raise EnvelopeInvalid("payload must be an object (the stored event body)")
+    if envelope["process_id"] != envelope["payload"].get("process_id"):
+        # The digest covers the payload, not this copy of its process id: a record that changed
+        # only the copy would chain, and be filed under another Process.
+        raise EnvelopeInvalid("process_id must be the payload's process_id")
     return envelope
 
 
