@@ -174,15 +174,27 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _append_line(path: str, line: dict[str, Any]) -> None:
-    # O_APPEND + fsync: the line is on disk before the dispatcher returns, so a crash
-    # right after the side effect still leaves the evidence a host investigates.
-    data = (json.dumps(line, sort_keys=True) + "\n").encode()
     fd = open_side_effect_log(path)  # in `serve`: only inside its --side-effect-dir (SideEffectLogRefused)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
+        _write_line(fd, line)
     finally:
         os.close(fd)
+
+
+def _write_line(fd: int, line: dict[str, Any]) -> None:
+    # O_APPEND + fsync: the line is on disk before the dispatcher returns, so a crash
+    # right after the side effect still leaves the evidence a host investigates.
+    os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+    os.fsync(fd)
+
+
+def _read_lines(fd: int) -> list[dict[str, Any]]:
+    """Every line of the log open on ``fd``, read from its start."""
+    data, offset = bytearray(), 0
+    while chunk := os.pread(fd, 1 << 16, offset):
+        data += chunk
+        offset += len(chunk)
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
 
 def dispatch_payment(request: EffectRequest, context: DispatchContext) -> Settlement:
@@ -208,18 +220,21 @@ def _dispatch_payment(request: EffectRequest) -> Settlement:
         message_id = message_id_for(request.effect_id)
         charge_id = (payload.get("charge") or {}).get("charge_id")
         # The mailer delivers a message id once; a repeated attempt returns the same receipt.
-        if not any(line.get("message_id") == message_id for line in read_log(log)):
-            _append_line(
-                log,
-                {
+        # Read and appended through one descriptor, opened as every append is (in `serve`:
+        # inside its --side-effect-dir, no symbolic link followed).
+        fd = open_side_effect_log(log, readable=True)
+        try:
+            if not any(line.get("message_id") == message_id for line in _read_lines(fd)):
+                _write_line(fd, {
                     "action": "send_receipt",
                     "message_id": message_id,
                     "customer": payload["customer"],
                     "charge_id": charge_id,
                     "effect_id": request.effect_id,
                     "attempt_id": request.attempt_id,
-                },
-            )
+                })
+        finally:
+            os.close(fd)
         return Settlement.succeeded({"message_id": message_id, "to": payload["customer"]})
     return Settlement.failed({"error": f"unknown action {action!r}"})
 

@@ -415,7 +415,7 @@ class SideEffectLogRefused(Exception):
     """A confined process refused to append to a side-effect log (nothing was written)."""
 
 
-def open_side_effect_log(path: str) -> int:
+def open_side_effect_log(path: str, *, readable: bool = False) -> int:
     """A descriptor to append to the side-effect log ``path`` (created 0644 if missing).
 
     Unconfined (a CLI command): the path as it is. Confined (:func:`side_effect_confinement`):
@@ -425,9 +425,11 @@ def open_side_effect_log(path: str) -> int:
     from the folder one name at a time without following a symbolic link (``O_NOFOLLOW``),
     so no link swapped in at any step leads out; the file must be a regular file with a
     single link (a hard link could be another name of a file outside) or a FIFO. Otherwise
-    :class:`SideEffectLogRefused`, with nothing written.
+    :class:`SideEffectLogRefused`, with nothing written. ``readable``: open it for reading
+    too (the kernel demo reads its log before it sends a receipt); confined, only a regular
+    file then (a FIFO would hold the reader).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
     if not _CONFINEMENT.active:
         return os.open(path, flags, 0o644)
     folder = _CONFINEMENT.folder
@@ -458,7 +460,7 @@ def open_side_effect_log(path: str) -> int:
     finally:
         os.close(here)
     status = os.fstat(fd)
-    if stat.S_ISFIFO(status.st_mode):
+    if stat.S_ISFIFO(status.st_mode) and not readable:
         return fd  # a pipe inside the folder: a reader there takes the lines (as before)
     if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
         os.close(fd)

@@ -244,3 +244,39 @@ def test_the_kernel_demo_a_server_adopts_cannot_make_it_append_outside_its_side_
         healthy(server)
     finally:
         server.stop()
+
+
+def test_the_kernel_demo_reads_no_log_through_a_symbolic_link_in_a_server(tmp_path: Path) -> None:
+    """Found by a review: before a receipt the demo reads its log (has this message gone out?),
+    and it read it unconfined, through a link swapped in after the run started (a FIFO there
+    would have held the call, /dev/zero filled the memory). Now it reads through the same
+    confined descriptor it appends to: the receipt is refused and nothing outside is read."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    log = allowed / "pay.log"
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    crashed = subprocess.run(
+        [sys.executable, "-m", "agentfold.adapters.cli", "kernel-demo-run", "--side-effect-log", str(log),
+         "--start-id", "pay-2", "--crash-after", "settled:1", "--store", store],
+        capture_output=True, text=True, cwd=ROOT, env=server_env(None), timeout=120)
+    assert crashed.returncode == 75, crashed.stderr
+    secret = outside / "secret.txt"
+    secret.write_text("NOT JSON\n")
+    log.unlink()
+    log.symlink_to(secret)
+    server = start_server(store, tmp_path, "--side-effect-dir", str(allowed), "--recover")
+    try:
+        c = server.client()
+        started = time.monotonic()
+        run = ok(c.get("/runs/pay-2"))
+        while run["status"] != "completed" and time.monotonic() - started < 60:
+            time.sleep(0.1)
+            run = ok(c.get("/runs/pay-2"))
+        assert run["status"] == "completed" and run["output"]["receipt_sent"] is False, run
+        assert "symbolic link" in run["output"]["receipt"]["error"], run  # not a JSON error from reading it
+        assert ok(c.get("/unknown-effects"))["unknown_effects"] == []
+        assert secret.read_text() == "NOT JSON\n"
+        healthy(server)
+    finally:
+        server.stop()
