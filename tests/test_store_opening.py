@@ -577,3 +577,17 @@ def test_a_new_sqlite_store_and_its_files_are_readable_by_their_owner_only(tmp_p
         assert stat.S_IMODE(shared.stat().st_mode) == 0o660  # an existing file keeps its mode
     finally:
         os.umask(old)
+
+
+def test_a_libpq_connection_string_given_as_a_store_url_is_refused_without_its_password() -> None:
+    # Found by a review: "host=... password=..." (not a URL) was quoted whole.
+    ran = refused(agentfold("trees", "--json", store="host=127.0.0.1 password=hunter2secret dbname=ops"))
+    error = ran.error()
+    assert error["code"] == "store.url_invalid" and "password=***" in error["message"], error
+    assert "hunter2" not in ran.stderr
+
+
+def test_sqlite_memory_url_leaves_no_file_behind(tmp_path: Path) -> None:
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), store="sqlite:///:memory:",
+                 cwd=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calls.jsonl"]

@@ -504,7 +504,7 @@ APPEND_FAILED_HINT = (
 )
 
 
-def _create_private(path: Path) -> None:
+def create_private(path: Path) -> None:
     """Create a new SQLite store's file readable by its owner only (0600): it holds every
     conversation. SQLite gives the ``-wal`` and ``-shm`` files the database file's mode. An
     existing file keeps its mode; a file that cannot be created is left to SQLite to report."""
@@ -542,7 +542,8 @@ class EventStore:
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         if self.backend == "sqlite" and create and self.read_only_uri is None:
-            _create_private(Path(settings["SQLITE_DBNAME"]))
+            if settings["SQLITE_DBNAME"] != ":memory:" and not settings["SQLITE_DBNAME"].startswith("file:"):
+                create_private(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
@@ -1366,7 +1367,9 @@ class EventStore:
     def leases(self) -> LeaseManager:
         """A new lease manager (one per runtime)."""
         self._check_open()
-        if self.backend == "memory":
+        if self.backend == "memory" or self._settings.get("SQLITE_DBNAME") == ":memory:":
+            # sqlite:///:memory: lives in this process only: no other process to lease against
+            # (a file lease left ":memory:.leases" in the working folder).
             return MemoryLeases(self._memory_leases, self._memory_lock)
         if self.backend == "sqlite":
             if self.read_only_uri is not None:  # a runtime may read it (find a tree); taking one is refused
@@ -1487,15 +1490,17 @@ def end_session(conn: Any) -> None:
 
 
 #: A ``password`` parameter in a URL's query (libpq reads ``?password=``): masked in messages.
-_PASSWORD_PARAMETER = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
+_PASSWORD_PARAMETER = re.compile(r"((?:^|[?&;\s])password\s*=\s*)[^&;#\s]*", re.IGNORECASE)
 
 
 def redact(url: str) -> str:
     """The URL without its password, for messages (also when the URL is malformed: a scheme in
     capitals, one slash, no slashes, a ``password`` query parameter)."""
     scheme, colon, rest = url.partition(":")
-    if not colon or scheme.strip().lower() in ("sqlite", "memory"):  # sqlite:///path has no user
+    if scheme.strip().lower() in ("sqlite", "memory"):  # sqlite:///path has no user
         return url
+    if not colon:  # not a URL: a libpq "host=... password=..." string, say
+        return _PASSWORD_PARAMETER.sub(r"\1***", url)
     rest = _PASSWORD_PARAMETER.sub(r"\1***", rest)
     after = len(rest) - len(rest.lstrip("/"))
     if not after and "@" in rest:  # no slash after the first ':': "user:password@host/db" or "postgres:u:p@h"

@@ -49,6 +49,7 @@ from agentfold.adapters.eventstore import (
     CorruptStream,
     EventStore,
     InterruptibleConnection,
+    create_private,
     end_session,
     pg_tcp_params,
     pg_tcp_timeout,
@@ -205,6 +206,7 @@ class TranscriptStore:
                                    hint="use sqlite:///path.db")
             if create:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
+                create_private(Path(path))  # 0600: it holds the conversations, as the store does
             elif not Path(path).is_file():
                 raise _no_tables(url, "the file does not exist")
             self.backend = "sqlite"

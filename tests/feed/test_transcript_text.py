@@ -9,6 +9,8 @@ printed with its password, and ``transcripts.unavailable`` says what to check.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +138,14 @@ def test_an_unreachable_db_is_unavailable_with_a_hint_and_without_its_password(t
         error = json.loads(ran.stderr)["error"]
         assert error["code"] == "transcripts.unavailable", error
         assert error["hint"].startswith("check --db"), error
+
+
+def test_a_new_sqlite_transcript_database_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    # Found by a review: the store was made 0600 ("it holds every conversation") but the
+    # transcript database, which holds the same conversations, stayed 0644.
+    old = os.umask(0o022)
+    try:
+        TranscriptStore(f"sqlite:///{tmp_path / 'transcripts.db'}").close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "transcripts.db").stat().st_mode) == 0o600
