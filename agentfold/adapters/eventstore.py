@@ -505,9 +505,10 @@ APPEND_FAILED_HINT = (
 
 
 def create_private(path: Path) -> None:
-    """Create a new SQLite store's file readable by its owner only (0600): it holds every
-    conversation. SQLite gives the ``-wal`` and ``-shm`` files the database file's mode. An
-    existing file keeps its mode; a file that cannot be created is left to SQLite to report."""
+    """Create a new SQLite database file (a store, a transcript database) readable by its owner
+    only (0600): it holds conversations. SQLite gives the ``-wal`` and ``-shm`` files the
+    database file's mode. An existing file keeps its mode; a file that cannot be created is
+    left to SQLite to report."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -198,6 +199,9 @@ class TranscriptStore:
         """``create=False`` (reading transcripts): a database without the tables is
         ``transcripts.not_found`` and nothing is created (a mistyped ``--db`` must not leave
         an empty database, or directories, behind)."""
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme.lower() in ("postgresql", "postgres", "sqlite"):
+            url = scheme.lower() + sep + rest  # a URL's scheme is case-insensitive, as a store URL's
         self.url = url
         if url.startswith("sqlite:///"):
             path = url[len("sqlite:///") :]
@@ -211,6 +215,20 @@ class TranscriptStore:
                 raise _no_tables(url, "the file does not exist")
             self.backend = "sqlite"
         elif url.startswith(("postgresql://", "postgres://")):
+            port: int | None = None
+            try:
+                parts = urlsplit(url)
+            except ValueError:  # a malformed host: the connection string's own parse says so below
+                parts = None
+            if parts is not None:
+                try:
+                    port = parts.port
+                except ValueError:
+                    port = 0
+            if port == 0:  # libpq would say "invalid integer value" only once connecting
+                raise InvalidInput("transcripts.url_invalid",
+                                   f"PostgreSQL URL {redact(url)} has no valid port: a port is a number from 1 to 65535",
+                                   hint="use postgresql://user:pass@host:port/db")
             self.backend = "postgresql"
         else:
             raise InvalidInput(

@@ -111,6 +111,7 @@ SECRET = "S3cr3t"
         f"MYSQL://alice@h/db?password={SECRET}",
         f"postgresql://alice:{SECRET}@[bad/db",
         f"postgresql://alice:{SECRET}@h:1/db?bogus=1",
+        f"postgresql://alice:{SECRET}@h:99999/db",  # was transcripts.unavailable (exit 1) after a connect attempt
     ],
 )
 @pytest.mark.parametrize("command", ["transcript", "transcripts"])
@@ -149,3 +150,13 @@ def test_a_new_sqlite_transcript_database_is_readable_by_its_owner_only(tmp_path
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "transcripts.db").stat().st_mode) == 0o600
+
+
+def test_a_db_url_scheme_in_capitals_names_the_same_database(tmp_path: Path) -> None:
+    # Found by a review: `--store SQLite:///...` was accepted, `--db SQLite:///...` refused.
+    TranscriptStore(f"sqlite:///{tmp_path / 'transcripts.db'}").close()
+    again = TranscriptStore(f"SQLite:///{tmp_path / 'transcripts.db'}", create=False)
+    try:
+        assert again.backend == "sqlite" and again.transcripts(None) == {}
+    finally:
+        again.close()
