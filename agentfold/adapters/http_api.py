@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import pathlib
+import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future
@@ -159,6 +160,25 @@ def _dumps(value: Any) -> bytes:
 def json_response(value: Any, status: int = 200, headers: Mapping[str, str] | None = None,
                   media_type: str = "application/json") -> Response:
     return Response(_dumps(value), status_code=status, headers=dict(headers or {}), media_type=media_type)
+
+
+#: The listings a hint names as CLI commands (the store's and the runtime's refusals are shared
+#: with the CLI), as a client of this API reads them.
+_HTTP_LISTINGS = {
+    "`agentfold trees`": "GET /runs",
+    "`agentfold unknown`": "GET /unknown-effects",
+    "`agentfold pending`": "GET /pending-inputs",
+}
+_SHOW = re.compile(r"`agentfold show ([^`\s]+)`")
+
+
+def http_hint(hint: str) -> str:
+    """``hint`` with the listing commands it names as this API's requests."""
+    for command, request in _HTTP_LISTINGS.items():
+        if request in hint:  # it names both: "(`agentfold pending`, GET /pending-inputs)"
+            hint = hint.replace(f"{command}, ", "").replace(f"{command} or ", "")
+        hint = hint.replace(command, request)
+    return _SHOW.sub(r"GET /runs/\1", hint)
 
 
 def problem_response(status: int, code: str, detail: str, hint: str = "", extra: Mapping[str, Any] | None = None,
@@ -1328,7 +1348,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def agentfold_error(request: Request, exc: AgentfoldError) -> Response:
         if isinstance(exc, Unauthorized):
             return unauthorized_response(exc)
-        return problem_response(exc.http_status, exc.code, exc.message, exc.hint, exc.members())
+        return problem_response(exc.http_status, exc.code, exc.message, http_hint(exc.hint), exc.members())
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
         found = exc.errors()

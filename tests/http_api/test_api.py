@@ -328,6 +328,12 @@ def test_reads_of_missing_runs_and_processes_are_404_and_bad_ids_422(api: ApiSer
     problem(c.get("/processes/process:nope/delegates"), 404, "engine.process.not_found")
     problem(c.get("/processes/has space/delegates"), 422, "identity.invalid")
     problem(c.get("/runs", params={"min_position": -1}), 422, "http.request_invalid")
+    # Their hints name this API's listings, not the CLI's commands (found by an error-code audit).
+    for answer in (c.get(f"/runs/{missing_tree}"), c.get("/runs/no-such-start")):
+        hint = answer.json()["hint"]
+        assert "GET /runs" in hint and "agentfold" not in hint, hint
+    unknown = c.post("/unknown-effects/effect:" + "0" * 64 + "/resolve", json={"output": "x"})
+    assert unknown.status_code == 404 and "agentfold" not in unknown.json().get("hint", ""), unknown.text
 
 
 def test_delegate_attributions_name_the_child_each_delegated_call_started(api: ApiServer) -> None:
