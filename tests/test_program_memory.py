@@ -10,6 +10,7 @@ it (plus the few most recently used), and rebuilds it when a run needs it again.
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,12 @@ def test_a_runtime_holds_the_programs_of_its_live_runs_only_and_rebuilds_a_relea
         before = live_programs()
         for i in range(RUNS):
             assert start(runtime, hello(i), f"hello-{i}").result(timeout=30).status == "completed"
-        grown = live_programs() - before
         # At most the recently used ones stay (each scenario here is one Program), not one per run.
+        # The last run's tree is released just after its result is published: under load its
+        # Program could still be held when first counted (65 of 64 seen once in CI).
+        deadline = time.monotonic() + 10
+        while (grown := live_programs() - before) > RECENT_PROGRAMS and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert grown <= RECENT_PROGRAMS, (grown, RUNS)
         # The parked run's Programs were held by its tree all along: a human answer resumes it.
         host = Host(runtime)
