@@ -111,6 +111,12 @@ class OrjsonTranscoder(Transcoder):
         return orjson.loads(data)
 
 
+def chain_tag(name: str, version: int) -> str:
+    """An event type as the digest chain (and the stored topic) names it: ``<type>@<n>`` for a
+    schema version n > 1."""
+    return name if version == 1 else f"{name}@{version}"
+
+
 @dataclass(frozen=True, slots=True)
 class RecordedEvent:
     """One event as stored: its tree, position, timestamp, chained digest and domain event.
@@ -158,7 +164,7 @@ class PydanticMapper(Mapper[uuid.UUID]):
         """Encode one event at ``position``; returns the StoredEvent and its chained digest."""
         name = event_type(event)
         version = event_version(event)
-        tag = name if version == 1 else f"{name}@{version}"
+        tag = chain_tag(name, version)
         content = content_bytes(event_body(event), timestamp)
         digest = chain_digest(previous, tree_id, position, tag, content)
         state = seal(content, digest)

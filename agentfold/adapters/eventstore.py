@@ -219,11 +219,16 @@ class LoadedTree:
     snapshot_version: int = 0
 
 
+def lower_scheme(url: str) -> str:
+    """``url`` with a ``postgresql``, ``postgres`` or ``sqlite`` scheme in lower case (a URL's
+    scheme is case-insensitive, RFC 3986)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme.lower() + sep + rest if sep and scheme.lower() in ("postgresql", "postgres", "sqlite") else url
+
+
 def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
     """Split a store URL into a backend name and eventsourcing environment settings."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.lower() in ("postgresql", "postgres", "sqlite"):
-        url = scheme.lower() + sep + rest  # a URL's scheme is case-insensitive (RFC 3986)
+    url = lower_scheme(url)
     if url in ("memory:", "memory://"):
         return "memory", {"PERSISTENCE_MODULE": "eventsourcing.popo"}
     if url.startswith("sqlite:///"):
@@ -542,9 +547,9 @@ class EventStore:
             self.read_only_uri = sqlite_read_only_uri(Path(settings["SQLITE_DBNAME"]))
         if self.backend == "sqlite" and not create:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
-        if self.backend == "sqlite" and create and self.read_only_uri is None:
-            if settings["SQLITE_DBNAME"] != ":memory:" and not settings["SQLITE_DBNAME"].startswith("file:"):
-                create_private(Path(settings["SQLITE_DBNAME"]))
+        if (self.backend == "sqlite" and create and self.read_only_uri is None and not self._sqlite_in_memory
+                and not settings["SQLITE_DBNAME"].startswith("file:")):  # a file: URI names its file otherwise
+            create_private(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
@@ -700,6 +705,11 @@ class EventStore:
                 f"{redact(self.url)} is not a complete agentfold store: tables {', '.join(missing)} are missing",
                 hint="open it once with a command that creates a store, as a role that may create tables",
             )
+
+    @property
+    def _sqlite_in_memory(self) -> bool:
+        """``sqlite:///:memory:``: a database of this process alone, with no file."""
+        return self._settings.get("SQLITE_DBNAME") == ":memory:"
 
     @property
     def index(self) -> IndexQueries:
@@ -1368,7 +1378,7 @@ class EventStore:
     def leases(self) -> LeaseManager:
         """A new lease manager (one per runtime)."""
         self._check_open()
-        if self.backend == "memory" or self._settings.get("SQLITE_DBNAME") == ":memory:":
+        if self.backend == "memory" or self._sqlite_in_memory:
             # sqlite:///:memory: lives in this process only: no other process to lease against
             # (a file lease left ":memory:.leases" in the working folder).
             return MemoryLeases(self._memory_leases, self._memory_lock)

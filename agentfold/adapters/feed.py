@@ -142,7 +142,9 @@ class ChainCheck:
     the end its tree's index row anchors (``EventStore.past_anchor``): an event added past
     it by hand, even one chained correctly, is refused as loading the tree refuses it."""
 
-    def __init__(self, store: EventStore, capacity: int = 10_000) -> None:
+    def __init__(self, store: EventStore | None, capacity: int = 10_000) -> None:
+        """``store`` None: a chain over the digests given with ``seed`` alone (the transcript
+        consumer's tables hold them); a previous digest neither seeded nor checked is missing."""
         self.store = store
         self.capacity = capacity
         self._last: collections.OrderedDict[TreeID, tuple[int, str]] = collections.OrderedDict()
@@ -152,6 +154,8 @@ class ChainCheck:
         """Read the index rows of the batch's trees (one query): call it after reading the batch."""
         originators = {n.originator_id for n in notifications}  # one TreeID per tree, not per event
         trees = sorted(TreeID.from_uuid(o if isinstance(o, uuid.UUID) else uuid.UUID(str(o))) for o in originators)
+        if self.store is None:
+            raise ValueError("a chain without a store has no index rows to anchor to")
         self._anchors = self.store.anchors(trees)
 
     def check(self, tree_id: TreeID, position: int, tag: str, content: bytes, recorded: str) -> None:
@@ -160,11 +164,15 @@ class ChainCheck:
         if expected != recorded:
             raise CorruptStream(tree_id, position, "integrity.digest_chain",
                                 f"recorded digest {recorded} but the chain gives {expected}")
-        if self._anchors is not None:
+        if self._anchors is not None and self.store is not None:
             problem = self.store.past_anchor(tree_id, position, recorded, self._anchors.get(tree_id))
             if problem is not None:
                 raise problem
-        self._last[tree_id] = (position, recorded)
+        self.seed(tree_id, position, recorded)
+
+    def seed(self, tree_id: TreeID, position: int, digest: str) -> None:
+        """Take ``digest`` as the one of ``tree_id`` at ``position`` (the next event chains onto it)."""
+        self._last[tree_id] = (position, digest)
         self._last.move_to_end(tree_id)
         if len(self._last) > self.capacity:
             self._last.popitem(last=False)
@@ -175,6 +183,8 @@ class ChainCheck:
         known = self._last.get(tree_id)
         if known is not None and known[0] == position - 1:
             return known[1]
+        if self.store is None:
+            raise CorruptStream(tree_id, position - 1, "integrity.missing_event", f"position {position - 1} is not held")
         try:
             digest = self.store.stored_digest(tree_id, position - 1)
         except SealError as exc:

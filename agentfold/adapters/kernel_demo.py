@@ -168,9 +168,11 @@ def message_id_for(effect_id: str) -> str:
 def read_log(path: str | Path) -> list[dict[str, Any]]:
     """Every line of a side-effect log (an absent file is an empty log)."""
     file = Path(path)
-    if not file.exists():
-        return []
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return _parse_lines(file.read_text()) if file.exists() else []
+
+
+def _parse_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _append_line(path: str, line: dict[str, Any]) -> None:
@@ -194,7 +196,7 @@ def _read_lines(fd: int) -> list[dict[str, Any]]:
     while chunk := os.pread(fd, 1 << 16, offset):
         data += chunk
         offset += len(chunk)
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    return _parse_lines(data.decode())
 
 
 def dispatch_payment(request: EffectRequest, context: DispatchContext) -> Settlement:

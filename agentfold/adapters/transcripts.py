@@ -40,11 +40,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
+from agentfold.adapters.codec import chain_tag
 from agentfold.adapters.eventstore import (
     PG_CONNECT_TIMEOUT,
     CorruptStream,
@@ -52,6 +53,7 @@ from agentfold.adapters.eventstore import (
     InterruptibleConnection,
     create_private,
     end_session,
+    lower_scheme,
     pg_tcp_params,
     pg_tcp_timeout,
     redact,
@@ -154,24 +156,6 @@ class FeedIntegrityError(AgentfoldError):
         self.position = position
 
 
-class _HeldDigests:
-    """What :class:`~agentfold.adapters.feed.ChainCheck` asks of its store (``stored_digest``),
-    answered from the transcript tables: the digest of each tree's last applied envelope."""
-
-    def __init__(self) -> None:
-        self.last: dict[str, tuple[int, str]] = {}
-
-    def stored_digest(self, tree_id: TreeID, position: int) -> str | None:
-        held = self.last.get(str(tree_id))
-        return held[1] if held is not None and held[0] == position else None
-
-
-def _chain_tag(envelope: Envelope) -> str:
-    """The event type as the digest chain names it: ``<type>@<n>`` for a schema version n > 1."""
-    version = int(envelope["schema_version"])
-    return str(envelope["type"]) if version == 1 else f"{envelope['type']}@{version}"
-
-
 UNAVAILABLE_HINT = (
     "check --db: a PostgreSQL server that is running and reachable from here, with the right host, port, "
     "user, password and database in the URL; or an SQLite file that is a transcript database"
@@ -199,9 +183,7 @@ class TranscriptStore:
         """``create=False`` (reading transcripts): a database without the tables is
         ``transcripts.not_found`` and nothing is created (a mistyped ``--db`` must not leave
         an empty database, or directories, behind)."""
-        scheme, sep, rest = url.partition("://")
-        if sep and scheme.lower() in ("postgresql", "postgres", "sqlite"):
-            url = scheme.lower() + sep + rest  # a URL's scheme is case-insensitive, as a store URL's
+        url = lower_scheme(url)  # a URL's scheme is case-insensitive, as a store URL's
         self.url = url
         if url.startswith("sqlite:///"):
             path = url[len("sqlite:///") :]
@@ -372,11 +354,10 @@ class TranscriptStore:
             by_tree.setdefault(str(check_envelope(envelope)["tree_id"]), []).append(envelope)
         recorded_at = _now()
         # One chain per transaction: nothing it remembers outlives a batch that was not committed.
-        held = _HeldDigests()
-        chain = ChainCheck(cast(EventStore, held))  # it asks its store only stored_digest (no anchor call)
+        chain = ChainCheck(None)
         with self._transaction() as c:
             for tree_id, items in by_tree.items():
-                self._apply_tree(c, tree_id, items, report, recorded_at, chain, held)
+                self._apply_tree(c, tree_id, items, report, recorded_at, chain)
             for r in rejected:
                 c.execute(
                     self._sql(
@@ -392,7 +373,7 @@ class TranscriptStore:
 
     def _apply_tree(
         self, c: Any, tree_id: str, items: Sequence[Envelope], report: ApplyReport, recorded_at: str,
-        chain: ChainCheck, held: _HeldDigests,
+        chain: ChainCheck,
     ) -> None:
         """Apply one tree's envelopes: a position already held is a duplicate only with the digest
         held for it (else ``feed.digest_conflict``); the next position only if its digest chains
@@ -405,7 +386,7 @@ class TranscriptStore:
         initial_position = builder.position
         known = self._held_digests(c, tree_id, items, builder)
         if builder.digest is not None:
-            held.last[tree_id] = (builder.position, builder.digest)
+            chain.seed(TreeID(tree_id), builder.position, builder.digest)
         before = {pid: dict(h) for pid, h in builder.headers.items()}
         entries: list[Entry] = []
         applied: list[tuple[Any, ...]] = []
@@ -426,7 +407,7 @@ class TranscriptStore:
             made = builder.apply(envelope)  # raises TranscriptGap: nothing of this batch is committed
             assert made is not None  # a duplicate was skipped above
             known[position] = digest
-            held.last[tree_id] = (position, digest)
+            chain.seed(TreeID(tree_id), position, digest)  # also one taken unverified (no digest held before it)
             applied.append((tree_id, position, int(envelope["notification_id"]), digest))
             report.applied += 1
             entries.extend(made)
@@ -494,7 +475,8 @@ class TranscriptStore:
         position = int(envelope["position"])
         content = content_bytes(dict(envelope["payload"]), str(envelope["timestamp"]))
         try:
-            chain.check(TreeID(tree_id), position, _chain_tag(envelope), content, str(envelope["digest"]))
+            tag = chain_tag(str(envelope["type"]), int(envelope["schema_version"]))
+            chain.check(TreeID(tree_id), position, tag, content, str(envelope["digest"]))
         except CorruptStream as exc:
             raise FeedIntegrityError(
                 "feed.chain_broken", tree_id, position,

@@ -96,13 +96,19 @@ def read_topic_confluent(bootstrap: str, topic: str, *, expected: int, timeout: 
         consumer.close()
 
 
+def envelope_digest(e: dict[str, Any], previous: str | None) -> str:
+    """The digest an envelope's own members give after ``previous``, as kafka.md tells a consumer
+    to compute it (independently of agentfold's code)."""
+    content = canonical_bytes({"event": e["payload"], "timestamp": e["timestamp"]})
+    tag = e["type"] if e["schema_version"] == 1 else f"{e['type']}@{e['schema_version']}"
+    return chain_digest(previous, e["tree_id"], e["position"], tag, content)
+
+
 def verify_chain(envelopes: Iterable[dict[str, Any]]) -> int:
     """Recompute every tree's digest chain from the envelopes alone; returns the trees verified."""
     previous: dict[str, str] = {}
     for e in envelopes:
-        content = canonical_bytes({"event": e["payload"], "timestamp": e["timestamp"]})
-        tag = e["type"] if e["schema_version"] == 1 else f"{e['type']}@{e['schema_version']}"
-        digest = chain_digest(previous.get(e["tree_id"]), e["tree_id"], e["position"], tag, content)
+        digest = envelope_digest(e, previous.get(e["tree_id"]))
         assert digest == e["digest"], f"{e['tree_id']} position {e['position']}: the payload is not the stored body"
         previous[e["tree_id"]] = e["digest"]
     return len(previous)

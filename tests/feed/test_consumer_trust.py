@@ -23,10 +23,9 @@ import pytest
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.feed import envelope_bytes, store_envelopes
 from agentfold.adapters.transcripts import DIGESTS, TREES, TranscriptConsumer, TranscriptStore
-from agentfold.domain.canonical import canonical_bytes
 from agentfold.domain.errors import AgentfoldError
-from agentfold.domain.integrity import chain_digest
 from agentfold.projections.transcripts import EnvelopeInvalid, build_transcripts, check_envelope
+from tests.feed.support import envelope_digest
 from tests.feed.workload import Workload
 
 GENUINE = "Checking weather and booking."
@@ -67,9 +66,7 @@ def _chained(envelopes: list[dict[str, Any]], previous: str | None) -> list[dict
     topic can compute (the chain proves consistency, not authenticity)."""
     out = []
     for e in envelopes:
-        tag = e["type"] if e["schema_version"] == 1 else f"{e['type']}@{e['schema_version']}"
-        content = canonical_bytes({"event": e["payload"], "timestamp": e["timestamp"]})
-        previous = chain_digest(previous, e["tree_id"], e["position"], tag, content)
+        previous = envelope_digest(e, previous)
         out.append({**e, "digest": previous})
     return out
 
