@@ -190,10 +190,13 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                     host, port = sock.getsockname()[:2]
                     shown = f"[{host}]" if ":" in host else host
                     url = f"http://{shown}:{port}"
+                    # where side-effect logs may be appended (None: to no log at all)
+                    logs_dir = str(side_effect_dir.resolve()) if side_effect_dir is not None else None
                     started = {
                         "listening": url, "port": port, "store": redact(ctx.store_url),
                         "follower": service.follower is not None, "recovered": recovered,
                         "adopt_every": adopt_every,
+                        "side_effect_dir": logs_dir,
                     }
                     if getattr(args, "json", False):
                         sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
@@ -201,7 +204,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                         sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
                                          f"{', read models followed' if service.follower else ''}"
                                          f"{recovered_text(recovered)}"
-                                         f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''})\n")
+                                         f"{f', adopting runs nobody owns every {adopt_every:g} s' if adopt_every else ''}"
+                                         f", {logs_text(logs_dir)})\n")
                     sys.stdout.flush()
                     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                                             lifespan="on", timeout_graceful_shutdown=REQUEST_GRACE, server_header=False,
@@ -248,6 +252,14 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     return Outcome({"stopped": True, "signal": stopping[0] if stopping else None,
                     "abandoned_dispatches": abandoned},
                    "agentfold: server stopped", exit_now=abandoned > 0)
+
+
+def logs_text(side_effect_dir: str | None) -> str:
+    """What the start line says of side-effect logs: scenario tools append to none unless
+    ``--side-effect-dir`` names the folder they are confined to."""
+    if side_effect_dir is None:
+        return "side-effect logs off: no --side-effect-dir"
+    return f"side-effect logs confined to {side_effect_dir}"
 
 
 def _abandoned_calls(runtime: Any, grace: float = 2.0) -> int:

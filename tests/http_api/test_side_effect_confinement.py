@@ -280,3 +280,35 @@ def test_the_kernel_demo_reads_no_log_through_a_symbolic_link_in_a_server(tmp_pa
         healthy(server)
     finally:
         server.stop()
+
+
+def test_the_server_says_at_its_start_where_side_effect_logs_go(tmp_path: Path) -> None:
+    """An operator sees at the start whether scenario tools may log, and where: without
+    --side-effect-dir the server appends to no log, which would otherwise surprise."""
+    allowed = tmp_path / "logs"
+    allowed.mkdir()
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    confined = start_server(store, tmp_path, "--side-effect-dir", str(allowed))
+    try:
+        assert confined.started["side_effect_dir"] == str(allowed.resolve())
+    finally:
+        assert confined.stop()[0] == 0
+    # Without it (the line printed without --json): no log at all.
+    proc = subprocess.Popen([sys.executable, "-m", "agentfold.adapters.cli", "serve", "--store", store, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=server_env())
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("agentfold: serving http://"), line
+        assert "side-effect logs off: no --side-effect-dir" in line, line
+        url = line.split()[2]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # serving: SIGTERM now stops it cleanly
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
