@@ -26,7 +26,7 @@ from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
-from agentfold.domain.interaction.chat import parse_message, parse_messages, parse_response
+from agentfold.domain.interaction.chat import FINISH_REASONS, parse_message, parse_messages, parse_response
 from agentfold.domain.interaction.interaction import (
     CompletionValidator,
     ContextPolicy,
@@ -125,10 +125,17 @@ class ModelDispatcher:
         try:
             raw = self.model.call(model_request)
             try:
-                response = parse_response(raw)
+                # Duplicate call ids are the Interaction's to refuse (it fails the run:
+                # interaction.model.invalid_response); anything else invalid leaves the call unknown.
+                parsed = parse_response(raw, unique_call_ids=False)
             except InvalidInput as exc:
                 raise ModelError(f"invalid model response: {exc.message}") from exc
-            outcome = "succeeded"
+            if parsed["finish_reason"] not in FINISH_REASONS:
+                raise ModelError(
+                    f"invalid model response: response.finish_reason: {parsed['finish_reason']!r} is not one of "
+                    f"{', '.join(FINISH_REASONS)} (a model adapter maps a provider's own reasons onto these)"
+                )
+            outcome, response = "succeeded", parsed
         finally:
             if self.observer is not None:
                 final_outcome, final_response = outcome, response

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from agentfold.adapters.dispatch import CancelFlag
 from agentfold.domain.canonical import JSON
 from agentfold.domain.ids import EffectAttemptID, EffectID, ProcessID
+from agentfold.domain.interaction.chat import FINISH_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,16 @@ def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
+def portable_finish_reason(reason: Any) -> str:
+    """A provider's finish reason in the portable vocabulary (``FINISH_REASONS``): the
+    legacy ``function_call`` is ``tool_calls``, a missing one ``stop``, any other ``other``."""
+    if not reason:
+        return "stop"
+    if reason == "function_call":
+        return "tool_calls"
+    return reason if reason in FINISH_REASONS else "other"
+
+
 def from_openai_response(body: Any) -> dict[str, Any]:
     """Map an OpenAI chat-completions response to agentfold's response shape."""
     try:
@@ -128,7 +139,7 @@ def from_openai_response(body: Any) -> dict[str, Any]:
         calls.append({"id": call.get("id", ""), "name": fn.get("name", ""), "arguments": fn.get("arguments") or ""})
     if calls:
         result_message["tool_calls"] = calls
-    response: dict[str, Any] = {"message": result_message, "finish_reason": choice.get("finish_reason") or "stop"}
+    response: dict[str, Any] = {"message": result_message, "finish_reason": portable_finish_reason(choice.get("finish_reason"))}
     usage = body.get("usage")
     if isinstance(usage, dict):
         response["usage"] = {

@@ -28,7 +28,7 @@ from agentfold.adapters.tools import ToolFailure, ToolInputRequired, ToolInvocat
 from agentfold.domain.budget import Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, duplicate_key, normalize
 from agentfold.domain.errors import InvalidInput
-from agentfold.domain.interaction.chat import ChatInput, parse_response
+from agentfold.domain.interaction.chat import FINISH_REASONS, ChatInput, parse_response
 from agentfold.domain.interaction.toolset import check_name
 from agentfold.domain.json_schema import check_schema, resolve_ref
 from agentfold.domain.program import Program
@@ -217,6 +217,10 @@ def validate_scenario(
                             **({"usage": response["usage"]} if "usage" in response else {})}, where)
         except InvalidInput as exc:
             raise ScenarioError(where, exc.message) from exc
+        if response["finish_reason"] not in FINISH_REASONS:
+            # The model dispatcher would leave that call unknown: refused here, before the run.
+            raise ScenarioError(f"{where}.finish_reason",
+                                f"{response['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}")
     names: set[str] = set()
     for i, tool in enumerate(doc.get("tools", [])):
         where = f"{path}.tools[{i}]"

@@ -157,18 +157,26 @@ def tool_invocation_from_request(request: EffectRequest) -> ToolInvocation:
 
 
 def _in_cause_chain(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """The first ``kind`` in the explicit cause chain (``raise X from Y``) of ``exc``.
-
-    A single-cause wrapper keeps its cause's outcome (spec 3.2: "the error chain contains");
-    implicit context and exception groups (independent joined errors) do not count.
+    """The first ``kind`` in the error chain of ``exc``, depth first: the exception, its
+    explicit cause (``raise X from Y``) and the members of an exception group, as Go's
+    ``errors.As`` walks wrapped and joined errors (spec 3.2: "the error chain contains").
+    Implicit context (an exception raised while handling another) does not count.
     """
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 32:
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending and len(seen) < 256:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
         if isinstance(current, kind):
             return current
-        current = current.__cause__
-        seen += 1
+        following: list[BaseException] = []
+        if current.__cause__ is not None:
+            following.append(current.__cause__)
+        if isinstance(current, BaseExceptionGroup):
+            following.extend(current.exceptions)
+        pending.extend(reversed(following))
     return None
 
 
@@ -282,7 +290,7 @@ class ToolDispatcher:
             advertised: list[str] = []
             advertise = getattr(tool, "advertise", None)
             if advertise is not None:
-                advertised = sorted(set(advertise(invocation, output)))
+                advertised = list(dict.fromkeys(advertise(invocation, output)))  # first-seen order, as Scope
             result = completion("succeeded", output, advertised)
             normalize(result, what="tool result")
             observed = ToolSettlementObservation("succeeded")

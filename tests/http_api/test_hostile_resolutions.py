@@ -38,8 +38,9 @@ def test_the_http_api_refuses_hostile_resolutions_with_422_and_appends_nothing(a
     assert model["kind"] == "model"
     model_url = f"/unknown-effects/{model['effect_id']}/resolve"
     version = ok(c.get(f"/runs/{tree_id}"))["version"]
-    for response in BAD_MODEL_RESPONSES:
-        problem(c.post(model_url, json={"model_response": response}), 422, "interaction.settlement.invalid")
+    for response, said in BAD_MODEL_RESPONSES:
+        body = problem(c.post(model_url, json={"model_response": response}), 422, "interaction.settlement.invalid")
+        assert said in body["detail"], body
     assert ok(c.get(f"/runs/{tree_id}"))["version"] == version
     done = ok(c.post(model_url, json={"model_response": FINAL, "wait": 30}))
     assert done["tree"]["status"] == "completed"

@@ -34,11 +34,13 @@ BAD_TOOL_OUTPUTS: list[tuple[Any, str]] = [
 ]
 
 # Model responses the Interaction would fail the run on (interaction.model.invalid_response).
-BAD_MODEL_RESPONSES: list[dict[str, Any]] = [
-    {"finish_reason": "tool_calls", "message": {"tool_calls": []}},
-    {"finish_reason": "tool_calls", "message": {"content": "calling nothing"}},
-    {"finish_reason": "length", "message": {"content": "truncat"}},
-    {"finish_reason": "content_filter", "message": {}},
+#: Model responses the Interaction would fail the run on, with what the refusal says.
+BAD_MODEL_RESPONSES: list[tuple[dict[str, Any], str]] = [
+    ({"finish_reason": "eos", "message": {"content": "done"}}, "unknown finish reason 'eos'"),
+    ({"finish_reason": "error", "message": {}}, "unknown finish reason 'error'"),
+    ({"finish_reason": "tool_calls", "message": {"tool_calls": [
+        {"id": "same", "name": "alpha", "arguments": "{}"}, {"id": "same", "name": "beta", "arguments": "{}"}]}},
+     "tool call ids must be unique"),
 ]
 
 
@@ -97,11 +99,11 @@ def test_a_model_response_the_interaction_would_reject_is_refused_at_resolution(
         return agentfold("resolve", effect, "--model-response", json.dumps(response), "--json", store=store)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        outcomes = list(pool.map(attempt, BAD_MODEL_RESPONSES))
-    for response, ran in zip(BAD_MODEL_RESPONSES, outcomes, strict=True):
+        outcomes = list(pool.map(attempt, [response for response, _ in BAD_MODEL_RESPONSES]))
+    for (response, said), ran in zip(BAD_MODEL_RESPONSES, outcomes, strict=True):
         error = refused(ran).error()
         assert error["code"] == "interaction.settlement.invalid", (response, ran.stderr)
-        assert f'it ended with "{response["finish_reason"]}"' in error["message"], error
+        assert said in error["message"], error
     assert store_version(store, tree_id) == before
     assert [e["effect_id"] for e in unknowns(store, tree_id)] == [effect]
 

@@ -1004,13 +1004,14 @@ def test_i16_steer_does_not_mask_tool_calls_the_model_did_not_finish(local_store
 def test_i17_definite_tool_failure_caused_by_cancellation_stays_definite_across_restore(durable_store_url: str) -> None:
     """Scope ``definite_failure_test.go`` TestDefiniteToolFailureSurvivesCancellationCauseAndTreeRestore.
 
-    A ``ToolFailure`` caused by a cancellation, one caused by a deadline, and one wrapped
-    once (``raise X from ToolFailure``) are definite model-visible error results
-    (failed / rejected), never unknown; an independent group of errors is unknown. After a
-    restart (a new owner recovers the tree) no tool runs again; the only unknown is the
-    grouped call, which the host settles; the model sees every result in call order.
+    A ``ToolFailure`` caused by a cancellation, one caused by a deadline, one wrapped
+    once (``raise X from ToolFailure``) and one inside an exception group are definite
+    model-visible error results (failed / rejected), never unknown; a group of ordinary
+    errors is unknown. After a restart (a new owner recovers the tree) no tool runs again;
+    the only unknown is that call, which the host settles; the model sees every result in
+    call order.
     Adaptation: Go's error chains are Python's explicit ``__cause__`` chain; errors.Join
-    is an ExceptionGroup.
+    is an ExceptionGroup, whose members ``errors.As`` walks in order.
     """
     log = CallLog()
 
@@ -1024,38 +1025,47 @@ def test_i17_definite_tool_failure_caused_by_cancellation_stays_definite_across_
         raise RuntimeError("adapter layer") from ToolFailure("failed", "error: upstream said 409")
 
     def joined(invocation: ToolInvocation, arguments: Any) -> ToolOutput:
-        raise ExceptionGroup("two things", [ToolFailure("failed", "a"), ToolFailure("rejected", "b")])
+        raise ExceptionGroup("two things", [RuntimeError("a"), ValueError("b")])
+
+    def grouped(invocation: ToolInvocation, arguments: Any) -> ToolOutput:
+        inner = ExceptionGroup("inner", [ToolFailure("rejected", "error: the first refusal"), ToolFailure("failed", "x")])
+        raise ExceptionGroup("batch", [KeyError("k"), inner])
 
     tools = [ProbeTool("cancelled_op", log, cancelled), ProbeTool("deadline_op", log, deadline),
-             ProbeTool("wrapped_op", log, wrapped), ProbeTool("joined_op", log, joined)]
+             ProbeTool("wrapped_op", log, wrapped), ProbeTool("grouped_op", log, grouped),
+             ProbeTool("joined_op", log, joined)]
     model = ScriptedModel([tool_round(call("c0", "cancelled_op"), call("c1", "deadline_op"), call("c2", "wrapped_op"),
-                                      call("c3", "joined_op")), final("noted")])
+                                      call("c3", "grouped_op"), call("c4", "joined_op")), final("noted")])
     program = interaction(model, tools)
     with open_runtime(durable_store_url, program) as first:
         handle = first.start(program, chat_input("do four things"))
         tree = first.wait_idle(handle.tree_id)
         r = only_round(tree)
-        assert [(e.tool_call_index, e.disposition) for e in r.entries] == [(0, "failed"), (1, "rejected"), (2, "failed")]
-        assert [u["tool_call_ref"] for u in unknown_of(first, tree)] == [f"{handle.root_process_id}/1/3"]
+        assert [(e.tool_call_index, e.disposition) for e in r.entries] == [
+            (0, "failed"), (1, "rejected"), (2, "failed"), (3, "rejected")]
+        assert [u["tool_call_ref"] for u in unknown_of(first, tree)] == [f"{handle.root_process_id}/1/4"]
     with open_runtime(durable_store_url, program) as runtime:
         recover(runtime, handle.tree_id)
         tree = runtime.wait_idle(handle.tree_id)
         [unknown] = unknown_of(runtime, tree)
-        assert unknown["tool_call_ref"] == f"{handle.root_process_id}/1/3"
-        assert [log.count(n) for n in ("cancelled_op", "deadline_op", "wrapped_op", "joined_op")] == [1, 1, 1, 1]
+        assert unknown["tool_call_ref"] == f"{handle.root_process_id}/1/4"
+        assert [log.count(n) for n in ("cancelled_op", "deadline_op", "wrapped_op", "joined_op", "grouped_op")] == [
+            1, 1, 1, 1, 1]
         request = request_of(runtime, tree, unknown["process_id"], unknown["effect_id"])
         runtime.resolve_unknown_effect(
             unknown["effect_id"], settle_tool_result(tool_program(program), request, "error: a and b", "failed")
         )
         result = runtime.result(handle.tree_id, WAIT)
     assert result.status == "completed"
-    assert [log.count(n) for n in ("cancelled_op", "deadline_op", "wrapped_op", "joined_op")] == [1, 1, 1, 1]
+    assert [log.count(n) for n in ("cancelled_op", "deadline_op", "wrapped_op", "joined_op", "grouped_op")] == [
+        1, 1, 1, 1, 1]
     results = tool_message_of(model.requests[1])["tool_results"]
     assert [(r["id"], text_of(r["output"]), r.get("is_error")) for r in results] == [
         ("c0", "error: stopped after writing 2 of 5 rows", True),
         ("c1", "error: the quota window closed", True),
         ("c2", "error: upstream said 409", True),
-        ("c3", "error: a and b", True),
+        ("c3", "error: the first refusal", True),
+        ("c4", "error: a and b", True),
     ]
 
 
@@ -1656,7 +1666,6 @@ def test_i25_a_failing_direct_tool_forces_a_model_continuation(local_store_url: 
 @pytest.mark.parametrize(
     ("case", "kind", "code"),
     [
-        ("unfinished", "external", "interaction.model.invalid_response"),
         ("validator_error", "execution", "interaction.completion.validator_failed"),
         ("invalid_decision", "contract", "interaction.completion.decision_invalid"),
         ("retry_at_limit", "execution", "interaction.limit.model_calls"),
@@ -1665,11 +1674,11 @@ def test_i25_a_failing_direct_tool_forces_a_model_continuation(local_store_url: 
 def test_i25_completion_is_validated_and_each_refusal_has_its_code(local_store_url: str, case: str, kind: str, code: str) -> None:
     """Scope ``direct_result_test.go`` (Output validation; validator error / invalid decision / retry at limit).
 
-    A final response that did not finish (``length`` without calls) is an invalid model
-    response; a validator that raises, one that returns an invalid decision, and a
-    rejection when no model call is left each end the run with their own code.
+    A validator that raises, one that returns an invalid decision, and a rejection when no
+    model call is left each end the run with their own code. (A final answer that ended
+    with ``length`` is not refused: Scope completes it, test_scope_differential.py.)
     """
-    responses = [final("cut off", reason="length")] if case == "unfinished" else [final("candidate")]
+    responses = [final("candidate")]
 
     def validator(candidate: CompletionCandidate) -> CompletionDecision:
         if case == "validator_error":

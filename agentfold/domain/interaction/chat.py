@@ -24,7 +24,10 @@ from agentfold.domain.canonical import JSON, normalize
 from agentfold.domain.errors import InvalidInput
 
 ROLES = ("system", "user", "assistant", "tool")
-FINISH_REASONS = ("stop", "tool_calls", "length", "content_filter", "refusal", "error", "other")
+#: The portable finish reasons (Scope's ``chat.FinishReason``): a model dispatcher refuses any
+#: other (the call's outcome is then unknown), and model adapters map a provider's own reasons
+#: onto these. Stored histories are read with any ``[a-z][a-z0-9_]*`` reason.
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter", "refusal", "other")
 _FINISH = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
@@ -210,11 +213,13 @@ class Usage:
         }
 
 
-def parse_response(value: Any, path: str = "response") -> dict[str, JSON]:
+def parse_response(value: Any, path: str = "response", *, unique_call_ids: bool = True) -> dict[str, JSON]:
     """Validate a model response and return its canonical JSON.
 
     Raises ``chat.invalid`` for a structurally invalid response: a missing or
-    non-assistant message, an invalid finish reason, duplicate tool call ids.
+    non-assistant message, an invalid finish reason, duplicate tool call ids (unless
+    ``unique_call_ids`` is off: the model dispatcher records such a response, and the
+    Interaction refuses it, as Scope's does).
     """
     if not isinstance(value, dict):
         raise _bad(path, "a response must be an object")
@@ -228,7 +233,7 @@ def parse_response(value: Any, path: str = "response") -> dict[str, JSON]:
     if not isinstance(reason, str) or not _FINISH.fullmatch(reason):
         raise _bad(f"{path}.finish_reason", f"invalid finish reason {reason!r}")
     ids = [c["id"] for c in message.get("tool_calls", [])]
-    if len(set(ids)) != len(ids):
+    if unique_call_ids and len(set(ids)) != len(ids):
         raise _bad(f"{path}.message.tool_calls", "tool call ids must be unique within a response")
     body: dict[str, JSON] = {"message": message, "finish_reason": reason}
     usage = value.get("usage")

@@ -22,9 +22,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentfold.domain.budget import Budget, Quota
-from agentfold.domain.canonical import JSON
+from agentfold.domain.canonical import JSON, normalize
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
-from agentfold.domain.interaction.chat import INPUT_SCHEMA, OUTPUT_SCHEMA, ChatInput, parse_response, tool_message
+from agentfold.domain.interaction.chat import (
+    FINISH_REASONS,
+    INPUT_SCHEMA,
+    OUTPUT_SCHEMA,
+    ChatInput,
+    ToolCall,
+    parse_response,
+    tool_message,
+)
 from agentfold.domain.interaction.refs import delegate_child_key, tool_child_key
 from agentfold.domain.interaction.state import (
     InteractionState,
@@ -41,7 +49,7 @@ from agentfold.domain.interaction.state import (
     state_error,
     tool_completion,
 )
-from agentfold.domain.interaction.toolset import ToolManifest, prepare_arguments
+from agentfold.domain.interaction.toolset import DelegateSpec, ToolManifest, prepare_arguments
 from agentfold.domain.program import (
     Boundary,
     Checkpoint,
@@ -102,11 +110,23 @@ class CompletionDecision:
     feedback: str = ""
 
     def valid(self) -> bool:
+        """Scope's ``CompletionDecision.Valid``: accepted with empty feedback, or rejected with
+        non-empty, trimmed (Go's white space), valid UTF-8 feedback of at most 4096 bytes."""
+        if not isinstance(self.accepted, bool) or not isinstance(self.feedback, str):
+            return False
         if self.accepted:
             return self.feedback == ""
         text = self.feedback
-        return bool(text) and text == text.strip() and len(text.encode()) <= MAX_FEEDBACK_BYTES
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError:  # a lone surrogate: not valid UTF-8
+            return False
+        return bool(text) and text == text.strip(GO_WHITE_SPACE) and size <= MAX_FEEDBACK_BYTES
 
+
+#: What Go's ``strings.TrimSpace`` trims (``unicode.IsSpace``); Python's ``str.strip()`` trims
+#: more (e.g. the separators U+001C-U+001F), which would refuse feedback Scope accepts.
+GO_WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
 
 CompletionValidator = Callable[[CompletionCandidate], CompletionDecision]
 ContextPolicy = Callable[[tuple[dict[str, Any], ...]], list[dict[str, Any]]]
@@ -188,14 +208,32 @@ def _fail(kind: FailureKind, code: str, message: str) -> Fail:
     return Fail(Failure(kind, code, message))
 
 
-def response_problem(response: dict[str, Any]) -> str | None:
-    """Why the Interaction refuses a parsed model response (``interaction.model.invalid_response``).
+def _delegate_input(spec: DelegateSpec, call: ToolCall) -> tuple[JSON, str | None]:
+    """The child input of a Delegate call, or the model-visible text of why it cannot start
+    (spec 4.1: every preparation problem is a rejected result and the round continues)."""
+    arguments, problem = prepare_arguments(call.arguments, spec.input_schema)
+    if problem is not None:
+        return None, problem if problem.startswith("arguments are not valid JSON") else (
+            f"arguments violate the delegated worker input contract: {problem}"
+        )
+    try:
+        return normalize(spec.child_input(arguments), what="delegated worker input"), None
+    except Exception as exc:  # noqa: BLE001 - the Delegate's build_input is its author's code
+        return None, f"preparing the delegated worker input failed: {type(exc).__name__}: {exc}"
 
-    Shared with the recovery helpers (``settle_model_result``), so a host's resolution is
-    refused exactly when the Interaction would fail the run on it.
+
+def response_problem(response: dict[str, Any]) -> str | None:
+    """Why the Interaction refuses a parsed final model response (``interaction.model.invalid_response``).
+
+    A final response (no tool calls) completes with any portable finish reason, ``length``
+    and ``content_filter`` included, as Scope's does (``acceptFinalModelResponse`` asks only
+    for a finished message); the Output carries the reason. Shared with the recovery helpers
+    (``settle_model_result``), so a host's resolution is refused exactly when the
+    Interaction would fail the run on it.
     """
-    if not response["message"].get("tool_calls") and response["finish_reason"] != "stop":
-        return f'a final response must be a finished assistant message; it ended with "{response["finish_reason"]}"'
+    if not response["message"].get("tool_calls") and response["finish_reason"] not in FINISH_REASONS:
+        return (f'a final response must end with one of {", ".join(FINISH_REASONS)}; '
+                f'it ended with "{response["finish_reason"]}"')
     return None
 
 
@@ -277,7 +315,8 @@ class InteractionStrategy:
                 _fail(
                     FailureKind.EXECUTION,
                     "interaction.limit.model_calls",
-                    f"another model call would exceed MaxModelCalls of {d.max_model_calls.maximum}",
+                    f"Interaction reached its configured model-call limit ({d.max_model_calls.maximum}) "
+                    "before a final response",
                 )
             )
         steer = [sid for sid, _ in plan.state.pending_steer] if apply_steer else []
@@ -354,9 +393,7 @@ class InteractionStrategy:
             candidate = CompletionCandidate(plan.state.messages, output, self._artifacts_at(plan.state))
             try:
                 decision = validator(candidate)
-            except ClassifiedError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a validator error is a classified failure
+            except Exception as exc:  # noqa: BLE001 - every validator error (a classified one too) is this failure
                 return plan.step(
                     _fail(FailureKind.EXECUTION, "interaction.completion.validator_failed", f"{type(exc).__name__}: {exc}")
                 )
@@ -365,7 +402,8 @@ class InteractionStrategy:
                     _fail(
                         FailureKind.CONTRACT,
                         "interaction.completion.decision_invalid",
-                        "a decision accepts with empty feedback or rejects with trimmed feedback of at most 4096 bytes",
+                        "CompletionValidator returned an invalid decision: a decision accepts with empty feedback or "
+                        "rejects with trimmed UTF-8 feedback of at most 4096 bytes",
                     )
                 )
             if not decision.accepted:
@@ -417,11 +455,8 @@ class InteractionStrategy:
             return plan.step(Checkpoint("interaction.round.progress", progress))
         delegate = d.manifest.delegate(call.name)
         if delegate is not None:
-            _, problem = prepare_arguments(call.arguments, delegate.input_schema)
-            if problem is not None:
-                text = problem if problem.startswith("arguments are not valid JSON") else (
-                    f"arguments violate the delegated worker input contract: {problem}"
-                )
+            _, text = _delegate_input(delegate, call)
+            if text is not None:
                 plan.add({"op": "reject", "text": f"error: {text}"})
                 return plan.step(Checkpoint("interaction.round.progress", progress))
             effects: list[Effect] = []
@@ -430,15 +465,15 @@ class InteractionStrategy:
                 spec = d.manifest.delegate(other.name)
                 if spec is None:
                     break
-                arguments, problem = prepare_arguments(other.arguments, spec.input_schema)
-                if problem is not None:
+                child_input, text = _delegate_input(spec, other)
+                if text is not None:
                     break
                 effects.append(
                     start_child_effect(
                         ChildSpec(
                             delegate_child_key(r.sequence, other.id, other.name),
                             spec.program.ref,
-                            spec.child_input(arguments),
+                            child_input,
                             spec.budget,
                             spec.capabilities,
                         )

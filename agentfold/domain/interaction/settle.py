@@ -147,8 +147,8 @@ def settle_model_result(
     except InvalidInput as exc:
         raise _refuse(f"invalid model response: {exc.message}") from exc
     if parsed["finish_reason"] not in FINISH_REASONS:
-        # A model adapter may pass a provider's own reason through (the run then ends on it);
-        # a host states what happened in this vocabulary, so a typo never ends a run.
+        # The model dispatcher leaves a call with another reason unknown; a host states what
+        # happened in this vocabulary, so a typo never ends a run.
         raise _refuse(
             f"invalid model response: unknown finish reason {parsed['finish_reason']!r} "
             f"(one of {', '.join(FINISH_REASONS)})"
@@ -157,10 +157,7 @@ def settle_model_result(
     if problem is not None:
         # The Interaction would fail the run for good on this response: refuse it now, while
         # the host can still state what the model really answered.
-        raise _refuse(
-            f"invalid model response: response: {problem} (a final answer ends with \"stop\"; "
-            f'a response that ends with "tool_calls" or "length" carries at least one tool call)'
-        )
+        raise _refuse(f"invalid model response: response: {problem}")
     result: dict[str, Any] = {"response": parsed}
     if effective_messages is None and program.strategy.definition.context_policy is not None:
         # The policy may have changed what was sent; only the host knows the messages the

@@ -168,6 +168,8 @@ class ToolManifest:
 
     def tool_window(self, calls: Sequence[ToolCall], cursor: int, max_concurrent: int) -> int:
         """The number of consecutive calls from ``cursor`` that form one Tool window (spec 3.4)."""
+        if max_concurrent <= 1:
+            return 1  # every window is one call; no classifier runs (Scope: concurrentBatchEnd only above 1)
         keys: set[str] = set()
         size = 0
         for i in range(cursor, len(calls)):
@@ -175,7 +177,7 @@ class ToolManifest:
             if spec is None:
                 break
             key, concurrent = spec.classify(calls[i])
-            if max_concurrent <= 1 or not concurrent:
+            if not concurrent:
                 if i == cursor:
                     return 1
                 break
