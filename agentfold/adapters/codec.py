@@ -54,6 +54,11 @@ COMPRESS_MIN_BYTES = 384
 SMALL_STATE_BYTES = 4096
 #: The largest state a stored event can inflate to (bounded payloads, plus envelope).
 MAX_STATE_BYTES = 4 * MAX_PAYLOAD_BYTES
+#: The largest snapshot JSON written or read back. A snapshot holds the whole folded tree:
+#: a long conversation's reaches 16 MiB at ~4,500 rounds of 1 KiB tool results, or at ~150
+#: rounds of 64 KiB ones. A larger tree is not snapshotted again (loads fold from the last
+#: snapshot under the bound); the bound only caps what a damaged row can make a reader inflate.
+MAX_SNAPSHOT_BYTES = 16 * MAX_STATE_BYTES  # 256 MiB
 
 
 class StateCompressor(Compressor):
@@ -77,7 +82,7 @@ class StateCompressor(Compressor):
         packed = COMPRESSED + deflate.compress(data) + deflate.flush()
         return packed if len(packed) < size else data
 
-    def decompress(self, data: bytes) -> bytes:
+    def decompress(self, data: bytes, limit: int = MAX_STATE_BYTES) -> bytes:
         if isinstance(data, str):  # a row edited by hand into SQLite TEXT: not what a writer stores
             raise SealError("stored state is text, not bytes")
         data = bytes(data)
@@ -85,7 +90,7 @@ class StateCompressor(Compressor):
             return data  # the JSON itself (older stores, small or incompressible states, imports)
         inflate = zlib.decompressobj(-15)
         try:
-            out = inflate.decompress(data[1:], MAX_STATE_BYTES)
+            out = inflate.decompress(data[1:], limit)
         except zlib.error as exc:
             raise SealError(f"compressed state does not inflate: {exc}") from exc
         if inflate.unconsumed_tail or not inflate.eof or inflate.unused_data:
@@ -96,9 +101,10 @@ class StateCompressor(Compressor):
 STATE_COMPRESSOR = StateCompressor()
 
 
-def stored_json(state: bytes) -> bytes:
-    """The sealed JSON of a stored state, whichever form it is stored in."""
-    return STATE_COMPRESSOR.decompress(state)
+def stored_json(state: bytes, limit: int = MAX_STATE_BYTES) -> bytes:
+    """The sealed JSON of a stored state, whichever form it is stored in (at most ``limit``
+    bytes once inflated: ``MAX_SNAPSHOT_BYTES`` for a snapshot)."""
+    return STATE_COMPRESSOR.decompress(state, limit)
 
 
 class OrjsonTranscoder(Transcoder):

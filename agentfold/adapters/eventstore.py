@@ -56,6 +56,7 @@ from eventsourcing.persistence import (
 from eventsourcing.utils import Environment
 
 from agentfold.adapters.codec import (
+    MAX_SNAPSHOT_BYTES,
     STATE_COMPRESSOR,
     DecodeError,
     OrjsonTranscoder,
@@ -144,7 +145,7 @@ class StoredSnapshot:
 def decode_snapshot(state: bytes) -> StoredSnapshot:
     """A stored snapshot row's state (deflated or not): its format, tree JSON and digest.
     Malformed: ``SealError``, ``orjson.JSONDecodeError``, ``KeyError`` or ``TypeError``."""
-    data = orjson.loads(stored_json(state))
+    data = orjson.loads(stored_json(state, MAX_SNAPSHOT_BYTES))
     seal = data.get("seal")
     return StoredSnapshot(snapshot_format(data), data["tree"], str(data["digest"]), seal if isinstance(seal, str) else None)
 
@@ -1223,6 +1224,11 @@ class EventStore:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
         states are: a long conversation's snapshot holds every message) and drop older ones."""
         self.check_writable()
+        if len(body) > MAX_SNAPSHOT_BYTES:
+            # Readers refuse it: loads go on from the last snapshot under the bound.
+            log.warning("tree %s: no snapshot at version %s: its %d bytes exceed %d", tree_id, version,
+                           len(body), MAX_SNAPSHOT_BYTES)
+            return
         state_version = version
         body = STATE_COMPRESSOR.compress(body)
         try:

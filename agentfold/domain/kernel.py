@@ -646,7 +646,9 @@ class Kernel:
             )
             return
         limits = tree.limits
-        active = sum(1 for c in parent.children if not tree.processes[c].terminal)
+        # The live Processes (not the parent's every child ever started): a long Interaction
+        # has thousands of finished Tool children, and this ran once per child start.
+        active = sum(1 for p in tree.live.values() if p.parent_id == parent.process_id)
         if (
             parent.depth + 1 > limits.max_depth
             or (limits.max_children is not None and len(parent.children) >= limits.max_children)

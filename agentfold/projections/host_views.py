@@ -164,6 +164,7 @@ def unknown_effects(tree: TreeState, programs: ProgramResolver | None = None) ->
 def run_summary(tree: TreeState) -> dict[str, Any]:
     """Status per Process, root output and failure, usage."""
     root = tree.root
+    unknown = bool(tree.unknown_ids)  # none: no Process's batch needs a look (a long run has thousands)
     return {
         "tree_id": tree.tree_id,
         "start_id": tree.start_id,
@@ -181,7 +182,7 @@ def run_summary(tree: TreeState) -> dict[str, Any]:
                 "interaction": p.has_state and isinstance(p.state, InteractionState),
                 "status": p.status,
                 "usage": p.usage,
-                "unknown_effect_ids": [r.effect_id for r in p.unknown_effects() if r.resolved_by is None],
+                "unknown_effect_ids": [r.effect_id for r in p.unknown_effects() if r.resolved_by is None] if unknown else [],
             }
             for p in tree.processes.values()
         ],
