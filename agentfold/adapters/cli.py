@@ -369,6 +369,8 @@ def _settlement_for(
         tree, programs, effect_id,
         model_response=ABSENT if args.model_response is None
         else json_argument(args.model_response, "--model-response"),
+        effective_messages=ABSENT if args.effective_messages is None
+        else json_argument(args.effective_messages, "--effective-messages"),
         output=ABSENT if args.output is None else json_argument(args.output, "--output"),
         disposition=args.disposition, status=args.status,
         name=lambda member: "--" + member.replace("_", "-"),
@@ -1034,6 +1036,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resolve.add_argument("--model-response", metavar="JSON", default=None,
                          help="a model call's response (JSON text, @FILE or - for standard input)")
+    resolve.add_argument("--effective-messages", metavar="JSON", default=None,
+                         help="with --model-response, for a program that reduces its context: the messages the "
+                              "model received (a JSON list, @FILE or -)")
     resolve.add_argument(
         "--status", choices=("succeeded", "failed"), default=None,
         help="the outcome of an effect that is neither a tool nor a model call (default succeeded)",

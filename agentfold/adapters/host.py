@@ -234,21 +234,22 @@ class Host:
 
     def resolve(
         self, effect_id: EffectID | str, *, output: JSON = ABSENT, disposition: str | None = None,
-        status: str | None = None, model_response: JSON = ABSENT,
+        status: str | None = None, model_response: JSON = ABSENT, effective_messages: JSON = ABSENT,
     ) -> Settlement:
         """Settle an unknown Effect with the outcome the host found out; returns the Settlement
         recorded.
 
         A tool call: ``output`` (text, or ``{"content", "details"}``) and ``disposition``
         (``succeeded``, the default, ``failed`` or ``rejected``). A model call:
-        ``model_response`` (``{"message": ..., "finish_reason": ...}``). Any other Effect:
+        ``model_response`` (``{"message": ..., "finish_reason": ...}``), and for a Program with a
+        context policy ``effective_messages`` (the messages the model received). Any other Effect:
         ``output`` and ``status`` (``succeeded``, the default, or ``failed``).
         """
         eid = parse_effect_id(effect_id)
         tree_id = unknown_effect_tree(self.runtime.store, eid, listing_hint="list unknown effects with Host.unknown()")
         probe, programs = self.queries().fold(tree_id)
         settlement = self.settlement(probe, programs, eid, output=output, disposition=disposition, status=status,
-                                     model_response=model_response)
+                                     model_response=model_response, effective_messages=effective_messages)
         process_id = checked_resolution(probe, eid, settlement)
         self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
         return settlement
@@ -256,7 +257,7 @@ class Host:
     @staticmethod
     def settlement(
         tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID, *, output: JSON, disposition: str | None,
-        status: str | None, model_response: JSON,
+        status: str | None, model_response: JSON, effective_messages: JSON = ABSENT,
     ) -> Settlement:
         def refused(message: str) -> InvalidInput:
             return InvalidInput("host.resolution_invalid", message)
@@ -264,6 +265,8 @@ class Host:
         return settlement_for(
             tree, programs, effect_id,
             model_response=model_response if model_response is ABSENT else normalize(model_response, what="model_response"),
+            effective_messages=effective_messages if effective_messages is ABSENT
+            else normalize(effective_messages, what="effective_messages"),
             output=output if output is ABSENT else normalize(output, what="output"),
             disposition=disposition, status=status, usage=refused, wrong_kind=refused,
         )

@@ -259,6 +259,8 @@ class Resolve(_Body):
     output: Any = Field(None, description="a tool call's output (text or {content, details}), or another effect's payload")
     disposition: Literal["succeeded", "failed", "rejected"] | None = Field(None, description="tool calls only")
     model_response: Any = Field(None, description="a model call's response")
+    effective_messages: list[Any] | None = Field(
+        None, description="with model_response, for a program that reduces its context: the messages the model received")
     status: Literal["succeeded", "failed"] | None = Field(None, description="effects that are neither tool nor model calls")
     wait: float = Field(0.0, ge=0, le=MAX_WAIT, allow_inf_nan=False, description="seconds to wait for the run to park or end")
 
@@ -917,6 +919,8 @@ def resolution_settlement(
     return settlement_for(
         tree, programs, effect_id,
         model_response=normalize(body.model_response, what="model_response") if "model_response" in given else ABSENT,
+        effective_messages=normalize(body.effective_messages, what="effective_messages")
+        if "effective_messages" in given else ABSENT,
         output=normalize(body.output, what="output") if "output" in given else ABSENT,
         disposition=body.disposition, status=body.status,
         usage=RequestInvalid, wrong_kind=RequestInvalid,

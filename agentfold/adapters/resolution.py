@@ -1,7 +1,7 @@
 """What a host's resolution of an unknown Effect means: one rule for the CLI and the HTTP API.
 
-A host describes the outcome it found out: a model call's response (``model_response``),
-or an ``output`` with a ``disposition`` (tool calls) or a ``status`` (other Effects). The
+A host describes the outcome it found out: a model call's response (``model_response``,
+with ``effective_messages`` when the Program reduces its context), or an ``output`` with a ``disposition`` (tool calls) or a ``status`` (other Effects). The
 Program's own settle helpers turn it into the definite :class:`Settlement` the kernel
 records, so a resolved call looks exactly like one the dispatcher returned.
 
@@ -17,6 +17,7 @@ from typing import Any
 from agentfold.domain.canonical import JSON
 from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.kernel import resolvable
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.requests import Settlement, effect_request
 from agentfold.domain.tree import TreeState
@@ -31,6 +32,7 @@ def settlement_for(
     effect_id: EffectID,
     *,
     model_response: JSON = ABSENT,
+    effective_messages: JSON = ABSENT,
     output: JSON = ABSENT,
     disposition: str | None = None,
     status: str | None = None,
@@ -44,14 +46,19 @@ def settlement_for(
     ``usage`` builds the error for members that do not go together, ``wrong_kind`` the one for
     members that do not fit the kind of Effect (a model call vs anything else).
     """
-    found = tree.find_effect(effect_id)
-    program = programs(found[0].program) if (found is not None and programs is not None) else None
+    # First whether it may be resolved at all: a host that lost a race to another host's
+    # resolution is told so (engine.effect.not_pending), not that its description does not
+    # fit the kind of Effect (the effect is no longer there to tell its kind).
+    found = resolvable(tree, effect_id)
+    program = programs(found[0].program) if programs is not None else None
     request = None
-    if found is not None and program is not None and found[1].target == "dispatcher":
+    if program is not None and found[1].target == "dispatcher":
         request = effect_request(tree, found[0].process_id, effect_id, program)
     payload = request.payload if request is not None else None
     is_tool = isinstance(payload, dict) and "tool_call" in payload
     is_model = isinstance(payload, dict) and "model_call" in payload
+    if effective_messages is not ABSENT and model_response is ABSENT:
+        raise usage(f"{name('effective_messages')} goes with {name('model_response')} (a model call)")
     if model_response is not ABSENT:
         if output is not ABSENT or disposition is not None or status is not None:
             raise usage(f"{name('model_response')} takes no {name('output')}, {name('disposition')} or {name('status')}")
@@ -61,7 +68,13 @@ def settlement_for(
         if isinstance(response, dict) and isinstance(response.get("message"), dict):
             # The shape of a scenario's model response: the message role may be left out.
             response = {**response, "message": {"role": "assistant", **response["message"]}}
-        return settle_model_result(program, request, response)
+        if effective_messages is ABSENT:
+            return settle_model_result(program, request, response)
+        if not isinstance(effective_messages, list):
+            raise usage(f"{name('effective_messages')} is a list of the messages the model received")
+        # A program with a context policy: the messages the model actually received become
+        # the working context (settle_model_result refuses a model response without them).
+        return settle_model_result(program, request, response, effective_messages)
     if output is ABSENT:
         raise usage(f"give {name('output')} (or {name('model_response')} for a model call)")
     if is_model:

@@ -193,6 +193,36 @@ def start_tree(
 # Progress: run Steps, settle framework Effects, grant dispatch permissions
 
 
+
+def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | None = None) -> tuple[ProcessState, EffectRecord]:
+    """The Process and record of an Effect a host may resolve now, or the kernel's refusal:
+    ``engine.effect.not_pending`` (no such unsettled effect, another Process's, or not
+    unknown: e.g. resolved a moment ago by another host), ``engine.process.finished``."""
+    found = tree.find_effect(effect_id)
+    if found is None:
+        raise NotFound(
+            "engine.effect.not_pending", f"effect {effect_id} is not an unsettled effect of tree {tree.tree_id}",
+            hint="list unknown effects with `agentfold unknown`",
+        )
+    process, record = found
+    if process_id is not None and process.process_id != process_id:
+        raise NotFound("engine.effect.not_pending", f"effect {effect_id} does not belong to process {process_id}")
+    if process.terminal or process.terminal_intent is not None:
+        raise Rejected(
+            "engine.process.finished",
+            f"process {process.process_id} is {process.status if process.terminal else 'terminating'}; "
+            "its unknown effects stay unresolved as evidence",
+            hint="nothing to resolve: the run's outcome no longer depends on them",
+        )
+    if not record.unknown or record.resolved_by is not None:
+        raise Rejected(
+            "engine.effect.not_pending",
+            f"effect {effect_id} is {record.phase}"
+            + (f" ({record.status.value})" if record.status else "")
+            + "; only an unknown effect can be resolved",
+        )
+    return process, record
+
 class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
 
@@ -856,29 +886,7 @@ class Kernel:
         process_id: ProcessID | None = None,
     ) -> list[TreeEvent]:
         """Settle an unknown Effect with a definite result (host investigation or replay)."""
-        found = self.tree.find_effect(effect_id)
-        if found is None:
-            raise NotFound(
-                "engine.effect.not_pending", f"effect {effect_id} is not an unsettled effect of tree {self.tree.tree_id}",
-                hint="list unknown effects with `agentfold unknown`",
-            )
-        process, record = found
-        if process_id is not None and process.process_id != process_id:
-            raise NotFound("engine.effect.not_pending", f"effect {effect_id} does not belong to process {process_id}")
-        if process.terminal or process.terminal_intent is not None:
-            raise Rejected(
-                "engine.process.finished",
-                f"process {process.process_id} is {process.status if process.terminal else 'terminating'}; "
-                "its unknown effects stay unresolved as evidence",
-                hint="nothing to resolve: the run's outcome no longer depends on them",
-            )
-        if not record.unknown or record.resolved_by is not None:
-            raise Rejected(
-                "engine.effect.not_pending",
-                f"effect {effect_id} is {record.phase}"
-                + (f" ({record.status.value})" if record.status else "")
-                + "; only an unknown effect can be resolved",
-            )
+        process, _ = resolvable(self.tree, effect_id, process_id)
         if not status.definite:
             raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be succeeded or failed")
         value = normalize(payload, what="resolution payload")
