@@ -72,6 +72,9 @@ def test_the_cli_resolves_a_reduced_model_call_with_the_messages_the_model_recei
     alone = cli(capsys, "resolve", effect, "--effective-messages", json.dumps(SENT), "--json", "--store", url,
                 sources=sources())
     assert alone.code == 2 and "--effective-messages goes with --model-response" in alone.stderr, alone.stderr
+    both_stdin = cli(capsys, "resolve", effect, "--model-response", "-", "--effective-messages", "-", "--json",
+                     "--store", url, sources=sources())
+    assert both_stdin.code == 2 and "cannot both read standard input" in both_stdin.stderr, both_stdin.stderr
     not_a_list = cli(capsys, "resolve", effect, "--model-response", json.dumps(ANSWER), "--effective-messages", "{}",
                      "--json", "--store", url, sources=sources())
     assert not_a_list.code == 2 and "a list of the messages the model received" in not_a_list.stderr, not_a_list.stderr
@@ -113,7 +116,7 @@ def test_the_http_api_resolves_a_reduced_model_call_with_the_messages_the_model_
     url = f"sqlite:///{tmp_path / 'http.db'}"
     tree_id, effect = parked(url)
     proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--store", url, "--port", "0", "--json"],
-                            stdout=subprocess.PIPE, stderr=(tmp_path / "serve.err").open("w"), text=True, cwd=ROOT, env=server_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=server_env())
     try:
         assert proc.stdout is not None
         started = json.loads(proc.stdout.readline())

@@ -365,6 +365,9 @@ def _settlement_for(
     args: argparse.Namespace, tree: TreeState, programs: ProgramResolver | None, effect_id: EffectID
 ) -> Settlement:
     """Build the definite settlement the host describes, with the Program's own settle helper."""
+    if args.model_response == "-" and args.effective_messages == "-":
+        raise _UsageError("cli.usage", "--model-response and --effective-messages cannot both read standard input",
+                          "give one of them as @FILE")
     return settlement_for(
         tree, programs, effect_id,
         model_response=ABSENT if args.model_response is None

@@ -113,14 +113,24 @@ def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
+#: Finish reasons of OpenAI-compatible servers (and the providers behind their proxies) that
+#: have a portable equivalent; any other becomes ``other``.
+PROVIDER_FINISH_REASONS = {
+    "function_call": "tool_calls", "tool_use": "tool_calls",
+    "max_tokens": "length", "model_length": "length",
+    "end_turn": "stop", "stop_sequence": "stop", "eos": "stop",
+}
+
+
 def portable_finish_reason(reason: Any) -> str:
-    """A provider's finish reason in the portable vocabulary (``FINISH_REASONS``): the
-    legacy ``function_call`` is ``tool_calls``, a missing one ``stop``, any other ``other``."""
+    """A provider's finish reason in the portable vocabulary (``FINISH_REASONS``): missing is
+    ``stop``, a known provider name its equivalent (``PROVIDER_FINISH_REASONS``: truncation
+    stays ``length``, so a cut-off answer is never taken for a finished one), any other ``other``."""
     if not reason:
         return "stop"
-    if reason == "function_call":
-        return "tool_calls"
-    return reason if reason in FINISH_REASONS else "other"
+    if reason in FINISH_REASONS:
+        return str(reason)
+    return PROVIDER_FINISH_REASONS.get(reason, "other")
 
 
 def from_openai_response(body: Any) -> dict[str, Any]:
@@ -133,6 +143,10 @@ def from_openai_response(body: Any) -> dict[str, Any]:
     result_message: dict[str, Any] = {"role": "assistant"}
     if message.get("content"):
         result_message["content"] = [{"type": "text", "text": message["content"]}]
+    if message.get("function_call") and not message.get("tool_calls"):
+        # The legacy single function call (no call id): not mapped, so the call is unknown
+        # rather than a silent final answer without the call the model asked for.
+        raise ModelError("the response holds a legacy function_call, not tool_calls: send tools, not functions")
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}

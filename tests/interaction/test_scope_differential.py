@@ -100,20 +100,36 @@ def test_a_scenario_with_a_finish_reason_outside_the_portable_set_is_refused_wit
 
 
 def test_an_openai_compatible_servers_own_finish_reasons_are_mapped_onto_the_portable_set(tmp_path: Path) -> None:
-    """Scope's model adapters map native reasons onto ``chat.FinishReason``: the legacy
-    ``function_call`` runs the tools, an unknown reason is ``other`` (and completes)."""
+    """Scope's model adapters map native reasons onto ``chat.FinishReason``: ``function_call``
+    with tool calls runs them, truncation stays ``length`` (a cut-off answer is never taken
+    for a finished one), an unknown reason is ``other``; a legacy ``function_call`` message
+    (no tool calls) leaves the call unknown instead of completing without it."""
     script = [
         completion(tool_calls=[{"id": "c1", "name": "alpha", "arguments": "{}"}], finish_reason="function_call"),
-        completion(content="done", finish_reason="eos"),
+        completion(content="cut o", finish_reason="max_tokens"),
     ]
     log = CallLog()
+    store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
     with FakeOpenAI(script) as server:
         program = interaction(OpenAIChatModel(server.base_url, model="m", timeout=5), [ProbeTool("alpha", log)])
-        with Runtime(EventStore(f"sqlite:///{tmp_path / 'a.db'}"), Catalog([program])) as runtime:
+        with Runtime(store, Catalog([program])) as runtime:
             result = runtime.start(program, chat_input("go")).result(WAIT)
     assert result.status == "completed", result
     assert log.count("alpha") == 1
-    assert result.output["model_response"]["finish_reason"] == "other"
+    assert result.output["model_response"]["finish_reason"] == "length"
+
+    odd = completion(content="done", finish_reason="weird_reason")
+    legacy = completion(content=None, finish_reason="function_call")
+    legacy["choices"][0]["message"]["function_call"] = {"name": "alpha", "arguments": "{}"}
+    with FakeOpenAI([odd, legacy]) as server:
+        program = interaction(OpenAIChatModel(server.base_url, model="m", timeout=5), [ProbeTool("alpha", log)])
+        with Runtime(store, Catalog([program])) as runtime:
+            assert runtime.start(program, chat_input("go")).result(WAIT).output["model_response"]["finish_reason"] == "other"
+            handle = runtime.start(program, chat_input("again"))
+            [unknown] = unknown_of(runtime, runtime.wait_idle(handle.tree_id))
+            assert "legacy function_call" in unknown["diagnostic"]["message"], unknown
+    store.close()
+    assert log.count("alpha") == 1
 
 
 # -- completion validation ---------------------------------------------------------------------
@@ -270,3 +286,29 @@ def test_a_delegate_whose_input_cannot_be_built_gets_a_rejected_result_and_the_r
     assert t1 == "error: preparing the delegated worker input failed: KeyError: 'no such template'"
     assert (i2, e2) == ("d2", True) and t2.startswith("error: preparing the delegated worker input failed: ")
     assert (i3, e3) == ("d3", None) and len(worker_model.requests) == 1
+
+
+def test_a_hosts_settlement_keeps_the_advertised_names_in_the_order_given(local_store_url: str) -> None:
+    """The same first-seen order when a host settles an unknown call with ``settle_tool_result``
+    (it sorted them, so the next request's tool list depended on who settled the call)."""
+    from agentfold.domain.interaction.settle import settle_tool_result
+    from tests.interaction.support import request_of
+
+    def lost(invocation: ToolInvocation, arguments: Any) -> ToolOutput:
+        raise TimeoutError("the index did not answer")
+
+    log = CallLog()
+    model = ScriptedModel([tool_round(call("c1", "finder")), final("done")])
+    program = interaction(model, [ProbeTool("finder", log, lost)],
+                          deferred_tools=[ProbeTool("alpha", log), ProbeTool("zeta", log)])
+    with open_runtime(local_store_url, program) as runtime:
+        handle = runtime.start(program, chat_input("go"))
+        tree = runtime.wait_idle(handle.tree_id)
+        [unknown] = unknown_of(runtime, tree)
+        request = request_of(runtime, tree, unknown["process_id"], unknown["effect_id"])
+        tools = program.strategy.definition.tool_program  # type: ignore[attr-defined]
+        settlement = settle_tool_result(tools, request, "found", "succeeded", ["zeta", "alpha", "zeta"])
+        assert settlement.payload["tool_result"]["completion"]["advertised_tool_names"] == ["zeta", "alpha"]
+        runtime.resolve_unknown_effect(unknown["effect_id"], settlement)
+        assert handle.result(WAIT).status == "completed"
+    assert [t["name"] for t in model.requests[1].tools] == ["finder", "zeta", "alpha"]

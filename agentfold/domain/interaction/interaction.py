@@ -111,7 +111,8 @@ class CompletionDecision:
 
     def valid(self) -> bool:
         """Scope's ``CompletionDecision.Valid``: accepted with empty feedback, or rejected with
-        non-empty, trimmed (Go's white space), valid UTF-8 feedback of at most 4096 bytes."""
+        non-empty feedback, trimmed (Go's white space), of at most 4096 bytes; here also text
+        that encodes as UTF-8 (no lone surrogate), which the stored feedback must be."""
         if not isinstance(self.accepted, bool) or not isinstance(self.feedback, str):
             return False
         if self.accepted:

@@ -122,7 +122,7 @@ def settle_tool_result(
             raise _refuse(f"{name!r} is not a bound deferred tool")
     completion: dict[str, Any] = {"disposition": disposition, "output": tool_output_json(output)}
     if names:
-        completion["advertised_tool_names"] = sorted(names)
+        completion["advertised_tool_names"] = list(dict.fromkeys(names))  # first-seen order, as the dispatcher
     return Settlement.succeeded({"tool_result": {"completion": completion}})
 
 
