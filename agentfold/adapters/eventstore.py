@@ -1227,7 +1227,7 @@ class EventStore:
         if len(body) > MAX_SNAPSHOT_BYTES:
             # Readers refuse it: loads go on from the last snapshot under the bound.
             log.warning("tree %s: no snapshot at version %s: its %d bytes exceed %d", tree_id, version,
-                           len(body), MAX_SNAPSHOT_BYTES)
+                        len(body), MAX_SNAPSHOT_BYTES)
             return
         state_version = version
         body = STATE_COMPRESSOR.compress(body)

@@ -1,9 +1,10 @@
 """What a host's resolution of an unknown Effect means: one rule for the CLI and the HTTP API.
 
 A host describes the outcome it found out: a model call's response (``model_response``,
-with ``effective_messages`` when the Program reduces its context), or an ``output`` with a ``disposition`` (tool calls) or a ``status`` (other Effects). The
-Program's own settle helpers turn it into the definite :class:`Settlement` the kernel
-records, so a resolved call looks exactly like one the dispatcher returned.
+with ``effective_messages`` when the Program reduces its context), or an ``output`` with a
+``disposition`` (tool calls) or a ``status`` (other Effects). The Program's own settle
+helpers turn it into the definite :class:`Settlement` the kernel records, so a resolved
+call looks exactly like one the dispatcher returned.
 
 The front ends parse their input (JSON text, a request body) and say how they name the
 members and how they report a misuse; the rules are here.

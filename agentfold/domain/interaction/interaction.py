@@ -456,7 +456,7 @@ class InteractionStrategy:
             return plan.step(Checkpoint("interaction.round.progress", progress))
         delegate = d.manifest.delegate(call.name)
         if delegate is not None:
-            _, text = _delegate_input(delegate, call)
+            first_input, text = _delegate_input(delegate, call)
             if text is not None:
                 plan.add({"op": "reject", "text": f"error: {text}"})
                 return plan.step(Checkpoint("interaction.round.progress", progress))
@@ -466,7 +466,8 @@ class InteractionStrategy:
                 spec = d.manifest.delegate(other.name)
                 if spec is None:
                     break
-                child_input, text = _delegate_input(spec, other)
+                # build_input is the Delegate author's code: called once per call
+                child_input, text = (first_input, None) if index == cursor else _delegate_input(spec, other)
                 if text is not None:
                     break
                 effects.append(
