@@ -112,3 +112,40 @@ def test_a_tree_too_large_to_snapshot_is_not_snapshotted_and_still_loads(
         assert loaded.state.to_json() == plain.state.to_json()
     finally:
         store.close()
+
+
+def test_a_reduced_context_too_large_for_a_settlement_fails_before_the_model_is_called(tmp_path: Path) -> None:
+    """Scope 2.8: the smallest success envelope of a model call must fit the payload limit,
+    else the call settles failed before it is made. With a context policy the settlement
+    carries the reduced messages; past 4 MiB it used to be made, then left unknown, and no
+    resolution could carry those messages either: the run was stuck. Now it fails, definite,
+    with ``interaction.host.failed``, and the model is not called for it."""
+    calls: list[int] = []
+
+    class Counting(Rounds):
+        def call(self, request: ModelRequest) -> dict[str, Any]:
+            calls.append(request.model_call_sequence)
+            return super().call(request)
+
+    def label(messages: Any) -> list[dict[str, Any]]:  # rewrites the first message, differently each call
+        first, *rest = messages
+        note = f"[{len(messages)} messages so far] read everything"
+        return [{**first, "content": [{"type": "text", "text": note}]}, *rest]
+
+    program = compile_interaction(InteractionConfig(name="test.reduced_long", model=Counting(200), tools=[Fetch()],
+                                                    context_policy=label))
+    store = EventStore(f"sqlite:///{tmp_path / 'reduced.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "read everything"}]})
+            tree = runtime.wait_idle(handle.tree_id)
+            assert tree.unknown_ids == set()
+            result = handle.result(timeout=60)
+    finally:
+        store.close()
+    assert result.status == "failed"
+    failure = result.termination["failure"]
+    assert failure["code"] == "interaction.host.failed", failure
+    assert "do not fit a settlement" in failure["message"] and "above the limit of 4194304" in failure["message"], failure
+    # Every model call but the refused one was made; the refused one never reached the model.
+    assert calls == list(range(1, len(calls) + 1)) and 60 < len(calls) < 80

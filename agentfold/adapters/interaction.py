@@ -23,7 +23,7 @@ from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.models import Model, ModelError, ModelRequest
 from agentfold.adapters.tools import ObservationFailures, Tool, ToolDispatcher, ToolObserver, observe, tool_spec
 from agentfold.domain.budget import Budget, Quota
-from agentfold.domain.canonical import JSON, digest_of
+from agentfold.domain.canonical import JSON, digest_of, normalize
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
 from agentfold.domain.interaction.chat import FINISH_REASONS, parse_message, parse_messages, parse_response
@@ -119,6 +119,18 @@ class ModelDispatcher:
             except Exception as exc:  # noqa: BLE001 - a failing local policy is a host failure before the call
                 return Settlement.failed(f"the context policy failed: {exc}")
             model_request = replace(model_request, messages=tuple(reduced))
+            if reduced != original:
+                # Scope 2.8: the smallest possible success envelope must fit the payload limit,
+                # else a failed settlement before the call. Past it, the answer's settlement
+                # (which carries the reduced messages) could never be recorded: the call would
+                # be made, then left unknown, and no resolution could carry those messages either.
+                smallest = {"model_result": {"response": {"message": {"role": "assistant"}, "finish_reason": "stop"},
+                                             "replacement_messages": reduced}}
+                try:
+                    normalize(smallest, what="settlement payload")
+                except InvalidInput as exc:
+                    return Settlement.failed(f"the context policy's messages do not fit a settlement: {exc.message}; "
+                                             "the policy must send less")
         if self.observer is not None:
             observe(self.observation_failures, "model_started", lambda: self.observer.on_model_started(model_request))  # type: ignore[union-attr]
         outcome, response = "unknown", None
