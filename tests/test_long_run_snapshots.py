@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import agentfold.adapters.eventstore as eventstore_module
+import agentfold.adapters.runtime as runtime_module
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES, MAX_STATE_BYTES, stored_json
 from agentfold.adapters.eventstore import EventStore
@@ -98,6 +99,7 @@ def test_a_tree_too_large_to_snapshot_is_not_snapshotted_and_still_loads(
     snapshot is written: one warning each time, and a load folds on from the last one."""
     bound = 1 << 20
     monkeypatch.setattr(eventstore_module, "MAX_SNAPSHOT_BYTES", bound)
+    monkeypatch.setattr(runtime_module, "MAX_SNAPSHOT_BYTES", bound)
     url = f"sqlite:///{tmp_path / 'bounded.db'}"
     with caplog.at_level(logging.WARNING, logger="agentfold.store"):
         store, program, tree_id = long_run(url, 40, snapshot_every=100)
@@ -106,6 +108,8 @@ def test_a_tree_too_large_to_snapshot_is_not_snapshotted_and_still_loads(
         assert rows  # the early, smaller ones were written
         assert all(len(stored_json(r.state, MAX_SNAPSHOT_BYTES)) <= bound for r in rows)
         assert [r for r in caplog.records if "no snapshot at version" in r.getMessage()]
+        # Once too large, the tree only grows: its owner stops serializing snapshots (one warning).
+        assert len([r for r in caplog.records if "no snapshot at version" in r.getMessage()]) == 1
         loaded = store.load(tree_id, Catalog([program]).resolve)
         assert loaded.snapshot_version == max((r.originator_version for r in rows), default=0)
         plain = store.load(tree_id, Catalog([program]).resolve, use_snapshot=False)

@@ -23,7 +23,7 @@ from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.models import Model, ModelError, ModelRequest
 from agentfold.adapters.tools import ObservationFailures, Tool, ToolDispatcher, ToolObserver, observe, tool_spec
 from agentfold.domain.budget import Budget, Quota
-from agentfold.domain.canonical import JSON, digest_of, normalize
+from agentfold.domain.canonical import JSON, MAX_PAYLOAD_BYTES, canonical_bytes, digest_of
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
 from agentfold.domain.interaction.chat import FINISH_REASONS, parse_message, parse_messages, parse_response
@@ -126,11 +126,10 @@ class ModelDispatcher:
                 # be made, then left unknown, and no resolution could carry those messages either.
                 smallest = {"model_result": {"response": {"message": {"role": "assistant"}, "finish_reason": "stop"},
                                              "replacement_messages": reduced}}
-                try:
-                    normalize(smallest, what="settlement payload")
-                except InvalidInput as exc:
-                    return Settlement.failed(f"the context policy's messages do not fit a settlement: {exc.message}; "
-                                             "the policy must send less")
+                size = len(canonical_bytes(smallest))  # what the runtime's normalize measures
+                if size > MAX_PAYLOAD_BYTES:
+                    return Settlement.failed(f"the context policy's messages do not fit a settlement: its smallest is "
+                                             f"{size} bytes, above the limit of {MAX_PAYLOAD_BYTES}; the policy must send less")
         if self.observer is not None:
             observe(self.observation_failures, "model_started", lambda: self.observer.on_model_started(model_request))  # type: ignore[union-attr]
         outcome, response = "unknown", None

@@ -33,6 +33,7 @@ from typing import Any
 from eventsourcing.persistence import PersistenceError
 
 from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES
 from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext
 from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
 from agentfold.adapters.metrics import APPEND_BUCKETS, Counter, Histogram
@@ -295,6 +296,9 @@ class _Driver:
         self.stopped: AgentfoldError | None = None
         self.idle = False
         self.last_snapshot = loaded.snapshot_version
+        # Set once this tree's snapshot outgrew MAX_SNAPSHOT_BYTES: it only grows, so the
+        # owner line stops serializing snapshots that would not be written.
+        self.too_large_to_snapshot = False
         # ``TreeHead.row_state`` of the index row this writer's last append stored; None until
         # its first append, and after another writer's (the stored row is then theirs).
         self.stored_row_state: tuple[str, str, tuple[str, ...]] | None = None
@@ -514,6 +518,7 @@ class _Driver:
         snapshot = (
             self.tree
             if every
+            and not self.too_large_to_snapshot
             and version - self.last_snapshot >= max(every, version // 8)
             and self.tree._expect is None
             and self.tree.version == version
@@ -536,6 +541,8 @@ class _Driver:
         if snapshot is not None:
             self.last_snapshot = version
         if result.snapshot_body is not None:
+            # Written off the owner line; one over the bound is refused there (and logged), once.
+            self.too_large_to_snapshot = len(result.snapshot_body) > MAX_SNAPSHOT_BYTES
             runtime._snapshot_pool.submit(self._write_snapshot, version, result.snapshot_body)
         runtime.appends += 1
         runtime.events_appended += len(events)
