@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, MAX_DISPATCH_WORKERS
 from agentfold.domain.errors import AgentfoldError, InvalidInput
 
 DEFAULT_PORT = 8080
@@ -59,6 +60,10 @@ def register(command: Any) -> None:
     serve.add_argument("--recover", action="store_true",
                        help="at startup, before serving, adopt every live run nobody owns and count them in the "
                        "start line")
+    serve.add_argument("--dispatch-workers", type=int, default=DEFAULT_DISPATCH_WORKERS, metavar="N",
+                       help="the most tool and model calls this server has in flight at once (default "
+                       f"{DEFAULT_DISPATCH_WORKERS}, at most {MAX_DISPATCH_WORKERS}); a run whose next call finds them "
+                       "all taken waits in line, its call declared but not yet permitted")
     serve.add_argument("--adopt-every", type=float, default=DEFAULT_ADOPT_EVERY, metavar="SECONDS",
                        help="while serving, adopt the live runs nobody owns (those of a server or command that "
                        f"died) this often (default {DEFAULT_ADOPT_EVERY:g}; 0 = never)")
@@ -160,6 +165,11 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if not (adopt_every >= 0 and math.isfinite(adopt_every)):
         raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
                            hint="0 turns the scan off")
+    workers = args.dispatch_workers
+    if not 1 <= workers <= MAX_DISPATCH_WORKERS:
+        raise InvalidInput("cli.argument_invalid",
+                           f"--dispatch-workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {workers}",
+                           hint=f"the default is {DEFAULT_DISPATCH_WORKERS}")
     protocol = request_read_deadlines()  # AGENTFOLD_HTTP_HEAD_WAIT / _BODY_WAIT: refused before listening
     side_effect_dir = Path(args.side_effect_dir) if args.side_effect_dir is not None else None
     if side_effect_dir is not None and not side_effect_dir.is_dir():
@@ -184,7 +194,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
             store = ctx.open_store(create=True)
             try:
                 service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
-                                          side_effect_dir=side_effect_dir)
+                                          side_effect_dir=side_effect_dir, dispatch_workers=workers)
                 try:
                     recovered = service.recover() if args.recover else []
                     host, port = sock.getsockname()[:2]
@@ -196,6 +206,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                         "listening": url, "port": port, "store": redact(ctx.store_url),
                         "follower": service.follower is not None, "recovered": recovered,
                         "adopt_every": adopt_every,
+                        "dispatch_workers": workers,
                         "side_effect_dir": logs_dir,
                     }
                     if getattr(args, "json", False):

@@ -69,7 +69,7 @@ from agentfold.adapters.queries import (
     tables_behind,
 )
 from agentfold.adapters.resolution import ABSENT, settlement_for
-from agentfold.adapters.runtime import RandomIds, Runtime
+from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, RandomIds, Runtime
 from agentfold.adapters.scenario import (
     confine_side_effect_logs,
     confined_input_log,
@@ -560,12 +560,14 @@ class ApiService:
     @classmethod
     def open(
         cls, store: EventStore, sources: ProgramSources, token: str, *, follow: bool = True, adopt_every: float = 0.0,
-        side_effect_dir: pathlib.Path | None = None,
+        side_effect_dir: pathlib.Path | None = None, dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
     ) -> ApiService:
         """``adopt_every``: seconds between scans for runs nobody owns (a dead peer's), 0 = none;
-        ``side_effect_dir``: where scenarios' side-effect logs may be (None: nowhere)."""
+        ``side_effect_dir``: where scenarios' side-effect logs may be (None: nowhere);
+        ``dispatch_workers``: tool and model calls in flight at once (``--dispatch-workers``)."""
         ids = _StartIds()
-        runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids, adopt_orphans_every=adopt_every)
+        runtime = Runtime(store, sources.catalog(), poll_interval=0.2, ids=ids, adopt_orphans_every=adopt_every,
+                          dispatch_workers=dispatch_workers)
         follower = None
         try:
             if follow and store.backend in ("sqlite", "postgresql"):
@@ -663,6 +665,10 @@ class ApiService:
                    [({}, float(len(runtime.stalled_trees())))]),
             Family("agentfold_calls_running", "gauge", "Dispatcher calls (tools, models) in flight in this server.",
                    [({}, float(runtime.dispatches_running()))]),
+            Family("agentfold_calls_limit", "gauge", "The most dispatcher calls this server has in flight at once "
+                   "(--dispatch-workers).", [({}, float(runtime.dispatch_workers))]),
+            Family("agentfold_runs_waiting_for_calls", "gauge", "Runs whose next call waits for one of the "
+                   "--dispatch-workers to be free.", [({}, float(runtime.runs_waiting_for_calls()))]),
             Family("agentfold_leases_healthy", "gauge", "1 when this server's owner leases work, else 0.",
                    [({}, 1.0 if runtime.leases_healthy() else 0.0)]),
             Family("agentfold_calls_settled_total", "counter",

@@ -255,6 +255,18 @@ ORPHAN_SCAN_SECONDS = 1.0
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
+@dataclass(slots=True)
+class _Flight:
+    process_id: ProcessID
+    effect_id: EffectID
+    attempt_id: EffectAttemptID
+    context: DispatchContext
+    cancel_deadline: float | None = None
+    # Whether this call still counts against the runtime's calls in flight (``_CallSlots``):
+    # until the dispatcher returns, or the call is abandoned.
+    holds_slot: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     """One dispatcher call whose permission is committed."""
@@ -263,15 +275,155 @@ class _Job:
     dispatcher: Any
     request: EffectRequest
     context: DispatchContext
+    flight: _Flight
 
 
-@dataclass(slots=True)
-class _Flight:
-    process_id: ProcessID
-    effect_id: EffectID
-    attempt_id: EffectAttemptID
-    context: DispatchContext
-    cancel_deadline: float | None = None
+#: Dispatcher calls a runtime has in flight at once, by default (``Runtime(dispatch_workers=N)``,
+#: ``serve --dispatch-workers N``), and the most it accepts (each call in flight has its thread).
+DEFAULT_DISPATCH_WORKERS = 32
+MAX_DISPATCH_WORKERS = 4096
+#: Threads the dispatch pool may run beyond ``dispatch_workers``: a call abandoned after the
+#: cancellation grace gives its slot back but keeps its thread until its dispatcher returns,
+#: so the pool has room for that many stuck calls before new calls would queue behind them.
+SPARE_DISPATCH_THREADS = 256
+
+
+class _CallSlots:
+    """The runtime's limit on dispatcher calls in flight (``Runtime(dispatch_workers=N)``),
+    applied where a dispatch permission is granted, not after it.
+
+    A permission is granted (``EffectDispatched`` appended) only with a free slot, so every
+    permitted call starts at once. An Effect that finds none stays declared, without a
+    permission, and its tree waits in line; each slot given back goes to the first tree in
+    line (in order of arrival), which is woken to grant it. A call queued behind the limit
+    after its permission was committed was the problem this replaces: canceled or killed
+    meanwhile, it was still made after the run had ended (and recorded unknown "did not
+    return" without having started); a server shutting down started queued calls after the
+    signal, and left the rest unknown although never called; runs were served in waves of
+    ``dispatch_workers``, each to its end. Now a waiting Effect is only declared: a cancel
+    ends it without a call, and the next owner dispatches it (never unknown).
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("dispatch_workers must be at least 1")
+        self.limit = limit
+        self.in_use = 0
+        self._lock = threading.Lock()
+        self._waiting: collections.OrderedDict[_Driver, None] = collections.OrderedDict()
+        self._reserved: dict[_Driver, int] = {}
+
+    def take(self, driver: _Driver) -> bool:
+        """One slot for a permission ``driver`` is about to grant; False (``driver`` is put
+        in line, once) when none is free."""
+        with self._lock:
+            held = self._reserved.get(driver, 0)
+            if held:
+                if held == 1:
+                    del self._reserved[driver]
+                else:
+                    self._reserved[driver] = held - 1
+                return True
+            if self.in_use < self.limit and not self._waiting:
+                self.in_use += 1
+                return True
+            self._waiting.setdefault(driver, None)
+            return False
+
+    def force(self, count: int) -> None:
+        """Count calls that are made whatever the limit (re-dispatches decided at activation,
+        permissions an append committed although its reply was lost)."""
+        if count:
+            with self._lock:
+                self.in_use += count
+
+    def release(self, count: int = 1) -> None:
+        if count <= 0:
+            return
+        with self._lock:
+            self.in_use -= count
+            woken = self._hand_out()
+        _wake(woken)
+
+    def release_flight(self, flight: _Flight) -> None:
+        with self._lock:
+            if not flight.holds_slot:
+                return
+            flight.holds_slot = False
+            self.in_use -= 1
+            woken = self._hand_out()
+        _wake(woken)
+
+    def give_back_reserved(self, driver: _Driver, *, leave: bool = False) -> None:
+        """Slots handed to ``driver`` that its cycle did not use go to the next in line;
+        ``leave``: also take it out of the line (a stopped or finished owner line)."""
+        with self._lock:
+            held = self._reserved.pop(driver, 0)
+            if leave:
+                self._waiting.pop(driver, None)
+            if not held:
+                return
+            self.in_use -= held
+            woken = self._hand_out()
+        _wake(woken)
+
+    def waiting(self) -> int:
+        """Trees waiting for a slot to grant a permission."""
+        with self._lock:
+            return len(self._waiting)
+
+    def _hand_out(self) -> list[_Driver]:
+        woken: list[_Driver] = []
+        while self._waiting and self.in_use < self.limit:
+            driver, _ = self._waiting.popitem(last=False)
+            if driver.stopped is not None or driver.finished:
+                continue
+            self.in_use += 1
+            self._reserved[driver] = self._reserved.get(driver, 0) + 1
+            woken.append(driver)
+        return woken
+
+
+def _wake(drivers: list[_Driver]) -> None:
+    """Have owner lines that were handed a call slot run a cycle to use it."""
+    for driver in drivers:
+        try:
+            driver.submit(_Kick())
+        except RuntimeError:  # the runtime is closing (its owner pool takes no more work)
+            pass
+
+
+class _Permits:
+    """The dispatch permissions one ``advance`` of an owner line may grant: each takes a call
+    slot (``_CallSlots``); a denied one puts the line in wait for a slot."""
+
+    __slots__ = ("denied", "driver", "taken")
+
+    def __init__(self, driver: _Driver) -> None:
+        self.driver = driver
+        self.taken = 0
+        self.denied = False
+
+    def __call__(self) -> bool:
+        runtime = self.driver.runtime
+        if runtime._draining:
+            return False
+        if runtime._slots.take(self.driver):
+            self.taken += 1
+            return True
+        self.denied = True
+        return False
+
+    def give_back(self, *, discard: bool = False) -> None:
+        """The slots taken for permissions that will not be launched (a failed append);
+        ``discard``: the owner line itself is dropped (a start or activation that lost), so
+        it also leaves the line for a slot (else it would be woken to drive a tree it does
+        not own)."""
+        taken, self.taken = self.taken, 0
+        slots = self.driver.runtime._slots
+        slots.release(taken)
+        if discard:
+            slots.give_back_reserved(self.driver, leave=True)
 
 
 class _Driver:
@@ -295,6 +447,9 @@ class _Driver:
         self._launched_lock = threading.Lock()
         self.stopped: AgentfoldError | None = None
         self.idle = False
+        # The last advance left a declared Effect without a permission: no call slot was free
+        # (``_CallSlots``); the tree is in line for one and is not idle.
+        self.waiting_slot = False
         self.last_snapshot = loaded.snapshot_version
         # Set once this tree's snapshot outgrew MAX_SNAPSHOT_BYTES: it only grows, so the
         # owner line stops serializing snapshots that would not be written.
@@ -389,8 +544,16 @@ class _Driver:
             if self.stopped is not None:
                 self._reject(items, self.stopped)
                 return
+        try:
+            self._cycle_attempts(items)
+        finally:
+            # A slot handed to this line that its cycle did not use goes to the next in line.
+            self.runtime._slots.give_back_reserved(self)
+
+    def _cycle_attempts(self, items: list[Any]) -> None:
         for _attempt in range(64):
-            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids, dispatch=not self.runtime._draining)
+            permits = _Permits(self)
+            kernel = Kernel(self.tree, self.runtime._resolve, self.runtime.ids, dispatch=permits)
             events: list[TreeEvent] = []
             replies: list[tuple[Future[Any], Any]] = []
             settled: list[EffectID] = []
@@ -414,7 +577,12 @@ class _Driver:
                         continue
                     events.extend(produced)
                     replies.append((item.future, value))
-            progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+            try:
+                progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+            except BaseException:
+                permits.give_back()
+                raise
+            self.waiting_slot = permits.denied
             events.extend(progress.events)
             if not events:
                 for eid in settled:
@@ -424,6 +592,7 @@ class _Driver:
             try:
                 self._append(events)
             except VersionConflict:
+                permits.give_back()
                 self._reload()
                 if self.stopped is not None:
                     self._reject(items, self.stopped)
@@ -431,14 +600,19 @@ class _Driver:
                 self._launch_committed()
                 continue
             except (Fenced, StoreFailure) as exc:
+                permits.give_back()
                 self._stop(exc, items)
                 return
+            except BaseException:
+                permits.give_back()
+                raise
             for eid in settled:
                 self.flights.pop(eid, None)
             if self.stopped is None and not self.runtime._closed:
                 # Closing: a call whose outcome nobody would record is not started; the
                 # committed permission is decided by recovery (replay or unknown).
-                self._launch(progress.dispatches)
+                self._launch(progress.dispatches, permits)
+            permits.give_back()
             self._after_commit(events, replies)
             if len(progress.events) >= MAX_EVENTS_PER_APPEND:
                 self.submit(_Kick())
@@ -454,7 +628,7 @@ class _Driver:
         if self.final is None and self.tree.root.terminal:
             self.final = Result.of(self.tree.root)
             notify = True
-        idle = not self.flights and not self._inbox
+        idle = not self.flights and not self._inbox and not self.waiting_slot
         if idle != self.idle:
             notify = True
         self.idle = idle
@@ -481,6 +655,7 @@ class _Driver:
             for flight in self.flights.values():
                 flight.context.cancelled.set()
             self.idle = True
+            self.runtime._slots.give_back_reserved(self, leave=True)
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
             # told "stopped" may recover the tree at once, from another runtime.
             self.runtime._forget(self)
@@ -626,7 +801,15 @@ class _Driver:
                         self.tree_id, len(committed))
             self._launch(committed)
 
-    def _launch(self, dispatches: Sequence[Dispatch]) -> None:
+    def _launch(self, dispatches: Sequence[Dispatch], permits: _Permits | None = None) -> None:
+        """Start a flight for each committed permission. Each holds a call slot: the ones
+        ``permits`` took for them, and any other is counted beyond the limit (a permission is
+        a call this runtime makes, once committed)."""
+        slots = self.runtime._slots
+        covered = min(permits.taken, len(dispatches)) if permits is not None else 0
+        if permits is not None:
+            permits.taken -= covered
+        slots.force(len(dispatches) - covered)
         for dispatch in dispatches:
             process = self.tree.processes[dispatch.process_id]
             program = self.runtime._resolve(process.program)
@@ -636,14 +819,16 @@ class _Driver:
             try:
                 request = effect_request(self.tree, dispatch.process_id, dispatch.effect_id, program, dispatch.attempt_id)
             except Exception as exc:  # noqa: BLE001
+                slots.release_flight(flight)
                 self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, f"cannot build the request: {exc}"))
                 continue
             dispatcher = program.dispatcher if program is not None else None
             if dispatcher is None:
+                slots.release_flight(flight)
                 self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
                 continue
             with self._launched_lock:
-                self._launched.append(_Job(dispatch, dispatcher, request, context))
+                self._launched.append(_Job(dispatch, dispatcher, request, context, flight))
 
     def _call_dispatcher(self, job: _Job) -> _Done:
         runtime = self.runtime
@@ -670,6 +855,7 @@ class _Driver:
         finally:
             with runtime._calls_lock:
                 runtime._calls_running -= 1
+            runtime._slots.release_flight(job.flight)
         runtime.calls_settled.add(done.status.value)
         crash = runtime.crash
         if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(dispatch.effect_id) == crash.n:
@@ -691,7 +877,9 @@ class _Driver:
                 timer.start()
 
     def _abandon(self, flight: _Flight) -> None:
-        """A dispatcher ignored cancellation past the grace period: its outcome is unknown."""
+        """A dispatcher ignored cancellation past the grace period: its outcome is unknown.
+        Its slot goes back (its thread stays with it until the dispatcher returns)."""
+        self.runtime._slots.release_flight(flight)
         if flight.effect_id in self.flights:
             self.submit(
                 _Done(
@@ -760,7 +948,7 @@ class Runtime:
         store: EventStore,
         catalog: Catalog | None = None,
         *,
-        dispatch_workers: int = 32,
+        dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
         owner_workers: int = 4,
         snapshot_every: int = 1000,
         poll_interval: float = 0.2,
@@ -792,8 +980,15 @@ class Runtime:
         # append, and the outcome of every dispatcher call, since this runtime started.
         self.append_seconds = Histogram(APPEND_BUCKETS)
         self.calls_settled = Counter()
+        if not 1 <= dispatch_workers <= MAX_DISPATCH_WORKERS:
+            raise ValueError(f"dispatch_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {dispatch_workers}")
+        self.dispatch_workers = dispatch_workers
+        self._slots = _CallSlots(dispatch_workers)
+        # Room for every call the slots admit plus the abandoned ones still stuck in a dispatcher:
+        # a permitted call never waits for a thread.
         self._dispatch_pool = ThreadPoolExecutor(
-            dispatch_workers, thread_name_prefix="agentfold-dispatch", initializer=quiet_stop_signals
+            dispatch_workers + SPARE_DISPATCH_THREADS, thread_name_prefix="agentfold-dispatch",
+            initializer=quiet_stop_signals,
         )
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
@@ -920,18 +1115,28 @@ class Runtime:
         with driver.lock:
             driver.tree = tree
             driver.committed = 0
-            progress = Kernel(tree, self._resolve, self.ids, dispatch=not self._draining).advance()
+            permits = _Permits(driver)
+            try:
+                progress = Kernel(tree, self._resolve, self.ids, dispatch=permits).advance()
+            except BaseException:
+                permits.give_back(discard=True)
+                raise
+            driver.waiting_slot = permits.denied
             try:
                 driver._append([started, *progress.events])
             except VersionConflict:
+                permits.give_back(discard=True)
                 self._leases.release(tree_id)
                 return None
-            except AgentfoldError:
+            except BaseException:
+                permits.give_back(discard=True)
                 self._leases.release(tree_id)
                 raise
             if not self._register(driver):
+                permits.give_back(discard=True)
                 return driver
-            driver._launch(progress.dispatches)
+            driver._launch(progress.dispatches, permits)
+            permits.give_back()
             driver._after_commit([], [])
         return driver
 
@@ -1009,12 +1214,21 @@ class Runtime:
         for _ in range(64):
             driver = _Driver(self, tree_id, loaded, incarnation)
             with driver.lock:
-                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=not self._draining)
-                activation = kernel.activate(incarnation)
-                progress = kernel.advance()
+                permits = _Permits(driver)
+                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=permits)
+                try:
+                    activation = kernel.activate(incarnation)
+                    progress = kernel.advance()
+                except BaseException:
+                    permits.give_back(discard=True)
+                    raise
+                driver.waiting_slot = permits.denied
                 try:
                     driver._append([*activation.events, *progress.events])
-                except VersionConflict:
+                except BaseException as exc:
+                    permits.give_back(discard=True)
+                    if not isinstance(exc, VersionConflict):
+                        raise
                     loaded = self._load(tree_id)
                     if loaded.state.incarnation != base_incarnation:
                         if not self._activated_by_the_dead(tree_id, loaded.state.incarnation):
@@ -1025,8 +1239,10 @@ class Runtime:
                         base_incarnation = loaded.state.incarnation
                     continue
                 if not self._register(driver):
+                    permits.give_back(discard=True)
                     return driver
-                driver._launch([*activation.dispatches, *progress.dispatches])
+                driver._launch([*activation.dispatches, *progress.dispatches], permits)
+                permits.give_back()
                 driver._after_commit([], [])
             driver.start_jobs(keep_last=False)
             self._ensure_watcher()
@@ -1148,6 +1364,7 @@ class Runtime:
         self._leases.release(tree_id)
 
     def _forget(self, driver: _Driver) -> None:
+        self._slots.give_back_reserved(driver, leave=True)
         with self._lock:
             current = self._drivers.get(driver.tree_id)
             if current is driver:
@@ -1798,6 +2015,10 @@ class Runtime:
         """How many trees this runtime drives now."""
         with self._lock:
             return len(self._drivers)
+
+    def runs_waiting_for_calls(self) -> int:
+        """Runs whose next call waits for a free call slot (``dispatch_workers`` are in flight)."""
+        return self._slots.waiting()
 
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""

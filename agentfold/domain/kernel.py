@@ -17,7 +17,7 @@ signals, controls and resolutions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -226,10 +226,18 @@ def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | Non
 class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
 
-    def __init__(self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *, dispatch: bool = True) -> None:
+    def __init__(
+        self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *, dispatch: bool | Callable[[], bool] = True
+    ) -> None:
         """``dispatch=False``: grant no dispatch permission (an owner that is shutting down
         records what it still has to, but starts no call: a declared Effect without its
-        ``EffectDispatched`` is dispatched by the next owner, never settled unknown)."""
+        ``EffectDispatched`` is dispatched by the next owner, never settled unknown).
+
+        ``dispatch`` may also be a function, asked right before each permission would be
+        granted: True grants it (the caller counted one more call in flight), False leaves
+        the Effect declared, to be permitted by a later ``advance`` (a runtime whose calls
+        in flight are at their limit: a permission is only granted when its call can start).
+        """
         self.tree = tree
         self.programs = programs
         self.ids = ids
@@ -283,7 +291,7 @@ class Kernel:
                 return False
             if record.target == Target.FRAMEWORK:
                 return self._settle_framework(progress, process, record)
-            elif not self.dispatch:
+            elif not (self.dispatch() if callable(self.dispatch) else self.dispatch):
                 return False
             else:
                 attempt = self.ids.attempt_id()

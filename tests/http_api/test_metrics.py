@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tests.http_api.support import ApiServer, ok, problem, start_server
+from tests.http_api.support import ApiServer, ok, problem, server_env, start_server
 from tests.test_cli import agentfold
 from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, approval, two_call_round, write
 
@@ -173,3 +173,22 @@ def test_a_crashed_run_taken_over_at_startup_and_a_canceled_one_are_counted_as_t
     _, after_cancel = parse(ok_text(c.get("/metrics")))
     assert after_cancel[("agentfold_runs_with_unknown_effects", ())] == 0
     assert after_cancel[("agentfold_runs_live", (("classification", "parked"),))] == 0
+
+
+def test_serve_takes_its_limit_of_calls_in_flight_and_reports_it(tmp_path: Path, servers: list[ApiServer]) -> None:
+    """``serve --dispatch-workers N``: the start line says N, /metrics gives it with the runs
+    waiting for a free call; a value out of range is refused before anything listens."""
+    store = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    server = start_server(store, tmp_path, "--dispatch-workers", "3")
+    servers.append(server)
+    assert server.started["dispatch_workers"] == 3
+    _, samples = parse(ok_text(server.client().get("/metrics")))
+    assert samples[("agentfold_calls_limit", ())] == 3
+    assert samples[("agentfold_runs_waiting_for_calls", ())] == 0
+    default = start_server(f"sqlite:///{tmp_path / 'other.db'}", tmp_path)
+    servers.append(default)
+    assert default.started["dispatch_workers"] == 32
+    for bad in ("0", "4097"):
+        ran = agentfold("serve", "--port", "0", "--dispatch-workers", bad, store=store, env=server_env())
+        assert ran.code == 2 and ran.stdout == "", ran
+        assert "cli.argument_invalid" in ran.stderr and "--dispatch-workers must be from 1 to 4096" in ran.stderr, ran

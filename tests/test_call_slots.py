@@ -1,0 +1,184 @@
+"""The runtime's limit on calls in flight (``Runtime(dispatch_workers=N)``, ``serve
+--dispatch-workers N``) is applied where a dispatch permission is granted.
+
+Before, the permission of every declared Effect was committed at once and its call queued
+behind the N dispatch threads. An audit of many live runs in one process (200 runs, model
+calls of seconds) found what that queue did:
+
+- a run canceled or killed while its call waited in the queue still had the call made
+  after it ended (a card charged after ``result()`` said "canceled"), and the call was
+  recorded unknown "did not return within the cancellation grace period" before it started;
+- a server on SIGTERM started queued calls after the signal, and left the rest unknown
+  (a host had to resolve calls that were never made);
+- runs were served in waves of N, each to its end (a run keeps its thread for its next call);
+- N calls that hang stalled every run of the process for good, canceled or not.
+
+Now an Effect whose call finds no free slot stays declared (no ``EffectDispatched``) and its
+run waits in line; slots go to the runs in line in order of arrival.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.program import Program
+from agentfold.domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import CallLog, chain_program
+
+
+class Calls:
+    """A chain dispatcher that logs every call (tree, index) to a file, and holds the calls
+    of the trees in ``hold`` until ``release`` is set (``entered`` once one is held)."""
+
+    def __init__(self, path: Path, hold: set[str] | None = None, *, ignore_cancel: bool = False) -> None:
+        self.log = CallLog(path)
+        self.hold = hold or set()
+        self.ignore_cancel = ignore_cancel
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        self.log.record(tree=str(request.tree_id), index=request.payload["index"])
+        if str(request.tree_id) in self.hold:
+            self.entered.set()
+            deadline = time.monotonic() + 30
+            while not self.release.is_set() and time.monotonic() < deadline:
+                if context.cancelled.is_set() and not self.ignore_cancel:
+                    raise TimeoutError("canceled")
+                self.release.wait(0.01)
+        return Settlement.succeeded({"value": 1})
+
+    def trees(self) -> list[str]:
+        return [c["tree"] for c in self.log.calls()]
+
+
+def kinds(store: EventStore, tree_id: Any) -> list[str]:
+    return [type(r.event).__name__ for r in store.read(tree_id)]
+
+
+def program_with(calls: Calls, name: str) -> Program:
+    return chain_program(calls, name=name)
+
+
+def test_a_run_canceled_while_its_call_waits_for_a_slot_never_has_it_made(durable_store_url: str, tmp_path: Path) -> None:
+    from agentfold.domain.ids import StartID, TreeID
+
+    holder = str(TreeID.for_start(StartID("slots-holder")))
+    calls = Calls(tmp_path / "calls.jsonl", {holder})
+    program = program_with(calls, "slots.cancel")
+    store = EventStore(durable_store_url)
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
+        a = runtime.start(program, {"n": 1}, start_id="slots-holder")
+        assert calls.entered.wait(30)
+        b = runtime.start(program, {"n": 1}, start_id="slots-waiter")
+        # B's Effect is declared, not permitted: nothing was promised to a dispatcher.
+        assert kinds(store, b.tree_id)[-1] == "EffectDeclared"
+        assert runtime.runs_waiting_for_calls() == 1 and runtime.dispatches_running() == 1
+        runtime.cancel(b.root_process_id)
+        assert b.result(30).status == "canceled"
+        calls.release.set()
+        assert a.result(30).status == "completed"
+        time.sleep(0.3)  # a call B still had queued would have been made by now
+        b_events = kinds(store, b.tree_id)
+    assert calls.trees() == [holder], calls.log.calls()  # B's call was never made
+    assert "EffectDispatched" not in b_events and "EffectSettled" not in b_events, b_events
+    head = store.head(b.tree_id)
+    assert head is not None and not head.unknown_effect_ids  # nothing for a host to resolve
+    store.close()
+
+
+def test_runs_waiting_for_a_slot_take_turns_call_by_call(tmp_path: Path) -> None:
+    from agentfold.domain.ids import StartID, TreeID
+
+    first = str(TreeID.for_start(StartID("turns-a")))
+    calls = Calls(tmp_path / "calls.jsonl", {first})
+    program = program_with(calls, "slots.turns")
+    store = EventStore(f"sqlite:///{tmp_path / 'turns.db'}")
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
+        a = runtime.start(program, {"n": 3}, start_id="turns-a")
+        assert calls.entered.wait(30)
+        b = runtime.start(program, {"n": 3}, start_id="turns-b")
+        c = runtime.start(program, {"n": 3}, start_id="turns-c")
+        calls.hold.clear()
+        calls.release.set()
+        for handle in (a, b, c):
+            assert handle.result(30).status == "completed"
+    names = {str(a.tree_id): "a", str(b.tree_id): "b", str(c.tree_id): "c"}
+    order = "".join(names[t] for t in calls.trees())
+    # One call at a time, each run in its turn; before, run a made all its calls first ("aaabbbccc").
+    assert order == "abcabcabc", order
+    store.close()
+
+
+def test_a_draining_owner_leaves_a_waiting_call_declared_and_the_next_owner_makes_it(
+    durable_store_url: str, tmp_path: Path,
+) -> None:
+    from agentfold.domain.ids import StartID, TreeID
+
+    holder = str(TreeID.for_start(StartID("drain-holder")))
+    calls = Calls(tmp_path / "calls.jsonl", {holder})
+    program = program_with(calls, "slots.drain")
+    store = EventStore(durable_store_url)
+    runtime = Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1)
+    a = runtime.start(program, {"n": 1}, start_id="drain-holder")
+    assert calls.entered.wait(30)
+    b = runtime.start(program, {"n": 2}, start_id="drain-waiter")
+    drained: list[bool] = []
+    draining = threading.Thread(target=lambda: drained.append(runtime.drain(10.0)))
+    draining.start()
+    time.sleep(0.2)
+    calls.release.set()  # A's call returns during the drain: recorded; B gets the slot but may not use it
+    draining.join(30)
+    runtime.close()
+    assert drained == [True]
+    assert calls.trees() == [holder]  # nothing started after the drain began
+    b_events = kinds(store, b.tree_id)
+    assert b_events[-1] == "EffectDeclared" and "EffectDispatched" not in b_events, b_events
+    assert kinds(store, a.tree_id)[-1] == "ProcessTerminated"
+    calls.hold.clear()
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as next_owner:
+        assert len(next_owner.recover(b.tree_id)) == 1
+        result = next_owner.result(b.tree_id, timeout=30)
+    assert result.status == "completed" and result.output == {"total": 2, "effects": 2}
+    head = store.head(b.tree_id)
+    assert head is not None and not head.unknown_effect_ids  # the waiting call was never unknown
+    assert calls.trees().count(str(b.tree_id)) == 2
+    store.close()
+
+
+def test_a_call_abandoned_after_the_grace_gives_its_slot_back(tmp_path: Path) -> None:
+    from agentfold.domain.ids import StartID, TreeID
+
+    hung = str(TreeID.for_start(StartID("hung")))
+    calls = Calls(tmp_path / "calls.jsonl", {hung}, ignore_cancel=True)
+    program = program_with(calls, "slots.hung")
+    store = EventStore(f"sqlite:///{tmp_path / 'hung.db'}")
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1, cancel_grace=0.2) as runtime:
+        a = runtime.start(program, {"n": 1}, start_id="hung")
+        assert calls.entered.wait(30)
+        b = runtime.start(program, {"n": 1}, start_id="behind-the-hung-call")
+        runtime.cancel(a.root_process_id)
+        # The hung dispatcher never returns; after the grace its call is recorded unknown and
+        # its slot goes to B (before, the only dispatch thread stayed stuck and B never ran).
+        assert b.result(30).status == "completed"
+        assert a.result(30).status == "canceled"
+        assert calls.trees() == [hung, str(b.tree_id)]
+        calls.release.set()
+    store.close()
+
+
+def test_the_limit_is_checked() -> None:
+    import pytest
+
+    store = EventStore("memory:")
+    for bad in (0, -1, 5000):
+        with pytest.raises(ValueError, match="dispatch_workers"):
+            Runtime(store, dispatch_workers=bad)
+    store.close()
