@@ -182,3 +182,113 @@ def test_the_limit_is_checked() -> None:
         with pytest.raises(ValueError, match="dispatch_workers"):
             Runtime(store, dispatch_workers=bad)
     store.close()
+
+
+def test_a_released_owner_line_gives_back_the_slot_of_its_hung_call(tmp_path: Path) -> None:
+    """``Runtime.release`` (as a lost lease or a fence) abandons the line's calls: nobody here
+    records them now, so a dispatcher that never returns must not keep a call slot."""
+    from agentfold.domain.ids import StartID, TreeID
+
+    hung = str(TreeID.for_start(StartID("released-hung")))
+    calls = Calls(tmp_path / "calls.jsonl", {hung}, ignore_cancel=True)
+    program = program_with(calls, "slots.released")
+    store = EventStore(f"sqlite:///{tmp_path / 'released.db'}")
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1, cancel_grace=0.2) as runtime:
+        a = runtime.start(program, {"n": 1}, start_id="released-hung")
+        assert calls.entered.wait(30)
+        runtime.release(a.tree_id)
+        b = runtime.start(program, {"n": 1}, start_id="after-the-release")
+        assert b.result(30).status == "completed"  # before: B waited until the hung call returned
+        calls.release.set()
+    store.close()
+
+
+def test_an_activation_that_loses_its_race_while_waiting_for_a_slot_appends_nothing(tmp_path: Path) -> None:
+    """A runtime at its limit adopts a tree (``recover``): the activation's owner line waits in
+    line for a slot. During its append, another writer appends to the tree (the activation
+    conflicts and retries with a new line) and a call returns, handing its slot to the first
+    line. That line is discarded; before, the wake-up that came with the slot still ran it,
+    and it drove the tree beside the new line (same incarnation): a call made twice, or the
+    new line's lease released and a never-made call left unknown."""
+    import agentfold.adapters.runtime as rt
+    from agentfold.domain.events import WriterActivated
+    from agentfold.domain.ids import StartID, TreeID
+
+    holder = str(TreeID.for_start(StartID("race-holder")))
+    calls = Calls(tmp_path / "calls.jsonl", {holder})
+    program = program_with(calls, "slots.race")
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    first = EventStore(url)
+    with Runtime(first, Catalog([program]), poll_interval=0) as starter:
+        starter.stop_dispatching()  # B: its Effect declared, not permitted, nobody owns it
+        b = starter.start(program, {"n": 1}, start_id="race-b")
+    first.close()
+
+    appends: list[tuple[bool, list[str]]] = []  # to B: (by the registered line?, event kinds)
+    original_append = rt._Driver._append
+
+    def traced_append(self: Any, events: list[Any]) -> None:
+        if self.tree_id == b.tree_id:
+            appends.append((self.runtime._drivers.get(self.tree_id) is self, [type(e).__name__ for e in events]))
+        original_append(self, events)
+
+    store, other_store = EventStore(url), EventStore(url)
+    runtime = Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1)
+    other = Runtime(other_store, Catalog([program]), poll_interval=0, adopt_on_admit=False)
+    rt._Driver._append = traced_append  # type: ignore[method-assign]
+    try:
+        runtime.start(program, {"n": 1}, start_id="race-holder")
+        assert calls.entered.wait(30)
+        store_append = store.append
+        raced = threading.Event()
+
+        def racing_append(tree_id: Any, expected: int, events: list[Any], **kw: Any) -> Any:
+            if tree_id == b.tree_id and not raced.is_set() and any(isinstance(e, WriterActivated) for e in events):
+                raced.set()
+                other.pause(b.root_process_id)  # another writer appends: this append will conflict
+                other.resume(b.root_process_id)
+                calls.release.set()  # the holder's call returns: its slot goes to the activating line
+                deadline = time.monotonic() + 10
+                while not runtime._slots._reserved and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert runtime._slots._reserved, "the slot was not handed to the activating line"
+            return store_append(tree_id, expected, events, **kw)
+
+        store.append = racing_append  # type: ignore[method-assign]
+        assert len(runtime.recover(str(b.tree_id))) == 1
+        assert raced.is_set()
+        assert runtime.result(b.tree_id, 30).status == "completed"
+        time.sleep(0.3)  # a discarded line's wake-up would have run by now
+    finally:
+        rt._Driver._append = original_append  # type: ignore[method-assign]
+        runtime.close()
+        other.close()
+    # Only the activation (WriterActivated) comes from a line not yet registered.
+    strays = [kinds for registered, kinds in appends if not registered and "WriterActivated" not in kinds]
+    assert not strays, appends
+    assert calls.trees().count(str(b.tree_id)) == 1
+    head = store.head(b.tree_id)
+    assert head is not None and not head.unknown_effect_ids
+    store.close()
+    other_store.close()
+
+
+def test_a_paused_run_leaves_the_line(tmp_path: Path) -> None:
+    from agentfold.domain.ids import StartID, TreeID
+
+    holder = str(TreeID.for_start(StartID("pause-holder")))
+    calls = Calls(tmp_path / "calls.jsonl", {holder})
+    program = program_with(calls, "slots.pause")
+    store = EventStore(f"sqlite:///{tmp_path / 'pause.db'}")
+    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
+        runtime.start(program, {"n": 1}, start_id="pause-holder")
+        assert calls.entered.wait(30)
+        b = runtime.start(program, {"n": 1}, start_id="pause-b")
+        assert runtime.runs_waiting_for_calls() == 1
+        runtime.pause(b.root_process_id)
+        assert runtime.wait_idle(b.tree_id, 10).root.status == "paused"
+        assert runtime.runs_waiting_for_calls() == 0  # a paused run waits for nobody's call
+        calls.release.set()
+        runtime.resume(b.root_process_id)
+        assert b.result(30).status == "completed"
+    store.close()

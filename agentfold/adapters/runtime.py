@@ -420,10 +420,17 @@ class _Permits:
         it also leaves the line for a slot (else it would be woken to drive a tree it does
         not own)."""
         taken, self.taken = self.taken, 0
-        slots = self.driver.runtime._slots
+        driver = self.driver
+        slots = driver.runtime._slots
         slots.release(taken)
         if discard:
-            slots.give_back_reserved(self.driver, leave=True)
+            # Stopped first: a slot handed to it before now came with a wake-up that is still
+            # queued, and its cycle must append nothing (another line, same incarnation, may
+            # drive the tree by then: it made a call twice, or released that line's lease).
+            with driver.lock:
+                if driver.stopped is None:
+                    driver.stopped = RuntimeStopped("engine.runtime.released", "a start or activation that lost its race")
+            slots.give_back_reserved(driver, leave=True)
 
 
 class _Driver:
@@ -547,8 +554,12 @@ class _Driver:
         try:
             self._cycle_attempts(items)
         finally:
-            # A slot handed to this line that its cycle did not use goes to the next in line.
-            self.runtime._slots.give_back_reserved(self)
+            if not self.waiting_slot:
+                # Nothing waits for a call slot (any more): out of the line (a paused run, say),
+                # and a slot handed to this line that its cycle did not use goes to the next one.
+                # A line still waiting keeps its place, and a slot handed to it meanwhile: its
+                # wake-up is queued, the next cycle uses it.
+                self.runtime._slots.give_back_reserved(self, leave=True)
 
     def _cycle_attempts(self, items: list[Any]) -> None:
         for _attempt in range(64):
@@ -654,6 +665,9 @@ class _Driver:
                 self.runtime._failed[self.tree_id] = self.stopped
             for flight in self.flights.values():
                 flight.context.cancelled.set()
+                # Abandoned: nobody records its outcome now (the next owner decides it), so it
+                # no longer counts against the calls in flight (its thread runs on).
+                self.runtime._slots.release_flight(flight)
             self.idle = True
             self.runtime._slots.give_back_reserved(self, leave=True)
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
