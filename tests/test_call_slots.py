@@ -19,15 +19,18 @@ run waits in line; slots go to the runs in line in order of arrival.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.runtime import RunHandle, Runtime
+from agentfold.domain.ids import StartID, TreeID
 from agentfold.domain.program import Program
 from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import CallLog, chain_program
@@ -67,16 +70,29 @@ def program_with(calls: Calls, name: str) -> Program:
     return chain_program(calls, name=name)
 
 
-def test_a_run_canceled_while_its_call_waits_for_a_slot_never_has_it_made(durable_store_url: str, tmp_path: Path) -> None:
-    from agentfold.domain.ids import StartID, TreeID
-
-    holder = str(TreeID.for_start(StartID("slots-holder")))
-    calls = Calls(tmp_path / "calls.jsonl", {holder})
-    program = program_with(calls, "slots.cancel")
-    store = EventStore(durable_store_url)
-    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
-        a = runtime.start(program, {"n": 1}, start_id="slots-holder")
+@contextlib.contextmanager
+def one_slot_held(
+    tmp_path: Path, name: str, *, url: str | None = None, n: int = 1, ignore_cancel: bool = False, **kwargs: Any,
+) -> Iterator[tuple[Calls, Program, EventStore, Runtime, RunHandle]]:
+    """A runtime with one call slot, held by the run ``<name>-holder`` (a chain of ``n``
+    calls) until ``calls.release`` is set."""
+    holder_start = f"{name}-holder"
+    calls = Calls(tmp_path / "calls.jsonl", {str(TreeID.for_start(StartID(holder_start)))}, ignore_cancel=ignore_cancel)
+    program = program_with(calls, f"slots.{name}")
+    store = EventStore(url or f"sqlite:///{tmp_path / (name + '.db')}")
+    runtime = Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1, **kwargs)
+    try:
+        holder = runtime.start(program, {"n": n}, start_id=holder_start)
         assert calls.entered.wait(30)
+        yield calls, program, store, runtime, holder
+    finally:
+        calls.release.set()
+        runtime.close()
+        store.close()
+
+
+def test_a_run_canceled_while_its_call_waits_for_a_slot_never_has_it_made(durable_store_url: str, tmp_path: Path) -> None:
+    with one_slot_held(tmp_path, "cancel", url=durable_store_url) as (calls, program, store, runtime, a):
         b = runtime.start(program, {"n": 1}, start_id="slots-waiter")
         # B's Effect is declared, not permitted: nothing was promised to a dispatcher.
         assert kinds(store, b.tree_id)[-1] == "EffectDeclared"
@@ -87,40 +103,29 @@ def test_a_run_canceled_while_its_call_waits_for_a_slot_never_has_it_made(durabl
         assert a.result(30).status == "completed"
         time.sleep(0.3)  # a call B still had queued would have been made by now
         b_events = kinds(store, b.tree_id)
-    assert calls.trees() == [holder], calls.log.calls()  # B's call was never made
-    assert "EffectDispatched" not in b_events and "EffectSettled" not in b_events, b_events
-    head = store.head(b.tree_id)
-    assert head is not None and not head.unknown_effect_ids  # nothing for a host to resolve
-    store.close()
+        assert calls.trees() == [str(a.tree_id)], calls.log.calls()  # B's call was never made
+        assert "EffectDispatched" not in b_events and "EffectSettled" not in b_events, b_events
+        head = store.head(b.tree_id)
+        assert head is not None and not head.unknown_effect_ids  # nothing for a host to resolve
 
 
 def test_runs_waiting_for_a_slot_take_turns_call_by_call(tmp_path: Path) -> None:
-    from agentfold.domain.ids import StartID, TreeID
-
-    first = str(TreeID.for_start(StartID("turns-a")))
-    calls = Calls(tmp_path / "calls.jsonl", {first})
-    program = program_with(calls, "slots.turns")
-    store = EventStore(f"sqlite:///{tmp_path / 'turns.db'}")
-    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
-        a = runtime.start(program, {"n": 3}, start_id="turns-a")
-        assert calls.entered.wait(30)
+    with one_slot_held(tmp_path, "turns", n=3) as (calls, program, _store, runtime, a):
         b = runtime.start(program, {"n": 3}, start_id="turns-b")
         c = runtime.start(program, {"n": 3}, start_id="turns-c")
         calls.hold.clear()
         calls.release.set()
         for handle in (a, b, c):
             assert handle.result(30).status == "completed"
-    names = {str(a.tree_id): "a", str(b.tree_id): "b", str(c.tree_id): "c"}
-    order = "".join(names[t] for t in calls.trees())
+        names = {str(a.tree_id): "a", str(b.tree_id): "b", str(c.tree_id): "c"}
+        order = "".join(names[t] for t in calls.trees())
     # One call at a time, each run in its turn; before, run a made all its calls first ("aaabbbccc").
     assert order == "abcabcabc", order
-    store.close()
 
 
 def test_a_draining_owner_leaves_a_waiting_call_declared_and_the_next_owner_makes_it(
     durable_store_url: str, tmp_path: Path,
 ) -> None:
-    from agentfold.domain.ids import StartID, TreeID
 
     holder = str(TreeID.for_start(StartID("drain-holder")))
     calls = Calls(tmp_path / "calls.jsonl", {holder})
@@ -154,24 +159,14 @@ def test_a_draining_owner_leaves_a_waiting_call_declared_and_the_next_owner_make
 
 
 def test_a_call_abandoned_after_the_grace_gives_its_slot_back(tmp_path: Path) -> None:
-    from agentfold.domain.ids import StartID, TreeID
-
-    hung = str(TreeID.for_start(StartID("hung")))
-    calls = Calls(tmp_path / "calls.jsonl", {hung}, ignore_cancel=True)
-    program = program_with(calls, "slots.hung")
-    store = EventStore(f"sqlite:///{tmp_path / 'hung.db'}")
-    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1, cancel_grace=0.2) as runtime:
-        a = runtime.start(program, {"n": 1}, start_id="hung")
-        assert calls.entered.wait(30)
+    with one_slot_held(tmp_path, "hung", ignore_cancel=True, cancel_grace=0.2) as (calls, program, _store, runtime, a):
         b = runtime.start(program, {"n": 1}, start_id="behind-the-hung-call")
         runtime.cancel(a.root_process_id)
         # The hung dispatcher never returns; after the grace its call is recorded unknown and
         # its slot goes to B (before, the only dispatch thread stayed stuck and B never ran).
         assert b.result(30).status == "completed"
         assert a.result(30).status == "canceled"
-        assert calls.trees() == [hung, str(b.tree_id)]
-        calls.release.set()
-    store.close()
+        assert calls.trees() == [str(a.tree_id), str(b.tree_id)]
 
 
 def test_the_limit_is_checked() -> None:
@@ -187,20 +182,10 @@ def test_the_limit_is_checked() -> None:
 def test_a_released_owner_line_gives_back_the_slot_of_its_hung_call(tmp_path: Path) -> None:
     """``Runtime.release`` (as a lost lease or a fence) abandons the line's calls: nobody here
     records them now, so a dispatcher that never returns must not keep a call slot."""
-    from agentfold.domain.ids import StartID, TreeID
-
-    hung = str(TreeID.for_start(StartID("released-hung")))
-    calls = Calls(tmp_path / "calls.jsonl", {hung}, ignore_cancel=True)
-    program = program_with(calls, "slots.released")
-    store = EventStore(f"sqlite:///{tmp_path / 'released.db'}")
-    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1, cancel_grace=0.2) as runtime:
-        a = runtime.start(program, {"n": 1}, start_id="released-hung")
-        assert calls.entered.wait(30)
+    with one_slot_held(tmp_path, "released", ignore_cancel=True, cancel_grace=0.2) as (_calls, program, _s, runtime, a):
         runtime.release(a.tree_id)
         b = runtime.start(program, {"n": 1}, start_id="after-the-release")
         assert b.result(30).status == "completed"  # before: B waited until the hung call returned
-        calls.release.set()
-    store.close()
 
 
 def test_an_activation_that_loses_its_race_while_waiting_for_a_slot_appends_nothing(tmp_path: Path) -> None:
@@ -212,7 +197,6 @@ def test_an_activation_that_loses_its_race_while_waiting_for_a_slot_appends_noth
     new line's lease released and a never-made call left unknown."""
     import agentfold.adapters.runtime as rt
     from agentfold.domain.events import WriterActivated
-    from agentfold.domain.ids import StartID, TreeID
 
     holder = str(TreeID.for_start(StartID("race-holder")))
     calls = Calls(tmp_path / "calls.jsonl", {holder})
@@ -254,7 +238,7 @@ def test_an_activation_that_loses_its_race_while_waiting_for_a_slot_appends_noth
                 assert runtime._slots._reserved, "the slot was not handed to the activating line"
             return store_append(tree_id, expected, events, **kw)
 
-        store.append = racing_append  # type: ignore[method-assign]
+        store.append = racing_append  # type: ignore[method-assign,assignment]
         assert len(runtime.recover(str(b.tree_id))) == 1
         assert raced.is_set()
         assert runtime.result(b.tree_id, 30).status == "completed"
@@ -274,15 +258,7 @@ def test_an_activation_that_loses_its_race_while_waiting_for_a_slot_appends_noth
 
 
 def test_a_paused_run_leaves_the_line(tmp_path: Path) -> None:
-    from agentfold.domain.ids import StartID, TreeID
-
-    holder = str(TreeID.for_start(StartID("pause-holder")))
-    calls = Calls(tmp_path / "calls.jsonl", {holder})
-    program = program_with(calls, "slots.pause")
-    store = EventStore(f"sqlite:///{tmp_path / 'pause.db'}")
-    with Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=1) as runtime:
-        runtime.start(program, {"n": 1}, start_id="pause-holder")
-        assert calls.entered.wait(30)
+    with one_slot_held(tmp_path, "pause") as (calls, program, _store, runtime, _holder):
         b = runtime.start(program, {"n": 1}, start_id="pause-b")
         assert runtime.runs_waiting_for_calls() == 1
         runtime.pause(b.root_process_id)
@@ -291,4 +267,3 @@ def test_a_paused_run_leaves_the_line(tmp_path: Path) -> None:
         calls.release.set()
         runtime.resume(b.root_process_id)
         assert b.result(30).status == "completed"
-    store.close()
