@@ -28,6 +28,7 @@ command that stops while the server does not answer (``agentfold.adapters.follow
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -76,16 +77,10 @@ from agentfold.adapters.recorders import (
     IndexQueries,
     MemorySnapshotRecorder,
     MemoryTreeRecorder,
-    PostgresSnapshotRecorder,
-    PostgresTreeRecorder,
     SQLiteSnapshotRecorder,
     SQLiteTreeRecorder,
     TreeHead,
     cache_statements,
-    fail_fast_without_connection,
-    postgres_schema_lock,
-    prefer_recent_connections,
-    reconnect_steadily,
 )
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from agentfold.domain.events import TreeEvent
@@ -580,6 +575,14 @@ class EventStore:
                     self.recorder = SQLiteTreeRecorder(self.factory.datastore)
                     self.snapshots = SQLiteSnapshotRecorder(self.factory.datastore)
                 else:
+                    from agentfold.adapters.recorders_postgres import (  # psycopg: PostgreSQL stores only
+                        PostgresSnapshotRecorder,
+                        PostgresTreeRecorder,
+                        fail_fast_without_connection,
+                        prefer_recent_connections,
+                        reconnect_steadily,
+                    )
+
                     prefer_recent_connections(self.factory.datastore)
                     fail_fast_without_connection(self.factory.datastore, pool_wait)
                     reconnect_steadily(self.factory.datastore)
@@ -656,6 +659,8 @@ class EventStore:
         """Serializes table creation with other processes opening the same database
         (PostgreSQL; SQLite's DDL runs under its own write lock)."""
         if self.backend == "postgresql":
+            from agentfold.adapters.recorders_postgres import postgres_schema_lock
+
             return postgres_schema_lock(self.factory.datastore)
         return contextlib.nullcontext()
 
@@ -838,7 +843,7 @@ class EventStore:
         that ``interrupt`` can end the ones in use: psycopg_pool keeps no list of them. The
         pool opens them as ``InterruptibleConnection``, which ``end_session`` can end. Must
         run before the pool is opened."""
-        pool.connection_class = InterruptibleConnection
+        pool.connection_class = interruptible_connection()
         configure = pool._configure
 
         def track(conn: Any) -> None:
@@ -858,7 +863,7 @@ class EventStore:
         self._check_open()
         if self._interrupted:
             raise StoreFailure("store.unavailable", f"store {redact(self.url)} was interrupted: the command is stopping")
-        conn = InterruptibleConnection.connect(**pg_conninfo(self._settings), autocommit=True)
+        conn = interruptible_connection().connect(**pg_conninfo(self._settings), autocommit=True)
         try:
             set_server_tcp(conn, self._tcp_timeout, user_timeout=not listen)
         except BaseException:
@@ -1445,7 +1450,10 @@ class _SessionSocket:
             os.close(fd)
 
 
-def _interruptible_connection_class() -> Any:
+@functools.cache
+def interruptible_connection() -> Any:
+    """The ``InterruptibleConnection`` class (made on first use: a process on an SQLite store
+    never imports psycopg)."""
     import psycopg
 
     class InterruptibleConnection(psycopg.Connection[Any]):
@@ -1486,8 +1494,6 @@ def _interruptible_connection_class() -> Any:
     return InterruptibleConnection
 
 
-InterruptibleConnection: Any = _interruptible_connection_class()
-
 
 def end_session(conn: Any) -> None:
     """Shut down the network connection of an ``InterruptibleConnection``, from any thread:
@@ -1502,7 +1508,7 @@ def end_session(conn: Any) -> None:
     held = getattr(conn, "_agentfold_socket", None)
     if held is None:
         raise TypeError(f"{type(conn).__name__} cannot be ended from another thread: open it as an "
-                        "agentfold.adapters.eventstore.InterruptibleConnection")
+                        "agentfold.adapters.eventstore.interruptible_connection()")
     held.shutdown()
 
 

@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from eventsourcing.persistence import IntegrityError, InterfaceError, Notification, OperationalError
 
 from agentfold.adapters.catalog import Catalog
@@ -369,9 +368,17 @@ class FollowReport:
 
 #: Failures of a connection, not of what was asked: a later attempt may not meet them.
 _CONNECTION_FAILURES: tuple[type[BaseException], ...] = (
-    OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError,
-    ConnectionError, TimeoutError, sqlite3.OperationalError,
+    OperationalError, InterfaceError, ConnectionError, TimeoutError, sqlite3.OperationalError,
 )
+
+
+def _connection_failure(exc: BaseException) -> bool:
+    """One of ``_CONNECTION_FAILURES``, or psycopg's (only loaded on a PostgreSQL store: a
+    command on an SQLite store does not import it)."""
+    if isinstance(exc, _CONNECTION_FAILURES):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
 def store_failed(exc: BaseException) -> bool:
@@ -389,7 +396,7 @@ def store_failed(exc: BaseException) -> bool:
         seen.add(id(cause))
         if isinstance(cause, CorruptStream):
             return False
-        if isinstance(cause, _CONNECTION_FAILURES):
+        if _connection_failure(cause):
             return True
         if isinstance(cause, StoreFailure) and cause.code == "store.unavailable":
             return True

@@ -30,7 +30,6 @@ from typing import Any
 
 import orjson
 from eventsourcing.persistence import IntegrityError
-from eventsourcing.postgres import PostgresTrackingRecorder
 from eventsourcing.sqlite import SQLiteTrackingRecorder
 
 from agentfold.adapters.eventstore import EventStore
@@ -170,6 +169,8 @@ def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     if store.backend == "sqlite":
         recorder: Any = _SQLiteTracking(datastore)
     else:
+        from eventsourcing.postgres import PostgresTrackingRecorder  # psycopg: PostgreSQL stores only
+
         recorder = PostgresTrackingRecorder(datastore, tracking_table_name=TRACKING_TABLE)
     if create:
         with store.schema_lock():  # eventsourcing decides on its migration row before its transaction

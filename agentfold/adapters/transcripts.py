@@ -50,9 +50,9 @@ from agentfold.adapters.eventstore import (
     PG_CONNECT_TIMEOUT,
     CorruptStream,
     EventStore,
-    InterruptibleConnection,
     create_private,
     end_session,
+    interruptible_connection,
     lower_scheme,
     pg_tcp_params,
     pg_tcp_timeout,
@@ -291,7 +291,7 @@ class TranscriptStore:
         params = {k: v for k, v in params.items() if k not in given}
         try:
             # Interruptible: ``interrupt`` ends its statement from another thread (end_session).
-            conn = InterruptibleConnection.connect(self.url, autocommit=True, row_factory=dict_row, **params)
+            conn = interruptible_connection().connect(self.url, autocommit=True, row_factory=dict_row, **params)
         except psycopg.Error as exc:
             raise _unavailable(self.url, exc) from exc
         try:

@@ -34,7 +34,8 @@ import pytest
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.http_api import HEALTH_PROBE_SECONDS
 from agentfold.adapters.leases import PROBE_STALL_SECONDS
-from agentfold.adapters.recorders import EVENTS_TABLE, PG_RECONNECT_EVERY
+from agentfold.adapters.recorders import EVENTS_TABLE
+from agentfold.adapters.recorders_postgres import PG_RECONNECT_EVERY
 from tests.http_api.support import TOKEN, ok, problem, send_at_once, start_server, wait_until
 from tests.http_api.test_serve_failures import blocked_in_the_tool
 from tests.test_cli import agentfold, refused
