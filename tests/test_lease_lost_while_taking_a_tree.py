@@ -145,6 +145,9 @@ def test_a_never_effect_permitted_by_a_start_whose_lease_was_lost_is_never_calle
         store.append = _end_lease_session(runtime, pg_database, lambda: target, store.append, after=True)  # type: ignore[method-assign]
         handle = runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-at-start-never")
         _wait(lambda: _activations(store, target) == 1, 30, "the tree to be adopted again")
+        # The activation is stored before its owner line is registered; until then wait_idle
+        # reports the line that lost its lease (a CI run under load met that window).
+        _wait(lambda: target in runtime._drivers, 30, "the new owner line")
         tree = runtime.wait_idle(target, timeout=30)
         unknown = [e for p in tree.processes.values() for e in p.unknown_effects()]
         assert len(unknown) == 1 and unknown[0].diagnostic is not None, unknown
