@@ -267,3 +267,37 @@ def test_a_paused_run_leaves_the_line(tmp_path: Path) -> None:
         calls.release.set()
         runtime.resume(b.root_process_id)
         assert b.result(30).status == "completed"
+
+
+def test_past_the_spare_threads_an_abandoned_call_keeps_its_slot(tmp_path: Path, monkeypatch: Any) -> None:
+    """An abandoned call gives its slot back while its dispatcher runs on, on one of the pool's
+    spare threads (256). Once they are all taken by hung calls, another abandoned call keeps
+    its slot until its dispatcher returns: a permission granted then would find no thread,
+    and its call waited in the pool's queue (canceled meanwhile: recorded unknown although
+    never started, then made after its run ended). Here with 1 spare thread."""
+    import agentfold.adapters.runtime as rt
+
+    monkeypatch.setattr(rt, "SPARE_DISPATCH_THREADS", 1)
+    with one_slot_held(tmp_path, "spare", ignore_cancel=True, cancel_grace=0.2) as (calls, program, store, runtime, a):
+        calls.hold.update({str(TreeID.for_start(StartID("spare-second")))})
+        runtime.cancel(a.root_process_id)  # abandoned after the grace: its slot goes back (1 spare thread used)
+        assert a.result(30).status == "canceled"
+        b = runtime.start(program, {"n": 1}, start_id="spare-second")
+        deadline = time.monotonic() + 30
+        while calls.trees().count(str(b.tree_id)) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        runtime.cancel(b.root_process_id)  # abandoned too, but no spare thread is left: it keeps its slot
+        assert b.result(30).status == "canceled"
+        c = runtime.start(program, {"n": 1}, start_id="spare-third")
+        time.sleep(0.3)
+        assert "EffectDispatched" not in kinds(store, c.tree_id)  # waits in line, nothing promised
+        runtime.cancel(c.root_process_id)
+        assert c.result(30).status == "canceled"
+        calls.release.set()  # the hung dispatchers return
+        d = runtime.start(program, {"n": 1}, start_id="spare-fourth")
+        assert d.result(30).status == "completed"
+        time.sleep(0.3)
+        assert str(c.tree_id) not in calls.trees()  # C's call was never made
+        head = store.head(c.tree_id)
+        assert head is not None and not head.unknown_effect_ids

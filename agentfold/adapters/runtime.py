@@ -265,6 +265,8 @@ class _Flight:
     # Whether this call still counts against the runtime's calls in flight (``_CallSlots``):
     # until the dispatcher returns, or the call is abandoned.
     holds_slot: bool = True
+    # Abandoned with its slot given back while its dispatcher still runs (it holds a spare thread).
+    abandoned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,11 +306,16 @@ class _CallSlots:
     ends it without a call, and the next owner dispatches it (never unknown).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, spare: int = 0) -> None:
         if limit < 1:
             raise ValueError("dispatch_workers must be at least 1")
         self.limit = limit
         self.in_use = 0
+        # Abandoned calls whose dispatcher still runs, each on one of the pool's ``spare``
+        # threads: a slot is given back for at most that many, so that every permitted call
+        # finds a thread (``limit + spare`` of them) and starts at once.
+        self.spare = spare
+        self.abandoned = 0
         self._lock = threading.Lock()
         self._waiting: collections.OrderedDict[_Driver, None] = collections.OrderedDict()
         self._reserved: dict[_Driver, int] = {}
@@ -346,10 +353,30 @@ class _CallSlots:
         _wake(woken)
 
     def release_flight(self, flight: _Flight) -> None:
+        """The call's dispatcher returned (or it was never called)."""
         with self._lock:
+            if flight.abandoned:  # its slot went back already; its thread is free now
+                flight.abandoned = False
+                self.abandoned -= 1
+                return
             if not flight.holds_slot:
                 return
             flight.holds_slot = False
+            self.in_use -= 1
+            woken = self._hand_out()
+        _wake(woken)
+
+    def abandon_flight(self, flight: _Flight) -> None:
+        """Nobody here records the call's outcome any more (cancellation grace over, owner line
+        stopped): its slot goes back while its dispatcher runs on, unless ``spare`` abandoned
+        calls already run (their threads would leave a new call without one: it keeps its
+        slot until its dispatcher returns)."""
+        with self._lock:
+            if not flight.holds_slot or self.abandoned >= self.spare:
+                return
+            flight.holds_slot = False
+            flight.abandoned = True
+            self.abandoned += 1
             self.in_use -= 1
             woken = self._hand_out()
         _wake(woken)
@@ -667,7 +694,7 @@ class _Driver:
                 flight.context.cancelled.set()
                 # Abandoned: nobody records its outcome now (the next owner decides it), so it
                 # no longer counts against the calls in flight (its thread runs on).
-                self.runtime._slots.release_flight(flight)
+                self.runtime._slots.abandon_flight(flight)
             self.idle = True
             self.runtime._slots.give_back_reserved(self, leave=True)
             # Give up the tree (and its lease) before anyone hears of the stop: a caller
@@ -893,7 +920,7 @@ class _Driver:
     def _abandon(self, flight: _Flight) -> None:
         """A dispatcher ignored cancellation past the grace period: its outcome is unknown.
         Its slot goes back (its thread stays with it until the dispatcher returns)."""
-        self.runtime._slots.release_flight(flight)
+        self.runtime._slots.abandon_flight(flight)
         if flight.effect_id in self.flights:
             self.submit(
                 _Done(
@@ -997,7 +1024,7 @@ class Runtime:
         if not 1 <= dispatch_workers <= MAX_DISPATCH_WORKERS:
             raise ValueError(f"dispatch_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {dispatch_workers}")
         self.dispatch_workers = dispatch_workers
-        self._slots = _CallSlots(dispatch_workers)
+        self._slots = _CallSlots(dispatch_workers, SPARE_DISPATCH_THREADS)
         # Room for every call the slots admit plus the abandoned ones still stuck in a dispatcher:
         # a permitted call never waits for a thread.
         self._dispatch_pool = ThreadPoolExecutor(
@@ -1036,6 +1063,7 @@ class Runtime:
         self._closed = False
         self._draining = False  # see drain(): no dispatch permission is granted any more
         self._watcher: threading.Thread | None = None
+        self._lease_watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
         # The orphan scan's memory: parked trees found with nothing to drive, and trees that
         # could not be adopted, each at the stored version it was seen at (looked at again
@@ -1741,7 +1769,23 @@ class Runtime:
         if self._watcher is not None or self.poll_interval <= 0:
             return
         self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
+        self._lease_watcher = threading.Thread(target=self._watch_leases, name="agentfold-leases", daemon=True)
         self._watcher.start()
+        self._lease_watcher.start()
+
+    def _watch_leases(self) -> None:
+        """Probe the owner-lease session every poll, on a thread of its own.
+
+        It shared the watcher's loop, whose store queries (the owned trees' versions, the orphan
+        scan) can wait for a server that stopped answering: the session went unprobed meanwhile,
+        so a lost session stopped its owner lines late and GET /health kept reporting the store
+        rather than the lease session (``LeaseManager.healthy``: a probe waiting over 5 s)."""
+        quiet_stop_signals()
+        while not self._watch_stop.wait(self.poll_interval):
+            try:
+                self._check_leases()
+            except Exception:  # noqa: BLE001 - the probe must survive transient store errors
+                continue
 
     def _watch(self) -> None:
         """Notice appends other writers made to trees this runtime owns (input admitted elsewhere).
@@ -1752,7 +1796,6 @@ class Runtime:
         quiet_stop_signals()
         while not self._watch_stop.wait(self.poll_interval):
             try:
-                self._check_leases()
                 self._adopt_lost()
                 if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
                     self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
@@ -1784,6 +1827,14 @@ class Runtime:
         Also without an owner line: a lease lost while its tree was being activated (the
         activation then finds its lease gone and stops), or held by no line at all (adopting
         again looks at the tree first: a finished or parked tree is left alone)."""
+        if driver is None:
+            with self._lock:
+                failed = self._failed.get(tree_id)
+            if isinstance(failed, Fenced) and failed.code == "engine.tree.incarnation_conflict":
+                # Its owner line was fenced already: another runtime activated the tree (it learnt
+                # so from the store before this session's probe failed). Nothing to adopt again.
+                log.info("tree %s: not adopted again after its lease was lost: another runtime took it over", tree_id)
+                return
         if driver is not None:
             driver._stop(
                 Fenced(
@@ -2076,6 +2127,11 @@ class Runtime:
             # closes the store right after us would pull the connection from under it
             # (SQLite: a segfault).
             watcher.join(timeout)
+        lease_watcher = self._lease_watcher
+        if lease_watcher is not None and lease_watcher is not threading.current_thread():
+            # It may be stopping an owner line (a lost lease); a probe waiting for a server that
+            # does not answer ends when the lease session is closed below.
+            lease_watcher.join(min(timeout, 1.0))
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: self._busy == 0, timeout):
                 raise RuntimeStopped(
