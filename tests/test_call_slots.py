@@ -52,7 +52,8 @@ class Calls:
         if str(request.tree_id) in self.hold:
             self.entered.set()
             deadline = time.monotonic() + 30
-            while not self.release.is_set() and time.monotonic() < deadline:
+            # held until ``release`` is set or its tree leaves ``hold``
+            while str(request.tree_id) in self.hold and not self.release.is_set() and time.monotonic() < deadline:
                 if context.cancelled.is_set() and not self.ignore_cancel:
                     raise TimeoutError("canceled")
                 self.release.wait(0.01)
@@ -301,3 +302,32 @@ def test_past_the_spare_threads_an_abandoned_call_keeps_its_slot(tmp_path: Path,
         assert str(c.tree_id) not in calls.trees()  # C's call was never made
         head = store.head(c.tree_id)
         assert head is not None and not head.unknown_effect_ids
+
+
+def test_an_abandoned_call_that_kept_its_slot_gives_it_back_when_a_spare_thread_frees(
+    tmp_path: Path, monkeypatch: Any,
+) -> None:
+    """With the spare threads taken, an abandoned call keeps its slot; when one of the hung
+    calls on a spare thread returns, the call that kept its slot takes that spare and its
+    slot goes back (before, the runtime granted nothing while it hung, a thread idle)."""
+    import agentfold.adapters.runtime as rt
+
+    monkeypatch.setattr(rt, "SPARE_DISPATCH_THREADS", 1)
+    with one_slot_held(tmp_path, "kept", ignore_cancel=True, cancel_grace=0.2) as (calls, program, store, runtime, a):
+        second = str(TreeID.for_start(StartID("kept-second")))
+        calls.hold.add(second)
+        runtime.cancel(a.root_process_id)  # abandoned: its slot goes back (the one spare thread)
+        assert a.result(30).status == "canceled"
+        b = runtime.start(program, {"n": 1}, start_id="kept-second")
+        deadline = time.monotonic() + 30
+        while second not in calls.trees():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        runtime.cancel(b.root_process_id)  # abandoned too: no spare left, it keeps its slot
+        assert b.result(30).status == "canceled"
+        c = runtime.start(program, {"n": 1}, start_id="kept-third")
+        time.sleep(0.3)
+        assert "EffectDispatched" not in kinds(store, c.tree_id)
+        calls.hold.discard(str(a.tree_id))  # A's hung dispatcher returns; B's still hangs (30 s)
+        assert c.result(10).status == "completed"
+        assert calls.trees().count(str(c.tree_id)) == 1

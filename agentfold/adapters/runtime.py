@@ -288,6 +288,8 @@ MAX_DISPATCH_WORKERS = 4096
 #: cancellation grace gives its slot back but keeps its thread until its dispatcher returns,
 #: so the pool has room for that many stuck calls before new calls would queue behind them.
 SPARE_DISPATCH_THREADS = 256
+#: The dispatch pool's own bound, far above what the slots let run (see ``Runtime.__init__``).
+POOL_THREADS_BACKSTOP = 1 << 16
 
 
 class _CallSlots:
@@ -311,11 +313,13 @@ class _CallSlots:
             raise ValueError("dispatch_workers must be at least 1")
         self.limit = limit
         self.in_use = 0
-        # Abandoned calls whose dispatcher still runs, each on one of the pool's ``spare``
-        # threads: a slot is given back for at most that many, so that every permitted call
-        # finds a thread (``limit + spare`` of them) and starts at once.
+        # Abandoned calls whose dispatcher still runs: a slot is given back for at most ``spare``
+        # of them, so that calls that never return cannot grow the threads without bound.
         self.spare = spare
         self.abandoned = 0
+        # Abandoned calls that kept their slot (no spare was left), oldest first: each takes
+        # the place of an abandoned call whose dispatcher returns.
+        self._kept: dict[int, _Flight] = {}
         self._lock = threading.Lock()
         self._waiting: collections.OrderedDict[_Driver, None] = collections.OrderedDict()
         self._reserved: dict[_Driver, int] = {}
@@ -355,31 +359,41 @@ class _CallSlots:
     def release_flight(self, flight: _Flight) -> None:
         """The call's dispatcher returned (or it was never called)."""
         with self._lock:
-            if flight.abandoned:  # its slot went back already; its thread is free now
+            if flight.abandoned:  # its slot went back already; its spare thread is free now
                 flight.abandoned = False
                 self.abandoned -= 1
+                while self._kept and self.abandoned < self.spare:
+                    kept = self._kept.pop(next(iter(self._kept)))
+                    self._give_back_abandoned(kept)
+            elif flight.holds_slot:
+                self._kept.pop(id(flight), None)
+                flight.holds_slot = False
+                self.in_use -= 1
+            else:
                 return
-            if not flight.holds_slot:
-                return
-            flight.holds_slot = False
-            self.in_use -= 1
             woken = self._hand_out()
         _wake(woken)
 
     def abandon_flight(self, flight: _Flight) -> None:
         """Nobody here records the call's outcome any more (cancellation grace over, owner line
         stopped): its slot goes back while its dispatcher runs on, unless ``spare`` abandoned
-        calls already run (their threads would leave a new call without one: it keeps its
-        slot until its dispatcher returns)."""
+        calls already run: then it keeps its slot (so that hung calls cannot grow the threads
+        without bound) until its dispatcher returns or one of those does."""
         with self._lock:
-            if not flight.holds_slot or self.abandoned >= self.spare:
+            if not flight.holds_slot or id(flight) in self._kept:
                 return
-            flight.holds_slot = False
-            flight.abandoned = True
-            self.abandoned += 1
-            self.in_use -= 1
+            if self.abandoned >= self.spare:
+                self._kept[id(flight)] = flight
+                return
+            self._give_back_abandoned(flight)
             woken = self._hand_out()
         _wake(woken)
+
+    def _give_back_abandoned(self, flight: _Flight) -> None:
+        flight.holds_slot = False
+        flight.abandoned = True
+        self.abandoned += 1
+        self.in_use -= 1
 
     def give_back_reserved(self, driver: _Driver, *, leave: bool = False) -> None:
         """Slots handed to ``driver`` that its cycle did not use go to the next in line;
@@ -1025,11 +1039,12 @@ class Runtime:
             raise ValueError(f"dispatch_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {dispatch_workers}")
         self.dispatch_workers = dispatch_workers
         self._slots = _CallSlots(dispatch_workers, SPARE_DISPATCH_THREADS)
-        # Room for every call the slots admit plus the abandoned ones still stuck in a dispatcher:
-        # a permitted call never waits for a thread.
+        # The slots bound the threads (calls in flight, up to SPARE_DISPATCH_THREADS abandoned ones,
+        # the few re-dispatches counted beyond the limit, threads finishing an owner cycle after
+        # their call); the pool itself must never queue a permitted call behind busy threads, so
+        # its own bound is only a backstop (it starts a thread only when none is idle).
         self._dispatch_pool = ThreadPoolExecutor(
-            dispatch_workers + SPARE_DISPATCH_THREADS, thread_name_prefix="agentfold-dispatch",
-            initializer=quiet_stop_signals,
+            POOL_THREADS_BACKSTOP, thread_name_prefix="agentfold-dispatch", initializer=quiet_stop_signals,
         )
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
@@ -1063,7 +1078,6 @@ class Runtime:
         self._closed = False
         self._draining = False  # see drain(): no dispatch permission is granted any more
         self._watcher: threading.Thread | None = None
-        self._lease_watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
         # The orphan scan's memory: parked trees found with nothing to drive, and trees that
         # could not be adopted, each at the stored version it was seen at (looked at again
@@ -1769,23 +1783,7 @@ class Runtime:
         if self._watcher is not None or self.poll_interval <= 0:
             return
         self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
-        self._lease_watcher = threading.Thread(target=self._watch_leases, name="agentfold-leases", daemon=True)
         self._watcher.start()
-        self._lease_watcher.start()
-
-    def _watch_leases(self) -> None:
-        """Probe the owner-lease session every poll, on a thread of its own.
-
-        It shared the watcher's loop, whose store queries (the owned trees' versions, the orphan
-        scan) can wait for a server that stopped answering: the session went unprobed meanwhile,
-        so a lost session stopped its owner lines late and GET /health kept reporting the store
-        rather than the lease session (``LeaseManager.healthy``: a probe waiting over 5 s)."""
-        quiet_stop_signals()
-        while not self._watch_stop.wait(self.poll_interval):
-            try:
-                self._check_leases()
-            except Exception:  # noqa: BLE001 - the probe must survive transient store errors
-                continue
 
     def _watch(self) -> None:
         """Notice appends other writers made to trees this runtime owns (input admitted elsewhere).
@@ -1796,6 +1794,7 @@ class Runtime:
         quiet_stop_signals()
         while not self._watch_stop.wait(self.poll_interval):
             try:
+                self._check_leases()
                 self._adopt_lost()
                 if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
                     self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
@@ -2127,11 +2126,6 @@ class Runtime:
             # closes the store right after us would pull the connection from under it
             # (SQLite: a segfault).
             watcher.join(timeout)
-        lease_watcher = self._lease_watcher
-        if lease_watcher is not None and lease_watcher is not threading.current_thread():
-            # It may be stopping an owner line (a lost lease); a probe waiting for a server that
-            # does not answer ends when the lease session is closed below.
-            lease_watcher.join(min(timeout, 1.0))
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: self._busy == 0, timeout):
                 raise RuntimeStopped(

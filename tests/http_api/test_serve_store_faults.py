@@ -265,7 +265,7 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
     """A server that accepts connections and answers nothing (every PostgreSQL process
     stopped): ``GET /health`` hung for as long as it lasted, because the lease session's probe
     held the lock that the health check waited for. Now: 503 within its bound, first because
-    the store does not answer, then because the owner-lease session does not."""
+    the store does not answer, then (usually) because the owner-lease session does not."""
     fifo = tmp_path / "pay.fifo"
     os.mkfifo(fifo)
     server = start_server(own_pg.url, tmp_path)
@@ -284,7 +284,11 @@ def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
             body = problem(answer, 503, "store.unavailable")
             assert took < HEALTH_PROBE_SECONDS + 3, took
             details.append(body["detail"])
-        assert "owner-lease session" in details[-1], details
+        # Then the owner-lease session, once its probe has waited PROBE_STALL_SECONDS; but the
+        # probe runs in the runtime watcher's loop, and a watcher that was inside a store query
+        # when the server froze waits there (up to AGENTFOLD_PG_STATEMENT_WAIT), the probe with
+        # it: the answer still names the store (a fresh-clone CI run under load met that).
+        assert "owner-lease session" in details[-1] or "did not answer" in details[-1], details
         own_pg.thaw()
         assert wait_until(lambda: health(server).status_code == 200, timeout=60)
         calls = _read_fifo(fifo)
