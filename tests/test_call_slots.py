@@ -331,3 +331,64 @@ def test_an_abandoned_call_that_kept_its_slot_gives_it_back_when_a_spare_thread_
         calls.hold.discard(str(a.tree_id))  # A's hung dispatcher returns; B's still hangs (30 s)
         assert c.result(10).status == "completed"
         assert calls.trees().count(str(c.tree_id)) == 1
+
+
+def test_a_permitted_call_is_not_made_once_its_owner_line_stopped(tmp_path: Path) -> None:
+    """A permission is committed; before its call starts (the line works through the rest of
+    its queue first), a later cycle of the same pass fails its append and the line stops,
+    giving up the tree. The call used to be made anyway, after the stop and without the
+    lease; now the next owner decides it, as after a crash."""
+    import agentfold.adapters.runtime as rt
+    from agentfold.domain.errors import StoreFailure
+
+    calls = Calls(tmp_path / "calls.jsonl")
+    program = program_with(calls, "slots.stopped")
+    store = EventStore(f"sqlite:///{tmp_path / 'stopped.db'}")
+    runtime = Runtime(store, Catalog([program]), poll_interval=0, dispatch_workers=4)
+    fail_next = threading.Event()
+    store_append = store.append
+
+    def failing_append(*args: Any, **kwargs: Any) -> Any:
+        if fail_next.is_set():
+            fail_next.clear()
+            raise StoreFailure("store.unavailable", "injected: the store went away")
+        return store_append(*args, **kwargs)
+
+    launches: list[int] = []
+    original_launch = rt._Driver._launch
+
+    def launch(self: Any, dispatches: Any, permits: Any = None) -> None:
+        original_launch(self, dispatches, permits)
+        if not dispatches:
+            return
+        launches.append(1)
+        if len(launches) == 2:  # the second call's permission is committed, its job not started
+            root = self.tree.root.process_id
+            refusals: list[Exception] = []
+
+            def cancel() -> None:
+                try:
+                    runtime.cancel(root)
+                except Exception as exc:  # noqa: BLE001 - the line stops under it (the injected failure)
+                    refusals.append(exc)
+
+            threading.Thread(target=cancel, daemon=True).start()
+            deadline = time.monotonic() + 10
+            while not self._inbox and time.monotonic() < deadline:  # the cancel is queued behind it
+                time.sleep(0.001)
+            fail_next.set()  # the cancel's cycle fails its append: the line stops
+
+    store.append = failing_append  # type: ignore[method-assign,assignment]
+    rt._Driver._launch = launch  # type: ignore[method-assign]
+    try:
+        handle = runtime.start(program, {"n": 3}, start_id="stopped-line")
+        deadline = time.monotonic() + 10
+        while runtime._drivers.get(handle.tree_id) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # a call started after the stop would have been made by now
+        assert [c["index"] for c in calls.log.calls()] == [0], calls.log.calls()
+        assert runtime._slots.in_use == 0 and runtime._slots.abandoned == 0
+    finally:
+        rt._Driver._launch = original_launch  # type: ignore[method-assign]
+        runtime.close()
+        store.close()

@@ -284,9 +284,9 @@ class _Job:
 #: ``serve --dispatch-workers N``), and the most it accepts (each call in flight has its thread).
 DEFAULT_DISPATCH_WORKERS = 32
 MAX_DISPATCH_WORKERS = 4096
-#: Threads the dispatch pool may run beyond ``dispatch_workers``: a call abandoned after the
-#: cancellation grace gives its slot back but keeps its thread until its dispatcher returns,
-#: so the pool has room for that many stuck calls before new calls would queue behind them.
+#: Abandoned calls (cancellation grace over, owner line stopped) whose dispatcher still runs
+#: that give their slot back: past that many, an abandoned call keeps its slot until its
+#: dispatcher or one of those returns, so that hung calls cannot grow the threads without bound.
 SPARE_DISPATCH_THREADS = 256
 #: The dispatch pool's own bound, far above what the slots let run (see ``Runtime.__init__``).
 POOL_THREADS_BACKSTOP = 1 << 16
@@ -558,6 +558,12 @@ class _Driver:
         """A dispatch thread: call, record the outcome, and when nobody else is driving the
         tree, drive it here and take the next call too (a chain runs without hand-offs)."""
         while job is not None:
+            if self.stopped is not None:
+                # The line stopped after this permission was committed (a later cycle of the same
+                # pass failed, was fenced, or the tree was released) and gave up the tree: the call
+                # is not made here; the next owner decides it (replayed or unknown), as after a crash.
+                self.runtime._slots.release_flight(job.flight)
+                return
             done = self._call_dispatcher(job)
             with self._inbox_lock:
                 self._inbox.append(done)
