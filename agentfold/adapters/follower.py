@@ -52,7 +52,7 @@ from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import DecodeError
 from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
-from agentfold.adapters.recorders import EVENTS_TABLE
+from agentfold.adapters.recorders import EVENTS_TABLE, psycopg_error
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.events import TreeStarted
 from agentfold.domain.ids import TreeID
@@ -373,12 +373,8 @@ _CONNECTION_FAILURES: tuple[type[BaseException], ...] = (
 
 
 def _connection_failure(exc: BaseException) -> bool:
-    """One of ``_CONNECTION_FAILURES``, or psycopg's (only loaded on a PostgreSQL store: a
-    command on an SQLite store does not import it)."""
-    if isinstance(exc, _CONNECTION_FAILURES):
-        return True
-    psycopg = sys.modules.get("psycopg")
-    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+    """One of ``_CONNECTION_FAILURES``, or psycopg's (only loaded on a PostgreSQL store)."""
+    return isinstance(exc, _CONNECTION_FAILURES) or psycopg_error(exc, "OperationalError", "InterfaceError")
 
 
 def store_failed(exc: BaseException) -> bool:

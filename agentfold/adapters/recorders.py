@@ -563,11 +563,12 @@ class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):
 LIVE_CONNECTION_ATTEMPTS = 13
 
 
-def _is_postgres_error(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is psycopg's (never, in a process that has not imported psycopg: one
-    on an SQLite store, which this module leaves without it)."""
+def psycopg_error(exc: BaseException | None, *kinds: str) -> bool:
+    """Whether ``exc`` is one of psycopg's error classes ``kinds`` (any of its errors when none
+    is named). Never in a process that has not imported psycopg (one on an SQLite store, which
+    this module leaves without it): no psycopg error can exist there."""
     psycopg = sys.modules.get("psycopg")
-    return psycopg is not None and isinstance(exc, psycopg.Error)
+    return psycopg is not None and isinstance(exc, tuple(getattr(psycopg, kind) for kind in kinds or ("Error",)))
 
 
 def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
@@ -594,7 +595,7 @@ def on_a_live_connection(fn: Callable[P, R]) -> Callable[P, R]:
                 cause = exc.__cause__
                 # Only a PostgreSQL session can die under a pooled connection; a SQLite error
                 # (a lock held past its 30 s timeout) would only be waited for again.
-                if attempt == LIVE_CONNECTION_ATTEMPTS or not _is_postgres_error(cause):
+                if attempt == LIVE_CONNECTION_ATTEMPTS or not psycopg_error(cause):
                     raise
                 time.sleep(0.05)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -309,9 +309,7 @@ class _CallSlots:
     """
 
     def __init__(self, limit: int, spare: int = 0) -> None:
-        if limit < 1:
-            raise ValueError("dispatch_workers must be at least 1")
-        self.limit = limit
+        self.limit = limit  # checked by Runtime (1 to MAX_DISPATCH_WORKERS)
         self.in_use = 0
         # Abandoned calls whose dispatcher still runs: a slot is given back for at most ``spare``
         # of them, so that calls that never return cannot grow the threads without bound.
@@ -398,6 +396,11 @@ class _CallSlots:
     def give_back_reserved(self, driver: _Driver, *, leave: bool = False) -> None:
         """Slots handed to ``driver`` that its cycle did not use go to the next in line;
         ``leave``: also take it out of the line (a stopped or finished owner line)."""
+        if driver not in self._reserved and driver not in self._waiting:
+            # Every cycle of every line ends here: most hold nothing and wait for nothing, and
+            # skip the lock (a slot handed out after this check comes with a wake-up, whose
+            # cycle uses it or gives it back).
+            return
         with self._lock:
             held = self._reserved.pop(driver, 0)
             if leave:

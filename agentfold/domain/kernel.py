@@ -193,7 +193,6 @@ def start_tree(
 # Progress: run Steps, settle framework Effects, grant dispatch permissions
 
 
-
 def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | None = None) -> tuple[ProcessState, EffectRecord]:
     """The Process and record of an Effect a host may resolve now, or the kernel's refusal:
     ``engine.effect.not_pending`` (no such unsettled effect, another Process's, or not
@@ -222,6 +221,7 @@ def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | Non
             + "; only an unknown effect can be resolved",
         )
     return process, record
+
 
 class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
