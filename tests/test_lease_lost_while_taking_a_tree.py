@@ -19,6 +19,7 @@ import psycopg
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.leases import _advisory_key
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.errors import EngineCode
 from agentfold.domain.events import WriterActivated
@@ -256,4 +257,57 @@ def test_two_starts_of_one_start_id_at_once_make_one_owner_line(tmp_path: Any) -
     assert _activations(store, target) == 0
     assert len(witness.effects) == len(set(witness.effects)) == EFFECTS
     assert not any(getattr(r.event, "status", None) == "unknown" for r in store.read(target))
+    store.close()
+
+
+def test_a_lease_lost_again_while_the_tree_is_adopted_again_is_adopted_once_more(pg_database: str) -> None:
+    """The lease is lost while the tree runs; the watcher adopts it again, and the new lease
+    session ends too, right after that adoption's ``WriterActivated`` committed (another run's
+    start meets the dead session first), while the ended backend's lock still blocks a new
+    session for a moment. The tree must be adopted once more and finish: the activation it
+    finds after its first owner line's end is its own, not a peer's take-over."""
+    witness = LeaseWitness(delay=0.2)
+    program = chain_program(witness, replay=Replay.SAME_IDENTITY, name="test.lease.lost.twice")
+    store = EventStore(pg_database)
+    with Runtime(store, Catalog([program]), poll_interval=0.02) as runtime:
+        _running_watcher(runtime, program, witness)
+        target = TreeID.for_start("lease-lost-twice")  # type: ignore[arg-type]
+        leases = runtime._leases
+        blocker = psycopg.connect(pg_database, autocommit=True)
+        held_for_a_while = threading.Event()
+        real = store.append
+
+        def append(tree_id: TreeID, expected: int, events: Any, **kwargs: Any) -> Any:
+            result = real(tree_id, expected, events, **kwargs)
+            if tree_id == target and not held_for_a_while.is_set() and any(isinstance(e, WriterActivated) for e in events):
+                held_for_a_while.set()
+                pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
+                with psycopg.connect(pg_database, autocommit=True) as admin:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                # Another run starts meanwhile: its lease meets the dead session (the loss is
+                # noticed) and opens a new one.
+                # (a start id whose tree does not share the target's adoption lock, held here)
+                locks = runtime._adopt_locks
+                meanwhile = next(f"meanwhile-{i}" for i in range(100) if hash(TreeID.for_start(f"meanwhile-{i}")) % len(locks)  # type: ignore[arg-type]
+                                 != hash(target) % len(locks))
+                other = threading.Thread(target=lambda: runtime.start(program, {"n": 1}, start_id=meanwhile))
+                other.start()
+                _wait(lambda: not leases.holds(target), 10, "the loss to be noticed")
+                # The ended backend's lock, as the server may keep it a moment longer.
+                blocker.execute("SELECT pg_advisory_lock(%s)", (_advisory_key(target),))
+                threading.Timer(1.0, lambda: blocker.execute("SELECT pg_advisory_unlock(%s)", (_advisory_key(target),))).start()
+                other.join(10)
+            return result
+
+        store.append = append  # type: ignore[method-assign]
+        runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-twice")
+        _wait(lambda: bool(witness.effects), 10, "the first call")
+        pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
+        with psycopg.connect(pg_database, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        _wait(lambda: _finished(store, target), 30, "the tree to be adopted once more and finish")
+        blocker.close()
+    assert held_for_a_while.is_set()
+    assert _activations(store, target) == 2
+    assert all(witness.calls), "a dispatcher was called while the lease was not held"
     store.close()

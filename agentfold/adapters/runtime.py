@@ -1856,8 +1856,12 @@ class Runtime:
         with self._lock:
             if not self._closed:
                 self._lost.setdefault(tree_id, 0)
-                if driver is not None:  # stopped: nothing more is appended by it
-                    self._lost_line.setdefault(tree_id, (driver.incarnation, driver.committed, driver.digest))
+                # Stopped: nothing more is appended by it. The latest of this runtime's lines counts:
+                # a line that re-adopted the tree and lost its lease too appended an activation
+                # after the first line's end, and that activation is ours, not a peer's take-over.
+                noted = self._lost_line.get(tree_id)
+                if driver is not None and (noted is None or driver.committed > noted[1]):
+                    self._lost_line[tree_id] = (driver.incarnation, driver.committed, driver.digest)
 
     def _stalled(self, tree_id: TreeID) -> None:
         """Note a tree whose owner line a failed append stopped, to adopt it again (only a
