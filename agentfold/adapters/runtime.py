@@ -875,12 +875,12 @@ class _Driver:
             permits.taken -= covered
         slots.force(len(dispatches) - covered)
         for dispatch in dispatches:
-            process = self.tree.processes[dispatch.process_id]
-            program = self.runtime._resolve(process.program)
             context = DispatchContext()
             flight = _Flight(dispatch.process_id, dispatch.effect_id, dispatch.attempt_id, context)
             self.flights[dispatch.effect_id] = flight
             try:
+                # Inside: a catalog that raises must not leave this and the later flights' slots taken.
+                program = self.runtime._resolve(self.tree.processes[dispatch.process_id].program)
                 request = effect_request(self.tree, dispatch.process_id, dispatch.effect_id, program, dispatch.attempt_id)
             except Exception as exc:  # noqa: BLE001
                 slots.release_flight(flight)
@@ -1791,8 +1791,11 @@ class Runtime:
     def _ensure_watcher(self) -> None:
         if self._watcher is not None or self.poll_interval <= 0:
             return
-        self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
-        self._watcher.start()
+        with self._lock:  # two first starts at once: one watcher
+            if self._watcher is not None:
+                return
+            self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
+            self._watcher.start()
 
     def _watch(self) -> None:
         """Notice appends other writers made to trees this runtime owns (input admitted elsewhere).
