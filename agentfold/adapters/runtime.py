@@ -71,7 +71,7 @@ from agentfold.domain.ids import (
     parse_effect_id,
     root_process_id,
 )
-from agentfold.domain.kernel import Dispatch, Kernel, start_tree
+from agentfold.domain.kernel import Dispatch, Kernel, Progress, start_tree
 from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target
 from agentfold.domain.requests import EffectRequest, Settlement, effect_request
 from agentfold.domain.tree import TERMINAL, ProcessState, TreeState
@@ -675,10 +675,15 @@ class _Driver:
                 self._launch(progress.dispatches, permits)
             permits.give_back()
             self._after_commit(events, replies)
-            if len(progress.events) >= MAX_EVENTS_PER_APPEND:
-                self.submit(_Kick())
+            self.more_to_do(progress)
             return
         self._stop(RuntimeStopped("engine.tree.contention", f"tree {self.tree_id} kept changing under its owner"), items)
+
+    def more_to_do(self, progress: Progress) -> None:
+        """An advance that stopped at ``MAX_EVENTS_PER_APPEND`` events has more local progress to
+        make (a Program taking many Steps without an Effect): the next cycle goes on with it."""
+        if len(progress.events) >= MAX_EVENTS_PER_APPEND:
+            self.submit(_Kick())
 
     def _after_commit(self, events: list[TreeEvent], replies: list[tuple[Future[Any], Any]]) -> None:
         for future, value in replies:
@@ -1182,7 +1187,7 @@ class Runtime:
             driver.committed = 0
             permits = _Permits(driver)
             try:
-                progress = Kernel(tree, self._resolve, self.ids, dispatch=permits).advance()
+                progress = Kernel(tree, self._resolve, self.ids, dispatch=permits).advance(MAX_EVENTS_PER_APPEND)
             except BaseException:
                 permits.give_back(discard=True)
                 raise
@@ -1203,6 +1208,7 @@ class Runtime:
             driver._launch(progress.dispatches, permits)
             permits.give_back()
             driver._after_commit([], [])
+            driver.more_to_do(progress)
         return driver
 
     def _register(self, driver: _Driver) -> bool:
@@ -1283,7 +1289,7 @@ class Runtime:
                 kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=permits)
                 try:
                     activation = kernel.activate(incarnation)
-                    progress = kernel.advance()
+                    progress = kernel.advance(MAX_EVENTS_PER_APPEND)
                 except BaseException:
                     permits.give_back(discard=True)
                     raise
@@ -1309,6 +1315,7 @@ class Runtime:
                 driver._launch([*activation.dispatches, *progress.dispatches], permits)
                 permits.give_back()
                 driver._after_commit([], [])
+                driver.more_to_do(progress)
             driver.start_jobs(keep_last=False)
             self._ensure_watcher()
             return driver
