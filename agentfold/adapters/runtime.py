@@ -1676,14 +1676,24 @@ class Runtime:
                     return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
         return self._load(tree_id).state
 
-    def status(self, tree_id: TreeID) -> str:
+    def _tree_ref(self, tree: TreeID | str) -> TreeID:
+        """A tree id as given, or the tree of a tree id, start id or process id in text."""
+        return tree if isinstance(tree, TreeID) else self.tree_of(tree)
+
+    def status(self, tree: TreeID | str) -> str:
+        tree_id = self._tree_ref(tree)
         head = self.store.head(tree_id)
         if head is None:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
         return head.status
 
-    def result(self, tree_id: TreeID, timeout: float | None = None) -> Result:
-        """Wait for the root Process to be terminal; return its Result."""
+    def result(self, tree: TreeID | str, timeout: float | None = None) -> Result:
+        """Wait for the root Process to be terminal; return its Result.
+
+        ``tree``: a TreeID, or a tree id, start id or process id in text. A run this runtime
+        does not drive is waited for in the store (another runtime drives it). Once this
+        runtime is closed, a run that has not finished is ``engine.runtime.closed``."""
+        tree_id = self._tree_ref(tree)
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def remaining() -> float | None:
@@ -1719,23 +1729,26 @@ class Runtime:
                 return Result.of(self.store.load(tree_id).state.root)
             if head is None and tree_id not in self._drivers:  # else it waited for a run nobody starts
                 raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+            if self._closed:  # else it waited for good: nothing here drives the run any more
+                raise RuntimeStopped("engine.runtime.closed", f"this runtime is closed; tree {tree_id} is not finished",
+                                     hint="wait for the run from a runtime that is open")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"tree {tree_id} is not finished")
             time.sleep(0.05)
 
-    def wait_idle(self, tree_id: TreeID, timeout: float = 30.0) -> TreeState:
-        """Wait until this runtime's owner of ``tree_id`` has nothing left to do now.
+    def wait_idle(self, tree: TreeID | str, timeout: float = 30.0) -> TreeState:
+        """Wait until the tree has nothing left to do now; its folded state.
 
         The tree is then terminal or parked (waiting for input, paused, or blocked on
-        an unknown Effect), with no dispatch in flight.
+        an unknown Effect), with no dispatch in flight. ``tree``: a TreeID, or a tree id,
+        start id or process id in text. A tree this runtime does not drive is waited for in
+        the store (another runtime drives it; a tree nobody drives ends in TimeoutError).
         """
+        tree_id = self._tree_ref(tree)
+        deadline = time.monotonic() + timeout
         driver = self._drivers.get(tree_id)
         if driver is None:
-            failed = self._failed.get(tree_id)
-            if failed is not None:
-                raise failed
-            return self._load(tree_id).state
-        deadline = time.monotonic() + timeout
+            return self._wait_idle_elsewhere(tree_id, deadline)
         # Bounded even while the owner line holds the lock inside a blocked store call.
         if not driver.cond.acquire(timeout=timeout):
             raise TimeoutError(f"tree {tree_id} is still busy")
@@ -1755,6 +1768,30 @@ class Runtime:
                 driver.cond.wait(min(remaining, 0.05))
         finally:
             driver.cond.release()
+
+    def _wait_idle_elsewhere(self, tree_id: TreeID, deadline: float) -> TreeState:
+        """``wait_idle`` for a tree without an owner line here: its stored state, read every
+        0.05 s, once it is terminal, or parked with no dispatcher call in flight."""
+        while True:
+            failed = self._failed.get(tree_id)
+            if failed is not None:
+                raise failed
+            head = self.store.head(tree_id)
+            if head is None:
+                raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
+            if head.classification in ("terminal", "parked"):
+                state = self._load(tree_id).state
+                calls = (r for p in state.live.values() for r in p.in_flight() if r.target == Target.DISPATCHER)
+                if head.classification == "terminal" or next(calls, None) is None:
+                    return state
+            if tree_id in self._drivers:  # adopted here meanwhile (input admitted here, say)
+                return self.wait_idle(tree_id, max(0.0, deadline - time.monotonic()))
+            if self._closed:
+                raise RuntimeStopped("engine.runtime.closed", f"this runtime is closed; tree {tree_id} is still busy",
+                                     hint="wait for the run from a runtime that is open")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"tree {tree_id} is still busy (driven by another runtime, or by none)")
+            time.sleep(0.05)
 
     # -- crash plans ---------------------------------------------------------
 
