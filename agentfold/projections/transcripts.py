@@ -257,6 +257,10 @@ class TreeTranscripts:
     def _is_interaction(self, process_id: str | None) -> bool:
         return process_id is not None and process_id in self.headers and self.headers[process_id]["status"] == "running"
 
+    def _has_transcript(self, process_id: str | None) -> bool:
+        """An Interaction's, running or ended."""
+        return process_id is not None and process_id in self.headers
+
     def _become_interaction(self, process_id: str) -> None:
         if process_id in self.headers:
             return
@@ -564,7 +568,10 @@ class TreeTranscripts:
         ending = {k: p[k] for k in ("cause", "reason", "failure") if p.get(k) not in (None, "")}
         parent = process.get("parent")
         role = process.get("role")
-        if role == "tool" and self._is_interaction(parent):
+        # A child's end belongs in its Interaction's transcript also when the Interaction ended
+        # first: a canceled or killed Interaction ends before the children it stops (their
+        # calls, unknown ones included, are reported after its `failure` entry).
+        if role == "tool" and self._has_transcript(parent):
             call = process.get("call") or {}
             completion = _dict(p.get("output"))
             body: dict[str, Any] = {
@@ -577,12 +584,14 @@ class TreeTranscripts:
             body.update(ending)
             if unresolved is not None:
                 body["output_unresolved"] = unresolved
+            if p.get("unresolved_effect_ids"):
+                body["unresolved_effect_ids"] = p["unresolved_effect_ids"]
             self._emit(str(parent), "tool_result", body)
             r = self._rounds.get(str(parent))
             ref = str(process.get("ref") or "")
             if r is not None and ref.count("/") == 2:
                 r.setdefault("reported", []).append(int(ref.rsplit("/", 1)[1]))
-        elif role == "delegate" and self._is_interaction(parent):
+        elif role == "delegate" and self._has_transcript(parent):
             body = {"tool_call_ref": process.get("ref"), "child_process_id": pid, "status": status}
             if status == "completed":
                 body["output"] = p.get("output")

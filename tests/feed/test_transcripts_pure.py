@@ -373,3 +373,55 @@ def test_an_assistant_reply_without_text_says_so_in_the_printed_transcript() -> 
         "  2 [assistant #2] (no text)",
         "  3 [assistant #3] Sunny.",
     ]
+
+
+def test_a_canceled_interaction_reports_the_end_of_each_open_tool_call(tmp_path: Path) -> None:
+    """Canceled while one call's outcome is unknown and another waits for a human: the
+    Interaction ends first (its `failure` entry), its Tool children after it. Each call still
+    gets its one `tool_result` (canceled, with the unknown Effect named), which also closes
+    the open input prompt."""
+    scenario = {
+        "name": "canceled-mid-round",
+        "limits": {"max_concurrent_tool_calls": 2},
+        "model": {"responses": [
+            {"finish_reason": "tool_calls", "message": {"tool_calls": [
+                {"id": "c1", "name": "charge", "arguments": "{}"},
+                {"id": "c2", "name": "approve", "arguments": "{}"},
+            ]}},
+            {"finish_reason": "stop", "message": {"content": "done"}},
+        ]},
+        "tools": [
+            {"name": "charge", "result": {"error": "gateway timed out"},
+             "concurrency": {"key": "charge", "concurrent": True}},
+            {"name": "approve", "result": {"input": {"prompt": "ok?", "response_schema": {"type": "boolean"}},
+                                           "then": {"answer": True}},
+             "concurrency": {"key": "approve", "concurrent": True}},
+        ],
+    }
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario))
+    url = f"sqlite:///{tmp_path / 'canceled.db'}"
+    agentfold = [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "--json"]
+    started = subprocess.run([*agentfold, "run", str(path), "--start-id", "canceled-mid-round"],
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    root = json.loads(started.stdout)["root_process_id"]
+    canceled = subprocess.run([*agentfold, "cancel", root], capture_output=True, text=True, timeout=120)
+    assert canceled.returncode == 0, canceled.stderr
+    store = EventStore(url)
+    try:
+        transcript = transcripts_from_store(store)[root]
+        unknown = [e for p in store.load(store.find_tree(root)).state.processes.values() for e in p.unknown_effects()]
+    finally:
+        store.close()
+    assert transcript["status"] == "canceled"
+    kinds = _kinds(transcript)
+    assert "input_prompt" in kinds and "unknown_outcome" in kinds, kinds
+    results = {e["tool_name"]: e for e in transcript["entries"] if e["kind"] == "tool_result"}
+    assert sorted(results) == ["approve", "charge"], kinds
+    for entry in results.values():
+        assert (entry["status"], entry["cause"], entry["disposition"]) == ("canceled", "parent_cancellation", None)
+    assert results["charge"]["unresolved_effect_ids"] == [str(e.effect_id) for e in unknown]
+    assert "unresolved_effect_ids" not in results["approve"]
+    calls = [c["tool_call_ref"] for e in transcript["entries"] if e["kind"] == "assistant_message" for c in e["tool_calls"]]
+    assert sorted(e["tool_call_ref"] for e in results.values()) == sorted(calls)
