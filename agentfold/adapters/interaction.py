@@ -14,6 +14,7 @@ is only ever driven by the exact binding that started it.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.models import Model, ModelError, ModelRequest
 from agentfold.adapters.tools import ObservationFailures, Tool, ToolDispatcher, ToolObserver, observe, tool_spec
-from agentfold.domain.budget import Budget, Quota
+from agentfold.domain.budget import MAX_COUNTER, Budget, Quota
 from agentfold.domain.canonical import JSON, MAX_PAYLOAD_BYTES, canonical_bytes, digest_of
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
@@ -38,6 +39,7 @@ from agentfold.domain.interaction.state import InteractionState
 from agentfold.domain.interaction.tool_call import ToolCallStrategy, tool_program_descriptor
 from agentfold.domain.interaction.toolset import DelegateSpec, ToolManifest
 from agentfold.domain.program import (
+    SYNCHRONOUS_HINT,
     ChildSpec,
     ChildWaitSpec,
     Complete,
@@ -50,6 +52,7 @@ from agentfold.domain.program import (
     SignalRequest,
     Step,
     Wait,
+    is_async_callable,
     start_child_effect,
     wait_children_effect,
 )
@@ -135,6 +138,8 @@ class ModelDispatcher:
         outcome, response = "unknown", None
         try:
             raw = self.model.call(model_request)
+            if inspect.iscoroutine(raw):
+                raw.close()  # never run: no "was never awaited" warning; invalid response (unknown) below
             try:
                 # Duplicate call ids are the Interaction's to refuse (it fails the run:
                 # interaction.model.invalid_response); anything else invalid leaves the call unknown.
@@ -228,12 +233,93 @@ def _identity(value: object, given: Digest | None) -> str:
 _OWN_PREFIX = "agentfold."
 
 
+def _check_count(field_name: str, value: object, minimum: int, expected: str) -> None:
+    """A numeric limit of the config: an int (not a bool) between ``minimum`` and MAX_COUNTER."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidInput(
+            "interaction.definition.invalid",
+            f"InteractionConfig.{field_name} is {value!r} (of type {type(value).__name__}); it must be {expected}",
+            hint=f"pass a Python int, e.g. {field_name}={max(minimum, 1)}",
+        )
+    if not minimum <= value <= MAX_COUNTER:
+        raise InvalidInput(
+            "interaction.definition.invalid", f"InteractionConfig.{field_name} is {value}; it must be {expected}"
+        )
+
+
+def _check_sync(what: str, fn: object, code: str = "interaction.definition.invalid") -> None:
+    """A collaborator the Interaction calls: callable and synchronous (nothing ever awaits it)."""
+    if not callable(fn):
+        raise InvalidInput(code, f"{what} is not callable (of type {type(fn).__name__})")
+    if is_async_callable(fn):
+        raise InvalidInput(code, f"{what} is an async function", hint=SYNCHRONOUS_HINT)
+
+
+def _method(owner: object, field_name: str, method: str) -> object:
+    try:
+        return getattr(owner, method, None)
+    except Exception as exc:  # a property of the caller's own object
+        raise InvalidInput(
+            "interaction.definition.invalid",
+            f"reading InteractionConfig.{field_name}.{method} failed: {type(exc).__name__}: {exc}",
+        ) from exc
+
+
+def _check_collaborators(config: InteractionConfig) -> None:
+    """Refuse, before anything runs, what could only fail as an unknown Effect (or a failed
+    Step) later: no model, a model, processor or callback that cannot be called, or one that
+    is ``async`` (agentfold never awaits: its coroutine would be dropped unrun)."""
+    if config.model is None:
+        raise InvalidInput(
+            "interaction.definition.invalid", "InteractionConfig.model is None",
+            hint="pass a model client: an object with call(ModelRequest), e.g. OpenAIChatModel or ScriptedModel",
+        )
+    call = _method(config.model, "model", "call")
+    if not callable(call):
+        raise InvalidInput(
+            "interaction.definition.invalid",
+            f"InteractionConfig.model (of type {type(config.model).__name__}) has no call(request) method",
+            hint="pass a model client: an object with call(ModelRequest), e.g. OpenAIChatModel or ScriptedModel",
+        )
+    _check_sync(f"InteractionConfig.model.call ({type(config.model).__name__}.call)", call)
+    if config.context_processor is not None:
+        prepare = _method(config.context_processor, "context_processor", "prepare_context")
+        if prepare is None:
+            raise InvalidInput(
+                "interaction.definition.invalid",
+                f"InteractionConfig.context_processor (of type {type(config.context_processor).__name__}) "
+                "has no prepare_context(request) method",
+            )
+        _check_sync("InteractionConfig.context_processor.prepare_context", prepare)
+    for field_name in ("completion_validator", "context_policy"):
+        fn = getattr(config, field_name)
+        if fn is not None:
+            _check_sync(f"InteractionConfig.{field_name}", fn)
+    observers = (
+        ("model_observer", config.model_observer, ("on_model_started", "on_model_settled")),
+        ("tool_observer", config.tool_observer, ("on_tool_started", "on_tool_settled")),
+    )
+    for field_name, observer, methods in observers:
+        if observer is None:
+            continue
+        for method in methods:
+            fn = _method(observer, field_name, method)
+            if fn is not None and is_async_callable(fn):
+                raise InvalidInput(
+                    "interaction.definition.invalid", f"InteractionConfig.{field_name}.{method} is an async function",
+                    hint=SYNCHRONOUS_HINT,
+                )
+    for delegate in config.delegates:
+        if delegate.build_input is not None:
+            _check_sync(f"delegate {delegate.name!r}: build_input", delegate.build_input, "interaction.delegate.invalid")
+
+
 def compile_interaction(config: InteractionConfig) -> Program:
     """Freeze the model loop, bind its child Programs and its dispatchers (the seed's Compile)."""
-    if config.max_model_calls is not None and config.max_model_calls <= 0:
-        raise InvalidInput(
-            "interaction.definition.invalid", "max_model_calls must be at least 1 (or None for unlimited)"
-        )
+    if config.max_model_calls is not None:
+        _check_count("max_model_calls", config.max_model_calls, 1, f"an int from 1 to {MAX_COUNTER} (or None for unlimited)")
+    _check_count("max_concurrent_tool_calls", config.max_concurrent_tool_calls, 0, f"an int from 0 to {MAX_COUNTER} (0 means 1)")
+    _check_collaborators(config)
     specs = tuple(tool_spec(t) for t in config.tools)
     deferred = tuple(tool_spec(t) for t in config.deferred_tools)
     delegates = tuple(

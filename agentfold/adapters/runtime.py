@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import os
 import signal
@@ -995,6 +996,8 @@ def _unknown(dispatch: Dispatch, code: str, message: str) -> _Done:
 
 def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
     if not isinstance(settlement, Settlement) or not isinstance(settlement.status, SettlementStatus):
+        if inspect.iscoroutine(settlement):
+            settlement.close()  # never run (nothing here awaits): no "was never awaited" warning
         return _unknown(dispatch, EngineCode.DISPATCH_SETTLEMENT_INVALID, f"dispatcher returned {type(settlement).__name__}")
     if settlement.status is SettlementStatus.UNKNOWN:
         return _unknown(dispatch, EngineCode.DISPATCH_FAILED, "the dispatcher reported an unknown outcome")

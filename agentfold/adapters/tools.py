@@ -18,6 +18,7 @@ counted, never change a settlement.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.refs import ToolCallRef, tool_call_ref_of_child
 from agentfold.domain.interaction.tool_call import check_input_request
 from agentfold.domain.interaction.toolset import Classifier, ToolManifest, ToolSpec
+from agentfold.domain.program import SYNCHRONOUS_HINT, is_async_callable
 from agentfold.domain.requests import EffectRequest, Relation, Settlement
 
 
@@ -96,7 +98,7 @@ class ToolInvocation:
 
 
 class Tool(Protocol):
-    """An executable tool. Optional attributes: ``direct_result`` (bool), ``concurrency``
+    """An executable tool; ``call`` is synchronous (a plain ``def``). Optional attributes: ``direct_result`` (bool), ``concurrency``
     (a pure classifier ``(call, arguments) -> (key, concurrent)``), ``advertise``
     (``(invocation, output) -> [deferred tool names]``, pure)."""
 
@@ -107,33 +109,57 @@ class Tool(Protocol):
     def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput: ...
 
 
+_MISSING: Any = object()
+
+
 def tool_spec(tool: Tool) -> ToolSpec:
     """The frozen, pure scheduling view of an executable tool.
 
     Reading the optional declarations runs the tool's own code (properties); any error
-    there rejects the ToolSet at construction, never later at a Step.
+    there rejects the ToolSet at construction, never later at a Step. So does a tool the
+    dispatcher could never run (no ``description``, no callable ``call``, an ``async def``
+    ``call``, ``concurrency`` or ``advertise``): refused here, it never becomes an unknown
+    Effect that a human must resolve although no call happened.
     """
     try:
         classifier: Classifier | None = getattr(tool, "concurrency", None)
         direct = bool(getattr(tool, "direct_result", False))
         name = tool.name
-        description = getattr(tool, "description", "")
+        description = getattr(tool, "description", _MISSING)
         parameters = getattr(tool, "parameters", {"type": "object"})
+        call = getattr(tool, "call", None)
+        advertise = getattr(tool, "advertise", None)
     except Exception as exc:
         raise InvalidInput(
             "interaction.toolset.invalid",
             f"reading the declarations of tool {getattr(type(tool), '__name__', tool)!r} failed: "
             f"{type(exc).__name__}: {exc}",
         ) from exc
-    if classifier is not None and not callable(classifier):
-        raise InvalidInput("interaction.toolset.invalid", f"tool {name!r} declares a concurrency policy that is not callable")
-    return ToolSpec(
+    if description is _MISSING:
+        raise InvalidInput(
+            "interaction.toolset.invalid", f"tool {name!r} has no description",
+            hint="give it a description attribute: the text the model reads to decide when to call it",
+        )
+    spec = ToolSpec(
         name=name,
         description=description,
         parameters=parameters,
         direct_result=direct,
         concurrency=classifier,
     )
+    if not callable(call):
+        raise InvalidInput(
+            "interaction.toolset.invalid", f"tool {name!r} has no call(invocation, arguments) method",
+            hint="give it a method call(invocation, arguments) that returns a ToolOutput",
+        )
+    for what, fn in (("call method", call), ("concurrency policy", classifier), ("advertise function", advertise)):
+        if fn is not None and not callable(fn):
+            raise InvalidInput("interaction.toolset.invalid", f"tool {name!r} declares a {what} that is not callable")
+        if fn is not None and is_async_callable(fn):
+            raise InvalidInput(
+                "interaction.toolset.invalid", f"tool {name!r}: its {what} is an async function", hint=SYNCHRONOUS_HINT
+            )
+    return spec
 
 
 def tool_invocation_from_request(request: EffectRequest) -> ToolInvocation:
@@ -286,6 +312,8 @@ class ToolDispatcher:
                     raise RuntimeError(f"invalid input request: {exc}") from exc
                 return Settlement.succeeded({"tool_result": {"input_request": required.request}})
             if not isinstance(output, ToolOutput):
+                if inspect.iscoroutine(output):
+                    output.close()  # never run: no "was never awaited" warning; still unknown below
                 raise TypeError(f"tool {call.name} returned {type(output).__name__}, not a ToolOutput")
             advertised: list[str] = []
             advertise = getattr(tool, "advertise", None)

@@ -18,6 +18,8 @@ Dispatcher (I/O) in ``adapters``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -532,6 +534,61 @@ def _never(effect: Effect) -> EffectPolicy:
     return EffectPolicy()
 
 
+SYNCHRONOUS_HINT = (
+    "agentfold's API is synchronous: it calls dispatchers, models and tools from its own threads "
+    "and never awaits what they return; define a plain `def` and run async code inside it "
+    "(e.g. `asyncio.run(coro)`, or submit it to a thread that runs its own event loop)"
+)
+
+
+def is_async_callable(value: object) -> bool:
+    """Whether calling ``value`` only builds an awaitable: an ``async def`` function or
+    method, an async generator function, either behind ``functools.partial``, or an object
+    whose ``__call__`` is one. agentfold never awaits, so such a callable never runs."""
+    while isinstance(value, functools.partial):
+        value = value.func
+    if inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
+        return True
+    if isinstance(value, type) or inspect.isroutine(value):
+        return False
+    try:
+        dunder = getattr(type(value), "__call__", None)  # noqa: B004 - its async-ness, not callability
+    except Exception:  # noqa: BLE001 - an odd metaclass: not ours to judge
+        return False
+    return dunder is not None and (inspect.iscoroutinefunction(dunder) or inspect.isasyncgenfunction(dunder))
+
+
+def check_dispatcher(dispatcher: object, owner: str) -> None:
+    """Refuse (``program.invalid``) a dispatcher the runtime could never call: one without a
+    callable ``dispatch(request, context)``, or whose ``dispatch`` is async (never awaited,
+    it would leave every Effect unknown although nothing ran)."""
+    try:
+        dispatch = getattr(dispatcher, "dispatch", None)
+    except Exception as exc:  # a property of the caller's own object
+        raise InvalidInput(
+            "program.invalid", f"{owner}: reading its dispatcher's dispatch failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(dispatch):
+        hint = ("pass an object with dispatch(request, context) -> Settlement, or wrap a plain function "
+                "in FunctionDispatcher(fn)")
+        if is_async_callable(dispatcher):
+            raise InvalidInput(
+                "program.invalid", f"{owner}: its dispatcher is an async function, not a Dispatcher",
+                hint=f"{hint}; {SYNCHRONOUS_HINT}",
+            )
+        raise InvalidInput(
+            "program.invalid",
+            f"{owner}: its dispatcher (of type {type(dispatcher).__name__}) has no dispatch(request, context) method",
+            hint=hint,
+        )
+    if is_async_callable(dispatch):
+        raise InvalidInput(
+            "program.invalid",
+            f"{owner}: its dispatcher's dispatch ({type(dispatcher).__name__}.dispatch) is an async function",
+            hint=SYNCHRONOUS_HINT,
+        )
+
+
 def _identity_expand(state: Any, payload: JSON) -> JSON:
     return payload
 
@@ -566,6 +623,8 @@ class Program:
             configuration_digest=Digest(self.configuration_digest),
             bindings_digest=ProgramRef.bindings_of([c.ref for c in self.children]),
         )
+        if self.dispatcher is not None:
+            check_dispatcher(self.dispatcher, f"program {self.descriptor.name}")
         object.__setattr__(self, "ref", ref)
 
     def child(self, ref: ProgramRef) -> Program | None:

@@ -1,0 +1,243 @@
+"""compile_interaction refuses what could only fail later as an unknown Effect.
+
+A tool without a callable ``call``, no model (or one without ``call``), a limit of the
+wrong type, a tool without a description, or an ``async`` model, tool or callback: each
+used to compile, then leave the run with an unknown Effect a human had to resolve
+although no call ever happened (or raise an unclassified TypeError). Each is now a
+classified refusal at compile time, before any run exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import Delegate, InteractionConfig, compile_interaction
+from agentfold.adapters.models import ModelRequest, ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.tools import ToolInvocation, ToolOutput
+from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.ids import Digest
+from agentfold.domain.program import Complete, Descriptor, Program, Step
+
+
+class GoodTool:
+    name = "lookup"
+    description = "Looks a thing up."
+    parameters: JSON = {"type": "object"}
+
+    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        return ToolOutput.text("found")
+
+
+class NoCallTool:
+    name = "nocall"
+    description = "Has no call method."
+    parameters: JSON = {"type": "object"}
+
+
+class CallIsDataTool(NoCallTool):
+    call = "not a method"
+
+
+class NoDescriptionTool:
+    name = "nodesc"
+    parameters: JSON = {"type": "object"}
+
+    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        return ToolOutput.text("x")
+
+
+class EmptyDescriptionTool(NoDescriptionTool):
+    description = ""
+
+
+class AsyncTool(GoodTool):
+    name = "asynctool"
+
+    async def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:  # type: ignore[override]
+        return ToolOutput.text("never runs")
+
+
+class _AsyncCallable:
+    async def __call__(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        return ToolOutput.text("never runs")
+
+
+class AsyncCallableTool(GoodTool):
+    name = "asyncobj"
+    call = _AsyncCallable()  # type: ignore[assignment]
+
+
+class AsyncAdvertiseTool(GoodTool):
+    name = "asyncadv"
+
+    async def advertise(self, invocation: ToolInvocation, output: ToolOutput) -> list[str]:
+        return []
+
+
+class AsyncModel:
+    async def call(self, request: ModelRequest) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": "never"}, "finish_reason": "stop"}
+
+
+class ModelWithoutCall:
+    pass
+
+
+class AsyncProcessor:
+    async def prepare_context(self, request: ModelRequest) -> list[dict[str, Any]]:
+        return []
+
+
+class AsyncModelObserver:
+    async def on_model_started(self, request: ModelRequest) -> None:
+        return None
+
+    def on_model_settled(self, request: ModelRequest, outcome: str, response: dict[str, Any] | None) -> None:
+        return None
+
+
+def model() -> ScriptedModel:
+    return ScriptedModel([{"message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}])
+
+
+def refusal(**fields: Any) -> InvalidInput:
+    config: dict[str, Any] = {"name": "refusals.agent", "model": model(), "tools": [GoodTool()]} | fields
+    with pytest.raises(InvalidInput) as caught:
+        compile_interaction(InteractionConfig(**config))
+    return caught.value
+
+
+def test_a_well_formed_config_compiles_and_runs() -> None:
+    """The control: the checks below refuse only the broken configurations."""
+    program = compile_interaction(InteractionConfig(name="refusals.ok", model=model(), tools=[GoodTool()],
+                                                    max_model_calls=3, max_concurrent_tool_calls=2))
+    store = EventStore("memory:")
+    with Runtime(store) as runtime:
+        result = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}).result(timeout=30)
+    store.close()
+    assert result.status == "completed"
+
+
+@pytest.mark.parametrize("tool", [NoCallTool(), CallIsDataTool()], ids=["missing", "not-callable"])
+def test_a_tool_without_a_callable_call_is_refused_at_compile_time(tool: Any) -> None:
+    """It used to compile, and its first call was an unknown Effect ("AttributeError: ... no attribute 'call'")."""
+    error = refusal(tools=[tool])
+    assert error.code == "interaction.toolset.invalid"
+    assert "tool 'nocall' has no call(invocation, arguments) method" in error.message
+    assert "call(invocation, arguments)" in error.hint
+
+
+def test_a_deferred_tool_without_call_is_refused_too() -> None:
+    error = refusal(deferred_tools=[NoCallTool()])
+    assert error.code == "interaction.toolset.invalid"
+    assert "'nocall'" in error.message
+
+
+def test_a_tool_without_a_description_is_refused() -> None:
+    """Docs list ``description`` as required (what the model reads); a missing one is refused,
+    an explicitly empty one is accepted."""
+    error = refusal(tools=[NoDescriptionTool()])
+    assert error.code == "interaction.toolset.invalid"
+    assert error.message == "tool 'nodesc' has no description"
+    assert "description attribute" in error.hint
+    compile_interaction(InteractionConfig(name="refusals.emptydesc", model=model(), tools=[EmptyDescriptionTool()]))
+
+
+@pytest.mark.parametrize("bad_model", [None, ModelWithoutCall()], ids=["none", "no-call"])
+def test_no_model_or_a_model_without_call_is_refused(bad_model: Any) -> None:
+    """It used to compile, and the first model call was an unknown Effect (AttributeError)."""
+    error = refusal(model=bad_model)
+    assert error.code == "interaction.definition.invalid"
+    assert "InteractionConfig.model" in error.message
+    assert "OpenAIChatModel" in error.hint
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "type_name"),
+    [
+        ("max_model_calls", "5", "str"),
+        ("max_model_calls", 5.0, "float"),
+        ("max_model_calls", True, "bool"),
+        ("max_concurrent_tool_calls", "2", "str"),
+        ("max_concurrent_tool_calls", 1.5, "float"),
+        ("max_concurrent_tool_calls", None, "NoneType"),
+    ],
+)
+def test_a_limit_of_the_wrong_type_is_a_classified_refusal_naming_field_value_and_type(
+    field: str, value: Any, type_name: str
+) -> None:
+    """``max_model_calls="5"`` used to raise an unclassified TypeError ('<=' not supported ...)."""
+    error = refusal(**{field: value})
+    assert error.code == "interaction.definition.invalid"
+    assert f"InteractionConfig.{field} is {value!r} (of type {type_name}); it must be an int" in error.message
+    assert f"{field}=" in error.hint
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_model_calls", 0), ("max_model_calls", 2**64),
+                                              ("max_concurrent_tool_calls", -1)])
+def test_a_limit_out_of_range_keeps_its_code(field: str, value: int) -> None:
+    error = refusal(**{field: value})
+    assert error.code == "interaction.definition.invalid"
+    assert f"InteractionConfig.{field} is {value}" in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "named"),
+    [
+        ({"tools": [AsyncTool()]}, "interaction.toolset.invalid", "tool 'asynctool': its call method"),
+        ({"tools": [AsyncCallableTool()]}, "interaction.toolset.invalid", "tool 'asyncobj': its call method"),
+        ({"tools": [AsyncAdvertiseTool()]}, "interaction.toolset.invalid", "tool 'asyncadv': its advertise function"),
+        ({"model": AsyncModel()}, "interaction.definition.invalid", "InteractionConfig.model.call (AsyncModel.call)"),
+        ({"context_processor": AsyncProcessor()}, "interaction.definition.invalid",
+         "InteractionConfig.context_processor.prepare_context"),
+        ({"model_observer": AsyncModelObserver()}, "interaction.definition.invalid",
+         "InteractionConfig.model_observer.on_model_started"),
+    ],
+    ids=["tool", "tool-callable-object", "tool-advertise", "model", "context-processor", "model-observer"],
+)
+def test_async_collaborators_are_refused_at_compile_time(fields: dict[str, Any], code: str, named: str) -> None:
+    """An ``async def`` tool or model used to compile; nothing awaited it, so each call printed
+    "coroutine ... was never awaited" and was recorded unknown although nothing ran."""
+    error = refusal(**fields)
+    assert error.code == code
+    assert error.message == f"{named} is an async function"
+    assert "synchronous" in error.hint and "asyncio.run" in error.hint
+
+
+def test_async_callbacks_and_delegate_input_builders_are_refused() -> None:
+    async def validator(candidate: Any) -> Any:
+        return None
+
+    async def build(arguments: JSON) -> JSON:
+        return arguments
+
+    error = refusal(completion_validator=validator)
+    assert (error.code, error.message) == ("interaction.definition.invalid",
+                                           "InteractionConfig.completion_validator is an async function")
+
+    class Echo:
+        def initial(self, input: JSON) -> JSON:
+            return input
+
+        def decide(self, state: Any, window: Any) -> Step:
+            return Step(0, Complete(state))
+
+        def evolve(self, state: Any, facts: JSON, consumed: Any) -> Any:
+            return state
+
+        def encode_state(self, state: Any) -> JSON:
+            return state
+
+        def decode_state(self, data: JSON) -> Any:
+            return data
+
+    child = Program(Descriptor("refusals.child", "", {"type": "object"}), Echo(),
+                    Digest.of(b"i"), Digest.of(b"c"))
+    error = refusal(delegates=[Delegate("helper", "Helps.", child, build_input=build)])
+    assert (error.code, error.message) == ("interaction.delegate.invalid",
+                                           "delegate 'helper': build_input is an async function")
