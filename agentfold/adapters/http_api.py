@@ -64,9 +64,7 @@ from agentfold.adapters.queries import (
     HostQueries,
     Listing,
     corrupt_tree_error,
-    cursor_invalid,
-    cursor_number,
-    tables_behind,
+    parse_runs_cursor,
 )
 from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, RandomIds, Runtime
@@ -549,13 +547,11 @@ class ApiService:
     #: it); None: a scenario that names one is refused.
     side_effect_dir: pathlib.Path | None = None
     queries: HostQueries = field(init=False)
-    folding: HostQueries = field(init=False)
     _probes: dict[str, Future[Any]] = field(init=False, default_factory=dict)
     _probe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.queries = HostQueries(self.store, self.sources)
-        self.folding = HostQueries(self.store, self.sources, use_read_models=False)
 
     @classmethod
     def open(
@@ -730,32 +726,12 @@ class ApiService:
 
     def runs(self, *, status: str | None, classification: str | None, limit: int, after: str | None,
              min_position: int | None, wait: float) -> dict[str, Any]:
-        """Runs in creation order, a page at a time.
-
-        A page cursor names the path that produced it (``m`` read models, ``f`` fold):
-        the two number runs differently, and a listing must not skip or repeat runs
-        when one page came from the tables and the next from folding.
-        """
-        path, number = _parse_cursor(after)
-        view = None
-        if path in (None, "m"):
+        """Runs in creation order, a page at a time (``m``/``f`` cursors: ``HostQueries.runs_page``)."""
+        if parse_runs_cursor(after)[0] in (None, "m"):
             self._reach(min_position, wait)
-            # The tables plus a fold of the trees they have not caught up with (never stale).
-            view = self.queries.view(min_position)
-            if view is None and path == "m":
-                if self.queries.read_models() is None:
-                    raise cursor_invalid(after, "names read models this store lacks", hint="list again without after")
-                raise tables_behind()
-        if view is not None:
-            entries = self.queries.runs(status=status, classification=classification, limit=limit, after=number,
-                                        view=view)
-            tag = "m"
-        else:
-            entries = self.folding.runs(status=status, classification=classification, limit=limit, after=number)
-            tag = "f"
-        runs = [{**e, "cursor": f"{tag}{e['cursor']}"} for e in entries]
-        return _complete({"runs": runs, "next_after": runs[-1]["cursor"] if len(runs) == limit else None},
-                         entries, "runs")
+        page = self.queries.runs_page(status=status, classification=classification, limit=limit, after=after,
+                                      min_position=min_position)
+        return _complete({"runs": list(page), "next_after": page.next_after}, page, "runs")
 
     def run(self, ref: str, min_position: int | None, wait: float) -> Entry:
         tree_id = self.queries.tree_of(ref)
@@ -906,15 +882,6 @@ def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str,
         hint="the other members list every other tree; `agentfold audit verify TREE` says what is wrong",
         **body, corrupt_trees=list(listing.corrupt),
     )
-
-
-def _parse_cursor(after: str | None) -> tuple[str | None, int]:
-    if after is None or after == "":
-        return None, 0
-    number = cursor_number(after[1:])
-    if after[0] in "mf" and number is not None:
-        return after[0], number
-    raise cursor_invalid(after)
 
 
 def resolution_settlement(

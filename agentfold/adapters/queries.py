@@ -89,6 +89,16 @@ def cursor_number(text: str) -> int | None:
     return None
 
 
+def parse_runs_cursor(after: str | None) -> tuple[str | None, int]:
+    """A runs page's cursor: its path (``m``/``f``; None for the first page) and number."""
+    if after is None or after == "":
+        return None, 0
+    number = cursor_number(after[1:])
+    if after[0] in "mf" and number is not None:
+        return after[0], number
+    raise cursor_invalid(after)
+
+
 def tables_behind() -> StoreFailure:
     """An ``m`` cursor met read models too far behind the store to answer from (``OVERLAY_LIMIT``)."""
     return StoreFailure(
@@ -526,6 +536,27 @@ class HostQueries:
             _, rows, models = self._rows(tree_id, min_position)
             return rows.unknown if rows is not None else models.unknown(str(tree_id))  # type: ignore[union-attr]
         return self._listing("unknown", UNKNOWN, min_position)
+
+    def runs_page(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
+                  after: str | None = None, min_position: int | None = None) -> ListingPage:
+        """A page of runs in creation order (``GET /runs``, ``Host.runs``); each entry's
+        ``cursor`` (and ``next_after``) names the path that produced it (``m`` read models,
+        ``f`` fold): the two number runs differently, and a listing must not skip or repeat
+        runs when one page came from the tables and the next from folding."""
+        path, number = parse_runs_cursor(after)
+        view: tuple[ReadModels, Fresh] | bool = False
+        if path in (None, "m"):
+            # The tables plus a fold of the trees they have not caught up with (never stale).
+            found = self.view(min_position)
+            if found is None and path == "m":
+                if self.read_models() is None:
+                    raise cursor_invalid(after, "names read models this store lacks", hint="list again without after")
+                raise tables_behind()
+            view = found if found is not None else False
+        entries = self.runs(status=status, classification=classification, limit=limit, after=number, view=view)
+        tag = "m" if view else "f"
+        runs = [{**e, "cursor": f"{tag}{e['cursor']}"} for e in entries]
+        return ListingPage(runs, entries.corrupt, runs[-1]["cursor"] if len(runs) == limit else None)
 
     def pending_page(self, *, limit: int = 100, after: str | None = None,
                      min_position: int | None = None) -> ListingPage:
