@@ -58,4 +58,4 @@ def test_every_python_example_in_the_embedding_guide_runs_and_prints_what_the_gu
     assert imported.returncode == 0, imported.stderr
     # The guide's structure itself: modules saved, programs run, outputs checked (a fence typo
     # would otherwise silently drop an example from this test).
-    assert (saved, ran, compared) == (4, 4, 4), (saved, ran, compared)
+    assert (saved, ran, compared) == (5, 5, 5), (saved, ran, compared)

@@ -51,6 +51,11 @@ def test_recovery_under_the_same_program_name_with_another_implementation_digest
         with pytest.raises(AgentfoldError) as refused:
             other.recover(str(handle.tree_id))
         assert refused.value.code == "engine.program.unavailable", refused.value
+        # It says what this process binds under the name, and which part of the identity differs.
+        assert f"binds digest.chain as {impostor.ref.digest}, which differs in its implementation" \
+            in refused.value.message, refused.value.message
+        assert "configuration" not in refused.value.message
+        assert "Catalog([new, old])" in (refused.value.hint or "")
     assert store.head(handle.tree_id).version == version  # type: ignore[union-attr]
     assert [type(r.event).__name__ for r in store.read(handle.tree_id)][-1] == "EffectDispatched"
 

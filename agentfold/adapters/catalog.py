@@ -146,8 +146,9 @@ class Catalog:
         if loaders is None or configuration is None:
             raise NotFound(
                 "engine.program.unavailable",
-                f"no program bound for {ref.name} ({ref.digest})",
-                hint="run with a catalog (or scenario) that binds this exact program",
+                f"no program bound for {ref.name} ({ref.digest}){self.differences(ref)}",
+                hint="run with a catalog (or scenario) that binds this exact program: keep the version that started "
+                "the run bound beside the new one (Catalog([new, old])) until its runs end",
             )
         # Several loaders: the current way of building the Program first, then the ways
         # earlier releases built it (their trees name the identity those gave).
@@ -166,6 +167,27 @@ class Catalog:
         with self._lock:
             self._hold(program)
         return program
+
+    def differences(self, ref: ProgramRef) -> str:
+        """For a message: how the Programs bound under ``ref``'s name differ from it (which of
+        the digests a run's Program is identified by), or that none is bound under it."""
+        same_name = sorted({p.ref.digest: p.ref for p in self.programs() if p.ref.name == ref.name}.values(),
+                           key=lambda r: r.digest)
+        if not same_name:
+            return f"; this process binds no program named {ref.name}"
+        parts = {
+            "contract_digest": "its Descriptor (name, input, output or signal schemas)",
+            "implementation_digest": "its implementation digest (the code of decide/evolve, or an Interaction's "
+                                     "model, tool and callback identities)",
+            "configuration_digest": "its configuration (an Interaction's tools, Delegates, limits or prompts)",
+            "bindings_digest": "its child Programs",
+        }
+        described = []
+        for bound in same_name[:3]:
+            changed = [text for name, text in parts.items() if getattr(bound, name) != getattr(ref, name)]
+            described.append(f"{bound.digest}, which differs in {'; '.join(changed)}")
+        more = f" (and {len(same_name) - 3} more)" if len(same_name) > 3 else ""
+        return f"; this process binds {ref.name} as {', '.join(described)}{more}"
 
     def __contains__(self, ref: object) -> bool:
         return isinstance(ref, ProgramRef) and self.resolve(ref) is not None
