@@ -505,6 +505,45 @@ APPEND_FAILED_HINT = (
 )
 
 
+OPEN_FAILED_HINT = (
+    "check that this user may read and write the store's file and its folder (SQLite), or that the server "
+    "answers (PostgreSQL); then retry"
+)
+
+
+def sqlite_path_note(path: Path) -> str:
+    """Where a relative SQLite path leads (``sqlite:///`` + a path without a leading slash is
+    relative to the working directory), for messages; empty for an absolute path."""
+    return "" if path.is_absolute() else f" (a relative path: {path.absolute()})"
+
+
+def sqlite_folder_problem(url: str, path: Path) -> InvalidInput | None:
+    """Why a new SQLite store cannot be created at ``path``: its folder does not exist, or is not
+    a folder (None when it is one, or cannot be examined: SQLite reports that). Three slashes
+    name a relative path, so ``sqlite:///tmp/x.db`` is ``./tmp/x.db``, not ``/tmp/x.db``."""
+    folder = path.absolute().parent
+    try:
+        if folder.is_dir():
+            return None
+        exists = folder.exists()
+    except OSError:
+        return None
+    if exists:
+        hint = f"{folder} is a file: name the store's file inside a folder that exists"
+    elif path.is_absolute():
+        hint = (f"create the folder {folder} first, or name a file in a folder that exists; "
+                "sqlite:///relative.db is relative to the working directory, sqlite:////absolute/path.db absolute")
+    else:
+        hint = (f"three slashes name a path relative to the working directory ({Path.cwd()}): for /{path} write "
+                f"sqlite:////{path} (four slashes); or create the folder {folder} first")
+    return InvalidInput(
+        "store.url_invalid",
+        f"cannot create the store {redact(url)} at {path.absolute()}: its folder {folder} "
+        + ("is not a folder" if exists else "does not exist") + "; nothing was created",
+        hint=hint,
+    )
+
+
 def create_private(path: Path) -> None:
     """Create a new SQLite database file (a store, a transcript database) readable by its owner
     only (0600): it holds conversations. SQLite gives the ``-wal`` and ``-shm`` files the
@@ -532,6 +571,12 @@ class EventStore:
         if self.backend == "sqlite" and Path(settings["SQLITE_DBNAME"]).is_dir():
             raise InvalidInput("store.url_invalid", f"{redact(url)} names a directory, not an SQLite file",
                                hint="name the store's file, e.g. sqlite:///path/agentfold.db")
+        if (self.backend == "sqlite" and create and not self._sqlite_in_memory
+                and not settings["SQLITE_DBNAME"].startswith("file:")):
+            # SQLite would only say "unable to open database file" (store.unavailable, "retry").
+            missing = sqlite_folder_problem(url, Path(settings["SQLITE_DBNAME"]))
+            if missing is not None:
+                raise missing
         # A store on a read-only file system (a backup or an evidence copy mounted read-only) is
         # read through a read-only URI: SQLite cannot open a WAL-mode file there otherwise. A
         # command that would create runs there is refused before anything is opened (sqlite3
@@ -607,7 +652,7 @@ class EventStore:
         except (PersistenceError, OSError) as exc:
             self.close()
             raise sqlite_damage(exc, url) or StoreFailure(
-                "store.unavailable", f"cannot open store {redact(url)}: {exc}") from exc
+                "store.unavailable", f"cannot open store {redact(url)}: {exc}", hint=OPEN_FAILED_HINT) from exc
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
         if self.backend == "sqlite":
@@ -668,7 +713,8 @@ class EventStore:
         """Refuse a missing file, or one without agentfold's tables, before eventsourcing opens
         it: its connections would create the file and switch it to WAL journaling."""
         if not path.exists():
-            raise NotFound("store.not_found", f"no store at {redact(self.url)}: the file does not exist",
+            raise NotFound("store.not_found",
+                           f"no store at {redact(self.url)}{sqlite_path_note(path)}: the file does not exist",
                            hint=NOT_FOUND_HINT)
         try:
             uri = self.read_only_uri or f"{path.absolute().as_uri()}?mode=ro"
@@ -686,7 +732,8 @@ class EventStore:
                     hint=f"its write-ahead log {path.name}-wal may hold recent commits, which SQLite reads only with "
                     f"the {path.name}-shm file beside it; copy the store's files to a writable directory",
                 ) from exc
-            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}") from exc
+            raise StoreFailure("store.unavailable", f"cannot open store {redact(self.url)}: {exc}",
+                               hint=OPEN_FAILED_HINT) from exc
         self._check_tables(present)
 
     def _require_tables(self) -> None:
@@ -1312,7 +1359,8 @@ class EventStore:
         """A tree id, a start id or a process id, to a tree this store indexes (else NotFound)."""
         if not isinstance(ref, str):
             raise InvalidInput("identity.invalid", f"a run is named by a tree id, a start id or a process id (text), "
-                                                   f"not {type(ref).__name__} {str(ref)[:80]!r}")
+                                                   f"not {type(ref).__name__} {str(ref)[:80]!r}",
+                               hint="pass the run's tree id, start id or root process id as a str (e.g. run.tree_id)")
         if ref.startswith("tree:"):
             tree_id = TreeID(ref)
             if self.head(tree_id) is None and not self._indexed_since(tree_id):
@@ -1516,6 +1564,23 @@ def end_session(conn: Any) -> None:
 _PASSWORD_PARAMETER = re.compile(r"((?:^|[?&;\s])password\s*=\s*)[^&;#\s]*", re.IGNORECASE)
 
 
+#: A quoted ``password`` parameter of a libpq connection string (``password='a b'``, with
+#: backslash escapes inside): the whole quoted value is masked.
+_QUOTED_PASSWORD_PARAMETER = re.compile(r"((?:^|[?&;\s])password\s*=\s*)'(?:[^'\\]|\\.)*'?", re.IGNORECASE)
+#: Something that looks like a URL with a user part (``scheme://user:password@host``).
+_URL_WITH_USER = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*@\S*")
+
+
+def mask_passwords(text: str) -> str:
+    """``text`` (a server's or a driver's message) with the passwords it may quote masked:
+    ``password=...`` parameters (quoted or not) and the ``:password@`` of a URL. Only where a
+    password can stand: masking every occurrence of the password's text would garble the
+    message and, for a short password, show it (``e`` -> ``conn***ction``)."""
+    text = _QUOTED_PASSWORD_PARAMETER.sub(r"\1***", text)
+    text = _PASSWORD_PARAMETER.sub(r"\1***", text)
+    return _URL_WITH_USER.sub(lambda found: redact(found.group()), text)
+
+
 def redact(url: str) -> str:
     """The URL without its password, for messages (also when the URL is malformed: a scheme in
     capitals, one slash, no slashes, a ``password`` query parameter)."""
@@ -1571,10 +1636,7 @@ def check_postgres(url: str, settings: dict[str, str]) -> None:
 
 def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFound | StoreFailure:
     """A classified error for a failed PostgreSQL connection, with the server's reason on one line."""
-    text = str(exc)
-    text = text.removeprefix("connection failed: ")
-    if settings["POSTGRES_PASSWORD"]:
-        text = text.replace(settings["POSTGRES_PASSWORD"], "***")
+    text = mask_passwords(str(exc).removeprefix("connection failed: "))
     lines: list[str] = []
     for line in text.splitlines():
         line = " ".join(line.split())

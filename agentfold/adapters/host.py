@@ -23,19 +23,34 @@ from typing import Any
 
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.interaction import steer_signal
-from agentfold.adapters.queries import HostQueries, ListingPage
+from agentfold.adapters.queries import HostQueries, ListingPage, parse_runs_cursor
 from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize
 from agentfold.domain.errors import InvalidInput, NotFound, Rejected
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
+from agentfold.domain.interaction.tool_call import ToolCallState
 from agentfold.domain.kernel import Kernel
 from agentfold.domain.program import ProgramResolver, SignalRequest
 from agentfold.domain.requests import Settlement
-from agentfold.domain.tree import STATUSES, TreeState
+from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, TreeState
 from agentfold.projections.host_views import pending_tool_inputs
 from agentfold.projections.read_models import Entry
+
+RESOLUTION_HINT = (
+    'the entry\'s "kind" in Host.unknown() says what to give: a "tool" call output= (and disposition= '
+    '"succeeded", "failed" or "rejected"), a "model" call model_response=, any other effect output= '
+    '(and status= "succeeded" or "failed")'
+)
+"""What a refused :meth:`Host.resolve` is told to give instead (``host.resolution_invalid``)."""
+
+
+OWN_WAIT_HINT = (
+    "answer a Program's own wait from Python: runtime.deliver_signals(process_id, "
+    "[SignalRequest(signal_id, payload, wait_id=wait_id)]), the payload matching the wait's response_schema"
+)
+"""How to answer a wait the Program opened itself (``wait_effect``), which Host.answer does not take."""
 
 
 def fresh_signal_id(prefix: str) -> SignalID:
@@ -96,6 +111,19 @@ def answer_signal(
         state = wait_state(tree, process_id, wait_id)
         if state is not None and state["state"] == "answered":
             raise answered_elsewhere(process_id, wait_id, state)
+        wait = process.waits.get(wait_id) if process is not None else None
+        if process is not None and wait is not None and wait.kind == "external" and not (
+            process.has_state and isinstance(process.state, ToolCallState)
+        ):
+            # A wait the process's own Program opened (wait_effect): not a tool's input, so
+            # there is no tool input to answer; the kernel admits an answer addressed to it.
+            raise Rejected(
+                "engine.signal.rejected",
+                f"wait {wait_id} is a wait of the Program of process {process_id} ({process.program.name}) itself, "
+                "not a tool's input: answer (Host.answer, `agentfold answer`, POST .../answer) takes tool inputs only",
+                hint=OWN_WAIT_HINT,
+                wait=state,
+            )
         current = process.current_wait if process is not None else None
         raise Rejected(
             "engine.signal.rejected",
@@ -158,9 +186,11 @@ def _entries(queries: HostQueries, listing: Callable[..., list[Entry]], page: Ca
     if not paged:
         return listing()
     if after is not None and not isinstance(after, str):
-        raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {after!r}")
+        raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {after!r}",
+                           hint="pass the next_after of the previous page, or leave after out for the first page")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
+        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
+                           hint="pass a whole number of entries per page, at least 1 (e.g. limit=100)")
     return page(limit=100 if limit is None else limit, after=after)
 
 
@@ -204,17 +234,36 @@ class Host:
         queries = self.queries()
         return _entries(queries, queries.pending, queries.pending_page, tree, limit, after)
 
-    def runs(self, *, status: str | None = None, limit: int = 100, after: int = 0) -> list[Entry]:
+    def runs(self, *, status: str | None = None, classification: str | None = None, limit: int = 100,
+             after: str | None = None) -> list[Entry]:
         """Runs in creation order (``GET /runs``): ``status`` as the kernel names it
-        (``running``, ``waiting``, ``completed``, ...); page on with the last entry's ``cursor``."""
+        (``running``, ``waiting``, ``completed``, ...), ``classification`` (``progress``,
+        ``parked``, ``terminal``); page on with the last entry's ``cursor`` (a string, as
+        ``GET /runs`` returns it: ``m...`` from the read models, ``f...`` from folding)."""
         if status is not None and status not in STATUSES:
-            raise InvalidInput("host.page_invalid", f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}")
-        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidInput("host.page_invalid", f"status must be one of {', '.join(STATUSES)}, got {status!r}",
+                               hint="pass a status as the kernel names it, or leave status out for every run")
+        if classification is not None and classification not in CLASSIFICATIONS:
             raise InvalidInput("host.page_invalid",
-                               f"after must be a cursor (an integer: the last entry's cursor), got {after!r}")
-        return self.queries().runs(status=status, limit=limit, after=after)
+                               f"classification must be one of {', '.join(CLASSIFICATIONS)}, got {classification!r}",
+                               hint="pass a classification, or leave classification out for every run")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
+                               hint="pass a whole number of runs per page, at least 1 (e.g. limit=100)")
+        given: object = after
+        if type(given) is int and given == 0:  # the first page, as releases before 2026-12-02 wrote it
+            after = None
+        problem = None if after is None or isinstance(after, str) else "must be a cursor (a string)"
+        if problem is None:
+            try:
+                parse_runs_cursor(after)
+            except InvalidInput:
+                problem = "is not a cursor Host.runs returned"
+        if problem is not None:
+            raise InvalidInput("host.page_invalid", f"after {problem}: got {after!r}",
+                               hint="pass the cursor of the last run of the previous page (e.g. 'm1005' or 'f100'), "
+                                    "or leave after out for the first page")
+        return list(self.queries().runs_page(status=status, classification=classification, limit=limit, after=after))
 
     def delegates(self, process_id: str) -> Entry:
         """Which child each delegated tool call of an Interaction started (``agentfold delegates``)."""
@@ -260,7 +309,7 @@ class Host:
         status: str | None, model_response: JSON, effective_messages: JSON = ABSENT,
     ) -> Settlement:
         def refused(message: str) -> InvalidInput:
-            return InvalidInput("host.resolution_invalid", message)
+            return InvalidInput("host.resolution_invalid", message, hint=RESOLUTION_HINT)
 
         return settlement_for(
             tree, programs, effect_id,

@@ -415,12 +415,14 @@ def steer_signal(signal_id: str | SignalID, *messages: dict[str, Any]) -> Signal
     """An unaddressed steering Signal: one or more user messages for the next model request."""
     sid = SignalID(signal_id)
     if not messages:
-        raise InvalidInput("interaction.signal.invalid", "a steer needs at least one user message")
+        raise InvalidInput("interaction.signal.invalid", "a steer needs at least one user message",
+                           hint='pass "words for the model" or [{"role": "user", "content": "..."}]')
     parsed = [parse_message(m, f"steer.messages[{i}]") for i, m in enumerate(messages)]
     for i, message in enumerate(parsed):
         if message["role"] != "user":
             raise InvalidInput(
                 "interaction.signal.invalid", f"steer.messages[{i}]: steering accepts only user messages",
+                hint='give each message "role": "user"; system, assistant and tool messages cannot steer a run',
             )
         if not any(str(part.get("text", "")).strip() for part in message.get("content") or ()):
             # An empty or blank message would reach the model as an empty user turn.

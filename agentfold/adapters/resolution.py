@@ -26,6 +26,9 @@ from agentfold.domain.tree import TreeState
 ABSENT: Any = object()
 """A member the host did not give (``None`` is a JSON value)."""
 
+STATUSES = ("succeeded", "failed")
+"""The outcomes a ``status`` may name (an Effect that is neither a tool nor a model call)."""
+
 
 def settlement_for(
     tree: TreeState,
@@ -51,6 +54,10 @@ def settlement_for(
     # resolution is told so (engine.effect.not_pending), not that its description does not
     # fit the kind of Effect (the effect is no longer there to tell its kind).
     found = resolvable(tree, effect_id)
+    # A status is exactly one of two words: anything else ("fail", "FAILED", 0) is refused
+    # rather than read as success.
+    if status is not None and (not isinstance(status, str) or status not in STATUSES):
+        raise usage(f"{name('status')} is {' or '.join(repr(s) for s in STATUSES)}, not {status!r}")
     program = programs(found[0].program) if programs is not None else None
     request = None
     if program is not None and found[1].target == "dispatcher":
@@ -90,4 +97,4 @@ def settlement_for(
     return Settlement.failed(output) if status == "failed" else Settlement.succeeded(output)
 
 
-__all__ = ["ABSENT", "settlement_for"]
+__all__ = ["ABSENT", "STATUSES", "settlement_for"]

@@ -19,7 +19,6 @@ Dispatcher (I/O) in ``adapters``.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -495,11 +494,13 @@ def check_reason(reason: str) -> str:
     bytes (refused, not cut: what a host sends is stored as sent or not at all)."""
     text = reason.strip() if isinstance(reason, str) else ""
     if not text:
-        raise InvalidInput("control.invalid", "a reason must be non-empty text")
+        raise InvalidInput("control.invalid", "a reason must be non-empty text",
+                           hint='give a short reason, e.g. "canceled by the operator", or leave it out for the default')
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise InvalidInput("control.invalid", "a reason must be valid UTF-8 text (it holds a lone surrogate)") from None
+        raise InvalidInput("control.invalid", "a reason must be valid UTF-8 text (it holds a lone surrogate)",
+                           hint="remove the lone surrogate (decode bytes with errors='replace')") from None
     if size > MAX_DIAGNOSTIC_BYTES:
         raise InvalidInput(
             "control.invalid", f"a reason is at most {MAX_DIAGNOSTIC_BYTES} bytes of UTF-8, this one is {size}",
@@ -547,15 +548,28 @@ def is_async_callable(value: object) -> bool:
     whose ``__call__`` is one. agentfold never awaits, so such a callable never runs."""
     while isinstance(value, functools.partial):
         value = value.func
-    if inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
+    if _async_code(value):
         return True
-    if isinstance(value, type) or inspect.isroutine(value):
-        return False
+    if isinstance(value, type) or hasattr(value, "__code__") or hasattr(value, "__func__"):
+        return False  # a class, or a plain function or method
     try:
         dunder = getattr(type(value), "__call__", None)  # noqa: B004 - its async-ness, not callability
     except Exception:  # noqa: BLE001 - an odd metaclass: not ours to judge
         return False
-    return dunder is not None and (inspect.iscoroutinefunction(dunder) or inspect.isasyncgenfunction(dunder))
+    return dunder is not None and _async_code(dunder)
+
+
+#: Code flags of an ``async def`` function and of an async generator (``inspect.CO_COROUTINE``,
+#: ``inspect.CO_ASYNC_GENERATOR``: the domain layer does not import ``inspect``).
+_ASYNC_CODE_FLAGS = 0x80 | 0x200
+
+
+def _async_code(value: object) -> bool:
+    """Whether ``value`` is a function (or bound method) whose code is ``async def``."""
+    function = getattr(value, "__func__", value)  # a bound method's function
+    code = getattr(function, "__code__", None)
+    flags = getattr(code, "co_flags", 0)
+    return isinstance(flags, int) and bool(flags & _ASYNC_CODE_FLAGS)
 
 
 def check_dispatcher(dispatcher: object, owner: str) -> None:
