@@ -187,25 +187,36 @@ def test_a_bad_page_says_what_to_pass(runtime: Runtime, call: Callable[[Host], o
 
 
 class BadEffect(JsonStrategy):
-    """A ``decide`` that builds an Effect whose payload is not JSON: the Step fails."""
+    """A ``decide`` that raises a classified error: a payload that is not JSON, or JSON text
+    with a key written twice (whose hint earlier releases recorded)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
     def decide(self, state: Any, window: Sequence[Signal]) -> Step:
         from agentfold.domain.program import Continue, dispatcher_effect
 
+        if self.kind == "duplicate":
+            parse_json_text('{"a": 1, "a": 2}')
         return Step(0, Continue((dispatcher_effect({"at": object()}),)))
 
 
-def test_a_recorded_failure_keeps_the_code_and_message_but_not_the_hint(runtime: Runtime) -> None:
-    """A ``decide`` that raised is recorded as the run's failure; the hint is advice for a
-    caller and is reworded between releases, so the recorded text (which ``audit drift``
-    compares with what the current code produces) holds the code and message only."""
+@pytest.mark.parametrize(("kind", "recorded"), [
+    ("not-json", "InvalidInput: payload.invalid: value of type object at $.at is not JSON"),
+    ("duplicate", "InvalidInput: payload.invalid: payload: $ has the key 'a' twice "
+                  "(JSON parsers keep only the last one, silently; write each key once)"),
+])
+def test_a_recorded_failure_keeps_the_text_earlier_releases_recorded(runtime: Runtime, kind: str, recorded: str) -> None:
+    """A ``decide`` that raised is recorded as the run's failure, in the error's text. A hint
+    added since (a caller gets it) is not recorded: the history, and what ``audit drift``
+    compares with it, must not change when advice is added or reworded; a hint earlier
+    releases recorded still is. These texts are the ones release d6c9497 recorded."""
     with pytest.raises(AgentfoldError) as direct:
         normalize({"at": object()})
     assert direct.value.hint  # a caller gets the hint
-    program = Program(Descriptor("test.hints.bad_effect"), BadEffect(), IMPL, config_digest("test.hints.bad_effect"))
-    result = runtime.start(program, {}, start_id="bad-effect").result(timeout=30)
+    name = f"test.hints.bad_effect.{kind}"
+    program = Program(Descriptor(name), BadEffect(kind), IMPL, config_digest(name))
+    result = runtime.start(program, {}, start_id=f"bad-effect-{kind}").result(timeout=30)
     assert result.status == "failed" and result.termination is not None
     failure = result.termination["failure"]
-    assert failure["code"] == "execution.step.failed"
-    assert "payload.invalid: " in failure["message"]
-    assert direct.value.hint not in failure["message"], failure["message"]
+    assert (failure["code"], failure["message"]) == ("execution.step.failed", recorded)

@@ -45,7 +45,8 @@ def _text(value: str, path: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidInput("payload.invalid", f"the text at {path} is not valid UTF-8 (it holds a lone surrogate)",
-                           hint="decode bytes with errors='replace' (or drop the lone surrogate) before passing the text") from None
+                           hint="decode bytes with errors='replace' (or drop the lone surrogate) before passing the text",
+                           recorded_hint=False) from None
 
 
 NON_FINITE_HINT = "JSON has no NaN or infinity: send null or a string instead"
@@ -58,7 +59,8 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
     # Walks the value once; orjson alone would silently turn NaN into null.
     if depth > MAX_DEPTH:
         raise InvalidInput("payload.invalid", f"the value is nested deeper than {MAX_DEPTH} levels (at {path[:80]}...)",
-                           hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects")
+                           hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects",
+                           recorded_hint=False)
     if value is None or value is True or value is False:
         return
     if isinstance(value, str):
@@ -67,17 +69,19 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
             raise InvalidInput("payload.invalid", f"integer at {path} exceeds 64 bits",
-                               hint="send a number this large as a string")
+                               hint="send a number this large as a string", recorded_hint=False)
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidInput("payload.invalid", f"non-finite number at {path}", hint=NON_FINITE_HINT)
+            raise InvalidInput("payload.invalid", f"non-finite number at {path}", hint=NON_FINITE_HINT,
+                               recorded_hint=False)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise InvalidInput("payload.invalid", f"non-string object key at {path}",
-                                   hint="JSON object keys are strings: convert the keys with str()")
+                                   hint="JSON object keys are strings: convert the keys with str()",
+                                   recorded_hint=False)
             _text(key, f"a key of {path}")
             _check(item, f"{path}.{key}", depth + 1)
         return
@@ -87,7 +91,7 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
         return
     raise InvalidInput("payload.invalid", f"value of type {type(value).__name__} at {path} is not JSON",
                        hint="pass only dict, list, str, int, float, bool and None: convert the value first "
-                       "(a set to a list, a date to an ISO string, a dataclass to a dict)")
+                       "(a set to a list, a date to an ISO string, a dataclass to a dict)", recorded_hint=False)
 
 
 def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
@@ -108,7 +112,7 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
         except (TypeError, orjson.JSONEncodeError):
             _check(value, "$")  # names the offending path
             raise InvalidInput("payload.invalid", f"{what} is not JSON",
-                               hint="pass only dict, list, str, int, float, bool and None") from None
+                               hint="pass only dict, list, str, int, float, bool and None", recorded_hint=False) from None
         if b"null" in data:
             # orjson writes NaN and infinities as null; only then is a walk needed.
             _check(value, "$")
@@ -121,7 +125,7 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
     if isinstance(value, (dict, list, tuple)):
         return orjson.loads(data)
     if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidInput("payload.invalid", "non-finite number at $", hint=NON_FINITE_HINT)
+        raise InvalidInput("payload.invalid", "non-finite number at $", hint=NON_FINITE_HINT, recorded_hint=False)
     return value
 
 
@@ -135,7 +139,7 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
     except orjson.JSONDecodeError as exc:
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}",
                            hint="send JSON text (RFC 8259): double-quoted strings and keys, no trailing commas, "
-                           "no NaN or infinity") from exc
+                           "no NaN or infinity", recorded_hint=False) from exc
     # Read once more by the standard library, exactly: it sees a key written twice (orjson
     # keeps the last one), and an integer beyond 64 bits, which orjson reads as a float
     # (precision lost, silently), stays an integer that normalize refuses by its path.
@@ -143,7 +147,8 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         exact = json.loads(raw, object_pairs_hook=_unique_pairs, parse_constant=_no_constant)
     except RecursionError:
         raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels",
-                           hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects") from None
+                           hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects",
+                           recorded_hint=False) from None
     duplicate = _first_repeated(exact)
     if duplicate is not None:
         raise InvalidInput("payload.invalid", f"{what}: {duplicate[0]} has the key {duplicate[1]!r} twice",
@@ -236,7 +241,7 @@ def _path(keys: Sequence[str | int]) -> str:
 
 
 def _no_constant(name: str) -> Any:
-    raise InvalidInput("payload.invalid", f"{name} is not a JSON number", hint=NON_FINITE_HINT)
+    raise InvalidInput("payload.invalid", f"{name} is not a JSON number", hint=NON_FINITE_HINT, recorded_hint=False)
 
 
 def _holds_float(value: JSON) -> bool:

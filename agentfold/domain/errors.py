@@ -91,11 +91,17 @@ class AgentfoldError(Exception):
     exit_status: ClassVar[int] = 1
     http_status: ClassVar[int] = 500
 
-    def __init__(self, code: str, message: str, hint: str = "", **detail: Any) -> None:
+    def __init__(self, code: str, message: str, hint: str = "", *, recorded_hint: bool = True, **detail: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.hint = hint
+        # Whether a history that records this error's text (a Step that raised it: see
+        # ``recorded_text``) records the hint too. Hints given to an error that a Program's
+        # decide/evolve or an Interaction can raise after histories already recorded its text
+        # without one pass False: a recorded history, and what ``audit drift`` compares with
+        # it, must not change when advice is added or reworded.
+        self.recorded_hint = recorded_hint
         self.details = detail
 
     def __str__(self) -> str:
@@ -115,6 +121,14 @@ class AgentfoldError(Exception):
         if self.details:
             body["detail"] = self.details
         return body
+
+
+def recorded_text(exc: BaseException) -> str:
+    """An error's text as a history records it (a failed Step's message, a refusal the model
+    reads): ``str(exc)``, without a hint given with ``recorded_hint=False``."""
+    if isinstance(exc, AgentfoldError) and exc.hint and not exc.recorded_hint:
+        return f"{exc.code}: {exc.message}"
+    return str(exc)
 
 
 class InvalidInput(AgentfoldError):

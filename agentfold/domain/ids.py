@@ -42,7 +42,7 @@ class _Identity(str):
             return value
         if not isinstance(value, str):
             raise InvalidInput("identity.invalid", f"{cls.kind} must be a string, got {type(value).__name__}",
-                               hint=f"pass the {cls.kind} as text (a str), e.g. str(value)")
+                               hint=f"pass the {cls.kind} as text (a str), e.g. str(value)", recorded_hint=False)
         cls._check(value)
         return super().__new__(cls, value)
 
@@ -135,7 +135,7 @@ class _HexIdentity(_Identity):
         """Build from ``width`` random or derived bytes (the caller owns randomness)."""
         if len(raw) != cls.width:
             raise InvalidInput("identity.invalid", f"{cls.kind} needs {cls.width} bytes, got {len(raw)}",
-                               hint=f"pass exactly {cls.width} bytes")
+                               hint=f"pass exactly {cls.width} bytes", recorded_hint=False)
         return str.__new__(cls, cls.prefix + raw.hex())  # well formed by construction
 
 
@@ -255,5 +255,5 @@ def child_process_id(start_effect: EffectID) -> ProcessID:
 def root_process_id(random16: bytes) -> ProcessID:
     """Root ProcessIDs are ``process:`` + 32 hex of 16 random bytes minted by the runtime."""
     if len(random16) != 16:
-        raise InvalidInput("identity.invalid", "a root process id needs 16 random bytes", hint="pass os.urandom(16)")
+        raise InvalidInput("identity.invalid", "a root process id needs 16 random bytes", hint="pass os.urandom(16)", recorded_hint=False)
     return ProcessID("process:" + random16.hex())

@@ -24,7 +24,6 @@ from typing import Any, Protocol
 from agentfold.domain.budget import Budget, child_debit
 from agentfold.domain.canonical import JSON, canonical_bytes, normalize, value_at
 from agentfold.domain.errors import (
-    AgentfoldError,
     ClassifiedError,
     EngineCode,
     Failure,
@@ -33,6 +32,7 @@ from agentfold.domain.errors import (
     NotFound,
     Rejected,
     ResourceLimitExceeded,
+    recorded_text,
 )
 from agentfold.domain.events import (
     CheckpointCommitted,
@@ -175,10 +175,10 @@ def start_tree(
         program.strategy.initial(value)
     except ClassifiedError as exc:
         raise InvalidInput(exc.failure.code, f"the program refused its input: {exc.failure.message}",
-                           hint=START_REFUSED_HINT) from exc
+                           hint=START_REFUSED_HINT, recorded_hint=False) from exc
     except Exception as exc:
         raise InvalidInput(EngineCode.PROCESS_START_FAILED, f"the program refused its input: {exc}",
-                           hint=START_REFUSED_HINT) from exc
+                           hint=START_REFUSED_HINT, recorded_hint=False) from exc
     return TreeStarted(
         process_id=root_id,
         tree_id=TreeID.for_start(start_id),
@@ -228,14 +228,6 @@ def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | Non
     return process, record
 
 
-
-def _error_text(exc: BaseException) -> str:
-    """An error's text as a failure records it: a classified error's code and message, without
-    its hint (advice for a caller, worded anew between releases: a recorded history, and what
-    ``audit drift`` compares with it, must not change with it)."""
-    if isinstance(exc, AgentfoldError):
-        return f"{exc.code}: {exc.message}"
-    return str(exc)
 
 class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
@@ -390,7 +382,7 @@ class Kernel:
             self._fail(
                 progress,
                 process,
-                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED, f"{type(exc).__name__}: {_error_text(exc)}"),
+                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}"),
             )
             return
         try:
@@ -414,7 +406,7 @@ class Kernel:
                 progress,
                 process,
                 _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED,
-                         f"evolve failed: {type(exc).__name__}: {_error_text(exc)}"),
+                         f"evolve failed: {type(exc).__name__}: {recorded_text(exc)}"),
             )
             return
         seq = process.committed_steps + 1
@@ -592,7 +584,7 @@ class Kernel:
             except _StepRefused:
                 raise
             except (InvalidInput, KeyError, TypeError, ValueError) as exc:
-                raise refuse(EngineCode.EFFECT_INVALID, f"invalid {op.value} effect: {_error_text(exc)}") from exc
+                raise refuse(EngineCode.EFFECT_INVALID, f"invalid {op.value} effect: {recorded_text(exc)}") from exc
         if effects and not process.budget.effects.allows(process.prepared_effects + process.allocated.effects, len(effects)):
             raise refuse(EngineCode.LIMIT_EFFECTS, f"{len(effects)} effects exceed the effects budget", FailureKind.EXECUTION)
         if reserve and not process.budget.signals.allows(
@@ -751,7 +743,7 @@ class Kernel:
             refused(exc.failure.kind, exc.failure.code, exc.failure.message)
             return
         except Exception as exc:  # noqa: BLE001
-            refused(FailureKind.EXECUTION, EngineCode.PROCESS_START_FAILED, f"{type(exc).__name__}: {_error_text(exc)}")
+            refused(FailureKind.EXECUTION, EngineCode.PROCESS_START_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
             return
         # ProcessStarted also settles the start-child Effect (the fold derives its result).
         self._emit(
@@ -875,7 +867,7 @@ class Kernel:
             reason = check_reason(f"{control} requested by {owner}" if reason is None else reason)
         elif control != "resume":
             raise InvalidInput("control.invalid", f"unknown control {control!r}",
-                               hint="the controls are pause, resume, cancel, kill and deadline")
+                               hint="the controls are pause, resume, cancel, kill and deadline", recorded_hint=False)
         process = self._live(pid)
         if process.terminal:
             raise Rejected(

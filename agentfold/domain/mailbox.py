@@ -92,7 +92,7 @@ def check_admission(
                 raise Rejected(
                     "engine.signal.rejected",
                     f"wait {request.wait_id} of process {process.process_id} was already answered",
-                    hint="read the run to see how it went on; `agentfold pending` lists the inputs still open",
+                    hint="read the run to see how it went on; `agentfold pending` lists the inputs still open", recorded_hint=False,
                     wait_id=request.wait_id,
                 )
             if process.current_wait is not None and process.current_wait != request.wait_id:
@@ -122,7 +122,7 @@ def check_admission(
                         "unaddressed input is refused until that wait is answered",
                         hint=f"answer wait {current} first (a tool's input: `agentfold answer` or Host.answer; a "
                         "Program's own wait: Runtime.deliver_signals with SignalRequest(id, payload, wait_id)), "
-                        "then send this input again",
+                        "then send this input again", recorded_hint=False,
                     )
             # A parent's signal_child goes through the child's ordinary admission (spec §6.4),
             # schema included; the fold (``parent_schema`` False) still accepts the parent
@@ -139,7 +139,7 @@ def check_admission(
                     raise InvalidInput(
                         "engine.signal.schema",
                         "signal payload does not satisfy the program's signal schema: " + "; ".join(problems[:3]),
-                        hint="send a payload that matches the signal_schema of the Program's Descriptor",
+                        hint="send a payload that matches the signal_schema of the Program's Descriptor", recorded_hint=False,
                     )
     pending = process.pending_count
     limit = process.limits_max_pending
@@ -147,7 +147,7 @@ def check_admission(
         raise ResourceLimitExceeded(
             "engine.limit.signals",
             f"process {process.process_id} has {pending} pending signals; the mailbox holds at most {limit}",
-            hint="send it again once the process has consumed some of its pending signals",
+            hint="send it again once the process has consumed some of its pending signals", recorded_hint=False,
         )
     quota = process.budget.signals
     if not quota.allows(process.accepted_signals + process.allocated.signals + process.reserved_signals, len(new)):

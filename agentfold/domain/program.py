@@ -495,12 +495,13 @@ def check_reason(reason: str) -> str:
     text = reason.strip() if isinstance(reason, str) else ""
     if not text:
         raise InvalidInput("control.invalid", "a reason must be non-empty text",
-                           hint='give a short reason, e.g. "canceled by the operator", or leave it out for the default')
+                           hint='give a short reason, e.g. "canceled by the operator", or leave it out for the default',
+                           recorded_hint=False)
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidInput("control.invalid", "a reason must be valid UTF-8 text (it holds a lone surrogate)",
-                           hint="remove the lone surrogate (decode bytes with errors='replace')") from None
+                           hint="remove the lone surrogate (decode bytes with errors='replace')", recorded_hint=False) from None
     if size > MAX_DIAGNOSTIC_BYTES:
         raise InvalidInput(
             "control.invalid", f"a reason is at most {MAX_DIAGNOSTIC_BYTES} bytes of UTF-8, this one is {size}",

@@ -23,7 +23,7 @@ from typing import Any
 
 from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, normalize
-from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
+from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput, recorded_text
 from agentfold.domain.interaction.chat import (
     FINISH_REASONS,
     INPUT_SCHEMA,
@@ -220,7 +220,7 @@ def _delegate_input(spec: DelegateSpec, call: ToolCall) -> tuple[JSON, str | Non
     try:
         return normalize(spec.child_input(arguments), what="delegated worker input"), None
     except Exception as exc:  # noqa: BLE001 - the Delegate's build_input is its author's code
-        return None, f"preparing the delegated worker input failed: {type(exc).__name__}: {exc}"
+        return None, f"preparing the delegated worker input failed: {type(exc).__name__}: {recorded_text(exc)}"
 
 
 def response_problem(response: dict[str, Any]) -> str | None:
@@ -396,7 +396,8 @@ class InteractionStrategy:
                 decision = validator(candidate)
             except Exception as exc:  # noqa: BLE001 - every validator error (a classified one too) is this failure
                 return plan.step(
-                    _fail(FailureKind.EXECUTION, "interaction.completion.validator_failed", f"{type(exc).__name__}: {exc}")
+                    _fail(FailureKind.EXECUTION, "interaction.completion.validator_failed",
+                          f"{type(exc).__name__}: {recorded_text(exc)}")
                 )
             if not isinstance(decision, CompletionDecision) or not decision.valid():
                 return plan.step(

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import ClassifiedError, FailureKind
+from agentfold.domain.errors import ClassifiedError, FailureKind, recorded_text
 from agentfold.domain.interaction.chat import (
     ToolCall,
     ToolResult,
@@ -234,7 +234,7 @@ def steer_messages(signal: Signal) -> tuple[dict[str, Any], ...]:
     try:
         parsed = parse_messages(messages, "steer.messages")
     except Exception as exc:
-        raise ClassifiedError(FailureKind.CONTRACT, "interaction.signal.invalid", f"invalid steer: {exc}") from exc
+        raise ClassifiedError(FailureKind.CONTRACT, "interaction.signal.invalid", f"invalid steer: {recorded_text(exc)}") from exc
     if not parsed or any(m["role"] != "user" for m in parsed):
         raise ClassifiedError(
             FailureKind.CONTRACT, "interaction.signal.invalid", "invalid steer: it needs one or more user messages"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, canonical_bytes
-from agentfold.domain.errors import ClassifiedError, Failure, FailureKind
+from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, recorded_text
 from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.state import (
     is_dispatch_settlement,
@@ -118,7 +118,7 @@ def check_input_request(value: Any) -> dict[str, Any]:
     try:
         check_schema(value["response_schema"], "#response_schema")
     except Exception as exc:
-        raise protocol_error(f"invalid response schema: {exc}") from exc
+        raise protocol_error(f"invalid response schema: {recorded_text(exc)}") from exc
     return value
 
 
