@@ -60,3 +60,30 @@ def test_pages_of_runs_neither_repeat_nor_skip_when_the_tables_appear_between_th
                 host.runs(classification="done")
     finally:
         store.close()
+
+
+def test_a_run_whose_history_cannot_be_read_is_named_not_dropped(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "corrupt.db"
+    store = EventStore(f"sqlite:///{path}")
+    program = chain_program(name="test.host.pages.corrupt")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            trees = [runtime.start(program, {"n": 1}, start_id=f"r{i}").tree_id for i in range(3)]
+            for tree in trees:
+                runtime.result(tree, timeout=30)
+        damaged = trees[1]
+        with sqlite3.connect(path) as conn:  # one byte of its last event, as tests/test_corrupt_tree_listings.py does
+            version, state = conn.execute(
+                "SELECT originator_version, state FROM agentfold_events WHERE originator_id=? "
+                "ORDER BY originator_version DESC LIMIT 1", (damaged.uuid.hex,)).fetchone()
+            assert state[:1] != b"\x01"
+            conn.execute("UPDATE agentfold_events SET state=? WHERE originator_id=? AND originator_version=?",
+                         (state.replace(b'"timestamp":"2', b'"timestamp":"1', 1), damaged.uuid.hex, version))
+        with Runtime(store, Catalog([program])) as runtime:
+            page = Host(runtime).runs()
+            assert [e["start_id"] for e in page] == ["r0", "r2"]
+            assert [e["start_id"] for e in page.corrupt] == ["r1"]  # type: ignore[attr-defined]
+    finally:
+        store.close()

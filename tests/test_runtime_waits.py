@@ -110,3 +110,51 @@ def test_result_and_wait_idle_after_close_say_so_instead_of_waiting(tmp_path: Pa
         assert isinstance(outcomes.get(name), RuntimeStopped), outcomes
         assert outcomes[name].code == "engine.runtime.closed"  # type: ignore[attr-defined]
     store.close()
+
+
+def test_a_wait_idle_under_way_when_the_runtime_closes_says_so_instead_of_a_busy_state(tmp_path: Path) -> None:
+    gated = GatedCall(CallLog(tmp_path / "calls.jsonl"), at=0)
+    program = chain_program(gated, name="test.waits.closing")
+    store = EventStore(f"sqlite:///{tmp_path / 'closing.db'}")
+    runtime = Runtime(store, Catalog([program]), cancel_grace=0.1)
+    handle = runtime.start(program, {"n": 2}, start_id="closing-under-a-wait")
+    assert gated.entered.wait(30)
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            outcome["tree"] = runtime.wait_idle(handle.tree_id, timeout=20)
+        except BaseException as exc:  # noqa: BLE001 - recorded, asserted below
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    runtime.close(timeout=1)
+    waiter.join(10)
+    gated.release.set()
+    assert "tree" not in outcome, "wait_idle returned a tree with a call in flight"
+    assert isinstance(outcome["error"], RuntimeStopped) and outcome["error"].code == "engine.runtime.closed"
+    store.close()
+
+
+def test_cli_commands_answer_a_run_another_runtime_drives_as_stored_without_waiting(tmp_path: Path) -> None:
+    """docs/cli.md: when another live runtime owns the tree, `driven` is false and the tree is
+    the summary as stored; the command does not wait for that runtime's calls."""
+    from agentfold.adapters import cli
+    from agentfold.adapters.sources import ProgramSources
+
+    gated = GatedCall(CallLog(tmp_path / "calls.jsonl"), at=0)
+    program = chain_program(gated, name="test.waits.cli.elsewhere")
+    url = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    store = EventStore(url)
+    with Runtime(store, Catalog([program])) as owner:
+        handle = owner.start(program, {"n": 2}, start_id="cli-elsewhere")
+        assert gated.entered.wait(30)
+        began = time.monotonic()
+        code = cli.main(["pause", str(handle.root_process_id), "--store", url, "--timeout", "20", "--json"],
+                        sources=ProgramSources(programs=(program,)))
+        assert code == 0 and time.monotonic() - began < 10
+        gated.release.set()
+        owner.wait_idle(handle.tree_id, timeout=30)
+    store.close()

@@ -125,3 +125,12 @@ def test_the_cli_refuses_a_store_in_a_missing_folder_with_exit_2_and_creates_not
     assert "sqlite:////tmp/x.db" in error["hint"]
     assert list(work.iterdir()) == []
     assert ROOT.exists()
+
+
+def test_a_tilde_in_an_sqlite_path_is_named_as_not_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput) as refused:
+        EventStore("sqlite:///~/agentfold.db")
+    assert refused.value.code == "store.url_invalid"
+    assert "does not expand ~" in refused.value.hint
+    assert list(tmp_path.iterdir()) == []

@@ -423,7 +423,7 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
     wait, declared, for the next owner, which calls them (they are not unknown). If the tree
     parked or ended within the grace, that is the answer; otherwise TimeoutError."""
     try:
-        return runtime.wait_idle(tree_id, ctx.timeout)
+        return runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False)
     except TimeoutError:
         pass
     return _after_drain(ctx, runtime, tree_id, runtime.drain(CALLS_GRACE))
@@ -431,7 +431,7 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
 
 def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool) -> TreeState:
     if drained:
-        tree = runtime.wait_idle(tree_id, 1.0)
+        tree = runtime.wait_idle(tree_id, 1.0, elsewhere=False)
         if tree.classification() != "progress":
             return tree
         waiting = sum(1 for p in tree.live.values() for r in p.batch if r.phase == "planned")
@@ -492,7 +492,7 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
             late: list[tuple[TreeHead, TreeID]] = []
             for head, tree_id in adopted:
                 try:
-                    tree = runtime.wait_idle(tree_id, ctx.timeout)
+                    tree = runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False)
                 except TimeoutError:
                     late.append((head, tree_id))
                     continue

@@ -530,6 +530,8 @@ def sqlite_folder_problem(url: str, path: Path) -> InvalidInput | None:
         return None
     if exists:
         hint = f"{folder} is a file: name the store's file inside a folder that exists"
+    elif str(path).startswith("~"):
+        hint = "SQLite does not expand ~: write the whole path, e.g. sqlite:////home/me/agentfold.db (four slashes)"
     elif path.is_absolute():
         hint = (f"create the folder {folder} first, or name a file in a folder that exists; "
                 "sqlite:///relative.db is relative to the working directory, sqlite:////absolute/path.db absolute")

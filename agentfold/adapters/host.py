@@ -263,7 +263,8 @@ class Host:
             raise InvalidInput("host.page_invalid", f"after {problem}: got {after!r}",
                                hint="pass the cursor of the last run of the previous page (e.g. 'm1005' or 'f100'), "
                                     "or leave after out for the first page")
-        return list(self.queries().runs_page(status=status, classification=classification, limit=limit, after=after))
+        # A ListingPage: its ``corrupt`` names a run whose history cannot be read (left out).
+        return self.queries().runs_page(status=status, classification=classification, limit=limit, after=after)
 
     def delegates(self, process_id: str) -> Entry:
         """Which child each delegated tool call of an Interaction started (``agentfold delegates``)."""

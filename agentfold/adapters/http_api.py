@@ -772,7 +772,7 @@ class ApiService:
         """The answer to a write: the tree after waiting up to ``wait`` s, and a position."""
         drive_error = None
         try:
-            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001)
+            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001, elsewhere=False)
             idle = tree.classification() != "progress"
         except TimeoutError:
             tree, idle = self.runtime.capture(tree_id), False

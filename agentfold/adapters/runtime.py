@@ -1739,19 +1739,21 @@ class Runtime:
                 raise TimeoutError(f"tree {tree_id} is not finished")
             time.sleep(0.05)
 
-    def wait_idle(self, tree: TreeID | str, timeout: float = 30.0) -> TreeState:
+    def wait_idle(self, tree: TreeID | str, timeout: float = 30.0, *, elsewhere: bool = True) -> TreeState:
         """Wait until the tree has nothing left to do now; its folded state.
 
         The tree is then terminal or parked (waiting for input, paused, or blocked on
         an unknown Effect), with no dispatch in flight. ``tree``: a TreeID, or a tree id,
         start id or process id in text. A tree this runtime does not drive is waited for in
-        the store (another runtime drives it; a tree nobody drives ends in TimeoutError).
+        the store (another runtime drives it; a tree nobody drives ends in TimeoutError);
+        with ``elsewhere=False`` its stored state is returned at once (the CLI and the HTTP
+        API answer a run another process owns as stored).
         """
         tree_id = self._tree_ref(tree)
         deadline = time.monotonic() + timeout
         driver = self._drivers.get(tree_id)
         if driver is None:
-            return self._wait_idle_elsewhere(tree_id, deadline)
+            return self._stored_when_idle(tree_id, deadline, elsewhere)
         # Bounded even while the owner line holds the lock inside a blocked store call.
         if not driver.cond.acquire(timeout=timeout):
             raise TimeoutError(f"tree {tree_id} is still busy")
@@ -1761,7 +1763,7 @@ class Runtime:
                     failed = self._failed.get(tree_id)
                     if failed is not None:
                         raise failed
-                    return self._load(tree_id).state
+                    break  # closed or released meanwhile: the store answers (below)
                 quiet = driver.idle and not driver.flights and not driver._scheduled
                 if quiet:
                     return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
@@ -1771,14 +1773,18 @@ class Runtime:
                 driver.cond.wait(min(remaining, 0.05))
         finally:
             driver.cond.release()
+        return self._stored_when_idle(tree_id, deadline, elsewhere)
 
-    def _wait_idle_elsewhere(self, tree_id: TreeID, deadline: float) -> TreeState:
+    def _stored_when_idle(self, tree_id: TreeID, deadline: float, elsewhere: bool) -> TreeState:
         """``wait_idle`` for a tree without an owner line here: its stored state, read every
-        0.05 s, once it is terminal, or parked with no dispatcher call in flight."""
+        0.05 s, once it is terminal, or parked with no dispatcher call in flight (at once
+        without ``elsewhere``)."""
         while True:
             failed = self._failed.get(tree_id)
             if failed is not None:
                 raise failed
+            if not elsewhere:
+                return self._load(tree_id).state
             head = self.store.head(tree_id)
             if head is None:
                 raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
@@ -1787,7 +1793,7 @@ class Runtime:
                 calls = (r for p in state.live.values() for r in p.in_flight() if r.target == Target.DISPATCHER)
                 if head.classification == "terminal" or next(calls, None) is None:
                     return state
-            if tree_id in self._drivers:  # adopted here meanwhile (input admitted here, say)
+            if tree_id in self._drivers and not self._closed:  # adopted here meanwhile (input admitted here)
                 return self.wait_idle(tree_id, max(0.0, deadline - time.monotonic()))
             if self._closed:
                 raise RuntimeStopped("engine.runtime.closed", f"this runtime is closed; tree {tree_id} is still busy",
