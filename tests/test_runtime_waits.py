@@ -158,3 +158,21 @@ def test_cli_commands_answer_a_run_another_runtime_drives_as_stored_without_wait
         gated.release.set()
         owner.wait_idle(handle.tree_id, timeout=30)
     store.close()
+
+
+def test_a_request_the_owner_line_does_not_take_in_time_is_a_classified_error_and_stays_queued(tmp_path: Path) -> None:
+    """A host request waits for the tree's owner line; a line busy with a long pass (here: held)
+    answered a bare TimeoutError although the request was applied later (extremes audit)."""
+    program = asker_program("test.waits.busy-line")
+    store = EventStore(f"sqlite:///{tmp_path / 'busy.db'}")
+    with Runtime(store, Catalog([program])) as runtime:
+        handle = runtime.start(program, {}, start_id="busy-line")
+        runtime.wait_idle(handle.tree_id)
+        driver = runtime._drivers[handle.tree_id]
+        with driver.lock:  # the line cannot run a cycle meanwhile
+            with pytest.raises(RuntimeStopped) as busy:
+                driver.call(lambda kernel: (kernel.request_control(handle.root_process_id, "pause", "busy"), True),
+                            timeout=0.3)
+        assert busy.value.code == "engine.runtime.busy" and "still queued" in busy.value.message
+        assert runtime.wait_idle(handle.tree_id).root.status == "paused"  # applied once the line got to it
+    store.close()

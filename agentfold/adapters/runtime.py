@@ -526,7 +526,20 @@ class _Driver:
     def call(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], timeout: float | None = 60.0) -> Any:
         future: Future[Any] = Future()
         self.submit(_Call(fn, future))
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.done():  # answered just as the wait ran out
+                return future.result()
+            # Still queued behind a long pass of the owner line (thousands of Steps): it is
+            # applied, or refused, when the line reaches it; nobody hears which.
+            raise RuntimeStopped(
+                "engine.runtime.busy",
+                f"the owner line of tree {self.tree_id} did not take this request within {timeout:g} s: it is "
+                "still queued, and is applied (or refused) when the line gets to it",
+                hint=f"look at the run later (`agentfold show {self.tree_id}`) before sending it again; a request "
+                "sent again with the same signal id is not applied twice",
+            ) from None
 
     def _run(self) -> None:
         """Owner-pool entry: run the cycles, then start every launched dispatcher call."""

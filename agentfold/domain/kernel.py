@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentfold.domain.budget import Budget, child_debit
+from agentfold.domain.budget import MAX_COUNTER, Budget, child_debit
 from agentfold.domain.canonical import JSON, canonical_bytes, normalize, value_at
 from agentfold.domain.errors import (
     ClassifiedError,
@@ -142,6 +142,25 @@ RESERVED_START_PREFIXES = ("tree:", "process:")
 START_REFUSED_HINT = "fix the input: the Program's initial() refused it for the reason in the message"
 
 
+def check_limits(limits: TreeLimits) -> None:
+    """Refuse tree limits a start would store and every child start would then trip over (a
+    negative count) or that cannot be stored (beyond 64 bits): ``limits.invalid``. Only new
+    starts are checked: histories that already hold such limits still fold."""
+    for name in TreeLimits.model_fields:
+        value = getattr(limits, name)
+        optional = TreeLimits.model_fields[name].default is None
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
+            raise InvalidInput(
+                "limits.invalid",
+                f"tree limit {name} is {value!r}; it must be an int from 0 to {MAX_COUNTER}"
+                + (" (or None for no limit)" if optional else ""),
+                hint="pass TreeLimits with whole numbers of 0 or more (the defaults: max_depth 16, "
+                "max_active_children 16, max_pending_signals 10000)",
+            )
+
+
 def start_tree(
     program: Program,
     input: JSON,
@@ -163,6 +182,8 @@ def start_tree(
             "identity.invalid", f"start id {start_id[:80]!r} begins with {reserved!r}: it would read as "
             f"a {reserved[:-1]} id", hint="choose a start id that does not begin with tree: or process:",
         )
+    if limits is not None:
+        check_limits(limits)
     value = normalize(input, what="input")
     problems = schema_errors(value, program.descriptor.input_schema)
     if problems:
