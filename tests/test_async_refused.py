@@ -32,9 +32,10 @@ from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Complete, Continue, Descriptor, Program, Step, dispatcher_effect
 from agentfold.domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import JsonStrategy
 
 
-class OneCall:
+class OneCall(JsonStrategy):
     """One dispatcher Effect, then complete."""
 
     def initial(self, input: JSON) -> Any:
@@ -44,15 +45,6 @@ class OneCall:
         if not window:
             return Step(0, Continue((dispatcher_effect({"x": 1}),)))
         return Step(1, Complete({"ok": True}))
-
-    def evolve(self, state: Any, facts: JSON, consumed: Any) -> Any:
-        return state
-
-    def encode_state(self, state: Any) -> JSON:
-        return state
-
-    def decode_state(self, data: JSON) -> Any:
-        return data
 
 
 def program(name: str, dispatcher: object) -> Program:

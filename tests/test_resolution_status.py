@@ -24,11 +24,12 @@ from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Complete, Continue, Descriptor, Program, Step, dispatcher_effect
+from tests.kernel_programs import JsonStrategy
 
 BAD_STATUSES: list[Any] = ["fail", "FAILED", "Succeeded", "success", "", "failed ", 0, 1, True]
 
 
-class OneCall:
+class OneCall(JsonStrategy):
     """One dispatcher call, then complete with how it settled."""
 
     def initial(self, input: Any) -> Any:
@@ -38,15 +39,6 @@ class OneCall:
         if not window:
             return Step(0, Continue((dispatcher_effect({"charge": 12}),)))
         return Step(1, Complete({"status": window[0].status.value, "payload": window[0].payload}))
-
-    def evolve(self, state: Any, facts: Any, consumed: Any) -> Any:
-        return state
-
-    def encode_state(self, state: Any) -> Any:
-        return state
-
-    def decode_state(self, data: Any) -> Any:
-        return data
 
 
 def lost_reply(request: Any, context: Any) -> Any:
@@ -58,14 +50,20 @@ def charge() -> Program:
                    configuration_digest=Digest.of(b"-"), dispatcher=FunctionDispatcher(lost_reply))
 
 
+def unknown_charge(runtime: Runtime, start_id: str) -> tuple[Host, Any, dict[str, Any]]:
+    """A run whose one call's outcome is unknown: the Host, the run, and its unknown Effect."""
+    host = Host(runtime)
+    run = runtime.start(charge(), {}, start_id=start_id)
+    runtime.wait_idle(run.tree_id, timeout=10)
+    [unknown] = host.unknown(run.tree_id)
+    return host, run, unknown
+
+
 def test_host_resolve_refuses_a_status_that_is_not_succeeded_or_failed_and_appends_nothing() -> None:
     store = EventStore("memory:")
     try:
         with Runtime(store) as runtime:
-            host = Host(runtime)
-            run = runtime.start(charge(), {}, start_id="charge-1")
-            runtime.wait_idle(run.tree_id, timeout=10)
-            [unknown] = host.unknown(run.tree_id)
+            host, run, unknown = unknown_charge(runtime, "charge-1")
             version = store.head(run.tree_id).version
             for status in BAD_STATUSES:
                 with pytest.raises(InvalidInput) as refused:
@@ -89,10 +87,7 @@ def test_host_resolve_still_settles_succeeded_with_the_word_or_by_default(status
     store = EventStore("memory:")
     try:
         with Runtime(store) as runtime:
-            host = Host(runtime)
-            run = runtime.start(charge(), {}, start_id="charge-ok")
-            runtime.wait_idle(run.tree_id, timeout=10)
-            [unknown] = host.unknown(run.tree_id)
+            host, run, unknown = unknown_charge(runtime, "charge-ok")
             settlement = host.resolve(unknown["effect_id"], output={"charged": 12}, status=status)
             assert settlement.status.value == "succeeded"
             assert runtime.result(run.tree_id, timeout=10).output == {"status": "succeeded", "payload": {"charged": 12}}

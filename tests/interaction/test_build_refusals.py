@@ -22,6 +22,7 @@ from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Complete, Descriptor, Program, Step
+from tests.kernel_programs import JsonStrategy
 
 
 class GoodTool:
@@ -220,21 +221,12 @@ def test_async_callbacks_and_delegate_input_builders_are_refused() -> None:
     assert (error.code, error.message) == ("interaction.definition.invalid",
                                            "InteractionConfig.completion_validator is an async function")
 
-    class Echo:
+    class Echo(JsonStrategy):
         def initial(self, input: JSON) -> JSON:
             return input
 
         def decide(self, state: Any, window: Any) -> Step:
             return Step(0, Complete(state))
-
-        def evolve(self, state: Any, facts: JSON, consumed: Any) -> Any:
-            return state
-
-        def encode_state(self, state: Any) -> JSON:
-            return state
-
-        def decode_state(self, data: JSON) -> Any:
-            return data
 
     child = Program(Descriptor("refusals.child", "", {"type": "object"}), Echo(),
                     Digest.of(b"i"), Digest.of(b"c"))
