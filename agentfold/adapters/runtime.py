@@ -1108,6 +1108,7 @@ class Runtime:
         self._closed = False
         self._draining = False  # see drain(): no dispatch permission is granted any more
         self._watcher: threading.Thread | None = None
+        self._watcher_lock = threading.Lock()  # not _lock: a thread's start must not hold up _forget
         self._watch_stop = threading.Event()
         # The orphan scan's memory: parked trees found with nothing to drive, and trees that
         # could not be adopted, each at the stored version it was seen at (looked at again
@@ -1857,7 +1858,7 @@ class Runtime:
     def _ensure_watcher(self) -> None:
         if self._watcher is not None or self.poll_interval <= 0:
             return
-        with self._lock:  # two first starts at once: one watcher
+        with self._watcher_lock:  # two first starts at once: one watcher
             if self._watcher is not None:
                 return
             self._watcher = threading.Thread(target=self._watch, name="agentfold-watch", daemon=True)
