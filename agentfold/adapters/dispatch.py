@@ -13,14 +13,13 @@ It answers ``is_set()`` and ``wait(timeout)`` like a :class:`threading.Event`.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentfold.domain.errors import InvalidInput
-from agentfold.domain.program import SYNCHRONOUS_HINT, Effect, EffectPolicy, is_async_callable
+from agentfold.domain.program import Effect, EffectPolicy, check_synchronous
 from agentfold.domain.requests import EffectRequest, Settlement
 
 _WAITERS_LOCK = threading.Lock()
@@ -86,26 +85,20 @@ class FunctionDispatcher:
 
     ``fn`` must be synchronous: an ``async def`` one is refused here (``program.invalid``),
     since nothing would ever await it. A coroutine returned anyway (a plain function that
-    returns one) is closed unrun; the outcome stays unknown, as for any non-Settlement."""
+    returns one) is closed unrun by the runtime; the outcome stays unknown, as for any non-Settlement."""
 
     def __init__(self, fn: object) -> None:
         if not callable(fn):
             raise InvalidInput(
                 "program.invalid", f"FunctionDispatcher needs a function fn(request, context), got {type(fn).__name__}"
             )
-        if is_async_callable(fn):
-            raise InvalidInput(
-                "program.invalid",
-                f"FunctionDispatcher: {getattr(fn, '__qualname__', type(fn).__name__)} is an async function",
-                hint=SYNCHRONOUS_HINT,
-            )
+        check_synchronous(f"FunctionDispatcher: {getattr(fn, '__qualname__', type(fn).__name__)}", fn,
+                          "program.invalid")
         self._fn: Callable[[EffectRequest, DispatchContext], Any] = fn
 
     def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
-        result: Any = self._fn(request, context)
-        if inspect.iscoroutine(result):
-            result.close()  # never run: no "was never awaited" warning; the runtime records it unknown
-        settlement: Settlement = result
+        # A coroutine returned anyway is closed by the runtime, as any dispatcher's (recorded unknown).
+        settlement: Settlement = self._fn(request, context)
         return settlement
 
 

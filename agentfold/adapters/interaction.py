@@ -39,7 +39,6 @@ from agentfold.domain.interaction.state import InteractionState
 from agentfold.domain.interaction.tool_call import ToolCallStrategy, tool_program_descriptor
 from agentfold.domain.interaction.toolset import DelegateSpec, ToolManifest
 from agentfold.domain.program import (
-    SYNCHRONOUS_HINT,
     ChildSpec,
     ChildWaitSpec,
     Complete,
@@ -52,7 +51,7 @@ from agentfold.domain.program import (
     SignalRequest,
     Step,
     Wait,
-    is_async_callable,
+    check_synchronous,
     start_child_effect,
     wait_children_effect,
 )
@@ -247,14 +246,6 @@ def _check_count(field_name: str, value: object, minimum: int, expected: str) ->
         )
 
 
-def _check_sync(what: str, fn: object, code: str = "interaction.definition.invalid") -> None:
-    """A collaborator the Interaction calls: callable and synchronous (nothing ever awaits it)."""
-    if not callable(fn):
-        raise InvalidInput(code, f"{what} is not callable (of type {type(fn).__name__})")
-    if is_async_callable(fn):
-        raise InvalidInput(code, f"{what} is an async function", hint=SYNCHRONOUS_HINT)
-
-
 def _method(owner: object, field_name: str, method: str) -> object:
     try:
         return getattr(owner, method, None)
@@ -263,6 +254,9 @@ def _method(owner: object, field_name: str, method: str) -> object:
             "interaction.definition.invalid",
             f"reading InteractionConfig.{field_name}.{method} failed: {type(exc).__name__}: {exc}",
         ) from exc
+
+
+DEFINITION = "interaction.definition.invalid"
 
 
 def _check_collaborators(config: InteractionConfig) -> None:
@@ -281,7 +275,7 @@ def _check_collaborators(config: InteractionConfig) -> None:
             f"InteractionConfig.model (of type {type(config.model).__name__}) has no call(request) method",
             hint="pass a model client: an object with call(ModelRequest), e.g. OpenAIChatModel or ScriptedModel",
         )
-    _check_sync(f"InteractionConfig.model.call ({type(config.model).__name__}.call)", call)
+    check_synchronous(f"InteractionConfig.model.call ({type(config.model).__name__}.call)", call, DEFINITION)
     if config.context_processor is not None:
         prepare = _method(config.context_processor, "context_processor", "prepare_context")
         if prepare is None:
@@ -290,11 +284,11 @@ def _check_collaborators(config: InteractionConfig) -> None:
                 f"InteractionConfig.context_processor (of type {type(config.context_processor).__name__}) "
                 "has no prepare_context(request) method",
             )
-        _check_sync("InteractionConfig.context_processor.prepare_context", prepare)
+        check_synchronous("InteractionConfig.context_processor.prepare_context", prepare, DEFINITION)
     for field_name in ("completion_validator", "context_policy"):
         fn = getattr(config, field_name)
         if fn is not None:
-            _check_sync(f"InteractionConfig.{field_name}", fn)
+            check_synchronous(f"InteractionConfig.{field_name}", fn, DEFINITION)
     observers = (
         ("model_observer", config.model_observer, ("on_model_started", "on_model_settled")),
         ("tool_observer", config.tool_observer, ("on_tool_started", "on_tool_settled")),
@@ -304,14 +298,12 @@ def _check_collaborators(config: InteractionConfig) -> None:
             continue
         for method in methods:
             fn = _method(observer, field_name, method)
-            if fn is not None and is_async_callable(fn):
-                raise InvalidInput(
-                    "interaction.definition.invalid", f"InteractionConfig.{field_name}.{method} is an async function",
-                    hint=SYNCHRONOUS_HINT,
-                )
+            if fn is not None:
+                check_synchronous(f"InteractionConfig.{field_name}.{method}", fn, DEFINITION)
     for delegate in config.delegates:
         if delegate.build_input is not None:
-            _check_sync(f"delegate {delegate.name!r}: build_input", delegate.build_input, "interaction.delegate.invalid")
+            check_synchronous(f"delegate {delegate.name!r}: build_input", delegate.build_input,
+                              "interaction.delegate.invalid")
 
 
 def compile_interaction(config: InteractionConfig) -> Program:

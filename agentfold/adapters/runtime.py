@@ -1685,7 +1685,7 @@ class Runtime:
 
     def capture(self, tree: str | TreeID) -> TreeState:
         """The committed folded tree (a private copy for an owned tree)."""
-        tree_id = tree if isinstance(tree, TreeID) else self.tree_of(tree)
+        tree_id = self._tree_ref(tree)
         driver = self._drivers.get(tree_id)
         if driver is not None:
             with driver.lock:

@@ -33,7 +33,7 @@ from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.refs import ToolCallRef, tool_call_ref_of_child
 from agentfold.domain.interaction.tool_call import check_input_request
 from agentfold.domain.interaction.toolset import Classifier, ToolManifest, ToolSpec
-from agentfold.domain.program import SYNCHRONOUS_HINT, is_async_callable
+from agentfold.domain.program import check_synchronous
 from agentfold.domain.requests import EffectRequest, Relation, Settlement
 
 
@@ -153,12 +153,8 @@ def tool_spec(tool: Tool) -> ToolSpec:
             hint="give it a method call(invocation, arguments) that returns a ToolOutput",
         )
     for what, fn in (("call method", call), ("concurrency policy", classifier), ("advertise function", advertise)):
-        if fn is not None and not callable(fn):
-            raise InvalidInput("interaction.toolset.invalid", f"tool {name!r} declares a {what} that is not callable")
-        if fn is not None and is_async_callable(fn):
-            raise InvalidInput(
-                "interaction.toolset.invalid", f"tool {name!r}: its {what} is an async function", hint=SYNCHRONOUS_HINT
-            )
+        if fn is not None:
+            check_synchronous(f"tool {name!r}: its {what}", fn, "interaction.toolset.invalid")
     return spec
 
 

@@ -573,6 +573,15 @@ def _async_code(value: object) -> bool:
     return isinstance(flags, int) and bool(flags & _ASYNC_CODE_FLAGS)
 
 
+def check_synchronous(what: str, fn: object, code: str) -> None:
+    """Refuse (``code``) a callable agentfold would call, given as ``what``, that cannot be
+    called or is ``async`` (nothing awaits it: it would never run)."""
+    if not callable(fn):
+        raise InvalidInput(code, f"{what} is not callable (of type {type(fn).__name__})")
+    if is_async_callable(fn):
+        raise InvalidInput(code, f"{what} is an async function", hint=SYNCHRONOUS_HINT)
+
+
 def check_dispatcher(dispatcher: object, owner: str) -> None:
     """Refuse (``program.invalid``) a dispatcher the runtime could never call: one without a
     callable ``dispatch(request, context)``, or whose ``dispatch`` is async (never awaited,
@@ -596,12 +605,8 @@ def check_dispatcher(dispatcher: object, owner: str) -> None:
             f"{owner}: its dispatcher (of type {type(dispatcher).__name__}) has no dispatch(request, context) method",
             hint=hint,
         )
-    if is_async_callable(dispatch):
-        raise InvalidInput(
-            "program.invalid",
-            f"{owner}: its dispatcher's dispatch ({type(dispatcher).__name__}.dispatch) is an async function",
-            hint=SYNCHRONOUS_HINT,
-        )
+    check_synchronous(f"{owner}: its dispatcher's dispatch ({type(dispatcher).__name__}.dispatch)", dispatch,
+                      "program.invalid")
 
 
 def _identity_expand(state: Any, payload: JSON) -> JSON:
