@@ -57,6 +57,13 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
+def _terminate_lease_session(runtime: Runtime, url: str) -> None:
+    """End the runtime's owner-lease session on the server, as a failover or an administrator does."""
+    pid = runtime._leases._conn.info.backend_pid  # type: ignore[attr-defined]
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+
 def _end_lease_session(
     runtime: Runtime, url: str, tree_id: Callable[[], TreeID], real: Callable[..., Any], *, after: bool,
     hold: Callable[[], None] | None = None,
@@ -71,9 +78,7 @@ def _end_lease_session(
         leases = runtime._leases
         target = tree_id()
         assert leases.holds(target)
-        pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
-        with psycopg.connect(url, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        _terminate_lease_session(runtime, url)
         if hold is not None:
             hold()
             return
@@ -281,9 +286,7 @@ def test_a_lease_lost_again_while_the_tree_is_adopted_again_is_adopted_once_more
             result = real(tree_id, expected, events, **kwargs)
             if tree_id == target and not held_for_a_while.is_set() and any(isinstance(e, WriterActivated) for e in events):
                 held_for_a_while.set()
-                pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
-                with psycopg.connect(pg_database, autocommit=True) as admin:
-                    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                _terminate_lease_session(runtime, pg_database)
                 # Another run starts meanwhile: its lease meets the dead session (the loss is
                 # noticed) and opens a new one.
                 # (a start id whose tree does not share the target's adoption lock, held here)
@@ -302,9 +305,7 @@ def test_a_lease_lost_again_while_the_tree_is_adopted_again_is_adopted_once_more
         store.append = append  # type: ignore[method-assign]
         runtime.start(program, {"n": EFFECTS}, start_id="lease-lost-twice")
         _wait(lambda: bool(witness.effects), 10, "the first call")
-        pid = leases._conn.info.backend_pid  # type: ignore[attr-defined]
-        with psycopg.connect(pg_database, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        _terminate_lease_session(runtime, pg_database)
         _wait(lambda: _finished(store, target), 30, "the tree to be adopted once more and finish")
         blocker.close()
     assert held_for_a_while.is_set()
