@@ -378,6 +378,22 @@ def pg_tcp_params(timeout: int | None = None) -> dict[str, Any]:
 _server_tcp_refused = threading.Event()  # warned once per process
 
 
+#: Run on every PostgreSQL session that writes (autocommit): a session whose
+#: ``synchronous_commit`` is ``off`` (set for the server, the database or the role) commits at
+#: ``local`` instead. ``off`` acknowledges a commit before its WAL is on disk: a server crash
+#: would drop appends already acknowledged, and a tool whose dispatch permission was dropped
+#: could be called again once the run is recovered. ``local``, ``on``, ``remote_write`` and
+#: ``remote_apply`` are kept (each waits for the local flush at least). One round trip.
+PG_DURABLE_COMMITS = (
+    "SELECT set_config('synchronous_commit', 'local', false) WHERE current_setting('synchronous_commit') = 'off'"
+)
+
+
+def ensure_durable_commits(conn: Any) -> None:
+    """Make this session's commits durable on the server's disk (``PG_DURABLE_COMMITS``)."""
+    conn.execute(PG_DURABLE_COMMITS)
+
+
 def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> None:
     """Ask the server to notice, within about ``timeout`` seconds, that this session's client
     is gone without a word (0: leave the server's settings). ``conn`` is in autocommit mode.
@@ -901,6 +917,7 @@ class EventStore:
             if configure is not None:
                 configure(conn)
             set_server_tcp(conn, self._tcp_timeout)
+            ensure_durable_commits(conn)
 
         pool._configure = track
 

@@ -288,13 +288,23 @@ class IndexQueries:
 SQLITE_STATEMENT_CACHE = 128
 
 
+#: Every read-write SQLite connection commits with a sync of the WAL: an append has reached the
+#: disk before it returns, so before any Effect it permits is dispatched. SQLite's default for
+#: WAL mode is a build option (``SQLITE_DEFAULT_WAL_SYNCHRONOUS``); some builds use NORMAL, which
+#: syncs only at checkpoints: a power loss would then drop acknowledged appends, and a tool whose
+#: permission was dropped could be called again after the restart. Set per connection (a
+#: connection's own setting), whatever the build's default.
+SQLITE_DURABLE_COMMITS = "PRAGMA synchronous=FULL"
+
+
 class StatementCachingSQLitePool(SQLiteConnectionPool):
     """eventsourcing's SQLite connections, with a statement cache that holds an append's statements.
 
     eventsourcing 9.5 opens its connections with ``cached_statements=True``, which sqlite3
     reads as a cache of ONE statement: every append prepared BEGIN, the event INSERT and the
-    index upsert again (~15 us per append, measured with scripts/bench). Everything else is
-    as the library does it: autocommit (explicit BEGIN), WAL, ``sqlite3.Row`` rows.
+    index upsert again (~15 us per append, measured with scripts/bench). Its connections
+    also commit durably whatever SQLite's build says (``SQLITE_DURABLE_COMMITS``). Everything
+    else is as the library does it: autocommit (explicit BEGIN), WAL, ``sqlite3.Row`` rows.
     """
 
     #: ``file:`` URI the connections open instead of ``db_name`` (a store read on a read-only file
@@ -329,6 +339,12 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
                 connection.close()
                 raise InterfaceError(exc) from exc
             self.is_journal_mode_wal = True
+        if not read_only and not self.is_sqlite_memory_mode:
+            try:
+                connection.execute(SQLITE_DURABLE_COMMITS)
+            except sqlite3.Error as exc:
+                connection.close()
+                raise InterfaceError(exc) from exc
         connection.row_factory = sqlite3.Row
         self._opened_once = True
         return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)

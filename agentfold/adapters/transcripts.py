@@ -52,6 +52,7 @@ from agentfold.adapters.eventstore import (
     EventStore,
     create_private,
     end_session,
+    ensure_durable_commits,
     interruptible_connection,
     lower_scheme,
     pg_tcp_params,
@@ -60,6 +61,7 @@ from agentfold.adapters.eventstore import (
     set_server_tcp,
 )
 from agentfold.adapters.feed import ChainCheck, FeedError, store_envelopes
+from agentfold.adapters.recorders import SQLITE_DURABLE_COMMITS
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.ids import TreeID
 from agentfold.domain.integrity import content_bytes
@@ -269,6 +271,7 @@ class TranscriptStore:
             conn.row_factory = sqlite3.Row
             if create:  # a reader leaves the file as it is
                 conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(SQLITE_DURABLE_COMMITS)  # offsets are committed after the tables
             return conn
         import psycopg
         from psycopg.conninfo import conninfo_to_dict
@@ -296,6 +299,9 @@ class TranscriptStore:
             raise _unavailable(self.url, exc) from exc
         try:
             set_server_tcp(conn, tcp_timeout)
+            # The consumer commits its offsets after its tables: a commit the server acknowledged
+            # but did not flush would be skipped for good after a crash (ensure_durable_commits).
+            ensure_durable_commits(conn)
         except psycopg.Error as exc:
             conn.close()
             raise _unavailable(self.url, exc) from exc
