@@ -52,7 +52,15 @@ from typing import Any, NoReturn, TextIO
 
 from eventsourcing.persistence import PersistenceError
 
-from agentfold.adapters.eventstore import NOT_FOUND_HINT, EventStore, redact, sqlite_damage, store_url_from_env
+from agentfold.adapters.eventstore import (
+    NOT_FOUND_HINT,
+    EventStore,
+    read_only_server,
+    redact,
+    refuses_writes,
+    sqlite_damage,
+    store_url_from_env,
+)
 from agentfold.adapters.host import (
     answer_signal,
     checked_resolution,
@@ -1157,7 +1165,10 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
         return 130
     except (PersistenceError, sqlite3.Error) as exc:
         # A store failure no layer below classified (a read-only file when tables must be made,
-        # a damaged SQLite file).
+        # a damaged SQLite file, a PostgreSQL standby).
+        if refuses_writes(exc):
+            _report(read_only_server("the store refused a write"), as_json)
+            return 1
         _report(sqlite_damage(exc, store_url) or AgentfoldError(
             "store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
             "check that the store is reachable and writable"), as_json)

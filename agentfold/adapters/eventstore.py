@@ -394,6 +394,34 @@ def ensure_durable_commits(conn: Any) -> None:
     conn.execute(PG_DURABLE_COMMITS)
 
 
+#: PostgreSQL's SQLSTATE for a write in a read-only transaction (read_only_sql_transaction).
+READ_ONLY_SQLSTATE = "25006"
+
+
+def refuses_writes(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or one of its causes is PostgreSQL refusing a write because the session is
+    read-only: a hot standby (e.g. a host name that leads to the standby after a failover) or
+    ``default_transaction_read_only``. Another attempt on the same server meets it again."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def read_only_server(what: str) -> StoreFailure:
+    """``store.read_only`` for a write the PostgreSQL server refused (``refuses_writes``)."""
+    return StoreFailure(
+        "store.read_only",
+        f"{what}: the PostgreSQL server accepts no writes in this database (a standby, or "
+        "default_transaction_read_only is on for the server, the database or the role)",
+        hint="point the store URL at the primary (PGTARGETSESSIONATTRS=read-write makes libpq skip a standby); "
+        "read commands (trees, show, unknown, results, audit verify, export) work on a standby as they are",
+    )
+
+
 def set_server_tcp(conn: Any, timeout: int, *, user_timeout: bool = True) -> None:
     """Ask the server to notice, within about ``timeout`` seconds, that this session's client
     is gone without a word (0: leave the server's settings). ``conn`` is in autocommit mode.
@@ -669,6 +697,8 @@ class EventStore:
             raise
         except (PersistenceError, OSError) as exc:
             self.close()
+            if refuses_writes(exc):
+                raise read_only_server(f"cannot open store {redact(url)} to write") from exc
             raise sqlite_damage(exc, url) or StoreFailure(
                 "store.unavailable", f"cannot open store {redact(url)}: {exc}", hint=OPEN_FAILED_HINT) from exc
         # The SQLite file this store opened: appends check that its path still names it.
@@ -1075,6 +1105,8 @@ class EventStore:
         except IndexHeadMismatch as exc:
             raise self._head_mismatch(tree_id, exc.stored, expected_version, previous_digest) from exc
         except PersistenceError as exc:
+            if refuses_writes(exc):  # nothing was stored; the runtime adopts the tree again later
+                raise read_only_server(f"append to tree {tree_id} failed") from exc
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)

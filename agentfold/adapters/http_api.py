@@ -47,7 +47,14 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentfold.adapters.cli import tree_summary
-from agentfold.adapters.eventstore import EventStore, read_failure, seconds_setting, sqlite_damage
+from agentfold.adapters.eventstore import (
+    EventStore,
+    read_failure,
+    read_only_server,
+    refuses_writes,
+    seconds_setting,
+    sqlite_damage,
+)
 from agentfold.adapters.feed import publisher_positions
 from agentfold.adapters.follower import Follower, one_line
 from agentfold.adapters.host import (
@@ -1400,8 +1407,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         # A store error that reached the HTTP layer unclassified (a dropped connection, a
         # server restart): the request did not take effect, or its outcome is unknown.
         log.warning("store error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        damaged = sqlite_damage(exc)
-        if damaged is not None:  # retrying does not help: the operator restores the file
+        damaged = sqlite_damage(exc) or (read_only_server("the store refused a write") if refuses_writes(exc) else None)
+        if damaged is not None:  # retrying does not help: the operator restores the file or moves the URL
             return problem_response(503, damaged.code, damaged.message, damaged.hint)
         return problem_response(503, "store.unavailable", f"the store failed ({type(exc).__name__})",
                                 "retry; read the run first if the request may have taken effect")

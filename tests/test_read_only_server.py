@@ -1,0 +1,106 @@
+"""A PostgreSQL database that accepts no writes: a standby (a host name that leads to it after a
+failover), or ``default_transaction_read_only`` set for the database or role.
+
+Read commands answer there as on the primary; every write is refused as ``store.read_only``
+(exit 1, one classified line naming the cause and what to do), with nothing written, instead of
+``store.unavailable`` "check that the server answers" or ``store.append_failed`` with the
+server's CONTEXT lines. A runtime whose sessions land on such a server mid-run gets the same
+code from the append it tried.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import StoreFailure
+from agentfold.domain.requests import Settlement
+from tests.conftest import create_pg_database, require_postgres
+from tests.kernel_programs import chain_program
+from tests.test_cli import ROOT, agentfold, ok
+from tests.test_cli_interaction import two_call_round, write
+from tests.test_read_only_store import READ_COMMANDS, read_only_refusal
+
+DEMO = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
+
+
+def set_read_only(url: str, on: bool) -> None:
+    """Make new sessions of the database read-only (or not) and end the ones open now."""
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(require_postgres(), autocommit=True) as conn:  # the server's admin database
+        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if on else "off"}')
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+                     "AND pid <> pg_backend_pid()", (name,))
+
+
+def events_in(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM agentfold_events").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.fixture
+def database(request: pytest.FixtureRequest) -> str:
+    url, drop = create_pg_database()
+    request.addfinalizer(drop)
+    return url
+
+
+def test_read_commands_answer_on_a_read_only_database_and_writes_are_refused_as_such(
+    tmp_path: Path, database: str
+) -> None:
+    store = database
+    scenario = write(tmp_path, two_call_round(tmp_path / "side-effects.jsonl"))
+    crashed = agentfold("run", str(scenario), "--start-id", "round-1", "--crash-after", "in-dispatch:2", store=store)
+    assert crashed.code == 75, crashed.stderr
+    ok(agentfold("recover", store=store))
+    expected = {" ".join(c): ok(agentfold(*c, "--json", store=store)).stdout for c in READ_COMMANDS}
+    [unknown] = json.loads(expected["unknown"])["unknown_effects"]
+    stored = events_in(store)
+
+    set_read_only(store, True)
+    for command in READ_COMMANDS:
+        got = json.loads(ok(agentfold(*command, "--json", store=store)).stdout)
+        if command[0] == "audit":  # its timing differs; the verdict must not
+            assert got["ok"] is True
+            continue
+        assert got == json.loads(expected[" ".join(command)]), command
+
+    refusals = [
+        agentfold("resolve", unknown["effect_id"], "--output", '"done"', "--json", store=store),
+        agentfold("cancel", unknown["process_id"], "--json", store=store),
+        agentfold("run", DEMO, "--json", store=store),
+        agentfold("project", "--json", store=store),
+    ]
+    for ran in refusals:
+        read_only_refusal(ran)
+        error = json.loads(ran.stderr)["error"]
+        assert "accepts no writes" in error["message"], error
+        assert "primary" in error["hint"], error
+    set_read_only(store, False)
+    assert events_in(store) == stored
+
+
+def test_a_runtime_whose_sessions_reach_a_read_only_database_gets_store_read_only(database: str) -> None:
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="standby.chain")
+    store = EventStore(database)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=60).status == "completed"
+            stored = events_in(database)
+            set_read_only(database, True)
+            with pytest.raises(StoreFailure) as refused:
+                runtime.start(program, {"n": 2}, start_id="after")
+            assert refused.value.code == "store.read_only", refused.value
+            assert "accepts no writes" in refused.value.message
+            set_read_only(database, False)
+            assert events_in(database) == stored
+    finally:
+        store.close()
