@@ -398,6 +398,7 @@ def compile_interaction(config: InteractionConfig) -> Program:
         children=definition.child_programs(),
         policy=lambda effect: EffectPolicy(),
         expand_request=expand,
+        active_children=definition.max_concurrent,
         configuration=config.configuration,
         dispatcher=ModelDispatcher(definition, config.model, config.model_observer, config.context_processor),
     )

@@ -72,8 +72,8 @@ from agentfold.domain.ids import (
     parse_effect_id,
     root_process_id,
 )
-from agentfold.domain.kernel import Dispatch, Kernel, Progress, start_tree
-from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target
+from agentfold.domain.kernel import Dispatch, Kernel, Progress, check_limits, start_tree
+from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target, children_at_once
 from agentfold.domain.requests import EffectRequest, Settlement, effect_request
 from agentfold.domain.tree import TERMINAL, ProcessState, TreeState
 
@@ -190,6 +190,29 @@ class Result:
             "termination": self.termination,
             "usage": self.usage,
         }
+
+
+def limits_for(program: Program, limits: TreeLimits | None) -> TreeLimits | None:
+    """The tree limits a start of ``program`` stores.
+
+    A Program that says how many children one of its Processes runs at once (an Interaction's
+    ``max_concurrent_tool_calls``: ``children_at_once``) gets at least that many from the
+    default limits: with the default 16, a window of 20 tool calls failed its 17th call with
+    ``engine.child.tree_limit`` in the middle of the run. Limits the caller gave that allow fewer
+    are refused (``limits.invalid``) before anything is stored."""
+    need, by = children_at_once(program)
+    if limits is None:
+        return TreeLimits(max_active_children=need) if need > TreeLimits().max_active_children else None
+    check_limits(limits)
+    if by is not None and need > limits.max_active_children:
+        raise InvalidInput(
+            "limits.invalid",
+            f"program {by.ref.name} runs up to {need} children of one Process at once (its "
+            f"max_concurrent_tool_calls) but the tree limit max_active_children is {limits.max_active_children}: "
+            f"its calls beyond {limits.max_active_children} would fail with engine.child.tree_limit",
+            hint=f"start it with TreeLimits(max_active_children={need}) or more, or lower max_concurrent_tool_calls",
+        )
+    return limits
 
 
 @dataclass(frozen=True)
@@ -1165,6 +1188,7 @@ class Runtime:
         ``engine.start.conflict``.
         """
         self._check_open()
+        limits = limits_for(program, limits)
         self.catalog.add(program)
         sid = StartID(start_id) if start_id is not None else self.ids.start_id()
         tree_id = TreeID.for_start(sid)

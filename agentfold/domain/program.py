@@ -633,6 +633,10 @@ class Program:
     configuration: JSON = None
     dispatcher: Any = field(default=None, compare=False)
     """The adapters' Dispatcher for this Program's dispatcher Effects; the domain never calls it."""
+    active_children: int = field(default=0, compare=False)
+    """The most children one of this Program's Processes runs at once, when the Program says
+    (an Interaction: its tool window, ``max_concurrent_tool_calls``); 0: it does not say. See
+    ``children_at_once``."""
     ref: ProgramRef = field(init=False)
 
     def __post_init__(self) -> None:
@@ -667,6 +671,18 @@ class Program:
             seen[program.ref.digest] = program
             stack.extend(program.children)
         return list(seen.values())
+
+
+def children_at_once(program: Program) -> tuple[int, Program | None]:
+    """The most children a Process of ``program``'s tree runs at once, as its Programs declare it
+    (``Program.active_children``, the largest over the Program and every bound child), and the
+    Program that declares it (None when none does). A tree whose ``max_active_children`` is lower
+    would fail the calls beyond it with ``engine.child.tree_limit``, mid-run."""
+    most, by = 0, None
+    for candidate in program.walk():
+        if candidate.active_children > most:
+            most, by = candidate.active_children, candidate
+    return most, by
 
 
 ProgramResolver = Callable[[ProgramRef], Program | None]

@@ -227,7 +227,8 @@ def test_a_tables_cursor_met_while_the_read_models_lag_far_behind_is_503_project
     for i in range(3):
         path = tmp_path / f"run-{i}.json"
         path.write_text(json.dumps(waits(1)))
-        agentfold("run", str(path), "--start-id", f"run-{i}", "--json", store=url)
+        ran = agentfold("run", str(path), "--start-id", f"run-{i}", "--json", store=url)
+        assert ran.code == 0, ran.stderr  # parked on its wait
         if i == 0:
             assert agentfold("project", "--json", store=url).code == 0  # the tables hold run-0 only
     store = EventStore(url)
