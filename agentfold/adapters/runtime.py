@@ -1451,8 +1451,16 @@ class Runtime:
             return True
         try:
             tree = self._load(TreeID(head.tree_id)).state
-        except AgentfoldError:
-            return True
+        except AgentfoldError as exc:
+            if exc.code != "engine.program.unavailable":
+                return True
+            # Its Program is not bound here: the kernel's fold (no Program) still says whether a
+            # call is in flight. With none, nothing is left to do here either, and a periodic
+            # `recover` of a worker that binds other Programs must not fail for it.
+            try:
+                tree = self.store.load(TreeID(head.tree_id)).state
+            except AgentfoldError:
+                return True
         return any(process.in_flight() for process in tree.live.values())
 
     def owns(self, tree_id: TreeID) -> bool:
