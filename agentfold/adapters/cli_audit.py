@@ -226,6 +226,7 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     text = "".join(lines)
     if args.out is None:
         return Outcome(None, text[:-1])  # the CLI ends the output with the last newline
+    to_stdout = _names_stdout(Path(args.out))
     try:
         _write_atomically(Path(args.out), text.encode("ascii"))
     except OSError as exc:
@@ -235,7 +236,25 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
         ) from exc
     events = len(lines) - 1  # the last line is the end line
     data: dict[str, JSON] = {"tree_id": tree_id, "events": events, "out": str(args.out)}
-    return Outcome(data, f"exported {events} event(s) of {tree_id} to {args.out}")
+    report = f"exported {events} event(s) of {tree_id} to {args.out}"
+    if to_stdout:
+        # ``--out /dev/stdout``: the export is this command's output; its report on the same
+        # stream would follow the end line (``export ... | import -`` refused it).
+        def to_stderr(_: TextIO) -> None:
+            sys.stderr.write((json_text(data) if as_json else report) + "\n")
+
+        return Outcome(data, report, body=to_stderr)
+    return Outcome(data, report)
+
+
+def _names_stdout(path: Path) -> bool:
+    """Whether ``path`` names this process's standard output (``/dev/stdout``, ``/proc/self/fd/1``,
+    or the file or pipe it is)."""
+    try:
+        target, out = path.stat(), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):  # no such file yet, or no standard output
+        return False
+    return (target.st_dev, target.st_ino) == (out.st_dev, out.st_ino)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

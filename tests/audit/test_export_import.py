@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from agentfold.domain.integrity import chain_digest
 from tests.audit.support import Sql, record_demo
 from tests.conftest import make_store_url
 from tests.kernel_programs import chain_program
-from tests.test_cli import Ran, agentfold, ok, refused
+from tests.test_cli import ROOT, Ran, agentfold, ok, refused
 
 
 def sqlite_store(tmp_path: Path, name: str) -> str:
@@ -291,7 +293,30 @@ def test_export_out_through_a_symbolic_link_writes_the_file_it_names(tmp_path: P
     assert (kept / "new.jsonl").read_bytes() == exported
     assert sorted(p.name for d in (tmp_path, kept) for p in d.iterdir() if p.name.startswith(".")) == []
     piped = ok(agentfold("export", str(tree_id), "--out", "/dev/stdout", store=store))
-    assert piped.stdout.encode().startswith(exported)  # then the summary line
+    # The export is the output; its report goes to stderr (after the end line it made
+    # `export --out /dev/stdout | import -` fail: found by the docs audit).
+    assert piped.stdout.encode() == exported
+    events = len(exported.splitlines()) - 1  # then the end line
+    assert piped.stderr.strip() == f"exported {events} event(s) of {tree_id} to /dev/stdout"
+    reported = ok(agentfold("export", str(tree_id), "--out", "/dev/stdout", "--json", store=store))
+    assert reported.stdout.encode() == exported and json.loads(reported.stderr)["out"] == "/dev/stdout"
+
+
+def test_export_to_stdout_piped_into_import_round_trips(tmp_path: Path) -> None:
+    store = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", store)
+    target = sqlite_store(tmp_path, "target.db")
+    command = [sys.executable, "-m", "agentfold.adapters.cli"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    exporting = subprocess.Popen([*command, "export", str(tree_id), "--out", "/dev/stdout", "--store", store],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    importing = subprocess.run([*command, "import", "-", "--store", target], stdin=exporting.stdout,
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert exporting.stdout is not None
+    exporting.stdout.close()
+    assert exporting.wait(timeout=120) == 0
+    assert importing.returncode == 0, importing.stderr
+    assert export(target, tree_id, tmp_path / "again.jsonl") == export(store, tree_id, tmp_path / "first.jsonl")
 
 
 def test_a_file_whose_process_belongs_to_another_tree_of_the_store_is_a_conflict(
