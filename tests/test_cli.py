@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.kernel_demo import payment_program, read_log
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.ids import TreeID
-from tests.kernel_programs import asker_program
+from agentfold.domain.requests import Settlement
+from tests.kernel_programs import asker_program, chain_program
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -426,29 +428,40 @@ def test_show_of_a_parked_run_lists_the_unknown_effect_and_its_diagnostic(tmp_pa
     assert f"#0 {effect_id}  dispatcher  replay never  settled unknown" in text
 
 
-def test_recover_skips_a_tree_another_runtime_owns_and_reports_one_it_cannot_bind(tmp_path: Path) -> None:
+def test_recover_skips_a_tree_another_runtime_owns_and_leaves_a_parked_one_it_cannot_bind(tmp_path: Path) -> None:
     store = sqlite_url(tmp_path)
     events = EventStore(store)
     asker = asker_program()
-    # A tree whose program the CLI does not bind, left parked by a runtime that is gone.
+    # A tree whose program the CLI does not bind, left parked by a runtime that is gone: with
+    # nothing in flight there is nothing to recover, bound or not (test_recover_unbound_parked.py
+    # has one with a call in flight, which fails).
     with Runtime(events, Catalog([asker]), poll_interval=0) as runtime:
         orphan = runtime.start(asker, None, start_id="asker-orphan")
         runtime.wait_idle(orphan.tree_id)
-    owner = Runtime(events, Catalog([asker]), poll_interval=0)
+    # A tree with a call in flight in a live runtime: it needs recovery, and another owns it.
+    release = threading.Event()
+
+    def held(request: Any, context: Any) -> Settlement:
+        release.wait(60)
+        return Settlement.succeeded({"value": 1})
+
+    chain = chain_program(held)
+    owner = Runtime(events, Catalog([chain]), poll_interval=0)
     try:
-        owned = owner.start(asker, None, start_id="asker-owned")
-        owner.wait_idle(owned.tree_id)
+        owned = owner.start(chain, {"n": 1}, start_id="chain-owned")
         before = store_version(store, owned.tree_id)
         ran = agentfold("recover", "--json", store=store)
-        assert ran.code == 1, ran.stderr
+        assert ran.code == 0, ran.stderr
         entries = {e["start_id"]: e for e in ran.json()["trees"]}
-        assert entries["asker-owned"]["outcome"] == "owned"
-        assert entries["asker-orphan"]["outcome"] == "error"
-        assert entries["asker-orphan"]["error"]["code"] == "engine.program.unavailable"
+        assert entries["chain-owned"]["outcome"] == "owned"
+        assert entries["asker-orphan"]["outcome"] == "parked"
         assert store_version(store, owned.tree_id) == before
         text = agentfold("recover", store=store).stdout
-        assert "skipped " + owned.tree_id in text and "failed " + orphan.tree_id in text
+        assert "skipped " + owned.tree_id in text and "left " + orphan.tree_id in text
+        release.set()
+        assert owned.result(60).status == "completed"
     finally:
+        release.set()
         owner.close()
         events.close()
     # `show` needs no program: the kernel's fold alone describes the tree.
@@ -607,6 +620,37 @@ def test_a_reader_that_goes_away_stops_the_command_quietly_as_sigpipe_would(tmp_
     finally:
         os.close(write)
     assert (ran.returncode, ran.stderr) == (141, "")
+
+
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["PYTHONUNBUFFERED", "buffered"])
+def test_a_reader_that_leaves_mid_output_gets_exit_141_also_with_unbuffered_python(
+    tmp_path: Path, unbuffered: bool
+) -> None:
+    # Found by the docs audit: with PYTHONUNBUFFERED=1 (common in containers) the text layer
+    # dropped what a short write to the pipe did not take: `show --json | head` cut the output
+    # silently and exited 0.
+    store = f"sqlite:///{tmp_path / 'runs.db'}"
+    scenario = {
+        "name": "big",
+        "model": {"responses": [
+            {"finish_reason": "tool_calls", "message": {"tool_calls": [{"id": "a", "name": "t", "arguments": "{}"}]}},
+            {"finish_reason": "stop", "message": {"content": "ok"}}]},
+        "tools": [{"name": "t", "result": {"output": "x" * 600_000}}],
+    }
+    (tmp_path / "big.json").write_text(json.dumps(scenario))
+    ok(agentfold("run", str(tmp_path / "big.json"), "--start-id", "big-1", store=store))
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTFOLD_STORE", "PYTHONUNBUFFERED")}
+    env["PYTHONPATH"] = str(ROOT)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "agentfold.adapters.cli", "show", "big-1", "--json", "--store", store],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b'{"classifi'
+    proc.stdout.close()  # the reader leaves with more than a pipe's worth still to come
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
 
 
 def test_refusals_found_by_the_error_code_audit_say_what_to_do(tmp_path: Path) -> None:

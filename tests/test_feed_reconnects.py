@@ -365,6 +365,8 @@ def test_a_gap_in_the_feed_still_stops_a_following_transcript_consumer_with_feed
     consumer = Command("transcripts", "--bootstrap", kafka_bootstrap, "--topic", topic,
                        "--group", f"g-{uuid.uuid4().hex}", "--db", pg_database, "--json")
     consumer.ends_unretried_with("feed.gap")
+    assert json.loads(consumer.stderr[-1])["error"]["detail"] == {
+        "tree_id": envelopes[3]["tree_id"], "expected": envelopes[3]["position"], "position": envelopes[4]["position"]}
 
 
 def test_a_record_with_a_nul_byte_is_kept_as_a_reject_in_a_postgresql_transcript_database(

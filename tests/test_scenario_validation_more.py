@@ -76,6 +76,11 @@ FAULTS: list[tuple[str, dict[str, Any], str, str]] = [
     ("tool-name-long", scenario(tools=[tool(name="t" * 129)]), "$.tools[0].name", "1-128 characters"),
     ("delegate-name-slash", scenario(delegates=[{**DELEGATE, "name": "a/b"}]), "$.delegates[0].name",
      "[A-Za-z0-9_.-]"),
+    # Named its path twice: "$.model.responses[0]: $.model.responses[0].message.tool_calls: ..."
+    # (found by the docs audit).
+    ("duplicate-call-ids", scenario(tools=[tool()], model={"responses": [{"finish_reason": "tool_calls", "message": {
+        "tool_calls": [{"id": "a", "name": "t", "arguments": "{}"}, {"id": "a", "name": "t", "arguments": "{}"}]}}]}),
+     "$.model.responses[0].message.tool_calls", "tool call ids must be unique"),
 ]
 
 

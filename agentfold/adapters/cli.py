@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
+import math
 import os
 import signal
 import sqlite3
@@ -998,6 +1000,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An option's number of seconds: positive and finite (``--poll-interval``, ``--idle-exit``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not (value > 0 and math.isfinite(value)):  # NaN compares false
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument(
@@ -1110,7 +1123,7 @@ def build_parser() -> argparse.ArgumentParser:
     project.add_argument("--rebuild", action="store_true", help="empty the tables and project every event again")
     project.add_argument("--batch", type=_positive_int, default=1000, metavar="N",
                          help="events per transaction (default 1000)")
-    project.add_argument("--poll-interval", type=float, default=0.05, metavar="SECONDS",
+    project.add_argument("--poll-interval", type=positive_seconds, default=0.05, metavar="SECONDS",
                          help="with --follow: SQLite polls this often; PostgreSQL listens and re-checks every "
                          "10 x SECONDS as a safety net (default 0.05)")
     for module in COMMAND_MODULES:  # commands kept in their own modules (each has register(command))
@@ -1199,6 +1212,19 @@ def print_outcome(outcome: Outcome, as_json: bool) -> int:
     return outcome.status
 
 
+def _buffer_stdout() -> None:
+    """Give standard output a buffered layer when Python runs unbuffered (``PYTHONUNBUFFERED``,
+    ``-u``: common in containers). Its unbuffered text layer drops what a short write to a
+    pipe did not take, so a reader that went away (``agentfold show --json | head``) cut the
+    output silently and the command exited 0, not 141; a buffered writer writes every byte or
+    raises ``BrokenPipeError``. Lines still go out as they are printed (line buffering)."""
+    out = sys.stdout
+    if isinstance(out, io.TextIOWrapper) and isinstance(out.buffer, io.RawIOBase):
+        out.flush()
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(out.buffer), encoding=out.encoding, errors=out.errors,
+                                      line_buffering=True)
+
+
 def entry() -> None:
     """The ``agentfold`` console script: ``main``, then exit without waiting for calls it abandoned.
 
@@ -1207,6 +1233,7 @@ def entry() -> None:
     unknown. Python would wait at exit for the thread running it, i.e. for the call to return:
     a hung tool kept the command alive, long after it had reported.
     """
+    _buffer_stdout()
     try:
         status = main()
     except KeyboardInterrupt:

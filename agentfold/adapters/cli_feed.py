@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from agentfold.adapters.cli import PROG, Context, Outcome, print_outcome
+from agentfold.adapters.cli import PROG, Context, Outcome, positive_seconds, print_outcome
 from agentfold.adapters.eventstore import redact
 from agentfold.adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher, publish_failed
 from agentfold.adapters.follower import StopGuard, exit_at_once, one_line, stop_on_signals
@@ -67,16 +66,6 @@ def _positive(text: str) -> int:
         value = 0
     if not 1 <= value <= 1_000_000:
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to 1000000, not {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not (value > 0 and math.isfinite(value)):  # NaN compares false
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
     return value
 
 
@@ -297,7 +286,7 @@ def register(command: Any) -> None:
                          help="replication factor of a topic this command creates (default 1)")
     publish.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH, metavar="N",
                          help=f"events per acknowledged batch (default {DEFAULT_BATCH})")
-    publish.add_argument("--poll-interval", type=_positive_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
+    publish.add_argument("--poll-interval", type=positive_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
                          help="when following: SQLite polls this often; PostgreSQL listens and re-checks every "
                          f"10 x SECONDS as a safety net (default {DEFAULT_POLL_INTERVAL})")
 
@@ -313,7 +302,7 @@ def register(command: Any) -> None:
     transcripts.add_argument("--max-records", type=_positive, default=1000, metavar="N",
                              help="records per batch (one database transaction each; default 1000)")
     transcripts.add_argument("--once", action="store_true", help="exit once nothing new arrived for 1 s after joining")
-    transcripts.add_argument("--idle-exit", type=_positive_seconds, metavar="SECONDS",
+    transcripts.add_argument("--idle-exit", type=positive_seconds, metavar="SECONDS",
                              help="exit once nothing new arrived for this long after joining")
 
     transcript = command("transcript", cmd_transcript, "print the transcript of one Interaction process")

@@ -216,6 +216,10 @@ def validate_scenario(
             parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
                             **({"usage": response["usage"]} if "usage" in response else {})}, where)
         except InvalidInput as exc:
+            # The parser's message names its own path already (``$.model.responses[0].message...: ...``).
+            inner = str(exc.details.get("path") or "")
+            if inner.startswith(where) and exc.message.startswith(f"{inner}: "):
+                raise ScenarioError(inner, exc.message[len(inner) + 2:]) from exc
             raise ScenarioError(where, exc.message) from exc
         if response["finish_reason"] not in FINISH_REASONS:
             # The model dispatcher would leave that call unknown: refused here, before the run.

@@ -692,6 +692,7 @@ class TranscriptConsumer:
             raise AgentfoldError(
                 "feed.gap", str(exc),
                 "an event is missing from the topic (retention, another producer?): rebuild from a complete topic",
+                tree_id=exc.tree_id, position=exc.got, expected=exc.expected,
             ) from exc
         self.report.batches += 1  # committed batches: one that failed comes again (see ``rewind``)
         die = self._crash(self.report.batches)
