@@ -17,6 +17,7 @@ signals, controls and resolutions.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -264,11 +265,15 @@ class Kernel:
         granted: True grants it (the caller counted one more call in flight), False leaves
         the Effect declared, to be permitted by a later ``advance`` (a runtime whose calls
         in flight are at their limit: a permission is only granted when its call can start).
+        Once it has answered False, the rest of that ``advance`` grants no permission and
+        does not ask again (a runtime out of call slots stays out of them meanwhile).
         """
         self.tree = tree
         self.programs = programs
         self.ids = ids
         self.dispatch = dispatch
+        self._denied = False
+        self._refused = False
 
     def _emit(self, progress: Progress, event: TreeEvent, next_state: Any = _MISSING) -> None:
         self.tree.apply(event, next_state=next_state)
@@ -285,16 +290,99 @@ class Kernel:
         return program
 
     def advance(self, max_events: int = 2048) -> Progress:
-        """Make every local step of progress possible now, up to ``max_events`` events."""
+        """Make every local step of progress possible now, up to ``max_events`` events.
+
+        In passes: each pass offers every live Process (in creation order, those that
+        existed when the pass began) one move, until a pass moves none. A Process that
+        could not move stays unable to until an event touches it (``TreeState.touch_log``:
+        its own events, a child's start, an end in its subtree or of its parent), so it is
+        not offered one again until then ("asleep", also across advances: the tree keeps
+        the others in ``kernel_awake``): it would answer no. Only a refused dispatch
+        permission is no answer of the tree's: such a Process (``kernel_permits``) is
+        offered a move again by the next advance, until that advance is refused one too
+        (it grants none after a refusal: they would all answer no). The events and their
+        order are those of offering every live Process a move at every pass; the cost is
+        per move, not per live Process and pass (a parent starting N children, one per
+        pass, cost O(N^2)).
+        """
         progress = Progress()
-        moved = True
-        while moved and len(progress.events) < max_events:
-            moved = False
-            for process in list(self.tree.live.values()):
-                if self._advance_process(process, progress):
-                    moved = True
-                if len(progress.events) >= max_events:
-                    break
+        tree = self.tree
+        self._denied = False
+        processes, live = tree.processes, tree.live
+        queue = [(processes[pid].ordinal, pid) for pid in tree.kernel_awake if pid in live]
+        heapq.heapify(queue)
+        queued = {pid for _, pid in queue}  # in ``queue`` (this pass or a later one) or ``later``
+        # Refused a permission by an earlier advance (and untouched since): offered in order
+        # like the others until this advance is refused one; then they are all refused at once,
+        # unvisited (they are kept, a heap with stale entries, for the next advance).
+        waiting = tree.kernel_waiting
+        waiting -= tree.kernel_awake
+        permits = tree.kernel_permits
+        if len(permits) > 2 * len(waiting) + 64:
+            permits[:] = sorted((processes[pid].ordinal, pid) for pid in waiting)
+        refused: set[ProcessID] = set()  # refused a permission by this advance
+        touched = tree.touch_log = []
+        done = False
+        try:
+            moved = True
+            while moved and len(progress.events) < max_events:
+                moved = False
+                end = len(processes)  # Processes created during this pass wait for the next one
+                later: list[tuple[int, ProcessID]] = []
+                while True:
+                    while permits and permits[0][1] not in waiting:
+                        heapq.heappop(permits)  # woken since (or offered already)
+                    if permits and not self._denied and (not queue or permits[0] < queue[0]):
+                        at, pid = heapq.heappop(permits)
+                        waiting.discard(pid)
+                    elif queue and queue[0][0] < end:
+                        at, pid = heapq.heappop(queue)
+                        queued.discard(pid)
+                    else:
+                        break
+                    process = processes[pid]
+                    if process.terminal:
+                        continue  # never moves again
+                    self._refused = False
+                    if self._advance_process(process, progress):
+                        moved = True
+                        later.append((at, pid))
+                        queued.add(pid)
+                    elif self._refused:
+                        refused.add(pid)
+                    for woken in touched:
+                        if woken in queued:
+                            continue
+                        other = processes[woken]
+                        if other.terminal:
+                            continue
+                        refused.discard(woken)
+                        waiting.discard(woken)
+                        queued.add(woken)
+                        # Still ahead in this pass: offered in it; else in the next one
+                        # (a Process started now has the highest ordinal: the next one).
+                        if at < other.ordinal < end:
+                            heapq.heappush(queue, (other.ordinal, woken))
+                        else:
+                            later.append((other.ordinal, woken))
+                    touched.clear()
+                    if len(progress.events) >= max_events:
+                        break
+                for item in later:
+                    heapq.heappush(queue, item)
+            done = True
+        finally:
+            tree.touch_log = None
+            # Offered a move by the next advance: all but the asleep (all, after an error).
+            if done:
+                tree.kernel_awake = queued
+                for pid in refused - waiting:
+                    waiting.add(pid)
+                    heapq.heappush(permits, (processes[pid].ordinal, pid))
+            else:
+                tree.kernel_awake = set(live)
+                waiting.clear()
+                permits.clear()
         return progress
 
     def _advance_process(self, process: ProcessState, progress: Progress) -> bool:
@@ -318,7 +406,9 @@ class Kernel:
                 return False
             if record.target == Target.FRAMEWORK:
                 return self._settle_framework(progress, process, record)
-            elif not (self.dispatch() if callable(self.dispatch) else self.dispatch):
+            elif self._denied or not (self.dispatch() if callable(self.dispatch) else self.dispatch):
+                self._denied = callable(self.dispatch)
+                self._refused = True
                 return False
             else:
                 attempt = self.ids.attempt_id()
@@ -712,9 +802,9 @@ class Kernel:
             )
             return
         limits = tree.limits
-        # The live Processes (not the parent's every child ever started): a long Interaction
-        # has thousands of finished Tool children, and this ran once per child start.
-        active = sum(1 for p in tree.live.values() if p.parent_id == parent.process_id)
+        # The live children (not the parent's every child ever started): a long Interaction
+        # has thousands of finished Tool children, and this runs once per child start.
+        active = parent.live_children
         if (
             parent.depth + 1 > limits.max_depth
             or (limits.max_children is not None and len(parent.children) >= limits.max_children)

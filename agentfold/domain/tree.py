@@ -145,6 +145,10 @@ class MailboxRecord:
     effect_id: EffectID | None = None
     consumed: bool = False
     _digest: Digest | None = None
+    _signal: Signal | None = field(default=None, repr=False, compare=False)
+    """The record as a Step sees it, built once (transient: never serialized). Every field
+    it reads is fixed while the record is pending; ``payload`` only changes (to None) when
+    the record is consumed, and a consumed record is never shown to a Step again."""
 
     @property
     def digest(self) -> Digest | None:
@@ -158,7 +162,12 @@ class MailboxRecord:
         return self._digest
 
     def signal(self) -> Signal:
-        return Signal(self.signal_id, self.payload, self.wait_id, self.status, self.effect_id)
+        if self._signal is None or self.consumed:
+            signal = Signal(self.signal_id, self.payload, self.wait_id, self.status, self.effect_id)
+            if self.consumed:
+                return signal
+            self._signal = signal
+        return self._signal
 
     def to_json(self, with_payload: bool = True) -> dict[str, JSON]:
         """A receipt; members without a value are omitted (snapshots hold many of these)."""
@@ -193,6 +202,13 @@ class WaitRecord:
     answered_by: int | None = None
     closed: bool = False
     satisfied: bool = False
+    # Transient progress of an open child wait (never serialized; rebuilt by one scan of
+    # spec.children the first time the wait is checked after a fold or from_json). Invariant
+    # while the wait is open and unsatisfied: ``reached`` is the set of spec children that
+    # are at the wait's boundary; each termination adds at most the child on its ancestor
+    # path (TreeState._notify_waiters), so a wait over N children costs O(N) in all.
+    members: frozenset[ProcessID] | None = field(default=None, repr=False, compare=False)
+    reached: set[ProcessID] = field(default_factory=set, repr=False, compare=False)
 
     def to_json(self) -> dict[str, JSON]:
         body: dict[str, JSON] = {
@@ -338,6 +354,28 @@ class ProcessState:
     state: Any = None
     has_state: bool = False
     json_cache: tuple[Any, dict[str, Any]] | None = None
+    # -- transient indexes (never serialized; from_json and the fold rebuild them) so that
+    # per-event work does not scan a wide batch, a big mailbox or many children:
+    frontier_at: int = field(default=0, repr=False, compare=False)
+    """Index in ``batch`` of the first Effect not definitely settled (or len(batch)). An
+    Effect never goes from definite back to not definite, so it only moves forward; it is
+    reset to 0 whenever ``batch`` is replaced."""
+    batch_index: dict[EffectID, EffectRecord] = field(default_factory=dict, repr=False, compare=False)
+    """``batch`` by effect id (rebuilt when its size differs from ``batch``'s)."""
+    window_cache: tuple[Signal, ...] = field(default=(), repr=False, compare=False)
+    """The signals of ``mailbox[cursor : cursor + len(window_cache)]``: a prefix of the window,
+    extended with new records and cut by consumption (``window``, ``_on_step_committed``)."""
+    live_children: int = field(default=0, repr=False, compare=False)
+    """Direct children that are not terminal (the kernel's max_active_children check)."""
+    undrained_children: int = field(default=0, repr=False, compare=False)
+    """Direct children whose subtree is not drained: a Process's subtree is drained when it
+    is terminal and this is 0 (a terminal Process has no Effect in flight, and gets no new
+    child)."""
+    child_waits: dict[WaitID, WaitRecord] = field(default_factory=dict, repr=False, compare=False)
+    """Every child wait that is neither closed nor satisfied, in creation order (entries that
+    became closed or satisfied are dropped when next met)."""
+    ordinal: int = field(default=0, repr=False, compare=False)
+    """Its place in the tree's creation order (``TreeState.processes``): the kernel's order."""
 
     @property
     def terminal(self) -> bool:
@@ -351,7 +389,16 @@ class ProcessState:
         return self.mailbox[self.cursor :]
 
     def window(self) -> tuple[Signal, ...]:
-        return tuple(r.signal() for r in self.mailbox[self.cursor :])
+        cached = self.window_cache
+        start = self.cursor + len(cached)
+        if start < len(self.mailbox):
+            cached = self.window_cache = cached + tuple([r.signal() for r in self.mailbox[start:]])
+        return cached
+
+    @property
+    def drained(self) -> bool:
+        """Terminal with every descendant terminal (``TreeState.subtree_drained``)."""
+        return self.undrained_children == 0 and self.status in TERMINAL
 
     @property
     def terminal_intent(self) -> str | None:
@@ -366,16 +413,29 @@ class ProcessState:
 
     def frontier(self) -> EffectRecord | None:
         """The first Effect of the batch that is not definitely settled."""
-        for record in self.batch:
+        batch = self.batch
+        at = self.frontier_at
+        n = len(batch)
+        if at > n:
+            at = 0
+        while at < n:
+            record = batch[at]
             if not record.definite:
+                self.frontier_at = at
                 return record
+            at += 1
+        self.frontier_at = at
         return None
 
     def unknown_effects(self) -> list[EffectRecord]:
-        return [r for r in self.batch if r.unknown]
+        # Only the frontier can be unknown or in flight: settlement, dispatch and resolution
+        # act on the frontier alone, so every Effect after it is still planned.
+        record = self.frontier()
+        return [record] if record is not None and record.unknown else []
 
     def in_flight(self) -> list[EffectRecord]:
-        return [r for r in self.batch if r.in_flight]
+        record = self.frontier()
+        return [record] if record is not None and record.in_flight else []
 
     @property
     def runnable(self) -> bool:
@@ -383,10 +443,11 @@ class ProcessState:
         return self.status == "running" and not self.batch and self.terminal_intent is None
 
     def effect(self, eid: EffectID) -> EffectRecord | None:
-        for record in self.batch:
-            if record.effect_id == eid:
-                return record
-        return None
+        index = self.batch_index
+        if len(index) != len(self.batch):
+            index.clear()
+            index.update((r.effect_id, r) for r in self.batch)
+        return index.get(eid)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -436,6 +497,18 @@ class TreeState:
         """Non-terminal Processes in creation order (kept so per-append work ignores finished ones)."""
         self.unknown_ids: set[EffectID] = set()
         """Effects whose outcome is unknown and not resolved (terminal processes keep theirs)."""
+        # For Kernel.advance (transient, never serialized): the Processes an applied event may
+        # have changed, as far as what the kernel decides next goes: the event's Process; a
+        # start's parent; an end's ancestors (their child waits) and children (their terminal
+        # intents). While an advance runs they are listed in ``touch_log``, else added to
+        # ``kernel_awake``: the Processes the next advance offers a move (the others could
+        # not move when last offered one, and nothing touched them since).
+        self.touch_log: list[ProcessID] | None = None
+        self.kernel_awake: set[ProcessID] = set()
+        self.kernel_waiting: set[ProcessID] = set()
+        """Processes an advance refused a dispatch permission, untouched since (Kernel.advance)."""
+        self.kernel_permits: list[tuple[int, ProcessID]] = []
+        """A heap of (ordinal, process id) holding every Process of ``kernel_waiting``."""
 
     # -- queries -----------------------------------------------------------
 
@@ -509,6 +582,29 @@ class TreeState:
             raise self.fail(pos, "stream.event_type", f"unknown event type {type(event).__name__}")
         handler(self, pos, event, next_state)
         self.version = pos
+        log = self.touch_log
+        if log is None:
+            self.kernel_awake.add(event.process_id)
+        else:
+            log.append(event.process_id)
+        if type(event) in _RELATIVES:
+            self._touch_relatives(event)  # type: ignore[arg-type]
+
+    def _touch_relatives(self, event: ProcessStarted | ProcessTerminated) -> None:
+        """See ``touch_log``: a start's parent, an end's children and ancestors."""
+        touched: list[ProcessID] = []
+        if isinstance(event, ProcessStarted):
+            touched.append(event.parent_id)
+        else:
+            process = self.processes[event.process_id]
+            touched.extend(process.children)
+            while process.parent_id is not None:
+                touched.append(process.parent_id)
+                process = self.processes[process.parent_id]
+        if self.touch_log is None:
+            self.kernel_awake.update(touched)
+        else:
+            self.touch_log.extend(touched)
 
     def _check_expectation(self, pos: int, event: TreeEvent, expect: tuple[str, ProcessID, int, int]) -> None:
         kind, pid, step, index = expect
@@ -656,10 +752,13 @@ class TreeState:
             start_effect_id=e.start_effect_id,
         )
         self._init_state(pos, child)
+        child.ordinal = len(self.processes)
         self.processes[e.process_id] = child
         self.live[e.process_id] = child
         parent.children.append(e.process_id)
         parent.child_keys[key] = e.process_id
+        parent.live_children += 1
+        parent.undrained_children += 1
         # The start is settled by the child's existence: ChildStartResult, derived.
         record.phase = "settled"
         record.status = SettlementStatus.SUCCEEDED
@@ -747,6 +846,7 @@ class TreeState:
         start = process.cursor
         consumed_records = process.mailbox[start : start + e.consumed]
         consumed = [r.signal() for r in consumed_records]
+        process.window_cache = process.window_cache[e.consumed :]
         for record in consumed_records:
             if record.source != "engine":
                 # Fix the digest before the payload is released: a host resending this signal
@@ -845,9 +945,9 @@ class TreeState:
                             raise ValueError(f"{cid} is not a direct child of {process.process_id}")
             except Exception as exc:
                 raise self.fail(pos, "effect.framework", f"invalid {op} effect: {exc}") from exc
-        process.batch.append(
-            EffectRecord(e.effect_id, e.step, e.index, e.target, e.payload, e.replay, tuple(e.capabilities))
-        )
+        record = EffectRecord(e.effect_id, e.step, e.index, e.target, e.payload, e.replay, tuple(e.capabilities))
+        process.batch.append(record)
+        process.batch_index[e.effect_id] = record
         process.prepared_effects += 1
         process.reserved_signals += reserve
         remaining = self._pending_declarations - 1
@@ -949,9 +1049,8 @@ class TreeState:
         of a running Process without a terminal intent; nothing is stored for it.
         """
         if process.status == "running" and process.terminal_intent is None:
-            for record in process.batch:
-                if record.definite:
-                    continue
+            # Everything before the frontier is definite, so start there (not at 0).
+            while (record := process.frontier()) is not None:
                 if record.phase == "planned" and record.operation in (Operation.WAIT, Operation.WAIT_CHILDREN):
                     record.phase = "settled"
                     record.status = SettlementStatus.SUCCEEDED
@@ -961,10 +1060,12 @@ class TreeState:
         self._maybe_finish_batch(process)
 
     def _maybe_finish_batch(self, process: ProcessState) -> None:
-        if not process.batch or not all(r.definite for r in process.batch):
+        if not process.batch or process.frontier() is not None:
             return
         batch = process.batch
         process.batch = []
+        process.batch_index.clear()
+        process.frontier_at = 0
         for record in batch:
             self._finished_effects.add(record.effect_id)
             self._deliver(process, record)
@@ -985,6 +1086,8 @@ class TreeState:
                 wait = WaitRecord(wid, key, "children", record.effect_id, spec=ChildWaitSpec.from_json(record.payload))
             process.waits[wid] = wait
             process.open_wait_keys[key] = wid
+            if op == Operation.WAIT_CHILDREN:
+                process.child_waits[wid] = wait
             self._append_signal(
                 process, wait_opened_signal_id(wid), wid, {"operation": op, "wait_id": wid, "key": key}, "engine",
                 answers=False,
@@ -997,22 +1100,33 @@ class TreeState:
             process, settlement_signal_id(record.effect_id), None, record.result, "engine", status, record.effect_id
         )
 
-    def _check_child_wait(self, process: ProcessState, wait: WaitRecord) -> None:
+    def _at_boundary(self, child: ProcessState, boundary: Boundary) -> bool:
+        return child.terminal if boundary is Boundary.TERMINAL_RESULT else child.drained
+
+    def _check_child_wait(self, process: ProcessState, wait: WaitRecord, moved: ProcessState | None = None) -> None:
+        """Satisfy ``wait`` if enough of its children are at its boundary. ``moved``: the
+        only child that may have reached the boundary since the last check (see
+        WaitRecord.reached); None rescans every child (a new wait, or a state from_json)."""
         if wait.satisfied or wait.closed or process.terminal:
             return
         spec = wait.spec
         assert spec is not None
-        at_boundary: list[ProcessState] = []
-        for cid in spec.children:
-            child = self.processes.get(cid)
-            if child is None:
-                continue
-            reached = child.terminal if spec.boundary is Boundary.TERMINAL_RESULT else self.subtree_drained(cid)
-            if reached:
-                at_boundary.append(child)
-        if len(at_boundary) < spec.required:
+        if wait.members is None or moved is None:
+            wait.members = frozenset(spec.children)
+            wait.reached = set()
+            for cid in spec.children:
+                child = self.processes.get(cid)
+                if child is not None and self._at_boundary(child, spec.boundary):
+                    wait.reached.add(cid)
+        elif moved.process_id in wait.members and moved.process_id not in wait.reached:
+            if self._at_boundary(moved, spec.boundary):
+                wait.reached.add(moved.process_id)
+        if len(wait.reached) < spec.required:
             return
+        at_boundary = [self.processes[cid] for cid in spec.children if cid in wait.reached]
         wait.satisfied = True
+        wait.members = None
+        wait.reached = set()
         outcomes = [self.outcome(child, spec.boundary) for child in at_boundary]
         process.reserved_signals -= 1
         process.accepted_signals += 1
@@ -1184,6 +1298,14 @@ class TreeState:
         self._completing = {}
         process.status = e.status
         self.live.pop(process.process_id, None)
+        parent = self.processes.get(process.parent_id) if process.parent_id is not None else None
+        if parent is not None:
+            parent.live_children -= 1
+        # The subtrees this end drains: this Process's, then each ancestor's that waited only on it.
+        drained = process
+        while drained.drained and drained.parent_id is not None:
+            drained = self.processes[drained.parent_id]
+            drained.undrained_children -= 1
         process.termination = Termination(e.status, e.cause, e.reason, e.failure, unresolved)
         process.output = output if e.status == "completed" else None
         process.current_wait = None
@@ -1228,12 +1350,20 @@ class TreeState:
             raise self.fail(pos, rule, f"no frontier {op.value} effect of the parent of {child.process_id} matches")
 
     def _notify_waiters(self, process: ProcessState) -> None:
+        """After ``process`` ended: check its ancestors' open child waits, nearest first.
+
+        At each ancestor, only the child on the path to ``process`` can have reached a
+        boundary (terminal: ``process`` itself; drained: an ancestor of it), so each wait
+        looks at that one child (``_check_child_wait``'s ``moved``)."""
         current: ProcessState | None = process
         while current is not None and current.parent_id is not None:
             parent = self.processes[current.parent_id]
-            for wait in list(parent.waits.values()):
-                if wait.kind == "children" and not wait.satisfied and not wait.closed:
-                    self._check_child_wait(parent, wait)
+            if parent.child_waits:
+                for wait in list(parent.child_waits.values()):
+                    if wait.satisfied or wait.closed or wait.wait_id not in parent.waits:
+                        del parent.child_waits[wait.wait_id]
+                        continue
+                    self._check_child_wait(parent, wait, current)
             current = parent
 
     # -- snapshots ---------------------------------------------------------
@@ -1362,6 +1492,8 @@ class TreeState:
                 p.waits[wait.wait_id] = wait
                 if not wait.closed:
                     p.open_wait_keys[wait.key] = wait.wait_id
+                    if wait.kind == "children" and not wait.satisfied:
+                        p.child_waits[wait.wait_id] = wait
             p.current_wait = WaitID(body["current_wait_id"]) if body["current_wait_id"] else None
             p.pause_reason = body["pause_reason"]
             p.intents = {k: (v["owner"], v["reason"]) for k, v in body["pending_control"].items()}
@@ -1378,6 +1510,7 @@ class TreeState:
                         r.get("resolved_by"), r.get("attempts", 0),
                     )
                     p.batch.append(rec)
+                    p.batch_index[rec.effect_id] = rec
             p.children = [ProcessID(c) for c in body["children"]]
             if body["termination"]:
                 t = body["termination"]
@@ -1392,6 +1525,7 @@ class TreeState:
                 if program is not None:
                     p.state = program.strategy.decode_state(body["state"])
                     p.has_state = True
+            p.ordinal = len(tree.processes)
             tree.processes[p.process_id] = p
             if not p.terminal:
                 tree.live[p.process_id] = p
@@ -1401,6 +1535,13 @@ class TreeState:
                 child = tree.processes[cid]
                 assert child.child_key is not None
                 p.child_keys[child.child_key] = cid
+        tree.kernel_awake = set(tree.live)
+        # Children come after their parent: in reverse, each child's count is final first.
+        for p in reversed(tree.processes.values()):
+            for cid in p.children:
+                child = tree.processes[cid]
+                p.live_children += not child.terminal
+                p.undrained_children += not child.drained
         return tree
 
 
@@ -1418,6 +1559,10 @@ _HANDLERS: dict[type, Any] = {
     ControlRequested: TreeState._on_control,
     ProcessTerminated: TreeState._on_terminated,
 }
+
+
+#: Events that may change another Process than their own (``TreeState._touch_relatives``).
+_RELATIVES = frozenset({ProcessStarted, ProcessTerminated})
 
 
 def fold_tree(events: Sequence[TreeEvent], programs: ProgramResolver | None = None) -> TreeState:
