@@ -604,12 +604,19 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     assert store_version(store, started["tree_id"]) == before
 
 
-@pytest.mark.parametrize("argv", [("trees",), ("trees", "--json"), ("audit", "verify", "--all", "--json")])
+@pytest.mark.parametrize("argv", [
+    ("trees",), ("trees", "--json"), ("audit", "verify", "--all", "--json"),
+    # Found by a review: export gave export.unwritable "Broken pipe" (exit 2), and commands
+    # that print as they go (the demo, project --follow, serve) cli.internal, then a traceback
+    # and exit 120 under PYTHONUNBUFFERED.
+    ("export", "pipe-1", "--out", "/dev/stdout"), ("project", "--follow"),
+])
 def test_a_reader_that_goes_away_stops_the_command_quietly_as_sigpipe_would(tmp_path: Path, argv: tuple[str, ...]) -> None:
     # Found by a security review: `agentfold audit verify --all --json | head` printed a
     # BrokenPipeError traceback (exit 1).
     store = f"sqlite:///{tmp_path / 'runs.db'}"
-    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "calls.jsonl"), store=store))
+    ok(agentfold("kernel-demo-run", "--start-id", "pipe-1", "--side-effect-log", str(tmp_path / "calls.jsonl"),
+                 store=store))
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the command writes
     try:

@@ -11,15 +11,18 @@ code from the append it tried.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.runtime import Runtime, RuntimeStopped
 from agentfold.domain.errors import StoreFailure
+from agentfold.domain.program import Replay
 from agentfold.domain.requests import Settlement
 from tests.conftest import create_pg_database, require_postgres
 from tests.kernel_programs import chain_program
@@ -104,3 +107,115 @@ def test_a_runtime_whose_sessions_reach_a_read_only_database_gets_store_read_onl
             assert events_in(database) == stored
     finally:
         store.close()
+
+
+def switch(url: str, read_only: bool, *, end_sessions: bool) -> None:
+    """Set the database's default_transaction_read_only; optionally end its sessions, except the
+    owner-lease sessions (they hold advisory locks; ending them is a lost lease, another test)."""
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(require_postgres(), autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if read_only else "off"}')
+        if end_sessions:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
+                         "pg_backend_pid() AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')",
+                         (name,))
+
+
+def slow_chain() -> Any:
+    def call(request: Any, context: Any) -> Settlement:
+        time.sleep(0.1)
+        return Settlement.succeeded({"value": 1})
+
+    return chain_program(call, name="standby.slow", replay=Replay.SAME_IDENTITY)
+
+
+def test_a_run_stalled_by_a_read_only_database_continues_once_it_takes_writes_again(database: str) -> None:
+    # Found by a review: the pooled sessions opened while the database was read-only kept
+    # default_transaction_read_only for their life (an hour): the run stayed stalled after the
+    # database took writes again, until someone ended those sessions.
+    program = slow_chain()
+    store = EventStore(database)
+    try:
+        with Runtime(store, Catalog([program]), poll_interval=0.2) as runtime:
+            handle = runtime.start(program, {"n": 30}, start_id="stalled")
+            time.sleep(0.8)
+            switch(database, True, end_sessions=True)
+            deadline = time.monotonic() + 30
+            while not runtime.stalled_trees() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert runtime.stalled_trees() == [handle.tree_id]
+            assert runtime.last_stall is not None and runtime.last_stall.code == "store.read_only"
+            switch(database, False, end_sessions=False)  # the sessions open now stay as they are
+            deadline = time.monotonic() + 60
+            status = None
+            while status is None and time.monotonic() < deadline:
+                try:
+                    status = handle.result(1).status  # the stopped owner line raises until adopted again
+                except (RuntimeStopped, TimeoutError):
+                    time.sleep(0.2)
+            assert status == "completed", runtime.stalled_trees()
+    finally:
+        store.close()
+
+
+def healthy_within(client: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if client.get("/health").status_code == 200:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_health_says_store_read_only_while_the_database_accepts_no_writes(database: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from agentfold.adapters.http_api import ApiService, create_app
+    from agentfold.adapters.sources import ProgramSources
+
+    program = slow_chain()
+    token = "t" * 40
+    headers = {"Authorization": f"Bearer {token}"}
+    store = EventStore(database)
+    service = ApiService.open(store, ProgramSources(programs=(program,)), token, follow=False)
+    try:
+        with TestClient(create_app(service)) as client:
+            assert client.get("/health").status_code == 200
+            switch(database, True, end_sessions=True)
+            answer = client.get("/health")  # no run has stalled: the probe itself finds out
+            assert answer.status_code == 503 and answer.json()["code"] == "store.read_only", answer.text
+            switch(database, False, end_sessions=False)
+            # Each probe that finds the sessions read-only renews them: 200 within seconds.
+            assert healthy_within(client, 15)
+
+            started = client.post("/runs", json={"program": "standby.slow", "input": {"n": 30}, "start_id": "h-1"},
+                                  headers=headers)
+            assert started.status_code in (200, 201), started.text
+            time.sleep(0.8)
+            switch(database, True, end_sessions=True)
+            deadline = time.monotonic() + 30
+            while not service.runtime.stalled_trees() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            answer = client.get("/health")
+            assert answer.status_code == 503 and answer.json()["code"] == "store.read_only", answer.text
+            switch(database, False, end_sessions=False)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                run = client.get("/runs/h-1", headers=headers).json()
+                if run.get("status") == "completed":
+                    break
+                time.sleep(0.3)
+            assert run.get("status") == "completed", run
+            assert healthy_within(client, 15)
+    finally:
+        service.close()
+        store.close()
+
+
+def test_the_transcript_consumer_on_a_read_only_database_says_store_read_only(database: str, kafka_bootstrap: str) -> None:
+    # Found by a review: cli.internal "ReadOnlySqlTransaction: cannot execute CREATE TABLE ...".
+    set_read_only(database, True)
+    ran = agentfold("transcripts", "--bootstrap", kafka_bootstrap, "--topic", "t-read-only", "--group", "g",
+                    "--db", database, "--once", "--json")
+    set_read_only(database, False)
+    read_only_refusal(ran)

@@ -1186,7 +1186,12 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
             "store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
             "check that the store is reachable and writable"), as_json)
         return 1
+    except BrokenPipeError:
+        raise  # the reader of stdout went away while the command printed: ``entry`` exits 141
     except Exception as exc:  # noqa: BLE001 - the CLI reports every failure as one line
+        if refuses_writes(exc):  # e.g. the transcript consumer's own PostgreSQL database
+            _report(read_only_server("the database refused a write"), as_json)
+            return 1
         _report(AgentfoldError("cli.internal", f"{type(exc).__name__}: {exc}"), as_json)
         return 1
     status = print_outcome(outcome, as_json)
@@ -1225,6 +1230,14 @@ def _buffer_stdout() -> None:
                                       line_buffering=True)
 
 
+def _reader_gone() -> int:
+    """The reader of stdout went away (`agentfold ... | head`): stop quietly, as a command killed
+    by SIGPIPE would (exit 141), without Python's traceback or its second error at exit (what
+    stdout still holds goes to /dev/null)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def entry() -> None:
     """The ``agentfold`` console script: ``main``, then exit without waiting for calls it abandoned.
 
@@ -1239,17 +1252,17 @@ def entry() -> None:
     except KeyboardInterrupt:
         status = 130
     except BrokenPipeError:
-        # The reader went away (`agentfold ... | head`): stop quietly, as a command killed by
-        # SIGPIPE (exit 141) would, without Python's traceback or its second error at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        status = 128 + signal.SIGPIPE
+        status = _reader_gone()
     # The command has answered; the process only exits now. Python resets its own signal
     # handlers to the default while it finalizes, so a SIGTERM in that instant (an operator
     # or a scheduler stopping a job that just finished) killed it: exit 143 after a success.
     # Ignored signals stay ignored through finalization.
     for each in (signal.SIGTERM, signal.SIGINT):
         signal.signal(each, signal.SIG_IGN)
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()  # what is left of a buffered answer
+    except BrokenPipeError:
+        status = _reader_gone()
     sys.stderr.flush()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         os._exit(status)

@@ -229,6 +229,8 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     to_stdout = _names_stdout(Path(args.out))
     try:
         _write_atomically(Path(args.out), text.encode("ascii"))
+    except BrokenPipeError:
+        raise  # ``--out /dev/stdout`` and the reader went away: exit 141, as for any output
     except OSError as exc:
         raise InvalidInput(
             "export.unwritable", f"cannot write {args.out}: {exc.strerror or exc}",

@@ -417,7 +417,7 @@ def read_only_server(what: str) -> StoreFailure:
         "store.read_only",
         f"{what}: the PostgreSQL server accepts no writes in this database (a standby, or "
         "default_transaction_read_only is on for the server, the database or the role)",
-        hint="point the store URL at the primary (PGTARGETSESSIONATTRS=read-write makes libpq skip a standby); "
+        hint="point the URL at the primary (PGTARGETSESSIONATTRS=read-write makes libpq skip a standby); "
         "read commands (trees, show, unknown, results, audit verify, export) work on a standby as they are",
     )
 
@@ -951,6 +951,34 @@ class EventStore:
 
         pool._configure = track
 
+    def refuses_writes_now(self) -> bool:
+        """Whether the PostgreSQL database accepts no writes on this store's sessions (a standby,
+        ``default_transaction_read_only``); False for other stores. When it does not, the pooled
+        sessions are renewed (``forget_sessions``), so the next look sees a change back."""
+        if self.backend != "postgresql":
+            return False
+        with self.factory.datastore.transaction(commit=False) as c:
+            c.execute("SELECT current_setting('transaction_read_only') AS ro")
+            row = c.fetchone()
+        refused = row is not None and str(row["ro"]) == "on"
+        if refused:
+            self.forget_sessions()
+        return refused
+
+    def forget_sessions(self) -> None:
+        """Replace every pooled PostgreSQL session (those in use once they are handed back): after
+        a write refused as read-only (``refuses_writes``). A session keeps the
+        ``default_transaction_read_only`` it started with for its whole life (an hour in the
+        pool), so the store would stay read-only after the database takes writes again."""
+        if self.backend != "postgresql" or self.factory is None:
+            return
+        drain = getattr(self.factory.datastore.pool, "drain", None)  # psycopg_pool 3.2 and later
+        if drain is not None:
+            try:
+                drain()
+            except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
+                log.warning("could not renew the store's PostgreSQL sessions: %s", exc)
+
     def session(self, *, listen: bool = False) -> Any:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
         pool: the owner-lease session, a follower's LISTEN session (``listen``: the server's
@@ -1106,6 +1134,7 @@ class EventStore:
             raise self._head_mismatch(tree_id, exc.stored, expected_version, previous_digest) from exc
         except PersistenceError as exc:
             if refuses_writes(exc):  # nothing was stored; the runtime adopts the tree again later
+                self.forget_sessions()
                 raise read_only_server(f"append to tree {tree_id} failed") from exc
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT) from exc

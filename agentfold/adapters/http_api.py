@@ -518,6 +518,8 @@ class FollowerThread:
                 follower.follow(self._stop)
             except Exception as exc:  # noqa: BLE001 - reads fold meanwhile; try again
                 self.state = "restarting"
+                if refuses_writes(exc):  # new sessions once the database takes writes again
+                    self.store.forget_sessions()
                 log.error("read-model follower failed (reads fold until it recovers): %s", one_line(exc))
                 self._stop.wait(self.retry)
         self.state = "stopped"
@@ -616,7 +618,17 @@ class ApiService:
             )
         self.store.check_file()  # an SQLite file removed or replaced under the server
         positions = self._bounded("positions", self.queries.position)  # a store that is down answers 503
+        if self._bounded("writes", self.store.refuses_writes_now):
+            raise read_only_server("the store accepts no writes now")
         stalled = self.runtime.stalled_trees()
+        last = self.runtime.last_stall
+        if stalled and last is not None and last.code == "store.read_only":
+            raise StoreFailure(
+                "store.read_only",
+                f"{len(stalled)} run(s) stopped on an append the database refused as read-only (e.g. {stalled[0]}); "
+                "the server adopts them again as soon as it takes writes",
+                hint=last.hint,
+            )
         if stalled:
             raise StoreFailure(
                 "store.append_failed",

@@ -398,7 +398,8 @@ def compile_interaction(config: InteractionConfig) -> Program:
         children=definition.child_programs(),
         policy=lambda effect: EffectPolicy(),
         expand_request=expand,
-        active_children=definition.max_concurrent,
+        # The tool window's width, for a run that can start children at all (tools or delegates).
+        active_children=definition.max_concurrent if definition.child_programs() else 0,
         configuration=config.configuration,
         dispatcher=ModelDispatcher(definition, config.model, config.model_observer, config.context_processor),
     )

@@ -771,7 +771,7 @@ class _Driver:
                 # instead of leaving it without an owner until someone runs `recover`. A
                 # corrupt history (an append refused by the index row) is no outage: no retry
                 # would mend it (`agentfold audit verify` says what is wrong).
-                self.runtime._stalled(self.tree_id)
+                self.runtime._stalled(self.tree_id, exc)
             self._reject(items, self.stopped)
             self.cond.notify_all()
 
@@ -1119,6 +1119,8 @@ class Runtime:
         # tree -> (incarnation, committed version, digest) of the owner line a lost lease stopped
         self._lost_line: dict[TreeID, tuple[TreeIncarnationID, int, str | None]] = {}
         self._stalled_trees: set[TreeID] = set()  # of those, the ones a failed append stopped
+        #: The failure of the latest append that stopped a tree (``GET /health`` names its code).
+        self.last_stall: StoreFailure | None = None
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
@@ -1965,7 +1967,7 @@ class Runtime:
                 if driver is not None and (noted is None or driver.committed > noted[1]):
                     self._lost_line[tree_id] = (driver.incarnation, driver.committed, driver.digest)
 
-    def _stalled(self, tree_id: TreeID) -> None:
+    def _stalled(self, tree_id: TreeID, failure: StoreFailure) -> None:
         """Note a tree whose owner line a failed append stopped, to adopt it again (only a
         runtime with a watcher adopts again; a short-lived one reports the failure and ends)."""
         if self.poll_interval <= 0:
@@ -1974,6 +1976,7 @@ class Runtime:
             if not self._closed:
                 self._lost.setdefault(tree_id, 0)
                 self._stalled_trees.add(tree_id)
+                self.last_stall = failure
         log.warning("tree %s: an append failed; its owner line stopped (adopted again when the store takes "
                     "appends)", tree_id)
 

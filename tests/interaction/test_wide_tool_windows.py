@@ -103,3 +103,13 @@ def test_a_scenario_with_a_wide_window_completes_from_the_cli(tmp_path: Path) ->
     calls = [p for p in shown["processes"] if p["parent_id"] is not None]
     assert len(calls) == WIDTH
     assert [(p["status"], (p["output"] or {}).get("disposition")) for p in calls] == [("completed", "succeeded")] * WIDTH
+
+
+def test_an_interaction_without_tools_needs_no_active_children(local_store_url: str) -> None:
+    # Found by a review: a tool-less Interaction was refused under max_active_children=0
+    # ("runs up to 1 children at once"), though it starts no child.
+    model = ScriptedModel([final("hello")])
+    program = compile_interaction(InteractionConfig(name="test.toolless", model=model))
+    with open_runtime(local_store_url, program) as runtime:
+        handle = runtime.start(program, chat_input("hi"), limits=TreeLimits(max_active_children=0))
+        assert handle.result(WAIT).status == "completed"
