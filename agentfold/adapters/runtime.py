@@ -987,13 +987,18 @@ class _Driver:
         Its slot goes back (its thread stays with it until the dispatcher returns)."""
         self.runtime._slots.abandon_flight(flight)
         if flight.effect_id in self.flights:
-            self.submit(
-                _Done(
-                    flight.process_id, flight.effect_id, flight.attempt_id, SettlementStatus.UNKNOWN, None,
-                    Failure(FailureKind.EXTERNAL, EngineCode.DISPATCH_CANCELED,
-                            "the dispatcher did not return within the cancellation grace period"),
+            try:
+                self.submit(
+                    _Done(
+                        flight.process_id, flight.effect_id, flight.attempt_id, SettlementStatus.UNKNOWN, None,
+                        Failure(FailureKind.EXTERNAL, EngineCode.DISPATCH_CANCELED,
+                                "the dispatcher did not return within the cancellation grace period"),
+                    )
                 )
-            )
+            except RuntimeError:
+                # The runtime closed during the grace period (its owner pool takes no more
+                # work): whoever drives the tree next records the call unknown, as after a crash.
+                pass
 
 
 def _store_down(exc: BaseException) -> bool:
