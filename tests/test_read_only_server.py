@@ -219,3 +219,54 @@ def test_the_transcript_consumer_on_a_read_only_database_says_store_read_only(da
                     "--db", database, "--once", "--json")
     set_read_only(database, False)
     read_only_refusal(ran)
+
+
+def test_a_following_projection_waits_out_a_read_only_database_and_goes_on(database: str) -> None:
+    # A standby or a database switched read-only for maintenance is an outage like any other
+    # for a command that follows: it used to stop with exit 1; it now retries (one line each)
+    # and renews its sessions, and goes on once the database takes writes again.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    ok(agentfold("run", DEMO, "--start-id", "first", "--json", store=database))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("AGENTFOLD_STORE", None)
+    follower = subprocess.Popen([sys.executable, "-m", "agentfold.adapters.cli", "project", "--follow", "--json",
+                                 "--store", database], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=ROOT)
+
+    def projected() -> int:
+        """Runs in the read-model table (0 before the follower made it)."""
+        with psycopg.connect(database, autocommit=True) as conn:
+            exists = conn.execute("SELECT to_regclass('agentfold_rm_runs') IS NOT NULL").fetchone()
+            if not (exists and exists[0]):
+                return 0
+            row = conn.execute("SELECT count(*) FROM agentfold_rm_runs").fetchone()
+        return int(row[0]) if row else 0
+
+    def within(seconds: float, check: Any) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if check():
+                return True
+            time.sleep(0.2)
+        return False
+
+    try:
+        assert within(30, lambda: projected() == 1)
+        switch(database, True, end_sessions=True)
+        time.sleep(3)  # its sessions were ended: each attempt meets the read-only database
+        assert follower.poll() is None, follower.communicate(timeout=10)
+        switch(database, False, end_sessions=False)
+        ok(agentfold("run", DEMO, "--start-id", "second", "--json", store=database))
+        assert within(60, lambda: projected() == 2), "the follower did not go on"
+        assert follower.poll() is None
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 0, err
+    assert "following failed" in err and "read-only transaction" in err, err

@@ -50,7 +50,7 @@ from eventsourcing.persistence import IntegrityError, InterfaceError, Notificati
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import DecodeError
-from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.eventstore import CorruptStream, EventStore, refuses_writes
 from agentfold.adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
 from agentfold.adapters.recorders import EVENTS_TABLE, psycopg_error
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
@@ -396,6 +396,10 @@ def store_failed(exc: BaseException) -> bool:
             return True
         if isinstance(cause, StoreFailure) and cause.code == "store.unavailable":
             return True
+        if refuses_writes(cause) or (isinstance(cause, StoreFailure) and cause.code == "store.read_only"):
+            # A standby or a database set read-only (maintenance, a failover on its way): it
+            # takes writes again once promoted or switched back (``renew`` gives new sessions).
+            return True
         cause = cause.__cause__ or cause.__context__
     return False
 
@@ -410,6 +414,7 @@ def retry_until_stopped(
     max_backoff: float = 30.0,
     on_failure: Callable[[], None] | None = None,
     progress: Callable[[], int] | None = None,
+    renew: Callable[[], None] | None = None,
 ) -> int:
     """Run ``attempt`` until ``stop`` is set, again after each failure ``retryable`` accepts;
     returns how many failures there were.
@@ -432,7 +437,9 @@ def retry_until_stopped(
     A retryable failure met once ``stop`` is set ends the loop (one line, ``stopping; ...``;
     not counted): no attempt follows, and it may be the store call that ``StopGuard``
     interrupted. ``on_failure`` is called for each failure counted, as it is counted (a
-    command's report at the last resort, ``exit_at_once``, shows them so far).
+    command's report at the last resort, ``exit_at_once``, shows them so far). ``renew`` is
+    called after a write the database refused as read-only (``refuses_writes``): the store's
+    pooled sessions keep that setting for their life (``EventStore.forget_sessions``).
     """
     failures = 0
     delay = backoff
@@ -449,6 +456,8 @@ def retry_until_stopped(
                 say(f"stopping; the attempt in progress failed: {one_line(exc)}")
                 return failures
             failures += 1
+            if renew is not None and refuses_writes(exc):
+                renew()
             if on_failure is not None:
                 on_failure()
             if progress is not None:
@@ -542,8 +551,12 @@ def follow_until_stopped(
         """Steps every follower ended without an error: it grows only while the store answers."""
         return earlier + (current[0].steps if current else 0)
 
+    def renew() -> None:
+        if current:
+            current[0].store.forget_sessions()
+
     retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff, on_failure=progress.failed,
-                        progress=steps)
+                        progress=steps, renew=renew)
     return progress.report()
 
 
