@@ -33,13 +33,16 @@ from tests.test_read_only_store import READ_COMMANDS, read_only_refusal
 DEMO = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
 
 
-def set_read_only(url: str, on: bool) -> None:
-    """Make new sessions of the database read-only (or not) and end the ones open now."""
+def switch(url: str, read_only: bool, *, end_sessions: bool) -> None:
+    """Set the database's default_transaction_read_only; optionally end its sessions, except the
+    owner-lease sessions (they hold advisory locks; ending them is a lost lease, another test)."""
     name = url.rsplit("/", 1)[1]
-    with psycopg.connect(require_postgres(), autocommit=True) as conn:  # the server's admin database
-        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if on else "off"}')
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                     "AND pid <> pg_backend_pid()", (name,))
+    with psycopg.connect(require_postgres(), autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if read_only else "off"}')
+        if end_sessions:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
+                         "pg_backend_pid() AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')",
+                         (name,))
 
 
 def events_in(url: str) -> int:
@@ -68,7 +71,7 @@ def test_read_commands_answer_on_a_read_only_database_and_writes_are_refused_as_
     [unknown] = json.loads(expected["unknown"])["unknown_effects"]
     stored = events_in(store)
 
-    set_read_only(store, True)
+    switch(store, True, end_sessions=True)
     for command in READ_COMMANDS:
         got = json.loads(ok(agentfold(*command, "--json", store=store)).stdout)
         if command[0] == "audit":  # its timing differs; the verdict must not
@@ -87,7 +90,7 @@ def test_read_commands_answer_on_a_read_only_database_and_writes_are_refused_as_
         error = json.loads(ran.stderr)["error"]
         assert "accepts no writes" in error["message"], error
         assert "primary" in error["hint"], error
-    set_read_only(store, False)
+    switch(store, False, end_sessions=True)
     assert events_in(store) == stored
 
 
@@ -98,27 +101,15 @@ def test_a_runtime_whose_sessions_reach_a_read_only_database_gets_store_read_onl
         with Runtime(store, Catalog([program])) as runtime:
             assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=60).status == "completed"
             stored = events_in(database)
-            set_read_only(database, True)
+            switch(database, True, end_sessions=True)
             with pytest.raises(StoreFailure) as refused:
                 runtime.start(program, {"n": 2}, start_id="after")
             assert refused.value.code == "store.read_only", refused.value
             assert "accepts no writes" in refused.value.message
-            set_read_only(database, False)
+            switch(database, False, end_sessions=True)
             assert events_in(database) == stored
     finally:
         store.close()
-
-
-def switch(url: str, read_only: bool, *, end_sessions: bool) -> None:
-    """Set the database's default_transaction_read_only; optionally end its sessions, except the
-    owner-lease sessions (they hold advisory locks; ending them is a lost lease, another test)."""
-    name = url.rsplit("/", 1)[1]
-    with psycopg.connect(require_postgres(), autocommit=True) as conn:
-        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if read_only else "off"}')
-        if end_sessions:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
-                         "pg_backend_pid() AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')",
-                         (name,))
 
 
 def slow_chain() -> Any:
@@ -214,10 +205,10 @@ def test_health_says_store_read_only_while_the_database_accepts_no_writes(databa
 
 def test_the_transcript_consumer_on_a_read_only_database_says_store_read_only(database: str, kafka_bootstrap: str) -> None:
     # Found by a review: cli.internal "ReadOnlySqlTransaction: cannot execute CREATE TABLE ...".
-    set_read_only(database, True)
+    switch(database, True, end_sessions=True)
     ran = agentfold("transcripts", "--bootstrap", kafka_bootstrap, "--topic", "t-read-only", "--group", "g",
                     "--db", database, "--once", "--json")
-    set_read_only(database, False)
+    switch(database, False, end_sessions=True)
     read_only_refusal(ran)
 
 

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -398,17 +398,25 @@ def ensure_durable_commits(conn: Any) -> None:
 READ_ONLY_SQLSTATE = "25006"
 
 
+def causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def read_only_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` itself is PostgreSQL refusing a write because the session is read-only."""
+    return getattr(exc, "sqlstate", None) == READ_ONLY_SQLSTATE
+
+
 def refuses_writes(exc: BaseException | None) -> bool:
     """Whether ``exc`` or one of its causes is PostgreSQL refusing a write because the session is
     read-only: a hot standby (e.g. a host name that leads to the standby after a failover) or
     ``default_transaction_read_only``. Another attempt on the same server meets it again."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "sqlstate", None) == READ_ONLY_SQLSTATE:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(read_only_refusal(cause) for cause in causes(exc))
 
 
 def read_only_server(what: str) -> StoreFailure:
@@ -500,10 +508,7 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
     """``store.damaged`` when ``exc`` (or an error it was raised from) is SQLite finding its
     file damaged (``database disk image is malformed``) or not a database; else None."""
     name = f"the store {redact(url)}" if url else "the store's file"
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return None
+    for seen in causes(exc):
         code = getattr(seen, "sqlite_errorcode", None)
         text = str(seen)
         if (isinstance(code, int) and code & 0xFF == _SQLITE_NOTADB) or "file is not a database" in text:
@@ -513,7 +518,6 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
             )
         if (isinstance(code, int) and code & 0xFF == _SQLITE_CORRUPT) or "database disk image is malformed" in text:
             return StoreFailure("store.damaged", f"{name} is damaged: {text}", hint=DAMAGED_HINT)
-        seen = seen.__cause__ or seen.__context__
     return None
 
 

@@ -50,7 +50,7 @@ from eventsourcing.persistence import IntegrityError, InterfaceError, Notificati
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import DecodeError
-from agentfold.adapters.eventstore import CorruptStream, EventStore, refuses_writes
+from agentfold.adapters.eventstore import CorruptStream, EventStore, causes, read_only_refusal, refuses_writes
 from agentfold.adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
 from agentfold.adapters.recorders import EVENTS_TABLE, psycopg_error
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
@@ -386,21 +386,17 @@ def store_failed(exc: BaseException) -> bool:
     function, a privilege the role lacks, refused data (one stderr line every 30 s for ever
     would hide them: the command stops and says why).
     """
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    for cause in causes(exc):
         if isinstance(cause, CorruptStream):
             return False
         if _connection_failure(cause):
             return True
         if isinstance(cause, StoreFailure) and cause.code == "store.unavailable":
             return True
-        if refuses_writes(cause) or (isinstance(cause, StoreFailure) and cause.code == "store.read_only"):
+        if read_only_refusal(cause) or (isinstance(cause, StoreFailure) and cause.code == "store.read_only"):
             # A standby or a database set read-only (maintenance, a failover on its way): it
             # takes writes again once promoted or switched back (``renew`` gives new sessions).
             return True
-        cause = cause.__cause__ or cause.__context__
     return False
 
 
