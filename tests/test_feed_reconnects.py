@@ -235,18 +235,54 @@ def test_a_following_publisher_outlives_terminated_postgresql_sessions_and_every
             last[tree] = max(at, last.get(tree, 0))
 
 
-def test_a_corrupt_stream_still_stops_a_following_publisher_with_store_corrupt(
+def test_a_corrupt_tree_does_not_stop_a_following_publisher_it_holds_that_tree_back_and_goes_on(
     kafka_bootstrap: str, pg_database: str
 ) -> None:
+    # It used to stop with store.corrupt (exit 1), holding back every other tree's records.
     url = pg_database
     topic = f"corrupt-{uuid.uuid4().hex[:12]}"
     total = _runs(url, 1)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE agentfold_events SET topic = 'not-an-agentfold-topic' WHERE notification_id = %s",
                      (total - 2,))
+    application = APPLICATION_PREFIX + topic
+
+    def position() -> int:
+        return _scalar(url, "SELECT max(notification_id) FROM agentfold_tracking WHERE application_name = %s",
+                       (application,))
+
     publisher = Command("--store", url, "publish", "--bootstrap", kafka_bootstrap, "--topic", topic,
                         "--batch-size", "5", "--json")
-    publisher.ends_unretried_with("store.corrupt")
+    try:
+        line = publisher.expect("is corrupt at position", 60)
+        assert line.startswith("agentfold: publish: tree tree:") and "stream.event_type" in line, line
+        assert "held back from the topic while the other trees are published" in line
+        newer = _runs(url, 2)  # later runs reach the topic while the damaged one stays held
+        publisher.wait_until(lambda: position() == newer, 60, f"every event up to {newer} was published")
+        assert publisher.alive()
+    finally:
+        status, out = publisher.stop()
+    assert status == 0, publisher.stderr
+    assert not [line for line in publisher.stderr if "following failed" in line]
+    report = json.loads(out)
+    [held] = report["held_trees"]
+    assert (held["code"], held["rule"], held["found_at"]) == ("store.corrupt", "stream.event_type", total - 2)
+    assert report["held_events"] == 3  # the damaged event and the two after it, all of the same run
+    assert report["events"] == newer - 3 and report["position"] == newer
+
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=newer - 3)
+    assert sorted(read.notification_ids()) == [i for i in range(1, newer + 1) if i < total - 2 or i > total]
+
+    # A restarted publisher still holds it, and says so once as it starts.
+    again = Command("--store", url, "publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--json")
+    try:
+        line = again.expect("is corrupt at position", 60)
+        assert held["tree_id"] in line
+        time.sleep(1.0)
+    finally:
+        status, out = again.stop()
+    assert status == 0 and json.loads(out)["held_trees"] == report["held_trees"], again.stderr
+    assert len([line for line in again.stderr if "is corrupt at position" in line]) == 1
 
 
 def test_a_position_write_whose_reply_was_lost_is_not_taken_for_a_second_publisher(

@@ -28,8 +28,17 @@ from typing import Any
 
 from agentfold.adapters.cli import PROG, Context, Outcome, positive_seconds, print_outcome
 from agentfold.adapters.eventstore import redact
-from agentfold.adapters.feed import DEFAULT_BATCH, DEFAULT_PARTITIONS, DEFAULT_POLL_INTERVAL, Publisher, publish_failed
+from agentfold.adapters.feed import (
+    DEFAULT_BATCH,
+    DEFAULT_PARTITIONS,
+    DEFAULT_POLL_INTERVAL,
+    HeldTree,
+    Publisher,
+    publish_failed,
+    released_line,
+)
 from agentfold.adapters.follower import StopGuard, exit_at_once, one_line, stop_on_signals
+from agentfold.adapters.queries import corrupt_tree_error
 from agentfold.adapters.transcripts import ConsumeReport, TranscriptConsumer, TranscriptStore, consume_failed
 from agentfold.domain.errors import InvalidInput, NotFound
 
@@ -77,6 +86,20 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
     publisher: Publisher | None = None
     start = 0
 
+    def on_held(held: HeldTree) -> None:
+        if not args.once:  # once, every held tree is reported with the output (exit 1)
+            say(held.line())
+
+    def on_released(held: HeldTree, published: int) -> None:
+        say(released_line(held, published))
+
+    announced: set[str] = set()
+
+    def on_still_held(held: HeldTree) -> None:
+        if not args.once and held.tree_id not in announced:  # held by an earlier run: said once when following
+            announced.add(held.tree_id)
+            say(held.line())
+
     def outcome() -> Outcome:
         """The report of what it published so far (the end, or the last resort: exit_at_once)."""
         if publisher is None:  # the last resort came while it opened the store or reached the broker
@@ -99,7 +122,18 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
         if args.once and stop.is_set():  # a signal ended it, drained or not: the next run goes on from here
             data["stopped"] = True
             text += " (stopped by a signal; the next run goes on from there)"
-        return Outcome(data, text)
+        held = list(publisher.held.values())
+        if not held:
+            return Outcome(data, text)
+        # Trees held back (corrupt): only then, so a healthy answer is unchanged.
+        data["held_trees"] = [h.entry() for h in held]
+        data["held_events"] = publisher.held_events
+        text += (f"\n{len(held)} tree(s) held back (store.corrupt): their records from the position named are not on "
+                 f"the topic (see {'stderr' if args.once else 'the lines above'}; `{PROG} audit verify TREE` says "
+                 "what is wrong)")
+        if not args.once:
+            return Outcome(data, text)  # reported on stderr as they were found; stopping is not a failure
+        return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(h.entry(), h.consequence()) for h in held))
 
     def final() -> int:
         return print_outcome(outcome(), as_json)
@@ -113,7 +147,8 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
             publisher = Publisher(
                 store, args.bootstrap, args.topic, partitions=args.partitions,
                 replication_factor=args.replication_factor, batch_size=args.batch_size,
-                poll_interval=args.poll_interval,
+                poll_interval=args.poll_interval, on_held=on_held, on_released=on_released,
+                on_still_held=on_still_held,
             )
             interrupts.append(publisher.interrupt)
             start = publisher.position

@@ -1510,6 +1510,12 @@ class EventStore:
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
 
+    def tree_notifications(self, tree_id: TreeID, from_position: int, upto: int, limit: int = 500) -> list[Notification]:
+        """One tree's stored events from ``from_position`` on, among the notifications up to
+        ``upto``, in position order (at most ``limit``): the notification log of one tree."""
+        found: list[Notification] = self.index.select_tree_notifications(tree_id.uuid.hex, from_position, upto, limit)
+        return found
+
     def changes(self, after: int, upto: int, limit: int = 10_000) -> list[Changed]:
         """The trees the first ``limit`` events after notification ``after`` (up to ``upto``)
         belong to, each with its positions there, without reading the events' states."""

@@ -26,14 +26,20 @@ restarted or failed-over server, a terminated session) or a retriable failure of
 broker (unreachable, no acknowledgement in time) is reported as one line and retried with
 the read models' backoff policy (``agentfold.adapters.follower.retry_until_stopped``); each attempt
 starts again from the *stored* position, so at most the batch whose position was not
-stored is produced again. A corrupt stream, a second publisher on the topic
-(``feed.position_conflict``) and a record the broker refuses for good (too large, not
-authorized) stop the publisher.
+stored is produced again. A second publisher on the topic (``feed.position_conflict``) and
+a record the broker refuses for good (too large, not authorized) stop the publisher.
+
+A tree with a stored event that cannot be read or fails verification (``CorruptStream``)
+does not stop the others: that event and every later one of the tree are held back
+(``HeldTrees``: ``agentfold_feed_held``, recorded before the batch's position), the other
+trees are published. Each start of the publisher publishes the held records of a tree that
+verifies again (repaired) and stops holding it.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 import threading
@@ -63,6 +69,8 @@ CRASH_EXIT = 75
 ACK_SLICE = 0.25
 # One event may hold several payloads of up to 4 MiB each (TreeStarted: input and configuration).
 MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+log = logging.getLogger("agentfold.feed")
 
 Envelope = dict[str, Any]
 
@@ -99,11 +107,15 @@ def publish_failed(exc: BaseException) -> bool:
 # Envelopes
 
 
+def _tree_of(notification: Notification) -> TreeID:
+    originator = notification.originator_id
+    return TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
+
+
 def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> Envelope:
     """The feed envelope of one stored event (the body exactly as stored, defaults omitted);
     with ``chain``, only once its digest chains to the previous event of its tree."""
-    originator = notification.originator_id
-    tree_id = TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
+    tree_id = _tree_of(notification)
     position = int(notification.originator_version)
     tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
     name, _, version_text = tag.partition("@")
@@ -262,6 +274,126 @@ def publisher_positions(store: EventStore) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Held trees
+
+#: One row per (publisher, tree) whose records the publisher holds back (``HeldTree``).
+HELD_TABLE = "agentfold_feed_held"
+_HELD_COLUMNS = "tree_id, start_id, held_from, found_at, position, rule, detail"
+
+
+@dataclass(frozen=True, slots=True)
+class HeldTree:
+    """A tree whose records a publisher holds back: one of its stored events cannot be read or
+    fails verification (``CorruptStream``), so that event and every later one of the tree
+    (positions ``held_from`` on, the first at notification ``found_at``) stay off the topic,
+    while the other trees are published. ``position``, ``rule`` and ``detail`` name the damage
+    (``position`` is below ``held_from`` when the event the chain check read back is the damaged
+    one); ``start_id`` is the tree index's (None without an index row)."""
+
+    tree_id: str
+    start_id: str | None
+    held_from: int
+    found_at: int
+    position: int
+    rule: str
+    detail: str
+
+    def entry(self) -> dict[str, Any]:
+        """Its ``--json`` form (the shape of a listing's corrupt tree, plus where the hold starts)."""
+        return {"tree_id": self.tree_id, "start_id": self.start_id, "code": "store.corrupt",
+                "position": self.position, "rule": self.rule, "detail": self.detail,
+                "held_from": self.held_from, "found_at": self.found_at}
+
+    def consequence(self) -> str:
+        """What the hold means, for the lines that report it."""
+        return (f"its records from position {self.held_from} (notification {self.found_at}) on are held back from the "
+                "topic while the other trees are published; once it verifies again (repaired), the next start of "
+                "the publisher publishes them")
+
+    def line(self) -> str:
+        """The one line that reports it (logs, ``publish`` stderr)."""
+        start = f" (start {self.start_id})" if self.start_id else ""
+        detail = " ".join(self.detail.split())
+        return (f"tree {self.tree_id}{start} is corrupt at position {self.position}: {self.rule}: {detail}; "
+                f"{self.consequence()} (see `agentfold audit verify {self.tree_id}`)")
+
+
+def _held_sql(backend: str, statement: str) -> str:
+    return statement if backend == "sqlite" else statement.replace("?", "%s")
+
+
+class HeldTrees:
+    """The trees one publisher holds back, in the store's own database (``agentfold_feed_held``),
+    so that a restarted publisher goes on holding them: their later events are never produced
+    after a hole."""
+
+    def __init__(self, store: EventStore, application: str) -> None:
+        self.store = store
+        self.application = application
+        self._datastore = store.factory.datastore
+        with store.schema_lock(), self._datastore.transaction(commit=True) as c:
+            c.execute(
+                f"CREATE TABLE IF NOT EXISTS {HELD_TABLE} (application_name TEXT NOT NULL, tree_id TEXT NOT NULL, "
+                "start_id TEXT, held_from INTEGER NOT NULL, found_at BIGINT NOT NULL, position INTEGER NOT NULL, "
+                "rule TEXT NOT NULL, detail TEXT NOT NULL, PRIMARY KEY (application_name, tree_id))"
+            )
+
+    def all(self) -> dict[str, HeldTree]:
+        """Every tree held, by tree id, in the order they were found."""
+        with self._datastore.transaction(commit=False) as c:
+            c.execute(_held_sql(self.store.backend, f"SELECT {_HELD_COLUMNS} FROM {HELD_TABLE} "
+                                                    "WHERE application_name = ? ORDER BY found_at, tree_id"),
+                      (self.application,))
+            rows = c.fetchall()
+        return {str(r["tree_id"]): HeldTree(str(r["tree_id"]), None if r["start_id"] is None else str(r["start_id"]),
+                                            int(r["held_from"]), int(r["found_at"]), int(r["position"]),
+                                            str(r["rule"]), str(r["detail"]))
+                for r in rows}
+
+    def hold(self, held: HeldTree) -> None:
+        """Record it (once: a batch produced again after a crash finds it again)."""
+        with self._datastore.transaction(commit=True) as c:
+            c.execute(_held_sql(self.store.backend,
+                                f"INSERT INTO {HELD_TABLE} (application_name, {_HELD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?) "
+                                "ON CONFLICT (application_name, tree_id) DO NOTHING"),
+                      (self.application, held.tree_id, held.start_id, held.held_from, held.found_at, held.position,
+                       held.rule, held.detail))
+
+    def release(self, tree_id: str) -> None:
+        with self._datastore.transaction(commit=True) as c:
+            c.execute(_held_sql(self.store.backend,
+                                f"DELETE FROM {HELD_TABLE} WHERE application_name = ? AND tree_id = ?"),
+                      (self.application, tree_id))
+
+
+def held_trees_by_topic(store: EventStore) -> dict[str, int]:
+    """How many trees each publisher of this store holds back, by topic (topics holding none are
+    left out; reads only: nothing is created)."""
+    if store.backend not in ("sqlite", "postgresql"):
+        return {}
+    sql = _held_sql(store.backend, f"SELECT application_name AS a, count(*) AS n FROM {HELD_TABLE} "
+                                   "WHERE application_name LIKE ? GROUP BY application_name")
+    with store.factory.datastore.transaction(commit=False) as c:
+        if not table_exists(c, store.backend, HELD_TABLE):
+            return {}
+        c.execute(sql, (APPLICATION_PREFIX + "%",))
+        return {str(r["a"])[len(APPLICATION_PREFIX):]: int(r["n"]) for r in c.fetchall()}
+
+
+def _log_held(held: HeldTree) -> None:
+    log.warning("publisher: %s", held.line())
+
+
+def _log_released(held: HeldTree, published: int) -> None:
+    log.warning("publisher: %s", released_line(held, published))
+
+
+def released_line(held: HeldTree, published: int) -> str:
+    return (f"tree {held.tree_id} verifies again: published its {published} held record(s) from position "
+            f"{held.held_from} on; its records go on with the others")
+
+
+# ---------------------------------------------------------------------------
 # Kafka
 
 
@@ -371,7 +503,15 @@ class Publisher:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         ack_timeout: float = 60.0,
         producer: Any = None,
+        on_held: Callable[[HeldTree], None] | None = None,
+        on_released: Callable[[HeldTree, int], None] | None = None,
+        on_still_held: Callable[[HeldTree], None] | None = None,
     ) -> None:
+        """``on_held`` is called once for each tree this publisher starts holding back (after the
+        batch that found it is acknowledged and its position stored), ``on_released`` for each
+        held tree that verifies again, with the number of its held records then published; by
+        default both are warnings on the ``agentfold.feed`` logger. ``on_still_held`` is called
+        for each held tree that does not verify yet, each time the publisher starts."""
         if batch_size < 1:
             raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
         if not (poll_interval > 0 and math.isfinite(poll_interval)):  # NaN compares false
@@ -384,6 +524,12 @@ class Publisher:
         self._position = PublisherPosition(store, topic)
         self.position = self._position.get()
         self._chain = ChainCheck(store)
+        self._held = HeldTrees(store, self._position.application)
+        self.held: dict[str, HeldTree] = self._held.all()  # trees whose records are held back, by tree id
+        self.on_held = on_held or _log_held
+        self.on_released = on_released or _log_released
+        self.on_still_held = on_still_held
+        self.held_events = 0  # events of held trees this publisher passed over (not produced)
         ensure_topic(bootstrap, topic, partitions, replication_factor)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
@@ -399,29 +545,34 @@ class Publisher:
     # -- one batch ---------------------------------------------------------------
 
     def step(self) -> int:
-        """Produce the next batch (at most ``batch_size`` events); returns how many."""
+        """Produce the next batch (at most ``batch_size`` events); returns how many it consumed
+        (produced, or passed over as events of a held tree)."""
         notifications = self.store.notifications(self.position, self.batch_size)
         if not notifications:
             self.steps += 1
             return 0
         self._chain.anchor(notifications)
-        # Up to the first event that cannot be read or does not verify: what comes before it
-        # is published (and its position stored), then the publisher stops on it.
+        # A tree with an event that cannot be read or does not verify is held back from there
+        # on (that event and every later one of the tree); the other trees are published.
         envelopes: list[Envelope] = []
-        corrupt: CorruptStream | None = None
+        found: dict[str, HeldTree] = {}
+        passed = 0
         for notification in notifications:
+            tree_id = _tree_of(notification)
+            if str(tree_id) in self.held or str(tree_id) in found:
+                passed += 1
+                continue
             try:
                 envelopes.append(envelope_of(notification, self._chain))
             except CorruptStream as exc:
-                corrupt = exc
-                break
-        notifications = notifications[: len(envelopes)]
-        if not notifications:
-            assert corrupt is not None
-            raise corrupt
-        self.produce(envelopes)
+                found[str(tree_id)] = self._found(tree_id, notification, exc)
+                passed += 1
+        if envelopes:
+            self.produce(envelopes)
         self.batches += 1
         self._crash(self.batches)
+        for held in found.values():  # before the position: a crash between them finds it again
+            self._held.hold(held)
         last = int(notifications[-1].id)
         try:
             self._position.save(last)
@@ -435,11 +586,61 @@ class Publisher:
                     f"another publisher advanced {self._position.application} past {self.position}: {exc}",
                 ) from exc
         self.position = last
-        self.events += len(notifications)
-        if corrupt is not None:
-            raise corrupt
+        self.events += len(envelopes)
+        self.held_events += passed
         self.steps += 1
+        for held in found.values():
+            self.held[held.tree_id] = held
+            self.on_held(held)
         return len(notifications)
+
+    def _found(self, tree_id: TreeID, notification: Notification, exc: CorruptStream) -> HeldTree:
+        head = self.store.head(tree_id)
+        return HeldTree(str(tree_id), head.start_id if head is not None else None,
+                        int(notification.originator_version), int(notification.id), exc.position, exc.rule,
+                        str(exc.detail))
+
+    def release_repaired(self) -> None:
+        """Publish the held records of each held tree that verifies again (repaired by hand),
+        then stop holding it; a tree still damaged stays held. Called as the publisher starts
+        (``drain``, ``follow``): its later records (past the stored position) follow in the
+        log's order. Its records are read twice, a page at a time (verified, then produced), so
+        a long tree's backlog is never held in memory."""
+        for held in list(self.held.values()):
+            try:
+                for _ in self._held_pages(held):
+                    pass
+            except CorruptStream:
+                if self.on_still_held is not None:  # not repaired (or damaged elsewhere now)
+                    self.on_still_held(held)
+                continue
+            published = 0
+            try:
+                for page in self._held_pages(held):
+                    self.produce(page)
+                    published += len(page)
+            except CorruptStream:  # changed again between the two reads: held still (what went out is in order)
+                if self.on_still_held is not None:
+                    self.on_still_held(held)
+                continue
+            self._held.release(held.tree_id)
+            del self.held[held.tree_id]
+            self.events += published
+            self.on_released(held, published)
+
+    def _held_pages(self, held: HeldTree) -> Iterator[list[Envelope]]:
+        """The held tree's records from ``held_from`` up to the stored position, verified, a
+        page (``batch_size``) at a time (``CorruptStream`` where one does not verify)."""
+        tree_id = TreeID(held.tree_id)
+        chain = ChainCheck(self.store)
+        at = held.held_from
+        while True:
+            page = self.store.tree_notifications(tree_id, at, self.position, self.batch_size)
+            if not page:
+                return
+            chain.anchor(page)
+            yield [envelope_of(n, chain) for n in page]
+            at = int(page[-1].originator_version) + 1
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
         """Send envelopes and wait until the broker acknowledged every one (else raise FeedError;
@@ -494,6 +695,7 @@ class Publisher:
         """Publish everything committed so far, then return (``--once``). Once ``stop`` is set,
         return after the batch in progress (acknowledged, its position stored), drained or not."""
         before = self.events
+        self.release_repaired()
         while stop is None or not stop.is_set():
             count = self.step()
             if count < self.batch_size and self.position >= self.store.max_notification_id():
@@ -509,6 +711,7 @@ class Publisher:
             return PublishReport(0, self.position)  # not even a LISTEN session: stopping must not wait
         waiter = NewEvents(self.store, self.poll_interval)
         try:
+            self.release_repaired()
             while not stop.is_set():
                 count = self.step()
                 if count:

@@ -55,7 +55,7 @@ from agentfold.adapters.eventstore import (
     seconds_setting,
     sqlite_damage,
 )
-from agentfold.adapters.feed import publisher_positions
+from agentfold.adapters.feed import held_trees_by_topic, publisher_positions
 from agentfold.adapters.follower import Follower, one_line
 from agentfold.adapters.host import (
     answer_signal,
@@ -648,7 +648,7 @@ class ApiService:
 
     def metrics(self) -> str:
         """GET /metrics: this server's counters and the store's gauges, in Prometheus' text format."""
-        positions, (live, with_unknown), feeds = self._bounded("metrics", self._store_gauges)
+        positions, (live, with_unknown), feeds, held = self._bounded("metrics", self._store_gauges)
         runtime = self.runtime
         settled = runtime.calls_settled.snapshot()
         families = [
@@ -673,6 +673,9 @@ class ApiService:
                        [({"topic": t}, float(p)) for t, p in sorted(feeds.items())]),
                 Family("agentfold_feed_lag", "gauge", "Events of the store a Kafka publisher has not published yet.",
                        [({"topic": t}, float(max(0, positions["store"] - p))) for t, p in sorted(feeds.items())]),
+                Family("agentfold_feed_held_trees", "gauge", "Corrupt trees whose records a Kafka publisher holds "
+                       "back from its topic (agentfold audit verify TREE says what is wrong).",
+                       [({"topic": t}, float(held.get(t, 0))) for t in sorted(feeds)]),
             ]
         families += [
             Family("agentfold_runs_owned", "gauge", "Runs this server drives now.", [({}, float(runtime.owned_count()))]),
@@ -705,10 +708,10 @@ class ApiService:
         ]
         return render(families)
 
-    def _store_gauges(self) -> tuple[dict[str, Any], tuple[dict[str, int], int], dict[str, int]]:
+    def _store_gauges(self) -> tuple[dict[str, Any], tuple[dict[str, int], int], dict[str, int], dict[str, int]]:
         positions = self.queries.position()
         try:
-            return positions, self.store.count_live(), publisher_positions(self.store)
+            return positions, self.store.count_live(), publisher_positions(self.store), held_trees_by_topic(self.store)
         except Exception as exc:
             raise read_failure(exc, "counting the live runs") from exc
 

@@ -28,7 +28,7 @@ from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
 
 import orjson
-from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
+from eventsourcing.persistence import InterfaceError, Notification, OperationalError, StoredEvent
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.sqlite import (
     SQLITE3_DEFAULT_LOCK_TIMEOUT,
@@ -277,6 +277,11 @@ class IndexQueries:
         """Which trees the first ``limit`` events after notification ``after`` (up to ``upto``)
         belong to, without reading their states: per tree (uuid hex), its first notification id
         there, its lowest and highest position there, and its last notification id there."""
+        raise NotImplementedError
+
+    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
+        """One tree's events from position ``from_version`` on whose notification id is at most
+        ``upto``, in position order (at most ``limit``), with their notification ids."""
         raise NotImplementedError
 
 
@@ -556,6 +561,16 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
                 (after, upto, limit),
             )
             return [(str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in c.fetchall()]
+
+    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(
+                f"SELECT rowid, originator_version, topic, state FROM {self.events_table_name} "
+                "WHERE originator_id = ? AND originator_version >= ? AND rowid <= ? ORDER BY originator_version LIMIT ?",
+                (tree_hex, from_version, upto, limit),
+            )
+            return [Notification(originator_id=UUID(hex=tree_hex), originator_version=int(r[1]), topic=str(r[2]),
+                                 state=bytes(r[3]), id=int(r[0])) for r in c.fetchall()]
 
 
 class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from uuid import UUID
 
-from eventsourcing.persistence import PersistenceError, StoredEvent
+from eventsourcing.persistence import Notification, PersistenceError, StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
 from psycopg.sql import SQL, Composed
 from psycopg_pool import PoolTimeout
@@ -429,6 +429,17 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
             (after, upto, limit),
         )
         return [(UUID(str(r["originator_id"])).hex, int(r["first"]), int(r["low"]), int(r["high"]), int(r["last"]))
+                for r in rows]
+
+    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
+        rows = self._select(
+            "SELECT notification_id, originator_version, topic, state "
+            f'FROM "{self._schema}".{self.events_table_name} WHERE originator_id = %s AND originator_version >= %s '
+            "AND notification_id <= %s ORDER BY originator_version LIMIT %s",
+            (UUID(hex=tree_hex), from_version, upto, limit),
+        )
+        return [Notification(originator_id=UUID(hex=tree_hex), originator_version=int(r["originator_version"]),
+                             topic=str(r["topic"]), state=bytes(r["state"]), id=int(r["notification_id"]))
                 for r in rows]
 
 

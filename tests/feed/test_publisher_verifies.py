@@ -2,16 +2,18 @@
 
 A stored event changed by hand (its recorded timestamp, as a careless operator or bit rot
 would do it) still decodes, but its digest no longer chains. ``publish`` must not put it on
-the topic: it publishes every event before it, stores that position, and stops with
-``store.corrupt`` naming the tree, the position and the rule, as loading the tree does. A
-publisher that starts after the damaged event's predecessors were published (a cold cache:
-the previous digest is read from the store) stops on it the same way.
+the topic, nor any later event of its tree (a consumer would see a hole), and one damaged
+tree must not hold back every other tree's records: it holds back that tree from the damaged
+event on (``agentfold_feed_held``), publishes the others, and ``--once`` exits 1 naming the
+tree, the position and the rule, as loading the tree does, on every run while the tree is
+held. Once the tree is repaired, the next run publishes its held records, in order.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -21,17 +23,19 @@ from agentfold.adapters.feed import PublisherPosition
 from agentfold.adapters.transcripts import transcripts_from_store
 from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, append_past_index_row
-from tests.feed.support import read_topic_confluent, stored_envelopes
+from tests.feed.support import TopicRead, read_topic_confluent, stored_envelopes
 from tests.test_cli import agentfold
 from tests.test_feed_reconnects import _runs
 
 
-def _tamper(url: str, tree_id: str, position: int) -> None:
+def _tamper(url: str, tree_id: str, position: int) -> bytes:
+    """Change the stored event's recorded timestamp; returns its state as it was."""
     sql = Sql(url)
     version, topic, state = next(r for r in sql.rows(TreeID(tree_id)) if r[0] == position)
     tampered = state.replace(b'"timestamp":"2', b'"timestamp":"1', 1)
     assert tampered != state
     sql.set_row(TreeID(tree_id), version, topic, tampered)
+    return state
 
 
 def _position(url: str, topic: str) -> int:
@@ -42,25 +46,64 @@ def _position(url: str, topic: str) -> int:
         store.close()
 
 
-def _publish_stops(url: str, bootstrap: str, topic: str, before: list[int]) -> dict[str, Any]:
-    """`publish --once` exits 1 with store.corrupt (its error is returned) after publishing exactly
-    the events ``before`` (once each) and storing the last one's position; a publisher started
-    from there (nothing of the tree remembered) stops on the same event again."""
-    ran = agentfold("publish", "--bootstrap", bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
+def _publish_once(url: str, bootstrap: str, topic: str) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
+    """`publish --once --json`: its exit status, its report and the errors it printed on stderr."""
+    ran = agentfold("publish", "--bootstrap", bootstrap, "--topic", topic, "--once", "--batch-size", "7",
                     "--json", store=url)
-    assert ran.code == 1, ran.stderr
-    [line] = ran.stderr.strip().splitlines()
-    error: dict[str, Any] = json.loads(line)["error"]
-    assert error["code"] == "store.corrupt"
-    assert sorted(read_topic_confluent(bootstrap, topic, expected=len(before)).notification_ids()) == before
-    assert _position(url, topic) == before[-1]
-    again = agentfold("publish", "--bootstrap", bootstrap, "--topic", topic, "--once", "--json", store=url)
-    assert again.code == 1 and json.loads(again.stderr)["error"]["detail"] == error["detail"]
-    assert _position(url, topic) == before[-1]
+    errors = [json.loads(line)["error"] for line in ran.stderr.strip().splitlines() if line.startswith("{")]
+    return ran.code, json.loads(ran.stdout), errors
+
+
+def _in_order_per_tree(read: TopicRead) -> dict[str, list[int]]:
+    """Each tree's positions as a consumer reads them (partition order); none twice here."""
+    positions: dict[str, list[int]] = defaultdict(list)
+    for records in read.by_partition().values():
+        for r in records:
+            positions[r.envelope["tree_id"]].append(r.envelope["position"])
+    return positions
+
+
+def _last_id(url: str) -> int:
+    store = EventStore(url, create=False)
+    try:
+        return store.max_notification_id()
+    finally:
+        store.close()
+
+
+def _publish_holds(url: str, bootstrap: str, topic: str, envelopes: list[dict[str, Any]], tree_id: str,
+                   held_from: int) -> dict[str, Any]:
+    """`publish --once` publishes every event of ``envelopes`` (the store's before the damage)
+    but those of ``tree_id`` from ``held_from`` on (once each, each tree in position order),
+    stores the log's last notification id as its position, and exits 1 with one store.corrupt
+    error naming the tree (returned); a second run publishes nothing more and says the same."""
+    last = _last_id(url)
+    expected = [e for e in envelopes if not (e["tree_id"] == tree_id and e["position"] >= held_from)]
+    code, report, errors = _publish_once(url, bootstrap, topic)
+    assert code == 1, (report, errors)
+    [error] = errors
+    assert error["code"] == "store.corrupt" and error["detail"]["tree_id"] == tree_id
+    assert "held back from the topic" in error["message"]
+    [held] = report["held_trees"]
+    assert (held["tree_id"], held["held_from"], held["code"]) == (tree_id, held_from, "store.corrupt")
+    assert report["events"] == len(expected)
+    assert report["held_events"] == last - len(expected)  # the tree's events from there on, a forged one too
+    read = read_topic_confluent(bootstrap, topic, expected=len(expected))
+    assert sorted(read.notification_ids()) == [e["notification_id"] for e in expected]
+    for tree, positions in _in_order_per_tree(read).items():
+        assert positions == list(range(1, len(positions) + 1)), tree  # no hole, no reordering
+    assert _in_order_per_tree(read)[tree_id] == list(range(1, held_from))
+    assert _position(url, topic) == last
+
+    again, report2, errors2 = _publish_once(url, bootstrap, topic)
+    assert again == 1 and [e["detail"] for e in errors2] == [error["detail"]]
+    assert report2["events"] == 0 and report2["held_trees"] == report["held_trees"]
+    assert sorted(read_topic_confluent(bootstrap, topic, expected=len(expected)).notification_ids()) == [
+        e["notification_id"] for e in expected]
     return error
 
 
-def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_what_came_before(
+def test_publish_holds_back_a_tree_whose_digest_does_not_chain_and_publishes_the_others(
     durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
     url = durable_store_url
@@ -69,16 +112,15 @@ def test_publish_stops_on_an_event_whose_digest_does_not_chain_after_publishing_
     # an event in the middle of the log, not the first of its tree
     damaged = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 3)
     _tamper(url, damaged["tree_id"], damaged["position"])
-    before = [e["notification_id"] for e in envelopes if e["notification_id"] < damaged["notification_id"]]
 
     topic = f"verify-{uuid.uuid4().hex[:8]}"
-    error = _publish_stops(url, kafka_bootstrap, topic, before)
-    assert error["detail"] == {"tree_id": damaged["tree_id"], "position": damaged["position"],
-                               "rule": "integrity.digest_chain"}
+    error = _publish_holds(url, kafka_bootstrap, topic, envelopes, damaged["tree_id"], damaged["position"])
+    assert {k: error["detail"][k] for k in ("tree_id", "position", "rule")} == {
+        "tree_id": damaged["tree_id"], "position": damaged["position"], "rule": "integrity.digest_chain"}
     assert "recorded digest sha256:" in error["message"]
 
 
-def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_chains(
+def test_publish_holds_back_a_tree_with_an_event_added_past_its_index_row_even_when_it_chains(
     durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
     # Found by a regression audit: a forged event appended by hand with a correct digest chain
@@ -89,12 +131,83 @@ def test_publish_stops_on_an_event_added_past_its_trees_index_row_even_when_it_c
     envelopes = stored_envelopes(url)
     tree_id = envelopes[0]["tree_id"]
     forged = append_past_index_row(url, TreeID(tree_id))
-    before = [e["notification_id"] for e in envelopes]
 
     topic = f"anchor-{uuid.uuid4().hex[:8]}"
-    error = _publish_stops(url, kafka_bootstrap, topic, before)
-    assert error["detail"] == {"tree_id": tree_id, "position": forged, "rule": "index.head_mismatch"}
+    error = _publish_holds(url, kafka_bootstrap, topic, envelopes, tree_id, forged)
+    assert {k: error["detail"][k] for k in ("tree_id", "position", "rule")} == {
+        "tree_id": tree_id, "position": forged, "rule": "index.head_mismatch"}
     assert "events were added past it" in error["message"]
+
+
+def test_a_held_tree_stays_held_for_new_events_and_is_published_in_order_once_repaired(
+    durable_store_url: str, kafka_bootstrap: str,
+) -> None:
+    url = durable_store_url
+    _runs(url, 3)
+    envelopes = stored_envelopes(url)
+    damaged = next(e for e in envelopes if e["position"] == 4)
+    tree_id = damaged["tree_id"]
+    original = _tamper(url, tree_id, 4)
+    topic = f"repair-{uuid.uuid4().hex[:8]}"
+    _publish_holds(url, kafka_bootstrap, topic, envelopes, tree_id, 4)
+
+    # Runs started after the damage are published; the held tree still is not.
+    last = _runs(url, 2)
+    code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id]
+    assert report["events"] == last - envelopes[-1]["notification_id"] > 0
+
+    # Repaired (the changed row put back): the next run publishes the held records and exits 0.
+    sql = Sql(url)
+    topic_name = next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4)
+    sql.set_row(TreeID(tree_id), 4, topic_name, original)
+    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "3",
+                    "--json", store=url)
+    assert ran.code == 0, ran.stderr
+    report = json.loads(ran.stdout)
+    assert "held_trees" not in report
+    held_records = [e for e in envelopes if e["tree_id"] == tree_id and e["position"] >= 4]
+    assert len(held_records) > 3  # produced in more than one page
+    assert report["events"] == len(held_records)
+    assert f"tree {tree_id} verifies again: published its {len(held_records)} held record(s)" in ran.stderr
+
+    everything = stored_envelopes(url)
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=len(everything))
+    assert sorted(read.notification_ids()) == [e["notification_id"] for e in everything]  # once each
+    for tree, positions in _in_order_per_tree(read).items():
+        assert positions == list(range(1, len(positions) + 1)), tree
+    for r in read.records:
+        assert r.envelope == next(e for e in everything if e["notification_id"] == r.envelope["notification_id"])
+
+    again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
+    assert again.code == 0 and json.loads(again.stdout)["events"] == 0, again.stderr
+
+
+def test_a_publisher_killed_after_producing_a_batch_that_found_a_corrupt_tree_holds_it_when_run_again(
+    durable_store_url: str, kafka_bootstrap: str,
+) -> None:
+    # The hold is written after the broker acknowledged the batch and before its position: a
+    # crash in between leaves neither, so the next run reads the batch again and finds it again.
+    url = durable_store_url
+    _runs(url, 3)
+    envelopes = stored_envelopes(url)
+    damaged = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 3)
+    _tamper(url, damaged["tree_id"], damaged["position"])
+    topic = f"crash-{uuid.uuid4().hex[:8]}"
+    died = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "1000",
+                     store=url, env={"AGENTFOLD_PUBLISHER_CRASH": "after-produce:1"})
+    assert died.code == 75, died.stderr
+    assert _position(url, topic) == 0
+    assert Sql(url).count("agentfold_feed_held") == 0
+
+    code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [damaged["tree_id"]]
+    expected = [e["notification_id"] for e in envelopes
+                if not (e["tree_id"] == damaged["tree_id"] and e["position"] >= damaged["position"])]
+    assert report["events"] == len(expected)
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=2 * len(expected))
+    assert sorted(read.notification_ids()) == sorted(expected * 2)  # the killed run's batch came again, once
+    assert _position(url, topic) == envelopes[-1]["notification_id"]
 
 
 def test_transcripts_from_the_store_refuse_a_forged_event_as_the_publisher_does(durable_store_url: str) -> None:

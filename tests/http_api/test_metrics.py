@@ -18,6 +18,9 @@ from typing import Any
 
 import httpx
 
+from agentfold.domain.ids import TreeID
+from tests.audit.support import Sql
+from tests.feed.support import stored_envelopes
 from tests.http_api.support import ApiServer, ok, problem, server_env, start_server
 from tests.test_cli import agentfold
 from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, approval, two_call_round, write
@@ -142,6 +145,19 @@ def test_metrics_say_how_far_each_kafka_publisher_is(
     _, behind = parse(ok_text(c.get("/metrics")))
     assert behind[("agentfold_feed_position", (("topic", topic),))] == position
     assert behind[("agentfold_feed_lag", (("topic", topic),))] == behind[("agentfold_store_position", ())] - position > 0
+    assert caught_up[("agentfold_feed_held_trees", (("topic", topic),))] == 0
+
+    # A corrupt tree: the publisher holds it back and goes on (exit 1); the gauge counts it.
+    tree = stored_envelopes(durable_store_url)[-1]["tree_id"]  # the run not published yet
+    sql = Sql(durable_store_url)
+    version, event_topic, state = sql.rows(TreeID(tree))[2]
+    sql.set_row(TreeID(tree), version, event_topic, state.replace(b'"timestamp":"2', b'"timestamp":"1', 1))
+    held = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json",
+                     store=durable_store_url)
+    assert held.code == 1 and [t["tree_id"] for t in held.json()["held_trees"]] == [tree], held.stderr
+    _, after = parse(ok_text(c.get("/metrics")))
+    assert after[("agentfold_feed_held_trees", (("topic", topic),))] == 1
+    assert after[("agentfold_feed_lag", (("topic", topic),))] == 0  # the held events are passed over
 
 
 def test_a_crashed_run_taken_over_at_startup_and_a_canceled_one_are_counted_as_they_are(
