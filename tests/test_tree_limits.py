@@ -39,3 +39,20 @@ def test_limits_out_of_range_are_refused_before_anything_is_stored(tmp_path: Pat
             assert ok.result(timeout=30).status == "completed"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("limits", [{"max_active_children": 4}, 16, "max_depth=2"])
+def test_limits_that_are_not_tree_limits_are_refused_with_limits_invalid(tmp_path: Path, limits: Any) -> None:
+    # A dict (the shape a JSON-minded caller reaches for) raised a bare AttributeError from
+    # inside the runtime's start.
+    store = EventStore(f"sqlite:///{tmp_path / 'limits.db'}")
+    program = chain_program(name="test.limits")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            with pytest.raises(InvalidInput) as refused:
+                runtime.start(program, {"n": 1}, start_id="not-limits", limits=limits)
+            assert refused.value.code == "limits.invalid"
+            assert type(limits).__name__ in refused.value.message and "TreeLimits" in refused.value.hint
+            assert store.head(TreeID.for_start("not-limits")) is None  # type: ignore[arg-type]
+    finally:
+        store.close()

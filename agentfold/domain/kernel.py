@@ -147,6 +147,12 @@ def check_limits(limits: TreeLimits) -> None:
     """Refuse tree limits a start would store and every child start would then trip over (a
     negative count) or that cannot be stored (beyond 64 bits): ``limits.invalid``. Only new
     starts are checked: histories that already hold such limits still fold."""
+    if not isinstance(limits, TreeLimits):
+        raise InvalidInput(
+            "limits.invalid",
+            f"tree limits must be a TreeLimits, not {type(limits).__name__}",
+            hint="pass TreeLimits(max_active_children=...) (agentfold.domain.events.TreeLimits), or None for the defaults",
+        )
     for name in TreeLimits.model_fields:
         value = getattr(limits, name)
         optional = TreeLimits.model_fields[name].default is None
@@ -160,6 +166,12 @@ def check_limits(limits: TreeLimits) -> None:
                 hint="pass TreeLimits with whole numbers of 0 or more (the defaults: max_depth 16, "
                 "max_active_children 16, max_pending_signals 10000)",
             )
+
+
+def _shown(value: object) -> str:
+    """A bad argument, named without printing all of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def start_tree(
@@ -185,6 +197,18 @@ def start_tree(
         )
     if limits is not None:
         check_limits(limits)
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidInput(
+            "budget.invalid", f"a budget must be a Budget, not {type(budget).__name__}",
+            hint="pass Budget(steps=Quota(100), ...) (agentfold.domain.budget), or None for no limit",
+        )
+    if isinstance(capabilities, (str, bytes)) or not all(isinstance(c, str) and c for c in capabilities):
+        # A str is a sequence of one-letter strings: "admin" was stored as a, d, i, m, n.
+        raise InvalidInput(
+            "capabilities.invalid",
+            f"capabilities must be a list of non-empty strings, not {_shown(capabilities)}",
+            hint='pass a list, e.g. capabilities=["payments"] (not the bare string "payments")',
+        )
     value = normalize(input, what="input")
     problems = schema_errors(value, program.descriptor.input_schema)
     if problems:
