@@ -1195,6 +1195,9 @@ class Runtime:
         ``engine.start.conflict``.
         """
         self._check_open()
+        if not isinstance(program, Program):
+            raise InvalidInput("program.invalid", f"start needs a Program, not {type(program).__name__}",
+                               hint="pass the Program to run (agentfold.domain.program.Program)")
         limits = limits_for(program, limits)
         self.catalog.add(program)
         sid = StartID(start_id) if start_id is not None else self.ids.start_id()
@@ -1592,6 +1595,15 @@ class Runtime:
 
     def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
         """Admit signals to a Process, all or nothing; False when all were already admitted."""
+        if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence) or not all(
+            isinstance(r, SignalRequest) for r in requests
+        ):
+            shown = repr(requests)
+            raise InvalidInput(
+                "signal.invalid",
+                f"signals must be a list of SignalRequest, not {shown if len(shown) <= 80 else shown[:77] + '...'}",
+                hint='pass [SignalRequest("signal-id", payload)] (agentfold.domain.program.SignalRequest)',
+            )
         pid = ProcessID(process_id)
         tree_id = self.tree_of_process(pid)
 

@@ -1,0 +1,83 @@
+"""Runtime calls with arguments of the wrong shape are refused with a classified error and
+store nothing (found by a review: a budget or capabilities of the wrong type raised pydantic's
+raw ValidationError from inside the start, a bare string of capabilities was taken as one
+capability per letter, and signals given as dicts or a start without a Program raised a bare
+AttributeError from inside the runtime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.budget import Budget, Quota
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.ids import StartID, TreeID
+from agentfold.domain.program import SignalRequest
+from tests.kernel_programs import asker_program, chain_program
+
+
+@pytest.mark.parametrize(("arguments", "code", "named"), [
+    ({"budget": {"steps": 5}}, "budget.invalid", "dict"),
+    ({"budget": 5}, "budget.invalid", "int"),
+    ({"capabilities": "payments"}, "capabilities.invalid", "'payments'"),
+    ({"capabilities": [1]}, "capabilities.invalid", "[1]"),
+    ({"capabilities": ["payments", ""]}, "capabilities.invalid", "''"),
+    ({"capabilities": b"payments"}, "capabilities.invalid", "b'payments'"),
+])
+def test_a_start_with_a_wrong_shaped_argument_is_refused_and_stores_nothing(
+    tmp_path: Path, arguments: dict[str, Any], code: str, named: str
+) -> None:
+    store = EventStore(f"sqlite:///{tmp_path / 'start.db'}")
+    program = chain_program(name="test.start_arguments")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            with pytest.raises(InvalidInput) as refused:
+                runtime.start(program, {"n": 1}, start_id="wrong", **arguments)
+            assert refused.value.code == code
+            assert named in refused.value.message and refused.value.hint
+            assert store.head(TreeID.for_start(StartID("wrong"))) is None
+            assert store.max_notification_id() == 0
+            # the right shapes start
+            ok = runtime.start(program, {"n": 1}, start_id="right", budget=Budget(steps=Quota(50)),
+                               capabilities=["payments"])
+            assert ok.result(timeout=30).status == "completed"
+            assert runtime.capture(ok.tree_id).root.capabilities == ("payments",)
+    finally:
+        store.close()
+
+
+def test_a_start_without_a_program_is_refused(tmp_path: Path) -> None:
+    store = EventStore(f"sqlite:///{tmp_path / 'start.db'}")
+    try:
+        with Runtime(store, Catalog([])) as runtime:
+            with pytest.raises(InvalidInput) as refused:
+                runtime.start(None, {"n": 1}, start_id="none")  # type: ignore[arg-type]
+            assert refused.value.code == "program.invalid" and "NoneType" in refused.value.message
+            assert store.max_notification_id() == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("signals", [
+    [{"signal_id": "s-1", "payload": 1}], "s-1", None, {"s-1": 1}, [SignalRequest("s-1", 1), ("s-2", 2)],
+])
+def test_signals_that_are_not_signal_requests_are_refused_and_admit_nothing(tmp_path: Path, signals: Any) -> None:
+    store = EventStore(f"sqlite:///{tmp_path / 'signals.db'}")
+    program = asker_program()
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, None, start_id="signals")
+            assert runtime.wait_idle(handle.tree_id).root.status == "waiting"  # it takes signals
+            before = store.max_notification_id()
+            with pytest.raises(InvalidInput) as refused:
+                runtime.deliver_signals(handle.root_process_id, signals)
+            assert refused.value.code == "signal.invalid" and "SignalRequest" in refused.value.hint
+            assert store.max_notification_id() == before
+            assert runtime.status(handle.tree_id) == "waiting"
+    finally:
+        store.close()
