@@ -655,11 +655,14 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
     waiting = run_json(store, write(tmp_path, approval(None), "approval.json"), "--start-id", "bad-wait")
     parked = run_json(store, write(tmp_path, two_call_round(None, alpha={"error": "down"}, concurrent=True),
                                    "round.json"), "--start-id", "bad-round")
-    [tool_entry] = unknowns(store, parked["tree_id"])
     no_model = run_json(store, write(tmp_path, {"name": "m", "model": {"responses": [LEFT_TO_HOST]}}, "model.json"),
                         "--start-id", "bad-model")
-    [model_entry] = unknowns(store, no_model["tree_id"])
-    [wait] = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two reads side by side, each its own process
+        listed, pending = pool.map(lambda command: ok(agentfold(command, "--json", store=store)).json(),
+                                   ["unknown", "pending"])
+    [tool_entry] = [e for e in listed["unknown_effects"] if e["tree_id"] == parked["tree_id"]]
+    [model_entry] = [e for e in listed["unknown_effects"] if e["tree_id"] == no_model["tree_id"]]
+    [wait] = pending["pending"]
     root = waiting["root_process_id"]
     trees = [waiting["tree_id"], parked["tree_id"], no_model["tree_id"]]
     before = [store_version(store, t) for t in trees]
@@ -711,7 +714,9 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
 
     # Independent refusals: run them side by side (each is still its own process).
     with ThreadPoolExecutor(max_workers=4) as pool:
+        in_text = pool.submit(agentfold, "answer", wait["process_id"], wait["wait_id"], "[]", store=store)
         outcomes = list(pool.map(attempt, cases))
+        text_mode = refused(in_text.result())
     for argv, code, ran in outcomes:
         assert refused(ran).error()["code"] == code, (argv, ran.stderr)
     twice = next(ran for argv, _, ran in outcomes if argv[-1] == '{"approved": false, "approved": true}').error()
@@ -722,7 +727,6 @@ def test_bad_input_to_the_interaction_commands_exits_2_and_appends_nothing(tmp_p
         assert f"the run's root process is {root}" in named["hint"], named
     scenario_error = next(ran for argv, _, ran in outcomes if argv == ["run", str(bad_scenario)]).error()
     assert scenario_error["message"].startswith("$.tools[0].result.failure.kind: must be failed or rejected")
-    text_mode = refused(agentfold("answer", wait["process_id"], wait["wait_id"], "[]", store=store))
     assert text_mode.stderr.startswith("agentfold: error: engine.signal.schema:")
 
     assert [store_version(store, t) for t in trees] == before

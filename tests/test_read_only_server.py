@@ -28,7 +28,7 @@ from tests.conftest import create_pg_database, require_postgres
 from tests.kernel_programs import chain_program
 from tests.test_cli import ROOT, agentfold, ok
 from tests.test_cli_interaction import two_call_round, write
-from tests.test_read_only_store import READ_COMMANDS, read_only_refusal
+from tests.test_read_only_store import READ_COMMANDS, answers, read_only_refusal
 
 DEMO = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
 
@@ -67,24 +67,26 @@ def test_read_commands_answer_on_a_read_only_database_and_writes_are_refused_as_
     crashed = agentfold("run", str(scenario), "--start-id", "round-1", "--crash-after", "in-dispatch:2", store=store)
     assert crashed.code == 75, crashed.stderr
     ok(agentfold("recover", store=store))
-    expected = {" ".join(c): ok(agentfold(*c, "--json", store=store)).stdout for c in READ_COMMANDS}
+    expected, _ = answers(store)
     [unknown] = json.loads(expected["unknown"])["unknown_effects"]
     stored = events_in(store)
 
     switch(store, True, end_sessions=True)
+    answered, refusals = answers(  # the reads and the refused writes side by side, each its own process
+        store,
+        ("resolve", unknown["effect_id"], "--output", '"done"', "--json"),
+        ("cancel", unknown["process_id"], "--json"),
+        ("run", DEMO, "--json"),
+        ("project", "--json"),
+    )
     for command in READ_COMMANDS:
-        got = json.loads(ok(agentfold(*command, "--json", store=store)).stdout)
+        got = json.loads(answered[" ".join(command)])
         if command[0] == "audit":  # its timing differs; the verdict must not
             assert got["ok"] is True
             continue
         assert got == json.loads(expected[" ".join(command)]), command
 
-    refusals = [
-        agentfold("resolve", unknown["effect_id"], "--output", '"done"', "--json", store=store),
-        agentfold("cancel", unknown["process_id"], "--json", store=store),
-        agentfold("run", DEMO, "--json", store=store),
-        agentfold("project", "--json", store=store),
-    ]
+    assert len(refusals) == 4
     for ran in refusals:
         read_only_refusal(ran)
         error = json.loads(ran.stderr)["error"]

@@ -14,6 +14,7 @@ import shutil
 import sqlite3
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,18 @@ def parked_store(tmp_path: Path) -> tuple[str, Path]:
     return store, db
 
 
-def answers(store: str) -> dict[str, str]:
-    return {" ".join(c): ok(agentfold(*c, "--json", store=store)).stdout for c in READ_COMMANDS}
+def side_by_side(store: str, *commands: tuple[str, ...]) -> list[Ran]:
+    """``agentfold COMMAND --store STORE`` for each command, in order: independent commands,
+    each its own process, run side by side (four at a time)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(lambda command: agentfold(*command, store=store), commands))
+
+
+def answers(store: str, *more: tuple[str, ...]) -> tuple[dict[str, str], list[Ran]]:
+    """The read commands' ``--json`` answers (each must succeed), and what ``more`` commands,
+    run beside them, gave."""
+    ran = side_by_side(store, *((*c, "--json") for c in READ_COMMANDS), *more)
+    return {" ".join(c): ok(r).stdout for c, r in zip(READ_COMMANDS, ran, strict=False)}, ran[len(READ_COMMANDS):]
 
 
 def read_only_refusal(ran: Ran) -> None:
@@ -77,13 +88,21 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
     tmp_path: Path, mount_point: Path,
 ) -> None:
     store, db = parked_store(tmp_path)
-    expected = answers(store)
+    expected, [original_export] = answers(store, ("export", "round-1"))
     [unknown] = json.loads(expected["unknown"])["unknown_effects"]
 
     shutil.copy(db, mount_point / "agentfold.db")  # a cleanly closed store: everything is in the file
     assert _mount(mount_point, "remount,ro")
     copy = f"sqlite:///{mount_point / 'agentfold.db'}"
-    got = answers(copy)
+    got, (exported, *refusals) = answers(
+        copy,
+        ("export", "round-1"),
+        # Every write is refused as such, before anything (exit 1, one classified line).
+        ("resolve", unknown["effect_id"], "--output", '"done"', "--json"),
+        ("cancel", unknown["process_id"], "--json"),
+        # A command that creates runs says so too (it said "unable to open database file").
+        ("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--json"),
+    )
     for command, text in expected.items():
         if command.startswith("audit"):  # its timing differs; the verdict must not
             mine, theirs = json.loads(got[command]), json.loads(text)
@@ -92,14 +111,10 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
                 (r["tree"], r["events"], r["ok"]) for r in theirs["results"]]
             continue
         assert json.loads(got[command]) == json.loads(text), command
-    exported = ok(agentfold("export", "round-1", store=copy)).stdout
-    assert exported == ok(agentfold("export", "round-1", store=store)).stdout
-
-    # Every write is refused as such, before anything (exit 1, one classified line).
-    read_only_refusal(agentfold("resolve", unknown["effect_id"], "--output", '"done"', "--json", store=copy))
-    read_only_refusal(agentfold("cancel", unknown["process_id"], "--json", store=copy))
-    # A command that creates runs says so too (it said "unable to open database file").
-    read_only_refusal(agentfold("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--json", store=copy))
+    assert ok(exported).stdout == ok(original_export).stdout
+    assert len(refusals) == 3
+    for refusal in refusals:
+        read_only_refusal(refusal)
     assert sorted(p.name for p in mount_point.iterdir()) == ["agentfold.db"]
     assert json.loads(ok(agentfold("trees", "--json", store=store)).stdout) == json.loads(expected["trees"])
 

@@ -24,6 +24,7 @@ import re
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -242,21 +243,28 @@ def test_requests_during_a_postgresql_outage_answer_503_after_one_pool_wait_not_
 
 def test_invalid_pool_and_statement_waits_and_tcp_timeouts_are_refused_before_connecting(pg_database: str) -> None:
     EventStore(pg_database).close()
-    for value in ("abc", "0", "-5", "nan", "3601"):
-        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_POOL_WAIT": value}))
-        assert "store.setting_invalid" in ran.stderr and f"AGENTFOLD_PG_POOL_WAIT={value!r}" in ran.stderr, ran.stderr
-    for value in ("abc", "-1", "0.5", "inf", "86401"):
-        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_STATEMENT_WAIT": value}))
-        assert "store.setting_invalid" in ran.stderr and "or 0 (no bound)" in ran.stderr, ran.stderr
-    for value in ("abc", "-1", "2.5", "inf", "3601"):
-        ran = refused(agentfold("trees", store=pg_database, env={"AGENTFOLD_PG_TCP_TIMEOUT": value}))
-        assert "store.setting_invalid" in ran.stderr and "AGENTFOLD_PG_TCP_TIMEOUT" in ran.stderr, ran.stderr
-    ok_ran = agentfold("trees", "--json", store=pg_database,
-                       env={"AGENTFOLD_PG_POOL_WAIT": "2.5", "AGENTFOLD_PG_STATEMENT_WAIT": "0"})
-    assert ok_ran.code == 0, ok_ran.stderr
-    for value in ("0", "5"):
-        ok_ran = agentfold("trees", "--json", store=pg_database, env={"AGENTFOLD_PG_TCP_TIMEOUT": value})
-        assert ok_ran.code == 0, ok_ran.stderr
+    bad = [("AGENTFOLD_PG_POOL_WAIT", value) for value in ("abc", "0", "-5", "nan", "3601")] + [
+        ("AGENTFOLD_PG_STATEMENT_WAIT", value) for value in ("abc", "-1", "0.5", "inf", "86401")] + [
+        ("AGENTFOLD_PG_TCP_TIMEOUT", value) for value in ("abc", "-1", "2.5", "inf", "3601")]
+    good: list[dict[str, str]] = [{"AGENTFOLD_PG_POOL_WAIT": "2.5", "AGENTFOLD_PG_STATEMENT_WAIT": "0"}] + [
+        {"AGENTFOLD_PG_TCP_TIMEOUT": value} for value in ("0", "5")]
+    # Independent commands, each its own process: side by side.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        refusing = [pool.submit(agentfold, "trees", store=pg_database, env=dict([setting])) for setting in bad]
+        accepting = [pool.submit(agentfold, "trees", "--json", store=pg_database, env=env) for env in good]
+        refusals, accepted = [f.result() for f in refusing], [f.result() for f in accepting]
+    assert len(refusals) == 15 and len(accepted) == 3
+    for (name, value), ran in zip(bad, refusals, strict=True):
+        refused(ran)
+        if name == "AGENTFOLD_PG_POOL_WAIT":
+            assert "store.setting_invalid" in ran.stderr and f"AGENTFOLD_PG_POOL_WAIT={value!r}" in ran.stderr, (
+                ran.stderr)
+        elif name == "AGENTFOLD_PG_STATEMENT_WAIT":
+            assert "store.setting_invalid" in ran.stderr and "or 0 (no bound)" in ran.stderr, ran.stderr
+        else:
+            assert "store.setting_invalid" in ran.stderr and "AGENTFOLD_PG_TCP_TIMEOUT" in ran.stderr, ran.stderr
+    for env, ok_ran in zip(good, accepted, strict=True):
+        assert ok_ran.code == 0, (env, ok_ran.stderr)
 
 
 def test_health_answers_503_within_its_bound_while_postgresql_is_frozen(
