@@ -86,14 +86,15 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
     publisher: Publisher | None = None
     start = 0
 
+    announced: set[str] = set()  # following: each held tree is said once
+
     def on_held(held: HeldTree) -> None:
-        if not args.once:  # once, every held tree is reported with the output (exit 1)
+        if not args.once and held.tree_id not in announced:  # once, every held tree is reported with the output
+            announced.add(held.tree_id)
             say(held.line())
 
     def on_released(held: HeldTree, published: int) -> None:
         say(released_line(held, published))
-
-    announced: set[str] = set()
 
     def on_still_held(held: HeldTree) -> None:
         if not args.once and held.tree_id not in announced:  # held by an earlier run: said once when following
@@ -116,8 +117,11 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
         }
         text = (
             f"published {events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
-            f"(notification ids {start + 1}..{position})" if events else
+            f"(notification ids {start + 1}..{position}"
+            + (f"; {publisher.held_events} event(s) of held trees passed over" if publisher.held_events else "")
+            + ")" if events else
             f"nothing to publish: topic {args.topic} has every event up to notification id {position}"
+            + (" but those of the held trees below" if publisher.held else "")
         ) + (f" ({failures} failure(s) retried)" if failures else "")
         if args.once and stop.is_set():  # a signal ended it, drained or not: the next run goes on from here
             data["stopped"] = True
@@ -131,8 +135,10 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
         text += (f"\n{len(held)} tree(s) held back (store.corrupt): their records from the position named are not on "
                  f"the topic (see {'stderr' if args.once else 'the lines above'}; `{PROG} audit verify TREE` says "
                  "what is wrong)")
-        if not args.once:
-            return Outcome(data, text)  # reported on stderr as they were found; stopping is not a failure
+        if not args.once or stop.is_set():
+            # Following: reported on stderr as they were found; stopping is not a failure. A
+            # signal during --once may have come before they were checked again: not a failure either.
+            return Outcome(data, text)
         return Outcome(data, text, 1, problems=tuple(corrupt_tree_error(h.entry(), h.consequence()) for h in held))
 
     def final() -> int:

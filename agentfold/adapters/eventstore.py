@@ -1510,11 +1510,21 @@ class EventStore:
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
 
-    def tree_notifications(self, tree_id: TreeID, from_position: int, upto: int, limit: int = 500) -> list[Notification]:
-        """One tree's stored events from ``from_position`` on, among the notifications up to
-        ``upto``, in position order (at most ``limit``): the notification log of one tree."""
-        found: list[Notification] = self.index.select_tree_notifications(tree_id.uuid.hex, from_position, upto, limit)
+    def tree_notifications(self, tree_id: TreeID, from_position: int, limit: int = 500) -> list[Notification]:
+        """One tree's stored events from ``from_position`` on, in position order (at most
+        ``limit``), as notifications (with their ids in the store's log)."""
+        found: list[Notification] = self.index.select_tree_notifications(tree_id.uuid.hex, from_position, limit)
         return found
+
+    def raw_notifications(self, after: int, limit: int = 500) -> list[Notification]:
+        """``notifications`` with each row's columns as stored, a row changed by hand (a NULL or
+        malformed column) included, for a reader that names such a row instead of failing on it."""
+        found: list[Notification] = self.index.select_raw_notifications(after, limit)
+        return found
+
+    def tree_position_before(self, tree_id: TreeID, notification_id: int) -> int:
+        """The highest position of ``tree_id`` among the notifications before ``notification_id`` (0: none)."""
+        return self.index.select_position_before(tree_id.uuid.hex, notification_id)
 
     def changes(self, after: int, upto: int, limit: int = 10_000) -> list[Changed]:
         """The trees the first ``limit`` events after notification ``after`` (up to ``upto``)

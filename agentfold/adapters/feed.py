@@ -39,6 +39,7 @@ verifies again (repaired) and stops holding it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -141,6 +142,30 @@ def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> 
     }
 
 
+def _no_tree(what: str, exc: BaseException) -> StoreFailure:
+    """A stored row that names no tree (its ``originator_id`` is no tree id): the publisher
+    cannot hold one tree back, so it stops there (``store.corrupt``)."""
+    return StoreFailure(
+        "store.corrupt", f"{what} names no tree: its originator_id is not a tree id ({exc})",
+        "this row was changed by hand: restore it from a backup or an export (docs/audit.md); "
+        "`agentfold audit verify --all` checks every tree",
+    )
+
+
+def _verified_envelope(notification: Notification, chain: ChainCheck) -> Envelope:
+    """``envelope_of`` with the chain check, a stored row that does not even decode (a NULL or
+    malformed column) included: ``CorruptStream`` (``integrity.format``) naming its tree."""
+    try:
+        return envelope_of(notification, chain)
+    except (TypeError, ValueError, AttributeError) as exc:
+        try:
+            position = int(notification.originator_version)
+        except (TypeError, ValueError):
+            position = 0
+        raise CorruptStream(_tree_of(notification), position, "integrity.format",
+                            f"the stored event does not decode: {type(exc).__name__}: {exc}") from exc
+
+
 class ChainCheck:
     """The digest chain of what a publisher produces (``agentfold.domain.integrity``): each event's
     recorded digest must be the one its tree's previous event and its own content give, so a
@@ -164,8 +189,13 @@ class ChainCheck:
 
     def anchor(self, notifications: Sequence[Notification]) -> None:
         """Read the index rows of the batch's trees (one query): call it after reading the batch."""
-        originators = {n.originator_id for n in notifications}  # one TreeID per tree, not per event
-        trees = sorted(TreeID.from_uuid(o if isinstance(o, uuid.UUID) else uuid.UUID(str(o))) for o in originators)
+        trees: list[TreeID] = []
+        for originator in {n.originator_id for n in notifications}:  # one TreeID per tree, not per event
+            try:
+                trees.append(TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator))))
+            except (TypeError, ValueError):
+                continue  # a row that names no tree: its reader says so
+        trees.sort()
         if self.store is None:
             raise ValueError("a chain without a store has no index rows to anchor to")
         self._anchors = self.store.anchors(trees)
@@ -359,6 +389,15 @@ class HeldTrees:
                       (self.application, held.tree_id, held.start_id, held.held_from, held.found_at, held.position,
                        held.rule, held.detail))
 
+    def move(self, held: HeldTree) -> None:
+        """Record where the hold of its tree now starts and why (part of it was published)."""
+        with self._datastore.transaction(commit=True) as c:
+            c.execute(_held_sql(self.store.backend,
+                                f"UPDATE {HELD_TABLE} SET held_from = ?, found_at = ?, position = ?, rule = ?, "
+                                "detail = ? WHERE application_name = ? AND tree_id = ?"),
+                      (held.held_from, held.found_at, held.position, held.rule, held.detail, self.application,
+                       held.tree_id))
+
     def release(self, tree_id: str) -> None:
         with self._datastore.transaction(commit=True) as c:
             c.execute(_held_sql(self.store.backend,
@@ -530,6 +569,7 @@ class Publisher:
         self.on_released = on_released or _log_released
         self.on_still_held = on_still_held
         self.held_events = 0  # events of held trees this publisher passed over (not produced)
+        self._released: dict[str, int] = {}  # per released tree, the last position its release produced
         ensure_topic(bootstrap, topic, partitions, replication_factor)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
@@ -547,7 +587,12 @@ class Publisher:
     def step(self) -> int:
         """Produce the next batch (at most ``batch_size`` events); returns how many it consumed
         (produced, or passed over as events of a held tree)."""
-        notifications = self.store.notifications(self.position, self.batch_size)
+        try:
+            notifications: Sequence[Notification] = self.store.notifications(self.position, self.batch_size)
+        except (TypeError, ValueError):
+            # A row eventsourcing cannot even read (a NULL or malformed column): the rows as
+            # stored, so that the tree of the bad one is held back (or, naming no tree, named).
+            notifications = self.store.raw_notifications(self.position, self.batch_size)
         if not notifications:
             self.steps += 1
             return 0
@@ -557,22 +602,43 @@ class Publisher:
         envelopes: list[Envelope] = []
         found: dict[str, HeldTree] = {}
         passed = 0
-        for notification in notifications:
-            tree_id = _tree_of(notification)
-            if str(tree_id) in self.held or str(tree_id) in found:
+        nameless: StoreFailure | None = None
+        for index, notification in enumerate(notifications):
+            try:
+                tree_id = _tree_of(notification)
+            except (TypeError, ValueError) as exc:
+                # No tree to hold back: what came before it is published, then the publisher stops.
+                nameless = _no_tree(f"the event at notification {notification.id}", exc)
+                notifications = notifications[:index]
+                break
+            tree = str(tree_id)
+            if tree in self.held or tree in found:
                 passed += 1
                 continue
+            released = self._released.get(tree)
+            if released is not None and isinstance(notification.originator_version, int) and (
+                notification.originator_version <= released
+            ):
+                passed += 1  # published already, by the release of this tree's hold
+                continue
             try:
-                envelopes.append(envelope_of(notification, self._chain))
+                envelopes.append(_verified_envelope(notification, self._chain))
             except CorruptStream as exc:
-                found[str(tree_id)] = self._found(tree_id, notification, exc)
+                found[tree] = self._found(tree_id, notification, exc)
                 passed += 1
         if envelopes:
             self.produce(envelopes)
         self.batches += 1
         self._crash(self.batches)
-        for held in found.values():  # before the position: a crash between them finds it again
+        # Before the position: a crash in between finds it again, and a retry after a lost
+        # reply to the position write goes on holding it.
+        for held in found.values():
             self._held.hold(held)
+            self.held[held.tree_id] = held
+            self.on_held(held)
+        if not notifications:
+            assert nameless is not None
+            raise nameless
         last = int(notifications[-1].id)
         try:
             self._position.save(last)
@@ -588,59 +654,76 @@ class Publisher:
         self.position = last
         self.events += len(envelopes)
         self.held_events += passed
+        if nameless is not None:
+            raise nameless
         self.steps += 1
-        for held in found.values():
-            self.held[held.tree_id] = held
-            self.on_held(held)
         return len(notifications)
 
     def _found(self, tree_id: TreeID, notification: Notification, exc: CorruptStream) -> HeldTree:
+        """The hold of a tree whose event at ``notification`` does not verify: from the position
+        after the last one published (every event of the tree before this notification was), so
+        a missing or moved event is published too once the tree is repaired."""
         head = self.store.head(tree_id)
-        return HeldTree(str(tree_id), head.start_id if head is not None else None,
-                        int(notification.originator_version), int(notification.id), exc.position, exc.rule,
-                        str(exc.detail))
+        held_from = self.store.tree_position_before(tree_id, int(notification.id)) + 1
+        return HeldTree(str(tree_id), head.start_id if head is not None else None, held_from, int(notification.id),
+                        exc.position, exc.rule, str(exc.detail))
 
-    def release_repaired(self) -> None:
-        """Publish the held records of each held tree that verifies again (repaired by hand),
-        then stop holding it; a tree still damaged stays held. Called as the publisher starts
-        (``drain``, ``follow``): its later records (past the stored position) follow in the
-        log's order. Its records are read twice, a page at a time (verified, then produced), so
-        a long tree's backlog is never held in memory."""
+    def release_repaired(self, stop: threading.Event | None = None) -> None:
+        """Publish the held records of each held tree, in position order, as far as they verify
+        again (repaired by hand): a tree that verifies to its end is no longer held; one that
+        does not stays held from its first event that does not (``on_still_held``), what came
+        before it published. The hold row moves on with each acknowledged page, so a crash
+        re-sends at most one page. Called as the publisher starts (``drain``, ``follow``);
+        once ``stop`` is set it returns after the page in progress (the rest goes next time)."""
         for held in list(self.held.values()):
-            try:
-                for _ in self._held_pages(held):
-                    pass
-            except CorruptStream:
-                if self.on_still_held is not None:  # not repaired (or damaged elsewhere now)
-                    self.on_still_held(held)
-                continue
-            published = 0
-            try:
-                for page in self._held_pages(held):
-                    self.produce(page)
-                    published += len(page)
-            except CorruptStream:  # changed again between the two reads: held still (what went out is in order)
-                if self.on_still_held is not None:
-                    self.on_still_held(held)
-                continue
-            self._held.release(held.tree_id)
-            del self.held[held.tree_id]
-            self.events += published
-            self.on_released(held, published)
+            if stop is not None and stop.is_set():
+                return
+            published, still = self._release(held, stop)
+            if still is None:
+                self._held.release(held.tree_id)
+                del self.held[held.tree_id]
+                self.on_released(held, published)
+            elif self.on_still_held is not None and not (stop is not None and stop.is_set()):
+                self.on_still_held(still)
 
-    def _held_pages(self, held: HeldTree) -> Iterator[list[Envelope]]:
-        """The held tree's records from ``held_from`` up to the stored position, verified, a
-        page (``batch_size``) at a time (``CorruptStream`` where one does not verify)."""
+    def _release(self, held: HeldTree, stop: threading.Event | None) -> tuple[int, HeldTree | None]:
+        """Produce ``held``'s records from ``held_from`` on while they verify, a page at a time,
+        moving its hold row on after each; returns how many it produced and the hold that is
+        left (None: the tree verified to its end)."""
         tree_id = TreeID(held.tree_id)
         chain = ChainCheck(self.store)
-        at = held.held_from
+        current = held
+        published = 0
         while True:
-            page = self.store.tree_notifications(tree_id, at, self.position, self.batch_size)
+            page = self.store.tree_notifications(tree_id, current.held_from, self.batch_size)
             if not page:
-                return
+                return published, None
             chain.anchor(page)
-            yield [envelope_of(n, chain) for n in page]
-            at = int(page[-1].originator_version) + 1
+            envelopes: list[Envelope] = []
+            failure: tuple[Notification, CorruptStream] | None = None
+            for notification in page:
+                try:
+                    envelopes.append(_verified_envelope(notification, chain))
+                except CorruptStream as exc:
+                    failure = (notification, exc)
+                    break
+            if envelopes:
+                self.produce(envelopes)
+                published += len(envelopes)
+                self.events += len(envelopes)
+                last = int(envelopes[-1]["position"])
+                self._released[held.tree_id] = last
+                self._chain.seed(tree_id, last, str(envelopes[-1]["digest"]))
+                current = dataclasses.replace(current, held_from=last + 1)
+            if failure is not None:
+                failed_at, damage = failure
+                current = dataclasses.replace(current, found_at=int(failed_at.id), position=damage.position,
+                                              rule=damage.rule, detail=str(damage.detail))
+            if current != self.held[held.tree_id]:
+                self._held.move(current)  # a crash from here on re-sends from its held_from on
+                self.held[held.tree_id] = current
+            if failure is not None or (stop is not None and stop.is_set()):
+                return published, current
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
         """Send envelopes and wait until the broker acknowledged every one (else raise FeedError;
@@ -695,7 +778,7 @@ class Publisher:
         """Publish everything committed so far, then return (``--once``). Once ``stop`` is set,
         return after the batch in progress (acknowledged, its position stored), drained or not."""
         before = self.events
-        self.release_repaired()
+        self.release_repaired(stop)
         while stop is None or not stop.is_set():
             count = self.step()
             if count < self.batch_size and self.position >= self.store.max_notification_id():
@@ -711,7 +794,7 @@ class Publisher:
             return PublishReport(0, self.position)  # not even a LISTEN session: stopping must not wait
         waiter = NewEvents(self.store, self.poll_interval)
         try:
-            self.release_repaired()
+            self.release_repaired(stop)
             while not stop.is_set():
                 count = self.step()
                 if count:
@@ -749,6 +832,7 @@ class Publisher:
                 if self.producer is None and self._bootstrap is not None:
                     self.producer = new_producer(self._bootstrap)
                 self.position = self._position.get()
+                self.held = self._held.all()  # as stored: the holds go with the position
                 say(f"following again from position {self.position}")
             again = True
             try:

@@ -671,7 +671,8 @@ class ApiService:
             families += [
                 Family("agentfold_feed_position", "gauge", "Notification id a Kafka publisher has published, by topic.",
                        [({"topic": t}, float(p)) for t, p in sorted(feeds.items())]),
-                Family("agentfold_feed_lag", "gauge", "Events of the store a Kafka publisher has not published yet.",
+                Family("agentfold_feed_lag", "gauge", "Events of the store past a Kafka publisher's position (the events "
+                       "of trees it holds back are behind it: agentfold_feed_held_trees).",
                        [({"topic": t}, float(max(0, positions["store"] - p))) for t, p in sorted(feeds.items())]),
                 Family("agentfold_feed_held_trees", "gauge", "Corrupt trees whose records a Kafka publisher holds "
                        "back from its topic (agentfold audit verify TREE says what is wrong).",

@@ -279,9 +279,19 @@ class IndexQueries:
         there, its lowest and highest position there, and its last notification id there."""
         raise NotImplementedError
 
-    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
-        """One tree's events from position ``from_version`` on whose notification id is at most
-        ``upto``, in position order (at most ``limit``), with their notification ids."""
+    def select_tree_notifications(self, tree_hex: str, from_version: int, limit: int) -> list[Notification]:
+        """One tree's events from position ``from_version`` on, in position order (at most
+        ``limit``), with their notification ids."""
+        raise NotImplementedError
+
+    def select_position_before(self, tree_hex: str, notification_id: int) -> int:
+        """The highest position of one tree among the notifications before ``notification_id`` (0: none)."""
+        raise NotImplementedError
+
+    def select_raw_notifications(self, after: int, limit: int) -> list[Notification]:
+        """The notifications after ``after`` (at most ``limit``) with their columns as stored,
+        not converted: a row changed by hand (a NULL or malformed column) is still returned,
+        for its reader to name it (eventsourcing's own read raises on it)."""
         raise NotImplementedError
 
 
@@ -562,15 +572,29 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             )
             return [(str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in c.fetchall()]
 
-    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
+    def select_tree_notifications(self, tree_hex: str, from_version: int, limit: int) -> list[Notification]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(
                 f"SELECT rowid, originator_version, topic, state FROM {self.events_table_name} "
-                "WHERE originator_id = ? AND originator_version >= ? AND rowid <= ? ORDER BY originator_version LIMIT ?",
-                (tree_hex, from_version, upto, limit),
+                "WHERE originator_id = ? AND originator_version >= ? ORDER BY originator_version LIMIT ?",
+                (tree_hex, from_version, limit),
             )
-            return [Notification(originator_id=UUID(hex=tree_hex), originator_version=int(r[1]), topic=str(r[2]),
-                                 state=bytes(r[3]), id=int(r[0])) for r in c.fetchall()]
+            return [Notification(originator_id=UUID(hex=tree_hex), originator_version=r[1], topic=r[2], state=r[3],
+                                 id=int(r[0])) for r in c.fetchall()]
+
+    def select_raw_notifications(self, after: int, limit: int) -> list[Notification]:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT rowid, originator_id, originator_version, topic, state FROM {self.events_table_name} "
+                      "WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, limit))
+            return [Notification(originator_id=r[1], originator_version=r[2], topic=r[3], state=r[4], id=int(r[0]))
+                    for r in c.fetchall()]
+
+    def select_position_before(self, tree_hex: str, notification_id: int) -> int:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT max(originator_version) FROM {self.events_table_name} WHERE originator_id = ? AND rowid < ?",
+                      (tree_hex, notification_id))
+            row = c.fetchone()
+            return int(row[0]) if row is not None and isinstance(row[0], int) else 0
 
 
 class SQLiteSnapshotRecorder(SQLiteAggregateRecorder):

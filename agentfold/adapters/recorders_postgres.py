@@ -431,16 +431,34 @@ class PostgresTreeRecorder(PostgresApplicationRecorder, IndexQueries):
         return [(UUID(str(r["originator_id"])).hex, int(r["first"]), int(r["low"]), int(r["high"]), int(r["last"]))
                 for r in rows]
 
-    def select_tree_notifications(self, tree_hex: str, from_version: int, upto: int, limit: int) -> list[Notification]:
+    def select_tree_notifications(self, tree_hex: str, from_version: int, limit: int) -> list[Notification]:
         rows = self._select(
             "SELECT notification_id, originator_version, topic, state "
             f'FROM "{self._schema}".{self.events_table_name} WHERE originator_id = %s AND originator_version >= %s '
-            "AND notification_id <= %s ORDER BY originator_version LIMIT %s",
-            (UUID(hex=tree_hex), from_version, upto, limit),
+            "ORDER BY originator_version LIMIT %s",
+            (UUID(hex=tree_hex), from_version, limit),
         )
-        return [Notification(originator_id=UUID(hex=tree_hex), originator_version=int(r["originator_version"]),
-                             topic=str(r["topic"]), state=bytes(r["state"]), id=int(r["notification_id"]))
+        return [Notification(originator_id=UUID(hex=tree_hex), originator_version=r["originator_version"],
+                             topic=r["topic"], state=r["state"], id=int(r["notification_id"]))
                 for r in rows]
+
+    def select_raw_notifications(self, after: int, limit: int) -> list[Notification]:
+        rows = self._select(
+            "SELECT notification_id, originator_id, originator_version, topic, state "
+            f'FROM "{self._schema}".{self.events_table_name} WHERE notification_id > %s '
+            "ORDER BY notification_id LIMIT %s",
+            (after, limit),
+        )
+        return [Notification(originator_id=r["originator_id"], originator_version=r["originator_version"],
+                             topic=r["topic"], state=r["state"], id=int(r["notification_id"])) for r in rows]
+
+    def select_position_before(self, tree_hex: str, notification_id: int) -> int:
+        rows = self._select(
+            f'SELECT max(originator_version) AS v FROM "{self._schema}".{self.events_table_name} '
+            "WHERE originator_id = %s AND notification_id < %s",
+            (UUID(hex=tree_hex), notification_id),
+        )
+        return int(rows[0]["v"]) if rows and rows[0]["v"] is not None else 0
 
 
 class PostgresSnapshotRecorder(PostgresAggregateRecorder):
