@@ -619,8 +619,7 @@ class Publisher:
             if released is not None and isinstance(notification.originator_version, int) and (
                 notification.originator_version <= released
             ):
-                passed += 1  # published already, by the release of this tree's hold
-                continue
+                continue  # published already, by the release of this tree's hold
             try:
                 envelopes.append(_verified_envelope(notification, self._chain))
             except CorruptStream as exc:
