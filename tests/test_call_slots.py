@@ -173,10 +173,13 @@ def test_a_call_abandoned_after_the_grace_gives_its_slot_back(tmp_path: Path) ->
 def test_the_limit_is_checked() -> None:
     import pytest
 
+    from agentfold.domain.errors import InvalidInput
+
     store = EventStore("memory:")
-    for bad in (0, -1, 5000):
-        with pytest.raises(ValueError, match="dispatch_workers"):
+    for bad in (0, -1, 5000, "3", 2.0, True):
+        with pytest.raises(InvalidInput, match="dispatch_workers") as refused:
             Runtime(store, dispatch_workers=bad)
+        assert refused.value.code == "runtime.invalid"
     store.close()
 
 

@@ -81,3 +81,32 @@ def test_signals_that_are_not_signal_requests_are_refused_and_admit_nothing(tmp_
             assert runtime.status(handle.tree_id) == "waiting"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("build", "code", "named"), [
+    (lambda store: EventStore(5), "store.url_invalid", "int"),  # type: ignore[arg-type]
+    (lambda store: EventStore(None), "store.url_invalid", "NoneType"),  # type: ignore[arg-type]
+    (lambda store: Runtime(None), "runtime.invalid", "EventStore"),  # type: ignore[arg-type]
+    (lambda store: Runtime(store, [chain_program()]), "runtime.invalid", "Catalog"),  # type: ignore[arg-type]
+    (lambda store: Runtime(store, owner_workers=0), "runtime.invalid", "owner_workers"),
+    (lambda store: Runtime(store, snapshot_every=-1), "runtime.invalid", "snapshot_every"),
+    (lambda store: Runtime(store, poll_interval=-0.5), "runtime.invalid", "poll_interval"),
+    (lambda store: Runtime(store, cancel_grace=float("nan")), "runtime.invalid", "cancel_grace"),
+    (lambda store: Runtime(store, adopt_orphans_every="10"), "runtime.invalid", "adopt_orphans_every"),  # type: ignore[arg-type]
+    (lambda store: Catalog([None]), "program.invalid", "NoneType"),  # type: ignore[list-item]
+    (lambda store: Catalog("x"), "program.invalid", "str"),  # type: ignore[arg-type]
+])
+def test_a_store_runtime_or_catalog_built_with_wrong_arguments_is_refused(
+    tmp_path: Path, build: Any, code: str, named: str
+) -> None:
+    # They raised a bare AttributeError or TypeError from inside, or (a negative snapshot
+    # interval, a negative grace) were taken.
+    store = EventStore(f"sqlite:///{tmp_path / 'built.db'}")
+    try:
+        with pytest.raises(InvalidInput) as refused:
+            build(store)
+        assert refused.value.code == code and named in refused.value.message and refused.value.hint
+        with Runtime(store, Catalog([chain_program()]), poll_interval=0, cancel_grace=0) as runtime:  # 0s are fine
+            assert runtime.start(chain_program(), {"n": 1}, start_id="fine").result(timeout=30).status == "completed"
+    finally:
+        store.close()

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import NotFound
+from agentfold.domain.errors import InvalidInput, NotFound
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Program, ProgramRef
 
@@ -73,6 +73,9 @@ class Catalog:
 
     def add(self, program: Program) -> Program:
         """Register a Program and every Program reachable through its child bindings."""
+        if not isinstance(program, Program):
+            raise InvalidInput("program.invalid", f"a catalog holds Programs, not {type(program).__name__}",
+                               hint="pass Catalog([program, ...]) with Program objects (agentfold.domain.program)")
         with self._lock:
             if self._rebuildable(program):
                 self._hold(program)

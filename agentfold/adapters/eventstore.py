@@ -615,6 +615,9 @@ class EventStore:
     """
 
     def __init__(self, url: str = DEFAULT_STORE, *, create: bool = True) -> None:
+        if not isinstance(url, str):
+            raise InvalidInput("store.url_invalid", f"a store URL is text, not {type(url).__name__}",
+                               hint="pass sqlite:///path.db, postgresql://user:password@host:port/dbname or memory:")
         self.url = url
         self.backend, settings = parse_store_url(url)
         self._settings = settings

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import inspect
 import logging
+import math
 import os
 import signal
 import threading
@@ -1053,6 +1054,42 @@ def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
 # The Runtime
 
 
+def _check_settings(store: Any, catalog: Any, *, dispatch_workers: Any, owner_workers: Any, snapshot_every: Any,
+                    poll_interval: Any, cancel_grace: Any, adopt_orphans_every: Any) -> None:
+    """Refuse a Runtime built with arguments it cannot run with (``runtime.invalid``), before it
+    starts a thread (a bare AttributeError or TypeError from inside, otherwise)."""
+    def refuse(message: str, hint: str) -> InvalidInput:
+        return InvalidInput("runtime.invalid", message, hint=hint)
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def seconds(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(store, EventStore):
+        raise refuse(f"a Runtime needs an EventStore, not {type(store).__name__}",
+                     'open one first: EventStore("sqlite:///agentfold.db") (agentfold.adapters.eventstore)')
+    if catalog is not None and not isinstance(catalog, Catalog):
+        raise refuse(f"catalog must be a Catalog, not {type(catalog).__name__}",
+                     "pass Catalog([program, ...]) (agentfold.adapters.catalog), or None")
+    if not whole(dispatch_workers) or not 1 <= dispatch_workers <= MAX_DISPATCH_WORKERS:
+        raise refuse(f"dispatch_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {dispatch_workers!r}",
+                     "the most dispatcher calls in flight at once (default 32)")
+    if not whole(owner_workers) or not 1 <= owner_workers <= MAX_DISPATCH_WORKERS:
+        raise refuse(f"owner_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {owner_workers!r}",
+                     "the threads that drive trees (default 4)")
+    if not whole(snapshot_every) or snapshot_every < 0:
+        raise refuse(f"snapshot_every must be a whole number of events, 0 or more, got {snapshot_every!r}",
+                     "the least events between storage snapshots (default 1000); 0 stores none")
+    for name, value in (("poll_interval", poll_interval), ("cancel_grace", cancel_grace),
+                        ("adopt_orphans_every", adopt_orphans_every)):
+        if not seconds(value) or value < 0:
+            raise refuse(f"{name} must be a number of seconds, 0 or more, got {value!r}",
+                         "poll_interval: how often the watcher looks at other writers (0: no watcher); "
+                         "cancel_grace: how long a canceled call may finish; adopt_orphans_every: 0 = never")
+
+
 class Runtime:
     """Starts, drives, recovers and serves process trees over one event store."""
 
@@ -1072,6 +1109,9 @@ class Runtime:
         adopt_on_admit: bool = True,
         adopt_orphans_every: float = 0.0,
     ) -> None:
+        _check_settings(store, catalog, dispatch_workers=dispatch_workers, owner_workers=owner_workers,
+                        snapshot_every=snapshot_every, poll_interval=poll_interval, cancel_grace=cancel_grace,
+                        adopt_orphans_every=adopt_orphans_every)
         self.store = store
         self.catalog = catalog or Catalog()
         self.snapshot_every = snapshot_every
@@ -1093,8 +1133,6 @@ class Runtime:
         # append, and the outcome of every dispatcher call, since this runtime started.
         self.append_seconds = Histogram(APPEND_BUCKETS)
         self.calls_settled = Counter()
-        if not 1 <= dispatch_workers <= MAX_DISPATCH_WORKERS:
-            raise ValueError(f"dispatch_workers must be from 1 to {MAX_DISPATCH_WORKERS}, got {dispatch_workers}")
         self.dispatch_workers = dispatch_workers
         self._slots = _CallSlots(dispatch_workers, SPARE_DISPATCH_THREADS)
         # The slots bound the threads (calls in flight, up to SPARE_DISPATCH_THREADS abandoned ones,
