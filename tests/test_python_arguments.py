@@ -13,6 +13,7 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.errors import InvalidInput
@@ -95,8 +96,9 @@ def test_signals_that_are_not_signal_requests_are_refused_and_admit_nothing(tmp_
     (lambda store: Runtime(store, adopt_orphans_every="10"), "runtime.invalid", "adopt_orphans_every"),  # type: ignore[arg-type]
     (lambda store: Catalog([None]), "program.invalid", "NoneType"),  # type: ignore[list-item]
     (lambda store: Catalog("x"), "program.invalid", "str"),  # type: ignore[arg-type]
+    (lambda store: Host(store), "runtime.invalid", "EventStore"),  # type: ignore[arg-type]
 ])
-def test_a_store_runtime_or_catalog_built_with_wrong_arguments_is_refused(
+def test_a_store_runtime_catalog_or_host_built_with_wrong_arguments_is_refused(
     tmp_path: Path, build: Any, code: str, named: str
 ) -> None:
     # They raised a bare AttributeError or TypeError from inside, or (a negative snapshot

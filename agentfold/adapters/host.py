@@ -208,6 +208,12 @@ class Host:
     """
 
     def __init__(self, runtime: Runtime, sources: ProgramSources | None = None) -> None:
+        if not isinstance(runtime, Runtime):
+            raise InvalidInput(
+                "runtime.invalid", f"a Host works through a Runtime, not {type(runtime).__name__}",
+                hint="pass Runtime(EventStore(url), Catalog([...])) (agentfold.adapters.runtime); "
+                "a host that only reads can use HostQueries",
+            )
         self.runtime = runtime
         if sources is not None:
             for program in sources.programs:
