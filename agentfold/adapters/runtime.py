@@ -1067,7 +1067,8 @@ def _check_settings(store: Any, catalog: Any, *, dispatch_workers: Any, owner_wo
     def seconds(value: Any) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
-    if not isinstance(store, EventStore):
+    if not isinstance(store, EventStore) and not all(callable(getattr(store, n, None)) for n in ("append", "leases")):
+        # (a wrapper that passes an EventStore's methods through is fine: tests inject faults so)
         raise refuse(f"a Runtime needs an EventStore, not {type(store).__name__}",
                      'open one first: EventStore("sqlite:///agentfold.db") (agentfold.adapters.eventstore)')
     if catalog is not None and not isinstance(catalog, Catalog):
