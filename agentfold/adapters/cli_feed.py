@@ -94,6 +94,7 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
             say(held.line())
 
     def on_released(held: HeldTree, published: int) -> None:
+        announced.discard(held.tree_id)  # a later hold of the same tree is said again
         say(released_line(held, published))
 
     def on_still_held(held: HeldTree) -> None:

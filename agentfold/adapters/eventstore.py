@@ -68,6 +68,7 @@ from agentfold.adapters.codec import (
 from agentfold.adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases, RefusedLeases
 from agentfold.adapters.recorders import (
     EVENTS_TABLE,
+    MALFORMED_VERSION,
     PG_POOL_WAIT,
     PROCESSES_TABLE,
     SNAPSHOTS_TABLE,
@@ -1174,6 +1175,12 @@ class EventStore:
                 tree_id, max(version, 1), "index.head_mismatch",
                 "the tree index has no row for this tree (it is written with every append): the row was deleted; "
                 "agentfold neither drives nor shows the tree without it",
+            )
+        if stored[0] == MALFORMED_VERSION:
+            return CorruptStream(
+                tree_id, max(version, 1), "index.head_mismatch",
+                "the tree index row's version is not a number (it was changed by hand): agentfold neither drives "
+                "nor shows the tree without the end it anchors",
             )
         if stored[0] > version:
             return CorruptStream(

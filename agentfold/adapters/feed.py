@@ -212,6 +212,12 @@ class ChainCheck:
                 raise problem
         self.seed(tree_id, position, recorded)
 
+    def last_position(self, tree_id: TreeID) -> int | None:
+        """The position of the last event of ``tree_id`` this chain checked or was seeded with
+        (None: not remembered)."""
+        known = self._last.get(tree_id)
+        return known[0] if known is not None else None
+
     def seed(self, tree_id: TreeID, position: int, digest: str) -> None:
         """Take ``digest`` as the one of ``tree_id`` at ``position`` (the next event chains onto it)."""
         self._last[tree_id] = (position, digest)
@@ -569,7 +575,9 @@ class Publisher:
         self.on_released = on_released or _log_released
         self.on_still_held = on_still_held
         self.held_events = 0  # events of held trees this publisher passed over (not produced)
-        self._released: dict[str, int] = {}  # per released tree, the last position its release produced
+        # Per tree, the last position produced ahead of its notification (a release, or a row
+        # restored by hand under a later notification id): the main loop passes those over.
+        self._ahead: dict[str, int] = {}
         ensure_topic(bootstrap, topic, partitions, replication_factor)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
@@ -615,16 +623,21 @@ class Publisher:
             if tree in self.held or tree in found:
                 passed += 1
                 continue
-            released = self._released.get(tree)
-            if released is not None and isinstance(notification.originator_version, int) and (
-                notification.originator_version <= released
+            ahead = self._ahead.get(tree)
+            if ahead is not None and isinstance(notification.originator_version, int) and (
+                notification.originator_version <= ahead
             ):
-                continue  # published already, by the release of this tree's hold
+                continue  # produced already, ahead of its notification
             try:
+                behind = [_verified_envelope(n, self._chain) for n in self._behind(tree_id, notification)]
+                envelopes += behind
                 envelopes.append(_verified_envelope(notification, self._chain))
             except CorruptStream as exc:
                 found[tree] = self._found(tree_id, notification, exc)
                 passed += 1
+                continue
+            if behind:
+                self._ahead[tree] = int(behind[-1]["position"])
         if envelopes:
             self.produce(envelopes)
         self.batches += 1
@@ -658,12 +671,45 @@ class Publisher:
         self.steps += 1
         return len(notifications)
 
+    def _behind(self, tree_id: TreeID, notification: Notification) -> list[Notification]:
+        """The events of ``tree_id`` before ``notification``'s position that the log holds only
+        after it (a row restored by hand, under a new notification id, before the publisher got
+        there): produced first, in position order, so that the tree's records never skip one.
+        Empty in the usual case, at the cost of one row read for a tree the chain check has not
+        seen (it reads that row anyway: its digest is taken from here)."""
+        position = notification.originator_version
+        if not isinstance(position, int) or position <= 1:
+            return []
+        last = self._chain.last_position(tree_id)
+        if last is None:
+            rows = self.store.tree_notifications(tree_id, position - 1, 1)
+            if not rows or rows[0].originator_version != position - 1:
+                return []  # missing: the chain check says so
+            if rows[0].id < notification.id:
+                try:
+                    self._chain.seed(tree_id, position - 1, unseal(stored_json(rows[0].state)).digest)
+                except (SealError, TypeError, ValueError):
+                    pass  # the chain check reads it again and says what is wrong
+                return []
+            last = self.store.tree_position_before(tree_id, int(notification.id))
+        if last >= position - 1:
+            return []
+        rows = self.store.tree_notifications(tree_id, last + 1, position - 1 - last)
+        return [r for r in rows if isinstance(r.originator_version, int) and r.originator_version < position]
+
     def _found(self, tree_id: TreeID, notification: Notification, exc: CorruptStream) -> HeldTree:
         """The hold of a tree whose event at ``notification`` does not verify: from the position
         after the last one published (every event of the tree before this notification was), so
-        a missing or moved event is published too once the tree is repaired."""
-        head = self.store.head(tree_id)
+        a missing or moved event is published too once the tree is repaired; never past the
+        damage (a version changed by hand must not move it on)."""
+        try:
+            head = self.store.head(tree_id)
+        except (TypeError, ValueError):  # an index row changed by hand: only its start id is lost
+            head = None
         held_from = self.store.tree_position_before(tree_id, int(notification.id)) + 1
+        held_from = max(1, min(held_from, exc.position))
+        if isinstance(notification.originator_version, int):
+            held_from = min(held_from, notification.originator_version)
         return HeldTree(str(tree_id), head.start_id if head is not None else None, held_from, int(notification.id),
                         exc.position, exc.rule, str(exc.detail))
 
@@ -696,7 +742,15 @@ class Publisher:
         while True:
             page = self.store.tree_notifications(tree_id, current.held_from, self.batch_size)
             if not page:
-                return published, None
+                missing = self._missing_end(tree_id, current.held_from)
+                if missing is None:
+                    return published, None
+                current = dataclasses.replace(current, position=missing.position, rule=missing.rule,
+                                              detail=str(missing.detail))
+                if current != self.held[held.tree_id]:
+                    self._held.move(current)
+                    self.held[held.tree_id] = current
+                return published, current
             chain.anchor(page)
             envelopes: list[Envelope] = []
             failure: tuple[Notification, CorruptStream] | None = None
@@ -711,7 +765,7 @@ class Publisher:
                 published += len(envelopes)
                 self.events += len(envelopes)
                 last = int(envelopes[-1]["position"])
-                self._released[held.tree_id] = last
+                self._ahead[held.tree_id] = last
                 self._chain.seed(tree_id, last, str(envelopes[-1]["digest"]))
                 current = dataclasses.replace(current, held_from=last + 1)
             if failure is not None:
@@ -723,6 +777,15 @@ class Publisher:
                 self.held[held.tree_id] = current
             if failure is not None or (stop is not None and stop.is_set()):
                 return published, current
+
+    def _missing_end(self, tree_id: TreeID, position: int) -> CorruptStream | None:
+        """Whether a held tree that has no event from ``position`` on should have some: its index
+        row anchors a later end (its events there were deleted or moved by hand)."""
+        anchor = self.store.anchors([tree_id]).get(tree_id)
+        if anchor is None or anchor[0] < position:
+            return None
+        return CorruptStream(tree_id, position, "integrity.missing_event",
+                             f"position {position} is missing (the tree index reaches version {anchor[0]})")
 
     def produce(self, envelopes: Sequence[Envelope]) -> None:
         """Send envelopes and wait until the broker acknowledged every one (else raise FeedError;

@@ -241,6 +241,11 @@ class HeadFilter:
         )
 
 
+#: The version an index row whose version column is not an integer anchors (SQLite keeps
+#: whatever a hand edit wrote): below every event, so each is refused as past its end.
+MALFORMED_VERSION = -1
+
+
 class IndexQueries:
     """Queries over the tree index, implemented per backend."""
 
@@ -539,7 +544,8 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
                     f"WHERE tree_id IN ({','.join('?' * len(chunk))})",
                     chunk,
                 )
-                out.update({str(r[0]): (int(r[1]), str(r[2])) for r in c.fetchall()})
+                out.update({str(r[0]): (r[1] if isinstance(r[1], int) else MALFORMED_VERSION, str(r[2]))
+                            for r in c.fetchall()})
         return out
 
     def tree_of_process(self, process_id: str) -> str | None:

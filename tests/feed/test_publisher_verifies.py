@@ -252,6 +252,74 @@ def test_an_event_deleted_from_a_tree_is_held_from_there_and_published_in_order_
     _each_event_once_in_order(read_topic_confluent(kafka_bootstrap, topic, expected=len(stored)), stored)
 
 
+def test_a_row_restored_under_a_later_notification_id_is_published_in_its_place(
+    durable_store_url: str, kafka_bootstrap: str,
+) -> None:
+    # Found by a review: an event deleted and put back (a restore from a backup) before the
+    # publisher reached it went out after the tree's later events, a hole then a late record
+    # (the transcript consumer stopped on feed.gap), although the store verifies.
+    url = durable_store_url
+    _runs(url, 3)
+    envelopes = stored_envelopes(url)
+    tree_id = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 12)["tree_id"]
+    sql = Sql(url)
+    _, topic_name, state = next(r for r in sql.raw_rows(TreeID(tree_id)) if r[0] == 10)
+    sql.delete(TreeID(tree_id), 10)
+    sql.insert(TreeID(tree_id), 10, topic_name, state)
+    topic = f"restored-{uuid.uuid4().hex[:8]}"
+    code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 0 and not errors and "held_trees" not in report, errors
+    stored = stored_envelopes(url)
+    assert report["events"] == len(stored)  # each once: the restored row's own notification is passed over
+    _each_event_once_in_order(read_topic_confluent(kafka_bootstrap, topic, expected=len(stored)), stored)
+
+
+def test_a_published_event_moved_by_hand_holds_its_tree_until_it_is_put_back(
+    durable_store_url: str, kafka_bootstrap: str,
+) -> None:
+    # Found by a review: with the published event at position 10 moved to position 1000, the
+    # hold started at 1001, and the next run released the still damaged tree with nothing
+    # published: its records from 11 on never came.
+    url = durable_store_url
+    _runs(url, 1)
+    envelopes = stored_envelopes(url)
+    tree_id = envelopes[0]["tree_id"]
+    assert [e["position"] for e in envelopes[:10]] == list(range(1, 11))
+    topic = f"moved-{uuid.uuid4().hex[:8]}"
+    store = EventStore(url)
+    try:
+        publisher = Publisher(store, kafka_bootstrap, topic, batch_size=10)
+        assert publisher.step() == 10  # positions 1-10 published, the rest not yet
+        publisher.close()
+    finally:
+        store.close()
+    sql = Sql(url)
+    moved = "UPDATE agentfold_events SET originator_version = ? WHERE originator_id = ? AND originator_version = ?"
+    sql._run(moved, (1000, sql._id(TreeID(tree_id)), 10))
+    for _ in range(2):  # held, and still held on the next run: nothing is released while it is damaged
+        code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+        assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id], report
+        assert report["held_trees"][0]["held_from"] == 10
+    sql._run(moved, (10, sql._id(TreeID(tree_id)), 1000))  # put back
+    code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 0 and not errors
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=len(envelopes) + 1)  # 10 goes out twice
+    assert sorted(set(_in_order_per_tree(read)[tree_id])) == list(range(1, len(envelopes) + 1))
+    _each_event_once_in_order(_deduplicated(read), envelopes)
+
+
+def _deduplicated(read: TopicRead) -> TopicRead:
+    """The records a consumer keeps (the first of each notification id)."""
+    seen: set[int] = set()
+    kept = TopicRead()
+    for records in read.by_partition().values():
+        for r in records:
+            if r.envelope["notification_id"] not in seen:
+                seen.add(r.envelope["notification_id"])
+                kept.records.append(r)
+    return kept
+
+
 def test_a_partly_repaired_tree_is_published_up_to_its_next_damage_and_held_from_there(
     durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
@@ -294,6 +362,23 @@ def test_a_stored_row_with_a_null_state_holds_back_its_tree_only(durable_store_u
     assert code == 1 and [(e["code"], e["detail"]["rule"]) for e in errors] == [("store.corrupt", "integrity.format")]
     assert report["held_trees"][0]["held_from"] == 7
     assert report["events"] == len([e for e in envelopes if not (e["tree_id"] == tree_id and e["position"] >= 7)])
+
+
+def test_an_index_row_whose_version_is_not_a_number_holds_back_its_tree_only(
+    tmp_path: Path, kafka_bootstrap: str,
+) -> None:
+    # SQLite keeps what a hand edit writes; it stopped the publisher with cli.internal (ValueError).
+    url = f"sqlite:///{tmp_path / 'index.db'}"
+    _runs(url, 3)
+    envelopes = stored_envelopes(url)
+    tree_id = envelopes[-1]["tree_id"]
+    Sql(url)._run("UPDATE agentfold_trees SET version = 'x' WHERE tree_id = ?", (tree_id,))
+    topic = f"index-{uuid.uuid4().hex[:8]}"
+    code, report, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 1 and [(e["detail"]["tree_id"], e["detail"]["rule"]) for e in errors] == [
+        (tree_id, "index.head_mismatch")]
+    assert "version is not a number" in errors[0]["message"]
+    assert report["events"] == len([e for e in envelopes if e["tree_id"] != tree_id])
 
 
 def test_a_row_that_names_no_tree_stops_the_publisher_after_what_came_before_it(
