@@ -717,9 +717,11 @@ class Publisher:
         """Publish the held records of each held tree, in position order, as far as they verify
         again (repaired by hand): a tree that verifies to its end is no longer held; one that
         does not stays held from its first event that does not (``on_still_held``), what came
-        before it published. The hold row moves on with each acknowledged page, so a crash
-        re-sends at most one page. Called as the publisher starts (``drain``, ``follow``);
-        once ``stop`` is set it returns after the page in progress (the rest goes next time)."""
+        before it published. The hold row moves on with each acknowledged page. The records go
+        out ahead of the stored position: the main loop passes their notifications over
+        (``_ahead``), a restarted publisher produces them again (duplicates). Called as the
+        publisher starts (``drain``, ``follow``); once ``stop`` is set it returns after the page
+        in progress (the rest goes next time)."""
         for held in list(self.held.values()):
             if stop is not None and stop.is_set():
                 return
