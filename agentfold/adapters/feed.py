@@ -388,27 +388,24 @@ class HeldTrees:
 
     def hold(self, held: HeldTree) -> None:
         """Record it (once: a batch produced again after a crash finds it again)."""
-        with self._datastore.transaction(commit=True) as c:
-            c.execute(_held_sql(self.store.backend,
-                                f"INSERT INTO {HELD_TABLE} (application_name, {_HELD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?) "
-                                "ON CONFLICT (application_name, tree_id) DO NOTHING"),
-                      (self.application, held.tree_id, held.start_id, held.held_from, held.found_at, held.position,
-                       held.rule, held.detail))
+        self._write(f"INSERT INTO {HELD_TABLE} (application_name, {_HELD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?) "
+                    "ON CONFLICT (application_name, tree_id) DO NOTHING",
+                    (self.application, held.tree_id, held.start_id, held.held_from, held.found_at, held.position,
+                     held.rule, held.detail))
 
     def move(self, held: HeldTree) -> None:
         """Record where the hold of its tree now starts and why (part of it was published)."""
-        with self._datastore.transaction(commit=True) as c:
-            c.execute(_held_sql(self.store.backend,
-                                f"UPDATE {HELD_TABLE} SET held_from = ?, found_at = ?, position = ?, rule = ?, "
-                                "detail = ? WHERE application_name = ? AND tree_id = ?"),
-                      (held.held_from, held.found_at, held.position, held.rule, held.detail, self.application,
-                       held.tree_id))
+        self._write(f"UPDATE {HELD_TABLE} SET held_from = ?, found_at = ?, position = ?, rule = ?, detail = ? "
+                    "WHERE application_name = ? AND tree_id = ?",
+                    (held.held_from, held.found_at, held.position, held.rule, held.detail, self.application,
+                     held.tree_id))
 
     def release(self, tree_id: str) -> None:
+        self._write(f"DELETE FROM {HELD_TABLE} WHERE application_name = ? AND tree_id = ?", (self.application, tree_id))
+
+    def _write(self, statement: str, params: tuple[Any, ...]) -> None:
         with self._datastore.transaction(commit=True) as c:
-            c.execute(_held_sql(self.store.backend,
-                                f"DELETE FROM {HELD_TABLE} WHERE application_name = ? AND tree_id = ?"),
-                      (self.application, tree_id))
+            c.execute(_held_sql(self.store.backend, statement), params)
 
 
 def held_trees_by_topic(store: EventStore) -> dict[str, int]:

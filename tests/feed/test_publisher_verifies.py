@@ -226,6 +226,16 @@ def _each_event_once_in_order(read: TopicRead, stored: list[dict[str, Any]]) -> 
         assert r.envelope["digest"] == by_position[(r.envelope["tree_id"], r.envelope["position"])]["digest"]
 
 
+def _take_out(url: str, envelopes: list[dict[str, Any]], position: int) -> tuple[str, str, bytes]:
+    """Delete the event at ``position`` of a tree in the middle of the log (one that goes on past
+    it); returns the tree id and the row's topic and state as stored, to put it back."""
+    tree_id = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > position + 2)["tree_id"]
+    sql = Sql(url)
+    _, topic_name, state = next(r for r in sql.raw_rows(TreeID(tree_id)) if r[0] == position)
+    sql.delete(TreeID(tree_id), position)
+    return tree_id, topic_name, state
+
+
 def test_an_event_deleted_from_a_tree_is_held_from_there_and_published_in_order_once_restored(
     durable_store_url: str, kafka_bootstrap: str,
 ) -> None:
@@ -234,10 +244,8 @@ def test_an_event_deleted_from_a_tree_is_held_from_there_and_published_in_order_
     url = durable_store_url
     _runs(url, 3)
     envelopes = stored_envelopes(url)
-    tree_id = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 6)["tree_id"]
+    tree_id, topic_name, state = _take_out(url, envelopes, 5)
     sql = Sql(url)
-    _, topic_name, state = next(r for r in sql.raw_rows(TreeID(tree_id)) if r[0] == 5)
-    sql.delete(TreeID(tree_id), 5)
     topic = f"deleted-{uuid.uuid4().hex[:8]}"
     code, report, errors = _publish_once(url, kafka_bootstrap, topic)
     assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id]
@@ -261,11 +269,8 @@ def test_a_row_restored_under_a_later_notification_id_is_published_in_its_place(
     url = durable_store_url
     _runs(url, 3)
     envelopes = stored_envelopes(url)
-    tree_id = next(e for e in envelopes[len(envelopes) // 2 :] if e["position"] > 12)["tree_id"]
-    sql = Sql(url)
-    _, topic_name, state = next(r for r in sql.raw_rows(TreeID(tree_id)) if r[0] == 10)
-    sql.delete(TreeID(tree_id), 10)
-    sql.insert(TreeID(tree_id), 10, topic_name, state)
+    tree_id, topic_name, state = _take_out(url, envelopes, 10)
+    Sql(url).insert(TreeID(tree_id), 10, topic_name, state)
     topic = f"restored-{uuid.uuid4().hex[:8]}"
     code, report, errors = _publish_once(url, kafka_bootstrap, topic)
     assert code == 0 and not errors and "held_trees" not in report, errors
