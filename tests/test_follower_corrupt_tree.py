@@ -255,6 +255,11 @@ def test_a_recorded_corrupt_tree_stays_skipped_until_a_rebuild_after_its_history
     assert tables["position"] == head_of(store)
     assert [c["tree_id"] for c in tables["corrupt"]] == [bad]
     assert tables["trees"][bad] == empty_rows(bad)
+    # audit says why the repaired tree has no rows, and what to do
+    audited = agentfold("audit", "verify", bad, "--json", store=store)
+    assert audited.code == 1 and "read_model.mismatch" in audited.stdout, audited.stdout
+    assert f"recorded this tree corrupt at position {position}" in audited.stdout
+    assert "`agentfold project --rebuild` projects it again" in audited.stdout
 
     # A rebuild reads the repaired history: "bad" is projected like any tree, nothing recorded.
     rebuilt = agentfold("project", "--rebuild", "--json", store=store)

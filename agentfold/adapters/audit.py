@@ -474,9 +474,14 @@ def verify_tree(
         if rows["run"] is None:
             if models_current:
                 check.read_model = "mismatch"
+                recorded = next((c for c in read_models.corrupt_trees() if c.tree_id == str(tree_id)), None) \
+                    if read_models is not None else None
                 check.problems.append(
                     Finding(str(tree_id), last, "read_model.mismatch",
-                            "the read models are current but hold no row for this tree")
+                            "the read models are current but hold no row for this tree" if recorded is None else
+                            f"the read models recorded this tree corrupt at position {recorded.position} "
+                            f"({recorded.rule}) and hold no row of it, but it verifies now (repaired?): "
+                            "`agentfold project --rebuild` projects it again")
                 )
         elif at > last:
             check.read_model = "mismatch"
