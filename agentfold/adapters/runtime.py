@@ -73,7 +73,7 @@ from agentfold.domain.ids import (
     parse_effect_id,
     root_process_id,
 )
-from agentfold.domain.kernel import Dispatch, Kernel, Progress, check_limits, start_tree
+from agentfold.domain.kernel import Dispatch, Kernel, Progress, brief_repr, check_limits, start_tree
 from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target, children_at_once
 from agentfold.domain.requests import EffectRequest, Settlement, effect_request
 from agentfold.domain.tree import TERMINAL, ProcessState, TreeState
@@ -1637,10 +1637,8 @@ class Runtime:
         if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence) or not all(
             isinstance(r, SignalRequest) for r in requests
         ):
-            shown = repr(requests)
             raise InvalidInput(
-                "signal.invalid",
-                f"signals must be a list of SignalRequest, not {shown if len(shown) <= 80 else shown[:77] + '...'}",
+                "signal.invalid", f"signals must be a list of SignalRequest, not {brief_repr(requests)}",
                 hint='pass [SignalRequest("signal-id", payload)] (agentfold.domain.program.SignalRequest)',
             )
         pid = ProcessID(process_id)

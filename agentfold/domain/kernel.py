@@ -168,7 +168,7 @@ def check_limits(limits: TreeLimits) -> None:
             )
 
 
-def _shown(value: object) -> str:
+def brief_repr(value: object) -> str:
     """A bad argument, named without printing all of it."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -206,7 +206,7 @@ def start_tree(
         # A str is a sequence of one-letter strings: "admin" was stored as a, d, i, m, n.
         raise InvalidInput(
             "capabilities.invalid",
-            f"capabilities must be a list of non-empty strings, not {_shown(capabilities)}",
+            f"capabilities must be a list of non-empty strings, not {brief_repr(capabilities)}",
             hint='pass a list, e.g. capabilities=["payments"] (not the bare string "payments")',
         )
     value = normalize(input, what="input")
