@@ -111,3 +111,32 @@ def test_postgresql_sessions_never_commit_with_synchronous_commit_off(
         assert row["synchronous_commit"] == expected
     finally:
         transcripts.close()
+
+
+def test_serve_warns_about_a_postgresql_server_run_with_fsync_off(tmp_path: Path) -> None:
+    # Nothing agentfold sets can make such a server's commits durable (docs/guarantees.md);
+    # the tests' throwaway servers run with fsync=off, so this one must warn (and SQLite must not).
+    from tests.http_api.support import start_server
+
+    url, drop = create_pg_database()
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("SHOW fsync").fetchone()
+        fsync = row[0] if row is not None else None
+        store = EventStore(url)
+        try:
+            said = store.undurable_server()
+        finally:
+            store.close()
+        assert (said is not None) == (fsync == "off")
+        pg = start_server(url, tmp_path)
+        sqlite = start_server(f"sqlite:///{tmp_path / 'agentfold.db'}", tmp_path)
+        try:
+            warned = [line for line in pg.logs().splitlines() if "fsync=off" in line]
+            assert warned == ([f"agentfold: warning: {said}"] if said is not None else [])
+            assert "fsync" not in sqlite.logs()
+        finally:
+            pg.stop()
+            sqlite.stop()
+    finally:
+        drop()

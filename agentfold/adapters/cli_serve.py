@@ -193,6 +193,12 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
         try:
             store = ctx.open_store(create=True)
             try:
+                try:
+                    undurable = store.undurable_server()
+                except Exception:  # noqa: BLE001 - a warning's probe never stops the server
+                    undurable = None
+                if undurable is not None:
+                    _say(f"warning: {undurable}")
                 service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
                                           side_effect_dir=side_effect_dir, dispatch_workers=workers)
                 try:

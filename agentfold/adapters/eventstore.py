@@ -973,6 +973,21 @@ class EventStore:
             self.forget_sessions()
         return refused
 
+    def undurable_server(self) -> str | None:
+        """What, in the server's own settings, no session setting can make durable (PostgreSQL
+        run with ``fsync=off``: an operating-system crash or power cut can drop acknowledged
+        appends); None when nothing is known to be wrong, and for other stores."""
+        if self.backend != "postgresql":
+            return None
+        with self.factory.datastore.transaction(commit=False) as c:
+            c.execute("SELECT current_setting('fsync') AS fsync")
+            row = c.fetchone()
+        if row is None or str(row["fsync"]) != "off":
+            return None
+        return ("the PostgreSQL server runs with fsync=off: an operating-system crash or power cut can drop "
+                "appends it acknowledged, and a tool whose dispatch permission was dropped would be called again "
+                "when its run is recovered (docs/guarantees.md); run production stores with fsync=on")
+
     def forget_sessions(self) -> None:
         """Replace every pooled PostgreSQL session (those in use once they are handed back): after
         a write refused as read-only (``refuses_writes``). A session keeps the
