@@ -55,6 +55,7 @@ from eventsourcing.persistence import IntegrityError, Notification, Tracking
 
 from agentfold.adapters.codec import TOPIC_PREFIX, stored_json
 from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.queries import corrupt_tree_error
 from agentfold.adapters.read_models import TRACKING_TABLE, table_exists, tracking_recorder
 from agentfold.domain.errors import AgentfoldError, InvalidInput, StoreFailure
 from agentfold.domain.events import EVENT_TYPES
@@ -113,10 +114,12 @@ def _tree_of(notification: Notification) -> TreeID:
     return TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator)))
 
 
-def envelope_of(notification: Notification, chain: ChainCheck | None = None) -> Envelope:
+def envelope_of(notification: Notification, chain: ChainCheck | None = None, tree_id: TreeID | None = None) -> Envelope:
     """The feed envelope of one stored event (the body exactly as stored, defaults omitted);
-    with ``chain``, only once its digest chains to the previous event of its tree."""
-    tree_id = _tree_of(notification)
+    with ``chain``, only once its digest chains to the previous event of its tree. ``tree_id``:
+    its tree, when the caller has parsed it already."""
+    if tree_id is None:
+        tree_id = _tree_of(notification)
     position = int(notification.originator_version)
     tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
     name, _, version_text = tag.partition("@")
@@ -152,17 +155,17 @@ def _no_tree(what: str, exc: BaseException) -> StoreFailure:
     )
 
 
-def _verified_envelope(notification: Notification, chain: ChainCheck) -> Envelope:
+def _verified_envelope(notification: Notification, chain: ChainCheck, tree_id: TreeID) -> Envelope:
     """``envelope_of`` with the chain check, a stored row that does not even decode (a NULL or
     malformed column) included: ``CorruptStream`` (``integrity.format``) naming its tree."""
     try:
-        return envelope_of(notification, chain)
+        return envelope_of(notification, chain, tree_id)
     except (TypeError, ValueError, AttributeError) as exc:
         try:
             position = int(notification.originator_version)
         except (TypeError, ValueError):
             position = 0
-        raise CorruptStream(_tree_of(notification), position, "integrity.format",
+        raise CorruptStream(tree_id, position, "integrity.format",
                             f"the stored event does not decode: {type(exc).__name__}: {exc}") from exc
 
 
@@ -190,9 +193,9 @@ class ChainCheck:
     def anchor(self, notifications: Sequence[Notification]) -> None:
         """Read the index rows of the batch's trees (one query): call it after reading the batch."""
         trees: list[TreeID] = []
-        for originator in {n.originator_id for n in notifications}:  # one TreeID per tree, not per event
+        for notification in {n.originator_id: n for n in notifications}.values():  # one per tree, not per event
             try:
-                trees.append(TreeID.from_uuid(originator if isinstance(originator, uuid.UUID) else uuid.UUID(str(originator))))
+                trees.append(_tree_of(notification))
             except (TypeError, ValueError):
                 continue  # a row that names no tree: its reader says so
         trees.sort()
@@ -347,11 +350,10 @@ class HeldTree:
                 "the publisher publishes them")
 
     def line(self) -> str:
-        """The one line that reports it (logs, ``publish`` stderr)."""
-        start = f" (start {self.start_id})" if self.start_id else ""
-        detail = " ".join(self.detail.split())
-        return (f"tree {self.tree_id}{start} is corrupt at position {self.position}: {self.rule}: {detail}; "
-                f"{self.consequence()} (see `agentfold audit verify {self.tree_id}`)")
+        """The one line that reports it (logs, ``publish`` stderr): the error ``--once`` reports,
+        its detail on one line."""
+        entry = {**self.entry(), "detail": " ".join(self.detail.split())}
+        return f"{corrupt_tree_error(entry, self.consequence()).message} (see `agentfold audit verify {self.tree_id}`)"
 
 
 def _held_sql(backend: str, statement: str) -> str:
@@ -626,9 +628,9 @@ class Publisher:
             ):
                 continue  # produced already, ahead of its notification
             try:
-                behind = [_verified_envelope(n, self._chain) for n in self._behind(tree_id, notification)]
+                behind = [_verified_envelope(n, self._chain, tree_id) for n in self._behind(tree_id, notification)]
                 envelopes += behind
-                envelopes.append(_verified_envelope(notification, self._chain))
+                envelopes.append(_verified_envelope(notification, self._chain, tree_id))
             except CorruptStream as exc:
                 found[tree] = self._found(tree_id, notification, exc)
                 passed += 1
@@ -755,7 +757,7 @@ class Publisher:
             failure: tuple[Notification, CorruptStream] | None = None
             for notification in page:
                 try:
-                    envelopes.append(_verified_envelope(notification, chain))
+                    envelopes.append(_verified_envelope(notification, chain, tree_id))
                 except CorruptStream as exc:
                     failure = (notification, exc)
                     break
