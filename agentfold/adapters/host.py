@@ -35,7 +35,7 @@ from agentfold.domain.kernel import Kernel
 from agentfold.domain.program import ProgramResolver, SignalRequest
 from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, TreeState
-from agentfold.projections.host_views import pending_tool_inputs
+from agentfold.projections.host_views import gate_inputs, pending_tool_inputs
 from agentfold.projections.read_models import Entry
 
 RESOLUTION_HINT = (
@@ -338,6 +338,41 @@ class Host:
         tree_id = queries.tree_of_process(pid)
         tree, programs = queries.fold(tree_id)
         signal = answer_signal(tree, programs, pid, wid, response, sid, listing_hint="list pending inputs with Host.pending()")
+        return deliver_answer(self.runtime, tree_id, pid, signal)
+
+    def gates(self, tree: str) -> list[Entry]:
+        """The InputGates of one run (a tree id, start id or process id) that wait for an
+        answer (:meth:`answer_gate`): ``process_id``, ``wait_id``, ``request``, ``answer_schema``,
+        ``parent_id`` and ``task`` (the gate's key under its collaboration). docs/team.md."""
+        queries = self.queries()
+        folded, _ = queries.fold(queries.tree_of(str(tree)))
+        return [gate.to_json() for gate in gate_inputs(folded)]
+
+    def answer_gate(
+        self, process_id: ProcessID | str, wait_id: WaitID | str, answer: JSON, *, signal_id: str | None = None
+    ) -> bool:
+        """Answer an InputGate's wait (checked against its answer schema): True when admitted,
+        False when this signal id already delivered this very answer. The gate completes with
+        ``{"id": signal id, "wait_id", "payload": answer}``, which wakes its collaboration."""
+        pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
+        sid = SignalID(signal_id) if signal_id is not None else None
+        queries = self.queries()
+        tree_id = queries.tree_of_process(pid)
+        folded, _ = queries.fold(tree_id)
+        process = folded.processes.get(pid)
+        if sid is not None and process is not None and sid in process.signal_index:
+            # A retry: the kernel deduplicates the same answer and refuses a different one.
+            signal = SignalRequest(sid, normalize(answer, what="gate answer"), wid)
+        else:
+            match = next((g for g in gate_inputs(folded) if g.process_id == pid and g.wait_id == wid), None)
+            if match is None:
+                state = wait_state(folded, pid, wid)
+                if state is not None and state["state"] == "answered":
+                    raise answered_elsewhere(pid, wid, state)
+                raise Rejected("engine.signal.rejected",
+                               f"wait {wid} is not the open wait of an InputGate process {pid}",
+                               hint="list the gates that wait with Host.gates(run)", wait=state)
+            signal = match.answer_signal(sid or fresh_signal_id("answer"), answer)
         return deliver_answer(self.runtime, tree_id, pid, signal)
 
     def steer(

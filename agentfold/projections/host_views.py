@@ -1,4 +1,4 @@
-"""Host views of a folded tree: delegate attributions, pending tool inputs, unknown effects, run summary.
+"""Host views of a folded tree: delegate attributions, pending tool inputs, gate inputs, unknown effects, run summary.
 
 Pure functions of one tree cut (the tree must be folded with its Programs bound, so
 Interaction and Tool child states are available).
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize
+from agentfold.domain.coordination import INPUT_WAIT_KEY
 from agentfold.domain.errors import InvalidInput, NotFound
 from agentfold.domain.ids import ProcessID, SignalID, WaitID
 from agentfold.domain.interaction.chat import ToolCall
@@ -120,6 +121,57 @@ def pending_tool_inputs(tree: TreeState) -> list[PendingToolInput]:
                 tool_call_ref_of_child(process.parent_id, process.child_key), str(tree.tree_id),
             )
         )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class GateInput:
+    """An InputGate (``agentfold.adapters.team.compile_input_gate``) that waits for its answer."""
+
+    process_id: ProcessID
+    """The gate Process that must receive the answer."""
+    wait_id: WaitID
+    request: JSON
+    """What the gate asks (its input, the wait's prompt)."""
+    answer_schema: JSON
+    parent_id: ProcessID | None
+    """The Process that started the gate (a collaboration, for a team worker)."""
+    task: str | None
+    """The gate's child key under its parent (a team task key)."""
+    tree_id: str = ""
+
+    def answer_signal(self, signal_id: str, answer: JSON) -> SignalRequest:
+        """The answer addressed to this gate's wait (checked against its schema here, and again at admission)."""
+        value = normalize(answer, what="gate answer")
+        problems = schema_errors(value, self.answer_schema)
+        if problems:
+            raise InvalidInput(
+                "engine.signal.schema",
+                "the answer does not satisfy the gate's answer schema: " + "; ".join(problems[:3]),
+                hint="answer with JSON matching the answer_schema of the gate (agentfold.projections.host_views.gate_inputs)",
+            )
+        return SignalRequest(SignalID(signal_id), value, self.wait_id)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"tree_id": self.tree_id, "process_id": self.process_id, "wait_id": self.wait_id,
+                "request": self.request, "answer_schema": self.answer_schema, "parent_id": self.parent_id,
+                "task": self.task}
+
+
+
+def gate_inputs(tree: TreeState) -> list[GateInput]:
+    """Every InputGate whose current wait is open, in the tree's Process order (also while paused).
+
+    A gate is recognised by its wait (key ``coordination.input``), so no Program needs to be bound."""
+    out = []
+    for process in tree.processes.values():
+        if process.terminal or process.current_wait is None:
+            continue
+        wait = process.waits.get(process.current_wait)
+        if wait is None or wait.kind != "external" or wait.key != INPUT_WAIT_KEY or wait.closed or wait.answered_by is not None:
+            continue
+        out.append(GateInput(process.process_id, wait.wait_id, wait.prompt, wait.response_schema, process.parent_id,
+                             str(process.child_key) if process.child_key is not None else None, str(tree.tree_id)))
     return out
 
 

@@ -1,0 +1,192 @@
+"""Build team Programs: a collaboration (coordinator + workers), an InputGate, a transform.
+
+* :func:`compile_team` binds a coordinator and workers into one root Program (the Scope
+  ``team.Compile``); the coordinator is any Program whose input schema is exactly
+  :data:`TURN_SCHEMA` and output schema exactly :data:`DECISION_SCHEMA` (e.g. a transform of a
+  Python policy, or ``adapt`` around an Interaction that renders the Turn and decodes a Decision).
+* :func:`compile_input_gate` is the coordination InputGate: a worker that waits for one
+  external answer (addressed to its wait) and completes with it.
+* :func:`transform` is a Program whose one Effect calls ``fn(input)`` (the Scope workflow
+  Transform): an exception fails it (``transform.failed``); a crash during the call leaves an
+  unknown Effect for a host to resolve (it is never called again behind the host's back).
+
+Docs: docs/team.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.interaction import _identity
+from agentfold.domain.budget import Quota
+from agentfold.domain.canonical import JSON, digest_of, normalize
+from agentfold.domain.coordination import InputGateStrategy
+from agentfold.domain.errors import InvalidInput, bounded_text, recorded_text
+from agentfold.domain.ids import Digest
+from agentfold.domain.program import Descriptor, Program, check_synchronous
+from agentfold.domain.requests import EffectRequest, Settlement
+from agentfold.domain.team import DECISION_SCHEMA, TURN_SCHEMA, CollaborationStrategy, Member, TeamDefinition
+from agentfold.domain.workflow import TransformStrategy, expand_transform_request
+
+TEAM_IMPLEMENTATION = Digest.of(b"agentfold.team/1")
+GATE_IMPLEMENTATION = Digest.of(b"agentfold.input_gate/1")
+TRANSFORM_IMPLEMENTATION = Digest.of(b"agentfold.transform/1")
+
+#: A team member: its exact Program, the budget each of its child Processes is granted and their capabilities.
+TeamMember = Member
+
+
+def _limit(name: str, value: object, minimum: int, code: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInput(code, f"TeamConfig.{name} is {value!r}; it must be an int of at least {minimum}")
+
+
+@dataclass(frozen=True, eq=False)
+class TeamConfig:
+    """Everything a collaboration binds (the seed's team.Config).
+
+    ``max_turns`` / ``max_tasks``: None is unlimited; ``max_tasks=0`` forbids worker starts.
+    ``state_schema`` validates the root input (the initial working state) and every Decision's
+    state; ``output_schema`` the completing Decision's output (the root's output)."""
+
+    name: str
+    coordinator: Member
+    workers: Sequence[Member]
+    description: str = ""
+    state_schema: JSON = True
+    output_schema: JSON = True
+    max_turns: int | None = None
+    max_tasks: int | None = None
+    max_concurrent_tasks: int = 4
+    max_controls_per_turn: int = 4
+    configuration: JSON = None
+
+
+def _check_member(what: str, member: object) -> Member:
+    if not isinstance(member, Member):
+        raise InvalidInput("collaboration.definition.invalid",
+                           f"{what} is a {type(member).__name__}, not a TeamMember",
+                           hint="wrap each Program: TeamMember(program, budget=Budget(...))")
+    if not isinstance(member.program, Program):
+        raise InvalidInput("collaboration.definition.invalid",
+                           f"{what}.program is a {type(member.program).__name__}, not a Program")
+    return member
+
+
+def compile_team(config: TeamConfig) -> Program:
+    """Freeze a collaboration and bind its coordinator and workers (the seed's Compile)."""
+    code = "collaboration.definition.invalid"
+    if not isinstance(config, TeamConfig):
+        raise InvalidInput(code, f"compile_team takes a TeamConfig, not {type(config).__name__}")
+    for name in ("max_turns", "max_tasks"):
+        value = getattr(config, name)
+        if value is not None:
+            _limit(name, value, 0, code)
+    _limit("max_concurrent_tasks", config.max_concurrent_tasks, 1, code)
+    _limit("max_controls_per_turn", config.max_controls_per_turn, 1, code)
+    if isinstance(config.workers, (str, bytes)) or not isinstance(config.workers, Sequence):
+        raise InvalidInput(code, "TeamConfig.workers must be a list of TeamMember")
+    definition = TeamDefinition(
+        name=config.name,
+        coordinator=_check_member("coordinator", config.coordinator),
+        workers=tuple(_check_member(f"workers[{i}]", w) for i, w in enumerate(config.workers)),
+        description=config.description,
+        state_schema=config.state_schema,
+        output_schema=config.output_schema,
+        max_turns=Quota(config.max_turns),
+        max_tasks=Quota(config.max_tasks),
+        max_concurrent_tasks=config.max_concurrent_tasks,
+        max_controls_per_turn=config.max_controls_per_turn,
+    )
+    descriptor = definition.descriptor()
+    configuration = {**definition.to_json(), "document": config.configuration}
+    return Program(
+        descriptor,
+        CollaborationStrategy(definition),
+        TEAM_IMPLEMENTATION,
+        digest_of(configuration),
+        children=definition.child_programs(),
+        active_children=definition.max_concurrent_tasks + 1,
+        configuration=config.configuration,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class InputGateConfig:
+    name: str
+    answer_schema: JSON
+    description: str = ""
+    request_schema: JSON = True
+
+
+def compile_input_gate(config: InputGateConfig) -> Program:
+    """A Program that waits for one addressed answer (coordination.InputGate)."""
+    strategy = InputGateStrategy(config.name, config.description, config.request_schema, config.answer_schema)
+    return Program(
+        strategy.descriptor,
+        strategy,
+        GATE_IMPLEMENTATION,
+        digest_of({"answer_schema": config.answer_schema}),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TransformConfig:
+    """``fn(input) -> output`` as a Program. ``identity`` names ``fn`` in the configuration
+    digest (its qualified name by default): change it when ``fn`` changes meaning."""
+
+    name: str
+    fn: Callable[[JSON], JSON]
+    description: str = ""
+    input_schema: JSON = True
+    output_schema: JSON = True
+    identity: Digest | None = None
+
+
+class TransformDispatcher:
+    """Calls the transform's function once per Effect; what it raises is a definite failure."""
+
+    def __init__(self, fn: Callable[[JSON], JSON]) -> None:
+        self.fn = fn
+
+    def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        payload = request.payload
+        value = payload["transform"]["input"] if isinstance(payload, dict) else None
+        try:
+            output = self.fn(value)
+        except Exception as exc:  # noqa: BLE001 - the function's own failure is the Effect's result
+            return Settlement.failed({"error": bounded_text(f"{type(exc).__name__}: {recorded_text(exc)}")})
+        try:
+            output = normalize(output, what="transform output")
+        except InvalidInput as exc:
+            return Settlement.failed({"error": bounded_text(f"the function returned no JSON value: {exc.message}")})
+        return Settlement.succeeded({"output": output})
+
+
+def transform(config: TransformConfig) -> Program:
+    """One ordinary Program whose one Effect calls ``config.fn`` with the Process input."""
+    check_synchronous(f"TransformConfig.fn of {config.name!r}", config.fn, "program.invalid")
+    return Program(
+        Descriptor(config.name, config.description, config.input_schema, config.output_schema, None),
+        TransformStrategy(),
+        TRANSFORM_IMPLEMENTATION,
+        digest_of({"fn": _identity(config.fn, config.identity)}),
+        expand_request=expand_transform_request,
+        dispatcher=TransformDispatcher(config.fn),
+    )
+
+
+__all__ = [
+    "DECISION_SCHEMA",
+    "TURN_SCHEMA",
+    "InputGateConfig",
+    "TeamConfig",
+    "TeamMember",
+    "TransformConfig",
+    "compile_input_gate",
+    "compile_team",
+    "transform",
+    "field",
+]

@@ -1,0 +1,83 @@
+"""A transform: a Program whose one dispatcher Effect calls a function of its input and
+completes with what it returns (the Scope ``workflow.Transform`` stage, as a whole Program).
+
+The stored Effect payload is ``{"transform": {}}``: the input is already stored with the
+Process's start, and ``expand_transform_request`` puts it back into the request the dispatcher
+gets, so history holds it once. The output is stored once too (``OutputOf`` the settlement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import ClassifiedError, Failure, FailureKind
+from agentfold.domain.program import (
+    Complete,
+    Continue,
+    Fail,
+    OutputOf,
+    SettlementStatus,
+    Signal,
+    Step,
+    dispatcher_effect,
+)
+
+TRANSFORM_FAILED = "transform.failed"
+
+
+def _state_error(message: str) -> ClassifiedError:
+    return ClassifiedError(FailureKind.CONTRACT, "transform.state.invalid", message)
+
+
+class TransformStrategy:
+    """States: ``{"phase": "start"|"calling", "input": ...}``, then ``{"phase": "done"}``."""
+
+    def initial(self, input: JSON) -> dict[str, Any]:
+        return {"phase": "start", "input": input}
+
+    def encode_state(self, state: dict[str, Any]) -> JSON:
+        return state
+
+    def decode_state(self, data: JSON) -> dict[str, Any]:
+        if not isinstance(data, dict) or data.get("phase") not in ("start", "calling", "done"):
+            raise _state_error("not a transform state")
+        return data
+
+    def evolve(self, state: dict[str, Any], facts: JSON, consumed: Sequence[Signal]) -> dict[str, Any]:
+        phase = (facts or {}).get("phase")
+        if phase == "calling":
+            return {**state, "phase": "calling"}
+        if phase == "done":
+            return {"phase": "done"}
+        raise _state_error(f"unknown transform fact {facts!r}")
+
+    def decide(self, state: dict[str, Any], window: Sequence[Signal]) -> Step:
+        phase = state["phase"]
+        if phase == "start":
+            return Step(0, Continue((dispatcher_effect({"transform": {}}),)), {"phase": "calling"},
+                        next_state={**state, "phase": "calling"})
+        settlement = window[0] if window else None
+        if phase != "calling" or settlement is None or settlement.status is None or settlement.effect_id is None:
+            raise _state_error(f"a transform in phase {phase} expected its settlement")
+        done = {"phase": "done"}
+        payload = settlement.payload if isinstance(settlement.payload, dict) else {}
+        if settlement.status is SettlementStatus.SUCCEEDED and "output" in payload:
+            output = payload["output"]
+            return Step(1, Complete(output, OutputOf(settlement.effect_id, ("output",))), done, next_state=done)
+        if settlement.status is SettlementStatus.FAILED:
+            message = payload.get("error") if isinstance(payload.get("error"), str) else "the transform failed"
+            return Step(1, Fail(Failure(FailureKind.EXECUTION, TRANSFORM_FAILED, str(message))), done, next_state=done)
+        return Step(1, Fail(Failure(FailureKind.CONTRACT, "transform.result.invalid",
+                                    'a transform\'s result is {"output": ...}')), done, next_state=done)
+
+
+def expand_transform_request(state: Any, payload: JSON) -> JSON:
+    """The dispatcher's request payload: the stored ``{"transform": {}}`` with the input put back."""
+    if isinstance(payload, dict) and isinstance(payload.get("transform"), dict) and isinstance(state, dict):
+        return {"transform": {"input": state.get("input")}}
+    return payload
+
+
+__all__ = ["TRANSFORM_FAILED", "TransformStrategy", "expand_transform_request"]
