@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import bounded_text
 from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
 from agentfold.domain.kernel import resolvable
@@ -94,7 +95,20 @@ def settlement_for(
         return settle_tool_result(program, request, output, disposition or "succeeded")
     if disposition is not None:
         raise usage(f"{name('disposition')} applies to tool calls only; use {name('status')}")
+    if is_transform(payload if request is not None else found[1].payload):
+        # A transform's call: the output is what its function returned; a failure's output is
+        # the error text the Process fails with (transform.failed).
+        if status == "failed":
+            if not isinstance(output, str) or not output.strip():
+                raise usage(f"a failed transform call is resolved with {name('output')}: the error's text")
+            return Settlement.failed({"error": bounded_text(output)})
+        return Settlement.succeeded({"output": output})
     return Settlement.failed(output) if status == "failed" else Settlement.succeeded(output)
 
 
-__all__ = ["ABSENT", "STATUSES", "settlement_for"]
+def is_transform(payload: JSON) -> bool:
+    """Whether a dispatcher request is a transform's call (``agentfold.adapters.team.transform``)."""
+    return isinstance(payload, dict) and set(payload) == {"transform"} and isinstance(payload["transform"], dict)
+
+
+__all__ = ["ABSENT", "STATUSES", "is_transform", "settlement_for"]

@@ -135,14 +135,15 @@ def compile_input_gate(config: InputGateConfig) -> Program:
 @dataclass(frozen=True, eq=False)
 class TransformConfig:
     """``fn(input) -> output`` as a Program. ``identity`` names ``fn`` in the configuration
-    digest (its qualified name by default): change it when ``fn`` changes meaning."""
+    digest (by default its module and qualified name, which differ when the module is imported
+    under another name): change it when ``fn`` changes meaning."""
 
     name: str
     fn: Callable[[JSON], JSON]
     description: str = ""
     input_schema: JSON = True
     output_schema: JSON = True
-    identity: Digest | None = None
+    identity: str | None = None
 
 
 class TransformDispatcher:
@@ -168,11 +169,14 @@ class TransformDispatcher:
 def transform(config: TransformConfig) -> Program:
     """One ordinary Program whose one Effect calls ``config.fn`` with the Process input."""
     check_synchronous(f"TransformConfig.fn of {config.name!r}", config.fn, "program.invalid")
+    if config.identity is not None and (not isinstance(config.identity, str) or not config.identity.strip()):
+        raise InvalidInput("program.invalid", f"TransformConfig.identity of {config.name!r} must be non-empty text",
+                           hint="name what fn does and its version, e.g. 'shop.review/2', or leave it out")
     return Program(
         Descriptor(config.name, config.description, config.input_schema, config.output_schema, None),
         TransformStrategy(),
         TRANSFORM_IMPLEMENTATION,
-        digest_of({"fn": _identity(config.fn, config.identity)}),
+        digest_of({"fn": config.identity if config.identity is not None else _identity(config.fn, None)}),
         expand_request=expand_transform_request,
         dispatcher=TransformDispatcher(config.fn),
     )
