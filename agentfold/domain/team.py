@@ -154,9 +154,8 @@ STATE_INVALID = "collaboration.state.invalid"
 PROTOCOL_INVALID = "collaboration.protocol.invalid"
 TURN_LIMIT = "collaboration.limit.turns"
 COORDINATOR_UNRESOLVED = "collaboration.coordinator.unresolved_effects"
-COORDINATOR_ENDED = "collaboration.coordinator.ended"
 
-PHASES = ("ready", "starting_turn", "opening", "waiting", "applying", "completed")
+PHASES = ("ready", "starting_turn", "opening", "waiting", "applying", "completed", "failed")
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,10 +287,6 @@ def protocol_error(message: str) -> ClassifiedError:
     return ClassifiedError(FailureKind.CONTRACT, PROTOCOL_INVALID, message)
 
 
-def _decision_error(message: str) -> Fail:
-    return Fail(Failure(FailureKind.CONTRACT, DECISION_INVALID, message))
-
-
 # ---------------------------------------------------------------------------
 # State
 
@@ -389,20 +384,28 @@ def apply_op(state: dict[str, Any], op: Mapping[str, Any], consumed: Sequence[Si
             raise state_error(
                 f"{len(receipts)} settlement(s) for {len(pending_tasks)} start(s) and {len(pending_controls)} control(s)"
             )
-        for index, signal in zip(pending_tasks, receipts, strict=False):
+        starts, results = receipts[: len(pending_tasks)], receipts[len(pending_tasks):]
+        for index, signal in zip(pending_tasks, starts, strict=True):
             payload = signal.payload
             assert isinstance(payload, dict)
+            if not _is_child_start(signal) or payload.get("key") != tasks[index]["request"]["key"]:
+                raise state_error(f"the start of task {tasks[index]['request']['key']!r} is not the next settlement")
             if payload.get("failure") is not None:
                 start: dict[str, Any] = {"failure": payload["failure"]}
             else:
                 start = {"process_id": payload["process_id"]}
             tasks[index] = {**tasks[index], "start": start}
-        for index, signal in zip(pending_controls, receipts[len(pending_tasks):], strict=True):
+        for index, signal in zip(pending_controls, results, strict=True):
+            if not _is_control_receipt(signal):
+                raise state_error(f"the receipt of control {index} is not the next settlement")
             controls[index] = {**controls[index], "result": signal.payload}
         s["tasks"] = tasks
         s["controls"] = controls
     elif name == "complete":
         return {"phase": "completed"}
+    elif name == "fail":
+        s["phase"] = "failed"
+        s["wait_id"] = None
     else:
         raise state_error(f"unknown op {name!r}")
     return s
@@ -468,6 +471,11 @@ class _Plan:
     def step(self, transition: Transition) -> Step:
         return Step(len(self.consumed), transition, {"ops": self.ops}, next_state=self.state)
 
+    def fail(self, failure: Failure) -> Step:
+        """End the collaboration; its state keeps its turns and tasks as they were (for inspection)."""
+        self.add({"op": "fail"})
+        return self.step(Fail(failure))
+
 
 class CollaborationStrategy:
     """decide/evolve for the collaboration's root Process."""
@@ -495,8 +503,8 @@ class CollaborationStrategy:
 
     def decide(self, state: dict[str, Any], window: Sequence[Signal]) -> Step:
         phase = state["phase"]
-        if phase == "completed":
-            raise state_error("a completed collaboration takes no more Steps")
+        if phase in ("completed", "failed"):
+            raise state_error(f"a {phase} collaboration takes no more Steps")
         if phase == "ready":
             if window:
                 raise protocol_error(
@@ -524,9 +532,9 @@ class CollaborationStrategy:
                 return _is_child_start(s) or _is_control_receipt(s)
         taken = list(window[:expected])
         if len(taken) < expected or not all(predicate(s) for s in taken):
-            head = window[len([s for s in taken if predicate(s)])] if window else None
-            if head is not None and not head.engine_owned:
-                raise protocol_error(f"unexpected signal {head.id} while {phase.replace('_', ' ')}")
+            stray = next((s for s in taken if not predicate(s)), None)
+            if stray is not None and not stray.engine_owned:
+                raise protocol_error(f"unexpected signal {stray.id} while {phase.replace('_', ' ')}")
             raise state_error(f"{phase}: expected {expected} settlement signal(s) at the head of the window")
         plan = _Plan(state, taken)
         if phase == "starting_turn":
@@ -534,7 +542,7 @@ class CollaborationStrategy:
             assert isinstance(payload, dict)
             if payload.get("failure") is not None:
                 # A coordinator that cannot start ends the collaboration with its own Failure.
-                return plan.step(Fail(Failure.from_json(payload["failure"])))
+                return plan.fail(Failure.from_json(payload["failure"]))
             plan.add({"op": "turn_started"})
             return self._open_wait(plan)
         if phase == "opening":
@@ -551,10 +559,10 @@ class CollaborationStrategy:
         number = plan.state["number"] + 1
         limit = self.definition.max_turns
         if not limit.allows(number - 1, 1):
-            return plan.step(Fail(Failure(
+            return plan.fail(Failure(
                 FailureKind.EXECUTION, TURN_LIMIT,
                 f"the collaboration reached its turn limit ({limit.maximum}) before a completing decision",
-            )))
+            ))
         plan.add({"op": "start_turn"})
         s = plan.state
         turn = {"number": s["number"], "state": s["state"], "workers": list(self.workers),
@@ -584,23 +592,24 @@ class CollaborationStrategy:
                 return self._open_wait(plan)  # the turn goes on: wait for it (and the other tasks) again
             return self._start_turn(plan)  # we waited for a task after a "wait" decision
         result = outcome["result"]
+        # An unsettled coordinator cannot authorize anything: its unknown Effects come first.
         unresolved = outcome.get("subtree_unresolved_effects") or []
-        if result.get("status") != "completed":
-            failure = (result.get("termination") or {}).get("failure")
-            if failure:
-                return plan.step(Fail(Failure.from_json(failure)))
-            termination = result.get("termination") or {}
-            return plan.step(Fail(Failure(
-                FailureKind.EXECUTION, COORDINATOR_ENDED,
-                f"coordinator {coordinator} ended {result.get('status')} ({termination.get('cause')})"
-                + (f": {termination['reason']}" if termination.get("reason") else ""),
-            )))
         if unresolved:
-            return plan.step(Fail(Failure(
+            return plan.fail(Failure(
                 FailureKind.EXTERNAL, COORDINATOR_UNRESOLVED,
                 f"coordinator subtree {coordinator} ended with unresolved Effects [{', '.join(unresolved)}]: "
                 "it cannot authorize a decision",
-            )))
+            ))
+        termination = result.get("termination") or {}
+        if termination.get("failure"):
+            # A failed turn ends the collaboration with the coordinator's own Failure.
+            return plan.fail(Failure.from_json(termination["failure"]))
+        if result.get("status") != "completed":
+            return plan.fail(Failure(
+                FailureKind.CONTRACT, DECISION_INVALID,
+                f"coordinator {coordinator} ended {result.get('status')} ({termination.get('cause')}) without a decision"
+                + (f": {termination['reason']}" if termination.get("reason") else ""),
+            ))
         return self._apply(plan, result.get("output"))
 
     # -- decisions -----------------------------------------------------------
@@ -608,7 +617,7 @@ class CollaborationStrategy:
     def _apply(self, plan: _Plan, decision: Any) -> Step:
         problem = self._invalid(plan.state, decision)
         if problem is not None:
-            return plan.step(_decision_error(problem))
+            return plan.fail(Failure(FailureKind.CONTRACT, DECISION_INVALID, problem))
         if "output" in decision:
             plan.add({"op": "complete"})
             return plan.step(Complete(decision["output"]))
