@@ -106,7 +106,8 @@ def test_a_bad_input_is_refused_at_the_start_and_stores_nothing(tmp_path: Path) 
 
 
 # A pinned identity: pytest and the worker import this module under different names.
-CRASH_PROGRAM = transform(TransformConfig("t.crash", crash_once, identity="tests.crash_once/1"))
+CRASH_PROGRAM = transform(TransformConfig("t.crash", crash_once, identity="tests.crash_once/1",
+                                          output_schema={"type": "object"}))
 
 _WORKER = """
 import sys
@@ -143,6 +144,10 @@ def test_a_crash_inside_the_function_waits_for_the_host_and_nothing_runs_twice(t
         with pytest.raises(InvalidInput) as refused:
             host.resolve(unknown["effect_id"], output={"code": 3}, status="failed")
         assert refused.value.code == "host.resolution_invalid"
+        # A value the function could not have returned (its output schema) would fail the run.
+        with pytest.raises(InvalidInput) as refused:
+            host.resolve(unknown["effect_id"], output=10)
+        assert refused.value.code == "host.resolution_invalid" and "output schema" in refused.value.message
         assert store.max_notification_id() == head
         if outcome == "succeeded":
             host.resolve(unknown["effect_id"], output={"value": 10})

@@ -383,7 +383,8 @@ def _without_state(tree: Any) -> Any:
 
 
 def _snapshot_findings(
-    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool] | None, last: int
+    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool] | None, last: int,
+    programs: ProgramResolver | None = None,
 ) -> list[Finding]:
     """The latest storage snapshot (what loads start from) must be the fold at its version."""
     version, body = snapshot
@@ -414,6 +415,15 @@ def _snapshot_findings(
     if not stored.sealed:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} does not match its seal (loads do not use it)")]
+    if programs is not None:
+        # Equal to the fold, yet a load must also read it back (a Program's decode_state may
+        # refuse the very state its fold reached): loads would then fold from the first event.
+        try:
+            TreeState.from_json(stored.tree, programs)
+        except Exception as exc:  # noqa: BLE001 - whatever a Program's decode_state raises
+            return [Finding(name, version, "snapshot.mismatch",
+                            f"the snapshot at version {version} equals the fold but cannot be read back "
+                            f"({type(exc).__name__}: {exc}); loads fold from the first event instead")]
     return []
 
 
@@ -468,7 +478,9 @@ def verify_tree(
     if check_index:
         check.problems.extend(_index_findings(tree_id, head, folded, store))
     if snapshot is not None:
-        check.problems.extend(_snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version))
+        check.problems.extend(
+            _snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version, folded.programs)
+        )
     if rows is not None:
         last = folded.state.version
         if rows["run"] is None:

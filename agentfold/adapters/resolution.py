@@ -19,6 +19,7 @@ from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import bounded_text
 from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.json_schema import schema_errors
 from agentfold.domain.kernel import resolvable
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.requests import Settlement, effect_request
@@ -102,6 +103,12 @@ def settlement_for(
             if not isinstance(output, str) or not output.strip():
                 raise usage(f"a failed transform call is resolved with {name('output')}: the error's text")
             return Settlement.failed({"error": bounded_text(output)})
+        if program is not None:
+            # What the Process would complete with: refused now rather than failing the run.
+            problems = schema_errors(output, program.descriptor.output_schema)
+            if problems:
+                raise usage(f"{name('output')} is not what transform {program.descriptor.name} returns "
+                            f"(its output schema): {'; '.join(problems[:3])}")
         return Settlement.succeeded({"output": output})
     return Settlement.failed(output) if status == "failed" else Settlement.succeeded(output)
 

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.interaction import _identity
-from agentfold.domain.budget import Quota
+from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of, normalize
 from agentfold.domain.coordination import InputGateStrategy
 from agentfold.domain.errors import InvalidInput, bounded_text, recorded_text
 from agentfold.domain.ids import Digest
+from agentfold.domain.json_schema import check_schema
 from agentfold.domain.program import Descriptor, Program, check_synchronous
 from agentfold.domain.requests import EffectRequest, Settlement
 from agentfold.domain.team import DECISION_SCHEMA, TURN_SCHEMA, CollaborationStrategy, Member, TeamDefinition
@@ -65,14 +66,29 @@ class TeamConfig:
 
 
 def _check_member(what: str, member: object) -> Member:
+    code = "collaboration.definition.invalid"
     if not isinstance(member, Member):
-        raise InvalidInput("collaboration.definition.invalid",
-                           f"{what} is a {type(member).__name__}, not a TeamMember",
+        raise InvalidInput(code, f"{what} is a {type(member).__name__}, not a TeamMember",
                            hint="wrap each Program: TeamMember(program, budget=Budget(...))")
     if not isinstance(member.program, Program):
-        raise InvalidInput("collaboration.definition.invalid",
-                           f"{what}.program is a {type(member.program).__name__}, not a Program")
+        raise InvalidInput(code, f"{what}.program is a {type(member.program).__name__}, not a Program")
+    if not isinstance(member.budget, Budget):
+        raise InvalidInput(code, f"{what}.budget is a {type(member.budget).__name__}, not a Budget",
+                           hint="e.g. Budget(steps=Quota(32), effects=Quota(16), signals=Quota(32)) "
+                                "(agentfold.domain.budget)")
+    capabilities = member.capabilities
+    if not isinstance(capabilities, frozenset | set) or not all(isinstance(c, str) and c for c in capabilities):
+        raise InvalidInput(code, f"{what}.capabilities must be a set of non-empty strings, got {capabilities!r}"[:300],
+                           hint='e.g. frozenset({"net"})')
     return member
+
+
+def _check_schema(name: str, schema: object) -> None:
+    try:
+        check_schema(schema, f"#{name}")
+    except InvalidInput as exc:
+        raise InvalidInput("collaboration.definition.invalid", f"TeamConfig.{name}: {exc.message}",
+                           hint="give a JSON schema agentfold can enforce (True accepts any JSON; docs/team.md)") from exc
 
 
 def compile_team(config: TeamConfig) -> Program:
@@ -88,6 +104,12 @@ def compile_team(config: TeamConfig) -> Program:
     _limit("max_controls_per_turn", config.max_controls_per_turn, 1, code)
     if isinstance(config.workers, (str, bytes)) or not isinstance(config.workers, Sequence):
         raise InvalidInput(code, "TeamConfig.workers must be a list of TeamMember")
+    _check_schema("state_schema", config.state_schema)
+    _check_schema("output_schema", config.output_schema)
+    try:
+        document = normalize(config.configuration, what="TeamConfig.configuration")
+    except InvalidInput as exc:
+        raise InvalidInput(code, exc.message, hint="configuration is your own JSON value (or None)") from exc
     definition = TeamDefinition(
         name=config.name,
         coordinator=_check_member("coordinator", config.coordinator),
@@ -101,7 +123,7 @@ def compile_team(config: TeamConfig) -> Program:
         max_controls_per_turn=config.max_controls_per_turn,
     )
     descriptor = definition.descriptor()
-    configuration = {**definition.to_json(), "document": config.configuration}
+    configuration = {**definition.to_json(), "document": document}
     return Program(
         descriptor,
         CollaborationStrategy(definition),
@@ -109,7 +131,7 @@ def compile_team(config: TeamConfig) -> Program:
         digest_of(configuration),
         children=definition.child_programs(),
         active_children=definition.max_concurrent_tasks + 1,
-        configuration=config.configuration,
+        configuration=document,
     )
 
 

@@ -592,7 +592,11 @@ class CollaborationStrategy:
                 return self._open_wait(plan)  # the turn goes on: wait for it (and the other tasks) again
             return self._start_turn(plan)  # we waited for a task after a "wait" decision
         result = outcome["result"]
-        # An unsettled coordinator cannot authorize anything: its unknown Effects come first.
+        termination = result.get("termination") or {}
+        if termination.get("failure"):
+            # A failed turn ends the collaboration with the coordinator's own Failure, unchanged.
+            return plan.fail(Failure.from_json(termination["failure"]))
+        # An unsettled coordinator cannot authorize anything, whatever it returned.
         unresolved = outcome.get("subtree_unresolved_effects") or []
         if unresolved:
             return plan.fail(Failure(
@@ -600,10 +604,6 @@ class CollaborationStrategy:
                 f"coordinator subtree {coordinator} ended with unresolved Effects [{', '.join(unresolved)}]: "
                 "it cannot authorize a decision",
             ))
-        termination = result.get("termination") or {}
-        if termination.get("failure"):
-            # A failed turn ends the collaboration with the coordinator's own Failure.
-            return plan.fail(Failure.from_json(termination["failure"]))
         if result.get("status") != "completed":
             return plan.fail(Failure(
                 FailureKind.CONTRACT, DECISION_INVALID,

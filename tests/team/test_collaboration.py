@@ -715,6 +715,12 @@ REFUSED_CONFIGS: dict[str, dict[str, Any]] = {
     "max_turns 0": {"max_turns": 0},
     "max_concurrent_tasks 0": {"max_concurrent_tasks": 0},
     "max_controls_per_turn 0": {"max_controls_per_turn": 0},
+    # found by the review helper: these raised schema.invalid, AttributeError or TypeError
+    "a state schema agentfold cannot enforce": {"state_schema": {"type": "thing"}},
+    "an output schema agentfold cannot enforce": {"output_schema": {"frobnicate": 1}},
+    "a member budget that is not a Budget": {"workers": [TeamMember(P.echo(), {"steps": 3})]},  # type: ignore[arg-type]
+    "member capabilities that are a string": {"workers": [TeamMember(P.echo(), capabilities="net")]},  # type: ignore[arg-type]
+    "a configuration that is not JSON": {"configuration": {1, 2}},
 }
 
 
