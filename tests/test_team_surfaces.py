@@ -395,6 +395,42 @@ def test_the_console_script_lists_shows_audits_replays_exports_and_imports_the_t
 # Read models (surface 3)
 
 
+def test_the_console_script_answers_the_gate_and_drives_the_team_to_its_end(durable_store_url: str) -> None:
+    """``answer PROCESS WAIT JSON`` takes an InputGate's wait as well as a tool's (the same
+    ``answer_signal`` serves ``Host.answer`` and ``POST .../answer``): a bad answer is refused with
+    nothing stored, the good one is admitted and the console script drives the team to its end."""
+    url = durable_store_url
+    PolicyDocs.calls.clear()
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([TEAM])) as runtime:
+            run = runtime.start(TEAM, {"question": QUESTION}, start_id=START_ID)
+            runtime.wait_idle(run.tree_id)
+            [gate] = Host(runtime).gates(START_ID)
+        head = store.max_notification_id()
+    finally:
+        store.close()
+    refused = cli_json("answer", gate["process_id"], gate["wait_id"], json.dumps({"approved": "yes"}), store=url,
+                       expect=2)
+    assert refused["error"]["code"] == "engine.signal.schema", refused
+    store = EventStore(url)
+    try:
+        assert store.max_notification_id() == head
+    finally:
+        store.close()
+    answered = cli_json("answer", gate["process_id"], gate["wait_id"], json.dumps(APPROVAL), "--signal-id",
+                        "approve-1", store=url)
+    assert answered["accepted"] is True and answered["tree"]["status"] == "completed", answered
+    again = cli_json("answer", gate["process_id"], gate["wait_id"], json.dumps(APPROVAL), "--signal-id", "approve-1",
+                     store=url)
+    assert again["accepted"] is False
+    [tree] = cli_json("trees", store=url)["trees"]
+    assert (tree["start_id"], tree["status"]) == (START_ID, "completed")
+    shown = cli_json("show", START_ID, store=url)
+    root = shown["processes"][0]
+    assert root["output"] == EXPECTED_OUTPUT
+
+
 def rm_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
     if url.startswith("sqlite"):
         with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as conn:

@@ -1091,8 +1091,10 @@ def build_parser() -> argparse.ArgumentParser:
         "after:<Event>:N or before:<Event>:N (docs/cli.md)",
     )
     command("pending", cmd_pending, "list tool calls that wait for a human answer")
-    answer = command("answer", cmd_answer, "answer a pending tool input, then drive the run on", timeout=True)
-    answer.add_argument("process_id", metavar="PROCESS_ID", help="the Tool child process (from `pending`)")
+    answer = command("answer", cmd_answer, "answer a pending tool input (or an InputGate's wait), then drive the run on",
+                     timeout=True)
+    answer.add_argument("process_id", metavar="PROCESS_ID",
+                        help="the Tool child process (from `pending`), or an InputGate process (docs/team.md)")
     answer.add_argument("wait_id", metavar="WAIT_ID", help="its current wait (from `pending`)")
     answer.add_argument("response", metavar="JSON",
                         help="the answer (JSON text, @FILE or - for standard input); it must satisfy the wait's "

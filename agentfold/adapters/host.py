@@ -28,6 +28,7 @@ from agentfold.adapters.resolution import ABSENT, settlement_for
 from agentfold.adapters.runtime import RandomIds, Runtime
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, normalize
+from agentfold.domain.coordination import INPUT_WAIT_KEY
 from agentfold.domain.errors import InvalidInput, NotFound, Rejected
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
 from agentfold.domain.interaction.tool_call import ToolCallState
@@ -103,7 +104,15 @@ def answer_signal(
             hint="answer from a process that binds the run's Programs (docs/python.md)",
         )
     process = tree.processes.get(process_id)
-    if signal_id is not None and process is not None and signal_id in process.signal_index:
+    known = process.waits.get(wait_id) if process is not None else None
+    if known is not None and known.kind == "external" and known.key == INPUT_WAIT_KEY:
+        # An InputGate's wait (docs/team.md): its answer is the payload itself.
+        if signal_id is not None and process is not None and signal_id in process.signal_index:
+            return SignalRequest(signal_id, normalize(response, what="gate answer"), wait_id)
+        gate = next((g for g in gate_inputs(tree) if g.process_id == process_id and g.wait_id == wait_id), None)
+        if gate is not None:
+            return gate.answer_signal(signal_id or fresh_signal_id("answer"), response)
+    elif signal_id is not None and process is not None and signal_id in process.signal_index:
         value = normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="tool input answer")
         return SignalRequest(signal_id, {"input_response": value}, wait_id)
     match = next((p for p in pending_tool_inputs(tree) if p.process_id == process_id), None)
@@ -112,7 +121,7 @@ def answer_signal(
         if state is not None and state["state"] == "answered":
             raise answered_elsewhere(process_id, wait_id, state)
         wait = process.waits.get(wait_id) if process is not None else None
-        if process is not None and wait is not None and wait.kind == "external" and not (
+        if process is not None and wait is not None and wait.kind == "external" and wait.key != INPUT_WAIT_KEY and not (
             process.has_state and isinstance(process.state, ToolCallState)
         ):
             # A wait the process's own Program opened (wait_effect): not a tool's input, so
@@ -330,8 +339,9 @@ class Host:
     def answer(
         self, process_id: ProcessID | str, wait_id: WaitID | str, response: JSON, *, signal_id: str | None = None
     ) -> bool:
-        """Answer a Tool child's input wait (checked against its response schema); True when
-        admitted, False when this signal id already delivered this very answer."""
+        """Answer a Tool child's input wait (checked against its response schema) or an
+        InputGate's (its answer schema; docs/team.md); True when admitted, False when this
+        signal id already delivered this very answer."""
         pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
         sid = SignalID(signal_id) if signal_id is not None else None
         queries = self.queries()
@@ -353,27 +363,9 @@ class Host:
     ) -> bool:
         """Answer an InputGate's wait (checked against its answer schema): True when admitted,
         False when this signal id already delivered this very answer. The gate completes with
-        ``{"id": signal id, "wait_id", "payload": answer}``, which wakes its collaboration."""
-        pid, wid = ProcessID(process_id), parse_wait_id(wait_id)
-        sid = SignalID(signal_id) if signal_id is not None else None
-        queries = self.queries()
-        tree_id = queries.tree_of_process(pid)
-        folded, _ = queries.fold(tree_id)
-        process = folded.processes.get(pid)
-        if sid is not None and process is not None and sid in process.signal_index:
-            # A retry: the kernel deduplicates the same answer and refuses a different one.
-            signal = SignalRequest(sid, normalize(answer, what="gate answer"), wid)
-        else:
-            match = next((g for g in gate_inputs(folded) if g.process_id == pid and g.wait_id == wid), None)
-            if match is None:
-                state = wait_state(folded, pid, wid)
-                if state is not None and state["state"] == "answered":
-                    raise answered_elsewhere(pid, wid, state)
-                raise Rejected("engine.signal.rejected",
-                               f"wait {wid} is not the open wait of an InputGate process {pid}",
-                               hint="list the gates that wait with Host.gates(run)", wait=state)
-            signal = match.answer_signal(sid or fresh_signal_id("answer"), answer)
-        return deliver_answer(self.runtime, tree_id, pid, signal)
+        ``{"id": signal id, "wait_id", "payload": answer}``, which wakes its collaboration.
+        :meth:`answer` takes gate waits as well; this name says which one is meant."""
+        return self.answer(process_id, wait_id, answer, signal_id=signal_id)
 
     def steer(
         self, process_id: ProcessID | str, message: str | Sequence[dict[str, Any]], *, signal_id: str | None = None

@@ -1279,7 +1279,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
         return json_response(data, 201 if created else 200)
 
     @api.post("/processes/{process_id}/waits/{wait_id}/answer", tags=["pending inputs"],
-              summary="answer a pending tool input (validated against its response schema)",
+              summary="answer a pending tool input or an InputGate's wait (validated against its schema)",
               responses={**_ok(Answered, "admitted, or a resend of an admitted answer"), **_problems(404, 409, 413)})
     def answer(service: Service, process_id: ProcessRef,
                wait_id: Annotated[str, Path(description="the wait to answer (wait:...)", json_schema_extra=_pattern(WAIT_ID))],

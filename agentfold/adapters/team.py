@@ -16,7 +16,7 @@ Docs: docs/team.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.interaction import _identity
@@ -100,8 +100,6 @@ def compile_team(config: TeamConfig) -> Program:
         value = getattr(config, name)
         if value is not None:
             _limit(name, value, 0, code)
-    _limit("max_concurrent_tasks", config.max_concurrent_tasks, 1, code)
-    _limit("max_controls_per_turn", config.max_controls_per_turn, 1, code)
     if isinstance(config.workers, (str, bytes)) or not isinstance(config.workers, Sequence):
         raise InvalidInput(code, "TeamConfig.workers must be a list of TeamMember")
     _check_schema("state_schema", config.state_schema)
@@ -214,5 +212,4 @@ __all__ = [
     "compile_input_gate",
     "compile_team",
     "transform",
-    "field",
 ]
