@@ -108,7 +108,7 @@ def answer_signal(
     if known is not None and known.kind == "external" and known.key == INPUT_WAIT_KEY:
         # An InputGate's wait (docs/team.md): its answer is the payload itself.
         if signal_id is not None and process is not None and signal_id in process.signal_index:
-            return SignalRequest(signal_id, normalize(response, what="gate answer"), wait_id)
+            return SignalRequest(signal_id, normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="gate answer"), wait_id)
         gate = next((g for g in gate_inputs(tree) if g.process_id == process_id and g.wait_id == wait_id), None)
         if gate is not None:
             return gate.answer_signal(signal_id or fresh_signal_id("answer"), response)

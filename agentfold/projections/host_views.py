@@ -142,7 +142,7 @@ class GateInput:
 
     def answer_signal(self, signal_id: str, answer: JSON) -> SignalRequest:
         """The answer addressed to this gate's wait (checked against its schema here, and again at admission)."""
-        value = normalize(answer, what="gate answer")
+        value = normalize(answer, limit=MAX_TOOL_INPUT_BYTES, what="gate answer")  # as a tool's answer: 1 MiB
         problems = schema_errors(value, self.answer_schema)
         if problems:
             raise InvalidInput(

@@ -19,6 +19,7 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
 from agentfold.adapters.runtime import RandomIds, index_head, utc_now
 from agentfold.adapters.team import InputGateConfig, compile_input_gate
 from agentfold.domain.errors import AgentfoldError, ClassifiedError, InvalidInput
@@ -140,6 +141,35 @@ def test_s36_an_invalid_answer_is_refused_at_admission_and_nothing_is_stored(sto
     finally:
         store.close()
     assert result.status == "completed" and result.output["id"] == "signal:good"
+
+
+def test_a_host_answer_is_checked_before_anything_is_stored() -> None:
+    """``Host.answer`` / ``answer_gate`` (and the CLI and HTTP ``answer``): an answer that breaks the
+    gate's schema or is above 1 MiB (as a tool's answer) is refused, nothing stored; a wait that is
+    not the gate's current one is refused; the good answer completes the gate."""
+    gate = P.gate()
+    store = EventStore("memory:")
+    try:
+        with open_runtime(store, gate) as runtime:
+            handle = runtime.start(gate, "request")
+            waiting_gate(runtime, handle)
+            runtime.wait_idle(handle.tree_id)
+            host = Host(runtime)
+            [entry] = host.gates(str(handle.tree_id))
+            before = stream_length(store, handle.tree_id)
+            cases = [(123, entry["wait_id"], "engine.signal.schema"),
+                     ("x" * (1024 * 1024 + 1), entry["wait_id"], "payload.too_large"),
+                     ("ok", "wait:" + "0" * 64, "engine.signal.rejected")]
+            for answer, wait_id, code in cases:
+                with pytest.raises(AgentfoldError) as caught:
+                    host.answer_gate(entry["process_id"], wait_id, answer)
+                assert caught.value.code == code, (code, caught.value)
+            assert stream_length(store, handle.tree_id) == before
+            assert host.answer_gate(entry["process_id"], entry["wait_id"], "ok", signal_id="signal:ok")
+            result = handle.result(WAIT)
+    finally:
+        store.close()
+    assert result.status == "completed" and result.output["payload"] == "ok"
 
 
 def test_s36_an_unaddressed_signal_is_refused_at_admission(store_url: str) -> None:
