@@ -395,10 +395,12 @@ def test_the_console_script_lists_shows_audits_replays_exports_and_imports_the_t
 # Read models (surface 3)
 
 
-def test_the_console_script_answers_the_gate_and_drives_the_team_to_its_end(durable_store_url: str) -> None:
-    """``answer PROCESS WAIT JSON`` takes an InputGate's wait as well as a tool's (the same
-    ``answer_signal`` serves ``Host.answer`` and ``POST .../answer``): a bad answer is refused with
-    nothing stored, the good one is admitted and the console script drives the team to its end."""
+def test_the_console_script_answers_the_gate_and_drives_the_team_to_its_end(durable_store_url: str,
+                                                                             tmp_path: Path) -> None:
+    """``gates RUN`` (and ``GET /runs/{tree}/gates``) list the waiting gate; ``answer PROCESS WAIT
+    JSON`` takes an InputGate's wait as well as a tool's (the same ``answer_signal`` serves
+    ``Host.answer`` and ``POST .../answer``): a bad answer is refused with nothing stored, the good
+    one is admitted and the console script drives the team to its end."""
     url = durable_store_url
     PolicyDocs.calls.clear()
     store = EventStore(url)
@@ -410,6 +412,19 @@ def test_the_console_script_answers_the_gate_and_drives_the_team_to_its_end(dura
         head = store.max_notification_id()
     finally:
         store.close()
+    # Listing the waiting gate: the console script, and a plain `agentfold serve` (a gate is told by
+    # its wait: listing needs no Program bound).
+    assert cli_json("gates", START_ID, store=url) == {"gates": [gate]}
+    assert cli_json("gates", "no-such-run", store=url, expect=2)["error"]["code"] == "engine.tree.not_found"
+    from tests.http_api.support import ok, problem, start_server
+
+    server = start_server(url, tmp_path)
+    try:
+        with server.client() as client:
+            assert ok(client.get(f"/runs/{START_ID}/gates")) == {"gates": [gate]}
+            problem(client.get("/runs/no-such-run/gates"), 404, "engine.tree.not_found")
+    finally:
+        server.stop()
     refused = cli_json("answer", gate["process_id"], gate["wait_id"], json.dumps({"approved": "yes"}), store=url,
                        expect=2)
     assert refused["error"]["code"] == "engine.signal.schema", refused

@@ -355,8 +355,7 @@ class Host:
         answer (:meth:`answer_gate`): ``process_id``, ``wait_id``, ``request``, ``answer_schema``,
         ``parent_id`` and ``task`` (the gate's key under its collaboration). docs/team.md."""
         queries = self.queries()
-        folded, _ = queries.fold(queries.tree_of(str(tree)))
-        return [gate.to_json() for gate in gate_inputs(folded)]
+        return queries.gates(queries.tree_of(str(tree)))
 
     def answer_gate(
         self, process_id: ProcessID | str, wait_id: WaitID | str, answer: JSON, *, signal_id: str | None = None

@@ -382,6 +382,20 @@ class PendingList(_Doc):
     pending: list[PendingInput]
 
 
+class GateInputDoc(_Doc):
+    tree_id: str
+    process_id: str = Field(..., description="the InputGate that waits: the process to answer")
+    wait_id: str
+    request: Any = Field(..., description="what the gate asks (its input)")
+    answer_schema: Any
+    parent_id: str | None = Field(..., description="the Process that started the gate (its team)")
+    task: str | None = Field(..., description="the gate's child key under its parent (a team task key)")
+
+
+class GateList(_Doc):
+    gates: list[GateInputDoc]
+
+
 class UnknownList(_Doc):
     unknown_effects: list[dict[str, Any]] = Field(..., description="unknown effects (docs/cli.md#unknown)")
 
@@ -767,6 +781,9 @@ class ApiService:
     def delegates(self, process_id: str, min_position: int | None, wait: float) -> Entry:
         ProcessID(process_id)  # identity.invalid before any lookup
         return self.queries.delegates(process_id, min_position=min_position)
+
+    def gates(self, ref: str) -> dict[str, Any]:
+        return {"gates": self.queries.gates(self.queries.tree_of(ref))}
 
     def pending(self, ref: str, min_position: int | None, wait: float) -> dict[str, Any]:
         # one run: its answer reflects its head, nothing to wait for
@@ -1239,6 +1256,11 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     def get_run_pending(service: Service, tree: TreeRef, min_position: MinPosition = None,
                         wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.pending(tree, min_position, wait))
+
+    @api.get("/runs/{tree}/gates", tags=["runs"], summary="the run's InputGates that wait for an answer",
+             responses={**_ok(GateList, "InputGates waiting for an answer"), **_problems(404)})
+    def get_run_gates(service: Service, tree: TreeRef) -> Response:
+        return json_response(service.gates(tree))
 
     @api.get("/runs/{tree}/unknown-effects", tags=["unknown effects"], summary="the run's unknown effects",
              responses={**_ok(UnknownList, "unknown effects of live processes"), **_problems(404)})

@@ -36,6 +36,7 @@ from agentfold.domain.events import TreeStarted
 from agentfold.domain.ids import TreeID
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import TreeState
+from agentfold.projections.host_views import gate_inputs
 from agentfold.projections.read_models import Entry, TreeRows, project_tree
 
 PROG = "agentfold"
@@ -491,6 +492,12 @@ class HostQueries:
             )
         rounds = rows.rounds if rows is not None else models.rounds(str(tree_id))  # type: ignore[union-attr]
         return {"tree_id": tree_id, "rounds": rounds}
+
+    def gates(self, tree_id: TreeID) -> list[Entry]:
+        """The InputGates of one tree that wait for an answer (docs/team.md), from a fold of its
+        events (a gate is told by its wait's key: no Program needs to be bound)."""
+        folded, _ = self.fold(tree_id)
+        return [gate.to_json() for gate in gate_inputs(folded)]
 
     def delegates(self, process_id: str, *, min_position: int | None = None) -> Entry:
         """Delegate attributions of one Interaction; ``found`` says whether it is one."""
