@@ -116,8 +116,19 @@ def test_timeout_0_leaves_a_tool_that_asks_a_human_waiting_for_the_answer_not_un
     # yet): recover then recorded it unknown and the human was never asked.
     store = sqlite_url(tmp_path)
     ran = agentfold("run", str(write(tmp_path, approval(None))), "--timeout", "0", "--json", store=store)
-    assert ran.code == 0, ran.stderr
-    assert json.loads(ran.stdout)["status"] == "waiting"
+    if ran.code == 1:
+        # A loaded machine: the model call was still running at the timeout, so the approval
+        # tool's call was declared and not started (CI saw this under load); the next owner
+        # starts it, and the human is asked then. Never unknown, either way.
+        error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+        assert error["code"] == "cli.drive_failed", error
+        assert "were not started (the next owner starts them)" in error["message"], error
+        assert unknowns(store) == []
+        recovered = ok(agentfold("recover", "--json", store=store)).json()["trees"]
+        assert [t["status"] for t in recovered] == ["waiting"], recovered
+    else:
+        assert ran.code == 0, ran.stderr
+        assert json.loads(ran.stdout)["status"] == "waiting"
     [wait] = ok(agentfold("pending", "--json", store=store)).json()["pending"]
     assert wait["prompt"] == {"question": "Approve spending 420 EUR?"}, wait
     assert unknowns(store) == []
