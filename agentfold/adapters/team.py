@@ -6,6 +6,11 @@
   Python policy, or ``adapt`` around an Interaction that renders the Turn and decodes a Decision).
 * :func:`compile_input_gate` is the coordination InputGate: a worker that waits for one
   external answer (addressed to its wait) and completes with it.
+* :func:`compile_first_success` is the coordination FirstSuccess: it starts the candidates
+  its input names (bound candidate Programs) and completes with the first completed one that
+  ``accept`` accepts, cancelling the others.
+* :func:`compile_deadline` is the coordination Deadline: it completes at the absolute instant
+  its input names (:class:`DeadlineDispatcher` is its timer).
 * :func:`transform` is a Program whose one Effect calls ``fn(input)`` (the Scope workflow
   Transform): an exception fails it (``transform.failed``); a crash during the call leaves an
   unknown Effect for a host to resolve (it is never called again behind the host's back).
@@ -22,7 +27,8 @@ from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.interaction import _identity
 from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of, normalize
-from agentfold.domain.coordination import InputGateStrategy
+from agentfold.domain.competition import AcceptFn, FirstSuccessStrategy
+from agentfold.domain.coordination import DeadlineStrategy, InputGateStrategy, deadline_policy, parse_instant
 from agentfold.domain.errors import InvalidInput, bounded_text, recorded_text
 from agentfold.domain.ids import Digest
 from agentfold.domain.json_schema import check_schema
@@ -34,6 +40,8 @@ from agentfold.domain.workflow import TransformStrategy, expand_transform_reques
 TEAM_IMPLEMENTATION = Digest.of(b"agentfold.team/1")
 GATE_IMPLEMENTATION = Digest.of(b"agentfold.input_gate/1")
 TRANSFORM_IMPLEMENTATION = Digest.of(b"agentfold.transform/1")
+FIRST_SUCCESS_IMPLEMENTATION = Digest.of(b"agentfold.first_success/1")
+DEADLINE_IMPLEMENTATION = Digest.of(b"agentfold.deadline/1")
 
 #: A team member: its exact Program, the budget each of its child Processes is granted and their capabilities.
 TeamMember = Member
@@ -153,6 +161,104 @@ def compile_input_gate(config: InputGateConfig) -> Program:
 
 
 @dataclass(frozen=True, eq=False)
+class FirstSuccessConfig:
+    """A competition among the bound ``candidates`` (Programs, named in the input by their
+    Program name). ``accept(key, outcome) -> bool`` decides whether a completed candidate wins;
+    it must be pure and quick, and ``accept_identity`` names it in the configuration digest (by
+    default its module and qualified name): change it when ``accept`` changes meaning.
+    ``max_candidates`` bounds one input's candidates."""
+
+    name: str
+    candidates: Sequence[Program]
+    accept: AcceptFn
+    max_candidates: int = 8
+    description: str = ""
+    accept_identity: str | None = None
+
+
+def _accept_everything(key: str, outcome: dict[str, object]) -> bool:
+    return True
+
+
+#: ``accept`` for a plain race: the first candidate that completes wins.
+FIRST_COMPLETED: AcceptFn = _accept_everything
+
+
+def compile_first_success(config: FirstSuccessConfig) -> Program:
+    """A Program that races the candidates its input names (coordination.FirstSuccess)."""
+    if not isinstance(config, FirstSuccessConfig):
+        raise InvalidInput("program.invalid", f"compile_first_success takes a FirstSuccessConfig, got {type(config).__name__}")
+    candidates = tuple(config.candidates) if isinstance(config.candidates, (list, tuple)) else None
+    if candidates is None:
+        raise InvalidInput("program.invalid", "FirstSuccessConfig.candidates is a list of Programs")
+    check_synchronous(f"FirstSuccessConfig.accept of {config.name!r}", config.accept, "program.invalid")
+    identity = config.accept_identity
+    if identity is not None and (not isinstance(identity, str) or not identity.strip()):
+        raise InvalidInput("program.invalid", f"FirstSuccessConfig.accept_identity of {config.name!r} must be non-empty text")
+    strategy = FirstSuccessStrategy(config.name, config.description, candidates, config.max_candidates, config.accept)
+    document: JSON = {
+        "accept": identity if identity is not None else _identity(config.accept, None),
+        "max_candidates": config.max_candidates,
+    }
+    return Program(
+        strategy.descriptor,
+        strategy,
+        FIRST_SUCCESS_IMPLEMENTATION,
+        digest_of(document),
+        children=candidates,
+        active_children=config.max_candidates,
+        configuration=document,
+    )
+
+
+class DeadlineDispatcher:
+    """The timer of a Deadline: waits until the absolute instant of its Effect, then settles
+    succeeded ``{}``. Cancellation (the Process asked to stop) settles failed at once, so it
+    never leaves an unknown outcome; a malformed payload is a definite failure. Waiting for
+    the same instant again has no external side effect, which is why recovery may re-dispatch
+    it under the same identity. A waiting timer holds one of the runtime's dispatch slots
+    (``Runtime(dispatch_workers=N)``) until it fires or is cancelled."""
+
+    #: The longest single sleep: the wall clock is read again after it (clock adjustments).
+    TICK_SECONDS = 30.0
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.clock = clock or time.time
+
+    def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        from datetime import datetime
+
+        payload = request.payload
+        try:
+            if not isinstance(payload, dict) or set(payload) != {"deadline"}:
+                raise InvalidInput("effect.invalid", "a timer's payload is {'deadline': <RFC 3339 time>}")
+            instant = datetime.fromisoformat(parse_instant(payload["deadline"])).timestamp()
+        except InvalidInput as exc:
+            return Settlement.failed({"error": exc.message})
+        while True:
+            remaining = instant - self.clock()
+            if remaining <= 0:
+                return Settlement.succeeded({})
+            if context.cancelled.wait(min(remaining, self.TICK_SECONDS)):
+                return Settlement.failed({"error": "the timer was stopped before its deadline (the Process is stopping)"})
+
+
+def compile_deadline(name: str, description: str = "", dispatcher: DeadlineDispatcher | None = None) -> Program:
+    """A Program that completes at the absolute instant its input names (coordination.Deadline)."""
+    strategy = DeadlineStrategy(name, description)
+    return Program(
+        strategy.descriptor,
+        strategy,
+        DEADLINE_IMPLEMENTATION,
+        digest_of({"deadline": 1}),
+        policy=deadline_policy,
+        dispatcher=dispatcher or DeadlineDispatcher(),
+    )
+
+
+@dataclass(frozen=True, eq=False)
 class TransformConfig:
     """``fn(input) -> output`` as a Program. ``identity`` names ``fn`` in the configuration
     digest (by default its module and qualified name, which differ when the module is imported
@@ -204,11 +310,16 @@ def transform(config: TransformConfig) -> Program:
 
 __all__ = [
     "DECISION_SCHEMA",
+    "FIRST_COMPLETED",
     "TURN_SCHEMA",
+    "DeadlineDispatcher",
+    "FirstSuccessConfig",
     "InputGateConfig",
     "TeamConfig",
     "TeamMember",
     "TransformConfig",
+    "compile_deadline",
+    "compile_first_success",
     "compile_input_gate",
     "compile_team",
     "transform",

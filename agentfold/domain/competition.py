@@ -1,0 +1,338 @@
+"""FirstSuccess: a competition among exact child requests (the Scope ``coordination``
+package's ``FirstSuccess``; scope-interaction-team-agentrun.md section 8.4).
+
+The input is a non-empty list of candidates ``{"key", "program", "input", "budget"?,
+"capabilities"?}``, each naming one of the bound candidate Programs. The first Step declares
+one child start per candidate, in request order. Every start receipt is kept (a failed start is
+an explicit result, not a failure of the competition); once **all** starts have settled the
+competition waits (boundary ``terminal_result``, condition ``any``) for its running candidates.
+Each satisfaction's outcomes are read in request order: the first completed candidate that the
+pure ``accept(key, outcome)`` predicate accepts wins. A winner, or no candidate left running,
+completes the competition with ``{"winner"?, "candidates": [...]}``: per candidate, in request
+order, its start receipt (a failed start, or a candidate still running when the winner was
+chosen) or its terminal outcome. Completing cancels the candidates still running (the kernel's
+termination rule); ``winner`` absent means no candidate satisfied ``accept``, a business
+result. A slow start delays the choice even when an earlier candidate has already finished;
+when several results arrive together, request order decides, not their completion times.
+
+State: ``{"candidates", "results"?, "wait_id"?, "winner"?}``. No phase is stored: it follows
+from the results, the wait and the winner. Facts name what happened (``declare``, ``starts``,
+``wait``, ``outcomes`` with the winner); the fold reads receipts and outcomes from the consumed
+signals, so history holds each once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from agentfold.domain.budget import Budget
+from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import ClassifiedError, FailureKind, InvalidInput, recorded_text
+from agentfold.domain.ids import ChildKey, ProcessID, WaitKey
+from agentfold.domain.program import (
+    Boundary,
+    ChildSpec,
+    ChildWaitSpec,
+    Complete,
+    Continue,
+    Descriptor,
+    Program,
+    Signal,
+    Step,
+    Wait,
+    start_child_effect,
+    wait_children_effect,
+)
+
+WAIT_KEY_PREFIX = "coordination.first_success."
+PROTOCOL_INVALID = "coordination.protocol.invalid"
+STATE_INVALID = "coordination.state.invalid"
+DEFINITION_INVALID = "coordination.definition.invalid"
+ACCEPT_FAILED = "coordination.accept.failed"
+
+#: ``accept(key, outcome) -> bool``: whether a completed candidate satisfies the goal. It runs
+#: inside a Step: it must be pure, deterministic and quick (it is not run again on recovery:
+#: the winner is a recorded fact). ``outcome`` is the child's terminal outcome
+#: (``{"key", "process_id", "boundary", "result": {"status", "output", ...}}``).
+AcceptFn = Callable[[str, dict[str, Any]], bool]
+
+_RECEIPT: JSON = {"type": "object"}
+
+OUTPUT_SCHEMA: JSON = {
+    "type": "object",
+    "required": ["candidates"],
+    "additionalProperties": False,
+    "properties": {
+        "winner": {"type": "integer", "minimum": 0},
+        "candidates": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "minProperties": 1,
+                "maxProperties": 1,
+                "properties": {"start": _RECEIPT, "outcome": _RECEIPT},
+            },
+        },
+    },
+}
+
+
+def input_schema(names: Sequence[str], max_candidates: int) -> JSON:
+    """The competition's input: 1 to ``max_candidates`` requests for the bound ``names``."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": max_candidates,
+        "items": {
+            "type": "object",
+            "required": ["key", "program"],
+            "additionalProperties": False,
+            "properties": {
+                "key": {"type": "string", "minLength": 1},
+                "program": {"enum": list(names)},
+                "input": True,
+                "budget": {"type": "object"},
+                "capabilities": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+    }
+
+
+def _protocol(message: str) -> ClassifiedError:
+    return ClassifiedError(FailureKind.CONTRACT, PROTOCOL_INVALID, message)
+
+
+def _state_error(message: str) -> ClassifiedError:
+    return ClassifiedError(FailureKind.CONTRACT, STATE_INVALID, message)
+
+
+def _is_start_receipt(signal: Signal) -> bool:
+    return (signal.engine_owned and signal.wait_id is None and signal.status is None
+            and isinstance(signal.payload, dict) and "key" in signal.payload)
+
+
+def _is_wait_opened(signal: Signal) -> bool:
+    return (signal.engine_owned and isinstance(signal.payload, dict)
+            and signal.payload.get("operation") == "wait_children")
+
+
+def _is_satisfied(signal: Signal, wait_id: str | None) -> bool:
+    return (signal.engine_owned and wait_id is not None and signal.wait_id == wait_id
+            and isinstance(signal.payload, dict) and signal.payload.get("operation") == "child_wait_satisfied")
+
+
+def _running(result: Any) -> bool:
+    return isinstance(result, dict) and "start" in result and "process_id" in result["start"]
+
+
+def _admitted(results: Sequence[Any]) -> int:
+    """How many results hold their start receipt (receipts fill them in request order)."""
+    for index, result in enumerate(results):
+        if result is None:
+            return index
+    return len(results)
+
+
+def _observed(results: Sequence[Any]) -> int:
+    return sum(1 for r in results if isinstance(r, dict) and "outcome" in r)
+
+
+class FirstSuccessStrategy:
+    """decide/evolve of a FirstSuccess Process (module docstring)."""
+
+    def __init__(self, name: str, description: str, candidates: Sequence[Program], max_candidates: int,
+                 accept: AcceptFn) -> None:
+        if not isinstance(max_candidates, int) or isinstance(max_candidates, bool) or max_candidates < 1:
+            raise InvalidInput(DEFINITION_INVALID, f"max_candidates is {max_candidates!r}; it must be an int of at least 1",
+                               hint="bound how many candidates one competition may start")
+        if not callable(accept):
+            raise InvalidInput(DEFINITION_INVALID, "a FirstSuccess needs an accept(key, outcome) predicate",
+                               hint="e.g. lambda key, outcome: True accepts the first candidate that completes")
+        if not candidates:
+            raise InvalidInput(DEFINITION_INVALID, "a FirstSuccess needs at least one candidate Program")
+        by_name: dict[str, Program] = {}
+        for program in candidates:
+            if not isinstance(program, Program):
+                raise InvalidInput(DEFINITION_INVALID, f"a candidate is a Program, got {type(program).__name__}")
+            if program.descriptor.name in by_name:
+                raise InvalidInput(DEFINITION_INVALID, f"two candidate Programs are named {program.descriptor.name!r}",
+                                   hint="the input names candidates by Program name: give each a distinct name")
+            by_name[program.descriptor.name] = program
+        self.programs = by_name
+        self.max_candidates = max_candidates
+        self.accept = accept
+        self.descriptor = Descriptor(name, description, input_schema(list(by_name), max_candidates), OUTPUT_SCHEMA, None)
+
+    # -- state ---------------------------------------------------------------
+
+    def initial(self, input: JSON) -> dict[str, Any]:
+        candidates = self._candidates(input)
+        return {"candidates": candidates}
+
+    def _candidates(self, input: Any) -> list[dict[str, Any]]:
+        """Check the requests beyond the schema: keys, unique keys, budgets (classified errors)."""
+        if not isinstance(input, list) or not 1 <= len(input) <= self.max_candidates:
+            raise InvalidInput("input.invalid", f"a competition takes 1 to {self.max_candidates} candidates")
+        seen: set[str] = set()
+        out = []
+        for index, request in enumerate(input):
+            if not isinstance(request, dict) or request.get("program") not in self.programs:
+                raise InvalidInput("input.invalid", f"candidate {index} names no bound Program "
+                                   f"(one of {sorted(self.programs)})")
+            key = str(ChildKey(request["key"]))
+            if key in seen:
+                raise InvalidInput("input.invalid", f"candidate key {key!r} is used twice",
+                                   hint="give each candidate its own key")
+            seen.add(key)
+            Budget.from_json(request.get("budget"))
+            out.append(dict(request))
+        return out
+
+    def encode_state(self, state: dict[str, Any]) -> JSON:
+        return state
+
+    def decode_state(self, data: JSON) -> dict[str, Any]:
+        if not isinstance(data, dict) or "candidates" not in data or set(data) - {"candidates", "results", "wait_id", "winner"}:
+            raise _state_error(f"not a FirstSuccess state: {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        candidates, results = data["candidates"], data.get("results")
+        if not isinstance(candidates, list) or not candidates:
+            raise _state_error("a FirstSuccess state has no candidates")
+        if results is not None:
+            if not isinstance(results, list) or len(results) != len(candidates):
+                raise _state_error("a FirstSuccess state has one result per candidate")
+            admitted = _admitted(results)
+            if any(r is not None for r in results[admitted:]):
+                raise _state_error("a start receipt follows a missing one")
+        winner = data.get("winner")
+        if winner is not None and (results is None or not isinstance(winner, int) or not 0 <= winner < len(candidates)
+                                   or "outcome" not in (results[winner] or {})):
+            raise _state_error(f"winner {winner!r} is no observed candidate")
+        return data
+
+    # -- the fold --------------------------------------------------------------
+
+    def evolve(self, state: dict[str, Any], facts: JSON, consumed: Sequence[Signal]) -> dict[str, Any]:
+        op = facts.get("op") if isinstance(facts, dict) else None
+        s = dict(state)
+        if op == "declare":
+            s["results"] = [None] * len(s["candidates"])
+        elif op == "starts":
+            results = list(s["results"])
+            at = _admitted(results)
+            for signal in consumed:
+                if not _is_start_receipt(signal):
+                    raise _state_error(f"signal {signal.id} is no start receipt")
+                if at >= len(results):
+                    raise _state_error("more start receipts than candidates")
+                results[at] = {"start": signal.payload}
+                at += 1
+            s["results"] = results
+        elif op == "outcomes":
+            satisfied = next((c for c in consumed if _is_satisfied(c, s.get("wait_id"))), None)
+            if satisfied is None:
+                raise _state_error("the step consumed no satisfaction of the competition's wait")
+            results = list(s["results"])
+            index = {r["start"]["process_id"]: i for i, r in enumerate(results) if _running(r)}
+            for outcome in satisfied.payload["outcomes"]:
+                found = index.get(outcome.get("process_id"))
+                if found is None:
+                    raise _state_error(f"outcome of {outcome.get('process_id')} names no running candidate")
+                results[found] = {"outcome": outcome}
+            s["results"] = results
+            s.pop("wait_id", None)
+            winner = facts.get("winner")
+            if winner is not None:
+                s["winner"] = winner
+        elif op == "wait":
+            opening = next((c for c in consumed if _is_wait_opened(c)), None)
+            if opening is None:
+                raise _state_error("the step consumed no opening of the competition's wait")
+            s["wait_id"] = opening.wait_id
+        else:
+            raise _state_error(f"unknown FirstSuccess fact {facts!r}")
+        return s
+
+    # -- decide --------------------------------------------------------------
+
+    def decide(self, state: dict[str, Any], window: Sequence[Signal]) -> Step:
+        results = state.get("results")
+        if results is None:
+            if window:
+                raise _protocol(f"signal {window[0].id} arrived before the competition started its candidates")
+            effects = tuple(start_child_effect(self._spec(c)) for c in state["candidates"])
+            return self._step(state, 0, Continue(effects), {"op": "declare"}, ())
+        pending = len(results) - _admitted(results)
+        if state.get("winner") is not None or (not pending and not any(_running(r) for r in results)):
+            raise _state_error("a finished competition takes no more Steps")
+        if pending:
+            # The kernel delivers a batch's receipts together, once every start has settled.
+            taken = list(window[:pending])
+            if len(taken) < pending or not all(_is_start_receipt(s) for s in taken):
+                raise _protocol(f"the competition expected its {pending} candidates' start receipts")
+            return self._after(state, taken, {"op": "starts"})
+        wait_id = state.get("wait_id")
+        if wait_id is None:
+            if not window or not _is_wait_opened(window[0]):
+                raise _protocol("the competition expected the opening of its wait")
+            return self._step(state, 1, Wait(window[0].wait_id), {"op": "wait"}, window[:1])  # type: ignore[arg-type]
+        if not window or not _is_satisfied(window[0], wait_id):
+            raise _protocol(f"the competition expected the satisfaction of its wait {wait_id}")
+        satisfied = window[0]
+        winner = self._winner(state, satisfied)
+        facts: dict[str, Any] = {"op": "outcomes"} if winner is None else {"op": "outcomes", "winner": winner}
+        return self._after(state, [satisfied], facts)
+
+    def _winner(self, state: dict[str, Any], satisfied: Signal) -> int | None:
+        results = state["results"]
+        index = {r["start"]["process_id"]: i for i, r in enumerate(results) if _running(r)}
+        for outcome in satisfied.payload["outcomes"]:  # in request order (the wait lists them so)
+            at = index.get(outcome.get("process_id"))
+            if at is None:
+                raise _protocol(f"outcome of {outcome.get('process_id')} names no running candidate")
+            if (outcome.get("result") or {}).get("status") != "completed":
+                continue
+            key = state["candidates"][at]["key"]
+            try:
+                accepted = self.accept(key, outcome)
+            except Exception as exc:  # the predicate's failure fails the Step
+                raise ClassifiedError(FailureKind.EXECUTION, ACCEPT_FAILED,
+                                      f"accept({key!r}) raised {type(exc).__name__}: {recorded_text(exc)}") from exc
+            if not isinstance(accepted, bool):
+                raise ClassifiedError(FailureKind.EXECUTION, ACCEPT_FAILED,
+                                      f"accept({key!r}) returned {type(accepted).__name__}, not a bool")
+            if accepted:
+                return at
+        return None
+
+    def _after(self, state: dict[str, Any], consumed: Sequence[Signal], facts: dict[str, Any]) -> Step:
+        """Record the consumed receipts or outcomes; then complete or wait for the running candidates."""
+        after = self.evolve(state, facts, consumed)
+        results = after["results"]
+        running = [r["start"]["process_id"] for r in results if _running(r)]
+        if after.get("winner") is not None or not running:
+            return Step(len(consumed), Complete(self.output(after)), facts, next_state=after)
+        spec = ChildWaitSpec(WaitKey(f"{WAIT_KEY_PREFIX}{_observed(results)}"), tuple(ProcessID(p) for p in running),
+                             Boundary.TERMINAL_RESULT, "any")
+        return Step(len(consumed), Continue((wait_children_effect(spec),)), facts, next_state=after)
+
+    def _step(self, state: dict[str, Any], consumed: int, transition: Any, facts: dict[str, Any],
+              window: Sequence[Signal]) -> Step:
+        return Step(consumed, transition, facts, next_state=self.evolve(state, facts, window))
+
+    def _spec(self, candidate: Mapping[str, Any]) -> ChildSpec:
+        program = self.programs[candidate["program"]]
+        return ChildSpec(ChildKey(candidate["key"]), program.ref, candidate.get("input"),
+                         Budget.from_json(candidate.get("budget")), frozenset(candidate.get("capabilities", ())))
+
+    @staticmethod
+    def output(state: Mapping[str, Any]) -> dict[str, JSON]:
+        out: dict[str, JSON] = {"candidates": list(state["results"])}
+        if state.get("winner") is not None:
+            out["winner"] = state["winner"]
+        return out
+
+
+__all__ = ["ACCEPT_FAILED", "OUTPUT_SCHEMA", "WAIT_KEY_PREFIX", "AcceptFn", "FirstSuccessStrategy"]
