@@ -448,8 +448,17 @@ def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool)
         raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; the calls under way were "
                            f"recorded and {waiting} declared effect(s) were not started (the next owner starts them)")
     running = runtime.dispatches_running()
+    try:  # calls the next owner may make again (a Deadline's timer): not left unknown
+        replayable = sum(1 for p in runtime.capture(tree_id).live.values() for r in p.in_flight()
+                         if r.replay == "same_identity")
+    except AgentfoldError:
+        replayable = 0
+    fate = "the next owner records them unknown"
+    if replayable:
+        fate += (f", except {replayable} whose replay policy is same_identity (e.g. a Deadline's timer), "
+                 "which it makes again under the same identity")
     raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; {running} call(s) still running "
-                       f"{CALLS_GRACE:g} s later were abandoned (the next owner records them unknown)")
+                       f"{CALLS_GRACE:g} s later were abandoned ({fate})")
 
 
 def _resolution_text(settlement: Settlement) -> str:

@@ -28,7 +28,7 @@ from agentfold.adapters.interaction import _identity
 from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of, normalize
 from agentfold.domain.competition import AcceptFn, FirstSuccessStrategy
-from agentfold.domain.coordination import DeadlineStrategy, InputGateStrategy, deadline_policy, parse_instant
+from agentfold.domain.coordination import DeadlineStrategy, InputGateStrategy, deadline_policy, instant_seconds
 from agentfold.domain.errors import InvalidInput, bounded_text, recorded_text
 from agentfold.domain.ids import Digest
 from agentfold.domain.json_schema import check_schema
@@ -228,13 +228,11 @@ class DeadlineDispatcher:
         self.clock = clock or time.time
 
     def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
-        from datetime import datetime
-
         payload = request.payload
         try:
             if not isinstance(payload, dict) or set(payload) != {"deadline"}:
                 raise InvalidInput("effect.invalid", "a timer's payload is {'deadline': <RFC 3339 time>}")
-            instant = datetime.fromisoformat(parse_instant(payload["deadline"])).timestamp()
+            instant = instant_seconds(payload["deadline"])
         except InvalidInput as exc:
             return Settlement.failed({"error": exc.message})
         while True:

@@ -23,6 +23,7 @@ signals, so history holds each once.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,10 @@ PROTOCOL_INVALID = "coordination.protocol.invalid"
 STATE_INVALID = "coordination.state.invalid"
 DEFINITION_INVALID = "coordination.definition.invalid"
 ACCEPT_FAILED = "coordination.accept.failed"
+INPUT_INVALID = "coordination.input.invalid"
+#: The most candidates one FirstSuccess may be configured to start (``max_candidates``).
+MAX_CANDIDATES = 1024
+_CANDIDATE_FIELDS = frozenset({"key", "program", "input", "budget", "capabilities"})
 
 #: ``accept(key, outcome) -> bool``: whether a completed candidate satisfies the goal. It runs
 #: inside a Step: it must be pure, deterministic and quick (it is not run again on recovery:
@@ -136,6 +141,27 @@ def _admitted(results: Sequence[Any]) -> int:
     return len(results)
 
 
+def _result_problem(result: Any, key: str) -> str | None:
+    """What is wrong with one stored candidate result (a start receipt or an outcome), or None."""
+    if not isinstance(result, dict) or len(result) != 1 or not isinstance(next(iter(result.values())), dict):
+        return "is not {start} or {outcome}"
+    if "start" in result:
+        start = result["start"]
+        if start.get("key") != key:
+            return "names another key"
+        if not (isinstance(start.get("process_id"), str) or isinstance(start.get("failure"), dict)):
+            return "is a start receipt with neither a process nor a failure"
+        return None
+    if "outcome" not in result:
+        return "is not {start} or {outcome}"
+    outcome = result["outcome"]
+    if outcome.get("key") != key or not isinstance(outcome.get("process_id"), str):
+        return "is an outcome of another child"
+    if not isinstance(outcome.get("result"), dict) or not isinstance(outcome["result"].get("status"), str):
+        return "is an outcome without a result"
+    return None
+
+
 def _observed(results: Sequence[Any]) -> int:
     return sum(1 for r in results if isinstance(r, dict) and "outcome" in r)
 
@@ -145,8 +171,10 @@ class FirstSuccessStrategy:
 
     def __init__(self, name: str, description: str, candidates: Sequence[Program], max_candidates: int,
                  accept: AcceptFn) -> None:
-        if not isinstance(max_candidates, int) or isinstance(max_candidates, bool) or max_candidates < 1:
-            raise InvalidInput(DEFINITION_INVALID, f"max_candidates is {max_candidates!r}; it must be an int of at least 1",
+        if (not isinstance(max_candidates, int) or isinstance(max_candidates, bool)
+                or not 1 <= max_candidates <= MAX_CANDIDATES):
+            raise InvalidInput(DEFINITION_INVALID,
+                               f"max_candidates is {max_candidates!r}; it must be an int from 1 to {MAX_CANDIDATES}",
                                hint="bound how many candidates one competition may start")
         if not callable(accept):
             raise InvalidInput(DEFINITION_INVALID, "a FirstSuccess needs an accept(key, outcome) predicate",
@@ -175,19 +203,24 @@ class FirstSuccessStrategy:
     def _candidates(self, input: Any) -> list[dict[str, Any]]:
         """Check the requests beyond the schema: keys, unique keys, budgets (classified errors)."""
         if not isinstance(input, list) or not 1 <= len(input) <= self.max_candidates:
-            raise InvalidInput("input.invalid", f"a competition takes 1 to {self.max_candidates} candidates")
+            raise InvalidInput(INPUT_INVALID, f"a competition takes a list of 1 to {self.max_candidates} candidates")
         seen: set[str] = set()
         out = []
         for index, request in enumerate(input):
             if not isinstance(request, dict) or request.get("program") not in self.programs:
-                raise InvalidInput("input.invalid", f"candidate {index} names no bound Program "
+                raise InvalidInput(INPUT_INVALID, f"candidate {index} names no bound Program "
                                    f"(one of {sorted(self.programs)})")
+            if not isinstance(request.get("key"), str) or set(request) - _CANDIDATE_FIELDS:
+                raise InvalidInput(INPUT_INVALID, f"candidate {index} is {{key, program, input?, budget?, capabilities?}}")
             key = str(ChildKey(request["key"]))
             if key in seen:
-                raise InvalidInput("input.invalid", f"candidate key {key!r} is used twice",
+                raise InvalidInput(INPUT_INVALID, f"candidate key {key!r} is used twice",
                                    hint="give each candidate its own key")
             seen.add(key)
             Budget.from_json(request.get("budget"))
+            capabilities = request.get("capabilities", [])
+            if not isinstance(capabilities, list) or not all(isinstance(c, str) and c for c in capabilities):
+                raise InvalidInput(INPUT_INVALID, f"candidate {index}'s capabilities are a list of non-empty strings")
             out.append(dict(request))
         return out
 
@@ -195,21 +228,44 @@ class FirstSuccessStrategy:
         return state
 
     def decode_state(self, data: JSON) -> dict[str, Any]:
+        """A stored (snapshot) state, checked as Scope's Restore checks it: every state the
+        Strategy produces passes; a forged or damaged one is refused (coordination.state.invalid)."""
         if not isinstance(data, dict) or "candidates" not in data or set(data) - {"candidates", "results", "wait_id", "winner"}:
             raise _state_error(f"not a FirstSuccess state: {sorted(data) if isinstance(data, dict) else type(data).__name__}")
-        candidates, results = data["candidates"], data.get("results")
-        if not isinstance(candidates, list) or not candidates:
-            raise _state_error("a FirstSuccess state has no candidates")
-        if results is not None:
-            if not isinstance(results, list) or len(results) != len(candidates):
-                raise _state_error("a FirstSuccess state has one result per candidate")
-            admitted = _admitted(results)
-            if any(r is not None for r in results[admitted:]):
+        try:
+            candidates = self._candidates(data["candidates"])
+        except InvalidInput as exc:
+            raise _state_error(f"a FirstSuccess state's candidates are invalid: {exc.message}") from None
+        results, wait_id, winner = data.get("results"), data.get("wait_id"), data.get("winner")
+        if results is None:
+            if wait_id is not None or winner is not None:
+                raise _state_error("a FirstSuccess state waits or has a winner before it started its candidates")
+            return data
+        if not isinstance(results, list) or len(results) != len(candidates):
+            raise _state_error("a FirstSuccess state has one result per candidate")
+        admitted = _admitted(results)
+        for index, result in enumerate(results):
+            if result is None:
+                continue
+            if index >= admitted:
                 raise _state_error("a start receipt follows a missing one")
-        winner = data.get("winner")
-        if winner is not None and (results is None or not isinstance(winner, int) or not 0 <= winner < len(candidates)
-                                   or "outcome" not in (results[winner] or {})):
-            raise _state_error(f"winner {winner!r} is no observed candidate")
+            problem = _result_problem(result, candidates[index]["key"])
+            if problem:
+                raise _state_error(f"candidate {index}'s result {problem}")
+            if "outcome" in result and admitted < len(results):
+                raise _state_error("an outcome precedes the last start receipt")
+        if winner is not None:
+            if (not isinstance(winner, int) or isinstance(winner, bool) or not 0 <= winner < len(results)
+                    or "outcome" not in (results[winner] or {})
+                    or results[winner]["outcome"]["result"]["status"] != "completed"):
+                raise _state_error(f"winner {winner!r} is no completed candidate")
+            if wait_id is not None:
+                raise _state_error("a FirstSuccess with a winner keeps no wait")
+        if wait_id is not None:
+            if not isinstance(wait_id, str) or not wait_id.startswith("wait:"):
+                raise _state_error(f"wait_id {wait_id!r} is no wait id")
+            if admitted < len(results) or not any(_running(r) for r in results):
+                raise _state_error("a FirstSuccess waits before its starts settled, or with nobody running")
         return data
 
     # -- the fold --------------------------------------------------------------
@@ -296,7 +352,7 @@ class FirstSuccessStrategy:
                 continue
             key = state["candidates"][at]["key"]
             try:
-                accepted = self.accept(key, outcome)
+                accepted = self.accept(key, copy.deepcopy(outcome))  # the stored outcome stays as it is
             except Exception as exc:  # the predicate's failure fails the Step
                 raise ClassifiedError(FailureKind.EXECUTION, ACCEPT_FAILED,
                                       f"accept({key!r}) raised {type(exc).__name__}: {recorded_text(exc)}") from exc
@@ -335,4 +391,4 @@ class FirstSuccessStrategy:
         return out
 
 
-__all__ = ["ACCEPT_FAILED", "OUTPUT_SCHEMA", "WAIT_KEY_PREFIX", "AcceptFn", "FirstSuccessStrategy"]
+__all__ = ["ACCEPT_FAILED", "INPUT_INVALID", "MAX_CANDIDATES", "OUTPUT_SCHEMA", "WAIT_KEY_PREFIX", "AcceptFn", "FirstSuccessStrategy"]

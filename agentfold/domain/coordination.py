@@ -19,6 +19,7 @@ the others may take.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,24 +152,89 @@ DEADLINE_INTERRUPTED = "coordination.deadline.interrupted"
 DEADLINE_SCHEMA: JSON = {"type": "string", "format": "date-time", "minLength": 1}
 
 
-def parse_instant(value: Any) -> str:
-    """An absolute instant in its canonical text: RFC 3339 with an offset, given in UTC
-    (``2026-12-03T06:00:00Z``, microseconds kept when present). A time without an offset is
-    refused: it names no instant."""
-    from datetime import UTC, datetime
+INPUT_INVALID = "coordination.input.invalid"
+
+_INSTANT = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+)
+_INSTANT_HINT = "e.g. 2026-12-03T06:00:00Z or 2026-12-03T07:00:00+01:00 (RFC 3339, with Z or an offset)"
+
+
+def _days_from_civil(year: int, month: int, day: int) -> int:
+    """Days from 1970-01-01 to a proleptic Gregorian date (pure integer arithmetic)."""
+    year -= month <= 2
+    era = year // 400
+    yoe = year - era * 400
+    doy = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5 + day - 1
+    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+
+
+def _civil_from_days(days: int) -> tuple[int, int, int]:
+    days += 719468
+    era = days // 146097
+    doe = days - era * 146097
+    yoe = (doe - doe // 1460 + doe // 36524 - doe // 146096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    day = doy - (153 * mp + 2) // 5 + 1
+    month = mp + (3 if mp < 10 else -9)
+    return yoe + era * 400 + (month <= 2), month, day
+
+
+def _days_in_month(year: int, month: int) -> int:
+    if month == 2:
+        return 29 if year % 4 == 0 and (year % 100 != 0 or year % 400 == 0) else 28
+    return 30 if month in (4, 6, 9, 11) else 31
+
+
+def _instant(value: Any) -> tuple[int, str]:
+    """(whole seconds since 1970-01-01T00:00:00Z, the fraction's digits) of an RFC 3339 time."""
+    def refuse(why: str) -> InvalidInput:
+        return InvalidInput(INPUT_INVALID, f"deadline {str(value)[:80]!r} {why}", hint=_INSTANT_HINT)
 
     if not isinstance(value, str):
-        raise InvalidInput("input.invalid", f"a deadline is an RFC 3339 time, got {type(value).__name__}")
-    try:
-        instant = datetime.fromisoformat(value)
-    except ValueError:
-        raise InvalidInput("input.invalid", f"deadline {value[:80]!r} is not an RFC 3339 time",
-                           hint="e.g. 2026-12-03T06:00:00Z or 2026-12-03T07:00:00+01:00") from None
-    if instant.tzinfo is None or instant.utcoffset() is None:
-        raise InvalidInput("input.invalid", f"deadline {value[:80]!r} has no UTC offset: it names no instant",
-                           hint="add Z or an offset such as +01:00")
-    text = instant.astimezone(UTC).isoformat()
-    return text.removesuffix("+00:00") + "Z"
+        raise InvalidInput(INPUT_INVALID, f"a deadline is an RFC 3339 time, got {type(value).__name__}", hint=_INSTANT_HINT)
+    match = _INSTANT.fullmatch(value)
+    if match is None:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?", value):
+            raise refuse("has no UTC offset: it names no instant")
+        raise refuse("is not an RFC 3339 time (YYYY-MM-DDTHH:MM:SS[.fraction] then Z or +HH:MM)")
+    year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
+    fraction = (match.group(7) or "").rstrip("0")
+    if not (1 <= month <= 12 and 1 <= day <= _days_in_month(year, month)):
+        raise refuse("names no calendar date")
+    if second == 60:
+        raise refuse("is a leap second, which cannot be waited for here: use :59 or the next minute")
+    if hour > 23 or minute > 59 or second > 59:
+        raise refuse("names no time of day")
+    offset = 0
+    if match.group(9):
+        off_hours, off_minutes = int(match.group(10)), int(match.group(11))
+        if off_hours > 23 or off_minutes > 59:
+            raise refuse("has an offset out of range")
+        offset = (off_hours * 3600 + off_minutes * 60) * (1 if match.group(9) == "+" else -1)
+    seconds = _days_from_civil(year, month, day) * 86400 + hour * 3600 + minute * 60 + second - offset
+    if not _days_from_civil(0, 1, 1) * 86400 <= seconds < _days_from_civil(10000, 1, 1) * 86400:
+        raise refuse("is out of range once given in UTC (years 0000 to 9999)")
+    return seconds, fraction
+
+
+def parse_instant(value: Any) -> str:
+    """An absolute instant in its canonical text: RFC 3339 given in UTC, ``Z``-suffixed, its
+    fraction kept to the digit (trailing zeros dropped): ``2026-12-03T07:00:00.50+01:00`` is
+    ``2026-12-03T06:00:00.5Z``. A time without an offset (it names no instant), a leap second,
+    an impossible date and other ISO 8601 forms are refused (``coordination.input.invalid``)."""
+    seconds, fraction = _instant(value)
+    days, rest = divmod(seconds, 86400)
+    year, month, day = _civil_from_days(days)
+    text = f"{year:04d}-{month:02d}-{day:02d}T{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return text + (f".{fraction}" if fraction else "") + "Z"
+
+
+def instant_seconds(value: str) -> float:
+    """Seconds since 1970-01-01T00:00:00Z of an RFC 3339 time (as ``time.time()`` counts them)."""
+    seconds, fraction = _instant(value)
+    return seconds + (int(fraction) / 10 ** len(fraction) if fraction else 0.0)
 
 
 def _is_timer_settlement(signal: Signal) -> bool:
@@ -197,6 +263,13 @@ class DeadlineStrategy:
         if (not isinstance(data, dict) or set(data) != {"deadline", "phase"}
                 or data["phase"] not in ("ready", "awaiting_timer", "completed", "interrupted") or not isinstance(data["deadline"], str)):
             raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", f"not a Deadline state: {data!r}"[:300])
+        try:
+            canonical = parse_instant(data["deadline"])
+        except InvalidInput:
+            canonical = None
+        if canonical != data["deadline"]:
+            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid",
+                                  f"a Deadline state's instant {data['deadline'][:80]!r} is not one in canonical form")
         return data
 
     def evolve(self, state: dict[str, Any], facts: JSON, consumed: Sequence[Signal]) -> dict[str, Any]:
@@ -246,5 +319,6 @@ __all__ = [
     "DeadlineStrategy",
     "InputGateStrategy",
     "deadline_policy",
+    "instant_seconds",
     "parse_instant",
 ]

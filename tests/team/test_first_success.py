@@ -406,3 +406,91 @@ def test_only_dispatches_are_stored_for_the_timer_once(store_url: str) -> None:
         events = [r.event for r in runtime.store.read(handle.tree_id)]
         assert sum(isinstance(e, EffectDispatched) for e in events) == 1
         assert sum(isinstance(e, EffectSettled) for e in events) == 1
+
+
+# ---------------------------------------------------------------------------
+# Review findings (2026-12-03): forged states, the accept copy, bounds, RFC 3339
+
+
+def _forged_states() -> list[Any]:
+    ok = _running_state()
+    a_done = {"outcome": {"key": "a", "process_id": "process:a", "boundary": "terminal_result",
+                          "result": {"process_id": "process:a", "status": "failed", "usage": {}}}}
+    return [
+        {**ok, "candidates": [{"program": "gate.a"}, {"key": "b", "program": "gate.b"}]},
+        {**ok, "candidates": [{"key": "a", "program": "nobody"}, {"key": "b", "program": "gate.b"}]},
+        {**ok, "candidates": [{"key": "a", "program": "gate.a"}, {"key": "a", "program": "gate.b"}]},
+        {"candidates": [{"key": f"k{i}", "program": "gate.a"} for i in range(3)]},
+        {**ok, "winner": True, "wait_id": None},
+        {**ok, "results": [a_done, ok["results"][1]], "winner": 0, "wait_id": None},
+        {**ok, "results": [{"foo": 1}, ok["results"][1]]},
+        {**ok, "results": ["x", ok["results"][1]]},
+        {**ok, "results": [{**ok["results"][0], **a_done}, ok["results"][1]]},
+        {**ok, "wait_id": 123},
+        {**ok, "results": [ok["results"][0], None]},
+        {**ok, "results": [{"start": {"key": "b", "process_id": "process:a"}}, ok["results"][1]]},
+        {"candidates": ok["candidates"], "wait_id": WAIT_ID},
+    ]
+
+
+def test_a_forged_state_is_refused_and_every_state_the_race_makes_is_kept() -> None:
+    strategy = FirstSuccessStrategy("test.race", "", [gate("gate.a"), gate("gate.b")], 2, FIRST_COMPLETED)
+    for data in _forged_states():
+        with pytest.raises(ClassifiedError) as caught:
+            strategy.decode_state(data)
+        assert caught.value.failure.code == "coordination.state.invalid", data
+    assert strategy.decode_state(_running_state()) == _running_state()
+    for data in ({"deadline": "garbage", "phase": "ready"}, {"deadline": "", "phase": "ready"},
+                 {"deadline": "2026-12-03T07:00:00+01:00", "phase": "ready"}):
+        with pytest.raises(ClassifiedError) as caught:
+            DeadlineStrategy("d", "").decode_state(data)
+        assert caught.value.failure.code == "coordination.state.invalid"
+
+
+def _tamper(key: str, outcome: dict[str, Any]) -> bool:
+    outcome["result"]["output"]["payload"] = "tampered"
+    return True
+
+
+def test_accept_gets_a_copy_of_the_outcome() -> None:
+    strategy = FirstSuccessStrategy("test.race", "", [gate("gate.a"), gate("gate.b")], 4, _tamper)
+    signal = _satisfied(WAIT_ID, ("a", "process:a", "real"))
+    step = strategy.decide(_running_state(), [signal])
+    assert step.transition.output["candidates"][0]["outcome"]["result"]["output"]["payload"] == "real"  # type: ignore[union-attr]
+    assert signal.payload["outcomes"][0]["result"]["output"]["payload"] == "real"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("bound", [0, 1025, 2**63, 2**70, True, 2.0])
+def test_max_candidates_outside_1_to_1024_is_refused(bound: Any) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        race(gate("gate.a"), max_candidates=bound)
+    assert caught.value.code == "coordination.definition.invalid"
+
+
+@pytest.mark.parametrize(("text", "canonical"), [
+    ("2026-12-03T06:00:00Z", "2026-12-03T06:00:00Z"),
+    ("2026-12-03t07:00:00+01:00", "2026-12-03T06:00:00Z"),
+    ("2026-12-03T06:00:00.500z", "2026-12-03T06:00:00.5Z"),
+    ("2026-12-03T06:00:00.123456789Z", "2026-12-03T06:00:00.123456789Z"),
+    ("2026-12-31T23:30:00-01:00", "2027-01-01T00:30:00Z"),
+    ("2024-02-29T00:00:00+14:00", "2024-02-28T10:00:00Z"),
+    ("1969-12-31T23:59:59Z", "1969-12-31T23:59:59Z"),
+    ("0001-01-01T00:00:00Z", "0001-01-01T00:00:00Z"),
+])
+def test_a_deadline_is_any_rfc_3339_time_in_its_canonical_utc_form(text: str, canonical: str) -> None:
+    assert parse_instant(text) == canonical
+    assert parse_instant(canonical) == canonical
+    assert datetime.fromisoformat(canonical[:26].rstrip("Z") + "+00:00").year == int(canonical[:4])
+
+
+@pytest.mark.parametrize("text", [
+    "2026-12-03T06:00:00", "20261203T060000Z", "2026-W49-4T06:00Z", "2026-12-03T06Z", "2026-12-03T06:00:00,5Z",
+    "2026-12-03T06:00:00+0100", "2026-12-03T06:00:00+01:00:30", "2026-12-31T23:59:60Z", "2026-02-29T00:00:00Z",
+    "2026-12-03T24:00:00Z", "9999-12-31T23:59:59-14:00", "0000-01-01T00:00:00+14:00", "2026-12-03 06:00:00Z",
+    "2026-12-03T06:00:00.1234567890Z",
+])
+def test_other_forms_of_a_time_are_refused_with_a_classified_code(text: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        parse_instant(text)
+    assert caught.value.code == "coordination.input.invalid"
+    assert text[:20] in caught.value.message
