@@ -45,6 +45,7 @@ from agentfold.domain.program import (
     start_child_effect,
     wait_children_effect,
 )
+from agentfold.domain.team import is_child_start, is_wait_opened
 
 WAIT_KEY_PREFIX = "coordination.first_success."
 PROTOCOL_INVALID = "coordination.protocol.invalid"
@@ -112,16 +113,6 @@ def _protocol(message: str) -> ClassifiedError:
 
 def _state_error(message: str) -> ClassifiedError:
     return ClassifiedError(FailureKind.CONTRACT, STATE_INVALID, message)
-
-
-def _is_start_receipt(signal: Signal) -> bool:
-    return (signal.engine_owned and signal.wait_id is None and signal.status is None
-            and isinstance(signal.payload, dict) and "key" in signal.payload)
-
-
-def _is_wait_opened(signal: Signal) -> bool:
-    return (signal.engine_owned and isinstance(signal.payload, dict)
-            and signal.payload.get("operation") == "wait_children")
 
 
 def _is_satisfied(signal: Signal, wait_id: str | None) -> bool:
@@ -279,7 +270,7 @@ class FirstSuccessStrategy:
             results = list(s["results"])
             at = _admitted(results)
             for signal in consumed:
-                if not _is_start_receipt(signal):
+                if not is_child_start(signal):
                     raise _state_error(f"signal {signal.id} is no start receipt")
                 if at >= len(results):
                     raise _state_error("more start receipts than candidates")
@@ -303,7 +294,7 @@ class FirstSuccessStrategy:
             if winner is not None:
                 s["winner"] = winner
         elif op == "wait":
-            opening = next((c for c in consumed if _is_wait_opened(c)), None)
+            opening = next((c for c in consumed if is_wait_opened(c)), None)
             if opening is None:
                 raise _state_error("the step consumed no opening of the competition's wait")
             s["wait_id"] = opening.wait_id
@@ -326,12 +317,12 @@ class FirstSuccessStrategy:
         if pending:
             # The kernel delivers a batch's receipts together, once every start has settled.
             taken = list(window[:pending])
-            if len(taken) < pending or not all(_is_start_receipt(s) for s in taken):
+            if len(taken) < pending or not all(is_child_start(s) for s in taken):
                 raise _protocol(f"the competition expected its {pending} candidates' start receipts")
             return self._after(state, taken, {"op": "starts"})
         wait_id = state.get("wait_id")
         if wait_id is None:
-            if not window or not _is_wait_opened(window[0]):
+            if not window or not is_wait_opened(window[0]):
                 raise _protocol("the competition expected the opening of its wait")
             return self._step(state, 1, Wait(window[0].wait_id), {"op": "wait"}, window[:1])  # type: ignore[arg-type]
         if not window or not _is_satisfied(window[0], wait_id):

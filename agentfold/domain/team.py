@@ -259,7 +259,7 @@ class TeamDefinition:
 # Signals the collaboration consumes
 
 
-def _is_child_start(signal: Signal) -> bool:
+def is_child_start(signal: Signal) -> bool:
     return (signal.engine_owned and signal.wait_id is None and signal.status is None
             and isinstance(signal.payload, dict) and "key" in signal.payload)
 
@@ -269,7 +269,7 @@ def _is_control_receipt(signal: Signal) -> bool:
             and isinstance(signal.payload, dict) and "child" in signal.payload)
 
 
-def _is_wait_opened(signal: Signal) -> bool:
+def is_wait_opened(signal: Signal) -> bool:
     return (signal.engine_owned and isinstance(signal.payload, dict)
             and signal.payload.get("operation") == "wait_children")
 
@@ -333,13 +333,13 @@ def apply_op(state: dict[str, Any], op: Mapping[str, Any], consumed: Sequence[Si
         s["coordinator"] = None
         s["phase"] = "starting_turn"
     elif name == "turn_started":
-        started = _only(consumed, _is_child_start, "coordinator start")
+        started = _only(consumed, is_child_start, "coordinator start")
         s["coordinator"] = started.payload["process_id"]
     elif name == "open_wait":
         s["waits"] += 1
         s["phase"] = "opening"
     elif name == "waiting":
-        s["wait_id"] = _only(consumed, _is_wait_opened, "wait opening").wait_id
+        s["wait_id"] = _only(consumed, is_wait_opened, "wait opening").wait_id
         s["phase"] = "waiting"
     elif name == "outcomes":
         satisfied = _only(consumed, _is_satisfied, "child wait satisfaction")
@@ -375,7 +375,7 @@ def apply_op(state: dict[str, Any], op: Mapping[str, Any], consumed: Sequence[Si
         s["controls"] = [{"control": dict(c)} for c in decision.get("controls") or ()]
         s["phase"] = "applying"
     elif name == "applied":
-        receipts = [signal for signal in consumed if _is_child_start(signal) or _is_control_receipt(signal)]
+        receipts = [signal for signal in consumed if is_child_start(signal) or _is_control_receipt(signal)]
         tasks = list(s["tasks"])
         controls = list(s["controls"])
         pending_tasks = [i for i, t in enumerate(tasks) if "start" not in t and "outcome" not in t]
@@ -388,7 +388,7 @@ def apply_op(state: dict[str, Any], op: Mapping[str, Any], consumed: Sequence[Si
         for index, signal in zip(pending_tasks, starts, strict=True):
             payload = signal.payload
             assert isinstance(payload, dict)
-            if not _is_child_start(signal) or payload.get("key") != tasks[index]["request"]["key"]:
+            if not is_child_start(signal) or payload.get("key") != tasks[index]["request"]["key"]:
                 raise state_error(f"the start of task {tasks[index]['request']['key']!r} is not the next settlement")
             if payload.get("failure") is not None:
                 start: dict[str, Any] = {"failure": payload["failure"]}
@@ -516,9 +516,9 @@ class CollaborationStrategy:
         predicate: Callable[[Signal], bool]
         expected = 1
         if phase == "starting_turn":
-            predicate = _is_child_start
+            predicate = is_child_start
         elif phase == "opening":
-            predicate = _is_wait_opened
+            predicate = is_wait_opened
         elif phase == "waiting":
             wait_id = state["wait_id"]
 
@@ -529,7 +529,7 @@ class CollaborationStrategy:
             expected += sum(1 for c in state["controls"] if "result" not in c)
 
             def predicate(s: Signal) -> bool:
-                return _is_child_start(s) or _is_control_receipt(s)
+                return is_child_start(s) or _is_control_receipt(s)
         taken = list(window[:expected])
         if len(taken) < expected or not all(predicate(s) for s in taken):
             stray = next((s for s in taken if not predicate(s)), None)

@@ -494,3 +494,22 @@ def test_other_forms_of_a_time_are_refused_with_a_classified_code(text: str) -> 
         parse_instant(text)
     assert caught.value.code == "coordination.input.invalid"
     assert text[:20] in caught.value.message
+
+
+def test_tree_limits_narrower_than_the_race_are_refused_naming_its_setting(tmp_path: Any) -> None:
+    """A race may run max_candidates children at once: limits that allow fewer are refused
+    before anything is stored, naming the race's own setting (not an Interaction's)."""
+    from agentfold.domain.tree import TreeLimits
+
+    program = race(gate("gate.a"), max_candidates=32)
+    store = EventStore(f"sqlite:///{tmp_path / 'race.db'}")
+    try:
+        with open_runtime(store, program) as runtime:
+            with pytest.raises(InvalidInput) as caught:
+                runtime.start(program, [{"key": "a", "program": "gate.a"}], limits=TreeLimits(max_active_children=16))
+            assert caught.value.code == "limits.invalid"
+            assert "FirstSuccessConfig.max_candidates" in str(caught.value)
+            assert "max_concurrent_tool_calls" not in str(caught.value)
+            assert store.tree_ids() == []
+    finally:
+        store.close()
