@@ -400,6 +400,7 @@ def compile_interaction(config: InteractionConfig) -> Program:
         expand_request=expand,
         # The tool window's width, for a run that can start children at all (tools or delegates).
         active_children=definition.max_concurrent if definition.child_programs() else 0,
+        active_children_setting="its max_concurrent_tool_calls",
         configuration=config.configuration,
         dispatcher=ModelDispatcher(definition, config.model, config.model_observer, config.context_processor),
     )

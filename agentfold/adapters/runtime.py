@@ -193,17 +193,6 @@ class Result:
         }
 
 
-def _width_setting(program: Program) -> str:
-    """The setting behind a Program's ``active_children``, as its builder names it."""
-    from agentfold.adapters.team import FIRST_SUCCESS_IMPLEMENTATION, TEAM_IMPLEMENTATION
-
-    if program.implementation_digest == TEAM_IMPLEMENTATION:
-        return "its TeamConfig.max_concurrent_tasks, plus its coordinator"
-    if program.implementation_digest == FIRST_SUCCESS_IMPLEMENTATION:
-        return "its FirstSuccessConfig.max_candidates"
-    return "its max_concurrent_tool_calls"
-
-
 def limits_for(program: Program, limits: TreeLimits | None) -> TreeLimits | None:
     """The tree limits a start of ``program`` stores.
 
@@ -213,16 +202,17 @@ def limits_for(program: Program, limits: TreeLimits | None) -> TreeLimits | None
     ``engine.child.tree_limit`` in the middle of the run. Limits the caller gave that allow fewer
     are refused (``limits.invalid``) before anything is stored."""
     need, by = children_at_once(program)
+    setting = (by.active_children_setting if by is not None else "") or "its active_children"
     if limits is None:
         return TreeLimits(max_active_children=need) if need > TreeLimits().max_active_children else None
     check_limits(limits)
     if by is not None and need > limits.max_active_children:
         raise InvalidInput(
             "limits.invalid",
-            f"program {by.ref.name} runs up to {need} children of one Process at once ({_width_setting(by)}) "
+            f"program {by.ref.name} runs up to {need} children of one Process at once ({setting}) "
             f"but the tree limit max_active_children is {limits.max_active_children}: "
             f"its children beyond {limits.max_active_children} would fail with engine.child.tree_limit",
-            hint=f"start it with TreeLimits(max_active_children={need}) or more, or lower {_width_setting(by)}",
+            hint=f"start it with TreeLimits(max_active_children={need}) or more, or lower {setting}",
         )
     return limits
 

@@ -20,6 +20,7 @@ Docs: docs/team.md.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -137,6 +138,7 @@ def compile_team(config: TeamConfig) -> Program:
         digest_of(configuration),
         children=definition.child_programs(),
         active_children=definition.max_concurrent_tasks + 1,
+        active_children_setting="its TeamConfig.max_concurrent_tasks, plus its coordinator",
         configuration=document,
     )
 
@@ -207,6 +209,7 @@ def compile_first_success(config: FirstSuccessConfig) -> Program:
         digest_of(document),
         children=candidates,
         active_children=config.max_candidates,
+        active_children_setting="its FirstSuccessConfig.max_candidates",
         configuration=document,
     )
 
@@ -223,8 +226,6 @@ class DeadlineDispatcher:
     TICK_SECONDS = 30.0
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
-        import time
-
         self.clock = clock or time.time
 
     def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:

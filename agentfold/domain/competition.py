@@ -29,6 +29,7 @@ from typing import Any
 
 from agentfold.domain.budget import Budget
 from agentfold.domain.canonical import JSON
+from agentfold.domain.coordination import DEFINITION_INVALID, INPUT_INVALID, protocol_error, state_error
 from agentfold.domain.errors import ClassifiedError, FailureKind, InvalidInput, recorded_text
 from agentfold.domain.ids import ChildKey, ProcessID, WaitKey
 from agentfold.domain.program import (
@@ -45,14 +46,10 @@ from agentfold.domain.program import (
     start_child_effect,
     wait_children_effect,
 )
-from agentfold.domain.team import is_child_start, is_wait_opened
+from agentfold.domain.team import is_child_start, is_satisfied, is_wait_opened
 
 WAIT_KEY_PREFIX = "coordination.first_success."
-PROTOCOL_INVALID = "coordination.protocol.invalid"
-STATE_INVALID = "coordination.state.invalid"
-DEFINITION_INVALID = "coordination.definition.invalid"
 ACCEPT_FAILED = "coordination.accept.failed"
-INPUT_INVALID = "coordination.input.invalid"
 #: The most candidates one FirstSuccess may be configured to start (``max_candidates``).
 MAX_CANDIDATES = 1024
 _CANDIDATE_FIELDS = frozenset({"key", "program", "input", "budget", "capabilities"})
@@ -105,19 +102,6 @@ def input_schema(names: Sequence[str], max_candidates: int) -> JSON:
             },
         },
     }
-
-
-def _protocol(message: str) -> ClassifiedError:
-    return ClassifiedError(FailureKind.CONTRACT, PROTOCOL_INVALID, message)
-
-
-def _state_error(message: str) -> ClassifiedError:
-    return ClassifiedError(FailureKind.CONTRACT, STATE_INVALID, message)
-
-
-def _is_satisfied(signal: Signal, wait_id: str | None) -> bool:
-    return (signal.engine_owned and wait_id is not None and signal.wait_id == wait_id
-            and isinstance(signal.payload, dict) and signal.payload.get("operation") == "child_wait_satisfied")
 
 
 def _running(result: Any) -> bool:
@@ -222,41 +206,41 @@ class FirstSuccessStrategy:
         """A stored (snapshot) state, checked as Scope's Restore checks it: every state the
         Strategy produces passes; a forged or damaged one is refused (coordination.state.invalid)."""
         if not isinstance(data, dict) or "candidates" not in data or set(data) - {"candidates", "results", "wait_id", "winner"}:
-            raise _state_error(f"not a FirstSuccess state: {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+            raise state_error(f"not a FirstSuccess state: {sorted(data) if isinstance(data, dict) else type(data).__name__}")
         try:
             candidates = self._candidates(data["candidates"])
         except InvalidInput as exc:
-            raise _state_error(f"a FirstSuccess state's candidates are invalid: {exc.message}") from None
+            raise state_error(f"a FirstSuccess state's candidates are invalid: {exc.message}") from None
         results, wait_id, winner = data.get("results"), data.get("wait_id"), data.get("winner")
         if results is None:
             if wait_id is not None or winner is not None:
-                raise _state_error("a FirstSuccess state waits or has a winner before it started its candidates")
+                raise state_error("a FirstSuccess state waits or has a winner before it started its candidates")
             return data
         if not isinstance(results, list) or len(results) != len(candidates):
-            raise _state_error("a FirstSuccess state has one result per candidate")
+            raise state_error("a FirstSuccess state has one result per candidate")
         admitted = _admitted(results)
         for index, result in enumerate(results):
             if result is None:
                 continue
             if index >= admitted:
-                raise _state_error("a start receipt follows a missing one")
+                raise state_error("a start receipt follows a missing one")
             problem = _result_problem(result, candidates[index]["key"])
             if problem:
-                raise _state_error(f"candidate {index}'s result {problem}")
+                raise state_error(f"candidate {index}'s result {problem}")
             if "outcome" in result and admitted < len(results):
-                raise _state_error("an outcome precedes the last start receipt")
+                raise state_error("an outcome precedes the last start receipt")
         if winner is not None:
             if (not isinstance(winner, int) or isinstance(winner, bool) or not 0 <= winner < len(results)
                     or "outcome" not in (results[winner] or {})
                     or results[winner]["outcome"]["result"]["status"] != "completed"):
-                raise _state_error(f"winner {winner!r} is no completed candidate")
+                raise state_error(f"winner {winner!r} is no completed candidate")
             if wait_id is not None:
-                raise _state_error("a FirstSuccess with a winner keeps no wait")
+                raise state_error("a FirstSuccess with a winner keeps no wait")
         if wait_id is not None:
             if not isinstance(wait_id, str) or not wait_id.startswith("wait:"):
-                raise _state_error(f"wait_id {wait_id!r} is no wait id")
+                raise state_error(f"wait_id {wait_id!r} is no wait id")
             if admitted < len(results) or not any(_running(r) for r in results):
-                raise _state_error("a FirstSuccess waits before its starts settled, or with nobody running")
+                raise state_error("a FirstSuccess waits before its starts settled, or with nobody running")
         return data
 
     # -- the fold --------------------------------------------------------------
@@ -271,22 +255,22 @@ class FirstSuccessStrategy:
             at = _admitted(results)
             for signal in consumed:
                 if not is_child_start(signal):
-                    raise _state_error(f"signal {signal.id} is no start receipt")
+                    raise state_error(f"signal {signal.id} is no start receipt")
                 if at >= len(results):
-                    raise _state_error("more start receipts than candidates")
+                    raise state_error("more start receipts than candidates")
                 results[at] = {"start": signal.payload}
                 at += 1
             s["results"] = results
         elif op == "outcomes":
-            satisfied = next((c for c in consumed if _is_satisfied(c, s.get("wait_id"))), None)
+            satisfied = next((c for c in consumed if is_satisfied(c) and c.wait_id == s.get("wait_id")), None)
             if satisfied is None:
-                raise _state_error("the step consumed no satisfaction of the competition's wait")
+                raise state_error("the step consumed no satisfaction of the competition's wait")
             results = list(s["results"])
             index = {r["start"]["process_id"]: i for i, r in enumerate(results) if _running(r)}
             for outcome in satisfied.payload["outcomes"]:
                 found = index.get(outcome.get("process_id"))
                 if found is None:
-                    raise _state_error(f"outcome of {outcome.get('process_id')} names no running candidate")
+                    raise state_error(f"outcome of {outcome.get('process_id')} names no running candidate")
                 results[found] = {"outcome": outcome}
             s["results"] = results
             s.pop("wait_id", None)
@@ -296,10 +280,10 @@ class FirstSuccessStrategy:
         elif op == "wait":
             opening = next((c for c in consumed if is_wait_opened(c)), None)
             if opening is None:
-                raise _state_error("the step consumed no opening of the competition's wait")
+                raise state_error("the step consumed no opening of the competition's wait")
             s["wait_id"] = opening.wait_id
         else:
-            raise _state_error(f"unknown FirstSuccess fact {facts!r}")
+            raise state_error(f"unknown FirstSuccess fact {facts!r}")
         return s
 
     # -- decide --------------------------------------------------------------
@@ -308,25 +292,25 @@ class FirstSuccessStrategy:
         results = state.get("results")
         if results is None:
             if window:
-                raise _protocol(f"signal {window[0].id} arrived before the competition started its candidates")
+                raise protocol_error(f"signal {window[0].id} arrived before the competition started its candidates")
             effects = tuple(start_child_effect(self._spec(c)) for c in state["candidates"])
             return self._step(state, 0, Continue(effects), {"op": "declare"}, ())
         pending = len(results) - _admitted(results)
         if state.get("winner") is not None or (not pending and not any(_running(r) for r in results)):
-            raise _state_error("a finished competition takes no more Steps")
+            raise state_error("a finished competition takes no more Steps")
         if pending:
             # The kernel delivers a batch's receipts together, once every start has settled.
             taken = list(window[:pending])
             if len(taken) < pending or not all(is_child_start(s) for s in taken):
-                raise _protocol(f"the competition expected its {pending} candidates' start receipts")
+                raise protocol_error(f"the competition expected its {pending} candidates' start receipts")
             return self._after(state, taken, {"op": "starts"})
         wait_id = state.get("wait_id")
         if wait_id is None:
             if not window or not is_wait_opened(window[0]):
-                raise _protocol("the competition expected the opening of its wait")
+                raise protocol_error("the competition expected the opening of its wait")
             return self._step(state, 1, Wait(window[0].wait_id), {"op": "wait"}, window[:1])  # type: ignore[arg-type]
-        if not window or not _is_satisfied(window[0], wait_id):
-            raise _protocol(f"the competition expected the satisfaction of its wait {wait_id}")
+        if not window or not (is_satisfied(window[0]) and window[0].wait_id == wait_id):
+            raise protocol_error(f"the competition expected the satisfaction of its wait {wait_id}")
         satisfied = window[0]
         winner = self._winner(state, satisfied)
         facts: dict[str, Any] = {"op": "outcomes"} if winner is None else {"op": "outcomes", "winner": winner}
@@ -338,7 +322,7 @@ class FirstSuccessStrategy:
         for outcome in satisfied.payload["outcomes"]:  # in request order (the wait lists them so)
             at = index.get(outcome.get("process_id"))
             if at is None:
-                raise _protocol(f"outcome of {outcome.get('process_id')} names no running candidate")
+                raise protocol_error(f"outcome of {outcome.get('process_id')} names no running candidate")
             if (outcome.get("result") or {}).get("status") != "completed":
                 continue
             key = state["candidates"][at]["key"]
@@ -382,4 +366,4 @@ class FirstSuccessStrategy:
         return out
 
 
-__all__ = ["ACCEPT_FAILED", "INPUT_INVALID", "MAX_CANDIDATES", "OUTPUT_SCHEMA", "WAIT_KEY_PREFIX", "AcceptFn", "FirstSuccessStrategy"]
+__all__ = ["ACCEPT_FAILED", "MAX_CANDIDATES", "OUTPUT_SCHEMA", "WAIT_KEY_PREFIX", "AcceptFn", "FirstSuccessStrategy"]

@@ -47,6 +47,8 @@ from agentfold.domain.program import (
 INPUT_WAIT_KEY = "coordination.input"
 PROTOCOL_INVALID = "coordination.protocol.invalid"
 DEFINITION_INVALID = "coordination.definition.invalid"
+STATE_INVALID = "coordination.state.invalid"
+INPUT_INVALID = "coordination.input.invalid"
 
 GATE_OUTPUT_SCHEMA: JSON = {
     "type": "object",
@@ -56,8 +58,12 @@ GATE_OUTPUT_SCHEMA: JSON = {
 }
 
 
-def _protocol(message: str) -> ClassifiedError:
+def protocol_error(message: str) -> ClassifiedError:
     return ClassifiedError(FailureKind.CONTRACT, PROTOCOL_INVALID, message)
+
+
+def state_error(message: str) -> ClassifiedError:
+    return ClassifiedError(FailureKind.CONTRACT, STATE_INVALID, message)
 
 
 def _is_opening(signal: Signal) -> bool:
@@ -88,13 +94,12 @@ class InputGateStrategy:
 
     def decode_state(self, data: JSON) -> dict[str, Any]:
         if not isinstance(data, dict):
-            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", "an InputGate state is an object")
+            raise state_error("an InputGate state is an object")
         phase = data.get("phase")
         keys = {"start": {"phase", "request"}, "opening": {"phase"}, "waiting": {"phase", "wait_id"},
                 "completed": {"phase"}}.get(phase)  # type: ignore[arg-type]
         if keys is None or set(data) != keys or (phase == "waiting" and not isinstance(data["wait_id"], str)):
-            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid",
-                                  f"not an InputGate state: {sorted(data)} in phase {phase!r}")
+            raise state_error(f"not an InputGate state: {sorted(data)} in phase {phase!r}")
         return data
 
     def evolve(self, state: dict[str, Any], facts: JSON, consumed: Sequence[Signal]) -> dict[str, Any]:
@@ -106,18 +111,18 @@ class InputGateStrategy:
             return {"phase": "waiting", "wait_id": opening.wait_id}
         if phase == "completed":
             return {"phase": "completed"}
-        raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", f"unknown InputGate fact {facts!r}")
+        raise state_error(f"unknown InputGate fact {facts!r}")
 
     def decide(self, state: dict[str, Any], window: Sequence[Signal]) -> Step:
         phase = state["phase"]
         if phase == "start":
             if window:
-                raise _protocol(f"signal {window[0].id} arrived before the gate opened its wait")
+                raise protocol_error(f"signal {window[0].id} arrived before the gate opened its wait")
             effect = wait_effect(WaitKey(INPUT_WAIT_KEY), prompt=state["request"], response_schema=self.answer_schema)
             return Step(0, Continue((effect,)), {"phase": "opening"}, next_state={"phase": "opening"})
         if phase == "opening":
             if not window or not _is_opening(window[0]):
-                raise _protocol("the gate expected the opening of its input wait")
+                raise protocol_error("the gate expected the opening of its input wait")
             wait_id = window[0].wait_id
             assert wait_id is not None
             if len(window) > 1 and not window[1].engine_owned and window[1].wait_id == wait_id:
@@ -126,17 +131,17 @@ class InputGateStrategy:
             return Step(1, Wait(wait_id), {"phase": "waiting"}, next_state={"phase": "waiting", "wait_id": wait_id})
         if phase == "waiting":
             if not window:
-                raise _protocol("the gate was scheduled without an answer")
+                raise protocol_error("the gate was scheduled without an answer")
             answer = window[0]
             if answer.engine_owned or answer.wait_id != state["wait_id"]:
-                raise _protocol(f"signal {answer.id} is not an answer to the gate's wait {state['wait_id']}")
+                raise protocol_error(f"signal {answer.id} is not an answer to the gate's wait {state['wait_id']}")
             return self._complete(window[:1], answer)
-        raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", "a completed gate takes no Steps")
+        raise state_error("a completed gate takes no Steps")
 
     def _complete(self, consumed: Sequence[Signal], answer: Signal) -> Step:
         problems = schema_errors(answer.payload, self.answer_schema)
         if problems:
-            raise _protocol(f"answer {answer.id} does not match the answer schema: {'; '.join(problems[:3])}")
+            raise protocol_error(f"answer {answer.id} does not match the answer schema: {'; '.join(problems[:3])}")
         output = {"id": str(answer.id), "wait_id": str(answer.wait_id), "payload": answer.payload}
         return Step(len(consumed), Complete(output), {"phase": "completed"}, next_state={"phase": "completed"})
 
@@ -151,8 +156,6 @@ DEADLINE_INTERRUPTED = "coordination.deadline.interrupted"
 
 DEADLINE_SCHEMA: JSON = {"type": "string", "format": "date-time", "minLength": 1}
 
-
-INPUT_INVALID = "coordination.input.invalid"
 
 _INSTANT = re.compile(
     r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
@@ -262,40 +265,40 @@ class DeadlineStrategy:
     def decode_state(self, data: JSON) -> dict[str, Any]:
         if (not isinstance(data, dict) or set(data) != {"deadline", "phase"}
                 or data["phase"] not in ("ready", "awaiting_timer", "completed", "interrupted") or not isinstance(data["deadline"], str)):
-            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", f"not a Deadline state: {data!r}"[:300])
+            raise state_error(f"not a Deadline state: {data!r}"[:300])
         try:
             canonical = parse_instant(data["deadline"])
         except InvalidInput:
             canonical = None
         if canonical != data["deadline"]:
-            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid",
-                                  f"a Deadline state's instant {data['deadline'][:80]!r} is not one in canonical form")
+            raise state_error(f"a Deadline state's instant {data['deadline'][:80]!r} is not one in canonical form")
         return data
 
     def evolve(self, state: dict[str, Any], facts: JSON, consumed: Sequence[Signal]) -> dict[str, Any]:
         phase = (facts or {}).get("phase") if isinstance(facts, dict) else None
         if phase not in ("awaiting_timer", "completed", "interrupted"):
-            raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", f"unknown Deadline fact {facts!r}")
+            raise state_error(f"unknown Deadline fact {facts!r}")
         return {"deadline": state["deadline"], "phase": phase}
 
     def decide(self, state: dict[str, Any], window: Sequence[Signal]) -> Step:
         phase = state["phase"]
         if phase == "ready":
             if window:
-                raise _protocol(f"signal {window[0].id} arrived before the deadline set its timer")
+                raise protocol_error(f"signal {window[0].id} arrived before the deadline set its timer")
             facts = {"phase": "awaiting_timer"}
             return Step(0, Continue((dispatcher_effect({"deadline": state["deadline"]}),)), facts,
                         next_state=self.evolve(state, facts, ()))
         if phase == "awaiting_timer":
             if len(window) != 1 or not _is_timer_settlement(window[0]):
-                raise _protocol("the deadline expected one settlement of its timer")
-            if window[0].status != SettlementStatus.SUCCEEDED:
-                return Step(1, Fail(Failure(FailureKind.EXTERNAL, DEADLINE_INTERRUPTED,
-                                            f"the timer for {state['deadline']} returned before its deadline")),
-                            {"phase": "interrupted"}, next_state={"deadline": state["deadline"], "phase": "interrupted"})
+                raise protocol_error("the deadline expected one settlement of its timer")
+            transition: Complete | Fail = Complete(state["deadline"])
             facts = {"phase": "completed"}
-            return Step(1, Complete(state["deadline"]), facts, next_state=self.evolve(state, facts, window))
-        raise ClassifiedError(FailureKind.CONTRACT, "coordination.state.invalid", f"a deadline in phase {phase!r} takes no more Steps")
+            if window[0].status != SettlementStatus.SUCCEEDED:
+                transition = Fail(Failure(FailureKind.EXTERNAL, DEADLINE_INTERRUPTED,
+                                          f"the timer for {state['deadline']} returned before its deadline"))
+                facts = {"phase": "interrupted"}
+            return Step(1, transition, facts, next_state=self.evolve(state, facts, window))
+        raise state_error(f"a deadline in phase {phase!r} takes no more Steps")
 
 
 def deadline_policy(effect: Effect) -> EffectPolicy:
@@ -314,11 +317,17 @@ def deadline_policy(effect: Effect) -> EffectPolicy:
 __all__ = [
     "DEADLINE_INTERRUPTED",
     "DEADLINE_SCHEMA",
+    "DEFINITION_INVALID",
     "GATE_OUTPUT_SCHEMA",
+    "INPUT_INVALID",
     "INPUT_WAIT_KEY",
+    "PROTOCOL_INVALID",
+    "STATE_INVALID",
     "DeadlineStrategy",
     "InputGateStrategy",
     "deadline_policy",
     "instant_seconds",
     "parse_instant",
+    "protocol_error",
+    "state_error",
 ]

@@ -637,6 +637,9 @@ class Program:
     """The most children one of this Program's Processes runs at once, when the Program says
     (an Interaction: its tool window, ``max_concurrent_tool_calls``); 0: it does not say. See
     ``children_at_once``."""
+    active_children_setting: str = field(default="", compare=False)
+    """The setting behind ``active_children``, as the Program's builder names it (for messages:
+    what to lower when tree limits are narrower)."""
     ref: ProgramRef = field(init=False)
 
     def __post_init__(self) -> None:

@@ -274,7 +274,7 @@ def is_wait_opened(signal: Signal) -> bool:
             and signal.payload.get("operation") == "wait_children")
 
 
-def _is_satisfied(signal: Signal) -> bool:
+def is_satisfied(signal: Signal) -> bool:
     return (signal.engine_owned and signal.wait_id is not None and isinstance(signal.payload, dict)
             and signal.payload.get("operation") == "child_wait_satisfied")
 
@@ -307,7 +307,7 @@ def _process_of(task: Mapping[str, Any]) -> str | None:
 
 def _coordinator_outcome(consumed: Sequence[Signal], coordinator: str | None) -> dict[str, Any] | None:
     for signal in consumed:
-        if _is_satisfied(signal):
+        if is_satisfied(signal):
             for outcome in signal.payload["outcomes"]:
                 if outcome["process_id"] == coordinator:
                     return outcome  # type: ignore[no-any-return]
@@ -342,7 +342,7 @@ def apply_op(state: dict[str, Any], op: Mapping[str, Any], consumed: Sequence[Si
         s["wait_id"] = _only(consumed, is_wait_opened, "wait opening").wait_id
         s["phase"] = "waiting"
     elif name == "outcomes":
-        satisfied = _only(consumed, _is_satisfied, "child wait satisfaction")
+        satisfied = _only(consumed, is_satisfied, "child wait satisfaction")
         tasks = list(s["tasks"])
         running_turn = s["coordinator"] is not None
         by_process = {_process_of(t): i for i, t in enumerate(tasks) if _running(t)}
@@ -523,7 +523,7 @@ class CollaborationStrategy:
             wait_id = state["wait_id"]
 
             def predicate(s: Signal) -> bool:
-                return _is_satisfied(s) and s.wait_id == wait_id
+                return is_satisfied(s) and s.wait_id == wait_id
         else:  # applying
             expected = sum(1 for t in state["tasks"] if "start" not in t and "outcome" not in t)
             expected += sum(1 for c in state["controls"] if "result" not in c)
