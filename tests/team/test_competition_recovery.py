@@ -90,6 +90,23 @@ def of_type(records: list[Any], kind: type, **fields: Any) -> list[Any]:
             and all(getattr(r.event, k) == v for k, v in fields.items())]
 
 
+def finish(runtime: Any, tree_id: Any) -> tuple[Any, float, Any]:
+    """The recovered run's result, when it was seen, and its settled tree (no unknown Effect)."""
+    result = runtime.result(tree_id, WAIT)
+    seen_at = time.time()
+    tree = runtime.wait_idle(tree_id)
+    assert unknown(tree) == []
+    return result, seen_at, tree
+
+
+def assert_completed_on_time(result: Any, seen_at: float, instant: float, recovered_at: float) -> None:
+    """Completed, not before the instant, and not later than the instant (or the recovery,
+    when it began after the instant) plus slack: a restarted delay would be later."""
+    assert result.status == "completed", result.termination
+    assert instant <= seen_at < max(instant, recovered_at) + RESULT_LATE, (
+        f"the result came {seen_at - instant:+.3f}s from the instant")
+
+
 def started_input() -> Any:
     [value] = P.entries("input")
     return value
@@ -163,17 +180,12 @@ def test_a_deadline_cut_while_its_timer_waits_fires_at_its_original_instant(dura
             assert runtime.capture(tree_id).root.status == "running"
             recovered_at = time.time()
             recover(runtime, tree_id)
-            result = runtime.result(tree_id, WAIT)
-            seen_at = time.time()
-            tree = runtime.wait_idle(tree_id)
-            assert unknown(tree) == []
+            result, seen_at, tree = finish(runtime, tree_id)
         records = store.read(tree_id)
     finally:
         store.close()
-    assert result.status == "completed", result.termination
+    assert_completed_on_time(result, seen_at, instant, recovered_at)
     assert result.output == parse_instant(given) == entered["deadline"]
-    assert instant <= seen_at < max(instant, recovered_at) + RESULT_LATE, (
-        f"the result came {seen_at - instant:+.3f}s from the instant")
     check_timer_replayed(records, tree.root.process_id, instant)
     assert len(of_type(records, EffectDeclared)) == 1  # no second timer was declared
     assert of_type(records, EffectSettled, status="unknown") == []
@@ -234,16 +246,11 @@ def test_a_race_cut_before_its_winner_finishes_with_the_right_winner_after_recov
                 assert key == "b" and P.entries(call) == ["reject"]
                 runtime.resolve_unknown_effect(effect_id, Settlement.succeeded({"output": text}))
                 assert time.time() < instant, "the deadline passed before the host resolved b's call"
-            result = runtime.result(tree_id, WAIT)
-            seen_at = time.time()
-            tree = runtime.wait_idle(tree_id)
-            assert unknown(tree) == []
+            result, seen_at, tree = finish(runtime, tree_id)
         records = store.read(tree_id)
     finally:
         store.close()
-    assert result.status == "completed", result.termination
-    assert instant <= seen_at < max(instant, recovered_at) + RESULT_LATE, (
-        f"the result came {seen_at - instant:+.3f}s from the instant")
+    assert_completed_on_time(result, seen_at, instant, recovered_at)
     output = result.output
     assert output["winner"] == 2
     a, b, d = output["candidates"]
