@@ -447,7 +447,7 @@ def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool)
         waiting = sum(1 for p in tree.live.values() for r in p.batch if r.phase == "planned")
         raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; the calls under way were "
                            f"recorded and {waiting} declared effect(s) were not started (the next owner starts them)")
-    running = runtime.dispatches_running()
+    running = runtime.dispatches_running() + runtime.timers_waiting()
     try:  # calls the next owner may make again (a Deadline's timer): not left unknown
         replayable = sum(1 for p in runtime.capture(tree_id).live.values() for r in p.in_flight()
                          if r.replay == "same_identity")

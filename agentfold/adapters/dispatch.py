@@ -14,6 +14,7 @@ It answers ``is_set()`` and ``wait(timeout)`` like a :class:`threading.Event`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -100,6 +101,50 @@ class FunctionDispatcher:
         # A coroutine returned anyway is closed by the runtime, as any dispatcher's (recorded unknown).
         settlement: Settlement = self._fn(request, context)
         return settlement
+
+
+class TimerDispatcher:
+    """A dispatcher whose call is only waiting for an instant (a Deadline's timer).
+
+    A Runtime does not call ``dispatch`` for it: it asks :meth:`due` for the instant and waits
+    for every such call on one timer thread of its own, so a waiting timer holds neither a call
+    slot (``Runtime(dispatch_workers=N)``) nor a thread. At the instant it records
+    :meth:`fired`; when the Process is stopping first, :meth:`stopped` (at once, never unknown).
+    ``dispatch`` does the same by blocking, for a caller that calls the dispatcher itself.
+
+    ``clock`` (seconds since the epoch) is read again at the instant and at least every
+    :attr:`TICK_SECONDS` while waiting, so a wall clock set forward or back is followed.
+    """
+
+    #: The longest wait before the clock is read again.
+    TICK_SECONDS = 30.0
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or time.time
+
+    def due(self, request: EffectRequest) -> float | Settlement:
+        """The instant (on ``clock``) at which the call settles, or its Settlement now (a
+        malformed request is a definite failure). Raising leaves the outcome unknown."""
+        raise NotImplementedError
+
+    def fired(self, request: EffectRequest) -> Settlement:
+        """The outcome at the instant."""
+        return Settlement.succeeded({})
+
+    def stopped(self, request: EffectRequest) -> Settlement:
+        """The outcome when the Process stops before the instant."""
+        return Settlement.failed({"error": "the timer was stopped before its instant (the Process is stopping)"})
+
+    def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        due = self.due(request)
+        if isinstance(due, Settlement):
+            return due
+        while True:
+            remaining = due - self.clock()
+            if remaining <= 0:
+                return self.fired(request)
+            if context.cancelled.wait(min(remaining, self.TICK_SECONDS)):
+                return self.stopped(request)
 
 
 def never_replay(effect: Effect) -> EffectPolicy:

@@ -698,6 +698,8 @@ class ApiService:
                    [({}, float(len(runtime.stalled_trees())))]),
             Family("agentfold_calls_running", "gauge", "Dispatcher calls (tools, models) in flight in this server.",
                    [({}, float(runtime.dispatches_running()))]),
+            Family("agentfold_timers_waiting", "gauge", "Timers (a Deadline's) waiting for their instant in this "
+                   "server; they hold no call slot.", [({}, float(runtime.timers_waiting()))]),
             Family("agentfold_calls_limit", "gauge", "The most dispatcher calls this server has in flight at once "
                    "(--dispatch-workers).", [({}, float(runtime.dispatch_workers))]),
             Family("agentfold_runs_waiting_for_calls", "gauge", "Runs whose next call waits for one of the "

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -36,7 +38,7 @@ from eventsourcing.persistence import PersistenceError
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES
-from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext
+from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext, TimerDispatcher
 from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
 from agentfold.adapters.metrics import APPEND_BUCKETS, Counter, Histogram
 from agentfold.adapters.recorders import TreeHead
@@ -293,6 +295,9 @@ class _Flight:
     holds_slot: bool = True
     # Abandoned with its slot given back while its dispatcher still runs (it holds a spare thread).
     abandoned: bool = False
+    # A TimerDispatcher's call: waited for by the runtime's timer thread (``_Timers``), without
+    # a slot or a thread of its own.
+    timer: _Timer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +457,106 @@ class _CallSlots:
             self._reserved[driver] = self._reserved.get(driver, 0) + 1
             woken.append(driver)
         return woken
+
+
+@dataclass(slots=True, eq=False)
+class _Timer:
+    """One waiting TimerDispatcher call: ``instant`` on its dispatcher's clock."""
+
+    driver: _Driver
+    job: _Job
+    instant: float
+    done: bool = False  # fired, stopped, or its owner line gave the tree up
+
+
+class _Timers:
+    """The runtime's waiting timers (:class:`~agentfold.adapters.dispatch.TimerDispatcher`).
+
+    One thread waits for all of them, in order of the next time each is looked at, which is
+    its instant or at most ``TimerDispatcher.TICK_SECONDS`` away (the dispatcher's wall clock is
+    read again then: a clock set forward or back is followed). A due timer's outcome goes to its
+    owner line like any dispatcher's. Before, a timer was a dispatcher call blocking a thread and
+    one of the ``dispatch_workers`` call slots for its whole wait: waiting timers froze every
+    other call of the runtime, let a race's timeout win over a worker that never got a slot, and
+    fired late behind each other.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Timer]] = []  # (monotonic time to look, tie-break, timer)
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.waiting = 0  # timers not yet done (GET /metrics)
+
+    def add(self, timer: _Timer) -> None:
+        with self._cond:
+            if self._closed:
+                return  # the runtime is closing: the next owner waits for the instant again
+            self.waiting += 1
+            self._push(timer)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agentfold-timers", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def finish(self, timer: _Timer) -> bool:
+        """Mark ``timer`` done; False when it was already (it fired or was stopped before)."""
+        with self._cond:
+            if timer.done:
+                return False
+            timer.done = True
+            self.waiting -= 1
+            return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for _, _, timer in self._heap:
+                if not timer.done:
+                    timer.done = True
+                    self.waiting -= 1
+            self._heap.clear()
+            self._cond.notify()
+
+    @staticmethod
+    def _remaining(timer: _Timer) -> float | Exception:
+        try:
+            now = float(timer.job.dispatcher.clock())
+            if not math.isfinite(now):
+                raise ValueError(f"the clock read {now}")
+            return timer.instant - now
+        except Exception as exc:  # noqa: BLE001 - a clock that fails leaves the outcome unknown
+            return exc
+
+    def _push(self, timer: _Timer) -> None:
+        remaining = self._remaining(timer)
+        wait = min(remaining, float(timer.job.dispatcher.TICK_SECONDS)) if isinstance(remaining, float) else 0.0
+        heapq.heappush(self._heap, (time.monotonic() + max(0.0, wait), next(self._order), timer))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due: list[tuple[_Timer, Exception | None]] = []
+                while self._heap and self._heap[0][0] <= now:
+                    _, _, timer = heapq.heappop(self._heap)
+                    if timer.done:
+                        continue
+                    remaining = self._remaining(timer)
+                    if isinstance(remaining, float) and remaining > 0:
+                        self._push(timer)  # looked at before its instant (a tick, or the clock moved)
+                        continue
+                    timer.done = True
+                    self.waiting -= 1
+                    due.append((timer, remaining if isinstance(remaining, Exception) else None))
+                if not due:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    continue
+            for timer, error in due:
+                timer.driver._timer_settled(timer, error)
 
 
 def _wake(drivers: list[_Driver]) -> None:
@@ -759,6 +864,8 @@ class _Driver:
                 self.runtime._failed[self.tree_id] = self.stopped
             for flight in self.flights.values():
                 flight.context.cancelled.set()
+                if flight.timer is not None:
+                    self.runtime._timers.finish(flight.timer)
                 # Abandoned: nobody records its outcome now (the next owner decides it), so it
                 # no longer counts against the calls in flight (its thread runs on).
                 self.runtime._slots.abandon_flight(flight)
@@ -935,8 +1042,53 @@ class _Driver:
                 slots.release_flight(flight)
                 self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
                 continue
+            job = _Job(dispatch, dispatcher, request, context, flight)
+            if isinstance(dispatcher, TimerDispatcher):
+                slots.release_flight(flight)  # a timer holds no call slot while it waits
+                self._start_timer(job)
+                continue
             with self._launched_lock:
-                self._launched.append(_Job(dispatch, dispatcher, request, context, flight))
+                self._launched.append(job)
+
+    def _start_timer(self, job: _Job) -> None:
+        """Hand a TimerDispatcher's call to the runtime's timer thread (``_Timers``)."""
+        try:
+            instant = job.dispatcher.due(job.request)
+            if isinstance(instant, Settlement):
+                self._timer_done(_settled(job.dispatch, instant))
+                return
+            if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
+                raise TypeError(f"due() returned {brief_repr(instant)}, not a finite number of seconds or a Settlement")
+        except Exception as exc:  # noqa: BLE001 - as a dispatcher that raises: the outcome is unknown
+            self._timer_done(_unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}"))
+            return
+        timer = _Timer(self, job, float(instant))
+        job.flight.timer = timer
+        self.runtime._timers.add(timer)
+
+    def _timer_settled(self, timer: _Timer, error: Exception | None = None, *, stopped: bool = False) -> None:
+        """A timer fired (``error``: its clock failed) or its Process is stopping (``stopped``):
+        its outcome goes to this owner line, unless the line gave the tree up meanwhile (the
+        next owner waits for the instant again)."""
+        job = timer.job
+        if self.stopped is not None or self.flights.get(job.dispatch.effect_id) is not job.flight:
+            return
+        if error is not None:
+            done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"the timer's clock failed: {type(error).__name__}: {error}")
+        else:
+            try:
+                settlement = job.dispatcher.stopped(job.request) if stopped else job.dispatcher.fired(job.request)
+                done = _settled(job.dispatch, settlement)
+            except Exception as exc:  # noqa: BLE001
+                done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+        self._timer_done(done)
+
+    def _timer_done(self, done: _Done) -> None:
+        self.runtime.calls_settled.add(done.status.value)
+        try:
+            self.submit(done)
+        except RuntimeError:  # the runtime is closing: the next owner waits for the instant again
+            pass
 
     def _call_dispatcher(self, job: _Job) -> _Done:
         runtime = self.runtime
@@ -976,6 +1128,11 @@ class _Driver:
             process = self.tree.processes.get(flight.process_id)
             stopping = process is None or process.terminal_intent is not None or process.terminal
             if not stopping:
+                continue
+            if flight.timer is not None:  # a waiting timer stops at once (no grace, never unknown)
+                flight.context.cancelled.set()
+                if self.runtime._timers.finish(flight.timer):
+                    self._timer_settled(flight.timer, stopped=True)
                 continue
             if not flight.context.cancelled.is_set():
                 flight.context.cancelled.set()
@@ -1146,6 +1303,7 @@ class Runtime:
         )
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
+        self._timers = _Timers()  # TimerDispatcher calls waiting for their instant
         self._owner_pool = ThreadPoolExecutor(
             owner_workers, thread_name_prefix="agentfold-owner", initializer=quiet_stop_signals
         )
@@ -2257,6 +2415,11 @@ class Runtime:
         """Runs whose next call waits for a free call slot (``dispatch_workers`` are in flight)."""
         return self._slots.waiting()
 
+    def timers_waiting(self) -> int:
+        """TimerDispatcher calls waiting for their instant (they hold no call slot)."""
+        with self._timers._cond:
+            return self._timers.waiting
+
     def dispatches_running(self) -> int:
         """Dispatcher calls in progress (after ``close``: the abandoned ones still running)."""
         with self._calls_lock:
@@ -2317,6 +2480,7 @@ class Runtime:
                     flight.context.cancelled.set()
                 driver.cond.notify_all()
             self._forget(driver)
+        self._timers.close()  # the next owner waits for their instants again (same_identity)
         self._owner_pool.shutdown(wait=True, cancel_futures=False)
         self._snapshot_pool.shutdown(wait=True, cancel_futures=False)
         self._dispatch_pool.shutdown(wait=False, cancel_futures=True)

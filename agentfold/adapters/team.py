@@ -20,11 +20,10 @@ Docs: docs/team.md.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from agentfold.adapters.dispatch import DispatchContext
+from agentfold.adapters.dispatch import DispatchContext, TimerDispatcher
 from agentfold.adapters.interaction import _identity
 from agentfold.domain.budget import Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of, normalize
@@ -214,34 +213,21 @@ def compile_first_success(config: FirstSuccessConfig) -> Program:
     )
 
 
-class DeadlineDispatcher:
-    """The timer of a Deadline: waits until the absolute instant of its Effect, then settles
-    succeeded ``{}``. Cancellation (the Process asked to stop) settles failed at once, so it
-    never leaves an unknown outcome; a malformed payload is a definite failure. Waiting for
-    the same instant again has no external side effect, which is why recovery may re-dispatch
-    it under the same identity. A waiting timer holds one of the runtime's dispatch slots
-    (``Runtime(dispatch_workers=N)``) until it fires or is cancelled."""
+class DeadlineDispatcher(TimerDispatcher):
+    """The timer of a Deadline: settles succeeded ``{}`` at the absolute instant of its Effect.
+    Cancellation (the Process asked to stop) settles failed at once, so it never leaves an
+    unknown outcome; a malformed payload is a definite failure. Waiting for the same instant
+    again has no external side effect, which is why recovery may re-dispatch it under the same
+    identity. A Runtime waits for it on its timer thread: it holds no call slot and no thread."""
 
-    #: The longest single sleep: the wall clock is read again after it (clock adjustments).
-    TICK_SECONDS = 30.0
-
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
-        self.clock = clock or time.time
-
-    def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+    def due(self, request: EffectRequest) -> float | Settlement:
         payload = request.payload
         try:
             if not isinstance(payload, dict) or set(payload) != {"deadline"}:
                 raise InvalidInput("effect.invalid", "a timer's payload is {'deadline': <RFC 3339 time>}")
-            instant = instant_seconds(payload["deadline"])
+            return instant_seconds(payload["deadline"])
         except InvalidInput as exc:
             return Settlement.failed({"error": exc.message})
-        while True:
-            remaining = instant - self.clock()
-            if remaining <= 0:
-                return Settlement.succeeded({})
-            if context.cancelled.wait(min(remaining, self.TICK_SECONDS)):
-                return Settlement.failed({"error": "the timer was stopped before its deadline (the Process is stopping)"})
 
 
 def compile_deadline(name: str, description: str = "", dispatcher: DeadlineDispatcher | None = None) -> Program:

@@ -104,6 +104,7 @@ def test_metrics_say_what_the_store_and_the_server_hold(
     assert after[("agentfold_leases_healthy", ())] == 1
     assert after[("agentfold_runs_stalled", ())] == 0
     assert after[("agentfold_calls_running", ())] == 0
+    assert after[("agentfold_timers_waiting", ())] == 0
 
 
 def test_metrics_without_read_models_leave_their_position_out(tmp_path: Path, servers: list[ApiServer]) -> None:

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.team import (
     DeadlineDispatcher,
     FirstSuccessConfig,
@@ -48,13 +47,22 @@ REJECTED = "reject"
 
 
 class LoggedTimer(DeadlineDispatcher):
-    """The Deadline's timer, with each dispatch and return logged (which process, which attempt)."""
+    """The Deadline's timer, with each dispatch (the runtime asks for its instant) and each
+    outcome (fired at the instant, or stopped) logged: which process, which attempt."""
 
-    def dispatch(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+    def due(self, request: EffectRequest) -> float | Settlement:
         payload = request.payload if isinstance(request.payload, dict) else {}
         P.log("timer", {"effect": str(request.effect_id), "attempt": str(request.attempt_id),
                         "deadline": payload.get("deadline"), "pid": os.getpid(), "at": time.time()})
-        settlement = super().dispatch(request, context)
+        return super().due(request)
+
+    def fired(self, request: EffectRequest) -> Settlement:
+        return self._returned(request, super().fired(request))
+
+    def stopped(self, request: EffectRequest) -> Settlement:
+        return self._returned(request, super().stopped(request))
+
+    def _returned(self, request: EffectRequest, settlement: Settlement) -> Settlement:
         P.log("timer-returned", {"effect": str(request.effect_id), "status": settlement.status.value,
                                  "pid": os.getpid(), "at": time.time()})
         return settlement

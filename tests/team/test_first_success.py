@@ -353,7 +353,7 @@ def test_cancelling_a_waiting_deadline_stops_its_timer_without_an_unknown(store_
 
 
 class RefusingTimer(DeadlineDispatcher):
-    def dispatch(self, request: Any, context: Any) -> Settlement:
+    def due(self, request: Any) -> float | Settlement:
         return Settlement.failed({"error": "no clock here"})
 
 

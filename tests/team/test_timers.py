@@ -1,0 +1,231 @@
+"""Timers wait on the runtime's timer thread, not in a call slot (docs/team.md, Deadline).
+
+A Deadline's timer is a :class:`~agentfold.adapters.dispatch.TimerDispatcher`: the runtime asks
+it for its instant and waits for every timer on one thread of its own. Before, a timer was a
+dispatcher call that held one of ``Runtime(dispatch_workers=N)``'s call slots and a thread for
+its whole wait: N waiting timers froze every other call of the runtime, a race's worker could
+not start before its timeout won, and a timer due soon fired only after another one freed a
+slot. Each test here runs with ``dispatch_workers=1`` and fails on that behaviour (a result that
+never comes within ``WAIT``, or the wrong winner). Real stores: memory, SQLite, PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.dispatch import TimerDispatcher
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.team import (
+    FIRST_COMPLETED,
+    DeadlineDispatcher,
+    FirstSuccessConfig,
+    TransformConfig,
+    compile_deadline,
+    compile_first_success,
+    transform,
+)
+from agentfold.domain.events import EffectDispatched, EffectSettled
+from agentfold.domain.requests import EffectRequest, Settlement
+from tests.interaction.support import open_runtime, recover
+from tests.interaction.tools import WAIT, wait_until
+
+
+def soon(seconds: float, base: float | None = None) -> str:
+    moment = datetime.fromtimestamp(base, UTC) if base is not None else datetime.now(UTC)
+    return (moment + timedelta(seconds=seconds)).isoformat()
+
+
+def stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def echo_fn(text: Any) -> Any:
+    return f"echo: {text}"
+
+
+def echo() -> Any:
+    return transform(TransformConfig(name="test.echo", fn=echo_fn, identity="test.echo/1"))
+
+
+def settled(store: EventStore, tree_id: Any) -> list[Any]:
+    return [r for r in store.read(tree_id) if isinstance(r.event, EffectSettled)]
+
+
+def wait_timers(runtime: Any, count: int) -> None:
+    wait_until(lambda: runtime.timers_waiting() == count, f"{count} timer(s) to wait")
+
+
+# ---------------------------------------------------------------------------
+# Waiting timers hold no call slot
+
+
+def test_waiting_timers_leave_the_only_call_slot_to_other_runs(store_url: str) -> None:
+    """Three Deadlines wait with one call slot: an unrelated one-call run completes at once;
+    the timers are no calls in flight; cancelled, each ends canceled at once, none unknown."""
+    deadline, worker = compile_deadline("test.deadline"), echo()
+    with open_runtime(store_url, deadline, worker, dispatch_workers=1) as runtime:
+        timers = [runtime.start(deadline, soon(600), start_id=f"timer:{i}") for i in range(3)]
+        wait_timers(runtime, 3)
+        assert runtime.dispatches_running() == 0 and runtime.runs_waiting_for_calls() == 0
+        result = runtime.start(worker, "hello").result(WAIT)
+        assert (result.status, result.output) == ("completed", "echo: hello")
+        assert [runtime.status(t.tree_id) for t in timers] == ["running"] * 3
+        begun = time.monotonic()
+        for handle in timers:
+            assert runtime.cancel(handle.root_process_id, "no longer needed")
+        assert [t.result(WAIT).status for t in timers] == ["canceled"] * 3
+        assert time.monotonic() - begun < 5  # no cancellation grace: a timer stops at once
+        assert runtime.timers_waiting() == 0
+        for handle in timers:
+            assert runtime.capture(handle.tree_id).root.unknown_effects() == []
+            assert [r.event.status for r in settled(runtime.store, handle.tree_id)] == ["failed"]
+
+
+def test_a_race_worker_wins_over_its_timeout_while_another_timer_waits(store_url: str) -> None:
+    """One call slot, a Deadline of another run waiting for ten minutes: a race between an
+    echo and a 5 s Deadline is won by the echo (with a slot held by the waiting timer, the echo
+    could not be called before the race's own timeout won)."""
+    deadline, worker = compile_deadline("test.deadline"), echo()
+    race = compile_first_success(FirstSuccessConfig(name="test.race", candidates=[worker, deadline],
+                                                    accept=FIRST_COMPLETED, max_candidates=2))
+    with open_runtime(store_url, race, deadline, worker, dispatch_workers=1) as runtime:
+        other = runtime.start(deadline, soon(600), start_id="timer:other")
+        wait_timers(runtime, 1)
+        result = runtime.start(race, [
+            {"key": "work", "program": "test.echo", "input": "fast"},
+            {"key": "timeout", "program": "test.deadline", "input": soon(5)},
+        ]).result(WAIT)
+        assert result.status == "completed" and result.output["winner"] == 0, result.output
+        assert result.output["candidates"][0]["outcome"]["result"]["output"] == "echo: fast"
+        wait_timers(runtime, 1)  # the race's timer was stopped with its candidate; the other waits on
+        assert runtime.status(other.tree_id) == "running"
+
+
+def test_a_timer_due_soon_fires_on_time_behind_many_waiting_ones(store_url: str) -> None:
+    """Twenty timers wait for ten minutes; two more, due in 1.6 s and 0.8 s (started in that
+    order), each fire at their instant, the later-started one first."""
+    deadline = compile_deadline("test.deadline")
+    with open_runtime(store_url, deadline, dispatch_workers=1) as runtime:
+        for i in range(20):
+            runtime.start(deadline, soon(600), start_id=f"timer:far:{i}")
+        wait_timers(runtime, 20)
+        late, early = soon(1.6), soon(0.8)
+        second = runtime.start(deadline, late, start_id="timer:late")
+        first = runtime.start(deadline, early, start_id="timer:early")
+        assert first.result(WAIT).status == "completed"
+        assert runtime.status(second.tree_id) == "running"  # not before its instant
+        assert second.result(WAIT).status == "completed"
+        for handle, instant in ((first, early), (second, late)):
+            [record] = settled(runtime.store, handle.tree_id)
+            assert record.event.status == "succeeded"
+            fired = stamp(record.timestamp) - stamp(instant)
+            assert 0 <= fired < 2.0, f"fired {fired:+.3f} s from its instant"
+        assert runtime.timers_waiting() == 20
+
+
+# ---------------------------------------------------------------------------
+# The clock, and what a timer cannot tell
+
+
+class ManualClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class QuickTimer(DeadlineDispatcher):
+    TICK_SECONDS = 0.05
+
+
+def test_a_clock_set_forward_is_followed_while_the_timer_waits(store_url: str) -> None:
+    """The timer's clock is read again at least every tick: an instant a day away is reached
+    by setting the clock forward, and not before."""
+    clock = ManualClock(time.time())
+    deadline = compile_deadline("test.deadline", dispatcher=QuickTimer(clock))
+    with open_runtime(store_url, deadline) as runtime:
+        handle = runtime.start(deadline, soon(86_400, clock.now))
+        wait_timers(runtime, 1)
+        clock.now += 86_399
+        time.sleep(0.3)  # several ticks: still a second before its instant
+        assert runtime.status(handle.tree_id) == "running"
+        clock.now += 1.5  # past it (the text of the instant is rounded to the microsecond)
+        assert handle.result(WAIT).status == "completed"
+        assert runtime.timers_waiting() == 0
+
+
+class BrokenTimer(TimerDispatcher):
+    """``due`` raising, returning something that is no instant, or a clock that fails."""
+
+    TICK_SECONDS = 0.05
+
+    def __init__(self, how: str) -> None:
+        super().__init__(self._clock)
+        self.how = how
+        self.broken = threading.Event()
+
+    def _clock(self) -> float:
+        if self.broken.is_set():
+            raise OSError("the clock is gone")
+        return time.time()
+
+    def due(self, request: EffectRequest) -> float | Settlement:
+        if self.how == "raises":
+            raise RuntimeError("no instant")
+        if self.how == "garbage":
+            return "tomorrow"  # type: ignore[return-value]
+        return time.time() + 600
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("raises", "RuntimeError: no instant"),
+    ("garbage", "not a finite number of seconds"),
+    ("clock", "the timer's clock failed: OSError: the clock is gone"),
+])
+def test_a_timer_that_cannot_tell_its_outcome_leaves_it_unknown(store_url: str, how: str, says: str) -> None:
+    timer = BrokenTimer(how)
+    deadline = compile_deadline("test.deadline", dispatcher=timer)  # type: ignore[arg-type]
+    with open_runtime(store_url, deadline) as runtime:
+        handle = runtime.start(deadline, soon(600))
+        if how == "clock":
+            wait_timers(runtime, 1)
+            timer.broken.set()
+        wait_until(lambda: runtime.capture(handle.tree_id).root.unknown_effects() != [], "the timer to be unknown")
+        [effect] = runtime.capture(handle.tree_id).root.unknown_effects()
+        assert effect.diagnostic is not None and effect.diagnostic.code == "engine.dispatch.failed"
+        assert says in effect.diagnostic.message
+        assert runtime.timers_waiting() == 0
+        assert runtime.status(handle.tree_id) == "running"  # waiting for a host to resolve it
+
+
+# ---------------------------------------------------------------------------
+# A runtime that closes while its timer waits
+
+
+def test_a_timer_left_waiting_by_a_closed_runtime_is_waited_for_again_by_the_next(store_url: str) -> None:
+    """Closing abandons the waiting timer without recording anything; the next owner waits
+    for the original instant under the same Effect id (same_identity), never unknown."""
+    deadline = compile_deadline("test.deadline")
+    store = EventStore(store_url)
+    try:
+        instant = soon(1.5)
+        with open_runtime(store, deadline) as runtime:
+            handle = runtime.start(deadline, instant, start_id="timer:closed")
+            wait_timers(runtime, 1)
+        assert settled(store, handle.tree_id) == []
+        with open_runtime(store, deadline) as runtime:
+            recover(runtime, handle.tree_id)
+            assert runtime.result(handle.tree_id, WAIT).status == "completed"
+            assert runtime.capture(handle.tree_id).root.unknown_effects() == []
+        [record] = settled(store, handle.tree_id)
+        assert record.event.status == "succeeded" and stamp(record.timestamp) >= stamp(instant)
+        dispatched = [r.event for r in store.read(handle.tree_id) if isinstance(r.event, EffectDispatched)]
+        assert len(dispatched) == 2 and dispatched[0].effect_id == dispatched[1].effect_id == record.event.effect_id
+    finally:
+        store.close()
