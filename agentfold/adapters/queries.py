@@ -485,10 +485,13 @@ class HostQueries:
         """SettledResults of every open round of the tree."""
         run, rows, models = self._rows(tree_id, min_position)
         if not any(p.get("interaction") for p in run["processes"]):
+            root = run["processes"][0]["program"] if run["processes"] else "?"
             raise NotFound(
                 "engine.program.unavailable",
-                f"tree {tree_id} runs no Interaction this store's Programs can bind",
-                hint="results exist for Interaction runs (scenarios, compiled Interactions)",
+                f"tree {tree_id} (root Program {root}) has no Interaction whose Program is bound here: results are "
+                "the settled tool results of an Interaction's rounds",
+                hint=f"a team, race, transform or kernel run has none: look at the run itself (`agentfold show "
+                f"{tree_id}`, GET /runs/{tree_id}); for an Interaction run, bind its Program (docs/python.md)",
             )
         rounds = rows.rounds if rows is not None else models.rounds(str(tree_id))  # type: ignore[union-attr]
         return {"tree_id": tree_id, "rounds": rounds}

@@ -466,7 +466,19 @@ class _Timer:
     driver: _Driver
     job: _Job
     instant: float
+    tick: float  # the longest wait before its clock is read again (TimerDispatcher.TICK_SECONDS)
     done: bool = False  # fired, stopped, or its owner line gave the tree up
+
+
+#: The longest ``TimerDispatcher.TICK_SECONDS`` a runtime accepts (its waits are bounded by it).
+MAX_TIMER_TICK = 3600.0
+
+
+def waits_as_timer(dispatcher: object) -> bool:
+    """Whether a runtime waits for this dispatcher's calls on its timer thread: a
+    TimerDispatcher whose ``dispatch`` is the stock one. A subclass that overrides ``dispatch``
+    is called as an ordinary dispatcher (it blocks a thread and holds a call slot)."""
+    return isinstance(dispatcher, TimerDispatcher) and type(dispatcher).dispatch is TimerDispatcher.dispatch
 
 
 class _Timers:
@@ -492,7 +504,8 @@ class _Timers:
     def add(self, timer: _Timer) -> None:
         with self._cond:
             if self._closed:
-                return  # the runtime is closing: the next owner waits for the instant again
+                timer.done = True  # the runtime is closing: the next owner waits for the instant again
+                return
             self.waiting += 1
             self._push(timer)
             if self._thread is None:
@@ -526,15 +539,27 @@ class _Timers:
             if not math.isfinite(now):
                 raise ValueError(f"the clock read {now}")
             return timer.instant - now
-        except Exception as exc:  # noqa: BLE001 - a clock that fails leaves the outcome unknown
-            return exc
+        except BaseException as exc:  # noqa: BLE001 - a clock that fails leaves the outcome unknown
+            return exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
     def _push(self, timer: _Timer) -> None:
         remaining = self._remaining(timer)
-        wait = min(remaining, float(timer.job.dispatcher.TICK_SECONDS)) if isinstance(remaining, float) else 0.0
+        wait = min(remaining, timer.tick) if isinstance(remaining, float) else 0.0
         heapq.heappush(self._heap, (time.monotonic() + max(0.0, wait), next(self._order), timer))
 
     def _run(self) -> None:
+        quiet_stop_signals()
+        while True:
+            try:
+                self._turn()
+            except BaseException:  # this thread serves every timer of the runtime
+                log.exception("the timer thread failed; it goes on")
+                time.sleep(0.1)
+            if self._closed:
+                return
+
+    def _turn(self) -> None:
+        """Settle the due timers, or wait until the next one is to be looked at."""
         while True:
             with self._cond:
                 if self._closed:
@@ -556,7 +581,10 @@ class _Timers:
                     self._cond.wait(self._heap[0][0] - now if self._heap else None)
                     continue
             for timer, error in due:
-                timer.driver._timer_settled(timer, error)
+                try:
+                    timer.driver._timer_settled(timer, error)
+                except BaseException:  # one timer's failure is not the others'
+                    log.exception("timer of effect %s: its outcome could not be handed over", timer.job.dispatch.effect_id)
 
 
 def _wake(drivers: list[_Driver]) -> None:
@@ -579,10 +607,14 @@ class _Permits:
         self.taken = 0
         self.denied = False
 
-    def __call__(self) -> bool:
+    def __call__(self, process: ProcessState) -> bool:
         runtime = self.driver.runtime
         if runtime._draining:
             return False
+        if runtime._waits_as_timer(process.program):
+            return True  # a timer needs no call slot (``_Timers``)
+        if self.denied:
+            return False  # out of slots for the rest of this advance: no call overtakes the line
         if runtime._slots.take(self.driver):
             self.taken += 1
             return True
@@ -1043,7 +1075,7 @@ class _Driver:
                 self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, "no dispatcher is bound to this program"))
                 continue
             job = _Job(dispatch, dispatcher, request, context, flight)
-            if isinstance(dispatcher, TimerDispatcher):
+            if waits_as_timer(dispatcher):
                 slots.release_flight(flight)  # a timer holds no call slot while it waits
                 self._start_timer(job)
                 continue
@@ -1053,16 +1085,20 @@ class _Driver:
     def _start_timer(self, job: _Job) -> None:
         """Hand a TimerDispatcher's call to the runtime's timer thread (``_Timers``)."""
         try:
+            tick = job.dispatcher.TICK_SECONDS
+            if isinstance(tick, bool) or not isinstance(tick, (int, float)) or not 0 < tick <= MAX_TIMER_TICK:
+                raise TypeError(f"{type(job.dispatcher).__name__}.TICK_SECONDS is {brief_repr(tick)}, not a number "
+                                f"of seconds above 0 and at most {MAX_TIMER_TICK:g}")
             instant = job.dispatcher.due(job.request)
             if isinstance(instant, Settlement):
                 self._timer_done(_settled(job.dispatch, instant))
                 return
             if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
                 raise TypeError(f"due() returned {brief_repr(instant)}, not a finite number of seconds or a Settlement")
-        except Exception as exc:  # noqa: BLE001 - as a dispatcher that raises: the outcome is unknown
+        except BaseException as exc:  # noqa: BLE001 - as a dispatcher that raises: the outcome is unknown
             self._timer_done(_unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}"))
             return
-        timer = _Timer(self, job, float(instant))
+        timer = _Timer(self, job, float(instant), float(tick))
         job.flight.timer = timer
         self.runtime._timers.add(timer)
 
@@ -1079,12 +1115,16 @@ class _Driver:
             try:
                 settlement = job.dispatcher.stopped(job.request) if stopped else job.dispatcher.fired(job.request)
                 done = _settled(job.dispatch, settlement)
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - asyncio.CancelledError too: the outcome is unknown
                 done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
         self._timer_done(done)
 
     def _timer_done(self, done: _Done) -> None:
-        self.runtime.calls_settled.add(done.status.value)
+        runtime = self.runtime
+        runtime.calls_settled.add(done.status.value)
+        crash = runtime.crash
+        if crash is not None and crash.kind == "in-dispatch" and runtime._ordinal.get(done.effect_id) == crash.n:
+            crash.exit()  # the timer gave its outcome; it is not recorded (as a dispatcher's after its call)
         try:
             self.submit(done)
         except RuntimeError:  # the runtime is closing: the next owner waits for the instant again
@@ -1304,6 +1344,7 @@ class Runtime:
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
         self._timers = _Timers()  # TimerDispatcher calls waiting for their instant
+        self._timer_programs: dict[ProgramRef, bool] = {}  # see _waits_as_timer
         self._owner_pool = ThreadPoolExecutor(
             owner_workers, thread_name_prefix="agentfold-owner", initializer=quiet_stop_signals
         )
@@ -1351,6 +1392,19 @@ class Runtime:
 
     def _resolve(self, ref: ProgramRef) -> Program | None:
         return self.catalog.resolve(ref)
+
+    def _waits_as_timer(self, ref: ProgramRef) -> bool:
+        """Whether the calls of this Program wait on the timer thread (no call slot)."""
+        known = self._timer_programs.get(ref)
+        if known is None:
+            try:
+                program = self._resolve(ref)
+            except Exception:  # noqa: BLE001 - an ordinary call: _launch reports the catalog's failure
+                return False
+            known = program is not None and waits_as_timer(program.dispatcher)
+            if program is not None:
+                self._timer_programs[ref] = known
+        return known
 
     def _load(self, tree_id: TreeID) -> LoadedTree:
         """Load a tree with its Programs bound (rebuilding a stored configuration if needed);

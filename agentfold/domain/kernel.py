@@ -279,18 +279,20 @@ class Kernel:
     """Applies the kernel rules to one folded tree with the bound Programs."""
 
     def __init__(
-        self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *, dispatch: bool | Callable[[], bool] = True
+        self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *,
+        dispatch: bool | Callable[[ProcessState], bool] = True,
     ) -> None:
         """``dispatch=False``: grant no dispatch permission (an owner that is shutting down
         records what it still has to, but starts no call: a declared Effect without its
         ``EffectDispatched`` is dispatched by the next owner, never settled unknown).
 
-        ``dispatch`` may also be a function, asked right before each permission would be
-        granted: True grants it (the caller counted one more call in flight), False leaves
-        the Effect declared, to be permitted by a later ``advance`` (a runtime whose calls
-        in flight are at their limit: a permission is only granted when its call can start).
-        Once it has answered False, the rest of that ``advance`` grants no permission and
-        does not ask again (a runtime out of call slots stays out of them meanwhile).
+        ``dispatch`` may also be a function of the Process, asked right before each permission
+        would be granted: True grants it (the caller counted one more call in flight), False
+        leaves the Effect declared, to be permitted by a later ``advance`` (a runtime whose
+        calls in flight are at their limit: a permission is only granted when its call can
+        start). Once it has answered False, the Processes refused by earlier advances are not
+        offered again during that ``advance``; the function is still asked for the others
+        (a runtime out of call slots refuses every call but a timer, which needs none).
         """
         self.tree = tree
         self.programs = programs
@@ -430,8 +432,7 @@ class Kernel:
                 return False
             if record.target == Target.FRAMEWORK:
                 return self._settle_framework(progress, process, record)
-            elif self._denied or not (self.dispatch() if callable(self.dispatch) else self.dispatch):
-                self._denied = callable(self.dispatch)
+            elif not self._permitted(process):
                 self._refused = True
                 return False
             else:
@@ -450,6 +451,15 @@ class Kernel:
             return True
         self._run_step(progress, process)
         return True
+
+    def _permitted(self, process: ProcessState) -> bool:
+        dispatch = self.dispatch
+        if not callable(dispatch):
+            return dispatch
+        if dispatch(process):
+            return True
+        self._denied = True
+        return False
 
     # -- termination ---------------------------------------------------------
 

@@ -181,7 +181,8 @@ class DieAfter:
 # the timer's dispatcher has been entered (its dispatch permission is committed), let it wait
 # ``hold`` seconds, then die. ``after:outcomes``: die right after the append holding the root's
 # first ``outcomes`` Step (a candidate's outcome recorded). ``after:root-terminated``: die right
-# after the append holding the root's termination. Every death is os._exit(75); exit 4: an error.
+# after the append holding the root's termination. ``crash:<point>``: the Runtime's crash plan
+# (``--crash-after``, docs/cli.md). Every death is os._exit(75); exit 4: an error.
 
 
 def _wait(predicate: Any, what: str, timeout: float = HOLD_SECONDS) -> None:
@@ -195,14 +196,15 @@ def _wait(predicate: Any, what: str, timeout: float = HOLD_SECONDS) -> None:
 def main(argv: list[str]) -> int:
     from agentfold.adapters.catalog import Catalog
     from agentfold.adapters.eventstore import EventStore
-    from agentfold.adapters.runtime import Runtime
+    from agentfold.adapters.runtime import CrashPlan, Runtime
 
     url, name, start_id, seconds, mode = argv
     program = build(name)
     store = EventStore(url)
     if mode.startswith("after:"):
         DieAfter(store, mode.removeprefix("after:"))
-    runtime = Runtime(store, Catalog([program]), poll_interval=0)
+    crash = CrashPlan.parse(mode.removeprefix("crash:")) if mode.startswith("crash:") else None
+    runtime = Runtime(store, Catalog([program]), poll_interval=0, crash=crash)
     try:
         input = input_for(name, instant_in(float(seconds)))
         P.log("input", input)

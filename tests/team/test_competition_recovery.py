@@ -193,6 +193,38 @@ def test_a_deadline_cut_while_its_timer_waits_fires_at_its_original_instant(dura
     assert done.event.status == "completed" and done.event.cause == "completion"
 
 
+def test_a_deadline_cut_after_its_timer_fired_and_before_it_was_recorded_fires_again(durable_store_url: str) -> None:
+    """Crash point ``in-dispatch:1`` on a timer: the child dies right after its timer fired,
+    before the outcome was recorded. Recovery dispatches the timer again under the same Effect
+    id; its instant has passed, so it fires at once: completed, no unknown Effect."""
+    start_id = "start:deadline-fired"
+    crash(durable_store_url, "deadline", start_id, 0.5, "crash:in-dispatch:1")
+    instant = C.timestamp(started_input())
+    [fired] = P.entries("timer-returned")
+    assert fired["status"] == "succeeded" and fired["pid"] != os.getpid() and fired["at"] >= instant
+    tree_id = TreeID.for_start(start_id)  # type: ignore[arg-type]
+    program = C.build("deadline")
+    store = EventStore(durable_store_url)
+    try:
+        assert of_type(store.read(tree_id), EffectSettled) == []  # the child died before recording it
+        with open_runtime(store, program) as runtime:
+            recovered_at = time.time()
+            recover(runtime, tree_id)
+            result, seen_at, _ = finish(runtime, tree_id)
+        records = store.read(tree_id)
+    finally:
+        store.close()
+    assert_completed_on_time(result, seen_at, instant, recovered_at)
+    [declared] = of_type(records, EffectDeclared)
+    first, second = of_type(records, EffectDispatched, effect_id=declared.event.effect_id)
+    [activated] = of_type(records, WriterActivated)
+    assert first.position < activated.position < second.position
+    [settled] = of_type(records, EffectSettled)
+    assert settled.event.status == "succeeded" and settled.event.attempt_id == second.event.attempt_id
+    there, here = P.entries("timer-returned")  # each owner's timer fired once
+    assert (there["pid"], here["pid"]) == (fired["pid"], os.getpid()) and here["status"] == "succeeded"
+
+
 # ---------------------------------------------------------------------------
 # b. A race cut after its candidates started and before its winner was chosen
 

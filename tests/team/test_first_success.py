@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
 from agentfold.adapters.team import (
     FIRST_COMPLETED,
     DeadlineDispatcher,
@@ -513,3 +514,17 @@ def test_tree_limits_narrower_than_the_race_are_refused_naming_its_setting(tmp_p
             assert store.tree_ids() == []
     finally:
         store.close()
+
+
+def test_results_of_a_run_without_an_interaction_say_so_and_where_to_look(store_url: str) -> None:
+    """``results`` (settled tool results per round) exist only for Interactions: asked of a
+    Deadline run, the refusal names the run's root Program and says to look at the run itself."""
+    program = compile_deadline("test.deadline")
+    with open_runtime(store_url, program) as runtime:
+        handle = runtime.start(program, soon(0))
+        assert handle.result(WAIT).status == "completed"
+        with pytest.raises(AgentfoldError) as refused:
+            Host(runtime).results(str(handle.tree_id))
+        assert refused.value.code == "engine.program.unavailable"
+        assert "(root Program test.deadline) has no Interaction" in refused.value.message
+        assert f"agentfold show {handle.tree_id}" in (refused.value.hint or "")

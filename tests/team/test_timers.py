@@ -11,6 +11,7 @@ never comes within ``WAIT``, or the wrong winner). Real stores: memory, SQLite, 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -161,7 +162,8 @@ def test_a_clock_set_forward_is_followed_while_the_timer_waits(store_url: str) -
 
 
 class BrokenTimer(TimerDispatcher):
-    """``due`` raising, returning something that is no instant, or a clock that fails."""
+    """``due`` raising, returning something that is no instant, a clock that fails, ``fired``
+    raising what is no Exception, or a tick of 0 (which would spin)."""
 
     TICK_SECONDS = 0.05
 
@@ -169,6 +171,8 @@ class BrokenTimer(TimerDispatcher):
         super().__init__(self._clock)
         self.how = how
         self.broken = threading.Event()
+        if how == "tick":
+            self.TICK_SECONDS = 0
 
     def _clock(self) -> float:
         if self.broken.is_set():
@@ -180,18 +184,29 @@ class BrokenTimer(TimerDispatcher):
             raise RuntimeError("no instant")
         if self.how == "garbage":
             return "tomorrow"  # type: ignore[return-value]
+        if self.how == "fired":
+            return time.time() + 0.2
         return time.time() + 600
+
+    def fired(self, request: EffectRequest) -> Settlement:
+        if self.how == "fired":
+            raise asyncio.CancelledError("the loop went away")
+        return super().fired(request)
 
 
 @pytest.mark.parametrize(("how", "says"), [
     ("raises", "RuntimeError: no instant"),
     ("garbage", "not a finite number of seconds"),
     ("clock", "the timer's clock failed: OSError: the clock is gone"),
+    ("fired", "CancelledError: the loop went away"),
+    ("tick", "BrokenTimer.TICK_SECONDS is 0, not a number of seconds above 0"),
 ])
 def test_a_timer_that_cannot_tell_its_outcome_leaves_it_unknown(store_url: str, how: str, says: str) -> None:
+    """And the timer thread goes on: a plain Deadline started afterwards fires."""
     timer = BrokenTimer(how)
     deadline = compile_deadline("test.deadline", dispatcher=timer)  # type: ignore[arg-type]
-    with open_runtime(store_url, deadline) as runtime:
+    plain = compile_deadline("test.plain")
+    with open_runtime(store_url, deadline, plain) as runtime:
         handle = runtime.start(deadline, soon(600))
         if how == "clock":
             wait_timers(runtime, 1)
@@ -202,6 +217,52 @@ def test_a_timer_that_cannot_tell_its_outcome_leaves_it_unknown(store_url: str, 
         assert says in effect.diagnostic.message
         assert runtime.timers_waiting() == 0
         assert runtime.status(handle.tree_id) == "running"  # waiting for a host to resolve it
+        assert runtime.start(plain, soon(0.2)).result(WAIT).status == "completed"
+
+
+class OldStyleTimer(DeadlineDispatcher):
+    """Overrides ``dispatch`` (as a timer written before TimerDispatcher would): it is called."""
+
+    def dispatch(self, request: Any, context: Any) -> Settlement:
+        return Settlement.failed({"error": "no clock here"})
+
+
+def test_a_timer_that_overrides_dispatch_is_called_as_an_ordinary_dispatcher(store_url: str) -> None:
+    program = compile_deadline("test.deadline", dispatcher=OldStyleTimer())
+    with open_runtime(store_url, program) as runtime:
+        result = runtime.start(program, soon(600)).result(WAIT)
+        assert result.status == "failed"
+        assert result.termination["failure"]["code"] == "coordination.deadline.interrupted"
+
+
+RELEASE = threading.Event()
+
+
+def slow_fn(text: Any) -> Any:
+    RELEASE.wait(WAIT)
+    return f"slow: {text}"
+
+
+def test_a_deadline_starts_and_fires_while_every_call_slot_is_busy(store_url: str) -> None:
+    """One call slot, taken by a slow call: a Deadline is still dispatched at once (its
+    permission needs no slot) and fires at its instant while the slow call runs on."""
+    deadline = compile_deadline("test.deadline")
+    slow = transform(TransformConfig(name="test.slow", fn=slow_fn, identity="test.slow/1"))
+    RELEASE.clear()
+    try:
+        with open_runtime(store_url, deadline, slow, dispatch_workers=1) as runtime:
+            busy = runtime.start(slow, "work")
+            wait_until(lambda: runtime.dispatches_running() == 1, "the slow call to run")
+            instant = soon(1.0)
+            handle = runtime.start(deadline, instant)
+            assert handle.result(WAIT).status == "completed"
+            [record] = settled(runtime.store, handle.tree_id)
+            assert 0 <= stamp(record.timestamp) - stamp(instant) < 2.0
+            assert runtime.status(busy.tree_id) == "running" and runtime.runs_waiting_for_calls() == 0
+            RELEASE.set()
+            assert busy.result(WAIT).output == "slow: work"
+    finally:
+        RELEASE.set()
 
 
 # ---------------------------------------------------------------------------
