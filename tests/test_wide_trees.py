@@ -371,16 +371,21 @@ def test_kernel_time_grows_linearly_with_the_fan_out() -> None:
     assert ratio < 8, f"advance time x{ratio:.1f} for 4x the children: quadratic"
 
 
-def test_a_refused_permission_is_asked_once_per_advance() -> None:
-    """Once the dispatch function has said no (no free call slot), the rest of the advance
-    grants no permission and does not ask again (it was asked once per waiting child and
-    pass: 20,000 times for 200 children)."""
-    asked: list[bool] = []
+def test_a_refused_permission_is_asked_once_per_child_then_once_per_advance() -> None:
+    """The dispatch function is asked with the Process (a runtime grants a timer's permission
+    without a call slot, docs/team.md): once it has said no, each other child is asked once,
+    when it first reaches its call (200 for 200 children, not once per child and pass:
+    20,000), and the next advance asks once for all the children refused before (the first
+    refusal ends it)."""
+    asked: list[Any] = []
 
-    def no_slot() -> bool:
-        asked.append(False)
+    def no_slot(process: Any) -> bool:
+        asked.append(process.process_id)
         return False
 
     _, tree = kernel_fan_out(200, no_slot)
-    assert len(asked) == 1
+    assert len(asked) == len(set(asked)) == 200
     assert sum(1 for p in tree.live.values() if p.batch and p.batch[0].phase == "planned") == 200
+    asked.clear()
+    progress = Kernel(tree, Catalog([FAN]).resolve, RandomIds(), dispatch=no_slot).advance(max_events=10**9)
+    assert progress.dispatches == [] and len(asked) == 1
