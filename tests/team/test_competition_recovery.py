@@ -107,6 +107,23 @@ def assert_completed_on_time(result: Any, seen_at: float, instant: float, recove
         f"the result came {seen_at - instant:+.3f}s from the instant")
 
 
+def recover_deadline(url: str, start_id: str) -> tuple[list[Any], Any, float, float, Any, list[Any]]:
+    """Recover the dead child's Deadline run here: (its records before, result, when seen,
+    when recovery began, the settled tree, its records after). It was still running."""
+    tree_id = TreeID.for_start(start_id)  # type: ignore[arg-type]
+    store = EventStore(url)
+    try:
+        stored = store.read(tree_id)
+        with open_runtime(store, C.build("deadline")) as runtime:
+            assert runtime.capture(tree_id).root.status == "running"
+            recovered_at = time.time()
+            recover(runtime, tree_id)
+            result, seen_at, tree = finish(runtime, tree_id)
+        return stored, result, seen_at, recovered_at, tree, store.read(tree_id)
+    finally:
+        store.close()
+
+
 def started_input() -> Any:
     [value] = P.entries("input")
     return value
@@ -170,20 +187,8 @@ def test_a_deadline_cut_while_its_timer_waits_fires_at_its_original_instant(dura
     assert P.entries("timer-returned") == []  # the dead child's timer never fired
     [died] = P.entries("died-after")
     assert died["at"] - entered["at"] >= 2.0 and died["at"] < instant  # it died while its timer waited
-    tree_id = TreeID.for_start(start_id)  # type: ignore[arg-type]
-    program = C.build("deadline")
-    store = EventStore(durable_store_url)
-    try:
-        records = store.read(tree_id)
-        assert len(of_type(records, EffectDispatched)) == 1 and of_type(records, EffectSettled) == []
-        with open_runtime(store, program) as runtime:
-            assert runtime.capture(tree_id).root.status == "running"
-            recovered_at = time.time()
-            recover(runtime, tree_id)
-            result, seen_at, tree = finish(runtime, tree_id)
-        records = store.read(tree_id)
-    finally:
-        store.close()
+    stored, result, seen_at, recovered_at, tree, records = recover_deadline(durable_store_url, start_id)
+    assert len(of_type(stored, EffectDispatched)) == 1 and of_type(stored, EffectSettled) == []
     assert_completed_on_time(result, seen_at, instant, recovered_at)
     assert result.output == parse_instant(given) == entered["deadline"]
     check_timer_replayed(records, tree.root.process_id, instant)
@@ -202,18 +207,8 @@ def test_a_deadline_cut_after_its_timer_fired_and_before_it_was_recorded_fires_a
     instant = C.timestamp(started_input())
     [fired] = P.entries("timer-returned")
     assert fired["status"] == "succeeded" and fired["pid"] != os.getpid() and fired["at"] >= instant
-    tree_id = TreeID.for_start(start_id)  # type: ignore[arg-type]
-    program = C.build("deadline")
-    store = EventStore(durable_store_url)
-    try:
-        assert of_type(store.read(tree_id), EffectSettled) == []  # the child died before recording it
-        with open_runtime(store, program) as runtime:
-            recovered_at = time.time()
-            recover(runtime, tree_id)
-            result, seen_at, _ = finish(runtime, tree_id)
-        records = store.read(tree_id)
-    finally:
-        store.close()
+    stored, result, seen_at, recovered_at, _, records = recover_deadline(durable_store_url, start_id)
+    assert of_type(stored, EffectSettled) == []  # the child died before recording it
     assert_completed_on_time(result, seen_at, instant, recovered_at)
     [declared] = of_type(records, EffectDeclared)
     first, second = of_type(records, EffectDispatched, effect_id=declared.event.effect_id)

@@ -358,8 +358,17 @@ class RefusingTimer(DeadlineDispatcher):
         return Settlement.failed({"error": "no clock here"})
 
 
-def test_a_timer_that_returns_early_fails_the_deadline_as_interrupted(store_url: str) -> None:
-    program = compile_deadline("test.deadline", dispatcher=RefusingTimer())
+class OldStyleTimer(DeadlineDispatcher):
+    """Overrides ``dispatch`` (a timer written before TimerDispatcher): it is called, as an
+    ordinary dispatcher (docs/team.md)."""
+
+    def dispatch(self, request: Any, context: Any) -> Settlement:
+        return Settlement.failed({"error": "no clock here"})
+
+
+@pytest.mark.parametrize("timer", [RefusingTimer, OldStyleTimer])
+def test_a_timer_that_returns_early_fails_the_deadline_as_interrupted(store_url: str, timer: Any) -> None:
+    program = compile_deadline("test.deadline", dispatcher=timer())
     with open_runtime(store_url, program) as runtime:
         result = runtime.start(program, soon(60)).result(WAIT)
         assert result.status == "failed"

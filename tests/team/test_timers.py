@@ -220,21 +220,6 @@ def test_a_timer_that_cannot_tell_its_outcome_leaves_it_unknown(store_url: str, 
         assert runtime.start(plain, soon(0.2)).result(WAIT).status == "completed"
 
 
-class OldStyleTimer(DeadlineDispatcher):
-    """Overrides ``dispatch`` (as a timer written before TimerDispatcher would): it is called."""
-
-    def dispatch(self, request: Any, context: Any) -> Settlement:
-        return Settlement.failed({"error": "no clock here"})
-
-
-def test_a_timer_that_overrides_dispatch_is_called_as_an_ordinary_dispatcher(store_url: str) -> None:
-    program = compile_deadline("test.deadline", dispatcher=OldStyleTimer())
-    with open_runtime(store_url, program) as runtime:
-        result = runtime.start(program, soon(600)).result(WAIT)
-        assert result.status == "failed"
-        assert result.termination["failure"]["code"] == "coordination.deadline.interrupted"
-
-
 RELEASE = threading.Event()
 
 
