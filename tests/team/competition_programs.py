@@ -38,7 +38,6 @@ from agentfold.domain.requests import EffectRequest, Settlement
 from tests.team import programs as P
 
 CRASH_EXIT = 75
-HOLD_SECONDS = 30.0
 REJECTED = "reject"
 
 
@@ -185,14 +184,6 @@ class DieAfter:
 # (``--crash-after``, docs/cli.md). Every death is os._exit(75); exit 4: an error.
 
 
-def _wait(predicate: Any, what: str, timeout: float = HOLD_SECONDS) -> None:
-    deadline_at = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline_at:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def main(argv: list[str]) -> int:
     from agentfold.adapters.catalog import Catalog
     from agentfold.adapters.eventstore import EventStore
@@ -210,11 +201,11 @@ def main(argv: list[str]) -> int:
         P.log("input", input)
         handle = runtime.start(program, input, start_id=start_id)
         if mode.startswith("timer-waits:"):
-            _wait(lambda: P.entries("timer"), "the timer to be dispatched")
+            P.wait_for(lambda: P.entries("timer"), "the timer to be dispatched")
             time.sleep(float(mode.removeprefix("timer-waits:")))
             P.log("died-after", {"what": "timer-waits", "at": time.time()})
             os._exit(CRASH_EXIT)
-        result = handle.result(timeout=HOLD_SECONDS)
+        result = handle.result(timeout=P.HOLD_SECONDS)
         print(json.dumps({"status": result.status, "output": result.output}))
         return 0
     finally:

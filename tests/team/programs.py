@@ -317,7 +317,8 @@ def build(name: str) -> Program:
 # turn 2's call is still in flight. Exit 4: any other error.
 
 
-def _wait(predicate: Any, what: str, timeout: float = HOLD_SECONDS) -> None:
+def wait_for(predicate: Any, what: str, timeout: float = HOLD_SECONDS) -> None:
+    """Poll ``predicate`` until true; TimeoutError naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -343,8 +344,8 @@ def main(argv: list[str]) -> int:
                 return next((p for p in runtime.capture(handle.tree_id).processes.values()
                              if p.child_key == "input"), None)
 
-            _wait(lambda: entries("entered") == ["turn 2"], "turn 2 to be held")
-            _wait(lambda: gate() is not None and gate().current_wait is not None, "the gate to wait")
+            wait_for(lambda: entries("entered") == ["turn 2"], "turn 2 to be held")
+            wait_for(lambda: gate() is not None and gate().current_wait is not None, "the gate to wait")
             answered = gate()
             runtime.deliver_signals(answered.process_id,
                                     [SignalRequest("signal:during-decision", "answer", answered.current_wait)])
@@ -353,7 +354,7 @@ def main(argv: list[str]) -> int:
                 root = runtime.capture(handle.tree_id).root
                 return bool(gate().terminal and root.pending_count == 0 and root.current_wait is not None)
 
-            _wait(consumed, "the collaboration to consume the gate's outcome")
+            wait_for(consumed, "the collaboration to consume the gate's outcome")
             os._exit(75)
         result = handle.result(timeout=HOLD_SECONDS)
         print(json.dumps({"status": result.status, "output": result.output}))

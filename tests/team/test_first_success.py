@@ -80,6 +80,19 @@ def answer(runtime: Any, tree_id: Any, key: str, text: str) -> None:
     assert runtime.deliver_signals(process.process_id, [SignalRequest(f"signal:{key}", text, process.current_wait)])
 
 
+def refused_at_start(tmp_path: Any, program: Any, value: Any, start_id: str) -> tuple[AgentfoldError, list[Any], list[Any]]:
+    """Start ``program`` with ``value`` on a fresh SQLite store, which must be refused: the
+    error, then what the store holds (its trees, the events of ``start_id``'s tree)."""
+    store = EventStore(f"sqlite:///{tmp_path / 'refused.db'}")
+    try:
+        with open_runtime(store, program) as runtime:
+            with pytest.raises(AgentfoldError) as caught:
+                runtime.start(program, value, start_id=start_id)
+        return caught.value, store.tree_ids(), store.read(TreeID.for_start(start_id))
+    finally:
+        store.close()
+
+
 def soon(seconds: float) -> str:
     return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
 
@@ -213,18 +226,12 @@ def test_a_deadline_candidate_bounds_how_long_the_others_may_take(store_url: str
 )
 def test_bad_candidates_are_refused_and_nothing_is_stored(tmp_path: Any, candidates: Any, needle: str) -> None:
     program = race(gate("gate.a"), gate("gate.b"), max_candidates=2)
-    store = EventStore(f"sqlite:///{tmp_path / 'race.db'}")
-    try:
-        with open_runtime(store, program) as runtime:
-            with pytest.raises(AgentfoldError) as caught:
-                runtime.start(program, candidates, start_id="race:bad")
-            # the input schema, then the Program's own checks (the Strategy's initial)
-            assert caught.value.code in ("engine.start.input_invalid", "engine.process.start.failed"), caught.value
-            assert needle in str(caught.value)
-            assert store.read(TreeID.for_start("race:bad")) == []
-            assert store.tree_ids() == []
-    finally:
-        store.close()
+    error, trees, events = refused_at_start(tmp_path, program, candidates, "race:bad")
+    # the input schema, then the Program's own checks (the Strategy's initial)
+    assert error.code in ("engine.start.input_invalid", "engine.process.start.failed"), error
+    assert needle in str(error)
+    assert events == []
+    assert trees == []
 
 
 def test_compile_refuses_a_bad_configuration() -> None:
@@ -378,17 +385,10 @@ def test_a_timer_that_returns_early_fails_the_deadline_as_interrupted(store_url:
 
 @pytest.mark.parametrize("value", ["2026-12-03T06:00:00", "tomorrow", 1700000000, None, "2026-13-03T06:00:00Z"])
 def test_a_bad_deadline_is_refused_and_nothing_is_stored(tmp_path: Any, value: Any) -> None:
-    program = compile_deadline("test.deadline")
-    store = EventStore(f"sqlite:///{tmp_path / 'deadline.db'}")
-    try:
-        with open_runtime(store, program) as runtime:
-            with pytest.raises(AgentfoldError) as caught:
-                runtime.start(program, value, start_id="deadline:bad")
-            assert caught.value.code in ("engine.start.input_invalid", "engine.process.start.failed"), caught.value
-            assert "deadline" in str(caught.value)
-            assert store.tree_ids() == []
-    finally:
-        store.close()
+    error, trees, _ = refused_at_start(tmp_path, compile_deadline("test.deadline"), value, "deadline:bad")
+    assert error.code in ("engine.start.input_invalid", "engine.process.start.failed"), error
+    assert "deadline" in str(error)
+    assert trees == []
 
 
 def test_the_timer_is_replayed_under_its_identity_and_only_a_valid_one() -> None:
