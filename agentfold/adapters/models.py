@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -215,6 +213,11 @@ class OpenAIChatModel:
         return body
 
     def call(self, request: ModelRequest) -> dict[str, Any]:
+        # Imported here: urllib.request brings http.client, ssl and email (~20 ms), which every
+        # command line would pay for a model it never calls.
+        import urllib.error
+        import urllib.request
+
         data = json.dumps(self.payload(request)).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:

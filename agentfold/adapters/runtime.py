@@ -18,7 +18,6 @@ unknown and waits for a host (``resolve_unknown_effect``).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import heapq
 import inspect
@@ -27,6 +26,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -1149,7 +1149,10 @@ class _Driver:
             # asyncio.CancelledError (a dispatcher bridging to an event loop), SystemExit, ...: left
             # to escape, it ended this thread without a settlement, and the Effect stayed in flight
             # under a live owner for good (nobody else may recover a tree whose lease is held).
-            cancelled = isinstance(exc, asyncio.CancelledError) or context.cancelled.is_set()
+            # asyncio is looked up, not imported: a process that never imported it cannot have raised
+            # its CancelledError, and every command line would pay the import (~20 ms).
+            asyncio = sys.modules.get("asyncio")
+            cancelled = (asyncio is not None and isinstance(exc, asyncio.CancelledError)) or context.cancelled.is_set()
             code = EngineCode.DISPATCH_CANCELED if cancelled else EngineCode.DISPATCH_PANICKED
             done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
         finally:
