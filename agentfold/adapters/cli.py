@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -131,6 +131,17 @@ class Context:
     store_url: str
     sources: ProgramSources
     timeout: float
+    # The timers each tree was left waiting for when this command stopped driving it
+    # (``wait_parked``): (effect id, seconds until due), reported in its summary.
+    timers: dict[TreeID, list[tuple[EffectID, float]]] = field(default_factory=dict)
+
+    def summary(self, tree: TreeState) -> dict[str, JSON]:
+        """``tree_summary`` and, when this command left the tree waiting for timers, ``timers``."""
+        summary = tree_summary(tree)
+        timers = self.timers.get(tree.tree_id) if tree.tree_id is not None else None
+        if timers and tree.classification() == "progress":
+            summary["timers"] = [{"effect_id": e, "due_in_seconds": round(left, 3)} for e, left in timers]
+        return summary
 
     def open_store(self, *, create: bool = False) -> EventStore:
         """Open the store. Unless ``create``, nothing is created: a missing SQLite file or a
@@ -213,6 +224,11 @@ def _summary_text(summary: Mapping[str, Any]) -> str:
         f"{summary['tree_id']} (start {summary['start_id']}): root {summary['status']}, "
         f"tree {summary['classification']}"
     )
+    timers = summary.get("timers") or []
+    if timers:
+        first = min(t["due_in_seconds"] for t in timers)
+        text += (f"; waiting for {len(timers)} timer(s), the first due in {first:g} s: a running `{PROG} serve`, "
+                 f"or `{PROG} recover` once it is due, fires it (its instant is recorded)")
     if unknown and summary["classification"] == "terminal":
         # The tree ended: they can no longer be resolved (they stay as evidence).
         text += f"; unresolved unknown effects (evidence, no longer resolvable): {', '.join(unknown)}"
@@ -408,7 +424,7 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
             f"resolved {effect_id}")
     finally:
         store.close()
-    summary = tree_summary(tree)
+    summary = ctx.summary(tree)
     data = {
         "effect_id": effect_id,
         "process_id": process_id,
@@ -433,18 +449,29 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
     wait, declared, for the next owner, which calls them (they are not unknown). If the tree
     parked or ended within the grace, that is the answer; otherwise TimeoutError."""
     try:
-        return runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False)
+        return _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False, past_timers=True))
     except TimeoutError:
         pass
     return _after_drain(ctx, runtime, tree_id, runtime.drain(CALLS_GRACE))
 
 
+def _parked(ctx: Context, runtime: Runtime, tree_id: TreeID, tree: TreeState) -> TreeState:
+    """A tree a wait returned: when it is left only waiting for timers due after the command's
+    time (``Runtime.wait_idle(past_timers=True)``), they are noted for its summary. Nothing is
+    lost when the command exits: the next owner waits for the same instants."""
+    if tree.classification() == "progress":
+        timers = runtime.waiting_timers(tree_id)
+        if timers:
+            ctx.timers[tree_id] = timers
+    return tree
+
+
 def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool) -> TreeState:
     if drained:
-        tree = runtime.wait_idle(tree_id, 1.0, elsewhere=False)
-        if tree.classification() != "progress":
-            return tree
+        tree = _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, 1.0, elsewhere=False, past_timers=True))
         waiting = sum(1 for p in tree.live.values() for r in p.batch if r.phase == "planned")
+        if tree.classification() != "progress" or (not waiting and tree_id in ctx.timers):
+            return tree
         raise TimeoutError(f"tree {tree_id} was still working after {ctx.timeout:g} s; the calls under way were "
                            f"recorded and {waiting} declared effect(s) were not started (the next owner starts them)")
     running = runtime.dispatches_running() + runtime.timers_waiting()
@@ -511,7 +538,7 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
             late: list[tuple[TreeHead, TreeID]] = []
             for head, tree_id in adopted:
                 try:
-                    tree = runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False)
+                    tree = _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False, past_timers=True))
                 except TimeoutError:
                     late.append((head, tree_id))
                     continue
@@ -519,7 +546,7 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                     failed = True
                     entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
                     continue
-                entries.append({**tree_summary(tree), "outcome": "recovered"})
+                entries.append({**ctx.summary(tree), "outcome": "recovered"})
             drained = runtime.drain(CALLS_GRACE) if late else True
             for head, tree_id in late:
                 try:
@@ -529,7 +556,7 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                     entries.append({**_head_summary(head), "outcome": "error",
                                     "error": {"code": "cli.timeout", "message": str(exc)}})
                     continue
-                entries.append({**tree_summary(tree), "outcome": "recovered"})
+                entries.append({**ctx.summary(tree), "outcome": "recovered"})
     finally:
         store.close()
     order = {h.tree_id: i for i, h in enumerate(heads)}
@@ -588,7 +615,7 @@ def cmd_kernel_demo_run(ctx: Context, args: argparse.Namespace) -> Outcome:
             tree = wait_parked(ctx, runtime, handle.tree_id)
     finally:
         store.close()
-    summary = tree_summary(tree)
+    summary = ctx.summary(tree)
     text = "kernel demo " + _summary_text(summary)
     if tree.root.status == "completed":
         text += f"\noutput: {_short(tree.root.output, 400)}"
@@ -609,7 +636,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     finally:
         store.close()
     data = {"tree_id": tree.tree_id, "root_process_id": tree.root.process_id, "status": tree.root.status}
-    summary = tree_summary(tree)
+    summary = ctx.summary(tree)
     text = f"run {doc['name']}: " + _summary_text(summary)
     pending = pending_tool_inputs(tree)
     if pending:
@@ -662,7 +689,7 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
             ctx, store, tree_id, lambda runtime: deliver_answer(runtime, tree_id, process_id, signal), f"answered {wait_id}")
     finally:
         store.close()
-    summary = tree_summary(after)
+    summary = ctx.summary(after)
     data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "wait_id": wait_id,
             "driven": driven, "tree": summary}
     verb = "answered" if accepted else "already answered with this signal id (nothing changed)"
@@ -679,7 +706,7 @@ def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
             ctx, store, tree_id, lambda runtime: runtime.deliver_signals(process_id, [signal]), f"steered {process_id}")
     finally:
         store.close()
-    summary = tree_summary(after)
+    summary = ctx.summary(after)
     data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "driven": driven, "tree": summary}
     verb = "steering queued for the next model request" if accepted else "this steering was already admitted"
     return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary) + _owner_note(driven))
@@ -712,7 +739,7 @@ def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
             ctx, store, tree_id, lambda runtime: runtime.cancel(process_id, args.reason), f"canceled {process_id}")
     finally:
         store.close()
-    summary = tree_summary(after)
+    summary = ctx.summary(after)
     data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
     return Outcome(data, ("cancellation recorded" if recorded else "already canceling") + "\n"
                    + _summary_text(summary) + _owner_note(driven))
@@ -738,7 +765,7 @@ def _pause_or_resume(ctx: Context, args: argparse.Namespace, control: str) -> Ou
         recorded, after, driven = _admit_and_drive(ctx, store, tree_id, admit, f"{control}d {process_id}")
     finally:
         store.close()
-    summary = tree_summary(after)
+    summary = ctx.summary(after)
     data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
     said = {("pause", True): "pause recorded", ("pause", False): "already paused",
             ("resume", True): "resume recorded"}.get((control, recorded), "nothing changed")

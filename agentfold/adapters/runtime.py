@@ -1165,6 +1165,39 @@ class _Driver:
             crash.exit()
         return done
 
+    def drained(self, seconds: float) -> bool:
+        """Nothing under way that could still be recorded within ``seconds`` (``Runtime.drain``):
+        no call in flight but timers due later, nothing to append."""
+        if not self.flights:
+            return not self._inbox and not self._scheduled
+        # Effects waiting for a call slot are none of it: no permission is granted any more.
+        return self.far_timers(seconds, replayed=False) is not None
+
+    def far_timers(self, seconds: float, *, replayed: bool) -> list[tuple[EffectID, float]] | None:
+        """When this owner line has nothing under way but waiting timers each due more than
+        ``seconds`` from now (by its dispatcher's clock): ``(effect id, seconds until due)`` for
+        each; otherwise None. ``replayed``: only timers the next owner makes again (replay policy
+        ``same_identity``) count; another one would be recorded unknown when abandoned. Declared
+        Effects waiting for a call slot (``waiting_slot``) are the caller's to weigh."""
+        flights = list(self.flights.values())  # one copy: the owner line may change the map meanwhile
+        if not flights or self._inbox or self._scheduled:
+            return None
+        timers: list[tuple[EffectID, float]] = []
+        for flight in flights:
+            timer = flight.timer
+            if timer is None or timer.done:
+                return None
+            if replayed:
+                process = self.tree.processes.get(flight.process_id)
+                record = process.effect(flight.effect_id) if process is not None else None
+                if record is None or record.replay != "same_identity":
+                    return None
+            left = _Timers._remaining(timer)
+            if not isinstance(left, float) or left <= seconds:
+                return None
+            timers.append((flight.effect_id, left))
+        return timers
+
     def _cancel_stopping_flights(self) -> None:
         now = time.monotonic()
         for flight in list(self.flights.values()):
@@ -2057,7 +2090,8 @@ class Runtime:
                 raise TimeoutError(f"tree {tree_id} is not finished")
             time.sleep(0.05)
 
-    def wait_idle(self, tree: TreeID | str, timeout: float = 30.0, *, elsewhere: bool = True) -> TreeState:
+    def wait_idle(self, tree: TreeID | str, timeout: float = 30.0, *, elsewhere: bool = True,
+                  past_timers: bool = False) -> TreeState:
         """Wait until the tree has nothing left to do now; its folded state.
 
         The tree is then terminal or parked (waiting for input, paused, or blocked on
@@ -2066,6 +2100,11 @@ class Runtime:
         the store (another runtime drives it; a tree nobody drives ends in TimeoutError);
         with ``elsewhere=False`` its stored state is returned at once (the CLI and the HTTP
         API answer a run another process owns as stored).
+
+        ``past_timers``: a tree whose only calls under way are timers due after ``timeout``
+        that the next owner makes again (replay policy ``same_identity``, a Deadline's) is
+        returned at once, its timers still in flight: nothing happens before their instants
+        (``waiting_timers`` says when). For an owner that stops waiting at ``timeout``.
         """
         tree_id = self._tree_ref(tree)
         deadline = time.monotonic() + timeout
@@ -2083,9 +2122,9 @@ class Runtime:
                         raise failed
                     break  # closed or released meanwhile: the store answers (below)
                 quiet = driver.idle and not driver.flights and not driver._scheduled
-                if quiet:
-                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
                 remaining = deadline - time.monotonic()
+                if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(remaining, replayed=True)):
+                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")
                 driver.cond.wait(min(remaining, 0.05))
@@ -2450,14 +2489,15 @@ class Runtime:
         never made, which recovery also records unknown. Draining first records what returns
         within the grace; the Steps it commits keep their Effects declared, without a dispatch
         permission, and the next owner dispatches them (no unknown). A call still in flight
-        at the end is abandoned by ``close`` as before.
+        at the end is abandoned by ``close`` as before. A timer due after the grace cannot
+        return within it and is not waited for (a Deadline's is made again by the next owner).
         """
         self.stop_dispatching()
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             with self._lock:
                 drivers = [d for d in self._drivers.values() if d.stopped is None]
-            if not any(d.flights or d._inbox or d._scheduled for d in drivers):
+            if all(d.drained(deadline - time.monotonic()) for d in drivers):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -2471,6 +2511,21 @@ class Runtime:
     def runs_waiting_for_calls(self) -> int:
         """Runs whose next call waits for a free call slot (``dispatch_workers`` are in flight)."""
         return self._slots.waiting()
+
+    def waiting_timers(self, tree: TreeID | str) -> list[tuple[EffectID, float]]:
+        """The timers of ``tree`` waiting in this runtime: ``(effect id, seconds until due by
+        its dispatcher's clock)`` each, soonest first (a clock that fails reads as 0)."""
+        tree_id = self._tree_ref(tree)
+        driver = self._drivers.get(tree_id)
+        if driver is None:
+            return []
+        with driver.lock:
+            timers = []
+            for flight in list(driver.flights.values()):
+                if flight.timer is not None and not flight.timer.done:
+                    left = _Timers._remaining(flight.timer)
+                    timers.append((flight.effect_id, left if isinstance(left, float) else 0.0))
+        return sorted(timers, key=lambda t: t[1])
 
     def timers_waiting(self) -> int:
         """TimerDispatcher calls waiting for their instant (they hold no call slot)."""

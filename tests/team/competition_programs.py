@@ -1,5 +1,6 @@
 """Programs for the FirstSuccess and Deadline crash tests, built identically in the test process
-and in the crash subprocess (``python -m tests.team.competition_programs``).
+and in the crash subprocess (``python -m tests.team.competition_programs``; with ``cli ARGS``, the
+console script of a deployment that binds them).
 
 * :func:`deadline` is a Deadline whose timer is :class:`LoggedTimer`: the stock
   ``DeadlineDispatcher`` that also appends one line per dispatch (``timer``) and per return
@@ -184,7 +185,17 @@ class DieAfter:
 # (``--crash-after``, docs/cli.md). Every death is os._exit(75); exit 4: an error.
 
 
+def cli(argv: list[str]) -> int:
+    """A deployment's console script binding these Programs: agentfold's CLI (docs/python.md)."""
+    from agentfold.adapters.cli import main as agentfold_main
+    from agentfold.adapters.sources import ProgramSources, default_sources
+
+    return agentfold_main(argv, sources=default_sources().plus(ProgramSources(programs=(deadline(), race()))))
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["cli"]:
+        return cli(argv[1:])
     from agentfold.adapters.catalog import Catalog
     from agentfold.adapters.eventstore import EventStore
     from agentfold.adapters.runtime import CrashPlan, Runtime

@@ -31,7 +31,9 @@ from agentfold.adapters.team import (
     transform,
 )
 from agentfold.domain.events import EffectDispatched, EffectSettled
+from agentfold.domain.program import Descriptor, EffectPolicy, Program, Replay
 from agentfold.domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import IMPL, Chain, config_digest
 from tests.interaction.support import open_runtime, recover
 from tests.interaction.tools import WAIT, wait_until
 
@@ -275,3 +277,67 @@ def test_a_timer_left_waiting_by_a_closed_runtime_is_waited_for_again_by_the_nex
         assert len(dispatched) == 2 and dispatched[0].effect_id == dispatched[1].effect_id == record.event.effect_id
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------------
+# Owners that stop waiting (Runtime.drain, wait_idle(past_timers=True)): a timer due after
+# their time cannot return meanwhile and is not waited for; one due within it is.
+
+
+class InTimer(TimerDispatcher):
+    """Due ``seconds`` after its dispatch."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def due(self, request: EffectRequest) -> float:
+        return self.clock() + self.seconds
+
+
+def timer_chain(seconds: float, replay: Replay) -> Program:
+    """One Effect, a timer due ``seconds`` after its dispatch, with replay policy ``replay``."""
+    name = f"test.timer_chain.{replay.value}"
+    return Program(Descriptor(name, input_schema={"type": "object"}), Chain(), IMPL, config_digest(name),
+                   policy=lambda effect: EffectPolicy(replay=replay), dispatcher=InTimer(seconds))
+
+
+@pytest.mark.parametrize("replay", [Replay.NEVER, Replay.SAME_IDENTITY])
+def test_drain_leaves_a_timer_due_after_its_grace_and_records_one_due_within_it(store_url: str, replay: Replay) -> None:
+    grace = 30.0
+    far = timer_chain(3600, replay)
+    with open_runtime(store_url, far) as runtime:
+        runtime.start(far, {"n": 1})
+        wait_timers(runtime, 1)
+        began = time.monotonic()
+        assert runtime.drain(grace) is True
+        assert time.monotonic() - began < grace / 3, "drain waited for a timer an hour away"
+    near = timer_chain(1.0, replay)
+    with open_runtime(store_url, near) as runtime:
+        handle = runtime.start(near, {"n": 1}, start_id="near")
+        wait_timers(runtime, 1)
+        assert runtime.drain(grace) is True
+        [outcome] = settled(runtime.store, handle.tree_id)
+        assert outcome.event.status == "succeeded"
+
+
+def test_wait_idle_past_timers_returns_only_for_far_timers_the_next_owner_makes_again(store_url: str) -> None:
+    replayed = timer_chain(3600, Replay.SAME_IDENTITY)
+    once = timer_chain(3600, Replay.NEVER)
+    with open_runtime(store_url, replayed, once) as runtime:
+        handle = runtime.start(replayed, {"n": 1})
+        other = runtime.start(once, {"n": 1})
+        wait_timers(runtime, 2)
+        with pytest.raises(TimeoutError):
+            runtime.wait_idle(handle.tree_id, 0.3)
+        began = time.monotonic()
+        tree = runtime.wait_idle(handle.tree_id, 30, past_timers=True)
+        assert time.monotonic() - began < 10
+        assert tree.classification() == "progress" and tree.root.status == "running"
+        [(effect_id, left)] = runtime.waiting_timers(handle.tree_id)
+        assert [r.effect_id for p in tree.live.values() for r in p.in_flight()] == [effect_id]
+        assert 3000 < left <= 3600
+        # Abandoned, a timer with replay policy never would be recorded unknown: still busy.
+        with pytest.raises(TimeoutError):
+            runtime.wait_idle(other.tree_id, 0.5, past_timers=True)
+        assert runtime.status(handle.tree_id) == "running"

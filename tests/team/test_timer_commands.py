@@ -1,0 +1,119 @@
+"""Commands that stop waiting, on a run whose only work left is a Deadline's timer (docs/team.md,
+"Commands that wait"; docs/cli.md).
+
+A console script's ``recover`` (or any command that drives a run until it parks) owns the run
+only while it waits. A Deadline an hour away will not fire while it waits, and the next owner
+waits for the same instant (replay policy ``same_identity``), so the command returns at once
+with the run left waiting for its timer (exit 0, the timer listed in its summary) instead of
+waiting its whole ``--timeout`` and failing with ``cli.timeout``. A timer due within the
+command's time is waited for, and the run goes on to its end. Real stores (SQLite, PostgreSQL),
+the console script in its own process (``python -m tests.team.competition_programs cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.eventstore import EventStore
+from agentfold.domain.events import EffectDispatched, EffectSettled, WriterActivated
+from agentfold.domain.ids import TreeID
+from tests.interaction.support import open_runtime
+from tests.interaction.tools import wait_until
+from tests.team import competition_programs as C
+from tests.team import programs as P
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+#: The --timeout the commands get: a command that waits for a far timer takes all of it (and more).
+TIMEOUT = 40.0
+HOUR = 3600.0
+
+
+@pytest.fixture(autouse=True)
+def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    path = tmp_path / "calls.jsonl"
+    monkeypatch.setenv(P.LOG_ENV, str(path))
+    yield path
+
+
+def console(url: str, *argv: str) -> tuple[int, str, str, float]:
+    """The deployment's console script in its own process: exit status, stdout, stderr, seconds taken."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.team.competition_programs", "cli", *argv, "--store", url,
+         "--timeout", f"{TIMEOUT:g}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT * 3,
+    )
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - began
+
+
+def orphan_deadline(url: str, start_id: str, seconds: float) -> TreeID:
+    """A Deadline ``seconds`` away, started by a runtime that closed while its timer waited (it
+    records nothing for the timer: the run is left for the next owner)."""
+    with open_runtime(url, C.deadline()) as runtime:
+        handle = runtime.start(C.deadline(), C.instant_in(seconds), start_id=start_id)
+        wait_until(lambda: runtime.timers_waiting() == 1, "the timer to wait")
+    return handle.tree_id
+
+
+def timer_records(url: str, tree_id: TreeID) -> tuple[list[Any], list[Any], int]:
+    """(the timer's dispatch permissions, its settlements, the owners activated) as stored."""
+    store = EventStore(url)
+    try:
+        events = [r.event for r in store.read(tree_id)]
+    finally:
+        store.close()
+    return ([e for e in events if isinstance(e, EffectDispatched)], [e for e in events if isinstance(e, EffectSettled)],
+            sum(1 for e in events if isinstance(e, WriterActivated)))
+
+
+def test_recover_leaves_a_run_waiting_for_a_far_timer_at_once_and_the_next_recover_does_again(
+    durable_store_url: str,
+) -> None:
+    url = durable_store_url
+    tree_id = orphan_deadline(url, "far-1", HOUR)
+    [first], settled, owners = timer_records(url, tree_id)
+    assert settled == []
+
+    status, out, err, took = console(url, "recover", "--json")
+    assert status == 0, err
+    assert took < TIMEOUT / 2, f"recover took {took:.1f} s of its {TIMEOUT:g} s: it waited for the timer"
+    [entry] = json.loads(out)["trees"]
+    assert entry["tree_id"] == tree_id and entry["outcome"] == "recovered"
+    assert entry["status"] == "running" and entry["classification"] == "progress"
+    assert entry["unknown_effect_ids"] == []
+    [timer] = entry["timers"]
+    assert timer["effect_id"] == first.effect_id
+    assert HOUR - 120 < timer["due_in_seconds"] <= HOUR
+
+    # The new owner waited for the timer under the same identity, then left it: no outcome recorded.
+    dispatched, settled, owners_after = timer_records(url, tree_id)
+    assert [d.effect_id for d in dispatched] == [first.effect_id] * 2 and settled == []
+    assert owners_after == owners + 1
+
+    status, out, err, took = console(url, "recover")
+    assert status == 0, err
+    assert took < TIMEOUT / 2
+    assert f"recovered {tree_id}" in out and "waiting for 1 timer(s), the first due in" in out, out
+    assert "unknown" not in out
+    assert timer_records(url, tree_id)[1] == []
+
+
+def test_recover_waits_for_a_timer_due_within_its_time_and_the_deadline_completes(durable_store_url: str) -> None:
+    url = durable_store_url
+    tree_id = orphan_deadline(url, "near-1", 4.0)
+    status, out, err, _ = console(url, "recover", "--json")
+    assert status == 0, err
+    [entry] = json.loads(out)["trees"]
+    assert entry["tree_id"] == tree_id and entry["outcome"] == "recovered"
+    assert entry["status"] == "completed" and entry["classification"] == "terminal"
+    assert "timers" not in entry
+    [settled] = timer_records(url, tree_id)[1]
+    assert settled.status == "succeeded"
