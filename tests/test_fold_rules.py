@@ -1222,6 +1222,18 @@ def test_dispatch_process_state_no_dispatch_while_paused_or_terminating(blocker:
     assert_corrupt([*base[:3], blocker, bad], bad, "dispatch.process_state")
 
 
+def test_dispatch_process_state_a_new_owner_carries_on_a_paused_processs_call_but_not_a_terminating_ones() -> None:
+    """A pause does not stop a call in flight: a new owner may dispatch it again (same_identity)
+    while the Process is paused; under a terminal intent it may not (it settles unknown)."""
+    calls = [started(), step(1, effects=1), declared(1, replay="same_identity"), dispatched(1)]
+    again = dispatched(1, att=2, inc=INC2)
+    tree = fold_tree([*calls, control("pause", "hold"), activated(INC2, INC1), again])
+    [record] = tree.processes[ROOT].in_flight()
+    assert tree.processes[ROOT].status == "paused" and record.phase == "pending" and record.attempts == 2
+    bad = dispatched(1, att=2, inc=INC2)
+    assert_corrupt([*calls, control("cancel"), activated(INC2, INC1), bad], bad, "dispatch.process_state")
+
+
 # ---------------------------------------------------------------------------
 # Stream shape
 

@@ -459,6 +459,7 @@ def _parked(ctx: Context, runtime: Runtime, tree_id: TreeID, tree: TreeState) ->
     """A tree a wait returned: when it is left only waiting for timers due after the command's
     time (``Runtime.wait_idle(past_timers=True)``), they are noted for its summary. Nothing is
     lost when the command exits: the next owner waits for the same instants."""
+    ctx.timers.pop(tree_id, None)
     if tree.classification() == "progress":
         timers = runtime.waiting_timers(tree_id)
         if timers:
@@ -467,8 +468,17 @@ def _parked(ctx: Context, runtime: Runtime, tree_id: TreeID, tree: TreeState) ->
 
 
 def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool) -> TreeState:
-    if drained:
-        tree = _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, 1.0, elsewhere=False, past_timers=True))
+    """The tree after ``Runtime.drain`` (``drained``: nothing of the runtime's is left in
+    flight); TimeoutError saying what the next owner finds when the tree is still working."""
+    try:
+        # Not drained (another tree's call may be what still runs): this tree is looked at as it is now.
+        tree: TreeState | None = _parked(ctx, runtime, tree_id, runtime.wait_idle(
+            tree_id, 1.0 if drained else 0.0, elsewhere=False, past_timers=True))
+    except TimeoutError:
+        if drained:
+            raise
+        tree = None
+    if tree is not None:
         waiting = sum(1 for p in tree.live.values() for r in p.batch if r.phase == "planned")
         if tree.classification() != "progress" or (not waiting and tree_id in ctx.timers):
             return tree
@@ -545,6 +555,11 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                 except AgentfoldError as exc:  # this runtime stopped driving it (fenced, store failure)
                     failed = True
                     entries.append({**_head_summary(head), "outcome": "error", "error": exc.to_json()})
+                    continue
+                if tree_id in ctx.timers:
+                    # Left waiting for a timer: while the later trees are waited for, it may
+                    # fire and the run move on; looked at again after the drain, as the late ones.
+                    late.append((head, tree_id))
                     continue
                 entries.append({**ctx.summary(tree), "outcome": "recovered"})
             drained = runtime.drain(CALLS_GRACE) if late else True

@@ -1151,8 +1151,8 @@ class _Driver:
             # under a live owner for good (nobody else may recover a tree whose lease is held).
             # asyncio is looked up, not imported: a process that never imported it cannot have raised
             # its CancelledError, and every command line would pay the import (~20 ms).
-            asyncio = sys.modules.get("asyncio")
-            cancelled = (asyncio is not None and isinstance(exc, asyncio.CancelledError)) or context.cancelled.is_set()
+            cancelled_error = getattr(sys.modules.get("asyncio"), "CancelledError", None)
+            cancelled = (isinstance(cancelled_error, type) and isinstance(exc, cancelled_error)) or context.cancelled.is_set()
             code = EngineCode.DISPATCH_CANCELED if cancelled else EngineCode.DISPATCH_PANICKED
             done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
         finally:
@@ -1167,31 +1167,40 @@ class _Driver:
 
     def drained(self, seconds: float) -> bool:
         """Nothing under way that could still be recorded within ``seconds`` (``Runtime.drain``):
-        no call in flight but timers due later, nothing to append."""
+        nothing to append, no call in flight but timers due later that the next owner makes
+        again (a timer with replay policy ``never`` is waited for as any call)."""
         if not self.flights:
             return not self._inbox and not self._scheduled
-        # Effects waiting for a call slot are none of it: no permission is granted any more.
-        return self.far_timers(seconds, replayed=False) is not None
+        if not self.lock.acquire(blocking=False):
+            return False  # the owner line is in a cycle: it may be launching a call
+        try:
+            # Effects waiting for a call slot are none of it: no permission is granted any more.
+            return self.far_timers(seconds) is not None
+        finally:
+            self.lock.release()
 
-    def far_timers(self, seconds: float, *, replayed: bool) -> list[tuple[EffectID, float]] | None:
+    def far_timers(self, seconds: float) -> list[tuple[EffectID, float]] | None:
         """When this owner line has nothing under way but waiting timers each due more than
         ``seconds`` from now (by its dispatcher's clock): ``(effect id, seconds until due)`` for
-        each; otherwise None. ``replayed``: only timers the next owner makes again (replay policy
+        each; otherwise None. Only timers the next owner makes again (replay policy
         ``same_identity``) count; another one would be recorded unknown when abandoned. Declared
-        Effects waiting for a call slot (``waiting_slot``) are the caller's to weigh."""
-        flights = list(self.flights.values())  # one copy: the owner line may change the map meanwhile
-        if not flights or self._inbox or self._scheduled:
+        Effects waiting for a call slot (``waiting_slot``) are the caller's to weigh. Called with
+        the driver's lock held. A timer overdue but not yet fired is waited for."""
+        if self._inbox or self._scheduled:
             return None
+        flights = list(self.flights.values())
+        if not flights:
+            return None
+        seconds = max(seconds, 0.0)
         timers: list[tuple[EffectID, float]] = []
         for flight in flights:
             timer = flight.timer
             if timer is None or timer.done:
                 return None
-            if replayed:
-                process = self.tree.processes.get(flight.process_id)
-                record = process.effect(flight.effect_id) if process is not None else None
-                if record is None or record.replay != "same_identity":
-                    return None
+            process = self.tree.processes.get(flight.process_id)
+            record = process.effect(flight.effect_id) if process is not None else None
+            if record is None or record.replay != "same_identity":
+                return None
             left = _Timers._remaining(timer)
             if not isinstance(left, float) or left <= seconds:
                 return None
@@ -2123,7 +2132,7 @@ class Runtime:
                     break  # closed or released meanwhile: the store answers (below)
                 quiet = driver.idle and not driver.flights and not driver._scheduled
                 remaining = deadline - time.monotonic()
-                if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(remaining, replayed=True)):
+                if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(remaining)):
                     return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")
@@ -2489,8 +2498,10 @@ class Runtime:
         never made, which recovery also records unknown. Draining first records what returns
         within the grace; the Steps it commits keep their Effects declared, without a dispatch
         permission, and the next owner dispatches them (no unknown). A call still in flight
-        at the end is abandoned by ``close`` as before. A timer due after the grace cannot
-        return within it and is not waited for (a Deadline's is made again by the next owner).
+        at the end is abandoned by ``close`` as before. A timer due after the grace that the
+        next owner makes again (replay policy ``same_identity``, a Deadline's) is not waited
+        for: it cannot return within the grace, and nothing of it is lost. True when nothing
+        else is left in flight.
         """
         self.stop_dispatching()
         deadline = time.monotonic() + max(0.0, timeout)

@@ -946,8 +946,9 @@ class Kernel:
         )
         for process in list(self.tree.processes.values()):
             for record in process.in_flight():
-                replay = record.replay == "same_identity" and process.terminal_intent is None
-                if replay and process.status != "paused":
+                # A paused Process's call too: the pause did not stop it, and its policy says
+                # making it again is safe (scope-kernel.md §3.8: only a terminal intent forces never).
+                if record.replay == "same_identity" and process.terminal_intent is None:
                     attempt = self.ids.attempt_id()
                     self._emit(
                         progress,

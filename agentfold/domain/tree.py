@@ -979,7 +979,10 @@ class TreeState:
                 raise self.fail(pos, "dispatch.replay_policy", f"effect {e.effect_id} may not be dispatched again")
         if e.incarnation_id != self.incarnation:
             raise self.fail(pos, "dispatch.incarnation", f"dispatch by {e.incarnation_id}, owner is {self.incarnation}")
-        if process.terminal or process.terminal_intent is not None or process.status == "paused":
+        # A paused Process starts no call; a new owner dispatching again a call already in flight
+        # (pending, same_identity) starts none: a pause does not stop a call in flight.
+        replaying = record.phase == "pending"
+        if process.terminal or process.terminal_intent is not None or (process.status == "paused" and not replaying):
             raise self.fail(pos, "dispatch.process_state", f"process {e.process_id} may not dispatch now")
         record.phase = "pending"
         record.attempt_id = e.attempt_id

@@ -43,12 +43,12 @@ def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield path
 
 
-def console(url: str, *argv: str) -> tuple[int, str, str, float]:
+def console(url: str, *argv: str, timeout: float = TIMEOUT) -> tuple[int, str, str, float]:
     """The deployment's console script in its own process: exit status, stdout, stderr, seconds taken."""
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "tests.team.competition_programs", "cli", *argv, "--store", url,
-         "--timeout", f"{TIMEOUT:g}"],
+         "--timeout", f"{timeout:g}"],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT * 3,
     )
     return done.returncode, done.stdout, done.stderr, time.monotonic() - began
@@ -74,17 +74,19 @@ def timer_records(url: str, tree_id: TreeID) -> tuple[list[Any], list[Any], int]
             sum(1 for e in events if isinstance(e, WriterActivated)))
 
 
+@pytest.mark.parametrize("timeout", [TIMEOUT, 0.0])
 def test_recover_leaves_a_run_waiting_for_a_far_timer_at_once_and_the_next_recover_does_again(
-    durable_store_url: str,
+    durable_store_url: str, timeout: float,
 ) -> None:
+    """With ``--timeout 0`` the wait is up at once: the drain finds the run waiting for its timer."""
     url = durable_store_url
     tree_id = orphan_deadline(url, "far-1", HOUR)
     [first], settled, owners = timer_records(url, tree_id)
     assert settled == []
 
-    status, out, err, took = console(url, "recover", "--json")
+    status, out, err, took = console(url, "recover", "--json", timeout=timeout)
     assert status == 0, err
-    assert took < TIMEOUT / 2, f"recover took {took:.1f} s of its {TIMEOUT:g} s: it waited for the timer"
+    assert took < TIMEOUT / 2, f"recover took {took:.1f} s: it waited for the timer"
     [entry] = json.loads(out)["trees"]
     assert entry["tree_id"] == tree_id and entry["outcome"] == "recovered"
     assert entry["status"] == "running" and entry["classification"] == "progress"
@@ -117,3 +119,30 @@ def test_recover_waits_for_a_timer_due_within_its_time_and_the_deadline_complete
     assert "timers" not in entry
     [settled] = timer_records(url, tree_id)[1]
     assert settled.status == "succeeded"
+
+
+def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(durable_store_url: str) -> None:
+    """``pause`` and ``resume`` drive the run through the path every input command takes
+    (``cancel``, ``answer``, ``resolve``, ...): each returns at once, the timer left waiting."""
+    url = durable_store_url
+    tree_id = orphan_deadline(url, "paused-1", HOUR)
+    store = EventStore(url)
+    try:
+        root = store.head(tree_id).root_process_id  # type: ignore[union-attr]
+    finally:
+        store.close()
+    status, out, err, took = console(url, "pause", str(root), "--json")
+    assert status == 0, err
+    assert took < TIMEOUT / 2
+    paused = json.loads(out)["tree"]
+    assert paused["classification"] == "parked" and "timers" not in paused  # paused: parked, not waiting on its timer
+
+    status, out, err, took = console(url, "resume", str(root), "--json")
+    assert status == 0, err
+    assert took < TIMEOUT / 2, f"resume took {took:.1f} s: it waited for the timer"
+    tree = json.loads(out)["tree"]
+    assert tree["status"] == "running" and tree["classification"] == "progress"
+    [(dispatched, _, _)] = [timer_records(url, tree_id)]
+    [timer] = tree["timers"]
+    assert timer["effect_id"] == dispatched[0].effect_id and HOUR - 120 < timer["due_in_seconds"] <= HOUR
+    assert timer_records(url, tree_id)[1] == []

@@ -33,9 +33,9 @@ from agentfold.adapters.team import (
 from agentfold.domain.events import EffectDispatched, EffectSettled
 from agentfold.domain.program import Descriptor, EffectPolicy, Program, Replay
 from agentfold.domain.requests import EffectRequest, Settlement
-from tests.kernel_programs import IMPL, Chain, config_digest
 from tests.interaction.support import open_runtime, recover
 from tests.interaction.tools import WAIT, wait_until
+from tests.kernel_programs import IMPL, Chain, config_digest
 
 
 def soon(seconds: float, base: float | None = None) -> str:
@@ -279,6 +279,36 @@ def test_a_timer_left_waiting_by_a_closed_runtime_is_waited_for_again_by_the_nex
         store.close()
 
 
+def test_a_paused_deadline_taken_over_by_a_new_owner_fires_while_paused_and_completes_when_resumed(
+    store_url: str,
+) -> None:
+    """A pause does not stop a timer in flight; neither does an owner change while paused: the
+    new owner waits for the same instant (same_identity), the outcome is recorded while the
+    Deadline is paused, and it completes on resume. Before, the new owner recorded the timer
+    unknown (a paused Process was given no dispatch at recovery)."""
+    deadline = compile_deadline("test.deadline")
+    store = EventStore(store_url)
+    try:
+        instant = soon(3.0)
+        with open_runtime(store, deadline) as runtime:
+            handle = runtime.start(deadline, instant, start_id="timer:paused")
+            wait_timers(runtime, 1)
+            runtime.pause(handle.root_process_id)
+            assert runtime.capture(handle.tree_id).root.status == "paused"
+        assert settled(store, handle.tree_id) == []  # closed while the timer waited
+        with open_runtime(store, deadline) as runtime:
+            recover(runtime, handle.tree_id)
+            wait_until(lambda: len(settled(store, handle.tree_id)) == 1, "the timer to fire while paused")
+            tree = runtime.wait_idle(handle.tree_id)
+            assert tree.root.status == "paused" and tree.root.unknown_effects() == []
+            runtime.resume(handle.root_process_id)
+            assert runtime.result(handle.tree_id, WAIT).status == "completed"
+        [record] = settled(store, handle.tree_id)
+        assert record.event.status == "succeeded" and stamp(record.timestamp) >= stamp(instant)
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------------------
 # Owners that stop waiting (Runtime.drain, wait_idle(past_timers=True)): a timer due after
 # their time cannot return meanwhile and is not waited for; one due within it is.
@@ -303,16 +333,21 @@ def timer_chain(seconds: float, replay: Replay) -> Program:
 
 
 @pytest.mark.parametrize("replay", [Replay.NEVER, Replay.SAME_IDENTITY])
-def test_drain_leaves_a_timer_due_after_its_grace_and_records_one_due_within_it(store_url: str, replay: Replay) -> None:
-    grace = 30.0
+def test_drain_leaves_a_far_timer_the_next_owner_makes_again_and_records_one_due_within_it(
+    store_url: str, replay: Replay,
+) -> None:
+    """A far timer with replay policy never is waited for as any call: abandoned, it is unknown."""
+    grace = 30.0 if replay == Replay.SAME_IDENTITY else 1.0
     far = timer_chain(3600, replay)
     with open_runtime(store_url, far) as runtime:
         runtime.start(far, {"n": 1})
         wait_timers(runtime, 1)
         began = time.monotonic()
-        assert runtime.drain(grace) is True
-        assert time.monotonic() - began < grace / 3, "drain waited for a timer an hour away"
-    near = timer_chain(1.0, replay)
+        assert runtime.drain(grace) is (replay == Replay.SAME_IDENTITY)
+        if replay == Replay.SAME_IDENTITY:
+            assert time.monotonic() - began < grace / 3, "drain waited for a timer an hour away"
+        grace = 30.0
+    near = timer_chain(3.0, replay)
     with open_runtime(store_url, near) as runtime:
         handle = runtime.start(near, {"n": 1}, start_id="near")
         wait_timers(runtime, 1)
