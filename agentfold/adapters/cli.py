@@ -139,7 +139,7 @@ class Context:
         """``tree_summary`` and, when this command left the tree waiting for timers, ``timers``."""
         summary = tree_summary(tree)
         timers = self.timers.get(tree.tree_id) if tree.tree_id is not None else None
-        if timers and tree.classification() == "progress":
+        if timers and tree.classification() != "terminal":
             summary["timers"] = [{"effect_id": e, "due_in_seconds": round(left, 3)} for e, left in timers]
         return summary
 
@@ -457,10 +457,10 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
 
 def _parked(ctx: Context, runtime: Runtime, tree_id: TreeID, tree: TreeState) -> TreeState:
     """A tree a wait returned: when it is left only waiting for timers due after the command's
-    time (``Runtime.wait_idle(past_timers=True)``), they are noted for its summary. Nothing is
-    lost when the command exits: the next owner waits for the same instants."""
+    time (``Runtime.wait_idle(past_timers=True)``; a paused run's too), they are noted for its
+    summary. Nothing is lost when the command exits: the next owner waits for the same instants."""
     ctx.timers.pop(tree_id, None)
-    if tree.classification() == "progress":
+    if tree.classification() != "terminal":
         timers = runtime.waiting_timers(tree_id)
         if timers:
             ctx.timers[tree_id] = timers

@@ -135,7 +135,9 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     assert status == 0, err
     assert took < TIMEOUT / 2
     paused = json.loads(out)["tree"]
-    assert paused["classification"] == "parked" and "timers" not in paused  # paused: parked, not waiting on its timer
+    # Paused: parked; the pause does not stop the timer, which the command left waiting.
+    assert paused["status"] == "paused" and paused["classification"] == "parked"
+    assert [t["effect_id"] for t in paused["timers"]] == [timer_records(url, tree_id)[0][0].effect_id]
 
     status, out, err, took = console(url, "resume", str(root), "--json")
     assert status == 0, err

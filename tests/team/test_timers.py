@@ -289,7 +289,7 @@ def test_a_paused_deadline_taken_over_by_a_new_owner_fires_while_paused_and_comp
     deadline = compile_deadline("test.deadline")
     store = EventStore(store_url)
     try:
-        instant = soon(3.0)
+        instant = soon(6.0)  # time to start, pause and close first, even on a loaded machine
         with open_runtime(store, deadline) as runtime:
             handle = runtime.start(deadline, instant, start_id="timer:paused")
             wait_timers(runtime, 1)
