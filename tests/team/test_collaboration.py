@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,14 +42,6 @@ from agentfold.domain.workflow import TransformStrategy
 from tests.interaction.support import child_by_key, open_runtime
 from tests.interaction.tools import WAIT, GatedModel, final, wait_until
 from tests.team import programs as P
-
-
-@pytest.fixture(autouse=True)
-def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(P.LOG_ENV, str(path))
-    yield path
-    P.release_file(path).touch()  # never leave a held policy call behind
 
 
 def release() -> None:

@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +58,6 @@ CRASH_EXIT = 75
 TIMER_LATE = 1.0
 #: How late after the instant (or the recovery, if later) this process may see the result.
 RESULT_LATE = 2.0
-
-
-@pytest.fixture(autouse=True)
-def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(P.LOG_ENV, str(path))
-    yield path
 
 
 def crash(store_url: str, name: str, start_id: str, seconds: float, mode: str, **env: str) -> None:

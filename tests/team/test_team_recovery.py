@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,6 @@ from tests.team import programs as P
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_EXIT = 75
-
-
-@pytest.fixture(autouse=True)
-def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(P.LOG_ENV, str(path))
-    yield path
-    P.release_file(path).touch()  # never leave a held policy call behind
 
 
 def crash(store_url: str, name: str, start_id: str, input: Any, mode: str, **env: str) -> None:

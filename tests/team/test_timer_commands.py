@@ -16,7 +16,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,11 @@ from agentfold.domain.ids import TreeID
 from tests.interaction.support import open_runtime
 from tests.interaction.tools import wait_until
 from tests.team import competition_programs as C
-from tests.team import programs as P
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 #: The --timeout the commands get: a command that waits for a far timer takes all of it (and more).
 TIMEOUT = 40.0
 HOUR = 3600.0
-
-
-@pytest.fixture(autouse=True)
-def team_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    path = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(P.LOG_ENV, str(path))
-    yield path
 
 
 def console(url: str, *argv: str, timeout: float = TIMEOUT) -> tuple[int, str, str, float]:
