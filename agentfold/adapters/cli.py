@@ -449,16 +449,17 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
     wait, declared, for the next owner, which calls them (they are not unknown). If the tree
     parked or ended within the grace, that is the answer; otherwise TimeoutError."""
     try:
-        return _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False, past_timers=True))
+        return _wait_quiet(ctx, runtime, tree_id, ctx.timeout)
     except TimeoutError:
         pass
     return _after_drain(ctx, runtime, tree_id, runtime.drain(CALLS_GRACE))
 
 
-def _parked(ctx: Context, runtime: Runtime, tree_id: TreeID, tree: TreeState) -> TreeState:
-    """A tree a wait returned: when it is left only waiting for timers due after the command's
-    time (``Runtime.wait_idle(past_timers=True)``; a paused run's too), they are noted for its
+def _wait_quiet(ctx: Context, runtime: Runtime, tree_id: TreeID, timeout: float) -> TreeState:
+    """``Runtime.wait_idle(past_timers=True)`` for at most ``timeout`` s: when the tree is left
+    only waiting for timers due after that (a paused run's too), they are noted for its
     summary. Nothing is lost when the command exits: the next owner waits for the same instants."""
+    tree = runtime.wait_idle(tree_id, timeout, elsewhere=False, past_timers=True)
     ctx.timers.pop(tree_id, None)
     if tree.classification() != "terminal":
         timers = runtime.waiting_timers(tree_id)
@@ -472,8 +473,7 @@ def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool)
     flight); TimeoutError saying what the next owner finds when the tree is still working."""
     try:
         # Not drained (another tree's call may be what still runs): this tree is looked at as it is now.
-        tree: TreeState | None = _parked(ctx, runtime, tree_id, runtime.wait_idle(
-            tree_id, 1.0 if drained else 0.0, elsewhere=False, past_timers=True))
+        tree: TreeState | None = _wait_quiet(ctx, runtime, tree_id, 1.0 if drained else 0.0)
     except TimeoutError:
         if drained:
             raise
@@ -548,7 +548,7 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
             late: list[tuple[TreeHead, TreeID]] = []
             for head, tree_id in adopted:
                 try:
-                    tree = _parked(ctx, runtime, tree_id, runtime.wait_idle(tree_id, ctx.timeout, elsewhere=False, past_timers=True))
+                    tree = _wait_quiet(ctx, runtime, tree_id, ctx.timeout)
                 except TimeoutError:
                     late.append((head, tree_id))
                     continue

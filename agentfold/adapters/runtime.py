@@ -1189,23 +1189,24 @@ class _Driver:
         if self._inbox or self._scheduled:
             return None
         flights = list(self.flights.values())
-        if not flights:
-            return None
+        timers = self.waiting_timers(flights)
+        if not flights or len(timers) != len(flights):
+            return None  # nothing in flight, or a call that is no waiting timer
         seconds = max(seconds, 0.0)
-        timers: list[tuple[EffectID, float]] = []
-        for flight in flights:
-            timer = flight.timer
-            if timer is None or timer.done:
-                return None
+        far: list[tuple[EffectID, float]] = []
+        for flight, left in timers:
             process = self.tree.processes.get(flight.process_id)
             record = process.effect(flight.effect_id) if process is not None else None
-            if record is None or record.replay != "same_identity":
+            if record is None or record.replay != "same_identity" or not isinstance(left, float) or left <= seconds:
                 return None
-            left = _Timers._remaining(timer)
-            if not isinstance(left, float) or left <= seconds:
-                return None
-            timers.append((flight.effect_id, left))
-        return timers
+            far.append((flight.effect_id, left))
+        return far
+
+    @staticmethod
+    def waiting_timers(flights: Iterable[_Flight]) -> list[tuple[_Flight, float | Exception]]:
+        """The flights that are timers still waiting, with the seconds until each is due by its
+        dispatcher's clock (the clock's failure, if reading it failed)."""
+        return [(f, _Timers._remaining(f.timer)) for f in flights if f.timer is not None and not f.timer.done]
 
     def _cancel_stopping_flights(self) -> None:
         now = time.monotonic()
@@ -2531,12 +2532,8 @@ class Runtime:
         if driver is None:
             return []
         with driver.lock:
-            timers = []
-            for flight in list(driver.flights.values()):
-                if flight.timer is not None and not flight.timer.done:
-                    left = _Timers._remaining(flight.timer)
-                    timers.append((flight.effect_id, left if isinstance(left, float) else 0.0))
-        return sorted(timers, key=lambda t: t[1])
+            timers = driver.waiting_timers(list(driver.flights.values()))
+        return sorted(((f.effect_id, left if isinstance(left, float) else 0.0) for f, left in timers), key=lambda t: t[1])
 
     def timers_waiting(self) -> int:
         """TimerDispatcher calls waiting for their instant (they hold no call slot)."""
