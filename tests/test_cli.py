@@ -1,7 +1,8 @@
 """The ``agentfold`` CLI, run as a real subprocess against real stores (docs/cli.md).
 
-Every test drives the command line the way an operator does: a child Python process
-runs ``python -m agentfold.adapters.cli`` (or the installed console script) on an SQLite file
+Every test drives the command line the way an operator does: a child process runs the
+console script's ``entry()`` (forked from a launcher that imported agentfold once,
+tests/forked_cli.py; some tests run the installed console script itself) on an SQLite file
 (and, for the main flow, on PostgreSQL too). Crashes are real process deaths
 (``os._exit(75)`` inside the charge dispatch); external calls are counted in the demo
 program's side-effect log, outside the processes that made them.
@@ -26,6 +27,7 @@ from agentfold.adapters.kernel_demo import payment_program, read_log
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.ids import TreeID
 from agentfold.domain.requests import Settlement
+from tests import forked_cli
 from tests.kernel_programs import asker_program, chain_program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,14 +51,12 @@ class Ran:
 
 def agentfold(*args: str, store: str | None = None, cwd: Path | None = None,
               env: dict[str, str] | None = None, timeout: float = 120) -> Ran:
-    """Run ``python -m agentfold.adapters.cli ARGS [--store STORE]`` in a child process."""
+    """Run ``agentfold ARGS [--store STORE]`` in a child process (forked: tests/forked_cli.py)."""
     child_env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     child_env["PYTHONPATH"] = str(ROOT)
     child_env.update(env or {})
-    command = [sys.executable, "-m", "agentfold.adapters.cli", *args]
-    if store is not None:
-        command += ["--store", store]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd or ROOT, env=child_env, timeout=timeout)
+    argv = [*args, *(["--store", store] if store is not None else [])]
+    proc = forked_cli.run(argv, env=child_env, cwd=cwd or ROOT, timeout=timeout)
     return Ran(proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -5,8 +5,6 @@ with the tables, so the second page after ``agentfold project`` repeated runs.""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +14,14 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.host import Host
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.errors import InvalidInput
+from tests import forked_cli
 from tests.kernel_programs import chain_program
 
 RUNS = 6
 
 
 def _project(url: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "--store", url, "project"],
-                          capture_output=True, text=True, timeout=120)
+    done = forked_cli.run(["--store", url, "project"], timeout=120)
     assert done.returncode == 0, done.stderr
 
 

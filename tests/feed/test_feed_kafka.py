@@ -29,6 +29,7 @@ from agentfold.adapters.feed import Publisher, PublisherPosition, store_envelope
 from agentfold.adapters.transcripts import TranscriptStore, consume_all, transcripts_from_store
 from agentfold.domain.json_schema import schema_errors
 from agentfold.projections.transcripts import build_transcripts
+from tests import forked_cli
 from tests.feed.support import ROOT, TopicRead, documented_envelope_schema, read_topic_confluent, verify_chain
 from tests.feed.workload import Run, Workload
 
@@ -46,10 +47,7 @@ class Feed:
 
 
 def _agentfold(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentfold.adapters.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})}, check=False,
-    )
+    return forked_cli.run(list(args), cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def _store_facts(url: str) -> tuple[list[int], dict[str, int]]:

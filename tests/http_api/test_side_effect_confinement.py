@@ -29,14 +29,14 @@ from agentfold.adapters.scenario import (
     validate_scenario,
 )
 from agentfold.domain.errors import InvalidInput
+from tests import forked_cli
 from tests.http_api.support import ROOT, ApiServer, ok, problem, server_env, start_server
 from tests.http_api.test_api import HELLO, pending_of, sid
 from tests.test_cli_interaction import approval, one_tool_call
 
 
 def cli(store: str, *args: str) -> Any:
-    done = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", *args, "--store", store, "--json"],
-                          capture_output=True, text=True, cwd=ROOT, env=server_env(None), timeout=120)
+    done = forked_cli.run([*args, "--store", store, "--json"], cwd=ROOT, env=server_env(None), timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -221,10 +221,8 @@ def test_the_kernel_demo_a_server_adopts_cannot_make_it_append_outside_its_side_
     target = victim / "payments.jsonl"
     store = f"sqlite:///{tmp_path / 'agentfold.db'}"
     env = server_env(None)
-    crashed = subprocess.run(
-        [sys.executable, "-m", "agentfold.adapters.cli", "kernel-demo-run", "--side-effect-log", str(target),
-         "--start-id", "pay-1", "--crash-after", "settled:1", "--store", store],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    crashed = forked_cli.run(["kernel-demo-run", "--side-effect-log", str(target), "--start-id", "pay-1",
+                              "--crash-after", "settled:1", "--store", store], cwd=ROOT, env=env, timeout=120)
     assert crashed.returncode == 75, crashed.stderr
     before = target.read_text()
     assert [json.loads(line)["action"] for line in before.splitlines()] == ["charge"]
@@ -256,10 +254,9 @@ def test_the_kernel_demo_reads_no_log_through_a_symbolic_link_in_a_server(tmp_pa
     outside.mkdir()
     log = allowed / "pay.log"
     store = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    crashed = subprocess.run(
-        [sys.executable, "-m", "agentfold.adapters.cli", "kernel-demo-run", "--side-effect-log", str(log),
-         "--start-id", "pay-2", "--crash-after", "settled:1", "--store", store],
-        capture_output=True, text=True, cwd=ROOT, env=server_env(None), timeout=120)
+    crashed = forked_cli.run(["kernel-demo-run", "--side-effect-log", str(log), "--start-id", "pay-2",
+                              "--crash-after", "settled:1", "--store", store], cwd=ROOT, env=server_env(None),
+                             timeout=120)
     assert crashed.returncode == 75, crashed.stderr
     secret = outside / "secret.txt"
     secret.write_text("NOT JSON\n")

@@ -38,6 +38,7 @@ from agentfold.adapters.read_models import CORRUPT, DELEGATES, PENDING, ROUNDS, 
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.ids import TreeID
 from agentfold.projections.read_models import project_tree
+from tests import forked_cli
 from tests.conftest import fresh_pg_database
 from tests.feed.workload import Workload
 
@@ -228,8 +229,7 @@ def test_audit_verify_flags_a_run_whose_events_projected_is_not_its_version(tmp_
     url = f"sqlite:///{tmp_path / 'agentfold.db'}"
 
     def agentfold(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "--store", url, *argv], cwd=root,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return forked_cli.run(["--store", url, *argv], cwd=root, timeout=120)
 
     assert agentfold("run", str(root / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--start-id", "trip").returncode == 0
     assert agentfold("project").returncode == 0

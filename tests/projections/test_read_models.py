@@ -37,6 +37,7 @@ from agentfold.adapters.read_models import ReadModels
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.ids import TreeID
 from agentfold.projections.read_models import project_tree
+from tests import forked_cli
 
 # Named as before: the derandomized Hypothesis test below draws its histories from its source's digest.
 from tests.conftest import fresh_pg_database as _fresh_pg
@@ -167,11 +168,8 @@ def make_history(store: str, tmp: Path, doc: dict[str, Any], crash: str | None, 
     start_id = f"hist-{os.urandom(6).hex()}"
     if crash is not None:
         # A real process death at the crash point (exit 75), or a run that parks before reaching it.
-        subprocess.run(
-            [sys.executable, "-m", "agentfold.adapters.cli", "--store", store, "run", str(path), "--start-id", start_id,
-             "--crash-after", crash, "--timeout", "20"],
-            cwd=ROOT, capture_output=True, timeout=120, check=False,
-        )
+        forked_cli.run(["--store", store, "run", str(path), "--start-id", start_id, "--crash-after", crash,
+                        "--timeout", "20"], cwd=ROOT, timeout=120)
     else:
         status, _ = cli(store, "run", str(path), "--start-id", start_id, "--timeout", "20")
         assert status == 0
@@ -279,10 +277,7 @@ def dump_tables(url: str) -> dict[str, Any]:
 
 
 def agentfold(url: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentfold.adapters.cli", "--store", url, *argv], cwd=ROOT, capture_output=True, text=True,
-        timeout=180, env={**os.environ, **(env or {})}, check=False,
-    )
+    return forked_cli.run(["--store", url, *argv], cwd=ROOT, timeout=180, env={**os.environ, **(env or {})})
 
 
 def test_a_follower_killed_between_view_and_tracking_resumes_without_loss_or_double_counting(
