@@ -10,19 +10,27 @@ its own pid, the request's arguments, environment, working directory, umask and 
 streams (stdin the test process's own, stdout and stderr pipes read as ``communicate`` does),
 ``entry()`` (the console script's function) run to its end, the interpreter's normal exit
 (atexit handlers, non-daemon threads joined), and the exit status the parent sees, the
-``os._exit`` of a crash point included. What it skips is the interpreter start and the imports; the console script
-itself, its start-up and ``python -m`` stay covered by the tests that run them directly.
+``os._exit`` of a crash point included. What it skips is the interpreter start and the imports
+every command makes (the CLI and its command modules; what a command imports beyond them, it
+imports itself, as in a fresh interpreter). The long-running commands the tests signal
+(``serve``, ``project --follow``, ``publish``, ...) still start as ``python -m
+agentfold.adapters.cli``, and tests/test_packaging.py, tests/test_cli_abandon.py run the
+installed console script. Commands forked from one launcher share its hash seed (a fresh
+interpreter draws its own): each test process has its own launcher, each run new seeds.
 
 ``AGENTFOLD_TEST_FORK=0`` runs every command as a fresh interpreter instead, as does any
-request whose environment changes how an interpreter starts (``PYTHON*``, ``LANG``, ``LC_*``).
+request whose environment changes how an interpreter or its imports start (``PYTHON*``,
+``LANG``, ``LC_*``, ``TZ``, ``PSYCOPG_*``).
 
 The launcher: ``python -m tests.forked_cli SOCKET``. Per command it forks a handler, which
-forks the command and reports the command's pid, then its exit status, on the connection.
+forks the command, reports its pid, then its exit status, on the connection; the handler kills
+the command when the caller asks (its timeout) or goes away.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import importlib
 import json
 import locale
@@ -44,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _HEADER = struct.Struct("!I")
 #: What a fresh interpreter would start differently with: such a request is not forked
 #: (``PYTHONPATH`` is applied to the forked command's ``sys.path``).
-_START_KEYS = ("PYTHON", "LANG", "LC_")
+_START_KEYS = ("PYTHON", "LANG", "LC_", "TZ", "PSYCOPG_")
 _APPLIED_KEYS = {"PYTHONPATH"}
 
 
@@ -63,7 +71,12 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | str |
     if launcher is None or launcher.starts_differently(env):
         return subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", *argv], capture_output=True,
                               text=True, cwd=cwd, env=env, timeout=timeout, check=False)
-    return launcher.run(argv, env=env, cwd=str(cwd), timeout=timeout)
+    if not os.path.isdir(cwd):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(cwd))  # as Popen's
+    try:
+        return launcher.run(argv, env=env, cwd=str(cwd), timeout=timeout)
+    except (ConnectionRefusedError, FileNotFoundError):  # the launcher died: one new launcher
+        return _launcher(replace=launcher).run(argv, env=env, cwd=str(cwd), timeout=timeout)
 
 
 class _Launcher:
@@ -84,55 +97,59 @@ class _Launcher:
 
     def run(self, argv: list[str], *, env: dict[str, str], cwd: str,
             timeout: float) -> subprocess.CompletedProcess[str]:
-        umask = os.umask(0)
-        os.umask(umask)
-        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "umask": umask}).encode()
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "umask": _umask()}).encode()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            try:
-                conn.connect(self.path)
-                socket.send_fds(conn, [_HEADER.pack(len(request))], [0, out_w, err_w])
-                conn.sendall(request)
-            finally:
-                os.close(out_w)
-                os.close(err_w)
-            return self._collect(argv, conn, out_r, err_r, time.monotonic() + timeout, timeout)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                try:
+                    conn.connect(self.path)
+                    socket.send_fds(conn, [_HEADER.pack(len(request))], [0, out_w, err_w])
+                    conn.sendall(request)
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                return self._collect(argv, conn, out_r, err_r, timeout)
+        finally:
+            os.close(out_r)
+            os.close(err_r)
 
     @staticmethod
-    def _collect(argv: list[str], conn: socket.socket, out_r: int, err_r: int, deadline: float,
+    def _collect(argv: list[str], conn: socket.socket, out_r: int, err_r: int,
                  timeout: float) -> subprocess.CompletedProcess[str]:
-        """Read both pipes to their end and the command's pid and exit status (``communicate``)."""
+        """Read both pipes to their end and the command's pid and exit status (``communicate``);
+        past ``timeout``, the handler kills the command and reports its end: ``TimeoutExpired``."""
         chunks: dict[int, list[bytes]] = {conn.fileno(): [], out_r: [], err_r: []}
         selector = selectors.DefaultSelector()
         for fd in chunks:
             selector.register(fd, selectors.EVENT_READ)
+        deadline, killed = time.monotonic() + timeout, False
         try:
             while selector.get_map():
                 ready = selector.select(max(deadline - time.monotonic(), 0))
                 if not ready:
-                    reported = b"".join(chunks[conn.fileno()]).split(b"\n")
-                    if reported[0]:
-                        try:
-                            os.kill(int(reported[0]), signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    raise subprocess.TimeoutExpired(["agentfold", *argv], timeout, _text(chunks[out_r]),
-                                                    _text(chunks[err_r]))
+                    if killed:
+                        break
+                    conn.sendall(b"kill\n")
+                    deadline, killed = time.monotonic() + 30, True
+                    continue
                 for key, _ in ready:
                     data = os.read(key.fd, 65536)
                     if data:
                         chunks[key.fd].append(data)
                     else:
                         selector.unregister(key.fd)
+                if killed and len(b"".join(chunks[conn.fileno()]).split(b"\n")) > 2:
+                    break  # killed and reaped (a process it started may still hold the pipes)
         finally:
             selector.close()
-            os.close(out_r)
-            os.close(err_r)
-        pid, code, *_ = b"".join(chunks[conn.fileno()]).split(b"\n")
-        if not code:
-            raise RuntimeError(f"the command launcher lost command {pid.decode() or '(not started)'}")
-        return subprocess.CompletedProcess(["agentfold", *argv], int(code), _text(chunks[out_r]), _text(chunks[err_r]))
+        if killed:
+            raise subprocess.TimeoutExpired(["agentfold", *argv], timeout, _text(chunks[out_r]), _text(chunks[err_r]))
+        report = b"".join(chunks[conn.fileno()]).split(b"\n")
+        if len(report) < 3:
+            raise RuntimeError(f"the command launcher lost the command (it reported {report!r})")
+        return subprocess.CompletedProcess(["agentfold", *argv], int(report[1]), _text(chunks[out_r]),
+                                           _text(chunks[err_r]))
 
     def close(self) -> None:
         self.process.kill()
@@ -142,6 +159,14 @@ class _Launcher:
             os.rmdir(self.dir)
         except OSError:
             pass
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (another thread may be creating files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise RuntimeError("no Umask in /proc/self/status")
 
 
 def _text(chunks: list[bytes]) -> str:
@@ -155,10 +180,12 @@ _instance: _Launcher | None = None
 _owner = 0
 
 
-def _launcher() -> _Launcher:
+def _launcher(replace: _Launcher | None = None) -> _Launcher:
+    """This process's launcher, started at first use (again if it died or is ``replace``)."""
     global _instance, _owner
     with _lock:
-        if _instance is None or _owner != os.getpid() or _instance.process.poll() is not None:
+        if _instance is None or _owner != os.getpid() or _instance.process.poll() is not None \
+                or _instance is replace:
             _instance = _Launcher()
             _owner = os.getpid()
             atexit.register(_instance.close)
@@ -168,17 +195,10 @@ def _launcher() -> _Launcher:
 # --- the launcher process -------------------------------------------------------------------
 
 
-#: What every command imports, then what commands import when they run.
-_PRELOADED = (
-    "agentfold.adapters.cli", "agentfold.adapters.cli_audit", "agentfold.adapters.cli_feed",
-    "agentfold.adapters.cli_serve", "agentfold.adapters.feed", "agentfold.adapters.follower",
-    "agentfold.adapters.transcripts", "agentfold.projections.working_context", "psycopg", "psycopg_pool",
-)
-
-
 def _serve(path: str) -> tuple[dict[str, Any], list[int]]:
     """Accept requests until the test process is gone; returns only in a forked command."""
-    for module in _PRELOADED:
+    cli = importlib.import_module("agentfold.adapters.cli")
+    for module in cli.COMMAND_MODULES:  # what every command imports to build its parser
         importlib.import_module(module)
 
     parent = os.getppid()
@@ -224,6 +244,10 @@ def _handle(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         for fd in fds:
             os.close(fd)
         conn.sendall(f"{pid}\n".encode())
+        ended = os.pidfd_open(pid)
+        readable, _, _ = select.select([conn.fileno(), ended], [], [])
+        if conn.fileno() in readable:  # the caller's timeout ("kill"), or the caller gone (end of stream)
+            os.kill(pid, signal.SIGKILL)  # still this handler's unreaped child: no other process
         _, status = os.waitpid(pid, 0)
         conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
     finally:
@@ -242,6 +266,7 @@ def _command(request: dict[str, Any], fds: list[int]) -> None:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as subprocess's close_fds: only the three streams
     os.chdir(request["cwd"])
     os.umask(request["umask"])
+    importlib.invalidate_caches()  # modules written since the launcher started
     random.seed()  # a fresh interpreter's own seed, not the launcher's
     sys.argv = ["agentfold", *request["argv"]]
     # sys.path as ``python -m`` in that directory with that PYTHONPATH starts with.

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,16 @@ def environment(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
-def both(argv: list[str], tmp_path: Path, **extra: str) -> tuple[Any, Any]:
-    env = environment(**extra)
-    return forked_cli.run(argv, env=env, cwd=tmp_path), fresh(argv, env=env, cwd=tmp_path)
+def run(how: str, argv: list[str], *, cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    if how == "fresh":
+        return fresh(argv, env=environment(**extra), cwd=cwd)
+    ran = forked_cli.run(argv, env=environment(**extra), cwd=cwd)
+    assert ran.args[0] == "agentfold", ran.args  # forked, not a fresh interpreter
+    return ran
+
+
+def both(argv: list[str], tmp_path: Path) -> tuple[Any, Any]:
+    return run("forked", argv, cwd=tmp_path), run("fresh", argv, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("argv", [
@@ -58,40 +66,64 @@ def test_the_environment_directory_and_umask_are_the_callers(tmp_path: Path) -> 
     for how in ("forked", "fresh"):
         here = tmp_path / how
         here.mkdir()
-        old = os.umask(0o077)
+        ran = run(how, ["run", DEMO, "--start-id", "trip", "--json"], cwd=here)
+        assert ran.returncode == 0, ran.stderr
+        assert (here / "agentfold.db").exists()  # the default store, in the working directory
+        tree_id = json.loads(ran.stdout)["tree_id"]
+        old = os.umask(0o027)
         try:
-            argv = ["run", DEMO, "--start-id", "trip", "--json"]
-            ran = forked_cli.run(argv, env=environment(), cwd=here) if how == "forked" else \
-                fresh(argv, env=environment(), cwd=here)
+            exported = run(how, ["export", tree_id, "--out", "tree.jsonl"], cwd=here)
         finally:
             os.umask(old)
-        assert ran.returncode == 0, ran.stderr
-        assert json.loads(ran.stdout)["status"] == "waiting"
-        modes[how] = stat.S_IMODE((here / "agentfold.db").stat().st_mode)  # the default store, in cwd
+        assert exported.returncode == 0, exported.stderr
+        modes[how] = stat.S_IMODE((here / "tree.jsonl").stat().st_mode)  # a plain write's mode: 0666 & ~umask
         elsewhere = f"sqlite:///{here / 'elsewhere.db'}"
-        listed = forked_cli.run(["trees", "--json"], env=environment(AGENTFOLD_STORE=elsewhere), cwd=here)
+        listed = run(how, ["trees", "--json"], cwd=here, AGENTFOLD_STORE=elsewhere)
         assert listed.returncode == 2 and "elsewhere.db" in listed.stderr, listed.stderr  # $AGENTFOLD_STORE read
-    assert modes == {"forked": 0o600, "fresh": 0o600}
+    assert modes == {"forked": 0o640, "fresh": 0o640}
 
 
 def test_a_crash_point_is_a_real_process_death_with_its_exit_status(tmp_path: Path) -> None:
     for how in ("forked", "fresh"):
         log = tmp_path / f"{how}.log"
-        argv = ["kernel-demo-run", "--start-id", "order-1", "--side-effect-log", str(log), "--crash-after",
-                "in-dispatch:1", "--store", f"sqlite:///{tmp_path / how}.db"]
-        ran = forked_cli.run(argv, env=environment(), cwd=tmp_path) if how == "forked" else \
-            fresh(argv, env=environment(), cwd=tmp_path)
+        ran = run(how, ["kernel-demo-run", "--start-id", "order-1", "--side-effect-log", str(log), "--crash-after",
+                        "in-dispatch:1", "--store", f"sqlite:///{tmp_path / how}.db"], cwd=tmp_path)
         assert ran.returncode == 75, (how, ran.stderr)
         assert [line["action"] for line in read_log(log)] == ["charge"], how
 
 
-def test_a_command_past_its_timeout_is_killed(tmp_path: Path) -> None:
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working directory is ``folder``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "cwd") == str(folder):
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_command_past_its_timeout_is_killed_before_the_caller_goes_on(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    assert forked_cli.run(["run", DEMO, "--start-id", "trip", "--store", url], env=environment(),
-                          cwd=tmp_path).returncode == 0
+    assert run("forked", ["run", DEMO, "--start-id", "trip", "--store", url], cwd=tmp_path).returncode == 0
+    here = tmp_path / "follower"
+    here.mkdir()
+    seen: list[list[int]] = []
+    watcher = threading.Thread(target=lambda: seen.append(wait_for(lambda: processes_in(here))), daemon=True)
+    watcher.start()
     began = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        forked_cli.run(["project", "--follow", "--store", url], env=environment(), cwd=tmp_path, timeout=3)
+        forked_cli.run(["project", "--follow", "--store", url], env=environment(), cwd=here, timeout=4)
     assert time.monotonic() - began < 30
-    # Killed: the next command of the same launcher answers.
-    assert forked_cli.run(["trees", "--store", url], env=environment(), cwd=tmp_path).returncode == 0
+    watcher.join(10)
+    assert seen and seen[0], "the follower was never seen running"
+    assert processes_in(here) == []  # killed and reaped when TimeoutExpired is raised
+    assert run("forked", ["trees", "--store", url], cwd=tmp_path).returncode == 0
+
+
+def wait_for(found: Any, timeout: float = 4) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := found()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
