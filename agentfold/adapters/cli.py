@@ -140,7 +140,7 @@ class Context:
         summary = tree_summary(tree)
         timers = self.timers.get(tree.tree_id) if tree.tree_id is not None else None
         if timers and tree.classification() != "terminal":
-            summary["timers"] = [{"effect_id": e, "due_in_seconds": round(left, 3)} for e, left in timers]
+            summary["timers"] = timers_json(timers)
         return summary
 
     def open_store(self, *, create: bool = False) -> EventStore:
@@ -201,6 +201,11 @@ def _short(value: JSON, limit: int = 160) -> str:
 
 # ---------------------------------------------------------------------------
 # Shared views
+
+
+def timers_json(timers: list[tuple[EffectID, float]]) -> list[JSON]:
+    """Waiting timers (``Runtime.waiting_timers``) as the CLI and the HTTP API list them."""
+    return [{"effect_id": e, "due_in_seconds": round(left, 3)} for e, left in timers]
 
 
 def tree_summary(tree: TreeState) -> dict[str, JSON]:

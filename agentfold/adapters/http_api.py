@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agentfold.adapters.cli import tree_summary
+from agentfold.adapters.cli import timers_json, tree_summary
 from agentfold.adapters.eventstore import (
     EventStore,
     read_failure,
@@ -811,16 +811,24 @@ class ApiService:
         return self.store.find_process_tree(process_id)
 
     def _written(self, tree_id: TreeID, wait: float, **data: Any) -> dict[str, Any]:
-        """The answer to a write: the tree after waiting up to ``wait`` s, and a position."""
+        """The answer to a write: the tree after waiting up to ``wait`` s, and a position.
+
+        A run left with nothing under way but timers due after the wait (a Deadline's) is
+        parked until their instants: answered at once, ``idle``, its ``timers`` listed."""
         drive_error = None
+        timers: list[tuple[EffectID, float]] = []
         try:
-            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001, elsewhere=False)
-            idle = tree.classification() != "progress"
+            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001, elsewhere=False, past_timers=True)
+            if tree.classification() != "terminal":
+                timers = self.runtime.waiting_timers(tree_id)
+            idle = tree.classification() != "progress" or bool(timers)
         except TimeoutError:
             tree, idle = self.runtime.capture(tree_id), False
         except AgentfoldError as exc:  # the write is recorded; driving it on failed here
             tree, idle, drive_error = self.queries.fold(tree_id)[0], False, exc.to_json()
         body = {**data, "tree": tree_summary(tree), "idle": idle, "position": self.store.max_notification_id()}
+        if timers:
+            body["timers"] = timers_json(timers)
         if drive_error is not None:
             body["drive_error"] = drive_error
         return body

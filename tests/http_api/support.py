@@ -64,10 +64,14 @@ class ApiServer:
         return self.log.read_text() if self.log.exists() else ""
 
 
-def serve_command(store: str, *args: str, side_effects: bool = True) -> list[str]:
+#: ``python -m`` what runs ``agentfold``: agentfold's own console script.
+ENTRY = ("agentfold.adapters.cli",)
+
+
+def serve_command(store: str, *args: str, side_effects: bool = True, entry: tuple[str, ...] = ENTRY) -> list[str]:
     # The tests' scenarios log their tool calls under the temporary folder (pytest's tmp_path).
     allow = [] if "--side-effect-dir" in args or not side_effects else ["--side-effect-dir", tempfile.gettempdir()]
-    return [sys.executable, "-m", "agentfold.adapters.cli", "serve", "--store", store, "--port", "0", "--json", *allow, *args]
+    return [sys.executable, "-m", *entry, "serve", "--store", store, "--port", "0", "--json", *allow, *args]
 
 
 def server_env(token: str | None = TOKEN) -> dict[str, str]:
@@ -79,11 +83,13 @@ def server_env(token: str | None = TOKEN) -> dict[str, str]:
 
 
 def start_server(store: str, log_dir: Path, *args: str, timeout: float = 60.0,
-                 env: dict[str, str] | None = None, side_effects: bool = True) -> ApiServer:
-    """Start ``agentfold serve`` (``env``: more environment variables) and wait until ``/health`` answers."""
+                 env: dict[str, str] | None = None, side_effects: bool = True,
+                 entry: tuple[str, ...] = ENTRY) -> ApiServer:
+    """Start ``agentfold serve`` (``env``: more environment variables; ``entry``: the console
+    script's module and arguments before ``serve``, a deployment's) and wait until ``/health`` answers."""
     log = log_dir / f"server-{uuid.uuid4().hex[:8]}.log"
     with log.open("w") as err:
-        proc = subprocess.Popen(serve_command(store, *args, side_effects=side_effects), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(serve_command(store, *args, side_effects=side_effects, entry=entry), stdout=subprocess.PIPE,
                                 stderr=err, text=True,
                                 cwd=ROOT, env={**server_env(), **(env or {})})
     assert proc.stdout is not None

@@ -6,8 +6,9 @@ only while it waits. A Deadline an hour away will not fire while it waits, and t
 waits for the same instant (replay policy ``same_identity``), so the command returns at once
 with the run left waiting for its timer (exit 0, the timer listed in its summary) instead of
 waiting its whole ``--timeout`` and failing with ``cli.timeout``. A timer due within the
-command's time is waited for, and the run goes on to its end. Real stores (SQLite, PostgreSQL),
-the console script in its own process (``python -m tests.team.competition_programs cli``).
+command's time is waited for, and the run goes on to its end. The HTTP API's writes answer the
+same way after their ``wait``. Real stores (SQLite, PostgreSQL), the console script in its own
+process (``python -m tests.team.competition_programs cli``), its ``serve`` for the HTTP API.
 """
 
 from __future__ import annotations
@@ -139,3 +140,32 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     [timer] = tree["timers"]
     assert timer["effect_id"] == dispatched[0].effect_id and HOUR - 120 < timer["due_in_seconds"] <= HOUR
     assert timer_records(url, tree_id)[1] == []
+
+
+def test_an_http_write_answers_at_once_when_the_run_is_left_only_waiting_for_a_far_timer(
+    durable_store_url: str, tmp_path: Path,
+) -> None:
+    """The server owns the run and fires the timer at its instant; a write's ``wait`` does not
+    wait for an instant after it (before: the whole wait, then ``idle`` false)."""
+    from tests.http_api.support import ok, start_server
+
+    server = start_server(durable_store_url, tmp_path, entry=("tests.team.competition_programs", "cli"))
+    try:
+        client = server.client()
+        began = time.monotonic()
+        far = ok(client.post("/runs", json={"program": "test.deadline", "input": C.instant_in(HOUR),
+                                            "start_id": "http-far", "wait": TIMEOUT}), 201)
+        assert time.monotonic() - began < TIMEOUT / 2, "the write waited for the timer"
+        assert far["idle"] is True
+        assert far["tree"]["status"] == "running" and far["tree"]["classification"] == "progress"
+        [timer] = far["timers"]
+        [dispatched], settled, _ = timer_records(durable_store_url, TreeID(far["tree"]["tree_id"]))
+        assert timer["effect_id"] == dispatched.effect_id and HOUR - 120 < timer["due_in_seconds"] <= HOUR
+        assert settled == []
+
+        near = ok(client.post("/runs", json={"program": "test.deadline", "input": C.instant_in(4.0),
+                                             "start_id": "http-near", "wait": TIMEOUT}), 201)
+        assert near["idle"] is True and near["tree"]["status"] == "completed" and "timers" not in near
+    finally:
+        status, _ = server.stop()
+    assert status == 0, server.log.read_text()
