@@ -130,7 +130,10 @@ class _Launcher:
                 if not ready:
                     if killed:
                         break
-                    conn.sendall(b"kill\n")
+                    try:
+                        conn.sendall(b"kill\n")
+                    except OSError:  # the handler already reported the end (its pipes are held)
+                        pass
                     deadline, killed = time.monotonic() + 30, True
                     continue
                 for key, _ in ready:
