@@ -20,6 +20,7 @@ import pytest
 
 from agentfold.adapters.kernel_demo import read_log
 from tests import forked_cli
+from tests.http_api.support import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
@@ -110,7 +111,7 @@ def test_a_command_past_its_timeout_is_killed_before_the_caller_goes_on(tmp_path
     here = tmp_path / "follower"
     here.mkdir()
     seen: list[list[int]] = []
-    watcher = threading.Thread(target=lambda: seen.append(wait_for(lambda: processes_in(here))), daemon=True)
+    watcher = threading.Thread(target=lambda: seen.append(wait_until(lambda: processes_in(here), 4)), daemon=True)
     watcher.start()
     began = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
@@ -121,9 +122,3 @@ def test_a_command_past_its_timeout_is_killed_before_the_caller_goes_on(tmp_path
     assert processes_in(here) == []  # killed and reaped when TimeoutExpired is raised
     assert run("forked", ["trees", "--store", url], cwd=tmp_path).returncode == 0
 
-
-def wait_for(found: Any, timeout: float = 4) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := found()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return value

@@ -461,15 +461,13 @@ def wait_parked(ctx: Context, runtime: Runtime, tree_id: TreeID) -> TreeState:
 
 
 def _wait_quiet(ctx: Context, runtime: Runtime, tree_id: TreeID, timeout: float) -> TreeState:
-    """``Runtime.wait_idle(past_timers=True)`` for at most ``timeout`` s: when the tree is left
+    """``Runtime.wait_quiet`` for at most ``timeout`` s: when the tree is left
     only waiting for timers due after that (a paused run's too), they are noted for its
     summary. Nothing is lost when the command exits: the next owner waits for the same instants."""
-    tree = runtime.wait_idle(tree_id, timeout, elsewhere=False, past_timers=True)
+    tree, timers = runtime.wait_quiet(tree_id, timeout)
     ctx.timers.pop(tree_id, None)
-    if tree.classification() != "terminal":
-        timers = runtime.waiting_timers(tree_id)
-        if timers:
-            ctx.timers[tree_id] = timers
+    if timers:
+        ctx.timers[tree_id] = timers
     return tree
 
 

@@ -818,9 +818,7 @@ class ApiService:
         drive_error = None
         timers: list[tuple[EffectID, float]] = []
         try:
-            tree = self.runtime.wait_idle(tree_id, wait if wait > 0 else 0.001, elsewhere=False, past_timers=True)
-            if tree.classification() != "terminal":
-                timers = self.runtime.waiting_timers(tree_id)
+            tree, timers = self.runtime.wait_quiet(tree_id, wait if wait > 0 else 0.001)
             idle = tree.classification() != "progress" or bool(timers)
         except TimeoutError:
             tree, idle = self.runtime.capture(tree_id), False

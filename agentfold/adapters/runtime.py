@@ -2535,6 +2535,13 @@ class Runtime:
             timers = driver.waiting_timers(list(driver.flights.values()))
         return sorted(((f.effect_id, left if isinstance(left, float) else 0.0) for f, left in timers), key=lambda t: t[1])
 
+    def wait_quiet(self, tree: TreeID | str, timeout: float) -> tuple[TreeState, list[tuple[EffectID, float]]]:
+        """``wait_idle(tree, timeout, elsewhere=False, past_timers=True)`` and the timers the tree
+        is then left waiting for (``waiting_timers``; none once it ended): for an owner that stops
+        waiting at ``timeout`` (a command, an HTTP write) and reports what is left."""
+        state = self.wait_idle(tree, timeout, elsewhere=False, past_timers=True)
+        return state, (self.waiting_timers(tree) if state.classification() != "terminal" else [])
+
     def timers_waiting(self) -> int:
         """TimerDispatcher calls waiting for their instant (they hold no call slot)."""
         with self._timers._cond:
