@@ -223,6 +223,12 @@ def tree_summary(tree: TreeState) -> dict[str, JSON]:
     }
 
 
+def _timers_text(timers: Sequence[Mapping[str, Any]]) -> str:
+    first = min(t["due_in_seconds"] for t in timers)
+    return (f"waiting for {len(timers)} timer(s), the first due in {first:g} s: a running `{PROG} serve`, "
+            f"or `{PROG} recover` once it is due, fires it (its instant is recorded)")
+
+
 def _summary_text(summary: Mapping[str, Any]) -> str:
     unknown = summary.get("unknown_effect_ids") or []
     text = (
@@ -231,9 +237,7 @@ def _summary_text(summary: Mapping[str, Any]) -> str:
     )
     timers = summary.get("timers") or []
     if timers:
-        first = min(t["due_in_seconds"] for t in timers)
-        text += (f"; waiting for {len(timers)} timer(s), the first due in {first:g} s: a running `{PROG} serve`, "
-                 f"or `{PROG} recover` once it is due, fires it (its instant is recorded)")
+        text += "; " + _timers_text(timers)
     if unknown and summary["classification"] == "terminal":
         # The tree ended: they can no longer be resolved (they stay as evidence).
         text += f"; unresolved unknown effects (evidence, no longer resolvable): {', '.join(unknown)}"
@@ -536,6 +540,12 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                 if not runtime.needs_recovery(head):
                     entries.append({**_head_summary(head), "outcome": "parked"})
                     continue
+                timers = runtime.stored_far_timers(head.tree_id, ctx.timeout)
+                if timers:
+                    # Only timers due after this command's wait: adopting it would append two
+                    # events and leave it again before they fire (the next owner waits for them).
+                    entries.append({**_head_summary(head), "outcome": "waiting_for_timer", "timers": timers_json(timers)})
+                    continue
                 try:
                     handles = runtime.recover(head.tree_id)
                 except Fenced:
@@ -591,6 +601,9 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
         elif entry["outcome"] == "parked":
             lines.append(f"left {entry['tree_id']} (start {entry['start_id']}): parked, nothing in flight "
                          "(it is adopted when input reaches it)")
+        elif entry["outcome"] == "waiting_for_timer":
+            lines.append(f"left {entry['tree_id']} (start {entry['start_id']}): nothing to do before its timers; "
+                         + _timers_text(entry["timers"]))
         else:
             error = entry["error"]
             assert isinstance(error, dict)

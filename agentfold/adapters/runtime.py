@@ -2535,6 +2535,62 @@ class Runtime:
             timers = driver.waiting_timers(list(driver.flights.values()))
         return sorted(((f.effect_id, left if isinstance(left, float) else 0.0) for f, left in timers), key=lambda t: t[1])
 
+    def stored_far_timers(self, tree: TreeID | str, after: float) -> list[tuple[EffectID, float]] | None:
+        """For an owner that drives a run only while it waits ``after`` seconds (``agentfold
+        recover``): when nobody drives ``tree`` and all its stored state has left to do is wait
+        for timers (a Deadline's) due more than ``after`` seconds from now, each ``(effect id,
+        seconds until due by its dispatcher's clock)``, soonest first; otherwise None (adopt it).
+
+        Such a run is better left as it is: adopting it appends a ``WriterActivated`` and a new
+        dispatch permission of the same timer, and the owner gives it up again before the
+        instant, so every periodic ``recover`` would grow its history by two events. A timer
+        counts only when it is the frontier of a live Process with no terminal intent, its replay
+        policy is ``same_identity`` and its Program's dispatcher is a stock TimerDispatcher
+        (``waits_as_timer``) whose ``due`` gives a finite instant; every other live Process must
+        be parked (waiting, paused or stopped by an unknown outcome) with nothing in flight.
+        Anything else, a tree another runtime owns, or one that cannot be loaded here: None.
+        Nothing is appended; the owner lease is only probed (taken and given back)."""
+        tree_id = self._tree_ref(tree)
+        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+            with self._lock:
+                if tree_id in self._drivers or self._closed or not self._leases.acquire(tree_id):
+                    return None
+            try:
+                state = self._load(tree_id).state
+            except AgentfoldError:
+                return None  # adopting it says why
+            finally:
+                self._leases.release(tree_id)
+        timers: list[tuple[EffectID, float]] = []
+        for process in state.live.values():
+            flights = process.in_flight()
+            if process.terminal_intent is not None:
+                return None
+            if not flights:
+                if process.status in ("waiting", "paused") or process.unknown_effects():
+                    continue
+                return None  # a Step to take or an Effect to start
+            record = flights[0]
+            if record.target != "dispatcher" or record.replay != "same_identity":
+                return None
+            try:
+                program = self._resolve(process.program)
+                dispatcher = program.dispatcher if program is not None else None
+                if not waits_as_timer(dispatcher):
+                    return None
+                assert isinstance(dispatcher, TimerDispatcher)
+                request = effect_request(state, process.process_id, record.effect_id, program, record.attempt_id)
+                instant = dispatcher.due(request)
+                if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
+                    return None  # a Settlement now, or what the owner records unknown
+                left = float(instant) - float(dispatcher.clock())
+            except Exception:  # noqa: BLE001 - the owner that adopts it records what fails
+                return None
+            if not math.isfinite(left) or left <= max(after, 0.0):
+                return None
+            timers.append((record.effect_id, left))
+        return sorted(timers, key=lambda t: t[1]) or None
+
     def wait_quiet(self, tree: TreeID | str, timeout: float) -> tuple[TreeState, list[tuple[EffectID, float]]]:
         """``wait_idle(tree, timeout, elsewhere=False, past_timers=True)`` and the timers the tree
         is then left waiting for (``waiting_timers``; none once it ended): for an owner that stops

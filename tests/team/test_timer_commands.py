@@ -25,7 +25,7 @@ import pytest
 from agentfold.adapters.eventstore import EventStore
 from agentfold.domain.events import EffectDispatched, EffectSettled, WriterActivated
 from agentfold.domain.ids import TreeID
-from tests.interaction.support import open_runtime
+from tests.interaction.support import open_runtime, recover
 from tests.interaction.tools import wait_until
 from tests.team import competition_programs as C
 
@@ -55,6 +55,16 @@ def orphan_deadline(url: str, start_id: str, seconds: float) -> TreeID:
     return handle.tree_id
 
 
+def head_version(url: str, tree_id: TreeID) -> int:
+    store = EventStore(url)
+    try:
+        head = store.head(tree_id)
+    finally:
+        store.close()
+    assert head is not None
+    return head.version
+
+
 def timer_records(url: str, tree_id: TreeID) -> tuple[list[Any], list[Any], int]:
     """(the timer's dispatch permissions, its settlements, the owners activated) as stored."""
     store = EventStore(url)
@@ -67,37 +77,46 @@ def timer_records(url: str, tree_id: TreeID) -> tuple[list[Any], list[Any], int]
 
 
 @pytest.mark.parametrize("timeout", [TIMEOUT, 0.0])
-def test_recover_leaves_a_run_waiting_for_a_far_timer_at_once_and_the_next_recover_does_again(
+def test_recover_leaves_a_run_waiting_only_for_a_far_timer_as_it_is_and_appends_nothing(
     durable_store_url: str, timeout: float,
 ) -> None:
-    """With ``--timeout 0`` the wait is up at once: the drain finds the run waiting for its timer."""
+    """Adopting it would append a WriterActivated and a new dispatch permission of the same timer,
+    and the command would give it up again before the instant: every periodic ``recover`` would
+    grow the history by two events. It is listed, with its timer, and left (exit 0)."""
     url = durable_store_url
     tree_id = orphan_deadline(url, "far-1", HOUR)
-    [first], settled, owners = timer_records(url, tree_id)
+    before = timer_records(url, tree_id)
+    [first], settled, _ = before
     assert settled == []
+    version = head_version(url, tree_id)
 
     status, out, err, took = console(url, "recover", "--json", timeout=timeout)
     assert status == 0, err
     assert took < TIMEOUT / 2, f"recover took {took:.1f} s: it waited for the timer"
     [entry] = json.loads(out)["trees"]
-    assert entry["tree_id"] == tree_id and entry["outcome"] == "recovered"
+    assert entry["tree_id"] == tree_id and entry["outcome"] == "waiting_for_timer"
     assert entry["status"] == "running" and entry["classification"] == "progress"
-    assert entry["unknown_effect_ids"] == []
+    assert entry["version"] == version and entry["unknown_effect_ids"] == []
     [timer] = entry["timers"]
     assert timer["effect_id"] == first.effect_id
     assert HOUR - 120 < timer["due_in_seconds"] <= HOUR
-
-    # The new owner waited for the timer under the same identity, then left it: no outcome recorded.
-    dispatched, settled, owners_after = timer_records(url, tree_id)
-    assert [d.effect_id for d in dispatched] == [first.effect_id] * 2 and settled == []
-    assert owners_after == owners + 1
+    assert head_version(url, tree_id) == version and timer_records(url, tree_id) == before
 
     status, out, err, took = console(url, "recover")
     assert status == 0, err
     assert took < TIMEOUT / 2
-    assert f"recovered {tree_id}" in out and "waiting for 1 timer(s), the first due in" in out, out
+    assert f"left {tree_id} (start far-1): nothing to do before its timers; waiting for 1 timer(s), the first due in" \
+        in out, out
     assert "unknown" not in out
-    assert timer_records(url, tree_id)[1] == []
+    assert head_version(url, tree_id) == version
+
+    # A run another live runtime drives (its owner fires the timer) is reported owned, as before.
+    with open_runtime(url, C.deadline()) as runtime:
+        recover(runtime, tree_id)
+        wait_until(lambda: runtime.timers_waiting() == 1, "the new owner's timer to wait")
+        status, out, err, _ = console(url, "recover", "--json")
+        assert status == 0, err
+        assert [e["outcome"] for e in json.loads(out)["trees"]] == ["owned"]
 
 
 def test_recover_waits_for_a_timer_due_within_its_time_and_the_deadline_completes(durable_store_url: str) -> None:
@@ -130,6 +149,14 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     # Paused: parked; the pause does not stop the timer, which the command left waiting.
     assert paused["status"] == "paused" and paused["classification"] == "parked"
     assert [t["effect_id"] for t in paused["timers"]] == [timer_records(url, tree_id)[0][0].effect_id]
+    # Left by `pause` with its timer waiting: `recover` leaves it so (nothing appended).
+    version = head_version(url, tree_id)
+    status, out, err, _ = console(url, "recover", "--json")
+    assert status == 0, err
+    [entry] = json.loads(out)["trees"]
+    assert entry["outcome"] == "waiting_for_timer" and entry["status"] == "paused"
+    assert [t["effect_id"] for t in entry["timers"]] == [t["effect_id"] for t in paused["timers"]]
+    assert head_version(url, tree_id) == version
 
     status, out, err, took = console(url, "resume", str(root), "--json")
     assert status == 0, err

@@ -376,3 +376,77 @@ def test_wait_idle_past_timers_returns_only_for_far_timers_the_next_owner_makes_
         with pytest.raises(TimeoutError):
             runtime.wait_idle(other.tree_id, 0.5, past_timers=True)
         assert runtime.status(handle.tree_id) == "running"
+
+
+# ---------------------------------------------------------------------------
+# Runtime.stored_far_timers: whether a stored run (nobody drives it) has nothing to do but wait
+# for timers due after a time (`agentfold recover` leaves it as it is, appending nothing)
+
+
+def test_stored_far_timers_lists_a_run_left_only_waiting_for_far_timers_and_appends_nothing(store_url: str) -> None:
+    deadline = compile_deadline("test.deadline")
+    once = timer_chain(3600, Replay.NEVER)
+    store = EventStore(store_url)
+    try:
+        with open_runtime(store, deadline, once) as runtime:
+            handle = runtime.start(deadline, soon(3600), start_id="timer:far")
+            paused = runtime.start(deadline, soon(3600), start_id="timer:far-paused")
+            never = runtime.start(once, {"n": 1}, start_id="timer:never")
+            wait_timers(runtime, 3)
+            runtime.pause(paused.root_process_id)
+        versions = {h.tree_id: h.version for h in store.heads()}
+        with open_runtime(store, deadline, once) as runtime:
+            [(effect_id, left)] = runtime.stored_far_timers(handle.tree_id, 60.0)  # type: ignore[misc]
+            [dispatched] = [r.event for r in store.read(handle.tree_id) if isinstance(r.event, EffectDispatched)]
+            assert effect_id == dispatched.effect_id and 3000 < left <= 3600
+            # A paused run's timer goes on waiting too (a pause does not stop it).
+            [(paused_effect, _)] = runtime.stored_far_timers(paused.tree_id, 60.0)  # type: ignore[misc]
+            assert runtime.capture(paused.tree_id).root.status == "paused"
+            # Due within the time: taken over and waited for. Replay policy never: the next owner
+            # records it unknown, so it is taken over.
+            assert runtime.stored_far_timers(handle.tree_id, 7200.0) is None
+            assert runtime.stored_far_timers(never.tree_id, 60.0) is None
+            assert {h.tree_id: h.version for h in store.heads()} == versions  # nothing appended
+            assert not runtime.owns(handle.tree_id)
+            # A run this runtime (or another) drives is not listed: its owner fires the timer.
+            recover(runtime, handle.tree_id)
+            assert runtime.stored_far_timers(handle.tree_id, 60.0) is None
+            with open_runtime(store, deadline, once) as other:
+                assert other.stored_far_timers(handle.tree_id, 60.0) is None
+                assert other.stored_far_timers(paused.tree_id, 60.0) == [(paused_effect, pytest.approx(3600, abs=120))]
+    finally:
+        store.close()
+
+
+def test_stored_far_timers_takes_a_run_over_when_another_process_has_a_call_to_start(store_url: str) -> None:
+    """A race between a Deadline an hour away and an echo whose call waits for the only call slot
+    (a slow call of another run holds it): left by its owner, the echo's Effect is declared and
+    not started. The next owner starts it, so the run is taken over, far timer or not."""
+    deadline, worker = compile_deadline("test.deadline"), echo()
+    slow = transform(TransformConfig(name="test.slow", fn=slow_fn, identity="test.slow/1"))
+    race = compile_first_success(FirstSuccessConfig(name="test.race", candidates=[worker, deadline],
+                                                    accept=FIRST_COMPLETED, max_candidates=2))
+    store = EventStore(store_url)
+    RELEASE.clear()
+    try:
+        with open_runtime(store, race, deadline, worker, slow, dispatch_workers=1) as runtime:
+            runtime.start(slow, "work")
+            wait_until(lambda: runtime.dispatches_running() == 1, "the slow call to run")
+            handle = runtime.start(race, [
+                {"key": "work", "program": "test.echo", "input": "late"},
+                {"key": "timeout", "program": "test.deadline", "input": soon(3600)},
+            ])
+            wait_timers(runtime, 1)
+            wait_until(lambda: runtime.runs_waiting_for_calls() == 1, "the echo to wait for a call slot")
+        RELEASE.set()
+        tree = store.load(handle.tree_id).state
+        planned = [r for p in tree.live.values() for r in p.batch if r.phase == "planned"]
+        assert len(planned) == 1 and [len(p.in_flight()) for p in tree.live.values()].count(1) == 1
+        with open_runtime(store, race, deadline, worker, slow) as runtime:
+            assert runtime.stored_far_timers(handle.tree_id, 60.0) is None
+            recover(runtime, handle.tree_id)
+            result = runtime.result(handle.tree_id, WAIT)
+            assert result.status == "completed" and result.output["winner"] == 0, result.output
+    finally:
+        RELEASE.set()
+        store.close()
