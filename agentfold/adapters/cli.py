@@ -540,13 +540,14 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                 if not runtime.needs_recovery(head):
                     entries.append({**_head_summary(head), "outcome": "parked"})
                     continue
-                timers = runtime.stored_far_timers(head.tree_id, ctx.timeout)
-                if timers:
-                    # Only timers due after this command's wait: adopting it would append two
-                    # events and leave it again before they fire (the next owner waits for them).
-                    entries.append({**_head_summary(head), "outcome": "waiting_for_timer", "timers": timers_json(timers)})
-                    continue
                 try:
+                    timers = runtime.stored_far_timers(head.tree_id, ctx.timeout)
+                    if timers:
+                        # Only timers due after this command's wait: adopting it would append two
+                        # events and leave it again before they fire (the next owner waits for them).
+                        entries.append({**_head_summary(head), "outcome": "waiting_for_timer",
+                                        "timers": timers_json(timers)})
+                        continue
                     handles = runtime.recover(head.tree_id)
                 except Fenced:
                     entries.append({**_head_summary(head), "outcome": "owned"})

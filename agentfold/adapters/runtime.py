@@ -2549,18 +2549,29 @@ class Runtime:
         (``waits_as_timer``) whose ``due`` gives a finite instant; every other live Process must
         be parked (waiting, paused or stopped by an unknown outcome) with nothing in flight.
         Anything else, a tree another runtime owns, or one that cannot be loaded here: None.
-        Nothing is appended; the owner lease is only probed (taken and given back)."""
+        Nothing is appended. The owner lease is taken while the state is read and given back
+        (for that moment another writer finds the run owned, as with the orphan scan's look);
+        input such a writer recorded meanwhile without driving it moves the index row on,
+        which makes the answer None: whoever adopts the run then drives that input. A failing
+        store or lease session raises, as adopting would."""
         tree_id = self._tree_ref(tree)
         with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
             with self._lock:
-                if tree_id in self._drivers or self._closed or not self._leases.acquire(tree_id):
+                if tree_id in self._drivers or self._closed or self._leases.holds(tree_id):
+                    return None  # held here (a driver being made or given up): never release it
+                if not self._leases.acquire(tree_id):
                     return None
             try:
                 state = self._load(tree_id).state
-            except AgentfoldError:
-                return None  # adopting it says why
+            except Exception as exc:  # adopting it says why
+                if _store_down(exc):
+                    raise
+                return None
             finally:
                 self._leases.release(tree_id)
+        latest = self.store.head(tree_id)
+        if latest is None or latest.version != state.version:
+            return None
         timers: list[tuple[EffectID, float]] = []
         for process in state.live.values():
             flights = process.in_flight()

@@ -450,3 +450,85 @@ def test_stored_far_timers_takes_a_run_over_when_another_process_has_a_call_to_s
     finally:
         RELEASE.set()
         store.close()
+
+
+class BlockingTimer(DeadlineDispatcher):
+    """A Deadline's timer whose ``dispatch`` is its own: called as an ordinary dispatcher."""
+
+    def dispatch(self, request: EffectRequest, context: Any) -> Settlement:
+        return super().dispatch(request, context)
+
+
+def test_stored_far_timers_takes_a_run_over_for_a_recorded_cancel_or_a_timer_it_calls(store_url: str) -> None:
+    """A cancel recorded by a writer that did not drive it (adopt_on_admit=False) is a terminal
+    intent the next owner acts on; a TimerDispatcher whose ``dispatch`` is overridden is a call
+    like any other (the next owner makes it again; nothing tells when it returns)."""
+    deadline = compile_deadline("test.deadline")
+    own = compile_deadline("test.own_timer", dispatcher=BlockingTimer())
+    store = EventStore(store_url)
+    try:
+        with open_runtime(store, deadline, own) as runtime:
+            canceled = runtime.start(deadline, soon(3600), start_id="timer:canceled")
+            called = runtime.start(own, soon(3600), start_id="timer:own")
+            wait_timers(runtime, 1)
+            wait_until(lambda: runtime.dispatches_running() == 1, "the overridden timer to be called")
+        with open_runtime(store, deadline, own, adopt_on_admit=False) as writer:
+            writer.cancel(canceled.root_process_id, "no longer needed")
+            assert not writer.owns(canceled.tree_id)
+        with open_runtime(store, deadline, own) as runtime:
+            assert runtime.stored_far_timers(canceled.tree_id, 60.0) is None
+            assert runtime.stored_far_timers(called.tree_id, 60.0) is None
+            recover(runtime, canceled.tree_id)
+            assert runtime.result(canceled.tree_id, WAIT).status == "canceled"
+    finally:
+        store.close()
+
+
+def test_stored_far_timers_answers_none_when_input_was_recorded_while_it_looked(store_url: str) -> None:
+    """Its look holds the owner lease: a writer recording input meanwhile cannot take the run
+    and records the input without driving it. The run must then be taken over (it was left
+    with the input recorded and nobody acting on it)."""
+    deadline = compile_deadline("test.deadline")
+    store = EventStore(store_url)
+    try:
+        with open_runtime(store, deadline) as runtime:
+            handle = runtime.start(deadline, soon(3600), start_id="timer:raced")
+            wait_timers(runtime, 1)
+        with open_runtime(store, deadline) as prober, open_runtime(store, deadline) as writer:
+            load = prober._load
+            admitted: list[bool] = []
+
+            def load_then_cancel(tree_id: Any) -> Any:
+                loaded = load(tree_id)
+                admitted.append(writer.cancel(handle.root_process_id, "while the prober looked"))
+                assert not writer.owns(handle.tree_id)  # the lease was held: recorded, not driven
+                return loaded
+
+            prober._load = load_then_cancel  # type: ignore[method-assign]
+            assert prober.stored_far_timers(handle.tree_id, 60.0) is None
+            assert admitted == [True]
+            prober._load = load  # type: ignore[method-assign]
+            recover(prober, handle.tree_id)
+            assert prober.result(handle.tree_id, WAIT).status == "canceled"
+    finally:
+        store.close()
+
+
+def test_stored_far_timers_never_gives_back_a_lease_its_runtime_holds(store_url: str) -> None:
+    """This runtime may hold a tree's lease with no owner line yet (the orphan scan between its
+    look and its adoption, a release under way): the look must not take that lease from it."""
+    deadline = compile_deadline("test.deadline")
+    store = EventStore(store_url)
+    try:
+        with open_runtime(store, deadline) as runtime:
+            handle = runtime.start(deadline, soon(3600), start_id="timer:held")
+            wait_timers(runtime, 1)
+        with open_runtime(store, deadline) as runtime, open_runtime(store, deadline) as other:
+            assert runtime._leases.acquire(handle.tree_id)
+            assert runtime.stored_far_timers(handle.tree_id, 60.0) is None
+            assert runtime._leases.holds(handle.tree_id)
+            assert other.stored_far_timers(handle.tree_id, 60.0) is None  # owned: not free to look at
+            runtime._leases.release(handle.tree_id)
+            assert other.stored_far_timers(handle.tree_id, 60.0) is not None
+    finally:
+        store.close()
