@@ -484,6 +484,15 @@ def test_stored_far_timers_takes_a_run_over_for_a_recorded_cancel_or_a_timer_it_
         store.close()
 
 
+def orphaned(store: EventStore, deadline: Program, start_id: str, seconds: float = 3600) -> Any:
+    """A Deadline ``seconds`` away started by a runtime that closed while its timer waited
+    (nothing recorded for the timer: the run is left for the next owner); its handle."""
+    with open_runtime(store, deadline) as runtime:
+        handle = runtime.start(deadline, soon(seconds), start_id=start_id)
+        wait_timers(runtime, 1)
+    return handle
+
+
 def test_stored_far_timers_answers_none_when_input_was_recorded_while_it_looked(store_url: str) -> None:
     """Its look holds the owner lease: a writer recording input meanwhile cannot take the run
     and records the input without driving it. The run must then be taken over (it was left
@@ -491,9 +500,7 @@ def test_stored_far_timers_answers_none_when_input_was_recorded_while_it_looked(
     deadline = compile_deadline("test.deadline")
     store = EventStore(store_url)
     try:
-        with open_runtime(store, deadline) as runtime:
-            handle = runtime.start(deadline, soon(3600), start_id="timer:raced")
-            wait_timers(runtime, 1)
+        handle = orphaned(store, deadline, "timer:raced")
         with open_runtime(store, deadline) as prober, open_runtime(store, deadline) as writer:
             load = prober._load
             admitted: list[bool] = []
@@ -520,9 +527,7 @@ def test_stored_far_timers_never_gives_back_a_lease_its_runtime_holds(store_url:
     deadline = compile_deadline("test.deadline")
     store = EventStore(store_url)
     try:
-        with open_runtime(store, deadline) as runtime:
-            handle = runtime.start(deadline, soon(3600), start_id="timer:held")
-            wait_timers(runtime, 1)
+        handle = orphaned(store, deadline, "timer:held")
         with open_runtime(store, deadline) as runtime, open_runtime(store, deadline) as other:
             assert runtime._leases.acquire(handle.tree_id)
             assert runtime.stored_far_timers(handle.tree_id, 60.0) is None
