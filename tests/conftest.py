@@ -26,6 +26,34 @@ if str(ROOT) not in sys.path:
 
 BACKENDS = ["memory", "sqlite", "postgresql"]
 
+#: Tests that take half a minute or more in CI (its log lists the 30 slowest), longest first.
+#: They are collected first, so that pytest-xdist's workers start them at once (its first tests
+#: go round robin, one to each worker) instead of one of them starting near the end of the
+#: run and keeping it going alone: the suite's time is then closer to its work divided among
+#: the workers. A prefix of node ids; order within a prefix is kept.
+SLOW_FIRST = (
+    "tests/http_api/test_failover_chaos.py::",
+    "tests/feed/test_publish_broker_partition.py::",
+    "tests/projections/test_read_models.py::test_after_every_append_the_tables_equal_the_pure_projections",
+    "tests/feed/test_feed_kafka.py::test_a_publisher_killed_after_producing_before_storing_its_position",
+    "tests/http_api/test_serve_store_faults.py::test_requests_succeed_again_within_seconds_of_postgresql",
+    "tests/http_api/test_serve_failover.py::test_a_run_whose_owner_line_here_stopped_on_a_store_failure",
+    "tests/http_api/test_slow_clients.py::test_health_answers_at_once_while_long_polls_hold_every_worker",
+    "tests/feed/test_feed_kafka.py::test_a_transcript_consumer_killed_between_its_db_commit_and_its_offset",
+    "tests/http_api/test_serve_partition.py::test_requests_answer_during_a_network_partition",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the ``SLOW_FIRST`` tests first, longest first; every other test keeps its place."""
+    def rank(item: pytest.Item) -> int:
+        for i, prefix in enumerate(SLOW_FIRST):
+            if item.nodeid.startswith(prefix):
+                return i
+        return len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: the order among equals is pytest's
+
 
 def _pg_admin_url() -> str | None:
     return os.environ.get("AGENTFOLD_TEST_PG")
