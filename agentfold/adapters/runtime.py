@@ -481,6 +481,17 @@ def waits_as_timer(dispatcher: object) -> bool:
     return isinstance(dispatcher, TimerDispatcher) and type(dispatcher).dispatch is TimerDispatcher.dispatch
 
 
+def timer_instant(dispatcher: TimerDispatcher, request: EffectRequest) -> float | Settlement:
+    """``dispatcher.due(request)``, checked: a finite instant, or its Settlement now. TypeError
+    for anything else (as what ``due`` raises: the owner records the outcome unknown)."""
+    instant = dispatcher.due(request)
+    if isinstance(instant, Settlement):
+        return instant
+    if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
+        raise TypeError(f"due() returned {brief_repr(instant)}, not a finite number of seconds or a Settlement")
+    return float(instant)
+
+
 class _Timers:
     """The runtime's waiting timers (:class:`~agentfold.adapters.dispatch.TimerDispatcher`).
 
@@ -1089,12 +1100,10 @@ class _Driver:
             if isinstance(tick, bool) or not isinstance(tick, (int, float)) or not 0 < tick <= MAX_TIMER_TICK:
                 raise TypeError(f"{type(job.dispatcher).__name__}.TICK_SECONDS is {brief_repr(tick)}, not a number "
                                 f"of seconds above 0 and at most {MAX_TIMER_TICK:g}")
-            instant = job.dispatcher.due(job.request)
+            instant = timer_instant(job.dispatcher, job.request)
             if isinstance(instant, Settlement):
                 self._timer_done(_settled(job.dispatch, instant))
                 return
-            if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
-                raise TypeError(f"due() returned {brief_repr(instant)}, not a finite number of seconds or a Settlement")
         except BaseException as exc:  # noqa: BLE001 - as a dispatcher that raises: the outcome is unknown
             self._timer_done(_unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}"))
             return
@@ -2578,7 +2587,7 @@ class Runtime:
             if process.terminal_intent is not None:
                 return None
             if not flights:
-                if process.status in ("waiting", "paused") or process.unknown_effects():
+                if process.parked():
                     continue
                 return None  # a Step to take or an Effect to start
             record = flights[0]
@@ -2591,10 +2600,10 @@ class Runtime:
                     return None
                 assert isinstance(dispatcher, TimerDispatcher)
                 request = effect_request(state, process.process_id, record.effect_id, program, record.attempt_id)
-                instant = dispatcher.due(request)
-                if isinstance(instant, bool) or not isinstance(instant, (int, float)) or not math.isfinite(instant):
-                    return None  # a Settlement now, or what the owner records unknown
-                left = float(instant) - float(dispatcher.clock())
+                instant = timer_instant(dispatcher, request)
+                if isinstance(instant, Settlement):
+                    return None  # settled at once by its next owner
+                left = instant - float(dispatcher.clock())
             except Exception:  # noqa: BLE001 - the owner that adopts it records what fails
                 return None
             if not math.isfinite(left) or left <= max(after, 0.0):

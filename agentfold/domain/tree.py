@@ -437,6 +437,11 @@ class ProcessState:
         record = self.frontier()
         return [record] if record is not None and record.in_flight else []
 
+    def parked(self) -> bool:
+        """Nothing to do without input (kernel spec 4.3): waiting, paused, or stopped by an
+        unknown outcome. A live tree is parked when every live Process is."""
+        return self.status in ("waiting", "paused") or bool(self.unknown_effects())
+
     @property
     def runnable(self) -> bool:
         """Running, no outstanding batch, no terminal intent: the next Step may run."""
@@ -554,7 +559,7 @@ class TreeState:
         if not self.live:
             return "terminal"
         for p in self.live.values():
-            if p.status not in ("waiting", "paused") and not p.unknown_effects():
+            if not p.parked():
                 return "progress"
         return "parked"
 
