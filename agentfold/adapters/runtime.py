@@ -19,6 +19,7 @@ unknown and waits for a host (``resolve_unknown_effect``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import inspect
 import itertools
@@ -29,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -649,6 +650,20 @@ class _Permits:
                 if driver.stopped is None:
                     driver.stopped = RuntimeStopped("engine.runtime.released", "a start or activation that lost its race")
             slots.give_back_reserved(driver, leave=True)
+
+
+class _LeaseLook:
+    """A look at a tree under its owner lease (``Runtime._lease_look``)."""
+
+    __slots__ = ("held", "kept")
+
+    def __init__(self, held: str) -> None:
+        self.held = held  # "look": taken for the look; "here" or "elsewhere": not taken
+        self.kept = False
+
+    def keep(self) -> None:
+        """Keep the lease after the look (the caller adopts the tree next)."""
+        self.kept = True
 
 
 class _Driver:
@@ -1407,7 +1422,9 @@ class Runtime:
             1, thread_name_prefix="agentfold-snapshot", initializer=quiet_stop_signals
         )
         self._drivers: dict[TreeID, _Driver] = {}
-        self._adopt_locks = [threading.Lock() for _ in range(64)]
+        # Re-entrant: an owner line that stops while its tree is being taken (its lease lost
+        # before its registration) gives the tree up, under the same lock, on the same thread.
+        self._adopt_locks = [threading.RLock() for _ in range(64)]
         self._failed: dict[TreeID, AgentfoldError] = {}
         # Unknown Effects a host is replaying through this runtime now (Scope: while a replay
         # is in flight, another replay or a resolution of that Effect is ErrEffectNotPending).
@@ -1521,7 +1538,7 @@ class Runtime:
         # process, so without it a concurrent start of the same id, or the watcher adopting the
         # tree again after a lost lease session, could activate it between this start's append
         # and its owner line's registration (two owner lines; a call recorded unknown, or made twice).
-        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+        with self._adopt_lock(tree_id):
             driver = self._start_owned(tree_id, started)
         if driver is None:
             return self._existing_start(tree_id, started)
@@ -1613,7 +1630,7 @@ class Runtime:
         so two threads adopting the same tree would both activate it, and the loser's
         failure would release the lease the winner holds.
         """
-        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
+        with self._adopt_lock(tree_id):
             with self._lock:
                 driver = self._drivers.get(tree_id)
                 if driver is not None:
@@ -1796,25 +1813,67 @@ class Runtime:
     def release(self, tree_id: TreeID) -> None:
         """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
         with self._lock:
-            driver = self._drivers.pop(tree_id, None)
+            driver = self._drivers.get(tree_id)
         if driver is not None:
+            # Its owner line leaves and gives the lease back (``_forget``, under the adoption lock).
             driver._stop(RuntimeStopped("engine.runtime.released", f"tree {tree_id} was released by its owner"))
-        self._leases.release(tree_id)
+            return
+        with self._adopt_lock(tree_id):
+            with self._lock:
+                if tree_id in self._drivers:
+                    return  # taken again meanwhile: the lease is that owner line's
+            self._leases.release(tree_id)
+
+    def _adopt_lock(self, tree_id: TreeID) -> threading.RLock:
+        """The lock under which this runtime takes a tree (``_try_adopt``, a start, a look
+        under its lease) and gives it up (``_forget``): leases are re-entrant inside one
+        process, so a tree taken between an owner line's leaving and its lease's release
+        would get the lease that is about to be given back."""
+        return self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]
+
+    @contextlib.contextmanager
+    def _lease_look(self, tree_id: TreeID) -> Iterator[_LeaseLook]:
+        """The owner lease of a tree nobody drives here, taken for a look at its stored state
+        and given back at the end (unless ``keep``), under the tree's adoption lock (no
+        adoption here shares it). ``held`` says whether it was taken (``"look"``), or why
+        not: ``"here"`` (an owner line of this runtime drives the tree, the lease is held here
+        without one, or this runtime is closed: never given back by a look) or
+        ``"elsewhere"`` (another runtime holds it). Meanwhile another writer finds the tree
+        owned: input it admits is recorded without being driven."""
+        with self._adopt_lock(tree_id):
+            with self._lock:
+                here = tree_id in self._drivers or self._closed or self._leases.holds(tree_id)
+            if here:
+                yield _LeaseLook("here")
+                return
+            if not self._leases.acquire(tree_id):
+                yield _LeaseLook("elsewhere")
+                return
+            look = _LeaseLook("look")
+            try:
+                yield look
+            finally:
+                if not look.kept:
+                    self._leases.release(tree_id)
 
     def _forget(self, driver: _Driver) -> None:
         self._slots.give_back_reserved(driver, leave=True)
-        with self._lock:
-            current = self._drivers.get(driver.tree_id)
-            if current is driver:
-                del self._drivers[driver.tree_id]
-            if driver.final is not None and driver.stopped is None:
-                self._results[driver.tree_id] = driver.final
-                while len(self._results) > _RESULTS_KEPT:
-                    self._results.popitem(last=False)
-        if current is None or current is driver:
-            # Not while another owner line of this runtime drives the tree: the lease (re-entrant
-            # inside the process) is that line's now.
-            self._leases.release(driver.tree_id)
+        # Under the tree's adoption lock: a thread of this runtime taking the tree meanwhile
+        # waits for the lease to be given back, then takes it anew (it would otherwise be
+        # handed this lease, re-entrant, and drive the tree without one once it is released).
+        with self._adopt_lock(driver.tree_id):
+            with self._lock:
+                current = self._drivers.get(driver.tree_id)
+                if current is driver:
+                    del self._drivers[driver.tree_id]
+                if driver.final is not None and driver.stopped is None:
+                    self._results[driver.tree_id] = driver.final
+                    while len(self._results) > _RESULTS_KEPT:
+                        self._results.popitem(last=False)
+            if current is None or current is driver:
+                # Not while another owner line of this runtime drives the tree: the lease (re-entrant
+                # inside the process) is that line's now.
+                self._leases.release(driver.tree_id)
 
     # -- admission -----------------------------------------------------------
 
@@ -1875,14 +1934,8 @@ class Runtime:
             head = self.store.head(tree_id)
             if head is None or head.classification == "terminal":
                 return False
-            with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
-                with self._lock:
-                    if tree_id in self._drivers or self._leases.holds(tree_id):
-                        return False
-                    if not self._leases.acquire(tree_id):
-                        return True
-                self._leases.release(tree_id)
-                return False
+            with self._lease_look(tree_id) as look:
+                return look.held == "elsewhere"
         except Exception:  # noqa: BLE001 - the refusal in hand is the answer to give
             return False
 
@@ -2468,20 +2521,13 @@ class Runtime:
         """Whether a parked tree nobody owns has a call in flight (then: adopt it), holding its
         lease if so. A parked tree whose lease a live runtime holds is not even loaded: a peer
         with many parked runs would otherwise cost a fold of each at every version change."""
-        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
-            with self._lock:
-                if tree_id in self._drivers or self._closed:
-                    return False
-            if not self._leases.acquire(tree_id):
-                return False  # its owner is alive
-            try:
-                needed = self.needs_recovery(head)
-            except BaseException:
-                self._leases.release(tree_id)
-                raise
-            if needed:
-                return True
-            self._leases.release(tree_id)
+        with self._adopt_lock(tree_id):
+            with self._lease_look(tree_id) as look:
+                if look.held != "look":
+                    return False  # driven or held here, or its owner is alive
+                if self.needs_recovery(head):
+                    look.keep()
+                    return True
             # Input admitted while this scan held the lease to look: its writer could not take
             # the tree and appended without driving it (and may have tried again before the
             # lease was free). The index row then moved on: whoever adopts it drives the input.
@@ -2564,20 +2610,15 @@ class Runtime:
         which makes the answer None: whoever adopts the run then drives that input. A failing
         store or lease session raises, as adopting would."""
         tree_id = self._tree_ref(tree)
-        with self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]:
-            with self._lock:
-                if tree_id in self._drivers or self._closed or self._leases.holds(tree_id):
-                    return None  # held here (a driver being made or given up): never release it
-                if not self._leases.acquire(tree_id):
-                    return None
+        with self._lease_look(tree_id) as look:
+            if look.held != "look":
+                return None
             try:
                 state = self._load(tree_id).state
             except Exception as exc:  # adopting it says why
                 if _store_down(exc):
                     raise
                 return None
-            finally:
-                self._leases.release(tree_id)
         latest = self.store.head(tree_id)
         if latest is None or latest.version != state.version:
             return None
