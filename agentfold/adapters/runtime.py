@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from eventsourcing.persistence import PersistenceError
 
@@ -657,7 +657,7 @@ class _LeaseLook:
 
     __slots__ = ("held", "kept")
 
-    def __init__(self, held: str) -> None:
+    def __init__(self, held: Literal["look", "here", "elsewhere"]) -> None:
         self.held = held  # "look": taken for the look; "here" or "elsewhere": not taken
         self.kept = False
 
@@ -1633,18 +1633,25 @@ class Runtime:
         with self._adopt_lock(tree_id):
             with self._lock:
                 driver = self._drivers.get(tree_id)
+            if driver is not None and driver.stopped is not None:
+                # Its owner line stopped and is leaving (its ``_forget`` waits for this lock): it
+                # leaves now, giving the lease back, and this adoption takes the lease anew
+                # (handed on as it is, a lease lost but not yet noticed would go with it).
+                self._forget(driver)
+            with self._lock:
+                driver = self._drivers.get(tree_id)
                 if driver is not None:
                     return None if new_only else driver
                 if self._closed:
                     return None
                 if not self._leases.acquire(tree_id):
                     return None
-            head = self.store.head(tree_id)
-            if head is not None and head.classification == "terminal":
-                # A finished tree needs no writer: activating it would append to a closed history.
-                self._leases.release(tree_id)
-                return None
             try:
+                head = self.store.head(tree_id)
+                if head is not None and head.classification == "terminal":
+                    # A finished tree needs no writer: activating it would append to a closed history.
+                    self._leases.release(tree_id)
+                    return None
                 return self._activate(tree_id)
             except BaseException:
                 with self._lock:
@@ -1880,6 +1887,8 @@ class Runtime:
     def _admit(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> Any:
         self._check_open()
         driver = self._drivers.get(tree_id)
+        if driver is not None and driver.stopped is not None:
+            driver = None  # an owner line that is leaving: the tree is taken anew (``_try_adopt``)
         if driver is None and self.adopt_on_admit:
             try:
                 self._precheck(tree_id, fn)
@@ -2521,7 +2530,7 @@ class Runtime:
         """Whether a parked tree nobody owns has a call in flight (then: adopt it), holding its
         lease if so. A parked tree whose lease a live runtime holds is not even loaded: a peer
         with many parked runs would otherwise cost a fold of each at every version change."""
-        with self._adopt_lock(tree_id):
+        with self._adopt_lock(tree_id):  # re-entered by the look; held for the re-read after it
             with self._lease_look(tree_id) as look:
                 if look.held != "look":
                     return False  # driven or held here, or its owner is alive
