@@ -1833,9 +1833,9 @@ class Runtime:
 
     def _adopt_lock(self, tree_id: TreeID) -> threading.RLock:
         """The lock under which this runtime takes a tree (``_try_adopt``, a start, a look
-        under its lease) and gives it up (``_forget``): leases are re-entrant inside one
-        process, so a tree taken between an owner line's leaving and its lease's release
-        would get the lease that is about to be given back."""
+        under its lease) and gives it up (``_forget``): this runtime's leases are re-entrant,
+        so a tree taken between an owner line's leaving and its lease's release would get
+        the lease that is about to be given back."""
         return self._adopt_locks[hash(tree_id) % len(self._adopt_locks)]
 
     @contextlib.contextmanager
