@@ -185,3 +185,28 @@ def test_a_lease_left_held_by_a_failed_adoption_is_taken_up_by_the_next_orphan_s
     finally:
         survivor.close()
         survivor.store.close()
+
+
+def test_a_line_stopped_by_a_failure_and_replaced_at_once_leaves_no_stale_failure(durable_store_url: str) -> None:
+    """An owner line that stops on a failed append records the failure for ``result()``; a
+    ``recover`` at that very moment replaces the line. The failure must not outlive the new
+    line's registration (which clears it): ``result()`` reports the run as it ends."""
+    with two_runtimes(durable_store_url, "release.failed") as (owner, _peer, handle):
+        tree_id = handle.tree_id
+        wait = owner.capture(tree_id).processes[handle.root_process_id].current_wait
+        line = owner._drivers[tree_id]
+        outcome: list[Any] = []
+        threads: list[threading.Thread] = []
+
+        class Failures(dict[Any, Any]):
+            def __setitem__(self, key: Any, value: Any) -> None:
+                if key == tree_id and not threads:
+                    run_inside(lambda: owner.recover(str(tree_id)), outcome, threads)
+                super().__setitem__(key, value)
+
+        owner._failed = Failures()  # type: ignore[assignment]
+        line._stop(StoreFailure("store.unavailable", "an append failed for a moment"))  # as a failed append does
+        assert threads and not threads[0].is_alive()
+        assert answer(owner, handle, "answer", wait)
+        assert owner.result(tree_id, timeout=30).output == {"hello": "n"}
+        assert owner.wait_idle(tree_id, timeout=30).classification() == "terminal"

@@ -915,11 +915,16 @@ class _Driver:
     def _stop(self, exc: AgentfoldError, items: Iterable[Any] = ()) -> None:
         with self.lock:
             if self.stopped is None:
-                self.stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message, exc.hint)
-            if self.stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
-                # Later result()/wait_idle() calls on this runtime report the failure (Scope:
-                # every published Process's Await returns a RuntimeError), not a stale state.
-                self.runtime._failed[self.tree_id] = self.stopped
+                stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message, exc.hint)
+                if stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
+                    # Later result()/wait_idle() calls on this runtime report the failure (Scope:
+                    # every published Process's Await returns a RuntimeError), not a stale state.
+                    # Written before the line is seen stopped, and only then: a stopped line may be
+                    # replaced at once (``_try_adopt``), and the new line's registration clears
+                    # this entry, which a later write would bring back over the new line's run.
+                    with self.runtime._lock:
+                        self.runtime._failed[self.tree_id] = stopped
+                self.stopped = stopped
             for flight in self.flights.values():
                 flight.context.cancelled.set()
                 if flight.timer is not None:
