@@ -112,8 +112,7 @@ def answer(runtime: Runtime, handle: Any, signal: str, wait: Any = None) -> bool
 
 
 def assert_driven_here_only(owner: Runtime, peer: Runtime, handle: Any) -> None:
-    """The owner drives the run with its own lease: another runtime cannot take it over, and
-    the run goes on where it is driven."""
+    """The owner drives the run with its own lease: another runtime cannot take it over."""
     tree_id = handle.tree_id
     assert owner.owns(tree_id)
     with pytest.raises(Fenced) as refused:
