@@ -1636,8 +1636,7 @@ class Runtime:
         failure would release the lease the winner holds.
         """
         with self._adopt_lock(tree_id):
-            with self._lock:
-                driver = self._drivers.get(tree_id)
+            driver = self._drivers.get(tree_id)
             if driver is not None and driver.stopped is not None:
                 # Its owner line stopped and is leaving (its ``_forget`` waits for this lock): it
                 # leaves now, giving the lease back, and this adoption takes the lease anew
@@ -1884,7 +1883,7 @@ class Runtime:
                         self._results.popitem(last=False)
             if current is None or current is driver:
                 # Not while another owner line of this runtime drives the tree: the lease (re-entrant
-                # inside the process) is that line's now.
+                # within this runtime) is that line's now.
                 self._leases.release(driver.tree_id)
 
     # -- admission -----------------------------------------------------------
