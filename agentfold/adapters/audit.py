@@ -34,7 +34,7 @@ from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
 from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, decode_snapshot, read_failure
 from agentfold.adapters.read_models import ReadModels
-from agentfold.adapters.recorders import EVENTS_TABLE, TreeHead
+from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, IndexHeadMismatch, TreeHead
 from agentfold.adapters.runtime import index_head
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.canonical import JSON
@@ -151,7 +151,7 @@ def tree_of(store: EventStore, ref: str) -> TreeID:
         except ValueError:
             pass
     for tree_id in candidates:
-        if store.head(tree_id) is not None or _raw(store, tree_id, upto=1):
+        if store.head(tree_id) is not None or _raw(store, tree_id, limit=1):
             return tree_id
     raise NotFound(
         "engine.tree.not_found", f"no tree, start id or process {ref!r} in this store",
@@ -159,10 +159,20 @@ def tree_of(store: EventStore, ref: str) -> TreeID:
     )
 
 
-def all_trees(store: EventStore) -> list[TreeID]:
-    """Every tree of the store: the index's, then any that has events but no index row."""
-    trees = store.tree_ids()
-    seen = set(trees)
+def all_trees(store: EventStore) -> list[TreeID | str]:
+    """Every tree of the store: the index's, then any that has events but no index row. An
+    index row whose tree id is no tree id (written by hand) is listed as its text: ``verify``
+    reports it as a failing tree of its own and goes on with the others."""
+    trees: list[TreeID | str] = []
+    seen: set[str] = set()
+    for text in store.index.select_tree_ids():
+        try:
+            tree: TreeID | str = TreeID(text)
+        except InvalidInput:
+            tree = text
+        if tree not in seen:
+            seen.add(tree)
+            trees.append(tree)
     for tree_id in _event_trees(store):
         if tree_id not in seen:
             seen.add(tree_id)
@@ -184,9 +194,9 @@ def _event_trees(store: EventStore) -> list[TreeID]:
     return out
 
 
-def _raw(store: EventStore, tree_id: TreeID, *, upto: int | None = None) -> list[StoredEvent]:
+def _raw(store: EventStore, tree_id: TreeID, *, upto: int | None = None, limit: int | None = None) -> list[StoredEvent]:
     try:
-        return list(store.recorder.select_events(tree_id.uuid, lte=upto))
+        return list(store.recorder.select_events(tree_id.uuid, lte=upto, limit=limit))
     except PersistenceError as exc:
         raise read_failure(exc, f"reading tree {tree_id}") from exc
 
@@ -322,6 +332,14 @@ def _index_findings(tree_id: TreeID, head: TreeHead | None, folded: Folded, stor
     last = folded.state.version
     if head is None:
         return [Finding(name, last, "index.head_mismatch", "the tree index has no row for this tree")]
+    if head.version == MALFORMED_VERSION:
+        return [
+            Finding(
+                name, max(last, 1), "index.head_mismatch",
+                f"the tree index's version is not a number (head digest {head.head_digest}): it was changed by "
+                f"hand; the stream ends at position {last}",
+            )
+        ]
     if head.version != last:
         return [
             Finding(
@@ -348,7 +366,7 @@ def _index_findings(tree_id: TreeID, head: TreeHead | None, folded: Folded, stor
                 )
             ]
     for pid in folded.state.processes:
-        owner = store.tree_of_process(ProcessID(pid))
+        owner = store.index.tree_of_process(pid)  # the row's text, a tree id or not
         if owner != tree_id:
             return [
                 Finding(
@@ -525,7 +543,7 @@ def verify_tree(
 
 
 def verify(
-    store: EventStore, tree_ids: Sequence[TreeID], sources: ProgramSources,
+    store: EventStore, tree_ids: Sequence[TreeID | str], sources: ProgramSources,
     progress: Callable[[int, int], None] | None = None, on_check: Callable[[TreeCheck], None] | None = None,
 ) -> VerifyReport:
     """Verify each tree; the first problem of the first failing tree is the report's first error.
@@ -541,7 +559,13 @@ def verify(
         current = read_models.is_current()
     report = VerifyReport()
     for tree_id in tree_ids:
-        check = verify_tree(store, tree_id, catalog, read_models, models_current=current)[0]
+        if isinstance(tree_id, TreeID):
+            check = verify_tree(store, tree_id, catalog, read_models, models_current=current)[0]
+        else:  # an index row whose tree id is no tree id (``all_trees``)
+            check = TreeCheck(tree_id, read_model="skipped" if read_models is not None else "absent", problems=[
+                Finding(tree_id, 1, "index.row_mismatch",
+                        f"the tree index holds a row whose tree id {tree_id!r} is not a tree id: it was written by "
+                        "hand; no tree's history is read under it")])
         report.add(check)
         if on_check is None:
             report.checks.append(check)
@@ -585,13 +609,20 @@ def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSo
     records = store.read(tree_id, upto=position)  # verifies the chain up to the position
     if not records:
         raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
+    head = store.head(tree_id)
     if len(records) < position:
+        if head is not None and head.version >= position:
+            # The index row proves the position was written: the tail was cut (as a load says it).
+            raise CorruptStream(
+                tree_id, len(records) + 1, "index.head_mismatch",
+                f"the tree index says version {head.version} ({head.head_digest}) but the stream ends at "
+                f"position {len(records)}",
+            )
         raise InvalidInput(
             "audit.position_out_of_range",
             f"tree {tree_id} has positions 1..{len(records)}; there is no position {position}",
             hint=f"pick a position between 1 and {len(records)}",
         )
-    head = store.head(tree_id)
     last = max(head.version if head is not None else 0, position)
     programs = programs_for(sources.catalog(), records[0].event)
     tree = _fold_records(tree_id, records, programs)
@@ -831,6 +862,11 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
 
     Records the store already holds identically are skipped; a store whose history of
     the tree differs anywhere is refused (``import.conflict``) and nothing is written.
+    The tree's index row must anchor a point of the file's history (its version and head
+    digest): a history cut under its row is restored only by the history the row proves
+    (the row and the Process rows the cut left are kept), never by another continuation;
+    the row is written only while it still holds what was read (another writer meanwhile:
+    compare again).
     """
     bound = folded.programs is not None
     for _ in range(3):
@@ -852,14 +888,21 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
                 )
         if len(existing) >= len(stored):
             return ImportReport(tree_id, len(stored), 0, len(stored), bound)
+        expect = _anchor_on_the_file(store, tree_id, stored)
         new = list(stored[len(existing):])
         new_events = [event for _, event in folded.events[len(existing):]]
         head = index_head(folded.state, tree_id, new_events, folded.timestamps[-1])
+        indexed = set(store.processes_of_tree(tree_id)) if existing else set()
         head = dataclasses.replace(
-            head, head_digest=folded.digest or "", created_at=folded.timestamps[0], updated_at=folded.timestamps[-1]
+            head, head_digest=folded.digest or "", created_at=folded.timestamps[0], updated_at=folded.timestamps[-1],
+            # The Processes of a cut history are indexed already, under this tree: those rows stay.
+            new_processes=tuple(pid for pid in head.new_processes if pid not in indexed),
+            expect=None if store.backend == "memory" else expect or (0, ""),
         )
         try:
             store.recorder.insert_events(new, head=head)
+        except IndexHeadMismatch:
+            continue  # the row changed since it was read: compare again
         except IntegrityError:
             for pid in head.new_processes:  # a Process of the file that another tree has already
                 owner = store.tree_of_process(ProcessID(pid))
@@ -876,6 +919,38 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
             raise StoreFailure("store.append_failed", f"importing tree {tree_id} failed: {exc}") from exc
         return ImportReport(tree_id, len(stored), len(new), len(existing), bound)
     raise StoreFailure("audit.import_contended", f"tree {tree_id} kept changing while it was imported")
+
+
+def _anchor_on_the_file(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEvent]) -> tuple[int, str] | None:
+    """The end (version, head digest) the tree's index row anchors, when it is a point of the
+    file's history; None without a row. A row anchoring anything else (a position the file
+    does not reach, another digest there, a version that is no number) proves a history the
+    file is not: refused (``import.conflict``), nothing written."""
+    try:
+        anchor = store.anchors([tree_id]).get(tree_id)
+    except PersistenceError as exc:
+        raise read_failure(exc, f"reading the index row of tree {tree_id}") from exc
+    if anchor is None:
+        return None
+    version, digest = anchor
+    if 1 <= version <= len(stored):
+        try:
+            if unseal(stored_json(stored[version - 1].state)).digest == digest:
+                return version, digest
+        except SealError:  # pragma: no cover - the file was verified before
+            pass
+        where = f"position {version} with head digest {digest}, which is not the file's record there"
+    elif version == MALFORMED_VERSION:
+        where = f"a version that is not a number (head digest {digest}): it was changed by hand"
+    else:
+        where = f"position {version} with head digest {digest}, past the file's {len(stored)} record(s)"
+    raise Rejected(
+        "import.conflict",
+        f"the store's index row of {tree_id} anchors {where}: the store recorded another history (cut or "
+        "changed since); nothing was written",
+        hint="import into another store, or see what the store holds with `agentfold audit verify`",
+        tree=str(tree_id), position=max(version, 1),
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -187,10 +187,26 @@ def index_statements(schema: str = "", *, concurrently: bool = False) -> list[tu
 
 
 def head_from_row(row: Any) -> TreeHead:
+    """An index row as read. Every writer stores an integer version and a JSON list of ids;
+    a row edited by hand into anything else is read as it is, not refused here: a version
+    that is no integer is ``MALFORMED_VERSION`` (below every event, as ``select_anchors``
+    reads it: a load or an append refuses the tree), unknown Effect ids that are no JSON list
+    of text are the column's text as its one id. So listings still show the tree, and
+    ``audit verify`` reports the row (``index.head_mismatch``, ``index.row_mismatch``)
+    instead of failing on it."""
+    version = row["version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        version = MALFORMED_VERSION  # 'abc', or 68.5 (SQLite keeps a REAL): int() would truncate it
+    raw = row["unknown_effect_ids"]
+    try:
+        ids = orjson.loads(raw)
+    except (orjson.JSONDecodeError, TypeError):
+        ids = None
+    unknown = tuple(ids) if isinstance(ids, list) and all(isinstance(i, str) for i in ids) else (str(raw),)
     return TreeHead(
-        row["tree_id"], row["start_id"], row["root_process_id"], row["program"], row["status"],
-        row["classification"], int(row["version"]), row["head_digest"],
-        tuple(orjson.loads(row["unknown_effect_ids"])), str(row["created_at"]), str(row["updated_at"]),
+        str(row["tree_id"]), str(row["start_id"]), str(row["root_process_id"]), str(row["program"]),
+        str(row["status"]), str(row["classification"]), version, str(row["head_digest"]),
+        unknown, str(row["created_at"]), str(row["updated_at"]),
     )
 
 

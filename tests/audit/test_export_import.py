@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from agentfold.adapters.sources import default_sources
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import ProcessID, StartID, TreeID
 from agentfold.domain.integrity import chain_digest
-from tests.audit.support import Sql, record_demo
+from tests.audit.support import Sql, digest_of_state, record_demo
 from tests.conftest import make_store_url
 from tests.kernel_programs import chain_program
 from tests.test_cli import ROOT, Ran, agentfold, ok, refused
@@ -419,3 +420,112 @@ def test_a_history_chained_over_content_that_is_not_canonical_json_is_refused(
     assert (error["detail"]["position"], error["detail"]["rule"]) == (2, "integrity.format"), error
     assert "not canonical JSON" in error["message"]
     assert not Path(target.removeprefix("sqlite:///")).exists()
+
+
+def cut_after(store: str, tree_id: TreeID, position: int) -> None:
+    """Delete the tree's events after ``position`` by hand, leaving the index row (which still
+    anchors the end it proves) and the Process rows alone."""
+    sql = Sql(store)
+    sql.delete(tree_id, *[v for v, _, _ in sql.raw_rows(tree_id) if v > position])
+
+
+def two_endings(tmp_path: Path) -> tuple[TreeID, Path, Path, int]:
+    """One tree recorded twice from the same beginning: parked on the human input, then
+    approved in one SQLite store and refused in a copy of it. Both exports, and the position
+    of the last record they share."""
+    waiting = sqlite_store(tmp_path, "waiting.db")
+    tree_id = record_demo(tmp_path / "run", waiting, start_id="two-endings", answer=False)
+    files: list[Path] = []
+    for approved in (True, False):
+        name = "approved" if approved else "refused"
+        for suffix in ("", "-wal", "-shm"):
+            if (tmp_path / f"waiting.db{suffix}").exists():
+                shutil.copy(tmp_path / f"waiting.db{suffix}", tmp_path / f"{name}.db{suffix}")
+        store = sqlite_store(tmp_path, f"{name}.db")
+        (pending,) = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+        ok(agentfold("answer", pending["process_id"], pending["wait_id"], json.dumps({"approved": approved}),
+                     store=store))
+        export(store, tree_id, tmp_path / f"{name}.jsonl")
+        files.append(tmp_path / f"{name}.jsonl")
+    approved_lines, refused_lines = (records(f.read_bytes()) for f in files)
+    shared = next(i for i, (a, b) in enumerate(zip(approved_lines, refused_lines, strict=False)) if a != b)
+    assert shared > 0
+    return tree_id, files[0], files[1], shared
+
+
+def test_a_history_cut_under_its_index_row_is_restored_only_by_the_history_the_row_proves(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # Found by an audit review: a tree whose tail was cut (its index row still anchoring the
+    # end) took an import of ANOTHER continuation of the kept prefix: the import wrote it and
+    # overwrote the row that proved the cut, and `audit verify` then said OK.
+    target = durable_store_url
+    tree_id, approved, refused_file, shared = two_endings(tmp_path)
+    ok(import_file(approved, target))
+    original = snapshot_of(target, tree_id)
+    anchor = Sql(target).head(tree_id)
+    cut_after(target, tree_id, shared)
+    verified = agentfold("audit", "verify", str(tree_id), "--json", store=target)
+    assert verified.code == 1 and verified.json()["ok"] is False
+    cut = snapshot_of(target, tree_id)
+
+    error = refused(import_file(refused_file, target)).error()
+    assert error["code"] == "import.conflict"
+    assert error["detail"] == {"tree": str(tree_id), "position": anchor[0]}
+    assert anchor[1] in error["message"] and "nothing was written" in error["message"]
+    assert snapshot_of(target, tree_id) == cut  # the row that proves the cut is still there
+
+    # The history the row proves restores it: the tree is whole again, as before the cut.
+    restored = ok(import_file(approved, target)).json()
+    assert (restored["written"], restored["already_present"], restored["changed"]) == (
+        anchor[0] - shared, shared, True
+    )
+    assert snapshot_of(target, tree_id) == original
+    assert ok(agentfold("audit", "verify", str(tree_id), "--json", store=target)).json()["ok"] is True
+
+
+def test_a_cut_that_removed_a_process_start_is_restored_by_importing_the_tree_again(
+    stores: tuple[str, str], tmp_path: Path
+) -> None:
+    # Found by an audit review: the cut left the Process rows of the Processes it removed
+    # (the process index is written once, when a Process is created); re-importing the tree's
+    # own export ran into them and failed as "kept changing while it was imported"
+    # (audit.import_contended, exit 1) however often it was retried.
+    source, target = stores
+    tree_id = record_demo(tmp_path / "run", source)
+    exported = export(source, tree_id, tmp_path / "tree.jsonl")
+    starts = [json.loads(line)["position"] for line in records(exported)
+              if json.loads(line)["topic"].endswith(":ProcessStarted")]
+    ok(import_file(tmp_path / "tree.jsonl", target))
+    original = snapshot_of(target, tree_id)
+    sql = Sql(target)
+    for how in ("row left as it was", "row rewritten to the cut"):
+        cut_after(target, tree_id, starts[-1] - 1)  # the last Process start and what follows
+        if how == "row rewritten to the cut":
+            rows = sql.raw_rows(tree_id)
+            sql.set_head(tree_id, rows[-1][0], digest_of_state(sql.state(tree_id, rows[-1][0])))
+        assert snapshot_of(target, tree_id)[2] == original[2], how  # the Process rows stay
+        restored = ok(import_file(tmp_path / "tree.jsonl", target)).json()
+        assert restored["written"] == len(original[0]) - (starts[-1] - 1), how
+        assert snapshot_of(target, tree_id) == original, how
+        assert ok(agentfold("audit", "verify", str(tree_id), "--json", store=target)).json()["ok"] is True, how
+
+
+def test_an_index_row_that_no_file_position_explains_refuses_the_import(tmp_path: Path) -> None:
+    source, target = sqlite_store(tmp_path, "source.db"), sqlite_store(tmp_path, "target.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    exported = export(source, tree_id, tmp_path / "tree.jsonl")
+    n = len(records(exported))
+    ok(import_file(tmp_path / "tree.jsonl", target))
+    sql = Sql(target)
+    cut_after(target, tree_id, 5)
+    for version, why in ((n + 3, f"past the file's {n} record(s)"), (7, "which is not the file's record there")):
+        sql.set_head(tree_id, version, "sha256:" + "0" * 64)
+        before = snapshot_of(target, tree_id)
+        error = refused(import_file(tmp_path / "tree.jsonl", target)).error()
+        assert error["code"] == "import.conflict" and error["detail"]["position"] == version
+        assert why in error["message"]
+        assert snapshot_of(target, tree_id) == before
+    sql._run("UPDATE agentfold_trees SET version = 'x' WHERE tree_id = ?", (str(tree_id),))
+    error = refused(import_file(tmp_path / "tree.jsonl", target)).error()
+    assert error["code"] == "import.conflict" and "not a number" in error["message"]

@@ -137,6 +137,28 @@ def test_replay_refuses_positions_outside_the_history(capsys: pytest.CaptureFixt
     assert ran.code == 2 and ran.error()["code"] == "engine.tree.not_found"
 
 
+def test_replay_past_a_cut_tail_says_the_history_is_corrupt_not_that_the_position_is_wrong(
+    capsys: pytest.CaptureFixture[str], demo: Any
+) -> None:
+    # Found by an audit review: with the tail cut under its index row, a position the row
+    # proves was written was answered "no such position" (exit 2), while every other command
+    # refuses the cut tree as corrupt.
+    store, tree_id, _ = demo
+    last = ok(agentfold("show", str(tree_id), "--json", store=store)).json()["version"]
+    kept = last - 5
+    Sql(store).delete(tree_id, *range(kept + 1, last + 1))
+    for position in (kept + 1, last):
+        ran = cli(capsys, "replay", str(tree_id), "--at", str(position), "--json", "--store", store)
+        assert ran.code == 1 and ran.stdout == ""
+        error = ran.error()
+        assert (error["code"], error["detail"]["position"], error["detail"]["rule"]) == (
+            "store.corrupt", kept + 1, "index.head_mismatch"
+        )
+    ran = cli(capsys, "replay", str(tree_id), "--at", str(last + 1), "--json", "--store", store)
+    assert ran.code == 2 and ran.error()["code"] == "audit.position_out_of_range"
+    assert cli(capsys, "replay", str(tree_id), "--at", str(kept), "--json", "--store", store).code == 0
+
+
 def test_replay_text_names_the_event_and_the_working_context(demo: Any) -> None:
     store, tree_id, _ = demo
     ran = ok(agentfold("replay", str(tree_id), "--at", "3", store=store))

@@ -177,6 +177,76 @@ def test_an_index_row_that_disagrees_with_the_fold_is_reported(capsys: pytest.Ca
     assert "status" in report["first_error"]["detail"]
 
 
+def test_index_values_no_writer_stores_are_findings_not_a_failed_command(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    # Found by an audit review: values edited by hand into the index tables stopped the whole
+    # verification (cli.internal: a ValueError or a JSONDecodeError; identity.invalid, exit 2,
+    # as if the user had typed a bad id) instead of being reported, and `--all` then checked
+    # no other tree.
+    store, tree_id = chain
+    other = record_chain(store, n=1, start_id="audit-chain-2")
+    sql = Sql(store)
+    root = sql._run("SELECT root_process_id FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))[0][0]
+    cases: list[tuple[str, tuple[Any, ...], str, int, str]] = [
+        ("UPDATE agentfold_trees SET unknown_effect_ids = 'not json' WHERE tree_id = ?", (str(tree_id),),
+         "index.row_mismatch", LAST, "unknown_effect_ids"),
+        ("UPDATE agentfold_processes SET tree_id = 'tree:zz' WHERE process_id = ?", (root,),
+         "index.process_mismatch", LAST, "indexed under tree:zz"),
+    ]
+    if sql.sqlite:  # PostgreSQL's bigint column holds integers only
+        cases += [
+            ("UPDATE agentfold_trees SET version = 'abc' WHERE tree_id = ?", (str(tree_id),),
+             "index.head_mismatch", LAST, "not a number"),
+            (f"UPDATE agentfold_trees SET version = {LAST}.5 WHERE tree_id = ?", (str(tree_id),),
+             "index.head_mismatch", LAST, "not a number"),  # int() would have read 15
+        ]
+    for statement, params, rule, position, words in cases:
+        before = sql._run("SELECT * FROM agentfold_trees ORDER BY tree_id")
+        processes = sql._run("SELECT * FROM agentfold_processes ORDER BY process_id")
+        sql._run(statement, params)
+        code, report = verify(capsys, store)
+        assert code == 1, statement
+        assert first_error(report) == (str(tree_id), position, rule), statement
+        assert words in report["first_error"]["detail"], statement
+        assert {r["tree"]: r["ok"] for r in report["results"]} == {str(tree_id): False, str(other): True}, statement
+        sql._run("DELETE FROM agentfold_trees")
+        sql._run("DELETE FROM agentfold_processes")
+        for row in before:
+            sql._run(f"INSERT INTO agentfold_trees VALUES ({','.join('?' * len(row))})", tuple(row))
+        for row in processes:
+            sql._run("INSERT INTO agentfold_processes VALUES (?, ?)", tuple(row))
+        assert verify(capsys, store)[0] == 0, statement
+
+    # An index row whose tree id is no tree id: a failing entry of its own; every tree is verified.
+    sql._run("INSERT INTO agentfold_trees (tree_id, start_id, root_process_id, program, status, classification, "
+             "version, head_digest, unknown_effect_ids, created_at, updated_at) "
+             "VALUES ('tree:zz', 's', 'process:00', 'p', 'running', 'progress', 1, 'd', '[]', '0', '0')")
+    code, report = verify(capsys, store)
+    assert code == 1
+    results = {r["tree"]: r for r in report["results"]}
+    assert set(results) == {str(tree_id), str(other), "tree:zz"}
+    assert results[str(tree_id)]["ok"] is True and results[str(other)]["ok"] is True
+    (problem,) = results["tree:zz"]["problems"]
+    assert (problem["position"], problem["rule"]) == (1, "index.row_mismatch")
+    assert "'tree:zz' is not a tree id" in problem["detail"]
+
+
+def test_a_tree_without_its_first_event_and_index_row_is_verified_not_unknown(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    # Found by an audit review: with position 1 and the index row deleted, `verify TREE` said
+    # the tree did not exist (engine.tree.not_found, exit 2) while `verify --all` reported it.
+    store, tree_id = chain
+    sql = Sql(store)
+    sql.delete(tree_id, 1)
+    sql._run("DELETE FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))
+    for trees in ((str(tree_id),), ()):
+        code, report = verify(capsys, store, *trees)
+        assert code == 1, trees
+        assert first_error(report) == (str(tree_id), 1, "integrity.missing_event"), trees
+
+
 def test_only_the_broken_tree_fails_and_the_first_error_names_it(capsys: pytest.CaptureFixture[str], chain: Any) -> None:
     store, tree_id = chain
     other = record_chain(store, n=2, start_id="audit-chain-2")
