@@ -278,9 +278,10 @@ def fold_stored(
     for record in stored:
         position = record.originator_version
         if position != expected:
+            again = ", again: a record repeated or out of order" if position < expected else ""
             folded.problem = Finding(
                 name, expected, "integrity.missing_event",
-                f"position {expected} is missing (the next stored position is {position})",
+                f"position {expected} is missing (the next stored position is {position}{again})",
             )
             break
         try:
@@ -724,7 +725,8 @@ def parse_export(data: bytes) -> tuple[TreeID, list[StoredEvent], dict[str, Any]
             raise InvalidInput("import.format", f"line {number} is not JSON: {reason}", line=number) from exc
         if isinstance(body, dict) and set(body) == END_MEMBERS:
             if number != len(lines):
-                raise InvalidInput("import.format", f"line {number} is an end line, but more lines follow", line=number)
+                what = "empty lines follow it" if not "".join(lines[number:]).strip() else "more lines follow"
+                raise InvalidInput("import.format", f"line {number} is an end line, but {what}", line=number)
             end = _end_of(body, number)
             break
         if not isinstance(body, dict) or set(body) != EXPORT_MEMBERS:
@@ -781,9 +783,11 @@ def _end_of(body: dict[str, Any], number: int) -> dict[str, Any]:
     count = spec.get("events") if isinstance(spec, dict) else None
     digest = spec.get("head_digest") if isinstance(spec, dict) else None
     if (not isinstance(spec, dict) or set(spec) != {"events", "head_digest"} or not isinstance(count, int)
-            or isinstance(count, bool) or not isinstance(digest, str) or not isinstance(body["tree"], str)):
+            or isinstance(count, bool) or count < 1 or not isinstance(digest, str) or not isinstance(body["tree"], str)):
         raise InvalidInput(
-            "import.format", f'line {number}: an end line is {{"end": {{"events": N, "head_digest": D}}, "tree": T}}',
+            "import.format",
+            f'line {number}: an end line is {{"end": {{"events": N, "head_digest": D}}, "tree": T}}, N the number '
+            "of records (at least 1)",
             line=number,
         )
     return {"tree": body["tree"], "events": count, "head_digest": digest}

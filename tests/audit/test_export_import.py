@@ -529,3 +529,24 @@ def test_an_index_row_that_no_file_position_explains_refuses_the_import(tmp_path
     sql._run("UPDATE agentfold_trees SET version = 'x' WHERE tree_id = ?", (str(tree_id),))
     error = refused(import_file(tmp_path / "tree.jsonl", target)).error()
     assert error["code"] == "import.conflict" and "not a number" in error["message"]
+
+
+def test_refusals_of_a_repeated_record_a_trailing_empty_line_and_a_negative_end_count_say_so(tmp_path: Path) -> None:
+    # Found by an audit review: these files were refused with the right code but misleading words
+    # ("position 6 is missing (the next stored position is 5)", "more lines follow", position -4).
+    source = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", source)
+    *lines, end = export(source, tree_id, tmp_path / "tree.jsonl").decode().splitlines()
+    target = sqlite_store(tmp_path, "target.db")
+    bad_end = json.dumps({"end": {"events": -5, "head_digest": json.loads(end)["end"]["head_digest"]},
+                          "tree": str(tree_id)}, separators=(",", ":"), sort_keys=True)
+    for name, text, code, words in (
+        ("repeated", "\n".join([*lines[:5], lines[4], *lines[5:], end]) + "\n", "import.corrupt",
+         "position 6 is missing (the next stored position is 5, again: a record repeated or out of order)"),
+        ("trailing", "\n".join([*lines, end]) + "\n\n", "import.format", "but empty lines follow it"),
+        ("negative", "\n".join([*lines, bad_end]) + "\n", "import.format", "N the number of records (at least 1)"),
+    ):
+        (tmp_path / f"{name}.jsonl").write_text(text)
+        error = refused(import_file(tmp_path / f"{name}.jsonl", target)).error()
+        assert error["code"] == code and words in error["message"], (name, error)
+    assert not Path(target.removeprefix("sqlite:///")).exists()
