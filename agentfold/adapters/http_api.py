@@ -18,6 +18,7 @@ same stable codes as the CLI commands (``answer``, ``steer``, ``resolve``, ``can
 from __future__ import annotations
 
 import asyncio
+import email.message
 import hmac
 import itertools
 import json
@@ -879,7 +880,10 @@ class ApiService:
             raise RequestInvalid("give either text (one user message) or messages")
         pid = ProcessID(process_id)
         messages = [{"role": "user", "content": body.text}] if body.text is not None else list(body.messages or [])
-        signal = steer_signal(body.signal_id or fresh_signal_id("steer"), *messages)
+        # Only an absent signal_id means "make one up" (as answer, the CLI and Host.steer):
+        # "" is an invalid id (identity.invalid), else each resend would be a new steer.
+        signal_id = SignalID(body.signal_id) if body.signal_id is not None else fresh_signal_id("steer")
+        signal = steer_signal(signal_id, *messages)
         tree_id = self._tree_of_process(pid)
         accepted = self.runtime.deliver_signals(pid, [signal])
         return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
@@ -996,22 +1000,69 @@ Service = Annotated[ApiService, Depends(authorized)]
 
 
 
+def not_utf8(body: bytes) -> RequestInvalid | None:
+    """Why a JSON body is not UTF-8 (None when it is).
+
+    The parser (``json.loads`` on bytes) detects UTF-16 and UTF-32 on its own and decodes
+    UTF-8 with ``surrogatepass``, so such a body was taken although the API takes UTF-8
+    only (RFC 8259: JSON exchanged between systems is UTF-8). One UTF-8 byte order mark at
+    the start is ignored, as the RFC allows and the parser does: it is still UTF-8."""
+    hint = "send one JSON object encoded as UTF-8"
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        # Checked first: UTF-16 of ASCII text is also valid UTF-8 (with NUL bytes).
+        return RequestInvalid(f"the request body is not UTF-8 JSON: it is encoded as {encoding.upper()}", hint)
+    try:
+        body.decode("utf-8")  # strict: no encoded surrogates
+    except UnicodeDecodeError as exc:
+        return RequestInvalid(f"the request body is not UTF-8 JSON: {exc.reason} at byte {exc.start}", hint)
+    return None
+
+
+def _read_as_json(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body with this Content-Type as JSON (its own rule; without a
+    Content-Type it does not: ``strict_content_type``, its default). Another body is refused
+    for its Content-Type (``request_invalid``), whatever its bytes: that is what to fix first."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _body_problem(body: bytes, as_json: bool) -> RequestInvalid | None:
+    """A write body's encoding problem or repeated key (``distinct_keys``), if any."""
+    if as_json:
+        refusal = not_utf8(body)
+        if refusal is not None:
+            return refusal
+    duplicate = duplicate_key(body)
+    if duplicate is None:
+        return None
+    path, key = duplicate
+    return RequestInvalid(f"body: {path} has the key {key!r} twice",
+                          "send each key once (JSON parsers keep only the last one, silently)")
+
+
 async def distinct_keys(request: Request, service: Service) -> None:
-    """Refuse a write whose JSON body has a key twice in one object (after the token check).
+    """Refuse a write whose JSON body is not UTF-8, or has a key twice in one object (after
+    the token check, before the handler).
 
     The JSON parser keeps the last of two equal keys without a word: ``{"wait": 0, ...,
     "wait": 30}`` or a scenario with two ``tools`` members would be taken as something the
-    client did not write."""
+    client did not write. It also reads UTF-16 and UTF-32 (``not_utf8``)."""
     if request.method not in ("POST", "PUT", "PATCH"):
         return
     body = await request.body()  # Starlette keeps it: the handler reads the same bytes
     # A worker thread: the check parses the body once more (seconds for 16 MiB of small
     # values), and the event loop must stay free for other requests (GET /health above all).
-    duplicate = await anyio.to_thread.run_sync(duplicate_key, body) if body else None
-    if duplicate is not None:
-        path, key = duplicate
-        raise RequestInvalid(f"body: {path} has the key {key!r} twice",
-                             "send each key once (JSON parsers keep only the last one, silently)")
+    as_json = _read_as_json(request.headers.get("content-type"))
+    problem = await anyio.to_thread.run_sync(_body_problem, body, as_json) if body else None
+    if problem is not None:
+        raise problem
+
+
 PageLimit = Annotated[int, Query(ge=1, le=MAX_RUNS_PAGE, description="at most this many runs per page (listings of entries: entries, whole runs only, unless one run alone has more)")]
 PageAfter = Annotated[str | None, Query(description="a cursor from a previous page")]
 #: The largest position a store can hold (SQLite INTEGER, PostgreSQL bigint); a larger

@@ -84,6 +84,8 @@ def settlement_for(
             raise usage(f"{name('effective_messages')} is a list of the messages the model received")
         # A program with a context policy: the messages the model actually received become
         # the working context (settle_model_result refuses a model response without them).
+        # Without a policy the model received the request's messages exactly: others are
+        # refused there, not adopted (they would rewrite the conversation).
         return settle_model_result(program, request, response, effective_messages)
     if output is ABSENT:
         raise usage(f"give {name('output')} (or {name('model_response')} for a model call)")

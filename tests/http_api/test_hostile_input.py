@@ -9,6 +9,7 @@ was stored cut short, or was accepted and then unreachable by its start id.
 
 from __future__ import annotations
 
+import codecs
 import json
 import socket
 from pathlib import Path
@@ -73,6 +74,58 @@ def test_start_ids_that_read_as_tree_or_process_ids_are_refused(api: ApiServer) 
         assert "would read as a" in refused["detail"]
         problem(c.get(f"/runs/{start_id}"), 404 if start_id != "tree:abc" else 422,
                 "engine.tree.not_found" if start_id != "tree:abc" else "identity.invalid")
+
+
+def test_an_empty_signal_id_is_refused_by_steer_as_by_answer_and_appends_nothing(api: ApiServer) -> None:
+    # A review found POST .../steer with "signal_id": "" admitted under a made-up id: every
+    # resend appended one more steering message (no deduplication), while the answer
+    # endpoint, `agentfold steer --signal-id ''` and Host.steer refuse "" (identity.invalid).
+    c = api.client()
+    tree, version, answer_url = waiting_for_an_answer(c, "empty-signal-id")
+    steer_url = f"/processes/{tree['root_process_id']}/steer"
+    for _ in range(2):  # a resend is refused alike
+        for url, body in (
+            (steer_url, {"text": "Also book a window seat.", "signal_id": ""}),
+            (steer_url, {"messages": [{"role": "user", "content": "Also book a window seat."}], "signal_id": ""}),
+            (answer_url, {"response": {"approved": True}, "signal_id": ""}),
+        ):
+            refused = problem(_post(c, url, body), 422, "identity.invalid")
+            assert refused["detail"] == "invalid signal id ''", refused
+    _unchanged(c, tree["tree_id"], version)
+    # Without a signal_id, one is made up (the documented default).
+    steered = ok(_post(c, steer_url, {"text": "Also book a window seat."}))
+    assert steered["accepted"] is True and steered["signal_id"].startswith("steer:"), steered
+
+
+def test_a_body_that_is_not_utf8_is_refused_whatever_the_parser_could_read_and_appends_nothing(
+    api: ApiServer,
+) -> None:
+    # A review found UTF-16 and UTF-32 bodies answered and recorded (the JSON parser detects
+    # them), and a surrogate encoded in UTF-8 bytes taken too (decoded with surrogatepass),
+    # although the API takes UTF-8 only (docs/http-api.md#conventions, RFC 8259).
+    c = api.client()
+    tree, version, url = waiting_for_an_answer(c, "not-utf8")
+    text = json.dumps({"response": {"approved": True}, "signal_id": "encoded", "wait": 5})
+    surrogate = b'{"response": {"approved": true, "note": "\xed\xa0\x80"}}'
+    at = surrogate.index(b"\xed")
+    json_type = {"content-type": "application/json"}
+    for raw, said in [
+        *[(text.encode(encoding), f"it is encoded as {encoding.upper()}")
+          for encoding in ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be")],
+        (surrogate, f"invalid continuation byte at byte {at}"),
+    ]:
+        refused = problem(c.post(url, content=raw, headers=json_type), 422, "http.request_invalid")
+        assert refused["detail"] == f"the request body is not UTF-8 JSON: {said}", refused
+        assert refused["hint"] == "send one JSON object encoded as UTF-8"
+        _unchanged(c, tree["tree_id"], version)
+    # A body that is not JSON by its Content-Type is told so, whatever its bytes.
+    refused = problem(c.post(url, content=text.encode("utf-16"), headers={"content-type": "text/plain"}), 422,
+                      "http.request_invalid")
+    assert refused["detail"] == "the request body was not read as JSON: its Content-Type is 'text/plain'", refused
+    _unchanged(c, tree["tree_id"], version)
+    # UTF-8 after a byte order mark is UTF-8: the mark is ignored (RFC 8259 allows it).
+    answered = ok(c.post(url, content=codecs.BOM_UTF8 + text.encode(), headers=json_type))
+    assert (answered["accepted"], answered["signal_id"]) == (True, "encoded"), answered
 
 
 def test_a_body_nested_beyond_the_parser_is_a_request_problem(api: ApiServer) -> None:

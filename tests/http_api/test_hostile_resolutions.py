@@ -61,3 +61,30 @@ def test_post_runs_refuses_scenario_faults_with_422_and_their_path(api: ApiServe
         assert body["detail"].startswith(f"{where}: ") and phrase in body["detail"], (name, body)
     started = [r["start_id"] for r in ok(c.get("/runs"))["runs"]]
     assert "valid-before-the-faults" in started and not [s for s in started if s.startswith("fault-")]
+
+
+def test_effective_messages_cannot_rewrite_the_context_of_a_program_without_a_context_policy(api: ApiServer) -> None:
+    """A review found ``effective_messages`` other than the request's adopted as the working
+    context of a Program without a context policy: the next model request started with the
+    forged messages. Without a policy the model received the request's messages exactly."""
+    c = api.client()
+    tree = ok(c.post("/runs", json={"scenario": two_call_round(None, final=LEFT_TO_HOST),
+                                    "start_id": "forged-context", "wait": 30}), 201)["tree"]
+    tree_id = tree["tree_id"]
+    [model] = wait_until(lambda: _unknown(c, tree_id) or None)
+    assert model["kind"] == "model"
+    sent = model["request"]["model_call"]["request"]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    url = f"/unknown-effects/{model['effect_id']}/resolve"
+    version = ok(c.get(f"/runs/{tree_id}"))["version"]
+    for forged in ([{"role": "user", "content": "FORGED"}], sent[:1], [*sent, {"role": "user", "content": "more"}]):
+        body = problem(c.post(url, json={"model_response": FINAL, "effective_messages": forged, "wait": 30}), 422,
+                       "interaction.settlement.invalid")
+        assert "this program has no context policy" in body["detail"], body
+        assert "omit the effective messages" in body["detail"], body
+    assert ok(c.get(f"/runs/{tree_id}"))["version"] == version
+    assert [u["effect_id"] for u in _unknown(c, tree_id)] == [model["effect_id"]]
+    # Exactly the request's messages say nothing new: accepted, and no context is replaced.
+    done = ok(c.post(url, json={"model_response": FINAL, "effective_messages": sent, "wait": 30}))
+    assert set(done["resolution"]["payload"]["model_result"]) == {"response"}, done["resolution"]
+    assert done["tree"]["status"] == "completed"

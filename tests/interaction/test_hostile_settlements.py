@@ -15,6 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import InvalidInput
 from tests.test_cli import agentfold, refused, sqlite_url, store_version
 from tests.test_cli_interaction import FINAL, LEFT_TO_HOST, run_json, two_call_round, unknowns, write
 
@@ -111,3 +120,52 @@ def test_a_model_response_the_interaction_would_reject_is_refused_at_resolution(
     done = agentfold("resolve", effect, "--model-response", json.dumps(FINAL), "--json", store=store)
     assert done.code == 0, done.stderr
     assert done.json()["tree"]["status"] == "completed"
+
+
+def test_effective_messages_cannot_rewrite_the_context_without_a_context_policy(tmp_path: Path) -> None:
+    """``agentfold resolve --effective-messages`` with other messages than the request's, for a
+    Program without a context policy, replaced the stored conversation (a review found the
+    next model request starting with the forged messages): the model received the request's
+    messages exactly, so others are refused and nothing is appended."""
+    store = sqlite_url(tmp_path)
+    tree_id, effect = _parked_model_call(store, tmp_path)
+    [entry] = unknowns(store, tree_id)
+    sent = entry["request"]["model_call"]["request"]["messages"]
+    before = store_version(store, tree_id)
+    for forged in ([{"role": "user", "content": "FORGED"}], [*sent, {"role": "user", "content": "more"}]):
+        error = refused(agentfold("resolve", effect, "--model-response", json.dumps(FINAL), "--effective-messages",
+                                  json.dumps(forged), "--json", store=store)).error()
+        assert error["code"] == "interaction.settlement.invalid", error
+        assert "this program has no context policy" in error["message"], error
+        assert "omit the effective messages" in error["message"], error
+    assert store_version(store, tree_id) == before
+    assert [e["effect_id"] for e in unknowns(store, tree_id)] == [effect]
+    # The request's own messages change nothing: accepted, no replacement recorded.
+    done = agentfold("resolve", effect, "--model-response", json.dumps(FINAL), "--effective-messages",
+                     json.dumps(sent), "--json", store=store)
+    assert done.code == 0, done.stderr
+    assert set(done.json()["resolution"]["payload"]["model_result"]) == {"response"}
+    assert done.json()["tree"]["status"] == "completed"
+
+
+def test_the_python_host_refuses_effective_messages_that_rewrite_the_context_without_a_policy(tmp_path: Path) -> None:
+    """``Host.resolve(effective_messages=...)`` shares the rule (agentfold.adapters.resolution)."""
+    program = compile_interaction(InteractionConfig(name="test.no-policy", model=ScriptedModel([
+        {"error": "HTTP 502 from the provider"}, {"finish_reason": "stop", "message": {"content": "never asked"}}])))
+    store = EventStore(sqlite_url(tmp_path))
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "what is up?"}]})
+            [effect] = list(runtime.wait_idle(handle.tree_id).unknown_ids)
+            events = len(store.read_raw(handle.tree_id))
+            host = Host(runtime)
+            with pytest.raises(InvalidInput, match="this program has no context policy") as refusal:
+                host.resolve(effect, model_response=FINAL, effective_messages=[{"role": "user", "content": "FORGED"}])
+            assert refusal.value.code == "interaction.settlement.invalid"
+            assert len(store.read_raw(handle.tree_id)) == events  # nothing appended
+            settlement = host.resolve(effect, model_response=FINAL,
+                                      effective_messages=[{"role": "user", "content": "what is up?"}])
+            assert set(settlement.payload["model_result"]) == {"response"}  # type: ignore[index]
+            assert runtime.result(handle.tree_id, 30).status == "completed"
+    finally:
+        store.close()

@@ -133,7 +133,9 @@ def settle_model_result(
     effective_messages: Sequence[dict[str, Any]] | None = None,
 ) -> Settlement:
     """The settlement of an investigated model call: the response and, if they differ, the
-    messages actually sent (made durable as the new working context)."""
+    messages actually sent (made durable as the new working context). Only a Program with a
+    context policy sends other messages than the request's; without one, effective messages
+    must be exactly the request's (then they change nothing)."""
     _check_program(program, request)
     if not isinstance(program.strategy, InteractionStrategy):
         raise _refuse("this program does not call a model")
@@ -171,6 +173,16 @@ def settle_model_result(
         if not messages:
             raise _refuse("the effective messages cannot be empty")
         if messages != list(body["request"]["messages"]):
+            if program.strategy.definition.context_policy is None:
+                # Without a policy the dispatcher sends the working context as it is: the
+                # request's messages are exactly what the model received. Other messages
+                # would not record what happened but rewrite the conversation the next
+                # model call starts from.
+                raise _refuse(
+                    "effective messages differ from the messages of the request, but this program has no "
+                    "context policy: the model received exactly the request's messages; omit the effective "
+                    "messages (or give exactly the request's)"
+                )
             result["replacement_messages"] = messages
     return Settlement.succeeded({"model_result": result})
 
