@@ -463,8 +463,7 @@ def verify_tree(
     # reach every version these reflect.
     counted: tuple[int, int] | None = None
     if read_models is not None:
-        rows = read_models.tree_rows(str(tree_id))
-        counted = read_models.counter(str(tree_id))
+        rows, counted = read_models.tree_rows_counted(str(tree_id))  # as of one moment
         check.read_model = "not_projected" if rows["run"] is None else "pending"
     snapshot = _latest_snapshot(store, tree_id) if check_snapshot else None
     head, stored = consistent_read(store, tree_id)
@@ -532,7 +531,7 @@ def verify_tree(
                             f"the stored rows differ from the projection of the fold at position {at} at {path}")
                 )
             # The follower's count of the events it applied to the tree must be its version
-            # (read with the rows; a follower that moved on in between is not a finding).
+            # (read in the rows' own transaction).
             if counted is not None and counted[0] == at and counted[1] != at:
                 check.read_model = "mismatch"
                 check.problems.append(

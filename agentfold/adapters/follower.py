@@ -276,7 +276,11 @@ class Follower:
         else:
             read = self.store.read(tree_id, upto=1)
             first = read[0].event if read else None
-            created = self.read_models.created_position(str(tree_id))
+            # From the log, not the tables: a rebuild's reset may have emptied them just now
+            # (0), and this fold outlives a batch that loses its compare-and-set (the cache
+            # stays): its rows were then written with the run at the head of every listing.
+            starts = self.store.tree_notifications(tree_id, 1, 1)
+            created = starts[0].id if starts else 0
         programs = self._programs(tree_id, first) if bind else None
         if upto == 0:
             state, digest = TreeState(programs), None

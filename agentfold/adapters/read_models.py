@@ -513,17 +513,39 @@ class ReadModels:
         return self._bodies(f"SELECT body FROM {UNKNOWN} ORDER BY created_position, ord")
 
     def tree_rows(self, tree_id: str) -> dict[str, Any]:
-        """Everything stored about one tree, shaped like ``TreeRows.to_json()`` (for checks)."""
-        run = self.run(tree_id)
-        return {
-            "tree_id": tree_id,
-            "version": run["version"] if run is not None else 0,
-            "run": run,
-            "rounds": self.rounds(tree_id),
-            "delegates": self._bodies(f"SELECT body FROM {DELEGATES} WHERE tree_id = ? ORDER BY ord", (tree_id,)),
-            "pending": self.pending(tree_id),
-            "unknown": self.unknown(tree_id),
-        }
+        """Everything stored about one tree, shaped like ``TreeRows.to_json()`` (for checks),
+        as of one moment (``tree_rows_counted``)."""
+        return self.tree_rows_counted(tree_id)[0]
+
+    @on_a_live_connection
+    def tree_rows_counted(self, tree_id: str) -> tuple[dict[str, Any], tuple[int, int] | None]:
+        """``tree_rows`` and ``counter``, read in one transaction that sees one moment: a
+        follower writes a tree's rows in one transaction, and rows read in several (a run row
+        at version 200, rounds a commit later) are no state the tree ever had, which ``audit
+        verify`` would report as a mismatch. SQLite's read transaction in WAL mode sees one
+        snapshot; PostgreSQL's needs REPEATABLE READ (READ COMMITTED takes one per statement)."""
+        with self.datastore.transaction(commit=False) as c:
+            if self.backend == "postgresql":
+                c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+            def bodies(table: str) -> list[Entry]:
+                c.execute(self._sql(f"SELECT body FROM {table} WHERE tree_id = ? ORDER BY ord"), (tree_id,))
+                return [orjson.loads(r["body"]) for r in c.fetchall()]
+
+            c.execute(self._sql(f"SELECT body, version, events_projected FROM {RUNS} WHERE tree_id = ?"), (tree_id,))
+            row = c.fetchone()
+            run = orjson.loads(row["body"]) if row is not None else None
+            counted = None if row is None else (int(row["version"]), int(row["events_projected"]))
+            rows = {
+                "tree_id": tree_id,
+                "version": run["version"] if run is not None else 0,
+                "run": run,
+                "rounds": bodies(ROUNDS),
+                "delegates": bodies(DELEGATES),
+                "pending": bodies(PENDING),
+                "unknown": bodies(UNKNOWN),
+            }
+        return rows, counted
 
     @on_a_live_connection
     def corrupt_trees(self) -> list[CorruptTree]:
