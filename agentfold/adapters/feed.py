@@ -603,42 +603,57 @@ class Publisher:
         if not notifications:
             self.steps += 1
             return 0
-        self._chain.anchor(notifications)
         # A tree with an event that cannot be read or does not verify is held back from there
         # on (that event and every later one of the tree); the other trees are published.
         envelopes: list[Envelope] = []
         found: dict[str, HeldTree] = {}
         passed = 0
         nameless: StoreFailure | None = None
-        for index, notification in enumerate(notifications):
-            try:
-                tree_id = _tree_of(notification)
-            except (TypeError, ValueError) as exc:
-                # No tree to hold back: what came before it is published, then the publisher stops.
-                nameless = _no_tree(f"the event at notification {notification.id}", exc)
-                notifications = notifications[:index]
-                break
-            tree = str(tree_id)
-            if tree in self.held or tree in found:
-                passed += 1
-                continue
-            ahead = self._ahead.get(tree)
-            if ahead is not None and isinstance(notification.originator_version, int) and (
-                notification.originator_version <= ahead
-            ):
-                continue  # produced already, ahead of its notification
-            try:
-                behind = [_verified_envelope(n, self._chain, tree_id) for n in self._behind(tree_id, notification)]
-                envelopes += behind
-                envelopes.append(_verified_envelope(notification, self._chain, tree_id))
-            except CorruptStream as exc:
-                found[tree] = self._found(tree_id, notification, exc)
-                passed += 1
-                continue
-            if behind:
-                self._ahead[tree] = int(behind[-1]["position"])
-        if envelopes:
-            self.produce(envelopes)
+        # This batch's records produced ahead of their notifications (rows restored under a later
+        # notification id, produced in their place): taken into ``_ahead`` only once the broker
+        # acknowledged the batch. Taken before, a batch that failed would leave them marked as
+        # produced, and the next attempt would pass them over for ever (a hole in the tree).
+        ahead_here: dict[str, int] = {}
+        try:
+            self._chain.anchor(notifications)
+            for index, notification in enumerate(notifications):
+                try:
+                    tree_id = _tree_of(notification)
+                except (TypeError, ValueError) as exc:
+                    # No tree to hold back: what came before it is published, then the publisher stops.
+                    nameless = _no_tree(f"the event at notification {notification.id}", exc)
+                    notifications = notifications[:index]
+                    break
+                tree = str(tree_id)
+                if tree in self.held or tree in found:
+                    passed += 1
+                    continue
+                ahead = max(self._ahead.get(tree, 0), ahead_here.get(tree, 0))
+                if ahead and isinstance(notification.originator_version, int) and (
+                    notification.originator_version <= ahead
+                ):
+                    continue  # produced already (or in this batch), ahead of its notification
+                try:
+                    behind = [_verified_envelope(n, self._chain, tree_id) for n in self._behind(tree_id, notification)]
+                    envelopes += behind
+                    envelopes.append(_verified_envelope(notification, self._chain, tree_id))
+                except CorruptStream as exc:
+                    found[tree] = self._found(tree_id, notification, exc)
+                    passed += 1
+                    continue
+                if behind:
+                    ahead_here[tree] = int(behind[-1]["position"])
+            if envelopes:
+                self.produce(envelopes)
+        except BaseException:
+            # The chain check remembers every event of this batch it checked as the last one of
+            # its tree, and ``_behind`` takes that for "produced": after a batch that was not
+            # acknowledged (or not even read to its end), a row restored behind one of them
+            # would never be produced. A new chain reads each tree's previous digest again.
+            self._chain = ChainCheck(self.store)
+            raise
+        for tree, position in ahead_here.items():
+            self._ahead[tree] = max(self._ahead.get(tree, 0), position)
         self.batches += 1
         self._crash(self.batches)
         # Before the position: a crash in between finds it again, and a retry after a lost
@@ -876,10 +891,11 @@ class Publisher:
 
         Each failure is one line (``say``), then a wait (``retry_until_stopped``: doubling from
         ``backoff`` up to ``max_backoff`` while the attempts make no progress, back to ``backoff``
-        after an attempt in which a step succeeded); the next attempt reads the stored position again
-        (the store may hold a later one than this object, if the reply to a position write was
-        lost) and goes on from there, so at most the batch whose position was not stored is
-        produced again. After a broker failure it also starts a new producer: the old one's
+        after an attempt in which a step succeeded); the next attempt reads the stored position and
+        holds again (the store may hold a later position than this object, if the reply to a
+        position write was lost) and goes on from there as a new publisher would (``start_again``),
+        so at most the batch whose position was not stored is produced again (and what a release
+        or a restored row put ahead of its notification, as after a restart). After a broker failure it also starts a new producer: the old one's
         session (pending records, idempotence sequence numbers) may mean nothing to a restarted
         broker, and kafka-python does not always recover from that by itself. Anything else is
         raised.
@@ -894,8 +910,7 @@ class Publisher:
             if again:
                 if self.producer is None and self._bootstrap is not None:
                     self.producer = new_producer(self._bootstrap)
-                self.position = self._position.get()
-                self.held = self._held.all()  # as stored: the holds go with the position
+                self.start_again()
                 say(f"following again from position {self.position}")
             again = True
             try:
@@ -916,6 +931,20 @@ class Publisher:
             progress=lambda: self.steps, renew=self.store.forget_sessions,
         )
         return PublishReport(self.events - before, self.position, self.failures - failed_before)
+
+    def start_again(self) -> None:
+        """Go on from what the store holds, as a new publisher would (each attempt of
+        ``follow_until_stopped``): the stored position and holds, and nothing this object
+        remembers of what it produced. Not what it took as produced ahead of their notifications
+        (``_ahead``: a release's records, rows restored under a later notification id), nor the
+        chain check's last event per tree, which ``_behind`` takes as produced: either may come
+        from a batch the broker did not acknowledge. Forgetting them costs at most duplicates
+        (those records produced again, as after a restart); keeping them lost the events they
+        named for good."""
+        self.position = self._position.get()
+        self.held = self._held.all()  # as stored: the holds go with the position
+        self._ahead = {}
+        self._chain = ChainCheck(self.store)
 
     def interrupt(self) -> None:
         """End a wait for acknowledgements now (``FeedError``, retriable) and drop what is

@@ -82,6 +82,9 @@ TREES = "agentfold_transcript_trees"
 REJECTS = "agentfold_transcript_rejects"
 DIGESTS = "agentfold_transcript_digests"
 CRASH_EXIT = 75
+#: Transactions one batch gets when its inserts meet the same records committed by another writer
+#: meanwhile (``TranscriptStore.apply``); each new one reads them, so one more is usually enough.
+UNIQUE_TRIES = 3
 
 _DDL = (
     f"CREATE TABLE IF NOT EXISTS {TRANSCRIPTS} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL, "
@@ -352,18 +355,46 @@ class TranscriptStore:
         rejected: Sequence[Rejected] = (),
         before_commit: Callable[[], None] | None = None,
     ) -> ApplyReport:
-        """Apply envelopes (any trees, each tree's in position order) in one transaction."""
+        """Apply envelopes (any trees, each tree's in position order) in one transaction.
+
+        Another writer of the same tables that committed the same records while this transaction
+        wrote them (one that does not take ``_lock_trees``' locks: a release before them) makes
+        an insert fail on a unique key: the batch is then applied again, and meets those records
+        as what they are (duplicates, or ``feed.digest_conflict``). A unique key that fails on
+        every try means the tables contradict themselves (rows changed or deleted by hand):
+        ``store.append_failed``, never the driver's error."""
+        checked = [check_envelope(envelope) for envelope in envelopes]
+        for tries in range(1, UNIQUE_TRIES + 1):
+            try:
+                return self._apply_once(checked, rejected, before_commit)
+            except Exception as exc:  # only a unique violation is handled here; the rest is raised
+                if not _unique_violation(exc):
+                    raise
+                if tries == UNIQUE_TRIES:
+                    raise StoreFailure(
+                        "store.append_failed",
+                        f"the transcript tables of {redact(self.url)} refused a write {tries} times: "
+                        f"{' '.join(str(exc).split())}; they contradict themselves (rows changed or deleted by hand?)",
+                        hint="rebuild them: empty the tables (TranscriptStore.reset()) and consume the topic again "
+                             "in a new group (docs/kafka.md#tables)",
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    def _apply_once(
+        self, envelopes: Sequence[Envelope], rejected: Sequence[Rejected], before_commit: Callable[[], None] | None,
+    ) -> ApplyReport:
         report = ApplyReport()
         by_tree: dict[str, list[Envelope]] = {}
         for envelope in envelopes:
             report.envelopes += 1
-            by_tree.setdefault(str(check_envelope(envelope)["tree_id"]), []).append(envelope)
+            by_tree.setdefault(str(envelope["tree_id"]), []).append(envelope)
         recorded_at = _now()
         # One chain per transaction: nothing it remembers outlives a batch that was not committed.
         chain = ChainCheck(None)
         with self._transaction() as c:
+            states = self._lock_trees(c, by_tree)
             for tree_id, items in by_tree.items():
-                self._apply_tree(c, tree_id, items, report, recorded_at, chain)
+                self._apply_tree(c, tree_id, items, report, recorded_at, chain, states)
             for r in rejected:
                 c.execute(
                     self._sql(
@@ -377,18 +408,51 @@ class TranscriptStore:
                 before_commit()
         return report
 
+    def _lock_trees(self, c: Any, trees: Iterable[str]) -> dict[str, Any] | None:
+        """On PostgreSQL, lock the row of each tree of the batch, for the transaction, and return
+        each tree's stored builder state (None: a new tree); on SQLite (``BEGIN IMMEDIATE`` holds
+        the whole database) None, and each tree's row is read as it is applied.
+
+        Several consumers may write one database (the members of a group during a rebalance, the
+        groups that share it): the second to apply a tree's records must wait for the first and
+        then see them, as duplicates. ``SELECT ... FOR UPDATE`` alone locks no row for a tree
+        that has none yet, and both would insert its first positions (a unique violation on
+        ``agentfold_transcript_digests``). So a row is inserted first for every tree that has
+        none (position 0: "no state", replaced in this transaction, never committed as it is:
+        a new tree's first envelope is applied or the transaction fails); a second inserter of
+        the same tree waits for the first transaction, then finds its row. Both statements go
+        through the trees in one order (sorted), so that two batches with trees in common never
+        wait for each other in a cycle (a deadlock, one batch aborted)."""
+        if self.backend == "sqlite":
+            return None
+        ordered = sorted(trees)
+        if not ordered:
+            return {}
+        c.execute(
+            f"INSERT INTO {TREES} (tree_id, position, notification_id, state) "
+            "SELECT t, 0, 0, 'null' FROM unnest(%s::text[]) AS u(t) ON CONFLICT (tree_id) DO NOTHING",
+            (ordered,),
+        )
+        c.execute(f"SELECT tree_id, position, state FROM {TREES} WHERE tree_id = ANY(%s) ORDER BY tree_id FOR UPDATE",
+                  (ordered,))
+        return {str(r["tree_id"]): orjson.loads(r["state"]) if int(r["position"]) > 0 else None for r in c.fetchall()}
+
     def _apply_tree(
         self, c: Any, tree_id: str, items: Sequence[Envelope], report: ApplyReport, recorded_at: str,
-        chain: ChainCheck,
+        chain: ChainCheck, states: dict[str, Any] | None,
     ) -> None:
         """Apply one tree's envelopes: a position already held is a duplicate only with the digest
         held for it (else ``feed.digest_conflict``); the next position only if its digest chains
         onto the last one held (else ``feed.chain_broken``); a later one is a gap. Each raises:
-        nothing of the batch is committed."""
-        lock = "" if self.backend == "sqlite" else " FOR UPDATE"
-        c.execute(self._sql(f"SELECT state FROM {TREES} WHERE tree_id = ?{lock}"), (tree_id,))
-        row = c.fetchone()
-        builder = TreeTranscripts(tree_id, orjson.loads(row["state"]) if row else None)
+        nothing of the batch is committed. ``states``: the trees' states as ``_lock_trees`` read
+        them (None: read the tree's row here)."""
+        if states is None:
+            c.execute(self._sql(f"SELECT state FROM {TREES} WHERE tree_id = ?"), (tree_id,))
+            row = c.fetchone()
+            state = orjson.loads(row["state"]) if row else None
+        else:
+            state = states.get(tree_id)
+        builder = TreeTranscripts(tree_id, state)
         initial_position = builder.position
         known = self._held_digests(c, tree_id, items, builder)
         if builder.digest is not None:
@@ -614,6 +678,13 @@ class ConsumeReport:
             **self.totals.to_json(), "batches": self.batches, "commit_failures": self.commit_failures,
             "failures": self.failures,
         }
+
+
+def _unique_violation(exc: BaseException) -> bool:
+    """A write refused on a unique key (SQLite's ``UNIQUE constraint failed``, PostgreSQL's 23505)."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return getattr(exc, "sqlite_errorname", "") in ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
+    return getattr(exc, "sqlstate", None) == "23505"  # psycopg.errors.UniqueViolation
 
 
 def consume_failed(exc: BaseException) -> bool:

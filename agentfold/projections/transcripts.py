@@ -71,10 +71,20 @@ ENTRY_KINDS = (
     "delegate_start", "delegate_result", "unknown_outcome", "unknown_resolved", "feedback", "final_output", "failure",
 )
 TOOL_INPUT_WAIT_KEY = "interaction.tool_input"
-# The documented envelope schema's patterns (docs/kafka.md): a digest is exactly the chained
-# SHA-256 (the consumer recomputes it), a tree id exactly the store's.
+# The documented envelope schema's patterns (docs/kafka.md, "The envelope": each is the schema's
+# ``pattern`` between its ``^`` and ``$``; tests/feed checks that they are the same), matched
+# with ``fullmatch``: Python's ``$`` would also take a trailing line break, the schema's does not.
+# A digest is exactly the chained SHA-256 (the consumer recomputes it), a tree id exactly the
+# store's, a timestamp the append's UTC time, a process id the store's.
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 TREE_ID_PATTERN = re.compile(r"tree:[0-9a-f]{32}")
+PROCESS_ID_PATTERN = re.compile(r"process:[0-9a-f]+")
+TIMESTAMP_PATTERN = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?Z")
+#: Each string member of the envelope schema with a ``pattern``, and the pattern.
+ENVELOPE_PATTERNS: dict[str, re.Pattern[str]] = {
+    "tree_id": TREE_ID_PATTERN, "process_id": PROCESS_ID_PATTERN, "timestamp": TIMESTAMP_PATTERN,
+    "digest": DIGEST_PATTERN,
+}
 
 
 class EnvelopeInvalid(ValueError):
@@ -125,6 +135,14 @@ def check_envelope(envelope: Any) -> Envelope:
         raise EnvelopeInvalid(f"tree_id must be a tree id (tree:<32 hex>), not {str(envelope['tree_id'])[:80]!r}")
     if not DIGEST_PATTERN.fullmatch(str(envelope["digest"])):
         raise EnvelopeInvalid(f"digest must be sha256:<64 lowercase hex>, not {str(envelope['digest'])[:80]!r}")
+    # A record of another form is not an event the publisher wrote, even with a digest that
+    # chains over what it carries (anyone can compute one): set aside, never a transcript.
+    if not PROCESS_ID_PATTERN.fullmatch(str(envelope["process_id"])):
+        raise EnvelopeInvalid(f"process_id must be a process id (process:<lowercase hex>), "
+                              f"not {str(envelope['process_id'])[:80]!r}")
+    if not TIMESTAMP_PATTERN.fullmatch(str(envelope["timestamp"])):
+        raise EnvelopeInvalid(f"timestamp must be UTC as YYYY-MM-DDTHH:MM:SS[.fraction]Z, "
+                              f"not {str(envelope['timestamp'])[:80]!r}")
     if envelope["type"] not in EVENT_TYPES:
         raise EnvelopeInvalid(f"unknown event type {envelope['type']!r}")
     if not isinstance(envelope["payload"], Mapping):

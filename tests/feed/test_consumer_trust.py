@@ -24,8 +24,9 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.feed import envelope_bytes, store_envelopes
 from agentfold.adapters.transcripts import DIGESTS, TREES, TranscriptConsumer, TranscriptStore
 from agentfold.domain.errors import AgentfoldError
-from agentfold.projections.transcripts import EnvelopeInvalid, build_transcripts, check_envelope
-from tests.feed.support import envelope_digest
+from agentfold.domain.json_schema import schema_errors
+from agentfold.projections.transcripts import ENVELOPE_PATTERNS, EnvelopeInvalid, build_transcripts, check_envelope
+from tests.feed.support import documented_envelope_schema, envelope_digest
 from tests.feed.workload import Workload
 
 GENUINE = "Checking weather and booking."
@@ -258,3 +259,68 @@ def test_an_envelope_must_have_the_documented_digest_and_tree_id(trip: Any, memb
     check_envelope(envelopes[0])
     with pytest.raises(EnvelopeInvalid):
         check_envelope({**envelopes[0], member: value})
+
+
+def _documented(envelope: dict[str, Any]) -> dict[str, Any]:
+    """``envelope`` with a digest that chains over what it carries (anyone can compute one)."""
+    return {**envelope, "digest": envelope_digest(envelope, None)}
+
+
+@pytest.mark.parametrize(
+    ("member", "value"),
+    [
+        # Found by a review: only checked as non-empty strings, so such a record became a transcript.
+        ("timestamp", "yesterday at noon"),
+        ("timestamp", "2026-11-29 21:39:19.224050Z"),
+        ("timestamp", "2026-11-29T21:39:19.224050+00:00"),
+        ("timestamp", "2026-11-29T21:39:19.Z"),
+        ("timestamp", "2026-11-29T21:39:19.224050Z\n"),  # Python's $ would take it, the schema's does not
+        ("timestamp", "\uff12026-11-29T21:39:19Z"),  # a fullwidth digit
+        ("process_id", "process:NOT-HEX"),
+        ("process_id", "process:"),
+        ("process_id", "process:" + "0" * 32 + "\n"),
+        ("process_id", "tree:" + "0" * 32),
+    ],
+)
+def test_an_envelope_must_have_the_documented_timestamp_and_process_id(trip: Any, member: str, value: str) -> None:
+    """The process id is set in the payload too (the envelope's copy must be the payload's)."""
+    _, envelopes = trip
+    first = envelopes[0]
+    assert first["position"] == 1
+    changed = _documented({**first, member: value})
+    if member == "process_id":
+        changed = _documented({**changed, "payload": {**first["payload"], "process_id": value}})
+    if not value.endswith("\n"):
+        # agentfold.domain.json_schema matches a pattern with Python's re.search, whose $ also
+        # takes a trailing line break (JSON Schema's, ECMA-262's, does not): not a witness there.
+        assert schema_errors(changed, documented_envelope_schema()) != []
+    with pytest.raises(EnvelopeInvalid, match=member):
+        check_envelope(changed)
+
+
+def test_the_consumer_checks_each_pattern_of_the_documented_schema() -> None:
+    """One source of truth: the patterns check_envelope matches are the schema's in docs/kafka.md
+    (each between its ``^`` and ``$``), for every string member that has one."""
+    properties = documented_envelope_schema()["properties"]
+    documented = {name: p["pattern"] for name, p in properties.items() if "pattern" in p}
+    assert {name: f"^{p.pattern}$" for name, p in ENVELOPE_PATTERNS.items()} == documented
+
+
+def test_a_record_not_of_the_envelope_schema_is_kept_as_a_reject_not_applied(trip: Any, tmp_path: Path) -> None:
+    """The review's reproducer through the consumer's path: a new tree's first record with a
+    timestamp and a process id of another form, its digest chaining over them."""
+    _, envelopes = trip
+    tree = "tree:" + "ab" * 16
+    pid = "process:NOT-HEX"
+    forged = _documented({**envelopes[0], "tree_id": tree, "process_id": pid, "timestamp": "yesterday at noon",
+                          "payload": {**envelopes[0]["payload"], "process_id": pid}})
+    store, consumer, topic = _consumer(tmp_path)
+    try:
+        topic.write(forged)
+        _drain(consumer)
+        (reject,) = store.rejects()
+        assert reject["record_offset"] == 0 and "process_id must be a process id" in reject["error"]
+        assert store.tree_positions() == {} and store.transcripts() == {}
+        assert consumer.report.totals.rejected == 1 and consumer.report.totals.applied == 0
+    finally:
+        store.close()
