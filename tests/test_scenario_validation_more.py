@@ -81,6 +81,9 @@ FAULTS: list[tuple[str, dict[str, Any], str, str]] = [
     ("duplicate-call-ids", scenario(tools=[tool()], model={"responses": [{"finish_reason": "tool_calls", "message": {
         "tool_calls": [{"id": "a", "name": "t", "arguments": "{}"}, {"id": "a", "name": "t", "arguments": "{}"}]}}]}),
      "$.model.responses[0].message.tool_calls", "tool call ids must be unique"),
+    # Was interaction.definition.invalid without a path (found by a review of the loop).
+    ("concurrency-without-tools", scenario(limits={"max_concurrent_tool_calls": 2}),
+     "$.limits.max_concurrent_tool_calls", "give it only with tools or delegates"),
 ]
 
 
@@ -175,3 +178,57 @@ def test_run_refuses_a_scenario_file_with_a_key_twice_naming_where(tmp_path: Pat
         assert error["message"].startswith(f"{where}: has the key {key} twice"), (name, error)
     assert not (tmp_path / "agentfold.db").exists() or ok(agentfold("trees", "--json", store=store)).json()[
         "trees"] == []
+
+
+def staged_tool(then: Any) -> dict[str, Any]:
+    """A scenario whose model calls tool ``approve`` once, then answers "done"."""
+    return {"name": "staged", "side_effect_log": "side.log", "model": {"responses": [
+        {"finish_reason": "tool_calls", "message": {"tool_calls": [{"id": "c1", "name": "approve", "arguments": '{"kind": "big"}'}]}},
+        {"finish_reason": "stop", "message": {"content": "done"}}]},
+        "tools": [{"name": "approve", "result": {
+            "input": {"prompt": "which amount?", "response_schema": {"type": "integer"}}, "then": then}}]}
+
+
+def answer_pending(store: str, answer: Any, prompt: str) -> None:
+    (pending,) = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    assert pending["prompt"] == prompt
+    ok(agentfold("answer", pending["process_id"], pending["wait_id"], json.dumps(answer), store=store))
+
+
+def tool_output(store: str) -> Any:
+    shown = ok(agentfold("show", "staged-run", "--json", store=store)).json()
+    (tool_child,) = [p for p in shown["processes"] if p["process_id"] != shown["root_id"]]
+    return tool_child["output"]
+
+
+@pytest.mark.parametrize("through", ["then", "a case", "otherwise"])
+def test_an_input_below_then_is_asked_in_turn_and_its_answer_returned(tmp_path: Path, through: str) -> None:
+    # Found by a review of the loop: an input below then was never asked (the tool returned the
+    # first answer, which the second question's schema refuses); {"answer": true} in a case
+    # below then made the call unknown right after the human answered.
+    second = {"input": {"prompt": "confirm?", "response_schema": {"enum": ["yes", "no"]}}, "then": {"answer": True}}
+    then = {"then": second, "a case": {"cases": [{"when": {"kind": "big"}, "result": second}]},
+            "otherwise": {"cases": [{"when": {"kind": "small"}, "result": {"output": "no"}}], "otherwise": second}}[through]
+    (tmp_path / "staged.json").write_text(json.dumps(staged_tool(then)))
+    store = sqlite_url(tmp_path)
+    ok(agentfold("run", str(tmp_path / "staged.json"), "--start-id", "staged-run", "--json", store=store))
+    answer_pending(store, 42, "which amount?")
+    answer_pending(store, "yes", "confirm?")
+    assert ok(agentfold("pending", "--json", store=store)).json()["pending"] == []
+    assert tool_output(store) == {"disposition": "succeeded", "output": {"content": [{"text": "yes", "type": "text"}]}}
+    assert ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"] == []
+    shown = ok(agentfold("show", "staged-run", "--json", store=store)).json()
+    assert shown["processes"][0]["status"] == "completed"
+    # One call, made three times: asked, resumed with the first answer, resumed with the second.
+    log = [json.loads(line) for line in (tmp_path / "side.log").read_text().splitlines()]
+    assert [(e["call_id"], e["resumed"]) for e in log] == [("c1", False), ("c1", True), ("c1", True)]
+
+
+def test_an_answer_in_a_case_below_then_is_returned(tmp_path: Path) -> None:
+    then = {"cases": [{"when": {"kind": "big"}, "result": {"answer": True}}], "otherwise": {"output": "small"}}
+    (tmp_path / "staged.json").write_text(json.dumps(staged_tool(then)))
+    store = sqlite_url(tmp_path)
+    ok(agentfold("run", str(tmp_path / "staged.json"), "--start-id", "staged-run", "--json", store=store))
+    answer_pending(store, 42, "which amount?")
+    assert tool_output(store) == {"disposition": "succeeded", "output": {"details": 42}}  # as a whole-then answer
+    assert ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"] == []

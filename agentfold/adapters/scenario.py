@@ -284,6 +284,9 @@ def validate_scenario(
             raise ScenarioError(f"{path}.limits.{name}", "must be a non-negative integer")
     if limits.get("max_model_calls") == 0:
         raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
+    if limits.get("max_concurrent_tool_calls") and not (doc.get("tools") or doc.get("delegates")):
+        raise ScenarioError(f"{path}.limits.max_concurrent_tool_calls",
+                            "bounds the calls of tools and delegates: give it only with tools or delegates")
     if "side_effect_log" in doc:
         doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
     try:
@@ -617,7 +620,12 @@ class ScenarioTool:
                 ) from exc
         return self._run(self.spec["result"], invocation, arguments)
 
-    def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+    def _run(self, result: dict[str, Any], invocation: ToolInvocation, arguments: JSON, stage: int = 0) -> ToolOutput:
+        """The scripted result. ``stage``: how many ``input`` forms the walk passed so far.
+        The walk is the same for every attempt of a call (cases match its arguments only), so
+        the input a resumed call was answered for is the one at the stage its request named
+        (``{"stage": n}``; ``{}`` is the first, as releases that asked one question stored it):
+        the earlier ones are passed, a later one is asked in turn (another input wait)."""
         if "output" in result:
             return _output(result["output"])
         if "echo" in result:
@@ -627,18 +635,29 @@ class ScenarioTool:
         if "error" in result:
             raise RuntimeError(result["error"])
         if "input" in result:
-            if invocation.continuation is None:
-                raise ToolInputRequired(result["input"]["prompt"], result["input"]["response_schema"], {})
-            then = result["then"]
-            if then == {"answer": True}:
-                return _output(invocation.continuation.response)
-            return self._run(then, invocation, arguments)
+            if stage > _answered_stage(invocation):
+                raise ToolInputRequired(result["input"]["prompt"], result["input"]["response_schema"],
+                                        {"stage": stage} if stage else {})
+            return self._run(result["then"], invocation, arguments, stage + 1)
+        if "answer" in result:  # only below an input's then (validated): the latest answer
+            if invocation.continuation is None:  # pragma: no cover - validated
+                raise RuntimeError(f"tool {self.name} returns an answer it was never given")
+            return _output(invocation.continuation.response)
         for case in result.get("cases", []):
             if _subset(case["when"], arguments):
-                return self._run(case["result"], invocation, arguments)
+                return self._run(case["result"], invocation, arguments, stage)
         if "otherwise" in result:
-            return self._run(result["otherwise"], invocation, arguments)
+            return self._run(result["otherwise"], invocation, arguments, stage)
         raise RuntimeError(f"no case of tool {self.name} matches its arguments")
+
+
+def _answered_stage(invocation: ToolInvocation) -> int:
+    """The stage of the input a resumed call was answered for (-1: not resumed)."""
+    if invocation.continuation is None:
+        return -1
+    state = invocation.continuation.state
+    stage = state.get("stage", 0) if isinstance(state, dict) else 0
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
 
 
 def scenario_program(doc: dict[str, Any], *, legacy: bool = False, delegate_budgets: bool = True) -> Program:
