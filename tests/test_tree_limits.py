@@ -35,8 +35,14 @@ def test_limits_out_of_range_are_refused_before_anything_is_stored(tmp_path: Pat
             assert store.head(TreeID.for_start("limits")) is None  # type: ignore[arg-type]
             # zero and None are limits too (no children; no limit)
             ok = runtime.start(program, {"n": 1}, start_id="zero",
-                               limits=TreeLimits(max_depth=0, max_children=None, max_pending_signals=0))
+                               limits=TreeLimits(max_depth=0, max_children=None, max_pending_signals=1))
             assert ok.result(timeout=30).status == "completed"
+            # No pending signal at all: not even an Effect's settlement (each Step reserves one per
+            # Effect against the bound, spec 2.5 step 6), so the first Step that declares one fails.
+            none = runtime.start(program, {"n": 1}, start_id="no-signals", limits=TreeLimits(max_pending_signals=0))
+            failed = none.result(timeout=30)
+            assert failed.status == "failed" and failed.termination is not None
+            assert failed.termination["failure"]["code"] == "engine.limit.signals"
     finally:
         store.close()
 

@@ -2066,8 +2066,10 @@ class Runtime:
             raise Rejected("engine.effect.not_pending", f"effect {eid} is not an unknown effect (any more)",
                            hint="list unknown effects with Host.unknown() or `agentfold unknown`")
         process, record = found
-        if process.terminal or process.terminal_intent is not None:
-            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing",
+        ending = None if process.terminal else loaded.state.ending(process)
+        if process.terminal or ending is not None:
+            raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing"
+                           + (f" ({ending})" if ending else ""),
                            hint="nothing to replay: the run's outcome no longer depends on this effect")
         if record.target != "dispatcher" or record.replay != "same_identity":
             raise Rejected(

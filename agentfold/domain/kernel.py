@@ -257,10 +257,11 @@ def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | Non
     process, record = found
     if process_id is not None and process.process_id != process_id:
         raise NotFound("engine.effect.not_pending", f"effect {effect_id} does not belong to process {process_id}")
-    if process.terminal or process.terminal_intent is not None:
+    ending = None if process.terminal else tree.ending(process)
+    if process.terminal or ending is not None:
         raise Rejected(
             "engine.process.finished",
-            f"process {process.process_id} is {process.status if process.terminal else 'terminating'}; "
+            f"process {process.process_id} is {process.status if process.terminal else f'terminating ({ending})'}; "
             "its unknown effects stay unresolved as evidence",
             hint="nothing to resolve: the run's outcome no longer depends on them",
         )
@@ -616,7 +617,7 @@ class Kernel:
             raise refuse(EngineCode.TRANSITION_INVALID, exc.message) from exc
         checked = _CheckedStep(facts)
         if isinstance(transition, Continue):
-            self._check_effects(process, program, transition.effects, checked, refuse)
+            self._check_effects(process, program, transition.effects, checked, refuse, step.consumed)
         elif isinstance(transition, Wait):
             wait = process.waits.get(transition.wait_id)
             consumed_answer = False
@@ -663,6 +664,7 @@ class Kernel:
         effects: Sequence[Effect],
         checked: _CheckedStep,
         refuse: Any,
+        consumed: int = 0,
     ) -> None:
         opening: set[str] = set()
         reserve = 0
@@ -737,6 +739,17 @@ class Kernel:
         ):
             raise refuse(
                 EngineCode.LIMIT_SIGNALS, "settlement signals would exceed the signals budget", FailureKind.EXECUTION
+            )
+        # The mailbox bound too (spec 2.5 step 6, admission's rule 8): what stays pending after
+        # this Step, the settlements already reserved and these must fit, or a full mailbox
+        # would refuse every host signal afterwards.
+        pending_after = process.pending_count - consumed + process.reserved_signals
+        if reserve and pending_after + reserve > process.limits_max_pending:
+            raise refuse(
+                EngineCode.LIMIT_SIGNALS,
+                f"{reserve} settlement signal(s) would exceed the mailbox bound of {process.limits_max_pending} "
+                f"pending signals ({pending_after} pending or reserved)",
+                FailureKind.EXECUTION,
             )
 
     # -- framework effects ---------------------------------------------------
@@ -947,8 +960,9 @@ class Kernel:
         for process in list(self.tree.processes.values()):
             for record in process.in_flight():
                 # A paused Process's call too: the pause did not stop it, and its policy says
-                # making it again is safe (scope-kernel.md §3.8: only a terminal intent forces never).
-                if record.replay == "same_identity" and process.terminal_intent is None:
+                # making it again is safe (scope-kernel.md §3.8: only a terminal intent forces
+                # never; an ancestor's counts, as Scope records it on the subtree at once).
+                if record.replay == "same_identity" and self.tree.ending(process) is None:
                     attempt = self.ids.attempt_id()
                     self._emit(
                         progress,

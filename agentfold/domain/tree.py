@@ -439,7 +439,11 @@ class ProcessState:
 
     def parked(self) -> bool:
         """Nothing to do without input (kernel spec 4.3): waiting, paused, or stopped by an
-        unknown outcome. A live tree is parked when every live Process is."""
+        unknown outcome, and no terminal intent (a Process asked to end ends without any
+        input: it is progress, for an owner to carry out, even waiting or paused). A live
+        tree is parked when every live Process is."""
+        if self.terminal_intent is not None:
+            return False
         return self.status in ("waiting", "paused") or bool(self.unknown_effects())
 
     @property
@@ -535,6 +539,24 @@ class TreeState:
     @property
     def terminal(self) -> bool:
         return bool(self.processes) and all(p.terminal for p in self.processes.values())
+
+    def ending(self, process: ProcessState) -> str | None:
+        """Why ``process`` takes no other Step and makes no other call: a terminal intent on it
+        or on an ancestor, or an ancestor that ended (None: neither). An ancestor's end reaches
+        its subtree as ``ControlRequested`` events the owner's next pass appends (kernel spec
+        2.6: "terminal intent stops the subtree"), so until then the stored subtree holds only
+        the ancestor's: recovery, replay and resolution read it there too."""
+        if process.terminal_intent is not None:
+            return f"{process.terminal_intent} requested"
+        pid = process.parent_id
+        while pid is not None:
+            ancestor = self.processes[pid]
+            if ancestor.terminal:
+                return f"its ancestor {pid} ended ({ancestor.status})"
+            if ancestor.terminal_intent is not None:
+                return f"its ancestor {pid} is ending ({ancestor.terminal_intent} requested)"
+            pid = ancestor.parent_id
+        return None
 
     def subtree(self, pid: ProcessID) -> list[ProcessState]:
         out: list[ProcessState] = []

@@ -34,9 +34,18 @@ from agentfold.domain.program import (
     wait_children_effect,
     wait_effect,
 )
-from tests.kernel_programs import IMPL, CallLog, Chain, JsonStrategy, chain_program, config_digest, logged_call
+from tests.kernel_programs import (
+    IMPL,
+    CallLog,
+    Chain,
+    JsonStrategy,
+    chain_program,
+    config_digest,
+    logged_call,
+    parent_program,
+)
 
-PROGRAMS = ("chain", "chain-same", "ask-call", "prep-parent")
+PROGRAMS = ("chain", "chain-same", "ask-call", "prep-parent", "parent-same")
 
 
 # ---------------------------------------------------------------------------
@@ -152,6 +161,9 @@ def build(kind: str, log_path: str | Path) -> Program:
             children=(child,),
             dispatcher=FunctionDispatcher(logged_call(log, 5)),
         )
+    if kind == "parent-same":  # a parent waiting for one child whose calls may be made again
+        child = chain_program(logged_call(log), replay=Replay.SAME_IDENTITY, name="crash.child-same")
+        return parent_program(child, count=1, name="crash.parent-same")
     raise ValueError(f"unknown program {kind!r}; expected one of {PROGRAMS}")
 
 

@@ -1,0 +1,176 @@
+"""A run asked to end is ended, and nothing below it is started again (found by a review of the
+kernel's control paths against scope-kernel.md §2.5, §2.6, §3.7 and §3.8).
+
+agentfold records a Process's terminal intent on that Process; its subtree gets its own
+intents from the owner's next pass (docs/kernel-adaptations.md). Until then the stored tree
+holds the ancestor's intent only, and a recovery, a replay or a resolution must read it there.
+Real SQLite files and PostgreSQL databases; the crash case dies for real (tests/crash).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import FunctionDispatcher
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import Rejected
+from agentfold.domain.events import ControlRequested, EffectDispatched, EffectResolved, EffectSettled, TreeLimits
+from agentfold.domain.program import (
+    Continue,
+    Descriptor,
+    EffectPolicy,
+    Pause,
+    Program,
+    Replay,
+    SignalRequest,
+    Step,
+    dispatcher_effect,
+)
+from agentfold.domain.requests import Settlement
+from tests.crash import programs
+from tests.crash.support import crash, events, recover, runtime_for, tree_of
+from tests.kernel_programs import (
+    IMPL,
+    CallLog,
+    JsonStrategy,
+    asker_program,
+    chain_program,
+    config_digest,
+    parent_program,
+)
+
+
+def calls_of(log: Path) -> list[dict[str, Any]]:
+    return CallLog(log).calls()
+
+
+def test_recovery_after_an_ancestors_cancel_makes_no_call_again(durable_store_url: str, tmp_path: Path) -> None:
+    # The owner died inside the child's call (its policy allows making it again); a host then
+    # cancelled the root. Recovery made the child's call a second time, after the cancel.
+    log = tmp_path / "calls.jsonl"
+    start_id = "start:parent-same"
+    tree_id = tree_of(start_id)
+    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
+          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
+    assert len(calls_of(log)) == 1
+    with runtime_for(durable_store_url, "parent-same", log) as (store, _):
+        root = store.load(tree_id).state.root
+    with runtime_for(durable_store_url, "parent-same", log) as (store, _):
+        # A host that does not drive runs (`agentfold cancel` where the owner is gone).
+        host = Runtime(store, programs.catalog("parent-same", log), adopt_on_admit=False)
+        try:
+            host.cancel(root.process_id, "stop everything")
+        finally:
+            host.close()
+    with runtime_for(durable_store_url, "parent-same", log) as (store, runtime):
+        recover(runtime, tree_id)
+        assert runtime.result(tree_id, timeout=30).status == "canceled"
+        runtime.wait_idle(tree_id, timeout=30)
+        assert len(calls_of(log)) == 1  # made once, by the process that died
+        stream = events(store, tree_id)
+        assert sum(isinstance(e, EffectDispatched) for e in stream) == 1
+        (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
+        assert settled.status == "unknown"
+        assert {p.status for p in store.load(tree_id).state.processes.values()} == {"canceled"}
+
+
+def test_a_resolution_under_an_ancestors_pending_cancel_is_refused_and_appends_nothing(
+    durable_store_url: str,
+) -> None:
+    def lost(request: Any, context: Any) -> Settlement:
+        raise RuntimeError("lost the reply")
+
+    child = chain_program(lost, replay=Replay.NEVER, name="ending.child")
+    parent = parent_program(child, count=1, name="ending.parent")
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([parent])) as owner:
+            handle = owner.start(parent, {"child": {"n": 1}}, start_id="ending-resolve")
+            state = owner.wait_idle(handle.tree_id, timeout=30)
+        (child_id,) = state.root.children
+        (unknown,) = state.processes[child_id].unknown_effects()
+        host = Runtime(store, Catalog([parent]), adopt_on_admit=False)
+        try:
+            assert host.cancel(state.root.process_id, "abandon the run")
+            before = store.load(handle.tree_id).state.version
+            with pytest.raises(Rejected) as refused:
+                host.resolve_unknown_effect(unknown.effect_id, Settlement.succeeded({"value": 7}))
+            assert refused.value.code == "engine.process.finished"
+            assert f"its ancestor {state.root.process_id} is ending (cancel requested)" in refused.value.message
+            with pytest.raises(Rejected) as refused:
+                host.replay_unknown_effect(unknown.effect_id)
+            assert refused.value.code in ("engine.process.finished", "engine.effect.replay_forbidden")
+            after = store.read(handle.tree_id)
+            assert len(after) == before
+            assert not any(isinstance(r.event, EffectResolved) for r in after)
+        finally:
+            host.close()
+    finally:
+        store.close()
+
+
+def test_a_cancel_nobody_carried_out_is_progress_for_recovery_not_a_parked_run(durable_store_url: str) -> None:
+    # A cancel recorded while the run waited for input (its owner then gone before acting on
+    # it) left the run classified parked: `recover` and serve's orphan scan skipped it, and it
+    # waited for ever with its cancel recorded.
+    program = asker_program("ending.asker")
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as owner:
+            handle = owner.start(program, {}, start_id="ending-parked")
+            root = owner.wait_idle(handle.tree_id, timeout=30).root
+        assert store.head(handle.tree_id).classification == "parked"
+        host = Runtime(store, Catalog([program]), adopt_on_admit=False)
+        try:
+            assert host.cancel(root.process_id, "user gave up")
+        finally:
+            host.close()
+        stream = store.read(handle.tree_id)
+        assert isinstance(stream[-1].event, ControlRequested)
+        assert store.head(handle.tree_id).classification == "progress"
+        with Runtime(store, Catalog([program])) as recovering:
+            assert [h.tree_id for h in recovering.recover()] == [handle.tree_id]  # every run needing an owner
+            assert recovering.result(handle.tree_id, timeout=30).status == "canceled"
+    finally:
+        store.close()
+
+
+class Fan(JsonStrategy):
+    """Declares three calls in one Step, then pauses."""
+
+    def decide(self, state: Any, window: Any) -> Step:
+        if state["phase"] == "start":
+            return Step(0, Continue(tuple(dispatcher_effect({"i": i}) for i in range(3))), {"phase": "fanned"})
+        return Step(0, Pause("look at the mailbox"), {"phase": "paused"})
+
+
+def test_a_step_whose_settlements_would_overfill_the_mailbox_fails_the_process(store_url: str) -> None:
+    # Each Effect reserves its settlement signal against max_pending_signals (spec 2.5 step 6):
+    # a Step declaring three with room for two was accepted, and the full mailbox then refused
+    # every host signal.
+    program = Program(
+        Descriptor("ending.fan", signal_schema={"type": "object"}), Fan(), IMPL, config_digest("ending.fan"),
+        policy=lambda effect: EffectPolicy(replay=Replay.NEVER),
+        dispatcher=FunctionDispatcher(lambda request, context: Settlement.succeeded({"ok": 1})),
+    )
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            for room, status in ((2, "failed"), (4, "paused")):
+                handle = runtime.start(program, {}, start_id=f"fan-{room}", limits=TreeLimits(max_pending_signals=room))
+                root = runtime.wait_idle(handle.tree_id, timeout=30).root
+                assert root.status == status, room
+                if status == "failed":
+                    assert root.termination is not None and root.termination.failure is not None
+                    assert root.termination.failure.code == "engine.limit.signals"
+                    assert "mailbox bound of 2 pending signals" in root.termination.failure.message
+                    assert not any(isinstance(e.event, EffectDispatched) for e in store.read(handle.tree_id))
+                else:  # room for the three settlements and one more: a host signal fits
+                    runtime.deliver_signals(root.process_id, [SignalRequest("host-1", {"x": 1})])
+    finally:
+        store.close()
