@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,23 @@ def stored_envelopes(url: str) -> list[dict[str, Any]]:
         return list(store_envelopes(store))
     finally:
         store.close()
+
+
+def follow_until(publisher: Any, done: Callable[[], bool], timeout: float = 60.0) -> list[str]:
+    """Run ``publisher.follow_until_stopped`` on a thread until ``done()`` (asserted within
+    ``timeout`` seconds), then stop it and close the publisher and its store; the lines it said."""
+    stop = threading.Event()
+    lines: list[str] = []
+    follower = threading.Thread(target=publisher.follow_until_stopped, args=(stop, lines.append), daemon=True)
+    follower.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        follower.join(30)
+        publisher.close()
+        publisher.store.close()
+    return lines

@@ -19,8 +19,6 @@ every record on the topic, is the real producer's and the real broker's.
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from agentfold.adapters.transcripts import TranscriptStore
 from agentfold.domain.ids import TreeID
 from agentfold.projections.transcripts import build_transcripts
 from tests.audit.support import Sql
-from tests.feed.support import TopicRead, read_topic_confluent, stored_envelopes
+from tests.feed.support import TopicRead, follow_until, read_topic_confluent, stored_envelopes
 from tests.test_feed_reconnects import _runs
 
 
@@ -124,20 +122,9 @@ def test_a_following_publisher_whose_batch_fails_at_the_broker_still_publishes_a
     topic = f"restored-retry-{uuid.uuid4().hex[:8]}"
     store = EventStore(url)
     publisher = Publisher(store, kafka_bootstrap, topic, batch_size=500)
-    stop = threading.Event()
-    lines: list[str] = []
-    follower = threading.Thread(target=publisher.follow_until_stopped, args=(stop, lines.append), daemon=True)
-    follower.start()
-    try:
-        deadline = time.monotonic() + 60
-        while publisher.position < stored[-1]["notification_id"] or publisher.failures < 1:
-            assert time.monotonic() < deadline, lines
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        follower.join(30)
-        publisher.close()
-        store.close()
+    lines = follow_until(
+        publisher, lambda: publisher.position >= stored[-1]["notification_id"] and publisher.failures >= 1
+    )
     assert made[0].sent == 1 and len(made) == 2  # the failure happened, and a new producer took over
     assert publisher.failures == 1 and any("following again from position 0" in line for line in lines), lines
     read = read_topic_confluent(kafka_bootstrap, topic, expected=len(stored), timeout=20)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
-import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +25,7 @@ from agentfold.adapters.feed import Publisher, PublisherPosition
 from agentfold.adapters.transcripts import transcripts_from_store
 from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, append_past_index_row
-from tests.feed.support import TopicRead, read_topic_confluent, stored_envelopes
+from tests.feed.support import TopicRead, follow_until, read_topic_confluent, stored_envelopes
 from tests.test_cli import agentfold
 from tests.test_feed_reconnects import _runs
 
@@ -434,20 +432,7 @@ def test_a_following_publisher_whose_position_write_reply_is_lost_goes_on_holdin
             raise sqlite3.OperationalError("the reply to the position write was lost")
 
     publisher._position.save = save_losing_a_reply  # type: ignore[method-assign]
-    stop = threading.Event()
-    lines: list[str] = []
-    follower = threading.Thread(target=publisher.follow_until_stopped, args=(stop, lines.append), daemon=True)
-    follower.start()
-    try:
-        deadline = time.monotonic() + 60
-        while publisher.position < envelopes[-1]["notification_id"] or not lost:
-            assert time.monotonic() < deadline, lines
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        follower.join(30)
-        publisher.close()
-        store.close()
+    lines = follow_until(publisher, lambda: publisher.position >= envelopes[-1]["notification_id"] and bool(lost))
     assert any("following again from position" in line for line in lines)
     assert said == [tree_id] and list(publisher.held) == [tree_id]
     expected = [e for e in envelopes if not (e["tree_id"] == tree_id and e["position"] >= 10)]
