@@ -32,6 +32,7 @@ from agentfold.domain.program import (
     dispatcher_effect,
 )
 from agentfold.domain.requests import Settlement
+from tests.audit.support import Sql
 from tests.crash import programs
 from tests.crash.support import crash, events, recover, runtime_for, tree_of
 from tests.kernel_programs import (
@@ -133,9 +134,14 @@ def test_a_cancel_nobody_carried_out_is_progress_for_recovery_not_a_parked_run(d
         stream = store.read(handle.tree_id)
         assert isinstance(stream[-1].event, ControlRequested)
         assert store.head(handle.tree_id).classification == "progress"
+        # As the release before this rule stored the row (its fold said parked): recovery reads
+        # the fold too, and drives the run (review of the fix: the row alone kept it waiting).
+        Sql(durable_store_url)._run("UPDATE agentfold_trees SET classification = 'parked' WHERE tree_id = ?",
+                                    (str(handle.tree_id),))
         with Runtime(store, Catalog([program])) as recovering:
             assert [h.tree_id for h in recovering.recover()] == [handle.tree_id]  # every run needing an owner
             assert recovering.result(handle.tree_id, timeout=30).status == "canceled"
+        assert store.head(handle.tree_id).classification == "terminal"
     finally:
         store.close()
 

@@ -41,7 +41,7 @@ from agentfold.domain.canonical import JSON
 from agentfold.domain.drift import DriftReport, find_drift, first_difference
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from agentfold.domain.events import TreeEvent, TreeStarted, event_body, event_version
-from agentfold.domain.ids import ProcessID, StartID, TreeID
+from agentfold.domain.ids import StartID, TreeID
 from agentfold.domain.integrity import SealError, unseal
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import FoldError, TreeState
@@ -895,7 +895,7 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
         new = list(stored[len(existing):])
         new_events = [event for _, event in folded.events[len(existing):]]
         head = index_head(folded.state, tree_id, new_events, folded.timestamps[-1])
-        indexed = set(store.processes_of_tree(tree_id)) if existing else set()
+        indexed = set(store.processes_of_tree(tree_id))  # also when the cut left no event
         head = dataclasses.replace(
             head, head_digest=folded.digest or "", created_at=folded.timestamps[0], updated_at=folded.timestamps[-1],
             # The Processes of a cut history are indexed already, under this tree: those rows stay.
@@ -908,7 +908,7 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
             continue  # the row changed since it was read: compare again
         except IntegrityError:
             for pid in head.new_processes:  # a Process of the file that another tree has already
-                owner = store.tree_of_process(ProcessID(pid))
+                owner = store.index.tree_of_process(pid)  # the row's text, a tree id or not
                 if owner is not None and owner != tree_id:
                     raise Rejected(
                         "import.conflict",

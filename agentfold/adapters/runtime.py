@@ -1788,7 +1788,10 @@ class Runtime:
         nothing to drive: adopting it would only append a ``WriterActivated``, so a
         periodic ``recover`` would grow every parked history. It is adopted when input
         reaches it. Anything else (progress, an Effect in flight, a tree that cannot be
-        loaded, so that adopting reports why) needs recovery.
+        loaded, so that adopting reports why) needs recovery, and so does a row an earlier
+        release stored as parked that the fold now says is not (a cancel, kill or deadline
+        recorded on a waiting run, which no owner carried out before that release changed
+        the rule: such a run was left waiting for good).
         """
         if head.classification == "terminal":
             return False
@@ -1806,7 +1809,7 @@ class Runtime:
                 tree = self.store.load(TreeID(head.tree_id)).state
             except AgentfoldError:
                 return True
-        return any(process.in_flight() for process in tree.live.values())
+        return tree.classification() != "parked" or any(process.in_flight() for process in tree.live.values())
 
     def owns(self, tree_id: TreeID) -> bool:
         with self._lock:

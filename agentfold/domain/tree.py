@@ -442,7 +442,7 @@ class ProcessState:
         unknown outcome, and no terminal intent (a Process asked to end ends without any
         input: it is progress, for an owner to carry out, even waiting or paused). A live
         tree is parked when every live Process is."""
-        if self.terminal_intent is not None:
+        if self.intents and self.terminal_intent is not None:  # (at every append: the cheap test first)
             return False
         return self.status in ("waiting", "paused") or bool(self.unknown_effects())
 

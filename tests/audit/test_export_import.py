@@ -499,14 +499,17 @@ def test_a_cut_that_removed_a_process_start_is_restored_by_importing_the_tree_ag
     ok(import_file(tmp_path / "tree.jsonl", target))
     original = snapshot_of(target, tree_id)
     sql = Sql(target)
-    for how in ("row left as it was", "row rewritten to the cut"):
-        cut_after(target, tree_id, starts[-1] - 1)  # the last Process start and what follows
+    for how in ("row left as it was", "row rewritten to the cut", "every event cut", "every event and the row"):
+        kept = 0 if how.startswith("every event") else starts[-1] - 1  # the last Process start and what follows
+        cut_after(target, tree_id, kept)
         if how == "row rewritten to the cut":
             rows = sql.raw_rows(tree_id)
             sql.set_head(tree_id, rows[-1][0], digest_of_state(sql.state(tree_id, rows[-1][0])))
+        if how == "every event and the row":
+            sql._run("DELETE FROM agentfold_trees WHERE tree_id = ?", (str(tree_id),))
         assert snapshot_of(target, tree_id)[2] == original[2], how  # the Process rows stay
         restored = ok(import_file(tmp_path / "tree.jsonl", target)).json()
-        assert restored["written"] == len(original[0]) - (starts[-1] - 1), how
+        assert restored["written"] == len(original[0]) - kept, how
         assert snapshot_of(target, tree_id) == original, how
         assert ok(agentfold("audit", "verify", str(tree_id), "--json", store=target)).json()["ok"] is True, how
 
