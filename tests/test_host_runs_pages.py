@@ -85,3 +85,25 @@ def test_a_run_whose_history_cannot_be_read_is_named_not_dropped(tmp_path: Path)
             assert [e["start_id"] for e in page.corrupt] == ["r1"]  # type: ignore[attr-defined]
     finally:
         store.close()
+
+
+def test_a_page_limit_beyond_what_sql_takes_is_every_entry_not_an_overflow(tmp_path: Path) -> None:
+    # Found by a review of the Host API: a positive limit past SQLite's 64-bit integers raised a
+    # bare OverflowError (runs from 2**63; unknown and pending from 2**63-1, and only once the
+    # store had read-model tables, since the tables are asked for limit + 1 rows).
+    url = f"sqlite:///{tmp_path / 'pages.db'}"
+    store = EventStore(url)
+    program = chain_program(name="test.host.pages")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            for i in range(1, 4):
+                runtime.start(program, {"n": 1}, start_id=f"run-{i}").result(timeout=30)
+            host = Host(runtime)
+            for projected in (False, True):
+                if projected:
+                    _project(url)
+                for limit in (2**63 - 1, 2**63, 10**30):
+                    assert [r["start_id"] for r in host.runs(limit=limit)] == ["run-1", "run-2", "run-3"], limit
+                    assert host.unknown(limit=limit) == [] and host.pending(limit=limit) == [], limit
+    finally:
+        store.close()

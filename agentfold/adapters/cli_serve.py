@@ -186,6 +186,23 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     abandoned = 0
     stop = threading.Event()
     guard: StopGuard | None = None
+    opened: list[ApiService] = []
+
+    def noted(number: int, frame: Any) -> None:
+        # Before the server listens (opening the store, --recover driving the runs it adopts),
+        # a signal stops it as one does later: no call is started from then on, the startup
+        # adoption stops, the server never listens, and the calls under way are drained. (The
+        # default action killed the process there: runs it had just adopted were left with
+        # dispatch permissions for calls never made, unknown after the next recovery.) While
+        # uvicorn serves it handles the signals itself, then restores these and raises the
+        # signal again: noted here too, and the cleanup below runs.
+        stopping.append(number)
+        stop.set()
+        for service in opened:
+            service.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, noted)
     # Every side-effect log this process appends to (any run it drives: started over HTTP,
     # by a CLI command and adopted, imported) is confined to --side-effect-dir, checked at
     # each write (none at all without it): docs/scenarios.md.
@@ -201,8 +218,11 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                     _say(f"warning: {undurable}")
                 service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
                                           side_effect_dir=side_effect_dir, dispatch_workers=workers)
+                opened.append(service)
+                if stop.is_set():
+                    service.stop()  # a signal while the store was opened
                 try:
-                    recovered = service.recover() if args.recover else []
+                    recovered = service.recover() if args.recover and not stop.is_set() else []
                     host, port = sock.getsockname()[:2]
                     shown = f"[{host}]" if ":" in host else host
                     url = f"http://{shown}:{port}"
@@ -215,7 +235,9 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                         "dispatch_workers": workers,
                         "side_effect_dir": logs_dir,
                     }
-                    if getattr(args, "json", False):
+                    if stop.is_set():  # stopped before it listened: it never served (the last line says so)
+                        pass
+                    elif getattr(args, "json", False):
                         sys.stdout.write(json.dumps(started, sort_keys=True, default=str) + "\n")
                     else:
                         sys.stdout.write(f"agentfold: serving {url} (store {redact(ctx.store_url)}"
@@ -230,11 +252,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                     # From the signal on, no call is started (Runtime.drain): the calls under way
                     # finish and are recorded while requests finish; Effects declared meanwhile
                     # are started by the run's next owner (another server's scan, recover).
-                    server = _server(config, stop, stopping, on_stop=service.runtime.stop_dispatching)
-                    # uvicorn handles SIGTERM/SIGINT while it serves, then restores these handlers and
-                    # raises the signal again: ours only note it, so the cleanup below always runs.
-                    for sig in (signal.SIGTERM, signal.SIGINT):
-                        signal.signal(sig, lambda number, frame: stopping.append(number))
+                    server = _server(config, stop, stopping, on_stop=service.stop)
                     # From the signal to the store closed: during an outage, store calls (of requests,
                     # owner lines, the follower) would wait minutes; once the store has not answered
                     # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
@@ -244,7 +262,8 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                         overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
                         needed=lambda: not store.answers(),
                     ).start()
-                    server.run(sockets=[sock])
+                    if not stop.is_set():  # else stopped before it listened: drained and closed below
+                        server.run(sockets=[sock])
                 finally:
                     try:
                         service.runtime.drain(CALLS_GRACE)  # the calls under way: recorded if they return now

@@ -54,6 +54,10 @@ OWN_WAIT_HINT = (
 """How to answer a wait the Program opened itself (``wait_effect``), which Host.answer does not take."""
 
 
+#: A page larger than this is taken as this: every entry a store could list, and within the
+#: 64-bit integers SQL takes (a larger ``limit`` raised a bare OverflowError from the database).
+MAX_PAGE_LIMIT = 2**31
+
 def fresh_signal_id(prefix: str) -> SignalID:
     """A signal id for an answer or a steer the caller did not name (``answer:<32 hex>``)."""
     return SignalID(f"{prefix}:{os.urandom(16).hex()}")
@@ -200,7 +204,7 @@ def _entries(queries: HostQueries, listing: Callable[..., list[Entry]], page: Ca
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
                            hint="pass a whole number of entries per page, at least 1 (e.g. limit=100)")
-    return page(limit=100 if limit is None else limit, after=after)
+    return page(limit=100 if limit is None else min(limit, MAX_PAGE_LIMIT), after=after)
 
 
 class Host:
@@ -265,6 +269,7 @@ class Host:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
                                hint="pass a whole number of runs per page, at least 1 (e.g. limit=100)")
+        limit = min(limit, MAX_PAGE_LIMIT)
         given: object = after
         if type(given) is int and given == 0:  # the first page, as releases before 2026-12-02 wrote it
             after = None

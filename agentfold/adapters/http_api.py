@@ -23,9 +23,11 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import pathlib
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -557,6 +559,23 @@ def _run_into(future: Future[Any], fn: Callable[[], Any]) -> None:
         future.set_exception(exc)
 
 
+#: How long a request waits at a time for its run or position before it looks whether the
+#: server is stopping (``ApiService.stopping``).
+WAIT_SLICE = 0.25
+#: Seconds ``serve --recover`` waits after each run it adopts at startup (a test hook, unset
+#: in production: tests/http_api/test_serve_stopping.py stops a server during that phase).
+RECOVER_PAUSE_ENV = "AGENTFOLD_SERVE_RECOVER_PAUSE"
+
+
+def _recover_pause() -> float:
+    """``RECOVER_PAUSE_ENV`` in seconds (0 when unset or not a number from 0 to 60)."""
+    try:
+        pause = float(os.environ.get(RECOVER_PAUSE_ENV, "0"))
+    except ValueError:
+        return 0.0
+    return pause if 0 <= pause <= 60 else 0.0
+
+
 @dataclass
 class ApiService:
     """What one server holds, and every operation its endpoints perform."""
@@ -573,6 +592,9 @@ class ApiService:
     queries: HostQueries = field(init=False)
     _probes: dict[str, Future[Any]] = field(init=False, default_factory=dict)
     _probe_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    #: Set when the server starts stopping (``stop``): requests stop waiting and answer with
+    #: what is stored (a write: ``idle: false``), instead of waiting past the requests' grace.
+    stopping: threading.Event = field(init=False, default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.queries = HostQueries(self.store, self.sources)
@@ -598,10 +620,20 @@ class ApiService:
             raise
         return cls(store, sources, runtime, ids, token, follower, side_effect_dir)
 
+    def stop(self) -> None:
+        """The server starts stopping (SIGTERM or SIGINT, from a signal handler: no lock is
+        waited for): no call is started any more (``Runtime.stop_dispatching``), no run is taken
+        over, and the requests waiting for a run or a position answer now."""
+        self.runtime.stop_dispatching()
+        self.stopping.set()
+
     def recover(self) -> list[dict[str, Any]]:
-        """Adopt every live tree nobody owns (``--recover``); one entry per live tree."""
+        """Adopt every live tree nobody owns (``--recover``); one entry per live tree, until the
+        server starts stopping (the others are left to the next owner: not in the list)."""
         entries: list[dict[str, Any]] = []
         for head in self.store.heads(live_only=True):
+            if self.stopping.is_set():
+                break
             if not self.runtime.needs_recovery(head):
                 entries.append({"tree_id": head.tree_id, "outcome": "parked"})
                 continue
@@ -610,6 +642,7 @@ class ApiService:
                 entries.append({"tree_id": head.tree_id, "outcome": "adopted"})
             except AgentfoldError as exc:
                 entries.append({"tree_id": head.tree_id, "outcome": "skipped", "error": exc.to_json()})
+            self.stopping.wait(_recover_pause())
         return entries
 
     def close(self) -> None:
@@ -761,8 +794,12 @@ class ApiService:
         if min_position is None or wait <= 0 or self.follower is None:
             return
         models = self.queries.read_models()
-        if models is not None and models.position() < min_position:
-            models.wait_for(min_position, wait)
+        deadline = time.monotonic() + wait
+        while models is not None and not self.stopping.is_set():
+            # In slices, so that a server that starts stopping answers now, not after the wait.
+            left = deadline - time.monotonic()
+            if models.wait_for(min_position, max(0.0, min(left, WAIT_SLICE))) or left <= WAIT_SLICE:
+                return
 
     def runs(self, *, status: str | None, classification: str | None, limit: int, after: str | None,
              min_position: int | None, wait: float) -> dict[str, Any]:
@@ -818,13 +855,22 @@ class ApiService:
         parked until their instants: answered at once, ``idle``, its ``timers`` listed."""
         drive_error = None
         timers: list[tuple[EffectID, float]] = []
-        try:
-            tree, timers = self.runtime.wait_quiet(tree_id, wait if wait > 0 else 0.001)
-            idle = tree.classification() != "progress" or bool(timers)
-        except TimeoutError:
-            tree, idle = self.runtime.capture(tree_id), False
-        except AgentfoldError as exc:  # the write is recorded; driving it on failed here
-            tree, idle, drive_error = self.queries.fold(tree_id)[0], False, exc.to_json()
+        deadline = time.monotonic() + wait
+        while True:
+            # In slices, so that a server that starts stopping answers now with what is stored
+            # (``idle: false``), not after the requests' grace with a bare 500 (uvicorn cancels
+            # the request): the write is recorded either way.
+            left = deadline - time.monotonic()
+            try:
+                tree, timers = self.runtime.wait_quiet(tree_id, max(0.001, min(left, WAIT_SLICE)))
+                idle = tree.classification() != "progress" or bool(timers)
+            except TimeoutError:
+                if left > WAIT_SLICE and not self.stopping.is_set():
+                    continue
+                tree, idle = self.runtime.capture(tree_id), False
+            except AgentfoldError as exc:  # the write is recorded; driving it on failed here
+                tree, idle, drive_error = self.queries.fold(tree_id)[0], False, exc.to_json()
+            break
         body = {**data, "tree": tree_summary(tree), "idle": idle, "position": self.store.max_notification_id()}
         if timers:
             body["timers"] = timers_json(timers)

@@ -1646,7 +1646,10 @@ class Runtime:
                 driver = self._drivers.get(tree_id)
                 if driver is not None:
                     return None if new_only else driver
-                if self._closed:
+                if self._closed or self._draining:
+                    # Draining (a server stopping): it starts no call, so it takes no run over
+                    # either (an activation makes a same_identity call again); input is recorded
+                    # without driving it, and the run's next owner drives it.
                     return None
                 if not self._leases.acquire(tree_id):
                     return None
