@@ -862,7 +862,9 @@ class ApiService:
             # the request): the write is recorded either way.
             left = deadline - time.monotonic()
             try:
-                tree, timers = self.runtime.wait_quiet(tree_id, max(0.001, min(left, WAIT_SLICE)))
+                # Timers due before the whole wait's end are waited for (``horizon``), not taken
+                # for timers due after it because a slice ends before them.
+                tree, timers = self.runtime.wait_quiet(tree_id, max(0.001, min(left, WAIT_SLICE)), horizon=deadline)
                 idle = tree.classification() != "progress" or bool(timers)
             except TimeoutError:
                 if left > WAIT_SLICE and not self.stopping.is_set():

@@ -2184,7 +2184,7 @@ class Runtime:
             time.sleep(0.05)
 
     def wait_idle(self, tree: TreeID | str, timeout: float = 30.0, *, elsewhere: bool = True,
-                  past_timers: bool = False) -> TreeState:
+                  past_timers: bool = False, horizon: float | None = None) -> TreeState:
         """Wait until the tree has nothing left to do now; its folded state.
 
         The tree is then terminal or parked (waiting for input, paused, or blocked on
@@ -2197,7 +2197,9 @@ class Runtime:
         ``past_timers``: a tree whose only calls under way are timers due after ``timeout``
         that the next owner makes again (replay policy ``same_identity``, a Deadline's) is
         returned at once, its timers still in flight: nothing happens before their instants
-        (``waiting_timers`` says when). For an owner that stops waiting at ``timeout``.
+        (``waiting_timers`` says when). For an owner that stops waiting at ``timeout``, or at
+        ``horizon`` (a ``time.monotonic()`` instant) when it waits in slices of ``timeout``: the
+        timers due before the horizon are then waited for, slice after slice.
         """
         tree_id = self._tree_ref(tree)
         deadline = time.monotonic() + timeout
@@ -2215,8 +2217,10 @@ class Runtime:
                         raise failed
                     break  # closed or released meanwhile: the store answers (below)
                 quiet = driver.idle and not driver.flights and not driver._scheduled
-                remaining = deadline - time.monotonic()
-                if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(remaining)):
+                now = time.monotonic()
+                remaining = deadline - now
+                far = (horizon if horizon is not None else deadline) - now
+                if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(far)):
                     return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")
@@ -2673,11 +2677,13 @@ class Runtime:
             timers.append((record.effect_id, left))
         return sorted(timers, key=lambda t: t[1]) or None
 
-    def wait_quiet(self, tree: TreeID | str, timeout: float) -> tuple[TreeState, list[tuple[EffectID, float]]]:
-        """``wait_idle(tree, timeout, elsewhere=False, past_timers=True)`` and the timers the tree
-        is then left waiting for (``waiting_timers``; none once it ended): for an owner that stops
-        waiting at ``timeout`` (a command, an HTTP write) and reports what is left."""
-        state = self.wait_idle(tree, timeout, elsewhere=False, past_timers=True)
+    def wait_quiet(self, tree: TreeID | str, timeout: float, *,
+                   horizon: float | None = None) -> tuple[TreeState, list[tuple[EffectID, float]]]:
+        """``wait_idle(tree, timeout, elsewhere=False, past_timers=True, horizon=horizon)`` and the
+        timers the tree is then left waiting for (``waiting_timers``; none once it ended): for an
+        owner that stops waiting at ``timeout`` or ``horizon`` (a command, an HTTP write) and
+        reports what is left."""
+        state = self.wait_idle(tree, timeout, elsewhere=False, past_timers=True, horizon=horizon)
         return state, (self.waiting_timers(tree) if state.classification() != "terminal" else [])
 
     def timers_waiting(self) -> int:
