@@ -642,7 +642,11 @@ class ApiService:
                 entries.append({"tree_id": head.tree_id, "outcome": "adopted"})
             except AgentfoldError as exc:
                 entries.append({"tree_id": head.tree_id, "outcome": "skipped", "error": exc.to_json()})
-            self.stopping.wait(_recover_pause())
+            pause_until = time.monotonic() + _recover_pause()
+            while time.monotonic() < pause_until and not self.stopping.is_set():
+                # Not ``stopping.wait``: the signal handler sets the event on this (the main)
+                # thread, and an Event's lock is not re-entrant.
+                time.sleep(0.02)
         return entries
 
     def close(self) -> None:
