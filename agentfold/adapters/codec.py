@@ -85,6 +85,8 @@ class StateCompressor(Compressor):
     def decompress(self, data: bytes, limit: int = MAX_STATE_BYTES) -> bytes:
         if isinstance(data, str):  # a row edited by hand into SQLite TEXT: not what a writer stores
             raise SealError("stored state is text, not bytes")
+        if not isinstance(data, (bytes, bytearray, memoryview)):  # NULL, a number: edited by hand too
+            raise SealError(f"stored state is {type(data).__name__}, not bytes")
         data = bytes(data)
         if data[:1] != COMPRESSED:
             return data  # the JSON itself (older stores, small or incompressible states, imports)
@@ -192,6 +194,8 @@ class PydanticMapper(Mapper[uuid.UUID]):
         out of order or a member twice would chain here and not there."""
         position = stored.originator_version
         topic = stored.topic
+        if not isinstance(topic, str):  # NULL (a row edited by hand): no event type at all
+            raise DecodeError(position, "stream.event_type", f"the topic is {topic!r}, not text")
         tag = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
         name, _, version_text = tag.partition("@")
         # Version 1 has exactly one spelling (no suffix); later versions are "@<n>", n >= 2.
