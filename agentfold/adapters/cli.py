@@ -278,7 +278,7 @@ def cmd_trees(ctx: Context, args: argparse.Namespace) -> Outcome:
     data = {"trees": [h.to_json() for h in heads]}
     if not heads:
         wanted = [w for w in ("live" if args.live else None, args.status, args.classification) if w]
-        return Outcome(data, f"no {' '.join(f'{w} ' for w in wanted)}trees in {redact(ctx.store_url)}")
+        return Outcome(data, f"no {''.join(f'{w} ' for w in wanted)}trees in {redact(ctx.store_url)}")
     rows = [("TREE", "START", "PROGRAM", "STATUS", "TREE STATE", "VERSION", "UNKNOWN")]
     rows += [
         (h.tree_id, h.start_id, h.program, h.status, h.classification, str(h.version), str(len(h.unknown_effect_ids)))

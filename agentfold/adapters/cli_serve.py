@@ -175,13 +175,14 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if side_effect_dir is not None and not side_effect_dir.is_dir():
         raise InvalidInput("cli.argument_invalid", f"--side-effect-dir {args.side_effect_dir!r} is not a folder",
                            hint="create it first, or leave the option out to refuse side-effect logs")
+    # The address first: a refusal of it (a bad port, one in use) is then the only stderr line.
+    sock = _listen(args.host, args.port)
     if len(token) < MIN_TOKEN_CHARS:  # no surrounding whitespace by now
         _say(f"warning: {TOKEN_ENV} is {len(token)} characters long; a token anyone can guess opens every "
              f"run (use {MIN_TOKEN_CHARS} or more, e.g. $(openssl rand -hex 32))")
     if not _loopback(args.host):
         _say(f"warning: serving plain HTTP on {args.host}: the token and every run travel unencrypted; put a "
              "TLS-terminating reverse proxy in front (docs/http-api.md)")
-    sock = _listen(args.host, args.port)
     stopping: list[int] = []
     abandoned = 0
     stop = threading.Event()

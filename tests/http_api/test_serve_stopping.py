@@ -177,3 +177,13 @@ def test_a_signal_during_the_startup_adoption_stops_the_server_cleanly(tmp_path:
     # The others were left to the next owner, untouched.
     assert [len(r) for r in rest] == [before[t] for t in trees[1:]]
     assert receipts() == 3  # the demo's mailer sends a receipt once per message id
+
+
+def test_a_refused_address_is_the_only_stderr_line_even_with_a_short_token(tmp_path: Path) -> None:
+    # Found by a review of the CLI against docs/cli.md ("On failure, exactly one line goes to
+    # stderr"): the short-token warning came first, then the refusal of the port.
+    from tests.test_cli import agentfold, refused
+
+    ran = refused(agentfold("serve", "--port", "99999", "--json", store=f"sqlite:///{tmp_path / 'a.db'}",
+                            env={"AGENTFOLD_API_TOKEN": "tok"}))
+    assert ran.error()["code"] == "cli.argument_invalid" and "--port" in ran.error()["message"]
