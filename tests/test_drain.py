@@ -17,6 +17,7 @@ from typing import Any
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import AgentfoldError
 from agentfold.domain.events import EffectDeclared, EffectDispatched, EffectSettled
 from tests.kernel_programs import CallLog, GatedCall, chain_program
 
@@ -89,3 +90,31 @@ def test_a_call_that_does_not_return_within_the_grace_is_still_abandoned_and_rec
     [unknown] = [e for p in tree.processes.values() for e in p.unknown_effects()]
     assert unknown.diagnostic is not None and unknown.diagnostic.code == "engine.dispatch.interrupted"
     assert [c["index"] for c in log.calls()] == [0, 1]  # the abandoned call is not made again
+
+
+def test_a_draining_runtime_takes_no_run_over_and_says_so(durable_store_url: str, tmp_path: Any) -> None:
+    # recover(tree) on a draining runtime said "owned by another live runtime" (engine.tree.owned):
+    # untrue, nobody owned it; the runtime asked was the one refusing, because it was draining.
+    log = CallLog(tmp_path / "calls.jsonl")
+    call = GatedCall(log, at=1)
+    program = chain_program(call, name="drain.recover")
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as owner:
+        handle = owner.start(program, {"n": 3}, start_id="drain-2")
+        assert call.entered.wait(30)
+        owner.drain(0.0)  # the call stays in flight: the run is left to the next owner
+    call.release.set()
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as other:
+        assert other.drain(0.0)
+        before = kinds(durable_store_url, handle.tree_id)
+        try:
+            other.recover(handle.tree_id)
+        except AgentfoldError as exc:
+            refused = exc
+        else:
+            raise AssertionError("a draining runtime took the run over")
+        assert refused.code == "engine.runtime.draining" and refused.http_status == 503, refused.to_json()
+        assert "draining" in str(refused) and "another live runtime" not in str(refused)
+        assert kinds(durable_store_url, handle.tree_id) == before  # nothing appended
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as next_owner:
+        assert len(next_owner.recover(handle.tree_id)) == 1  # a runtime that is not draining takes it
+    assert "WriterActivated" in kinds(durable_store_url, handle.tree_id)[len(before):]

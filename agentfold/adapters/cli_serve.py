@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, MAX_DISPATCH_WORKERS
 from agentfold.domain.errors import AgentfoldError, InvalidInput
@@ -96,8 +96,9 @@ def _server(config: Any, stop: threading.Event, stopping: list[int], on_stop: Ca
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             stopping.append(sig)
-            stop.set()
-            on_stop()
+            if len(stopping) == 1:  # not again for a second signal (see ``noted`` in cmd_serve)
+                stop.set()
+                on_stop()
 
     return Server(config)
 
@@ -119,14 +120,53 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _exit_at_once(as_json: bool, stopping: list[int], runtime: Any) -> Callable[[float], None]:
+T = TypeVar("T")
+
+
+def _off_main_thread(call: Callable[[], T]) -> T:
+    """``call()`` run on a worker thread while this (the main) thread waits in short slices.
+
+    A Python signal handler only runs on the main thread, between bytecodes: while the main
+    thread is inside a long C call (SQLite waiting up to ``SQLITE_LOCK_TIMEOUT`` s for a lock
+    another process holds, a PostgreSQL connection attempt) SIGTERM would not even be noticed,
+    so the stop bound (``StopGuard``, which counts from the handler) would not start. Waiting
+    here, the handler runs at once; ``call`` ends when its store call returns, fails or is
+    interrupted by the guard (or the guard exits the process)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, name="agentfold-serve-startup", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return cast(T, value)
+
+
+def _undurable(store: Any) -> str | None:
+    """The store's warning that the server does not make commits durable, if it has one."""
+    try:
+        return cast("str | None", store.undurable_server())
+    except Exception:  # noqa: BLE001 - a warning's probe never stops the server
+        return None
+
+
+def _exit_at_once(as_json: bool, stopping: list[int], opened: list[Any]) -> Callable[[float], None]:
     """The StopGuard overrun of ``serve``: the last lines it would print, then exit status 0 at
-    once (another thread is still inside a call to a store that does not answer; what it did
-    is decided by recovery, as after a crash)."""
+    once (another thread is still inside a call to a store that does not answer, or inside the
+    store's opening; what it did is decided by recovery, as after a crash). ``opened``: the
+    ``ApiService`` once there is one."""
 
     def overrun(seconds: float) -> None:
         try:
-            abandoned = int(runtime.dispatches_running())
+            abandoned = sum(int(service.runtime.dispatches_running()) for service in opened)
         except Exception:  # noqa: BLE001 - exiting anyway
             abandoned = 0
         sys.stderr.write(f"agentfold: still not stopped {seconds:.0f} s after the signal: exiting now; "
@@ -186,7 +226,6 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     stopping: list[int] = []
     abandoned = 0
     stop = threading.Event()
-    guard: StopGuard | None = None
     opened: list[ApiService] = []
 
     def noted(number: int, frame: Any) -> None:
@@ -198,32 +237,54 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
         # uvicorn serves it handles the signals itself, then restores these and raises the
         # signal again: noted here too, and the cleanup below runs.
         stopping.append(number)
+        if len(stopping) > 1:
+            # Stopping already. (A second signal in the same instant runs this handler inside
+            # the first one, which may hold the Event's lock: setting it again would wait for ever.)
+            return
         stop.set()
         for service in opened:
             service.stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, noted)
+    stores: list[Any] = []
+
+    def interrupt() -> None:
+        for opened_store in stores:
+            opened_store.interrupt()
+
+    # From the signal to the store closed: during an outage, store calls (opening the store,
+    # --recover's adoptions, requests, owner lines, the follower) would wait minutes; once the
+    # store has not answered for STOP_GRACE s (or is still being opened) they are interrupted,
+    # and SERVE_STOP_LIMIT s after the signal the process exits in any case. A store that
+    # answers is left alone, so requests keep their REQUEST_GRACE s and owner lines finish
+    # their appends.
+    guard = StopGuard(
+        stop, interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
+        overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, opened),
+        needed=lambda: not stores or not stores[0].answers(),
+    )
     # Every side-effect log this process appends to (any run it drives: started over HTTP,
     # by a CLI command and adopted, imported) is confined to --side-effect-dir, checked at
     # each write (none at all without it): docs/scenarios.md.
-    with side_effect_confinement(side_effect_dir):
+    with guard, side_effect_confinement(side_effect_dir):
         try:
-            store = ctx.open_store(create=True)
+            # Until it listens, the store calls run off the main thread (_off_main_thread): a
+            # signal is noted at once even while the store does not answer.
+            store = _off_main_thread(lambda: ctx.open_store(create=True))
+            stores.append(store)
             try:
-                try:
-                    undurable = store.undurable_server()
-                except Exception:  # noqa: BLE001 - a warning's probe never stops the server
-                    undurable = None
+                undurable = _off_main_thread(lambda: _undurable(store))
                 if undurable is not None:
                     _say(f"warning: {undurable}")
-                service = ApiService.open(store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
-                                          side_effect_dir=side_effect_dir, dispatch_workers=workers)
+                service = _off_main_thread(lambda: ApiService.open(
+                    store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
+                    side_effect_dir=side_effect_dir, dispatch_workers=workers))
                 opened.append(service)
                 if stop.is_set():
                     service.stop()  # a signal while the store was opened
                 try:
-                    recovered = service.recover() if args.recover and not stop.is_set() else []
+                    recovered = _off_main_thread(service.recover) if args.recover and not stop.is_set() else []
                     host, port = sock.getsockname()[:2]
                     shown = f"[{host}]" if ":" in host else host
                     url = f"http://{shown}:{port}"
@@ -254,15 +315,6 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                     # finish and are recorded while requests finish; Effects declared meanwhile
                     # are started by the run's next owner (another server's scan, recover).
                     server = _server(config, stop, stopping, on_stop=service.stop)
-                    # From the signal to the store closed: during an outage, store calls (of requests,
-                    # owner lines, the follower) would wait minutes; once the store has not answered
-                    # for STOP_GRACE s they are interrupted. A store that answers is left alone, so
-                    # requests keep their REQUEST_GRACE s and owner lines finish their appends.
-                    guard = StopGuard(
-                        stop, store.interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
-                        overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, service.runtime),
-                        needed=lambda: not store.answers(),
-                    ).start()
                     if not stop.is_set():  # else stopped before it listened: drained and closed below
                         server.run(sockets=[sock])
                 finally:
@@ -272,11 +324,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
                         service.close()
                     abandoned = _abandoned_calls(service.runtime, grace=ABANDON_GRACE)
             finally:
-                try:
-                    store.close()
-                finally:
-                    if guard is not None:
-                        guard.done()
+                store.close()
         finally:
             sock.close()
     if abandoned:

@@ -644,8 +644,8 @@ class ApiService:
                 entries.append({"tree_id": head.tree_id, "outcome": "skipped", "error": exc.to_json()})
             pause_until = time.monotonic() + _recover_pause()
             while time.monotonic() < pause_until and not self.stopping.is_set():
-                # Not ``stopping.wait``: the signal handler sets the event on this (the main)
-                # thread, and an Event's lock is not re-entrant.
+                # Not ``stopping.wait``: called on the main thread, a signal handler that sets the
+                # event would run inside the wait, and an Event's lock is not re-entrant.
                 time.sleep(0.02)
         return entries
 

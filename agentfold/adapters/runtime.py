@@ -1773,6 +1773,12 @@ class Runtime:
                 self.recover_failures[tree_id] = failure
                 continue
             if driver is None:
+                if tree is not None and self._draining:
+                    raise RuntimeStopped(
+                        "engine.runtime.draining", f"tree {tree_id} was not taken over: this runtime is draining",
+                        hint="a draining runtime (drain, a stopping server) takes no run over; "
+                        "recover it with another runtime",
+                    )
                 if tree is not None:
                     raise Fenced(
                         "engine.tree.owned", f"tree {tree_id} is owned by another live runtime",
