@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.feed import store_envelopes
 from tests.audit.support import Sql, record_chain
 from tests.test_cli import agentfold
 
@@ -61,3 +62,33 @@ def test_a_null_snapshot_state_is_skipped_by_loads_and_reported_by_verify(durabl
     (problem,) = verified.json()["results"][0]["problems"]
     assert (problem["position"], problem["rule"]) == (LAST, "snapshot.mismatch")
     assert "malformed" in problem["detail"]
+
+
+@pytest.mark.parametrize("column", ["topic", "state"])
+def test_a_null_column_is_named_by_the_readers_of_the_notification_log(durable_store_url: str, column: str) -> None:
+    # The notification log (read-model follower, `project`, serve's follower, the feed's readers)
+    # went through the library's select_notifications, which calls bytes() on each state: on
+    # PostgreSQL `project` failed with cli.internal (serve's follower would restart for ever,
+    # stuck for every tree), and store_envelopes raised a bare TypeError; a NULL topic made
+    # store_envelopes raise a bare AttributeError on both backends.
+    url = durable_store_url
+    bad = record_chain(url, start_id="null-bad")
+    good = record_chain(url, start_id="null-good")
+    sql = Sql(url)
+    sql._run(f"UPDATE agentfold_events SET {column} = NULL WHERE originator_id = ? AND originator_version = ?",
+             (sql._id(bad), LAST))
+    rule = "stream.event_type" if column == "topic" else "integrity.format"
+    projected = agentfold("project", "--json", store=url)
+    assert projected.code == 1, projected.stderr
+    (corrupt,) = projected.json()["corrupt_trees"]
+    assert (corrupt["tree_id"], corrupt["position"], corrupt["rule"]) == (str(bad), LAST, rule)
+    assert projected.json()["position"] == 2 * LAST  # the whole log was read: the good tree too
+    assert str(good) not in projected.stdout  # only the damaged tree is named
+    store = EventStore(url)
+    try:
+        with pytest.raises(CorruptStream) as found:
+            for _ in store_envelopes(store):
+                pass
+        assert (found.value.tree_id, found.value.position, found.value.rule) == (bad, LAST, rule)
+    finally:
+        store.close()

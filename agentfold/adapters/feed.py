@@ -121,7 +121,10 @@ def envelope_of(notification: Notification, chain: ChainCheck | None = None, tre
     if tree_id is None:
         tree_id = _tree_of(notification)
     position = int(notification.originator_version)
-    tag = notification.topic[len(TOPIC_PREFIX) :] if notification.topic.startswith(TOPIC_PREFIX) else ""
+    topic: object = notification.topic
+    if not isinstance(topic, str):  # NULL: a row edited by hand
+        raise CorruptStream(tree_id, position, "stream.event_type", f"the topic is {topic!r}, not text")
+    tag = topic[len(TOPIC_PREFIX) :] if topic.startswith(TOPIC_PREFIX) else ""
     name, _, version_text = tag.partition("@")
     if name not in EVENT_TYPES or (version_text and not (version_text.isascii() and version_text.isdigit())):
         raise CorruptStream(tree_id, position, "stream.event_type", f"unknown topic {notification.topic!r}")

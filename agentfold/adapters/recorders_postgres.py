@@ -19,7 +19,7 @@ from uuid import UUID
 
 from eventsourcing.persistence import Notification, PersistenceError, StoredEvent
 from eventsourcing.postgres import PostgresAggregateRecorder, PostgresApplicationRecorder
-from psycopg.sql import SQL, Composed
+from psycopg.sql import SQL, Composed, Identifier
 from psycopg_pool import PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
@@ -186,14 +186,17 @@ def _composed(statement: str) -> Composed:
 
 
 class _NullStates:
-    """``select_events`` that reads a row whose ``state`` is NULL (an edit by hand) as a state
-    of None, as SQLite's recorder does, instead of failing on it with a bare TypeError (the
-    library converts each state with ``bytes()``): decoding it then says the row is damaged
-    (``store.corrupt`` / an ``integrity.format`` finding), and store-wide commands go on with
-    the other trees. Only after the library's read failed so: the usual path is unchanged."""
+    """Reads that take a row whose ``state`` is NULL (an edit by hand) as a state of None, as
+    SQLite's recorder does, instead of failing on it with a bare TypeError (the library
+    converts each state with ``bytes()``): decoding it then says the row is damaged
+    (``store.corrupt`` / an ``integrity.format`` finding), and store-wide commands, the
+    read-model follower and the feed go on with the other trees. Only after the library's
+    read failed so: the usual path is unchanged. ``select_events`` serves loads and tree reads,
+    ``select_notifications`` the notification log (followers, publishers, exports)."""
 
     datastore: Any
     select_events_statement: Any
+    events_table_name: str
 
     def select_events(
         self, originator_id: UUID | str, *, gt: int | None = None, lte: int | None = None, desc: bool = False,
@@ -218,13 +221,50 @@ class _NullStates:
         if limit is not None:
             params.append(limit)
             statement += SQL(" LIMIT %s")
+        return [StoredEvent(row["originator_id"], row["originator_version"], row["topic"], _state(row))
+                for row in self._rows_again(statement, params)]
+
+    def select_notifications(
+        self, start: int | None, limit: int, stop: int | None = None, topics: Sequence[str] = (), *,
+        inclusive_of_start: bool = True,
+    ) -> Sequence[Notification]:
+        try:
+            found: Sequence[Notification] = super().select_notifications(  # type: ignore[misc]
+                start, limit, stop, topics, inclusive_of_start=inclusive_of_start
+            )
+            return found
+        except TypeError:
+            pass
+        conditions: list[str] = []
+        params: list[Any] = []
+        if start is not None:
+            conditions.append("notification_id >= %s" if inclusive_of_start else "notification_id > %s")
+            params.append(start)
+        if stop is not None:
+            conditions.append("notification_id <= %s")
+            params.append(stop)
+        if topics:
+            conditions.append("topic = ANY(%s)")
+            params.append(list(topics))
+        params.append(limit)
+        statement = SQL("SELECT * FROM {schema}.{table}").format(
+            schema=Identifier(self.datastore.schema), table=Identifier(self.events_table_name),
+        ) + SQL((" WHERE " + " AND ".join(conditions) if conditions else "") + " ORDER BY notification_id LIMIT %s")
+        return [Notification(id=row["notification_id"], originator_id=row["originator_id"],
+                             originator_version=row["originator_version"], topic=row["topic"], state=_state(row))
+                for row in self._rows_again(statement, params)]
+
+    def _rows_again(self, statement: Any, params: list[Any]) -> list[Any]:
+        """The rows of a read the library could not convert, as they are."""
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(statement, params, prepare=True)
-            return [
-                StoredEvent(row["originator_id"], row["originator_version"], row["topic"],
-                            None if row["state"] is None else bytes(row["state"]))  # type: ignore[arg-type]
-                for row in curs.fetchall()
-            ]
+            return list(curs.fetchall())
+
+
+def _state(row: Any) -> bytes:
+    """A row's state as bytes, or None when it is NULL (typed as the library's field)."""
+    state = row["state"]
+    return None if state is None else bytes(state)  # type: ignore[return-value]
 
 
 class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQueries):
