@@ -463,8 +463,9 @@ def verify_tree(
     # Rows and snapshot first, events after: a live tree only grows, so the events read
     # reach every version these reflect.
     counted: tuple[int, int] | None = None
+    faults: list[str] = []
     if read_models is not None:
-        rows, counted = read_models.tree_rows_counted(str(tree_id))  # as of one moment
+        rows, counted, faults = read_models.tree_rows_counted(str(tree_id))  # as of one moment
         check.read_model = "not_projected" if rows["run"] is None else "pending"
     snapshot = _latest_snapshot(store, tree_id) if check_snapshot else None
     head, stored = consistent_read(store, tree_id)
@@ -530,6 +531,12 @@ def verify_tree(
                 check.problems.append(
                     Finding(str(tree_id), at, "read_model.mismatch",
                             f"the stored rows differ from the projection of the fold at position {at} at {path}")
+                )
+            if faults:
+                check.read_model = "mismatch"
+                check.problems.extend(
+                    Finding(str(tree_id), at, "read_model.mismatch", f"a stored row's columns are damaged: {fault}")
+                    for fault in faults
                 )
             # The follower's count of the events it applied to the tree must be its version
             # (read in the rows' own transaction).

@@ -136,6 +136,47 @@ def _dumps(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+# The columns of each row derived from its entry (``body``): the queries filter, order and
+# count on them, so ``_write_tree`` writes them from the entry with these functions and
+# ``tree_rows_counted`` checks the stored ones against them (``audit verify``). A row's other
+# columns: ``tree_id``, ``ord`` (its index in the tree's list), ``created_position`` (the
+# run's, on its pending and unknown rows), the run row's follower counters.
+RUN_COLUMNS = "start_id, root_process_id, program, status, classification, version, unknown_count, pending_count"
+ROUND_COLUMNS = "process_id, model_call_sequence, call_count, entry_count, complete, digest"
+DELEGATE_COLUMNS = "process_id, model_call_sequence, tool_call_index, tool_call_ref, child_key, child_process_id"
+PENDING_COLUMNS = "process_id, wait_id, tool_call_ref"
+UNKNOWN_COLUMNS = "process_id, effect_id, kind, tool_call_ref"
+
+
+def _run_columns(run: Entry, version: int, unknown: int, pending: int) -> tuple[Any, ...]:
+    return (str(run["start_id"]), str(run["root_process_id"]), str(run["program"]), str(run["status"]),
+            str(run["classification"]), version, unknown, pending)
+
+
+def _round_columns(r: Entry) -> tuple[Any, ...]:
+    return (r["process_id"], r["model_call_sequence"], r["call_count"], len(r["entries"]), bool(r["complete"]),
+            r["digest"])
+
+
+def _delegate_columns(d: Entry) -> tuple[Any, ...]:
+    return (d["process_id"], d["model_call_sequence"], d["tool_call_index"], d["tool_call_ref"], d["child_key"],
+            d["child_process_id"])
+
+
+def _pending_columns(p: Entry) -> tuple[Any, ...]:
+    return (p["process_id"], p["wait_id"], p["tool_call_ref"])
+
+
+def _unknown_columns(u: Entry) -> tuple[Any, ...]:
+    return (u["process_id"], u["effect_id"], u["kind"], u["tool_call_ref"])
+
+
+def _stored_columns(row: Any, columns: str) -> tuple[Any, ...]:
+    """A row's columns as the writer gives them (SQLite stores a boolean as 0/1)."""
+    names = [name.strip() for name in columns.split(",")]
+    return tuple(bool(row[name]) if name == "complete" else row[name] for name in names)
+
+
 class _SQLiteTracking(SQLiteTrackingRecorder):
     """eventsourcing's SQLite tracking recorder, on our table name."""
 
@@ -340,8 +381,7 @@ class ReadModels:
             c.execute(sql(f"DELETE FROM {table} WHERE tree_id = ?"), (tree_id,))
         c.execute(
             sql(
-                f"INSERT INTO {RUNS} (tree_id, start_id, root_process_id, program, status, classification, version, "
-                "events_projected, created_position, position, unknown_count, pending_count, body) "
+                f"INSERT INTO {RUNS} (tree_id, {RUN_COLUMNS}, events_projected, created_position, position, body) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (tree_id) DO UPDATE SET status = excluded.status, "
                 "classification = excluded.classification, version = excluded.version, "
                 f"events_projected = {RUNS}.events_projected + excluded.events_projected, "
@@ -349,43 +389,20 @@ class ReadModels:
                 "pending_count = excluded.pending_count, body = excluded.body"
             ),
             (
-                tree_id, str(run["start_id"]), str(run["root_process_id"]), str(run["program"]), str(run["status"]),
-                str(run["classification"]), rows.version, update.events, update.created_position, position,
-                len(rows.unknown), len(rows.pending), _dumps(run),
+                tree_id, *_run_columns(run, rows.version, len(rows.unknown), len(rows.pending)), update.events,
+                update.created_position, position, _dumps(run),
             ),
         )
-        self._insert(
-            c, ROUNDS, "tree_id, ord, process_id, model_call_sequence, call_count, entry_count, complete, digest, body",
-            [
-                (tree_id, i, r["process_id"], r["model_call_sequence"], r["call_count"], len(r["entries"]),
-                 bool(r["complete"]), r["digest"], _dumps(r))
-                for i, r in enumerate(rows.rounds)
-            ],
-        )
-        self._insert(
-            c, DELEGATES,
-            "tree_id, ord, process_id, model_call_sequence, tool_call_index, tool_call_ref, child_key, child_process_id, body",
-            [
-                (tree_id, i, d["process_id"], d["model_call_sequence"], d["tool_call_index"], d["tool_call_ref"],
-                 d["child_key"], d["child_process_id"], _dumps(d))
-                for i, d in enumerate(rows.delegates)
-            ],
-        )
-        self._insert(
-            c, PENDING, "tree_id, ord, created_position, process_id, wait_id, tool_call_ref, body",
-            [
-                (tree_id, i, update.created_position, p["process_id"], p["wait_id"], p["tool_call_ref"], _dumps(p))
-                for i, p in enumerate(rows.pending)
-            ],
-        )
-        self._insert(
-            c, UNKNOWN, "tree_id, ord, created_position, process_id, effect_id, kind, tool_call_ref, body",
-            [
-                (tree_id, i, update.created_position, u["process_id"], u["effect_id"], u["kind"], u["tool_call_ref"],
-                 _dumps(u))
-                for i, u in enumerate(rows.unknown)
-            ],
-        )
+        self._insert(c, ROUNDS, f"tree_id, ord, {ROUND_COLUMNS}, body",
+                     [(tree_id, i, *_round_columns(r), _dumps(r)) for i, r in enumerate(rows.rounds)])
+        self._insert(c, DELEGATES, f"tree_id, ord, {DELEGATE_COLUMNS}, body",
+                     [(tree_id, i, *_delegate_columns(d), _dumps(d)) for i, d in enumerate(rows.delegates)])
+        self._insert(c, PENDING, f"tree_id, ord, created_position, {PENDING_COLUMNS}, body",
+                     [(tree_id, i, update.created_position, *_pending_columns(p), _dumps(p))
+                      for i, p in enumerate(rows.pending)])
+        self._insert(c, UNKNOWN, f"tree_id, ord, created_position, {UNKNOWN_COLUMNS}, body",
+                     [(tree_id, i, update.created_position, *_unknown_columns(u), _dumps(u))
+                      for i, u in enumerate(rows.unknown)])
 
     def _write_corrupt(self, c: Any, found: CorruptTree) -> None:
         # Its rows reflect a history that cannot be read from here on: a listing must never
@@ -518,34 +535,72 @@ class ReadModels:
         return self.tree_rows_counted(tree_id)[0]
 
     @on_a_live_connection
-    def tree_rows_counted(self, tree_id: str) -> tuple[dict[str, Any], tuple[int, int] | None]:
-        """``tree_rows`` and ``counter``, read in one transaction that sees one moment: a
-        follower writes a tree's rows in one transaction, and rows read in several (a run row
-        at version 200, rounds a commit later) are no state the tree ever had, which ``audit
-        verify`` would report as a mismatch. SQLite's read transaction in WAL mode sees one
-        snapshot; PostgreSQL's needs REPEATABLE READ (READ COMMITTED takes one per statement)."""
+    def tree_rows_counted(self, tree_id: str) -> tuple[dict[str, Any], tuple[int, int] | None, list[str]]:
+        """``tree_rows``, ``counter`` and the faults of the rows' other columns, read in one
+        transaction that sees one moment: a follower writes a tree's rows in one transaction,
+        and rows read in several (a run row at version 200, rounds a commit later) are no state
+        the tree ever had, which ``audit verify`` would report as a mismatch. SQLite's read
+        transaction in WAL mode sees one snapshot; PostgreSQL's needs REPEATABLE READ (READ
+        COMMITTED takes one per statement).
+
+        A fault: a column the queries filter, order or count on that does not say what the
+        row's entry says (``_run_columns`` and the others: the writer's own functions), an
+        ``ord`` out of sequence, a pending or unknown row whose ``created_position`` is not its
+        run's (listings page by it). The entries alone would not show such damage, and the
+        queries would answer wrongly (a delegate attribution lost, a wait listed twice)."""
+        faults: list[str] = []
         with self.datastore.transaction(commit=False) as c:
             if self.backend == "postgresql":
                 c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-
-            def bodies(table: str) -> list[Entry]:
-                c.execute(self._sql(f"SELECT body FROM {table} WHERE tree_id = ? ORDER BY ord"), (tree_id,))
-                return [orjson.loads(r["body"]) for r in c.fetchall()]
-
-            c.execute(self._sql(f"SELECT body, version, events_projected FROM {RUNS} WHERE tree_id = ?"), (tree_id,))
+            c.execute(self._sql(f"SELECT * FROM {RUNS} WHERE tree_id = ?"), (tree_id,))
             row = c.fetchone()
             run = orjson.loads(row["body"]) if row is not None else None
             counted = None if row is None else (int(row["version"]), int(row["events_projected"]))
+            created = None if row is None else row["created_position"]
+
+            def bodies(table: str, columns: str, derive: Callable[[Entry], tuple[Any, ...]], *,
+                       positioned: bool = False) -> list[Entry]:
+                c.execute(self._sql(f"SELECT * FROM {table} WHERE tree_id = ? ORDER BY ord"), (tree_id,))
+                entries = []
+                for index, stored in enumerate(c.fetchall()):
+                    entry = orjson.loads(stored["body"])
+                    entries.append(entry)
+                    where = f"{table} ord {stored['ord']}"
+                    if stored["ord"] != index:
+                        faults.append(f"{where}: ord is not {index} (the rows of a tree are numbered from 0)")
+                    try:
+                        expected = derive(entry)
+                    except (KeyError, TypeError):
+                        continue  # the entry itself differs from the projection: reported as such
+                    if _stored_columns(stored, columns) != expected:
+                        faults.append(f"{where}: the columns ({columns}) do not say what its entry says")
+                    if positioned and stored["created_position"] != created:
+                        faults.append(f"{where}: created_position {stored['created_position']} is not its run's "
+                                      f"({created})")
+                return entries
+
+            if row is not None and run is not None:
+                try:
+                    derived: tuple[Any, ...] | None = _run_columns(run, run["version"], 0, 0)[:6]  # counts: below
+                except (KeyError, TypeError):
+                    derived = None  # the entry itself differs from the projection: reported as such
+                if derived is not None and _stored_columns(row, RUN_COLUMNS)[:6] != derived:
+                    faults.append(f"{RUNS}: the columns (start_id ... version) do not say what its entry says")
+            pending = bodies(PENDING, PENDING_COLUMNS, _pending_columns, positioned=True)
+            unknown = bodies(UNKNOWN, UNKNOWN_COLUMNS, _unknown_columns, positioned=True)
             rows = {
                 "tree_id": tree_id,
                 "version": run["version"] if run is not None else 0,
                 "run": run,
-                "rounds": bodies(ROUNDS),
-                "delegates": bodies(DELEGATES),
-                "pending": bodies(PENDING),
-                "unknown": bodies(UNKNOWN),
+                "rounds": bodies(ROUNDS, ROUND_COLUMNS, _round_columns),
+                "delegates": bodies(DELEGATES, DELEGATE_COLUMNS, _delegate_columns),
+                "pending": pending,
+                "unknown": unknown,
             }
-        return rows, counted
+            if row is not None and (row["unknown_count"], row["pending_count"]) != (len(unknown), len(pending)):
+                faults.append(f"{RUNS}: unknown_count {row['unknown_count']} and pending_count {row['pending_count']} "
+                              f"are not the tree's {len(unknown)} unknown and {len(pending)} pending rows")
+        return rows, counted, faults
 
     @on_a_live_connection
     def corrupt_trees(self) -> list[CorruptTree]:
