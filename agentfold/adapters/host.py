@@ -101,10 +101,14 @@ def answer_signal(
     different answer under the same id (``engine.signal.conflict``).
     """
     if programs is None:
-        program = tree.processes[process_id].program.name if process_id in tree.processes else "?"
+        process = tree.processes.get(process_id)
+        program = process.program.name if process is not None else "?"
+        wait = process.waits.get(wait_id) if process is not None else None
+        of_gate = wait is not None and wait.kind == "external" and wait.key == INPUT_WAIT_KEY
         raise NotFound(
             "engine.program.unavailable",
-            f"the Program of process {process_id} ({program}) is not bound here: its tool input waits cannot be read",
+            f"the Program of process {process_id} ({program}) is not bound here: its "
+            f"{'InputGate waits' if of_gate else 'tool input waits'} cannot be read",
             hint="answer from a process that binds the run's Programs (docs/python.md)",
         )
     process = tree.processes.get(process_id)

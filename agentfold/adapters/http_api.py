@@ -178,6 +178,8 @@ _HTTP_LISTINGS = {
     "`agentfold pending`": "GET /pending-inputs",
 }
 _SHOW = re.compile(r"`agentfold show ([^`\s]+)`")
+#: A hint that names both (the CLI's command and this API's request for the same run).
+_SHOW_AND_GET = re.compile(r"`agentfold show ([^`\s]+)`, GET /runs/\1\b")
 
 
 def http_hint(hint: str) -> str:
@@ -186,7 +188,7 @@ def http_hint(hint: str) -> str:
         if request in hint:  # it names both: "(`agentfold pending`, GET /pending-inputs)"
             hint = hint.replace(f"{command}, ", "").replace(f"{command} or ", "")
         hint = hint.replace(command, request)
-    return _SHOW.sub(r"GET /runs/\1", hint)
+    return _SHOW.sub(r"GET /runs/\1", _SHOW_AND_GET.sub(r"GET /runs/\1", hint))
 
 
 def problem_response(status: int, code: str, detail: str, hint: str = "", extra: Mapping[str, Any] | None = None,

@@ -253,6 +253,21 @@ def test_a_registered_program_starts_by_name_and_runs_to_completion(api: ApiServ
     assert entry["output"]["receipt_sent"] is True
 
 
+def test_results_of_a_kernel_run_are_refused_with_a_hint_naming_its_request_once(
+    api: ApiServer, tmp_path: Path,
+) -> None:
+    # The hint named the same request twice ("look at the run itself (GET /runs/T, GET /runs/T)"):
+    # the CLI's "`agentfold show T`, GET /runs/T" was translated without dropping the pair.
+    c = api.client()
+    data = ok(c.post("/runs", json={"program": "demo.payment",
+                                    "input": payment_input("bo", 10, tmp_path / "side-effects.jsonl"),
+                                    "start_id": sid("order"), "wait": 30}), 201)
+    tree_id = data["tree"]["tree_id"]
+    refused = problem(c.get(f"/runs/{tree_id}/results"), 404, "engine.program.unavailable")
+    assert refused["hint"].count(f"GET /runs/{tree_id}") == 1, refused["hint"]
+    assert "agentfold show" not in refused["hint"]
+
+
 def test_refused_starts_are_problems_and_append_nothing(api: ApiServer) -> None:
     c = api.client()
     before = ok(c.get("/health"))["positions"]["store"]

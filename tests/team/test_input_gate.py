@@ -271,3 +271,25 @@ def test_s36_a_gate_without_a_valid_answer_schema_is_refused(schema: Any) -> Non
     with pytest.raises(InvalidInput) as caught:
         compile_input_gate(InputGateConfig("test.gate", answer_schema=schema))
     assert caught.value.code == "coordination.definition.invalid"
+
+
+def test_an_answer_to_a_gate_from_a_process_without_its_program_says_it_is_an_input_gate(
+    durable_store_url: str,
+) -> None:
+    # The refusal said "its tool input waits cannot be read" of an InputGate (found by a docs walk).
+    from tests.test_cli import agentfold
+
+    gate = P.gate()
+    store = EventStore(durable_store_url)
+    try:
+        with open_runtime(store, gate) as runtime:
+            handle = runtime.start(gate, "request")
+            root = waiting_gate(runtime, handle)
+    finally:
+        store.close()
+    refused = agentfold("--json", "answer", str(root.process_id), str(root.current_wait), '"yes"',
+                        store=durable_store_url)  # the plain script: the gate's Program is not bound
+    assert refused.code == 2, refused.stderr
+    error = refused.error()
+    assert error["code"] == "engine.program.unavailable"
+    assert "InputGate waits cannot be read" in error["message"] and "tool input" not in error["message"]
