@@ -180,3 +180,36 @@ def test_a_step_whose_settlements_would_overfill_the_mailbox_fails_the_process(s
                     runtime.deliver_signals(root.process_id, [SignalRequest("host-1", {"x": 1})])
     finally:
         store.close()
+
+
+def test_a_wait_under_a_cancel_nobody_carried_out_is_not_listed_as_pending(durable_store_url: str, tmp_path: Path) -> None:
+    # `pending` (and GET /pending-inputs, the read models) listed the approval wait of a run whose
+    # cancel was recorded and not carried out yet (its owner gone), while `answer` on it was
+    # refused engine.process.finished "... is canceled" (found by the upgrade review).
+    from agentfold.adapters.sources import default_sources
+    from tests.test_cli import agentfold, ok
+    from tests.test_cli_interaction import approval, run_json, write
+
+    url = durable_store_url
+    started = run_json(url, write(tmp_path, approval(None)), "--start-id", "ending-wait")
+    waits = ok(agentfold("pending", "--json", store=url)).json()["pending"]
+    (wait,) = waits
+    store = EventStore(url)
+    try:
+        host = Runtime(store, default_sources().catalog(), adopt_on_admit=False)  # records, drives nothing
+        try:
+            assert host.cancel(started["root_process_id"], "user gave up")
+        finally:
+            host.close()
+    finally:
+        store.close()
+    assert ok(agentfold("pending", "--json", store=url)).json()["pending"] == []
+    ok(agentfold("project", store=url))
+    assert ok(agentfold("pending", "--json", store=url)).json()["pending"] == []  # from the read models too
+    refused = agentfold("--json", "answer", wait["process_id"], wait["wait_id"], '{"approved": true}', store=url)
+    assert refused.code != 0 and refused.error()["code"] == "engine.process.finished", refused.stderr
+    ok(agentfold("recover", store=url))  # carries the cancel out
+    shown = ok(agentfold("show", started["tree_id"], "--json", store=url)).json()
+    assert shown["processes"][0]["status"] == "canceled"
+    ok(agentfold("project", store=url))
+    assert ok(agentfold("audit", "verify", "--all", store=url)).code == 0

@@ -112,6 +112,15 @@ def answer_signal(
             hint="answer from a process that binds the run's Programs (docs/python.md)",
         )
     process = tree.processes.get(process_id)
+    ending = tree.ending(process) if process is not None and not process.terminal else None
+    if ending is not None:
+        # A cancel, kill or deadline recorded on it or an ancestor, not carried out yet: its
+        # waits are no longer listed, and the kernel would refuse the signal.
+        raise Rejected(
+            "engine.process.finished",
+            f"process {process_id} is terminating ({ending}): its wait {wait_id} takes no answer",
+            hint="nothing to answer: read the run to see how it ends",
+        )
     known = process.waits.get(wait_id) if process is not None else None
     if known is not None and known.kind == "external" and known.key == INPUT_WAIT_KEY:
         # An InputGate's wait (docs/team.md): its answer is the payload itself.

@@ -106,11 +106,16 @@ class PendingToolInput:
 
 
 def pending_tool_inputs(tree: TreeState) -> list[PendingToolInput]:
-    """Every current Tool input wait, in the tree's Process order (also while paused)."""
+    """Every current Tool input wait, in the tree's Process order (also while paused), except
+    the waits of a Process that is ending (``TreeState.ending``: a cancel, kill or deadline
+    recorded on it or an ancestor, which its owner has not carried out yet): such a wait takes
+    no answer (``engine.process.finished``)."""
     out = []
     for process in tree.processes.values():
         state = process.state
         if not process.has_state or not isinstance(state, ToolCallState) or process.terminal:
+            continue
+        if tree.ending(process) is not None:
             continue
         if process.current_wait is None or state.phase != "waiting_input" or state.wait_id != process.current_wait:
             continue
@@ -160,12 +165,13 @@ class GateInput:
 
 
 def gate_inputs(tree: TreeState) -> list[GateInput]:
-    """Every InputGate whose current wait is open, in the tree's Process order (also while paused).
+    """Every InputGate whose current wait is open, in the tree's Process order (also while paused),
+    except those of a Process that is ending (as ``pending_tool_inputs``).
 
     A gate is recognised by its wait (key ``coordination.input``), so no Program needs to be bound."""
     out = []
     for process in tree.processes.values():
-        if process.terminal or process.current_wait is None:
+        if process.terminal or process.current_wait is None or tree.ending(process) is not None:
             continue
         wait = process.waits.get(process.current_wait)
         if wait is None or wait.kind != "external" or wait.key != INPUT_WAIT_KEY or wait.closed or wait.answered_by is not None:
