@@ -362,6 +362,26 @@ def test_a_read_only_role_runs_the_read_commands_on_an_existing_store(readable_s
     assert agentfold_objects(readable_store) == before
 
 
+def test_a_writer_role_that_may_not_install_the_append_function_is_told_what_to_do(
+    readable_store: str, reader_role: str,
+) -> None:
+    # A database an earlier release created lacks this release's append function; a writing role
+    # without CREATE on the schema got only "permission denied for schema public" (upgrade review).
+    with psycopg.connect(readable_store, autocommit=True) as conn:
+        conn.execute("DROP FUNCTION agentfold_append_checked")  # as a database of an earlier release
+        role = reader_role.split("://", 1)[1].split("@", 1)[0]
+        conn.execute(f'GRANT INSERT, UPDATE ON ALL TABLES IN SCHEMA public TO "{role}"')
+    [pending] = ok(agentfold("pending", "--json", store=readable_store)).json()["pending"]
+    before = ok(agentfold("export", "trip", store=readable_store)).stdout
+    ran = agentfold("--json", "answer", pending["process_id"], pending["wait_id"], '{"approved": true}',
+                    store=reader_role)
+    assert ran.code == 1, ran.stderr
+    error = ran.error()
+    assert error["code"] == "store.append_failed", error
+    assert "agentfold_append_checked" in error["message"] and "CREATE" in error["message"], error
+    assert ok(agentfold("export", "trip", store=readable_store)).stdout == before  # nothing written
+
+
 # ---------------------------------------------------------------------------
 # 5. `project --follow` keeps going when its sessions are terminated
 

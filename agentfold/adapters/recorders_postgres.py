@@ -441,7 +441,15 @@ class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQuerie
             if APPEND_FUNCTION in str(exc) and "does not exist" in str(exc) and not _installing:
                 # A database an earlier release created, opened without create_table: install
                 # this release's append function once (CREATE OR REPLACE: concurrent opens agree).
-                self._install_append_function()
+                try:
+                    self._install_append_function()
+                except PersistenceError as failure:
+                    raise type(failure)(
+                        f"{failure}: this release appends with the function {self._schema}.{APPEND_FUNCTION}, "
+                        "which a database an earlier release created does not have yet, and this role may not "
+                        "create it (docs/events.md, upgrading): run one writing command as a role that may "
+                        "create functions in the schema (its owner), or grant this role CREATE on it"
+                    ) from failure
                 return self.insert_events(stored_events, _installing=True, **kwargs)
             if head is None or head.expect is None or INDEX_MISMATCH_MARK not in str(exc):
                 raise
