@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ipaddress
 import json
 import math
@@ -13,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -93,6 +94,13 @@ def _server(config: Any, stop: threading.Event, stopping: list[int], on_stop: Ca
     import uvicorn
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                if stop.is_set():  # a signal after cmd_serve last looked, before uvicorn's handlers
+                    self.should_exit = True
+                yield
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             stopping.append(sig)
@@ -140,7 +148,10 @@ def _off_main_thread(call: Callable[[], T]) -> T:
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             outcome.append((False, exc))
 
-    worker = threading.Thread(target=run, name="agentfold-serve-startup", daemon=True)
+    # Not a daemon: the threads it starts (the runtime's pools) inherit that, and are as they
+    # were when started from the main thread. Nothing waits for it at exit: it is joined here,
+    # or the StopGuard's overrun ends the process.
+    worker = threading.Thread(target=run, name="agentfold-serve-startup", daemon=False)
     worker.start()
     while worker.is_alive():
         worker.join(0.05)
@@ -148,6 +159,22 @@ def _off_main_thread(call: Callable[[], T]) -> T:
     if not ok:
         raise value
     return cast(T, value)
+
+
+class _StoppedWhileStarting(Exception):
+    """A store call of the startup failed after SIGTERM/SIGINT (the store did not answer, or the
+    StopGuard interrupted it): the server stops as the signal asked, with its final report and
+    exit status 0, not with the store's error."""
+
+
+@contextlib.contextmanager
+def _stopped_while_starting() -> Iterator[None]:
+    """Ends ``serve``'s startup quietly on ``_StoppedWhileStarting``: one stderr line, then the
+    final report of a server that stopped before it listened."""
+    try:
+        yield
+    except _StoppedWhileStarting as exc:
+        _say(f"stopped before listening; meanwhile the store failed: {exc}")
 
 
 def _undurable(store: Any) -> str | None:
@@ -189,7 +216,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
 
     from agentfold.adapters.cli import CALLS_GRACE, Outcome
     from agentfold.adapters.eventstore import redact
-    from agentfold.adapters.follower import STOP_GRACE, StopGuard
+    from agentfold.adapters.follower import STOP_GRACE, StopGuard, one_line
     from agentfold.adapters.http_api import TOKEN_ENV, ApiService, create_app, request_read_deadlines
     from agentfold.adapters.scenario import side_effect_confinement
 
@@ -264,27 +291,36 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
         overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, opened),
         needed=lambda: not stores or not stores[0].answers(),
     )
+    def starting(call: Callable[[], T]) -> T:
+        """A store call before the server listens: off the main thread (``_off_main_thread``),
+        so a signal is noted at once even while the store does not answer; its failure after
+        the signal is the stop the signal asked for."""
+        try:
+            return _off_main_thread(call)
+        except Exception as exc:
+            if stop.is_set():
+                raise _StoppedWhileStarting(one_line(exc)) from exc
+            raise
+
     # Every side-effect log this process appends to (any run it drives: started over HTTP,
     # by a CLI command and adopted, imported) is confined to --side-effect-dir, checked at
     # each write (none at all without it): docs/scenarios.md.
-    with guard, side_effect_confinement(side_effect_dir):
+    with guard, side_effect_confinement(side_effect_dir), _stopped_while_starting():
         try:
-            # Until it listens, the store calls run off the main thread (_off_main_thread): a
-            # signal is noted at once even while the store does not answer.
-            store = _off_main_thread(lambda: ctx.open_store(create=True))
+            store = starting(lambda: ctx.open_store(create=True))
             stores.append(store)
             try:
-                undurable = _off_main_thread(lambda: _undurable(store))
+                undurable = starting(lambda: _undurable(store))
                 if undurable is not None:
                     _say(f"warning: {undurable}")
-                service = _off_main_thread(lambda: ApiService.open(
+                service = starting(lambda: ApiService.open(
                     store, ctx.sources, token, follow=not args.no_follow, adopt_every=adopt_every,
                     side_effect_dir=side_effect_dir, dispatch_workers=workers))
                 opened.append(service)
                 if stop.is_set():
                     service.stop()  # a signal while the store was opened
                 try:
-                    recovered = _off_main_thread(service.recover) if args.recover and not stop.is_set() else []
+                    recovered = starting(service.recover) if args.recover and not stop.is_set() else []
                     host, port = sock.getsockname()[:2]
                     shown = f"[{host}]" if ":" in host else host
                     url = f"http://{shown}:{port}"

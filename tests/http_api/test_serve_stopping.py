@@ -225,3 +225,49 @@ def test_a_signal_while_the_store_does_not_answer_at_startup_ends_serve_within_t
     (last,) = out.splitlines()  # it never listened: only the final report
     assert json.loads(last) == {"stopped": True, "signal": 15, "abandoned_dispatches": 0}
     assert "still not stopped 15 s after the signal" in err, err
+
+
+def test_a_store_failure_at_startup_after_the_signal_is_the_stop_not_an_error(tmp_path: Path) -> None:
+    # A PostgreSQL server that accepts connections and never answers: the opening waits for its
+    # connection timeout. Signalled meanwhile, the server stopped with exit 1 and the store's
+    # error (store.unavailable) once the opening failed, instead of its final report and 0.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+    try:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "agentfold.adapters.cli", "serve", "--store",
+             f"postgresql://postgres@127.0.0.1:{port}/x", "--port", "0", "--json"],
+            cwd=ROOT, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            time.sleep(2)  # opening the store: connecting to a server that does not answer
+            assert server.poll() is None, server.communicate()
+            signalled = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            out, err = server.communicate(timeout=60)
+            took = time.monotonic() - signalled
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(10)
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()
+    assert server.returncode == 0, err
+    assert took < 22, (took, err)
+    (last,) = out.splitlines()
+    assert json.loads(last) == {"stopped": True, "signal": 15, "abandoned_dispatches": 0}
+    assert "stopped before listening; meanwhile the store failed: store.unavailable" in err, err
