@@ -465,7 +465,9 @@ def verify_tree(
     counted: tuple[int, int] | None = None
     faults: list[str] = []
     if read_models is not None:
-        rows, counted, faults = read_models.tree_rows_counted(str(tree_id))  # as of one moment
+        first = store.tree_notifications(tree_id, 1, 1)  # where the run row must say the tree was created
+        rows, counted, faults = read_models.tree_rows_counted(  # as of one moment
+            str(tree_id), first[0].id if first and first[0].originator_version == 1 else None)
         check.read_model = "not_projected" if rows["run"] is None else "pending"
     snapshot = _latest_snapshot(store, tree_id) if check_snapshot else None
     head, stored = consistent_read(store, tree_id)
@@ -553,8 +555,11 @@ def verify_tree(
 def verify(
     store: EventStore, tree_ids: Sequence[TreeID | str], sources: ProgramSources,
     progress: Callable[[int, int], None] | None = None, on_check: Callable[[TreeCheck], None] | None = None,
+    *, whole_store: bool = False,
 ) -> VerifyReport:
     """Verify each tree; the first problem of the first failing tree is the report's first error.
+    ``whole_store`` (``tree_ids`` are ``all_trees``): rows of the read models that name no tree of
+    the store are failing entries too.
 
     ``progress(trees, events)`` is called after each tree with the trees and events verified so far.
     With ``on_check``, each tree's check goes to it as soon as it is made, and the report holds none."""
@@ -581,6 +586,20 @@ def verify(
             on_check(check)
         if progress is not None:
             progress(report.trees, report.events)
+    if whole_store and read_models is not None:
+        # Rows of a tree the store does not have (written by hand, or left by a deleted history):
+        # the listings would show them, a delegate attribution twice. Each is a failing entry.
+        known = {str(t) for t in tree_ids}
+        for orphan in sorted(read_models.tree_ids_with_rows() - known):
+            check = TreeCheck(orphan, read_model="mismatch", problems=[
+                Finding(orphan, 1, "read_model.mismatch",
+                        f"the read models hold rows of tree {orphan!r}, which the store does not have (no event, "
+                        "no index row): `agentfold project --rebuild` rebuilds the tables from the store")])
+            report.add(check)
+            if on_check is None:
+                report.checks.append(check)
+            else:
+                on_check(check)
     report.seconds = time.perf_counter() - started
     return report
 

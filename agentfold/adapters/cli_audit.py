@@ -68,7 +68,8 @@ def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
-        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)), on_check=keep)
+        report = audit.verify(store, tree_ids, ctx.sources, progress=_ProgressLine(len(tree_ids)), on_check=keep,
+                              whole_store=bool(args.all))
     except BaseException:
         spool.close()
         raise

@@ -535,7 +535,9 @@ class ReadModels:
         return self.tree_rows_counted(tree_id)[0]
 
     @on_a_live_connection
-    def tree_rows_counted(self, tree_id: str) -> tuple[dict[str, Any], tuple[int, int] | None, list[str]]:
+    def tree_rows_counted(
+        self, tree_id: str, created: int | None = None,
+    ) -> tuple[dict[str, Any], tuple[int, int] | None, list[str]]:
         """``tree_rows``, ``counter`` and the faults of the rows' other columns, read in one
         transaction that sees one moment: a follower writes a tree's rows in one transaction,
         and rows read in several (a run row at version 200, rounds a commit later) are no state
@@ -545,9 +547,11 @@ class ReadModels:
 
         A fault: a column the queries filter, order or count on that does not say what the
         row's entry says (``_run_columns`` and the others: the writer's own functions), an
-        ``ord`` out of sequence, a pending or unknown row whose ``created_position`` is not its
-        run's (listings page by it). The entries alone would not show such damage, and the
-        queries would answer wrongly (a delegate attribution lost, a wait listed twice)."""
+        ``ord`` out of sequence, a run row whose ``created_position`` is not ``created`` (the
+        log position of the tree's first event, when the caller read it), a pending or unknown
+        row whose ``created_position`` is not its run's (listings page by it). The entries alone
+        would not show such damage, and the queries would answer wrongly (a delegate attribution
+        lost, a wait listed twice, runs listed out of order)."""
         faults: list[str] = []
         with self.datastore.transaction(commit=False) as c:
             if self.backend == "postgresql":
@@ -556,7 +560,11 @@ class ReadModels:
             row = c.fetchone()
             run = orjson.loads(row["body"]) if row is not None else None
             counted = None if row is None else (int(row["version"]), int(row["events_projected"]))
-            created = None if row is None else row["created_position"]
+            if row is not None and created is not None and row["created_position"] != created:
+                faults.append(f"{RUNS}: created_position {row['created_position']} is not the log position of the "
+                              f"tree's first event ({created})")
+            if created is None and row is not None:
+                created = row["created_position"]
 
             def bodies(table: str, columns: str, derive: Callable[[Entry], tuple[Any, ...]], *,
                        positioned: bool = False) -> list[Entry]:
@@ -576,7 +584,7 @@ class ReadModels:
                         faults.append(f"{where}: the columns ({columns}) do not say what its entry says")
                     if positioned and stored["created_position"] != created:
                         faults.append(f"{where}: created_position {stored['created_position']} is not its run's "
-                                      f"({created})")
+                                      f"({created}, the log position of the tree's first event)")
                 return entries
 
             if row is not None and run is not None:
@@ -601,6 +609,15 @@ class ReadModels:
                 faults.append(f"{RUNS}: unknown_count {row['unknown_count']} and pending_count {row['pending_count']} "
                               f"are not the tree's {len(unknown)} unknown and {len(pending)} pending rows")
         return rows, counted, faults
+
+    @on_a_live_connection
+    def tree_ids_with_rows(self) -> set[str]:
+        """Every tree id any read-model table holds a row of (``audit verify --all`` looks for rows
+        of trees the store does not have)."""
+        tables = [RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN] + ([CORRUPT] if self._corrupt_table_exists() else [])
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(self._sql(" UNION ".join(f"SELECT DISTINCT tree_id FROM {table}" for table in tables)))
+            return {str(r["tree_id"]) for r in c.fetchall()}
 
     @on_a_live_connection
     def corrupt_trees(self) -> list[CorruptTree]:

@@ -51,6 +51,7 @@ DAMAGE = {
     "a run's pending_count": ("agentfold_rm_runs", "pending_count", "pending_count + 1"),
     "a run's status": ("agentfold_rm_runs", "status", "'completed'"),
     "a row's ord": ("agentfold_rm_delegates", "ord", "ord + 5"),
+    "a run's created_position": ("agentfold_rm_runs", "created_position", "created_position + 100000"),
 }
 
 
@@ -76,3 +77,34 @@ def test_a_damaged_read_model_column_is_a_mismatch(durable_store_url: str, tmp_p
     (result,) = verified.json()["results"]
     problems = [p for p in result["problems"] if p["rule"] == "read_model.mismatch"]
     assert problems and any(table in p["detail"] for p in problems), result
+
+
+@pytest.mark.parametrize("table", ["agentfold_rm_runs", "agentfold_rm_delegates"])
+def test_rows_of_a_tree_the_store_does_not_have_are_a_failing_entry_of_verify_all(
+    durable_store_url: str, tmp_path: Path, table: str,
+) -> None:
+    # A copy of a tree's rows under a tree id the store does not have: `agentfold delegates`
+    # listed each attribution twice (the runs listing the run twice), and verify --all, which
+    # reads the trees of the store, never looked at them.
+    url = durable_store_url
+    scenario = tmp_path / "parent.json"
+    scenario.write_text(json.dumps(PARENT))
+    assert agentfold("--json", "run", str(scenario), "--start-id", "cols-2", store=url).code == 0
+    ok(agentfold("project", store=url))
+    tree_id = TreeID.for_start(StartID("cols-2"))
+    orphan = str(TreeID.for_start(StartID("never-started")))
+    sql = Sql(url)
+    columns = [row[0] for row in sql._run(
+        "SELECT name FROM pragma_table_info(?)" if url.startswith("sqlite") else
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position",
+        (table,))]
+    others = ", ".join(c for c in columns if c != "tree_id")
+    sql._run(f"INSERT INTO {table} (tree_id, {others}) SELECT ?, {others} FROM {table} WHERE tree_id = ?",
+             (orphan, str(tree_id)))
+    assert ok(agentfold("--json", "audit", "verify", str(tree_id), store=url)).json()["ok"] is True  # that tree is fine
+    verified = agentfold("--json", "audit", "verify", "--all", store=url)
+    assert verified.code == 1, verified.stdout
+    results = {r["tree"]: r for r in verified.json()["results"]}
+    assert results[str(tree_id)]["ok"] is True
+    (problem,) = results[orphan]["problems"]
+    assert problem["rule"] == "read_model.mismatch" and "does not have" in problem["detail"], problem
