@@ -282,15 +282,17 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
 
     # From the signal to the store closed: during an outage, store calls (opening the store,
     # --recover's adoptions, requests, owner lines, the follower) would wait minutes; once the
-    # store has not answered for STOP_GRACE s (or is still being opened) they are interrupted,
+    # store has not answered for STOP_GRACE s they are interrupted (a store still being opened is not),
     # and SERVE_STOP_LIMIT s after the signal the process exits in any case. A store that
     # answers is left alone, so requests keep their REQUEST_GRACE s and owner lines finish
     # their appends.
     guard = StopGuard(
         stop, interrupt, grace=STOP_GRACE, limit=SERVE_STOP_LIMIT, say=_say,
         overrun=_exit_at_once(bool(getattr(args, "json", False)), stopping, opened),
-        needed=lambda: not stores or not stores[0].answers(),
+        # Only once there is a store to interrupt: an opening that hangs is bounded by the limit.
+        needed=lambda: bool(stores) and not stores[0].answers(),
     )
+
     def starting(call: Callable[[], T]) -> T:
         """A store call before the server listens: off the main thread (``_off_main_thread``),
         so a signal is noted at once even while the store does not answer; its failure after

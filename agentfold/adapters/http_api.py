@@ -179,7 +179,7 @@ _HTTP_LISTINGS = {
 }
 _SHOW = re.compile(r"`agentfold show ([^`\s]+)`")
 #: A hint that names both (the CLI's command and this API's request for the same run).
-_SHOW_AND_GET = re.compile(r"`agentfold show ([^`\s]+)`, GET /runs/\1\b")
+_SHOW_AND_GET = re.compile(r"`agentfold show ([^`\s]+)`, GET /runs/\1(?=[);,]|\s|$)")
 
 
 def http_hint(hint: str) -> str:
