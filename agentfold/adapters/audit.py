@@ -571,6 +571,14 @@ def verify(
         read_models = ReadModels(store, create=False)
         current = read_models.is_current()
     report = VerifyReport()
+
+    def emit(check: TreeCheck) -> None:
+        report.add(check)
+        if on_check is None:
+            report.checks.append(check)
+        else:
+            on_check(check)
+
     for tree_id in tree_ids:
         if isinstance(tree_id, TreeID):
             check = verify_tree(store, tree_id, catalog, read_models, models_current=current)[0]
@@ -579,11 +587,7 @@ def verify(
                 Finding(tree_id, 1, "index.row_mismatch",
                         f"the tree index holds a row whose tree id {tree_id!r} is not a tree id: it was written by "
                         "hand; no tree's history is read under it")])
-        report.add(check)
-        if on_check is None:
-            report.checks.append(check)
-        else:
-            on_check(check)
+        emit(check)
         if progress is not None:
             progress(report.trees, report.events)
     if whole_store and read_models is not None:
@@ -591,15 +595,10 @@ def verify(
         # the listings would show them, a delegate attribution twice. Each is a failing entry.
         known = {str(t) for t in tree_ids}
         for orphan in sorted(read_models.tree_ids_with_rows() - known):
-            check = TreeCheck(orphan, read_model="mismatch", problems=[
+            emit(TreeCheck(orphan, read_model="mismatch", problems=[
                 Finding(orphan, 1, "read_model.mismatch",
                         f"the read models hold rows of tree {orphan!r}, which the store does not have (no event, "
-                        "no index row): `agentfold project --rebuild` rebuilds the tables from the store")])
-            report.add(check)
-            if on_check is None:
-                report.checks.append(check)
-            else:
-                on_check(check)
+                        "no index row): `agentfold project --rebuild` rebuilds the tables from the store")]))
     report.seconds = time.perf_counter() - started
     return report
 
