@@ -10,10 +10,22 @@ import pytest
 
 from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.adapters.feed import store_envelopes
+from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, record_chain
 from tests.test_cli import agentfold
 
 LAST = 15  # record_chain's three effects: 15 events
+
+
+def two_trees_one_damaged(url: str, column: str) -> tuple[TreeID, TreeID, str]:
+    """Two recorded chains; the last event of the first edited to a NULL ``column``: the damaged
+    tree, the intact one, and the rule that names the damage."""
+    bad = record_chain(url, start_id="null-bad")
+    good = record_chain(url, start_id="null-good")
+    sql = Sql(url)
+    sql._run(f"UPDATE agentfold_events SET {column} = NULL WHERE originator_id = ? AND originator_version = ?",
+             (sql._id(bad), LAST))
+    return bad, good, "stream.event_type" if column == "topic" else "integrity.format"
 
 
 @pytest.mark.parametrize("column", ["topic", "state"])
@@ -21,12 +33,7 @@ def test_a_null_column_in_an_event_is_a_corrupt_tree_the_other_trees_unaffected(
     durable_store_url: str, column: str
 ) -> None:
     url = durable_store_url
-    bad = record_chain(url, start_id="null-bad")
-    good = record_chain(url, start_id="null-good")
-    sql = Sql(url)
-    sql._run(f"UPDATE agentfold_events SET {column} = NULL WHERE originator_id = ? AND originator_version = ?",
-             (sql._id(bad), LAST))
-    rule = "stream.event_type" if column == "topic" else "integrity.format"
+    bad, good, rule = two_trees_one_damaged(url, column)
     store = EventStore(url)
     try:
         with pytest.raises(CorruptStream) as corrupt:
@@ -72,12 +79,7 @@ def test_a_null_column_is_named_by_the_readers_of_the_notification_log(durable_s
     # stuck for every tree), and store_envelopes raised a bare TypeError; a NULL topic made
     # store_envelopes raise a bare AttributeError on both backends.
     url = durable_store_url
-    bad = record_chain(url, start_id="null-bad")
-    good = record_chain(url, start_id="null-good")
-    sql = Sql(url)
-    sql._run(f"UPDATE agentfold_events SET {column} = NULL WHERE originator_id = ? AND originator_version = ?",
-             (sql._id(bad), LAST))
-    rule = "stream.event_type" if column == "topic" else "integrity.format"
+    bad, good, rule = two_trees_one_damaged(url, column)
     projected = agentfold("project", "--json", store=url)
     assert projected.code == 1, projected.stderr
     (corrupt,) = projected.json()["corrupt_trees"]
