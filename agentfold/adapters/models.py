@@ -132,12 +132,23 @@ def portable_finish_reason(reason: Any) -> str:
 
 
 def from_openai_response(body: Any) -> dict[str, Any]:
-    """Map an OpenAI chat-completions response to agentfold's response shape."""
+    """Map an OpenAI chat-completions response to agentfold's response shape (``ModelError``
+    for a body that is not one: a member of the wrong type too)."""
     try:
         choice = body["choices"][0]
         message = choice["message"]
+        if not isinstance(message, dict):
+            raise TypeError(f"choices[0].message is {type(message).__name__}")
     except (KeyError, IndexError, TypeError) as exc:
         raise ModelError(f"the response has no choices[0].message: {str(body)[:200]}") from exc
+    try:
+        return _mapped(body, choice, message)
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+        raise ModelError(f"the response is not a chat completion the client can read ({exc}): "
+                         f"{str(body)[:200]}") from exc
+
+
+def _mapped(body: Any, choice: Any, message: dict[str, Any]) -> dict[str, Any]:
     result_message: dict[str, Any] = {"role": "assistant"}
     if message.get("content"):
         result_message["content"] = [{"type": "text", "text": message["content"]}]
@@ -148,6 +159,8 @@ def from_openai_response(body: Any) -> dict[str, Any]:
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
+        if not isinstance(fn, dict):
+            raise TypeError(f"a tool call's function is {type(fn).__name__}")
         calls.append({"id": call.get("id", ""), "name": fn.get("name", ""), "arguments": fn.get("arguments") or ""})
     if calls:
         result_message["tool_calls"] = calls
@@ -166,8 +179,9 @@ class OpenAIChatModel:
     """A client of an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint.
 
     Tools are sent as function definitions with ``tool_choice`` ``"auto"`` when the
-    bound ToolSet or Delegates offer any. Transport errors, HTTP errors and malformed
-    bodies raise :class:`ModelError` (the effect becomes unknown).
+    bound ToolSet or Delegates offer any. Transport errors, HTTP errors (a redirect too:
+    never followed), an answer not complete within ``timeout`` and malformed bodies raise
+    :class:`ModelError` (the effect becomes unknown).
     """
 
     def __init__(
@@ -175,7 +189,8 @@ class OpenAIChatModel:
         max_retries: int = 0, retry_wait: float = 1.0,
     ) -> None:
         """``max_retries``: how many more times one model call is sent when no completion came
-        back: the connection was refused, reset or timed out, or the server answered 408, 409,
+        back: the connection was refused, reset or timed out, the answer was cut off before its
+        end (or is not HTTP), or the server answered 408, 409,
         429, 500, 502, 503 or 504 (0, the default: never; the call's outcome is then unknown at
         once). A name that does not resolve or a certificate that does not verify is not
         retried. Waits ``retry_wait`` seconds, doubled after each attempt, at most
@@ -195,6 +210,7 @@ class OpenAIChatModel:
         self.max_retries = max_retries
         self.retry_wait = retry_wait
         self.sleep: Callable[[float, CancelFlag | None], object] = _pause  # replaceable in tests that count waits
+        self._opener: Any = None  # urllib's, without redirects (built at the first call)
 
     def payload(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": to_openai_messages(request.messages)}
@@ -215,9 +231,12 @@ class OpenAIChatModel:
     def call(self, request: ModelRequest) -> dict[str, Any]:
         # Imported here: urllib.request brings http.client, ssl and email (~20 ms), which every
         # command line would pay for a model it never calls.
+        import http.client
         import urllib.error
         import urllib.request
 
+        if self._opener is None:
+            self._opener = _no_redirect_opener()
         data = json.dumps(self.payload(request)).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -225,22 +244,41 @@ class OpenAIChatModel:
         wait = self.retry_wait
         for attempt in range(1, self.max_retries + 2):
             retry_after: float | None = None
-            http = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
+            sent = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
+            deadline = time.monotonic() + self.timeout  # the whole answer, not each read
             try:
-                with urllib.request.urlopen(http, timeout=self.timeout) as response:
-                    body = json.loads(response.read())
+                with self._opener.open(sent, timeout=self.timeout) as response:
+                    body = json.loads(_read_within(response, deadline, self.timeout))
                 return from_openai_response(body)
             except urllib.error.HTTPError as exc:
-                failure = ModelError(f"HTTP {exc.code} from the model server: {exc.read()[:300]!r}")
+                if 300 <= exc.code < 400:
+                    # Never followed: urllib would send the key to the new host and turn the POST
+                    # into a GET whose answer is no completion of this request.
+                    raise ModelError(
+                        f"HTTP {exc.code} from the model server: a redirect (to "
+                        f"{str(exc.headers.get('Location', '?') if exc.headers else '?')[:200]}) is not followed; "
+                        "set base_url to where the server answers"
+                    ) from exc
+                failure = ModelError(f"HTTP {exc.code} from the model server: {exc.read(300)[:300]!r}")
                 if exc.code not in RETRY_STATUSES:
                     raise failure from exc
                 retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
                 cause: Exception = exc
             except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                failure, cause = ModelError(f"the model server is unreachable: {exc}"), exc
                 reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-                if not isinstance(reason, (ConnectionError, TimeoutError)):  # DNS, TLS, a bad URL: it would fail again
-                    raise failure from exc
+                if isinstance(reason, ConnectionRefusedError):
+                    failure = ModelError(f"the model server is unreachable: {reason}")
+                elif isinstance(reason, TimeoutError):
+                    failure = ModelError(f"no complete answer from the model server within {self.timeout:g} s "
+                                         "(it may have received the request)")
+                elif isinstance(reason, ConnectionError):
+                    failure = ModelError(f"the connection to the model server failed (it may have received the "
+                                         f"request): {reason}")
+                else:  # DNS, TLS, a bad URL: it would fail again
+                    raise ModelError(f"the model server is unreachable: {exc}") from exc
+                cause = exc
+            except http.client.HTTPException as exc:  # an answer cut off, or not HTTP
+                failure, cause = ModelError(f"the model server's answer was cut off or is not HTTP: {exc!r}"), exc
             except json.JSONDecodeError as exc:
                 raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
             if attempt > self.max_retries:
@@ -259,6 +297,47 @@ class OpenAIChatModel:
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 #: The longest wait between two attempts of one model call (seconds).
 MAX_RETRY_WAIT = 30.0
+
+
+#: The largest answer body read (its completion is bounded far below by the payload limits).
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+def _read_within(response: Any, deadline: float, timeout: float) -> bytes:
+    """The whole body, by ``deadline`` (a server that sends it slowly, a byte at a time, would
+    otherwise hold the call for as long as each read gets something within ``timeout``)."""
+    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within {timeout:g} s")
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
+        if not chunk:
+            missing = getattr(response, "length", None)
+            if missing:  # closed before the Content-Length it announced: cut off, as a reset is
+                import http.client
+
+                raise http.client.IncompleteRead(b"".join(chunks), missing)
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise ModelError(f"the model server's answer is larger than {MAX_RESPONSE_BYTES} bytes")
+        chunks.append(chunk)
+
+
+def _no_redirect_opener() -> Any:
+    """urllib's opener, refusing every redirect (the 3xx is then an ``HTTPError``)."""
+    import urllib.request
+
+    class NoRedirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+            return None
+
+    return urllib.request.build_opener(NoRedirects)
 
 
 def _pause(seconds: float, cancelled: CancelFlag | None) -> None:
