@@ -195,7 +195,8 @@ class OpenAIChatModel:
         once). A name that does not resolve or a certificate that does not verify is not
         retried. Waits ``retry_wait`` seconds, doubled after each attempt, at most
         ``MAX_RETRY_WAIT``; a ``Retry-After`` in seconds is honoured up to that bound; a run
-        canceled (or an owner stopping) meanwhile ends the waiting. Only the response that
+        canceled (or its owner closing: ``Runtime.close``, not ``drain``, which lets the call
+        finish) meanwhile ends the waiting. Only the response that
         comes back is recorded: a model call has no effect outside the response it returns, so
         sending it again cannot do anything twice (unlike a tool call, never retried); a
         completion lost on its way back (a reset while reading it) is paid for twice."""
