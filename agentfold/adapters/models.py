@@ -9,6 +9,7 @@ the call is unknown: the runtime records it and a host must settle it.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -246,42 +247,52 @@ class OpenAIChatModel:
         for attempt in range(1, self.max_retries + 2):
             retry_after: float | None = None
             sent = urllib.request.Request(f"{self.base_url}/chat/completions", data=data, headers=headers, method="POST")
-            deadline = time.monotonic() + self.timeout  # the whole answer, not each read
+            # ``timeout`` bounds the whole answer (status line, headers, every chunk and trailer),
+            # not each receive: at the deadline the watch shuts the connection down.
+            watch = _Watch(sent, self.timeout)
             try:
-                with self._opener.open(sent, timeout=self.timeout) as response:
-                    body = json.loads(_read_within(response, deadline, self.timeout))
-                return from_openai_response(body)
-            except urllib.error.HTTPError as exc:
-                if 300 <= exc.code < 400:
-                    # Never followed: urllib would send the key to the new host and turn the POST
-                    # into a GET whose answer is no completion of this request.
-                    raise ModelError(
-                        f"HTTP {exc.code} from the model server: a redirect (to "
-                        f"{str(exc.headers.get('Location', '?') if exc.headers else '?')[:200]}) is not followed; "
-                        "set base_url to where the server answers"
-                    ) from exc
-                failure = ModelError(f"HTTP {exc.code} from the model server: {exc.read(300)[:300]!r}")
-                if exc.code not in RETRY_STATUSES:
-                    raise failure from exc
-                retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
-                cause: Exception = exc
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-                if isinstance(reason, ConnectionRefusedError):
-                    failure = ModelError(f"the model server is unreachable: {reason}")
-                elif isinstance(reason, TimeoutError):
-                    failure = ModelError(f"no complete answer from the model server within {self.timeout:g} s "
-                                         "(it may have received the request)")
-                elif isinstance(reason, ConnectionError):
-                    failure = ModelError(f"the connection to the model server failed (it may have received the "
-                                         f"request): {reason}")
-                else:  # DNS, TLS, a bad URL: it would fail again
-                    raise ModelError(f"the model server is unreachable: {exc}") from exc
-                cause = exc
-            except http.client.HTTPException as exc:  # an answer cut off, or not HTTP
-                failure, cause = ModelError(f"the model server's answer was cut off or is not HTTP: {exc!r}"), exc
-            except json.JSONDecodeError as exc:
-                raise ModelError(f"the model server returned invalid JSON: {exc}") from exc
+                try:
+                    with self._opener.open(sent, timeout=self.timeout) as response:
+                        raw = _read_whole(response)
+                    if watch.expired:
+                        raise TimeoutError("the deadline passed")
+                except urllib.error.HTTPError as exc:
+                    if 300 <= exc.code < 400:
+                        # Never followed: urllib would send the key to the new host and turn the POST
+                        # into a GET whose answer is no completion of this request.
+                        raise ModelError(
+                            f"HTTP {exc.code} from the model server: a redirect (to "
+                            f"{str(exc.headers.get('Location', '?') if exc.headers else '?')[:200]}) is not "
+                            "followed; set base_url to where the server answers"
+                        ) from exc
+                    failure = ModelError(f"HTTP {exc.code} from the model server: {_error_body(exc)!r}")
+                    if exc.code not in RETRY_STATUSES:
+                        raise failure from exc
+                    retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+                    cause: Exception = exc
+                except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+                    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+                    if watch.expired or isinstance(reason, TimeoutError):
+                        failure = ModelError(f"no complete answer from the model server within {self.timeout:g} s "
+                                             "(it may have received the request)")
+                    elif isinstance(reason, ConnectionRefusedError):
+                        failure = ModelError(f"the model server is unreachable: {reason}")
+                    elif isinstance(reason, http.client.HTTPException):  # cut off, or not HTTP
+                        failure = ModelError(f"the model server's answer was cut off or is not HTTP: {reason!r}")
+                    elif isinstance(reason, (ConnectionError, ssl_eof_errors())):
+                        failure = ModelError(f"the connection to the model server failed (it may have received "
+                                             f"the request): {reason}")
+                    else:  # DNS, TLS, a bad URL: it would fail again
+                        raise ModelError(f"the model server is unreachable: {exc}") from exc
+                    cause = exc
+                else:
+                    try:
+                        body = json.loads(raw)
+                    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested beyond the parser
+                        raise ModelError(f"the model server returned invalid JSON: {str(exc)[:200]}") from exc
+                    return from_openai_response(body)
+            finally:
+                watch.cancel()
             if attempt > self.max_retries:
                 if attempt > 1:
                     failure = ModelError(f"{failure} (after {attempt} attempts)")
@@ -304,22 +315,16 @@ MAX_RETRY_WAIT = 30.0
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
-def _read_within(response: Any, deadline: float, timeout: float) -> bytes:
-    """The whole body, by ``deadline`` (a server that sends it slowly, a byte at a time, would
-    otherwise hold the call for as long as each read gets something within ``timeout``)."""
-    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+def _read_whole(response: Any) -> bytes:
+    """The whole body, at most ``MAX_RESPONSE_BYTES``; ``IncompleteRead`` when the server closed
+    before the Content-Length it announced (cut off, as a reset is)."""
     chunks: list[bytes] = []
     size = 0
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no complete answer within {timeout:g} s")
-        if sock is not None:
-            sock.settimeout(left)
         chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
         if not chunk:
             missing = getattr(response, "length", None)
-            if missing:  # closed before the Content-Length it announced: cut off, as a reset is
+            if missing:
                 import http.client
 
                 raise http.client.IncompleteRead(b"".join(chunks), missing)
@@ -330,15 +335,94 @@ def _read_within(response: Any, deadline: float, timeout: float) -> bytes:
         chunks.append(chunk)
 
 
+def _error_body(exc: Any) -> bytes:
+    """The first bytes of an HTTP error's body, for the diagnostic (nothing when it cannot be read)."""
+    try:
+        return bytes(exc.read(300))[:300]
+    except Exception:  # noqa: BLE001 - the status is the error; its body only illustrates it
+        return b""
+
+
+def ssl_eof_errors() -> tuple[type[BaseException], ...]:
+    """A TLS connection shut down under a read (the watch's deadline, the server going away)."""
+    import ssl
+
+    return (ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+
+class _Watch:
+    """Shuts the connection of one request down once ``timeout`` seconds have passed since it
+    was made, so that no receive (of the status line, a header, a chunk size, a trailer)
+    waits past it; ``expired`` says it did. The connection registers itself on the request
+    (``_TrackedConnection``) once it is made: one made after the deadline is shut at once."""
+
+    def __init__(self, request: Any, timeout: float) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._socket: Any = None
+        request.agentfold_watch = self
+        self._timer = threading.Timer(timeout, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def track(self, sock: Any) -> None:
+        with self._lock:
+            self._socket = sock
+            if not self.expired:
+                return
+        _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sock = self._socket
+        if sock is not None:
+            _shut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: Any) -> None:
+    import socket
+
+    try:
+        # The plain socket's shutdown, also under TLS: the reader then meets the end of the stream.
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _no_redirect_opener() -> Any:
-    """urllib's opener, refusing every redirect (the 3xx is then an ``HTTPError``)."""
+    """urllib's opener, refusing every redirect (the 3xx is then an ``HTTPError``), whose
+    connections register with their request's ``_Watch``."""
+    import http.client
     import urllib.request
 
     class NoRedirects(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
             return None
 
-    return urllib.request.build_opener(NoRedirects)
+    def tracked(base: Any, req: Any) -> Any:
+        class Tracked(base):  # type: ignore[misc]
+            def connect(self) -> None:
+                super().connect()
+                watch = getattr(req, "agentfold_watch", None)
+                if watch is not None:
+                    watch.track(self.sock)
+
+        return Tracked
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req: Any) -> Any:
+            return self.do_open(tracked(http.client.HTTPConnection, req), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req: Any) -> Any:
+            return self.do_open(tracked(http.client.HTTPSConnection, req), req,
+                                context=self._context)  # type: ignore[attr-defined]
+
+    return urllib.request.build_opener(NoRedirects, HTTP, HTTPS)
 
 
 def _pause(seconds: float, cancelled: CancelFlag | None) -> None:

@@ -177,3 +177,55 @@ def test_a_refused_connection_says_unreachable_and_a_timeout_says_the_server_may
             OpenAIChatModel(url, "m", timeout=0.5).call(request())
     assert len(seen) == 1
     assert "unreachable" not in str(held.value) and "may have received the request" in str(held.value)
+
+
+def test_timeout_bounds_the_status_line_and_headers_too() -> None:
+    # The deadline started with the body: headers sent a byte at a time (or "100 Continue"
+    # replies, which http.client skips without a limit) held the call for as long as they came.
+    def slow_headers(handler: BaseHTTPRequestHandler) -> None:
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"z" * 60 + b"\r\nContent-Length: 2\r\n\r\n{}":
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+            time.sleep(0.1)
+
+    with serving(slow_headers) as (url, seen):
+        started = time.monotonic()
+        with pytest.raises(ModelError) as failed:
+            OpenAIChatModel(url, "m", timeout=1.0).call(request())
+        took = time.monotonic() - started
+    assert len(seen) == 1
+    assert took < 4, took  # before: until the last byte (about 9 s)
+    assert "within 1 s" in str(failed.value)
+
+
+def test_an_error_body_that_does_not_come_is_still_an_error_that_is_retried() -> None:
+    # The error body was read inside the exception handler: a stalled or reset one escaped as a
+    # bare TimeoutError/ConnectionResetError, and the call was not sent again.
+    def stalled(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(503)
+        handler.send_header("Content-Length", "100")
+        handler.end_headers()
+        handler.wfile.write(b"busy")
+        handler.wfile.flush()
+        time.sleep(3)
+
+    with serving(stalled) as (url, seen):
+        with pytest.raises(ModelError) as failed:
+            OpenAIChatModel(url, "m", timeout=1.0, max_retries=1, retry_wait=0).call(request())
+    assert len(seen) == 2, seen
+    assert "HTTP 503" in str(failed.value) and "after 2 attempts" in str(failed.value)
+
+
+@pytest.mark.parametrize("raw", [b"\xe9t\xe9 <html>", b"[" * 200_000])
+def test_a_body_that_is_not_utf8_json_is_a_model_error(raw: bytes) -> None:
+    def send(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(raw)))
+        handler.end_headers()
+        handler.wfile.write(raw)
+
+    with serving(send) as (url, seen):
+        with pytest.raises(ModelError) as failed:
+            OpenAIChatModel(url, "m", timeout=5).call(request())
+    assert len(seen) == 1
+    assert "invalid JSON" in str(failed.value)
