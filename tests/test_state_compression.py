@@ -193,6 +193,30 @@ def test_a_damaged_snapshot_is_skipped_and_the_tree_folds_from_its_events(
     store.close()
 
 
+def test_a_snapshot_row_moved_to_an_earlier_version_is_not_used_for_an_earlier_end(
+    durable_store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by a store review: the seal binds a snapshot's tree to its digest, not to the row's
+    # version, so a row moved by hand to an earlier version was taken by `load(upto=)` for an
+    # end past that version, and the load returned a tree later than `upto` (replay --at,
+    # verify's re-fold at a position) with the digest of an event after it.
+    store, tree_id, catalog, plain, row = snapshotted(durable_store_url, "snap-moved")
+    end = plain.state.version
+    upto = end - 3
+    expected = store.load(tree_id, catalog.resolve, use_snapshot=False, upto=upto)
+    store.snapshots.prune(tree_id.uuid, end + 1)
+    store.snapshots.insert_events([StoredEvent(tree_id.uuid, upto - 2, row.topic, row.state)])
+    with caplog.at_level("WARNING", logger="agentfold.store"):
+        loaded = store.load(tree_id, catalog.resolve, upto=upto)
+    assert loaded.state.version == upto and loaded.snapshot_version == 0
+    assert loaded.state.to_json() == expected.state.to_json() and loaded.digest == expected.digest
+    assert any("snapshot of tree" in r.getMessage() and "moved after it was written" in r.getMessage()
+               for r in caplog.records)
+    whole = store.load(tree_id, catalog.resolve)
+    assert whole.state.to_json() == plain.state.to_json() and whole.digest == plain.digest
+    store.close()
+
+
 def before_mailbox_compaction(snapshot: dict[str, object]) -> dict[str, object]:
     """``snapshot`` as releases before mailbox compaction wrote it: no ``format`` member, no
     ``arrivals``/``consumed_through`` counters, the cursor counting every consumed record

@@ -1412,7 +1412,15 @@ class EventStore:
             raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}")
         if not stored.sealed:
             raise UnsealedSnapshot("its tree is not the one sealed with its digest (changed after it was written)")
-        return TreeState.from_json(stored.tree, programs), stored.digest
+        state = TreeState.from_json(stored.tree, programs)
+        if state.version != rows[0].originator_version:
+            # The seal covers the tree and its digest, not the row's version: a row moved to
+            # another version (by hand) would make ``load(upto=)`` return a tree past ``upto``.
+            raise UnsealedSnapshot(
+                f"it is stored at version {rows[0].originator_version} but holds the tree at version "
+                f"{state.version} (moved after it was written)"
+            )
+        return state, stored.digest
 
     # -- index and feed ----------------------------------------------------
 
