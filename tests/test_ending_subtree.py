@@ -80,6 +80,33 @@ def test_recovery_after_an_ancestors_cancel_makes_no_call_again(durable_store_ur
         assert {p.status for p in store.load(tree_id).state.processes.values()} == {"canceled"}
 
 
+@pytest.mark.parametrize("control", ["cancel", "kill"])
+def test_a_cancel_that_takes_a_dead_owners_run_over_makes_no_call_again(
+    durable_store_url: str, tmp_path: Path, control: str
+) -> None:
+    # The same, with a host that drives what it admits (`agentfold cancel`, serve's POST
+    # /processes/{id}/cancel, Host.cancel): it took the run over first, and the takeover made
+    # the child's call again before the cancel was applied. The intent is recorded first now.
+    log = tmp_path / "calls.jsonl"
+    start_id = f"start:parent-same-{control}"
+    tree_id = tree_of(start_id)
+    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
+          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
+    assert len(calls_of(log)) == 1
+    with runtime_for(durable_store_url, "parent-same", log) as (store, _):
+        root = store.load(tree_id).state.root
+    with runtime_for(durable_store_url, "parent-same", log) as (store, runtime):
+        assert getattr(runtime, control)(root.process_id, "stop everything")
+        assert runtime.owns(tree_id) or runtime.drives(tree_id)  # taken over and driven here
+        assert runtime.result(tree_id, timeout=30).status == ("canceled" if control == "cancel" else "killed")
+        runtime.wait_idle(tree_id, timeout=30)
+        assert len(calls_of(log)) == 1  # made once, by the process that died
+        stream = events(store, tree_id)
+        assert sum(isinstance(e, EffectDispatched) for e in stream) == 1
+        (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
+        assert settled.status == "unknown"
+
+
 def test_a_resolution_under_an_ancestors_pending_cancel_is_refused_and_appends_nothing(
     durable_store_url: str,
 ) -> None:

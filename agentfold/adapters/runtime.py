@@ -1900,12 +1900,22 @@ class Runtime:
 
     # -- admission -----------------------------------------------------------
 
-    def _admit(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> Any:
+    def _admit(
+        self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], *, record_first: bool = False
+    ) -> Any:
+        """Apply a host's request: through this runtime's owner line when it drives the tree,
+        else on the tree as this runtime would take it over (then driven here), else recorded
+        on the tree as stored (its live owner applies it).
+
+        ``record_first`` (a terminal intent: cancel, kill, deadline): a tree nobody drives is
+        taken over only after the request is recorded, so that the takeover reads the intent
+        and makes no ``same_identity`` call again for a run being ended (scope-kernel.md §3.8);
+        taken over first, the call was made again before the cancel was applied."""
         self._check_open()
         driver = self._drivers.get(tree_id)
         if driver is not None and driver.stopped is not None:
             driver = None  # an owner line that is leaving: the tree is taken anew (``_try_adopt``)
-        if driver is None and self.adopt_on_admit:
+        if driver is None and self.adopt_on_admit and not record_first:
             try:
                 self._precheck(tree_id, fn)
             except AgentfoldError:
@@ -2004,7 +2014,7 @@ class Runtime:
             events = kernel.request_control(pid, control, reason)
             return events, bool(events)
 
-        return bool(self._admit(tree_id, request))
+        return bool(self._admit(tree_id, request, record_first=control in ("cancel", "kill", "deadline")))
 
     def pause(self, process_id: ProcessID | str, reason: str = "paused by host") -> bool:
         return self._control(process_id, "pause", reason)
