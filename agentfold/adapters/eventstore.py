@@ -83,7 +83,7 @@ from agentfold.adapters.recorders import (
     TreeHead,
     cache_statements,
 )
-from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
+from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure, recorded_text
 from agentfold.domain.events import TreeEvent
 from agentfold.domain.ids import ProcessID, StartID, TreeID
 from agentfold.domain.integrity import SealError, unseal
@@ -1124,8 +1124,17 @@ class EventStore:
         if snapshot is not None:
             if snapshot.version != expected_version + len(events):
                 raise ValueError(f"a snapshot at version {snapshot.version} does not follow this append")
-            body = self.encode_snapshot(snapshot, digest)
-            if len(body) <= INLINE_SNAPSHOT_BYTES:
+            try:
+                body: bytes | None = self.encode_snapshot(snapshot, digest)
+            except Exception as exc:  # noqa: BLE001 - a Program's encode_state failing: a snapshot is a cache
+                # Raised, it failed the append (the owner stopped, and the outcome of the call this
+                # append settles was lost): the events go in without it, loads fold them.
+                log.warning("tree %s: no snapshot at version %s: encoding it failed (%s: %s)", tree_id,
+                            snapshot.version, type(exc).__name__, recorded_text(exc))
+                body = None
+            if body is None:
+                pass
+            elif len(body) <= INLINE_SNAPSHOT_BYTES:
                 saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, STATE_COMPRESSOR.compress(body))
             else:
                 deferred = body

@@ -25,7 +25,7 @@ from agentfold.adapters.models import Model, ModelError, ModelRequest
 from agentfold.adapters.tools import ObservationFailures, Tool, ToolDispatcher, ToolObserver, observe, tool_spec
 from agentfold.domain.budget import MAX_COUNTER, Budget, Quota
 from agentfold.domain.canonical import JSON, MAX_PAYLOAD_BYTES, canonical_bytes, digest_of
-from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
+from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput, recorded_text
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
 from agentfold.domain.interaction.chat import FINISH_REASONS, parse_message, parse_messages, parse_response
 from agentfold.domain.interaction.interaction import (
@@ -119,7 +119,7 @@ class ModelDispatcher:
             try:
                 reduced = parse_messages(policy(model_request.messages), "context_policy")
             except Exception as exc:  # noqa: BLE001 - a failing local policy is a host failure before the call
-                return Settlement.failed(f"the context policy failed: {exc}")
+                return Settlement.failed(f"the context policy failed: {recorded_text(exc)}")
             model_request = replace(model_request, messages=tuple(reduced))
             if reduced != original:
                 # Scope 2.8: the smallest possible success envelope must fit the payload limit,
@@ -171,7 +171,7 @@ class ModelDispatcher:
         try:
             messages = self.processor.prepare_context(model_request)
         except ContextFailure as exc:
-            return Settlement.failed(f"the context processor refused: {exc}")
+            return Settlement.failed(f"the context processor refused: {recorded_text(exc)}")
         return Settlement.succeeded({"prepared_context": {"messages": parse_messages(messages, "prepared_context")}})
 
 

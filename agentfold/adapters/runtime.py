@@ -55,6 +55,7 @@ from agentfold.domain.errors import (
     NotFound,
     Rejected,
     StoreFailure,
+    recorded_text,
 )
 from agentfold.domain.events import (
     EffectDeclared,
@@ -1170,10 +1171,10 @@ class _Driver:
         except DispatchCancelled as exc:
             done = _unknown(dispatch, EngineCode.DISPATCH_CANCELED, str(exc) or "canceled")
         except TimeoutError as exc:
-            done = _unknown(dispatch, EngineCode.DISPATCH_DEADLINE, f"timed out: {exc}")
+            done = _unknown(dispatch, EngineCode.DISPATCH_DEADLINE, f"timed out: {recorded_text(exc)}")
         except Exception as exc:  # noqa: BLE001 - every raised error leaves the outcome unknown
             code = EngineCode.DISPATCH_CANCELED if context.cancelled.is_set() else EngineCode.DISPATCH_FAILED
-            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {recorded_text(exc)}")
         except BaseException as exc:  # noqa: BLE001 - not an Exception, and still a call whose outcome is unknown
             # asyncio.CancelledError (a dispatcher bridging to an event loop), SystemExit, ...: left
             # to escape, it ended this thread without a settlement, and the Effect stayed in flight
@@ -1183,7 +1184,7 @@ class _Driver:
             cancelled_error = getattr(sys.modules.get("asyncio"), "CancelledError", None)
             cancelled = (isinstance(cancelled_error, type) and isinstance(exc, cancelled_error)) or context.cancelled.is_set()
             code = EngineCode.DISPATCH_CANCELED if cancelled else EngineCode.DISPATCH_PANICKED
-            done = _unknown(dispatch, code, f"{type(exc).__name__}: {exc}")
+            done = _unknown(dispatch, code, f"{type(exc).__name__}: {recorded_text(exc)}")
         finally:
             with runtime._calls_lock:
                 runtime._calls_running -= 1
@@ -1559,8 +1560,12 @@ class Runtime:
                 return None
         if not self._leases.acquire(tree_id):
             return None
-        tree = TreeState(self.catalog.bound(self.catalog.load(started.program, started.configuration)))
-        tree.apply(started)
+        try:
+            tree = TreeState(self.catalog.bound(self.catalog.load(started.program, started.configuration)))
+            tree.apply(started)
+        except BaseException:
+            self._leases.release(tree_id)  # nothing stored: another start of this id may go ahead
+            raise
         driver = _Driver(self, tree_id, LoadedTree(TreeState(tree.programs), None), started.incarnation_id)
         with driver.lock:
             driver.tree = tree
@@ -1570,6 +1575,9 @@ class Runtime:
                 progress = Kernel(tree, self._resolve, self.ids, dispatch=permits).advance(MAX_EVENTS_PER_APPEND)
             except BaseException:
                 permits.give_back(discard=True)
+                # Nothing stored: kept, the lease refused every other runtime's start of this id
+                # (engine.start.in_progress) until this one closed.
+                self._leases.release(tree_id)
                 raise
             driver.waiting_slot = permits.denied
             try:
@@ -2136,7 +2144,9 @@ class Runtime:
         if driver is not None:
             with driver.lock:
                 if driver.stopped is None:  # else its tree may hold events no append acknowledged
-                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
+                    copy = _copy_of(driver)
+                    if copy is not None:
+                        return copy
         return self._load(tree_id).state
 
     def _tree_ref(self, tree: TreeID | str) -> TreeID:
@@ -2237,7 +2247,10 @@ class Runtime:
                 remaining = deadline - now
                 far = (horizon if horizon is not None else deadline) - now
                 if quiet or (past_timers and not driver.waiting_slot and driver.far_timers(far)):
-                    return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
+                    copy = _copy_of(driver)
+                    if copy is not None:
+                        return copy
+                    break  # its Program's state does not copy: the store answers (below)
                 if remaining <= 0:
                     raise TimeoutError(f"tree {tree_id} is still busy")
                 driver.cond.wait(min(remaining, 0.05))
@@ -2778,6 +2791,17 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy_of(driver: _Driver) -> TreeState | None:
+    """A private copy of an owner line's folded tree (under its lock); None when a Program's
+    ``encode_state``/``decode_state`` fails on it (the caller reads the tree from the store)."""
+    try:
+        return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
+    except Exception as exc:  # noqa: BLE001 - the Program's own code
+        log.warning("tree %s: its folded state does not copy (%s: %s); read from the store instead",
+                    driver.tree_id, type(exc).__name__, recorded_text(exc))
+        return None
 
 
 def index_head(

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.domain.canonical import JSON, normalize
-from agentfold.domain.errors import InvalidInput
+from agentfold.domain.errors import InvalidInput, recorded_text
 from agentfold.domain.ids import EffectAttemptID, EffectID
 from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.refs import ToolCallRef, tool_call_ref_of_child
@@ -323,7 +323,7 @@ class ToolDispatcher:
             observed = ToolSettlementObservation(None, failure=exc.message)
             raise RuntimeError(f"tool {call.name} produced an invalid result: {exc.message}") from exc
         except Exception as exc:
-            observed = ToolSettlementObservation(None, failure=f"{type(exc).__name__}: {exc}")
+            observed = ToolSettlementObservation(None, failure=f"{type(exc).__name__}: {recorded_text(exc)}")
             raise
         finally:
             if self.observer is not None:

@@ -31,6 +31,9 @@ MAX_TOOL_INPUT_BYTES = 1 << 20
 _OPTIONS = orjson.OPT_SORT_KEYS
 
 
+_STRICT = _OPTIONS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
 def canonical_bytes(value: JSON) -> bytes:
     """Canonical JSON bytes of an already valid JSON value."""
     return orjson.dumps(value, option=_OPTIONS)
@@ -108,7 +111,9 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
         data = canonical_bytes(value) if isinstance(value, str) and len(value) > (limit - 2) // 6 else b""
     else:
         try:
-            data = canonical_bytes(value)
+            # Passthrough: orjson would write a datetime or a dataclass as JSON of its own making
+            # (the value read back is then another type than the one given): refused instead.
+            data = orjson.dumps(value, option=_STRICT)
         except (TypeError, orjson.JSONEncodeError):
             _check(value, "$")  # names the offending path
             raise InvalidInput("payload.invalid", f"{what} is not JSON",

@@ -27,7 +27,7 @@ _QUALIFIED = re.compile(r"[a-z][a-z0-9._-]{0,127}")
 
 def valid_qualified_name(value: str) -> bool:
     """1-128 bytes, first ``a-z``, then ``[a-z0-9._-]`` (kernel spec 1.5)."""
-    return bool(_QUALIFIED.fullmatch(value)) and value.isascii()
+    return isinstance(value, str) and bool(_QUALIFIED.fullmatch(value)) and value.isascii()
 
 
 class FailureKind(StrEnum):
@@ -40,7 +40,13 @@ class FailureKind(StrEnum):
 def bounded_text(value: str, limit: int = MAX_DIAGNOSTIC_BYTES) -> str:
     """Trim and cut ``value`` to at most ``limit`` UTF-8 bytes on a character boundary."""
     text = value.strip()
-    data = text.encode("utf-8", errors="replace")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (a file name decoded with surrogateescape, say): no UTF-8 text, so
+        # no history could hold it. Written as its escape (``\udc80``) instead.
+        data = text.encode("utf-8", errors="backslashreplace")
+        text = data.decode("utf-8")
     if len(data) <= limit:
         return text
     return data[:limit].decode("utf-8", errors="ignore").rstrip()
@@ -128,7 +134,10 @@ def recorded_text(exc: BaseException) -> str:
     reads): ``str(exc)``, without a hint given with ``recorded_hint=False``."""
     if isinstance(exc, AgentfoldError) and exc.hint and not exc.recorded_hint:
         return f"{exc.code}: {exc.message}"
-    return str(exc)
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose own __str__ fails
+        return f"({type(exc).__name__} whose text cannot be read)"
 
 
 class InvalidInput(AgentfoldError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from agentfold.domain.canonical import normalize
 from agentfold.domain.errors import InvalidInput
 
 _ANNOTATIONS = {
@@ -70,7 +71,18 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def check_schema(schema: Any, path: str = "#") -> None:
-    """Refuse a schema that is malformed or uses keywords this validator does not enforce."""
+    """Refuse a schema that is malformed, is no JSON (a ``const`` of bytes, an ``enum`` holding
+    a set or NaN: nothing could ever match it), uses keywords this validator does not enforce,
+    or holds a local ``$ref`` that names no schema in it (refused here, not at the first value
+    checked against it)."""
+    try:
+        normalize(schema, what="schema")
+    except InvalidInput as exc:
+        raise SchemaError("schema.invalid", f"the schema at {path} is not JSON: {exc.message}") from None
+    _check_schema(schema, path, schema, set())
+
+
+def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -94,14 +106,14 @@ def check_schema(schema: Any, path: str = "#") -> None:
                         re.compile(name)
                     except re.error as exc:
                         raise SchemaError("schema.invalid", f"bad pattern {name!r} at {where}") from exc
-                check_schema(child, f"{where}/{name}")
+                _check_schema(child, f"{where}/{name}", root, refs)
         elif key in ("additionalProperties", "items", "not", "if", "then", "else"):
-            check_schema(sub, where)
+            _check_schema(sub, where, root, refs)
         elif key in ("allOf", "anyOf", "oneOf", "prefixItems"):
             if not isinstance(sub, list) or not sub:
                 raise SchemaError("schema.invalid", f"{key} at {path} must be a non-empty array")
             for i, child in enumerate(sub):
-                check_schema(child, f"{where}/{i}")
+                _check_schema(child, f"{where}/{i}", root, refs)
         elif key == "required":
             if not isinstance(sub, list) or not all(isinstance(n, str) for n in sub):
                 raise SchemaError("schema.invalid", f"required at {path} must be an array of strings")
@@ -127,6 +139,16 @@ def check_schema(schema: Any, path: str = "#") -> None:
         elif key == "$ref":
             if not isinstance(sub, str) or not sub.startswith("#"):
                 raise SchemaError("schema.invalid", f"only local $ref is supported, got {sub!r} at {path}")
+            if sub not in refs:  # each target once: a recursive schema refers to itself
+                refs.add(sub)
+                try:
+                    target = resolve_ref(root, sub)
+                except SchemaError:
+                    raise SchemaError("schema.invalid", f"$ref {sub!r} at {path} names nothing in the schema") from None
+                if not isinstance(target, (dict, bool)):
+                    raise SchemaError("schema.invalid", f"$ref {sub!r} at {path} names a {type(target).__name__}, "
+                                      "not a schema")
+                _check_schema(target, sub, root, refs)
 
 
 def resolve_ref(root: Any, ref: str) -> Any:

@@ -78,12 +78,14 @@ from agentfold.domain.program import (
     Complete,
     Continue,
     Effect,
+    EffectPolicy,
     Fail,
     Operation,
     OutputOf,
     Pause,
     Program,
     ProgramResolver,
+    Replay,
     SettlementStatus,
     Signal,
     SignalRequest,
@@ -524,12 +526,8 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except Exception as exc:  # noqa: BLE001 - any other strategy error fails the Step
-            self._fail(
-                progress,
-                process,
-                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}"),
-            )
+        except BaseException as exc:  # noqa: BLE001 - any other strategy error fails the Step
+            self._fail(progress, process, _strategy_failure("", exc))
             return
         try:
             checked = self._check_step(process, program, step, len(window))
@@ -537,6 +535,14 @@ class Kernel:
                 checked.output_of = _output_ref(step.transition.output_of, window[: step.consumed], checked.output)
         except _StepRefused as refusal:
             self._fail(progress, process, refusal.failure)
+            return
+        except Exception as exc:  # noqa: BLE001 - a Step of a shape the checks did not foresee
+            # (a bare Effect where a tuple belongs, an unhashable wait id, a kind that is no
+            # text): refused as the Step it is, never the owner's end (which lost the outcome
+            # of the call this Step settles, written in the same append).
+            self._fail(progress, process, _failure(
+                FailureKind.CONTRACT, EngineCode.TRANSITION_INVALID,
+                f"the Step cannot be checked: {type(exc).__name__}: {recorded_text(exc)}"))
             return
         consumed = window[: step.consumed]
         try:
@@ -547,18 +553,13 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except Exception as exc:  # noqa: BLE001
-            self._fail(
-                progress,
-                process,
-                _failure(FailureKind.EXECUTION, EngineCode.STEP_FAILED,
-                         f"evolve failed: {type(exc).__name__}: {recorded_text(exc)}"),
-            )
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
             return
         seq = process.committed_steps + 1
         transition = step.transition
         kind = TRANSITION_KINDS[type(transition)]
-        effects = transition.effects if isinstance(transition, Continue) else ()
+        effects = checked.effects
         self._emit(
             progress,
             StepCommitted.model_construct(
@@ -590,7 +591,7 @@ class Kernel:
                     step=seq,
                     index=index,
                     target=effect.target.value,
-                    payload=effect.payload,
+                    payload=checked.payloads[index],
                     replay=policy[0],  # type: ignore[arg-type]
                     capabilities=policy[1],
                 ),
@@ -617,7 +618,11 @@ class Kernel:
             raise refuse(EngineCode.TRANSITION_INVALID, exc.message) from exc
         checked = _CheckedStep(facts)
         if isinstance(transition, Continue):
-            self._check_effects(process, program, transition.effects, checked, refuse, step.consumed)
+            if not isinstance(transition.effects, (tuple, list)):
+                raise refuse(EngineCode.TRANSITION_INVALID,
+                             f"Continue takes a tuple of Effects, not {type(transition.effects).__name__}")
+            checked.effects = tuple(transition.effects)
+            self._check_effects(process, program, checked.effects, checked, refuse, step.consumed)
         elif isinstance(transition, Wait):
             wait = process.waits.get(transition.wait_id)
             consumed_answer = False
@@ -671,8 +676,26 @@ class Kernel:
         for effect in effects:
             if not isinstance(effect, Effect):
                 raise refuse(EngineCode.EFFECT_INVALID, f"{type(effect).__name__} is not an Effect")
+            if not isinstance(effect.target, Target):
+                raise refuse(EngineCode.EFFECT_INVALID, f"an Effect's target is a Target, not {effect.target!r}")
+            if effect.normalized:
+                checked.payloads.append(effect.payload)
+            else:  # built directly, not by dispatcher_effect() & co.
+                try:
+                    checked.payloads.append(normalize(effect.payload, what="effect payload"))
+                except InvalidInput as exc:
+                    raise refuse(EngineCode.EFFECT_INVALID, exc.message) from exc
             if effect.target is Target.DISPATCHER:
-                policy = program.policy(effect)
+                try:
+                    policy = program.policy(effect)
+                except Exception as exc:
+                    raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
+                                 f"failed: {type(exc).__name__}: {recorded_text(exc)}") from exc
+                if not (isinstance(policy, EffectPolicy) and isinstance(policy.replay, Replay)
+                        and isinstance(policy.required_capabilities, (set, frozenset))
+                        and all(isinstance(c, str) for c in policy.required_capabilities)):
+                    raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
+                                 f"is no EffectPolicy of a Replay and a set of capability names: {policy!r:.200}")
                 missing = set(policy.required_capabilities) - set(process.capabilities)
                 if missing:
                     raise refuse(
@@ -684,7 +707,7 @@ class Kernel:
                 continue
             checked.policies.append(("never", ()))
             reserve += 1
-            payload = effect.payload if isinstance(effect.payload, dict) else {}
+            payload = checked.payloads[-1] if isinstance(checked.payloads[-1], dict) else {}
             try:
                 op = Operation(str(payload.get("operation")))
             except ValueError:
@@ -1091,6 +1114,17 @@ class _CheckedStep:
     output_of: OutputRef | None = None
     acknowledges: JSON = None
     policies: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    effects: tuple[Effect, ...] = ()
+    payloads: list[JSON] = field(default_factory=list)  # each Effect's, normalized
+
+
+def _strategy_failure(prefix: str, exc: BaseException) -> Failure:
+    """The Failure of a Step whose decide or evolve raised: ``execution.step.failed``, of
+    kind ``panic`` for what no Program should raise (SystemExit, KeyboardInterrupt, ...: as a
+    dispatcher's are ``engine.dispatch.panicked``)."""
+    kind = FailureKind.EXECUTION if isinstance(exc, Exception) else FailureKind.PANIC
+    text = recorded_text(exc).strip()
+    return _failure(kind, EngineCode.STEP_FAILED, f"{prefix}{type(exc).__name__}" + (f": {text}" if text else ""))
 
 
 def _output_ref(hint: OutputOf, consumed: Sequence[Signal], output: JSON) -> OutputRef | None:

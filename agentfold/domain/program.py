@@ -178,13 +178,54 @@ class EffectPolicy:
     replay: Replay = Replay.NEVER
     required_capabilities: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.replay, Replay):
+            try:
+                object.__setattr__(self, "replay", Replay(self.replay))  # "never" as Replay.NEVER
+            except (ValueError, TypeError):
+                raise InvalidInput("effect.invalid", f"replay {self.replay!r:.100} is not one of "
+                                   f"{[r.value for r in Replay]}", hint="pass Replay.NEVER or Replay.SAME_IDENTITY") from None
+        object.__setattr__(self, "required_capabilities", _capability_set(self.required_capabilities))
+
+
+def _capability_set(value: Any) -> frozenset[str]:
+    """Capability names as a frozenset; a bare string (which Python reads as one-letter names)
+    or a member that is no non-empty string is ``capabilities.invalid``."""
+    if isinstance(value, frozenset) and all(isinstance(c, str) and c for c in value):
+        return value
+    try:
+        names = None if isinstance(value, (str, bytes)) else frozenset(value)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(c, str) and c for c in names):
+        raise InvalidInput(
+            "capabilities.invalid", f"capabilities must be a set of non-empty strings, not {value!r:.100}",
+            hint='pass a set or list, e.g. {"payments"} (not the bare string "payments")',
+        )
+    return names
+
+
+#: Marks an Effect built by this module's constructors, whose payload is already normalized
+#: (the kernel checks the payload of any other Effect before declaring it).
+_NORMALIZED: Any = object()
+
 
 @dataclass(frozen=True, slots=True)
 class Effect:
-    """One operation a Step declares: a framework operation or an opaque dispatcher payload."""
+    """One operation a Step declares: a framework operation or an opaque dispatcher payload.
+
+    Build them with ``dispatcher_effect``, ``wait_effect``, ``start_child_effect``, ...: an
+    Effect built directly is accepted too, and its payload is checked when the Step is
+    (``execution.effect.invalid`` for a value that is not JSON or is too large)."""
 
     target: Target
     payload: JSON
+    _checked: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def normalized(self) -> bool:
+        """Whether its payload was normalized when it was built (by this module's constructors)."""
+        return self._checked is _NORMALIZED
 
     @property
     def operation(self) -> Operation | None:
@@ -197,7 +238,7 @@ class Effect:
 
 
 def dispatcher_effect(payload: JSON) -> Effect:
-    return Effect(Target.DISPATCHER, normalize(payload, what="effect payload"))
+    return Effect(Target.DISPATCHER, normalize(payload, what="effect payload"), _NORMALIZED)
 
 
 def wait_effect(key: WaitKey | str, *, prompt: JSON = None, response_schema: JSON = None) -> Effect:
@@ -211,7 +252,7 @@ def wait_effect(key: WaitKey | str, *, prompt: JSON = None, response_schema: JSO
     if response_schema is not None:
         check_schema(response_schema, "#response_schema")
         payload["response_schema"] = response_schema
-    return Effect(Target.FRAMEWORK, normalize(payload, what="wait effect"))
+    return Effect(Target.FRAMEWORK, normalize(payload, what="wait effect"), _NORMALIZED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +320,9 @@ class ChildSpec:
     budget: Budget = field(default_factory=Budget)
     capabilities: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capabilities", _capability_set(self.capabilities))
+
     def to_json(self) -> dict[str, JSON]:
         """The program by its text ref (its components are in ``TreeStarted.programs``);
         an unlimited budget and an empty capability set are omitted."""
@@ -314,7 +358,7 @@ def program_ref_of(text: Any, programs: Mapping[str, ProgramRef]) -> ProgramRef:
 
 def start_child_effect(spec: ChildSpec) -> Effect:
     payload = {"operation": Operation.START_CHILD.value, **spec.to_json()}
-    return Effect(Target.FRAMEWORK, normalize(payload, what="child input"))
+    return Effect(Target.FRAMEWORK, normalize(payload, what="child input"), _NORMALIZED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,6 +687,11 @@ class Program:
     ref: ProgramRef = field(init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.descriptor, Descriptor):
+            raise InvalidInput("program.invalid", f"a Program's descriptor is a Descriptor, not {self.descriptor!r:.100}")
+        if not isinstance(self.children, (tuple, list)) or not all(isinstance(c, Program) for c in self.children):
+            raise InvalidInput("program.invalid", f"program {self.descriptor.name}: children is a tuple of Programs, "
+                               f"not {self.children!r:.100}")
         ref = ProgramRef(
             name=self.descriptor.name,
             contract_digest=self.descriptor.digest,

@@ -1,0 +1,385 @@
+"""Mistakes in a user's own Program are that run's classified failure, never the owner's end
+(found by a review of user-written Programs on the Python API; docs/concepts.md "Step").
+
+A call's outcome is written in the same append as the Step that follows it. Before these
+fixes, a Step the kernel's checks did not foresee (a bare Effect where a tuple belongs, a
+policy function that raised, a wait id that is no text, a BaseException from decide), an
+Effect built directly with a payload that is no JSON or too large, an error text holding a
+lone surrogate, or an ``encode_state`` that failed at a snapshot stopped the owner line with
+``engine.runtime.failed``: the succeeded call's outcome was lost (recovery recorded it
+unknown, or made a ``same_identity`` call again), and a 20 MiB payload made the whole
+history unreadable. Real SQLite files and PostgreSQL databases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.errors import AgentfoldError, Failure, FailureKind, InvalidInput
+from agentfold.domain.events import EffectDeclared, EffectSettled, ProcessTerminated
+from agentfold.domain.ids import ChildKey, TreeID
+from agentfold.domain.kernel import Kernel
+from agentfold.domain.program import (
+    Checkpoint,
+    ChildSpec,
+    Complete,
+    Continue,
+    Descriptor,
+    Effect,
+    EffectPolicy,
+    Fail,
+    Program,
+    Replay,
+    Signal,
+    Step,
+    Target,
+    Wait,
+    dispatcher_effect,
+)
+from agentfold.domain.requests import EffectRequest, Settlement
+from tests.kernel_programs import IMPL, CallLog, JsonStrategy, config_digest
+
+Decide = Callable[[Any, Sequence[Signal]], Step]
+
+
+class _Strategy(JsonStrategy):
+    def __init__(self, second: Decide) -> None:
+        self.second = second
+
+    def initial(self, input: Any) -> Any:
+        return {"n": 0}
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        if state["n"] == 0:  # one call that succeeds, then the Step under test
+            return Step(0, Continue((dispatcher_effect({"charge": 1}),)), {"n": 1})
+        return self.second(state, window)
+
+
+def _program(name: str, second: Decide, log: CallLog, *, policy: Any = None, strategy: Any = None) -> Program:
+    def call(request: EffectRequest, context: DispatchContext) -> Settlement:
+        log.record(effect_id=str(request.effect_id), payload=request.payload)
+        return Settlement.succeeded({"charged": True})
+
+    extra = {"policy": policy} if policy is not None else {}
+    return Program(
+        Descriptor(name), strategy or _Strategy(second), implementation_digest=IMPL,
+        configuration_digest=config_digest(name), dispatcher=FunctionDispatcher(call), **extra,
+    )
+
+
+def _kinds(store: EventStore, tree_id: Any) -> list[Any]:
+    return [r.event for r in store.read(tree_id)]
+
+
+def _raise(exc: BaseException) -> Decide:
+    def second(state: Any, window: Sequence[Signal]) -> Step:
+        raise exc
+
+    return second
+
+
+def _policy_raising(effect: Effect) -> EffectPolicy:
+    if effect.payload.get("charge") == 1:
+        return EffectPolicy(Replay.SAME_IDENTITY)
+    raise KeyError("replay")
+
+
+MISTAKES: dict[str, tuple[Decide, Any, str, str, str]] = {
+    # name: (the second Step, the policy, the code, the kind, text in the message)
+    "a bare Effect in Continue": (
+        lambda s, w: Step(len(w), Continue(dispatcher_effect({"charge": 2})), {"n": 2}),  # type: ignore[arg-type]
+        None, "execution.transition.invalid", "contract", "Continue takes a tuple of Effects, not Effect"),
+    "a policy function that raises": (
+        lambda s, w: Step(len(w), Continue((dispatcher_effect({"charge": 2}),)), {"n": 2}),
+        _policy_raising, "execution.effect.invalid", "contract", "policy for effect 0 failed: KeyError"),
+    "a wait id that is no text": (
+        lambda s, w: Step(len(w), Wait({"id": 1}), {"n": 2}),  # type: ignore[arg-type]
+        None, "execution.transition.invalid", "contract", "the Step cannot be checked: TypeError"),
+    "a checkpoint kind that is no text": (
+        lambda s, w: Step(len(w), Checkpoint(7), {"n": 2}),  # type: ignore[arg-type]
+        None, "execution.transition.invalid", "contract", "checkpoint kind 7 is not qualified"),
+    "decide raising SystemExit": (
+        _raise(SystemExit(3)), None, "execution.step.failed", "panic", "SystemExit: 3"),
+    "decide raising KeyboardInterrupt": (
+        _raise(KeyboardInterrupt()), None, "execution.step.failed", "panic", "KeyboardInterrupt"),
+    "an Effect built directly with a set in its payload": (
+        lambda s, w: Step(len(w), Continue((Effect(Target.DISPATCHER, {"tags": {1, 2}}),)), {"n": 2}),
+        None, "execution.effect.invalid", "contract", "value of type set at $.tags is not JSON"),
+    "an Effect built directly with NaN in its payload": (
+        lambda s, w: Step(len(w), Continue((Effect(Target.DISPATCHER, {"amount": float("nan")}),)), {"n": 2}),
+        None, "execution.effect.invalid", "contract", "non-finite number"),
+    "an Effect whose target is a string": (
+        lambda s, w: Step(len(w), Continue((Effect("dispatcher", {}),)), {"n": 2}),  # type: ignore[arg-type]
+        None, "execution.effect.invalid", "contract", "an Effect's target is a Target, not 'dispatcher'"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistake_in_the_step_after_a_call_fails_the_run_and_keeps_the_calls_outcome(
+    durable_store_url: str, tmp_path: Path, mistake: str
+) -> None:
+    second, policy, code, kind, text = MISTAKES[mistake]
+    log = CallLog(tmp_path / "calls.jsonl")
+    program = _program("mistake.prog", second, log, policy=policy)
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            result = runtime.start(program, {}, start_id="mistake").result(timeout=30)
+            assert result.status == "failed"
+            assert result.termination is not None
+            failure = result.termination["failure"]
+            assert (failure["code"], failure["kind"]) == (code, kind), failure
+            assert text in failure["message"], failure
+        with Runtime(store, Catalog([program])) as again:
+            assert again.recover() == []  # nothing left to drive
+        stream = _kinds(store, TreeID.for_start("mistake"))
+        (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
+        assert settled.status == "succeeded" and settled.payload == {"charged": True}
+        assert sum(isinstance(e, EffectDeclared) for e in stream) == 1  # the mistaken Step declared nothing
+        assert isinstance(stream[-1], ProcessTerminated)
+        assert len(log.calls()) == 1  # made once, never again
+    finally:
+        store.close()
+
+
+def test_a_policy_naming_its_replay_by_its_text_is_that_replay(store_url: str, tmp_path: Path) -> None:
+    # EffectPolicy(replay="same_identity") was taken at first and then refused at the Step.
+    log = CallLog(tmp_path / "calls.jsonl")
+
+    def second(state: Any, window: Sequence[Signal]) -> Step:
+        return Step(len(window), Complete({"ok": True}), {"n": 2})
+
+    program = _program("mistake.policy", second, log, policy=lambda e: EffectPolicy("same_identity"))  # type: ignore[arg-type]
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {}, start_id="policy-text")
+            assert handle.result(timeout=30).status == "completed"
+            (declared,) = [e for e in _kinds(store, handle.tree_id) if isinstance(e, EffectDeclared)]
+            assert declared.replay == "same_identity"
+    finally:
+        store.close()
+    with pytest.raises(InvalidInput) as refused:
+        EffectPolicy("sometimes")  # type: ignore[arg-type]
+    assert refused.value.code == "effect.invalid"
+    with pytest.raises(InvalidInput) as refused:
+        EffectPolicy(required_capabilities="admin")  # type: ignore[arg-type]
+    assert refused.value.code == "capabilities.invalid"
+
+
+def test_an_effect_built_directly_over_the_size_limit_is_refused_and_the_history_stays_readable(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    # A 20 MiB payload was stored as it was: every later read of the tree failed
+    # (store.corrupt integrity.format), `show` and `audit verify` included.
+    from agentfold.adapters.audit import verify_tree
+
+    log = CallLog(tmp_path / "calls.jsonl")
+    huge = "x" * (5 * 1024 * 1024)
+    program = _program(
+        "mistake.huge", lambda s, w: Step(len(w), Continue((Effect(Target.DISPATCHER, {"blob": huge}),)), {"n": 2}), log,
+    )
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {}, start_id="huge")
+            result = handle.result(timeout=60)
+        assert result.status == "failed" and result.termination is not None
+        assert result.termination["failure"]["code"] == "execution.effect.invalid"
+        assert "above the limit of 4194304" in result.termination["failure"]["message"]
+        loaded = store.load(handle.tree_id)
+        assert loaded.state.root.status == "failed"
+        check, _, _ = verify_tree(store, handle.tree_id, Catalog([program]))
+        assert check.problems == []
+    finally:
+        store.close()
+
+
+SURROGATE = b"report-\xff.csv".decode("utf-8", "surrogateescape")  # os.listdir's name of such a file
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize("raised", ["a lone surrogate", "a text that cannot be read"])
+def test_a_dispatcher_error_whose_text_is_no_utf8_or_unreadable_is_an_unknown_outcome(
+    durable_store_url: str, raised: str
+) -> None:
+    # The owner stopped (orjson: "str is not valid UTF-8"), or the dispatch thread died and
+    # the call stayed in flight for good under a live owner.
+    def call(request: EffectRequest, context: DispatchContext) -> Settlement:
+        if raised == "a lone surrogate":
+            raise OSError(f"cannot read {SURROGATE}")
+        raise _Unprintable()
+
+    program = Program(Descriptor("mistake.text"), _Strategy(lambda s, w: Step(len(w), Complete(None), {"n": 2})),
+                      implementation_digest=IMPL, configuration_digest=config_digest("text"),
+                      dispatcher=FunctionDispatcher(call))
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {}, start_id="text")
+            state = runtime.wait_idle(handle.tree_id, timeout=30)
+            (unknown,) = state.root.unknown_effects()
+        (settled,) = [e for e in _kinds(store, handle.tree_id) if isinstance(e, EffectSettled)]
+        assert settled.status == "unknown"
+        expected = "cannot read report-\\udcff.csv" if raised == "a lone surrogate" else "_Unprintable whose text cannot be read"
+        assert settled.diagnostic is not None and expected in settled.diagnostic.message, settled.diagnostic
+        assert unknown.effect_id == settled.effect_id
+    finally:
+        store.close()
+
+
+def test_a_failure_message_with_a_lone_surrogate_is_recorded_escaped(store_url: str, tmp_path: Path) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+
+    def second(state: Any, window: Sequence[Signal]) -> Step:
+        return Step(len(window), Fail(Failure(FailureKind.EXECUTION, "app.read_failed", f"cannot read {SURROGATE}")),
+                    {"n": 2})
+
+    program = _program("mistake.fail", second, log)
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            result = runtime.start(program, {}, start_id="fail-text").result(timeout=30)
+        assert result.status == "failed" and result.termination is not None
+        assert result.termination["failure"] == {
+            "kind": "execution", "code": "app.read_failed", "message": "cannot read report-\\udcff.csv"}
+        assert len(log.calls()) == 1
+    finally:
+        store.close()
+
+
+class _SetState(_Strategy):
+    """Steps without Effects after its call, its state a set that ``encode_state`` cannot write."""
+
+    def initial(self, input: Any) -> Any:
+        return {"n": 0, "seen": set()}
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        if state["n"] == 0:
+            return Step(0, Continue((dispatcher_effect({"charge": 1}),)), {"n": 1})
+        if state["n"] < 40:
+            return Step(len(window), Checkpoint("app.tick"), {"n": state["n"] + 1})
+        return Step(len(window), Complete({"ok": True}), {"n": state["n"] + 1})
+
+    def evolve(self, state: Any, facts: Any, consumed: Sequence[Signal]) -> Any:
+        return {**state, **facts, "seen": state["seen"] | {facts["n"]}}
+
+
+def test_an_encode_state_that_fails_skips_the_snapshot_not_the_append(durable_store_url: str, tmp_path: Path) -> None:
+    # A snapshot is written in the append every `snapshot_every` events: encoding it raised
+    # (TypeError: a set), the append failed, the owner stopped and the call's outcome was lost.
+    log = CallLog(tmp_path / "calls.jsonl")
+    program = _program("mistake.state", lambda s, w: Step(0, Complete(None), {}), log, strategy=_SetState(_raise(ValueError())))
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program]), snapshot_every=10) as runtime:
+            handle = runtime.start(program, {}, start_id="state")
+            assert handle.result(timeout=30).status == "completed"
+            assert runtime.capture(handle.tree_id).root.status == "completed"
+        assert len(log.calls()) == 1
+        (settled,) = [e for e in _kinds(store, handle.tree_id) if isinstance(e, EffectSettled)]
+        assert settled.status == "succeeded"
+    finally:
+        store.close()
+
+
+def test_a_start_whose_first_pass_fails_gives_its_lease_back(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing was stored, and the lease stayed held: every other runtime's start of this id was
+    # refused (engine.start.in_progress) until this one closed.
+    log_lock = threading.Lock()
+    program = _program("mistake.lease", lambda s, w: Step(len(w), Complete(None), {"n": 2}), CallLog(tmp_path / "c"))
+    real = Kernel.advance
+    failed: list[bool] = []
+
+    def advance(self: Kernel, *args: Any, **kwargs: Any) -> Any:
+        with log_lock:
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("an internal failure")
+        return real(self, *args, **kwargs)
+
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            monkeypatch.setattr(Kernel, "advance", advance)
+            with pytest.raises(RuntimeError):
+                runtime.start(program, {}, start_id="lease")
+            assert not runtime._leases.holds(TreeID.for_start("lease"))
+            assert runtime.start(program, {}, start_id="lease").result(timeout=30).status == "completed"
+    finally:
+        store.close()
+
+
+@dataclasses.dataclass
+class _Order:
+    amount: int
+
+
+@pytest.mark.parametrize("value", [datetime.datetime(2026, 12, 4, 7, 0), datetime.date(2026, 12, 4), _Order(3)])
+def test_a_python_value_json_would_write_its_own_way_is_refused_not_converted(store_url: str, value: Any) -> None:
+    # orjson wrote a datetime as an ISO string and a dataclass as an object: the run was started
+    # with values of other types than the ones given, silently.
+    program = _program("mistake.input", lambda s, w: Step(len(w), Complete(None), {"n": 2}), CallLog(Path("/dev/null")))
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            with pytest.raises(InvalidInput) as refused:
+                runtime.start(program, {"when": value}, start_id="typed")
+            assert refused.value.code == "payload.invalid"
+            assert f"value of type {type(value).__name__} at $.when is not JSON" in refused.value.message
+        assert store.heads() == []
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("build", "code", "text"),
+    [
+        (lambda: Descriptor("p", output_schema={"$ref": "#/$defs/result"}), "schema.invalid",
+         "$ref '#/$defs/result' at #output names nothing in the schema"),
+        (lambda: Descriptor("p", output_schema={"$ref": "#/required", "required": ["a"]}), "schema.invalid",
+         "names a list, not a schema"),
+        (lambda: Descriptor("p", input_schema={"$defs": {"x": {"nope": 1}}, "$ref": "#/$defs/x"}), "schema.invalid",
+         "unsupported schema keyword 'nope'"),
+        (lambda: Descriptor("p", input_schema={"const": b"x"}), "schema.invalid", "value of type bytes at $.const"),
+        (lambda: Descriptor("p", input_schema={"enum": [float("nan")]}), "schema.invalid", "non-finite number"),
+        (lambda: Descriptor(None), "program.invalid", "descriptor name None is not a qualified name"),  # type: ignore[arg-type]
+        (lambda: Program(Descriptor("p"), JsonStrategy(), implementation_digest=IMPL,  # type: ignore[abstract]
+                         configuration_digest=IMPL, children=("x",)),  # type: ignore[arg-type]
+         "program.invalid", "children is a tuple of Programs"),
+        (lambda: ChildSpec(ChildKey("k"), _program("p", _raise(ValueError()), CallLog(Path("/dev/null"))).ref,
+                           capabilities="admin"),  # type: ignore[arg-type]
+         "capabilities.invalid", "not 'admin'"),
+    ],
+)
+def test_a_program_built_wrong_is_refused_when_it_is_built(build: Callable[[], Any], code: str, text: str) -> None:
+    # Each raised a bare TypeError/AttributeError, or was accepted and failed the first run
+    # that used it (an unresolvable $ref at completion: engine.runtime.failed), or (a child's
+    # capabilities given as one string) granted the capabilities a, d, i, m, n.
+    with pytest.raises(AgentfoldError) as refused:
+        build()
+    assert refused.value.code == code
+    assert text in refused.value.message, refused.value.message
+
+
+def test_a_recursive_local_ref_is_still_a_valid_schema() -> None:
+    tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
+            "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    Descriptor("p", input_schema=tree)
