@@ -307,24 +307,10 @@ def fold_stored(
     return folded
 
 
-_UNFINISHED = {
-    "declare": ("effect.declaration", "its EffectDeclared events"),
-    "checkpoint": ("checkpoint.pairing", "its CheckpointCommitted"),
-    "terminate": ("step.sequence", "its ProcessTerminated"),
-}
-
-
 def _unfinished_step(tree: str, state: TreeState) -> Finding | None:
     """A history ends between whole Steps: every append holds a Step with everything that follows it."""
-    # The fold keeps what must follow the last Step privately; the runtime reads it the same way.
-    expect = state._expect
-    if expect is None:
-        return None
-    rule, missing = _UNFINISHED[expect[0]]
-    return Finding(
-        tree, state.version + 1, rule,
-        f"the stream ends after step {expect[2]} of {expect[1]} without {missing}",
-    )
+    unfinished = state.unfinished_step()
+    return None if unfinished is None else Finding(tree, *unfinished)
 
 
 def _index_findings(tree_id: TreeID, head: TreeHead | None, folded: Folded, store: EventStore) -> list[Finding]:

@@ -1328,6 +1328,11 @@ class EventStore:
             except FoldError as exc:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             digest = record.digest
+        unfinished = state.unfinished_step() if upto is None else None
+        if unfinished is not None:
+            # Driven on, the next append failed the fold's own rule (a bare FoldError: `recover`
+            # gave up on every other tree); shown, it read as a sound history.
+            raise CorruptStream(tree_id, *unfinished)
         if anchor is None:
             # Every append and every import writes the row with the events: none when the row
             # was read means the tree's first append committed since (read the row again), or

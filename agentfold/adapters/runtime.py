@@ -1494,7 +1494,9 @@ class Runtime:
         if not first:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
         started = first[0].event
-        assert isinstance(started, TreeStarted)
+        if not isinstance(started, TreeStarted):
+            raise CorruptStream(tree_id, 1, "stream.first_event",
+                                f"the first event must be TreeStarted, got {type(started).__name__}")
         return self.catalog.load(started.program, started.configuration)
 
     # -- lookups -------------------------------------------------------------

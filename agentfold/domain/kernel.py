@@ -67,7 +67,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.json_schema import schema_errors
+from agentfold.domain.json_schema import check_schema, schema_errors
 from agentfold.domain.mailbox import check_admission
 from agentfold.domain.program import (
     NO_STATE,
@@ -718,6 +718,10 @@ class Kernel:
                     if key in process.open_wait_keys or key in opening:
                         raise refuse(EngineCode.EFFECT_INVALID, f"wait key {key} is already open")
                     opening.add(key)
+                    if op is Operation.WAIT and payload.get("response_schema") is not None:
+                        # wait_effect() checks it; a wait built directly was taken, and every answer
+                        # to it then failed (a bare TypeError that stopped the owner).
+                        check_schema(payload["response_schema"], "#response_schema")
                     if op is Operation.WAIT_CHILDREN:
                         reserve += 1
                         spec = ChildWaitSpec.from_json(payload)

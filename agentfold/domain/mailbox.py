@@ -102,7 +102,16 @@ def check_admission(
                     hint=f"the current wait is {process.current_wait}",
                 )
             if wait.response_schema is not None:
-                problems = schema_errors(request.payload, wait.response_schema)
+                try:
+                    problems = schema_errors(request.payload, wait.response_schema)
+                except Exception as exc:  # a schema no check refused (a history of an earlier release)
+                    raise Rejected(
+                        "engine.signal.rejected",
+                        f"wait {request.wait_id} cannot be answered: its response schema is invalid "
+                        f"({type(exc).__name__}: {exc})",
+                        hint="the Program opened a wait with a schema no answer can be checked against: "
+                        "end the run (`agentfold cancel`)",
+                    ) from exc
                 if problems:
                     raise InvalidInput(
                         "engine.signal.schema",

@@ -479,6 +479,14 @@ class ProcessState:
 _MISSING: Any = object()
 
 
+#: What must follow a Step, by what the fold expects next: (the rule, what is missing).
+_UNFINISHED = {
+    "declare": ("effect.declaration", "its EffectDeclared events"),
+    "checkpoint": ("checkpoint.pairing", "its CheckpointCommitted"),
+    "terminate": ("step.sequence", "its ProcessTerminated"),
+}
+
+
 class TreeState:
     """The folded state of one root tree. Mutated only by :meth:`apply`."""
 
@@ -632,6 +640,16 @@ class TreeState:
             self.kernel_awake.update(touched)
         else:
             self.touch_log.extend(touched)
+
+    def unfinished_step(self) -> tuple[int, str, str] | None:
+        """Where the history breaks off inside a Step, if it does: (the position that is
+        missing, the rule, what is missing). Every append holds whole Steps, so a stored
+        history never ends there: one that does was cut (by hand, a restore)."""
+        expect = self._expect
+        if expect is None:
+            return None
+        rule, missing = _UNFINISHED[expect[0]]
+        return self.version + 1, rule, f"the stream ends after step {expect[2]} of {expect[1]} without {missing}"
 
     def _check_expectation(self, pos: int, event: TreeEvent, expect: tuple[str, ProcessID, int, int]) -> None:
         kind, pid, step, index = expect
