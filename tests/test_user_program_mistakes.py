@@ -353,9 +353,9 @@ def test_a_python_value_json_would_write_its_own_way_is_refused_not_converted(st
     ("build", "code", "text"),
     [
         (lambda: Descriptor("p", output_schema={"$ref": "#/$defs/result"}), "schema.invalid",
-         "$ref '#/$defs/result' at #output names nothing in the schema"),
+         "unresolvable $ref '#/$defs/result' at #output (a $ref names a schema in this one"),
         (lambda: Descriptor("p", output_schema={"$ref": "#/required", "required": ["a"]}), "schema.invalid",
-         "names a list, not a schema"),
+         "$ref '#/required' at #output does not name a schema (it names a list)"),
         (lambda: Descriptor("p", input_schema={"$defs": {"x": {"nope": 1}}, "$ref": "#/$defs/x"}), "schema.invalid",
          "unsupported schema keyword 'nope'"),
         (lambda: Descriptor("p", input_schema={"const": b"x"}), "schema.invalid", "value of type bytes at $.const"),

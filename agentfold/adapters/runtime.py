@@ -1637,7 +1637,9 @@ class Runtime:
 
     # -- ownership -----------------------------------------------------------
 
-    def _try_adopt(self, tree_id: TreeID, *, new_only: bool = False) -> _Driver | None:
+    def _try_adopt(
+        self, tree_id: TreeID, *, new_only: bool = False, admission: _Admission | None = None
+    ) -> _Driver | None:
         """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does
         (with ``new_only``, also when this runtime's own owner line already drives it).
 
@@ -1669,7 +1671,7 @@ class Runtime:
                     # A finished tree needs no writer: activating it would append to a closed history.
                     self._leases.release(tree_id)
                     return None
-                return self._activate(tree_id)
+                return self._activate(tree_id, admission)
             except BaseException:
                 with self._lock:
                     owned = tree_id in self._drivers
@@ -1677,7 +1679,7 @@ class Runtime:
                     self._leases.release(tree_id)
                 raise
 
-    def _activate(self, tree_id: TreeID) -> _Driver:
+    def _activate(self, tree_id: TreeID, admission: _Admission | None = None) -> _Driver:
         loaded = self._load(tree_id)
         incarnation = self.ids.incarnation_id()
         base_incarnation = loaded.state.incarnation
@@ -1686,15 +1688,22 @@ class Runtime:
             with driver.lock:
                 permits = _Permits(driver)
                 kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=permits)
+                admitted: list[TreeEvent] = []
+                value: Any = None
+                later = Progress()
                 try:
                     activation = kernel.activate(incarnation)
                     progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+                    if admission is not None:
+                        admitted, value = admission.fn(kernel)  # a refusal raises: nothing is appended
+                        if admitted:
+                            later = kernel.advance(MAX_EVENTS_PER_APPEND)
                 except BaseException:
                     permits.give_back(discard=True)
                     raise
                 driver.waiting_slot = permits.denied
                 try:
-                    driver._append([*activation.events, *progress.events])
+                    driver._append([*activation.events, *progress.events, *admitted, *later.events])
                 except BaseException as exc:
                     permits.give_back(discard=True)
                     if not isinstance(exc, VersionConflict):
@@ -1708,13 +1717,15 @@ class Runtime:
                             ) from None
                         base_incarnation = loaded.state.incarnation
                     continue
+                if admission is not None:  # recorded, whatever happens to this owner line now
+                    admission.applied, admission.value = True, value
                 if not self._register(driver):
                     permits.give_back(discard=True)
                     return driver
-                driver._launch([*activation.dispatches, *progress.dispatches], permits)
+                driver._launch([*activation.dispatches, *progress.dispatches, *later.dispatches], permits)
                 permits.give_back()
                 driver._after_commit([], [])
-                driver.more_to_do(progress)
+                driver.more_to_do(later if admitted else progress)
             driver.start_jobs(keep_last=False)
             self._ensure_watcher()
             return driver
@@ -1926,18 +1937,17 @@ class Runtime:
         if driver is not None and driver.stopped is not None:
             driver = None  # an owner line that is leaving: the tree is taken anew (``_try_adopt``)
         if driver is None and self.adopt_on_admit and not record_first:
-            try:
-                self._precheck(tree_id, fn)
-            except AgentfoldError:
-                if not self._owned_elsewhere(tree_id):
-                    raise
-                # The precheck refused the request on the tree as this runtime would adopt it
-                # (in-flight Effects decided, e.g. a cancellation finished), but another live
-                # runtime owns it and decides them: a second `cancel` while the first waits for
-                # a call was refused as "already ended canceled". The request is validated
-                # below on the tree as stored, as its owner sees it.
-            else:
-                driver = self._try_adopt(tree_id)
+            # Taken over and applied in ONE append (the activation, what it decides, the request
+            # and the Steps it allows), on the tree as the new owner sees it: a request refused
+            # there appends nothing, not even the activation. Taken over first and refused after
+            # (another host's input landed in between), a command committed the takeover and the
+            # next call's permission, then exited and left that call unknown.
+            admission = _Admission(fn)
+            driver = self._try_adopt(tree_id, admission=admission)
+            if admission.applied:
+                return admission.value
+            # None: another live runtime owns the tree (its owner applies what is recorded below,
+            # validated on the tree as stored, as that owner sees it), or it has ended.
         if driver is not None:
             return driver.call(fn)
         for _ in range(64):
@@ -1968,35 +1978,6 @@ class Runtime:
                     log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
-
-    def _owned_elsewhere(self, tree_id: TreeID) -> bool:
-        """Whether another runtime holds the tree's lease now (probed: taken and given back,
-        under the tree's adoption lock, so that no adoption here shares the probe's lease).
-
-        False for a finished tree (nobody adopts it: the refusal was judged on it as stored)
-        and when the probe itself fails (the lease session is down): the refusal stands."""
-        try:
-            head = self.store.head(tree_id)
-            if head is None or head.classification == "terminal":
-                return False
-            with self._lease_look(tree_id) as look:
-                return look.held == "elsewhere"
-        except Exception:  # noqa: BLE001 - the refusal in hand is the answer to give
-            return False
-
-    def _precheck(self, tree_id: TreeID, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
-        """Validate an admission before adopting the tree for it.
-
-        A refused request appends nothing, not even the ``WriterActivated`` adoption
-        would write; the request is run against a scratch copy of the stored tree as
-        the new owner would see it (activated, advanced), and its refusal raised here.
-        """
-        scratch = self._load(tree_id).state
-        kernel = Kernel(scratch, self._resolve, self.ids)
-        if not scratch.terminal:  # a finished tree is not adopted (see _try_adopt)
-            kernel.activate(self.ids.incarnation_id())
-            kernel.advance(MAX_EVENTS_PER_APPEND)
-        fn(kernel)
 
     def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
         """Admit signals to a Process, all or nothing; False when all were already admitted."""
@@ -2793,6 +2774,17 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Admission:
+    """A host's request to apply in the append that takes a tree over (``Runtime._admit``)."""
+
+    __slots__ = ("applied", "fn", "value")
+
+    def __init__(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
+        self.fn = fn
+        self.applied = False  # recorded (in the takeover's append)
+        self.value: Any = None
 
 
 def _copy_of(driver: _Driver) -> TreeState | None:

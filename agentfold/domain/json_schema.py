@@ -144,10 +144,11 @@ def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
                 try:
                     target = resolve_ref(root, sub)
                 except SchemaError:
-                    raise SchemaError("schema.invalid", f"$ref {sub!r} at {path} names nothing in the schema") from None
+                    raise SchemaError("schema.invalid", f"unresolvable $ref {sub!r} at {path} "
+                                      "(a $ref names a schema in this one: #/$defs/...)") from None
                 if not isinstance(target, (dict, bool)):
-                    raise SchemaError("schema.invalid", f"$ref {sub!r} at {path} names a {type(target).__name__}, "
-                                      "not a schema")
+                    raise SchemaError("schema.invalid", f"$ref {sub!r} at {path} does not name a schema "
+                                      f"(it names a {type(target).__name__})")
                 _check_schema(target, sub, root, refs)
 
 
