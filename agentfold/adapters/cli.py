@@ -548,7 +548,10 @@ def cmd_recover(ctx: Context, args: argparse.Namespace) -> Outcome:
                         entries.append({**_head_summary(head), "outcome": "waiting_for_timer",
                                         "timers": timers_json(timers)})
                         continue
-                    handles = runtime.recover(head.tree_id)
+                    handles = runtime.recover(head.tree_id, if_needed=True)
+                    if not handles:  # parked meanwhile, by a `recover` racing this one
+                        entries.append({**_head_summary(head), "outcome": "parked"})
+                        continue
                 except Fenced:
                     entries.append({**_head_summary(head), "outcome": "owned"})
                     continue

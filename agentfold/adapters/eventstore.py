@@ -1168,6 +1168,15 @@ class EventStore:
             if refuses_writes(exc):  # nothing was stored; the runtime adopts the tree again later
                 self.forget_sessions()
                 raise read_only_server(f"append to tree {tree_id} failed") from exc
+            if self.backend == "sqlite" and "database is locked" in str(exc):
+                # Not a refused write: another process held SQLite's write lock past the busy wait
+                # (a writer stopped mid-transaction, a long import, an operator's open shell).
+                raise StoreFailure(
+                    "store.unavailable", f"append to tree {tree_id} failed: {exc} (another process held the "
+                    "store's write lock for the whole lock wait)",
+                    hint="nothing of this append was stored; send the request again once the process holding "
+                    "the lock has finished (a stopped or hung agentfold process, an open sqlite3 shell)",
+                ) from exc
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)

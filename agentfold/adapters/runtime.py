@@ -1621,9 +1621,12 @@ class Runtime:
     def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
         first = self.store.read(tree_id, upto=1)
         if not first:
-            raise Rejected("engine.start.in_progress", f"start {started.start_id} is being created by another runtime")
+            raise Rejected("engine.start.in_progress", f"start {started.start_id} is being created by another runtime",
+                           hint="start it again in a moment: the same start id then returns that run")
         original = first[0].event
-        assert isinstance(original, TreeStarted)
+        if not isinstance(original, TreeStarted):
+            raise CorruptStream(tree_id, 1, "stream.first_event",
+                                f"the first event must be TreeStarted, got {type(original).__name__}")
         if original.program != started.program or digest_of(original.input) != digest_of(started.input):
             raise Rejected(
                 "engine.start.conflict",
@@ -1632,16 +1635,21 @@ class Runtime:
             )
         handle = RunHandle(self, tree_id, original.process_id, original.start_id)
         if tree_id not in self._drivers and self.adopt_on_admit:
-            self._try_adopt(tree_id)
+            # Only when there is something to drive: a queue delivering a parked run's job again
+            # appended a WriterActivated to its history at every delivery.
+            self._try_adopt(tree_id, if_needed=True)
         return handle
 
     # -- ownership -----------------------------------------------------------
 
     def _try_adopt(
-        self, tree_id: TreeID, *, new_only: bool = False, admission: _Admission | None = None
+        self, tree_id: TreeID, *, new_only: bool = False, admission: _Admission | None = None,
+        if_needed: bool = False,
     ) -> _Driver | None:
         """Take ownership of a tree nobody drives (``WriterActivated``); None if someone does
-        (with ``new_only``, also when this runtime's own owner line already drives it).
+        (with ``new_only``, also when this runtime's own owner line already drives it; with
+        ``if_needed``, also when, looked at under its lease, it needs no recovery: a parked
+        run with nothing in flight, perhaps taken over and left by a racing ``recover``).
 
         Serialized per tree within this runtime: leases are re-entrant inside one process,
         so two threads adopting the same tree would both activate it, and the loser's
@@ -1669,6 +1677,9 @@ class Runtime:
                 head = self.store.head(tree_id)
                 if head is not None and head.classification == "terminal":
                     # A finished tree needs no writer: activating it would append to a closed history.
+                    self._leases.release(tree_id)
+                    return None
+                if if_needed and head is not None and not self.needs_recovery(head):
                     self._leases.release(tree_id)
                     return None
                 return self._activate(tree_id, admission)
@@ -1754,7 +1765,7 @@ class Runtime:
         )
         return True
 
-    def recover(self, tree: str | None = None) -> list[RunHandle]:
+    def recover(self, tree: str | None = None, *, if_needed: bool = False) -> list[RunHandle]:
         """Take ownership of one tree, or of every live tree nobody owns, and drive them.
 
         Nothing is called again: in-flight Effects are re-dispatched only under a
@@ -1767,7 +1778,9 @@ class Runtime:
         bound here or cannot be rebuilt, its history is corrupt) is left alone, logged and
         listed in ``recover_failures`` (tree id -> the error), so that one such run does
         not stop a worker from taking up the others; a failing store still raises. One
-        tree: it is taken whatever its state, and its error is raised.
+        tree: it is taken whatever its state (with ``if_needed``, only when it needs recovery
+        once its lease is held: none is returned for a parked tree with nothing in flight),
+        and its error is raised.
         """
         self._check_open()
         if tree is not None:
@@ -1783,7 +1796,9 @@ class Runtime:
                 handles.append(RunHandle(self, tree_id, ProcessID(head.root_process_id), StartID(head.start_id)))
                 continue
             try:
-                driver = self._try_adopt(tree_id)
+                # Every live tree: judged again under its lease (two `recover` commands racing each
+                # appended an activation to a run the first had already taken over and parked).
+                driver = self._try_adopt(tree_id, if_needed=if_needed or tree is None)
             except Exception as exc:
                 if tree is not None or _store_down(exc):
                     raise
@@ -1794,6 +1809,10 @@ class Runtime:
                 self.recover_failures[tree_id] = failure
                 continue
             if driver is None:
+                if if_needed and tree is not None and not self._draining:
+                    now = self.store.head(tree_id)
+                    if now is None or not self.needs_recovery(now):
+                        continue  # it needs no recovery (now: a racing `recover` took it over and parked it)
                 if tree is not None and self._draining:
                     raise RuntimeStopped(
                         "engine.runtime.draining", f"tree {tree_id} was not taken over: this runtime is draining",
