@@ -85,7 +85,6 @@ from agentfold.domain.program import (
     Pause,
     Program,
     ProgramResolver,
-    Replay,
     SettlementStatus,
     Signal,
     SignalRequest,
@@ -691,11 +690,9 @@ class Kernel:
                 except Exception as exc:
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
                                  f"failed: {type(exc).__name__}: {recorded_text(exc)}") from exc
-                if not (isinstance(policy, EffectPolicy) and isinstance(policy.replay, Replay)
-                        and isinstance(policy.required_capabilities, (set, frozenset))
-                        and all(isinstance(c, str) for c in policy.required_capabilities)):
+                if not isinstance(policy, EffectPolicy):  # one checks its own fields when built
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
-                                 f"is no EffectPolicy of a Replay and a set of capability names: {policy!r:.200}")
+                                 f"returned {type(policy).__name__}, not an EffectPolicy")
                 missing = set(policy.required_capabilities) - set(process.capabilities)
                 if missing:
                     raise refuse(

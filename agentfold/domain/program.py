@@ -576,8 +576,11 @@ PolicyFn = Callable[[Effect], EffectPolicy]
 ExpandFn = Callable[[Any, JSON], JSON]
 
 
+_NEVER = EffectPolicy()
+
+
 def _never(effect: Effect) -> EffectPolicy:
-    return EffectPolicy()
+    return _NEVER
 
 
 SYNCHRONOUS_HINT = (
