@@ -107,6 +107,29 @@ def test_a_cancel_that_takes_a_dead_owners_run_over_makes_no_call_again(
         assert settled.status == "unknown"
 
 
+def test_a_second_cancel_of_a_run_nobody_owns_carries_the_first_out(durable_store_url: str, tmp_path: Path) -> None:
+    # A cancel recorded by a host that does not drive (or an owner that died before carrying it
+    # out); a second `agentfold cancel` printed "already canceling ... another runtime owns this
+    # tree and drives it on", exit 0, while nobody did: the run stayed `progress` for good.
+    log = tmp_path / "calls.jsonl"
+    start_id = "start:parent-same-twice"
+    tree_id = tree_of(start_id)
+    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
+          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
+    with runtime_for(durable_store_url, "parent-same", log) as (store, runtime):
+        root = store.load(tree_id).state.root
+        recorder = Runtime(store, programs.catalog("parent-same", log), adopt_on_admit=False)
+        try:
+            assert recorder.cancel(root.process_id, "stop everything")
+        finally:
+            recorder.close()
+        assert runtime.cancel(root.process_id, "stop everything") is False  # recorded already
+        assert runtime.drives(tree_id)
+        assert runtime.result(tree_id, timeout=30).status == "canceled"
+        runtime.wait_idle(tree_id, timeout=30)
+        assert len(calls_of(log)) == 1
+
+
 def test_a_resolution_under_an_ancestors_pending_cancel_is_refused_and_appends_nothing(
     durable_store_url: str,
 ) -> None:

@@ -16,16 +16,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchContext, FunctionDispatcher
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
+from agentfold.domain.canonical import normalize
 from agentfold.domain.errors import AgentfoldError, Failure, FailureKind, InvalidInput
 from agentfold.domain.events import EffectDeclared, EffectSettled, ProcessTerminated
 from agentfold.domain.ids import ChildKey, TreeID
@@ -111,8 +114,12 @@ MISTAKES: dict[str, tuple[Decide, Any, str, str, str]] = {
         None, "execution.transition.invalid", "contract", "checkpoint kind 7 is not qualified"),
     "decide raising SystemExit": (
         _raise(SystemExit(3)), None, "execution.step.failed", "panic", "SystemExit: 3"),
-    "decide raising KeyboardInterrupt": (
-        _raise(KeyboardInterrupt()), None, "execution.step.failed", "panic", "KeyboardInterrupt"),
+    "decide raising GeneratorExit": (
+        _raise(GeneratorExit()), None, "execution.step.failed", "panic", "GeneratorExit"),
+    "a policy function that calls sys.exit": (
+        lambda s, w: Step(len(w), Continue((dispatcher_effect({"charge": 2}),)), {"n": 2}),
+        lambda e: EffectPolicy() if e.payload.get("charge") == 1 else _raise(SystemExit("gave up"))(None, ()),
+        "execution.effect.invalid", "contract", "policy for effect 0 failed: SystemExit: gave up"),
     "an Effect built directly with a set in its payload": (
         lambda s, w: Step(len(w), Continue((Effect(Target.DISPATCHER, {"tags": {1, 2}}),)), {"n": 2}),
         None, "execution.effect.invalid", "contract", "value of type set at $.tags is not JSON"),
@@ -329,24 +336,19 @@ def test_a_start_whose_first_pass_fails_gives_its_lease_back(
 
 @dataclasses.dataclass
 class _Order:
-    amount: int
+    amount: float
 
 
-@pytest.mark.parametrize("value", [datetime.datetime(2026, 12, 4, 7, 0), datetime.date(2026, 12, 4), _Order(3)])
-def test_a_python_value_json_would_write_its_own_way_is_refused_not_converted(store_url: str, value: Any) -> None:
-    # orjson wrote a datetime as an ISO string and a dataclass as an object: the run was started
-    # with values of other types than the ones given, silently.
-    program = _program("mistake.input", lambda s, w: Step(len(w), Complete(None), {"n": 2}), CallLog(Path("/dev/null")))
-    store = EventStore(store_url)
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            with pytest.raises(InvalidInput) as refused:
-                runtime.start(program, {"when": value}, start_id="typed")
-            assert refused.value.code == "payload.invalid"
-            assert f"value of type {type(value).__name__} at $.when is not JSON" in refused.value.message
-        assert store.heads() == []
-    finally:
-        store.close()
+@pytest.mark.parametrize("value", [datetime.datetime(2026, 12, 4, 7, 0), uuid.UUID(int=7), _Order(3.5)])
+def test_a_value_orjson_writes_its_own_way_is_stored_as_that_json_with_or_without_a_null(value: Any) -> None:
+    # Such a value was stored as the JSON orjson writes for it, and refused (payload.invalid)
+    # as soon as a null appeared anywhere in the same value (the walk looking for NaN ran then).
+    alone = normalize({"when": value})
+    beside_a_null = normalize({"when": value, "note": None})
+    assert alone["when"] == beside_a_null["when"] == orjson.loads(orjson.dumps(value))
+    with pytest.raises(InvalidInput) as refused:
+        normalize({"when": _Order(float("nan")), "note": None})
+    assert refused.value.code == "payload.invalid" and "non-finite number at $.when.amount" in refused.value.message
 
 
 @pytest.mark.parametrize(
@@ -359,6 +361,7 @@ def test_a_python_value_json_would_write_its_own_way_is_refused_not_converted(st
         (lambda: Descriptor("p", input_schema={"$defs": {"x": {"nope": 1}}, "$ref": "#/$defs/x"}), "schema.invalid",
          "unsupported schema keyword 'nope'"),
         (lambda: Descriptor("p", input_schema={"const": b"x"}), "schema.invalid", "value of type bytes at $.const"),
+        (lambda: Descriptor("p", input_schema={"enum": [{1, 2}]}), "schema.invalid", "value of type set at $.enum[0]"),
         (lambda: Descriptor("p", input_schema={"enum": [float("nan")]}), "schema.invalid", "non-finite number"),
         (lambda: Descriptor(None), "program.invalid", "descriptor name None is not a qualified name"),  # type: ignore[arg-type]
         (lambda: Program(Descriptor("p"), JsonStrategy(), implementation_digest=IMPL,  # type: ignore[abstract]
@@ -383,3 +386,22 @@ def test_a_recursive_local_ref_is_still_a_valid_schema() -> None:
     tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
             "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
     Descriptor("p", input_schema=tree)
+
+
+def test_ctrl_c_in_a_starts_first_decide_reaches_the_caller_and_stores_nothing(store_url: str, tmp_path: Path) -> None:
+    # A start's first pass runs on the caller's thread: Ctrl-C there is the operator's, not a
+    # failure of the run (it was recorded as a `panic` and the run failed for good).
+    class Interrupted(_Strategy):
+        def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+            raise KeyboardInterrupt
+
+    program = _program("mistake.ctrlc", _raise(ValueError()), CallLog(tmp_path / "c"), strategy=Interrupted(_raise(ValueError())))
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            with pytest.raises(KeyboardInterrupt):
+                runtime.start(program, {}, start_id="ctrl-c")
+            assert store.heads() == []
+            assert not runtime._leases.holds(TreeID.for_start("ctrl-c"))
+    finally:
+        store.close()

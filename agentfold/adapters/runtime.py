@@ -1974,17 +1974,20 @@ class Runtime:
             kernel = Kernel(loaded.state, self._resolve, self.ids)
             base = loaded.state.version
             events, value = fn(kernel)
-            if not events:
+            if not events and not (record_first and driver is None and self.adopt_on_admit):
                 return value
-            try:
-                now = self.clock()
-                self.store.append(
-                    tree_id, base, events, previous_digest=loaded.digest, timestamp=now,
-                    head=index_head(loaded.state, tree_id, events, now),
-                )
-            except VersionConflict:
-                continue
-            self._counts["remote_admissions"] += 1
+            if events:
+                try:
+                    now = self.clock()
+                    self.store.append(
+                        tree_id, base, events, previous_digest=loaded.digest, timestamp=now,
+                        head=index_head(loaded.state, tree_id, events, now),
+                    )
+                except VersionConflict:
+                    continue
+                self._counts["remote_admissions"] += 1
+            # (An intent recorded already, by a host that does not drive or an owner that died
+            # before carrying it out: this one takes the run over to carry it out, as below.)
             if driver is None and self.adopt_on_admit:
                 # The lease was held when this runtime tried to take the tree: by its live
                 # owner (whose watcher catches up with this input), or only for a moment, by

@@ -9,8 +9,12 @@ value always survives a round trip through the store unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import json
 import math
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,9 +33,6 @@ MAX_TOOL_INPUT_BYTES = 1 << 20
 """Upper bound of a Tool input prompt or answer (seed: tool.MaxInputBytes, 1 MiB)."""
 
 _OPTIONS = orjson.OPT_SORT_KEYS
-
-
-_STRICT = _OPTIONS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
 def canonical_bytes(value: JSON) -> bytes:
@@ -54,6 +55,9 @@ def _text(value: str, path: str) -> None:
 
 NON_FINITE_HINT = "JSON has no NaN or infinity: send null or a string instead"
 
+#: Values orjson writes as JSON of its own (stored as that JSON; what is read back is it).
+_WRITTEN_BY_ORJSON = (datetime.datetime, datetime.date, datetime.time, uuid.UUID, enum.Enum)
+
 MAX_DEPTH = 254
 """The deepest nesting of arrays and objects a payload may have (what orjson encodes)."""
 
@@ -73,6 +77,17 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
         if not -(1 << 63) <= value < (1 << 64):
             raise InvalidInput("payload.invalid", f"integer at {path} exceeds 64 bits",
                                hint="send a number this large as a string", recorded_hint=False)
+        return
+    if isinstance(value, _WRITTEN_BY_ORJSON):
+        # Stored as the JSON orjson writes for it (ISO 8601 text, the UUID's text, the Enum's
+        # value, the dataclass's fields), as without a null anywhere in the value, when this
+        # walk does not run: accepted either way (it refused these only when a null was there).
+        if isinstance(value, enum.Enum):
+            _check(value.value, path, depth)
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _check(getattr(value, field.name), f"{path}.{field.name}", depth + 1)
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -94,7 +109,7 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
         return
     raise InvalidInput("payload.invalid", f"value of type {type(value).__name__} at {path} is not JSON",
                        hint="pass only dict, list, str, int, float, bool and None: convert the value first "
-                       "(a set to a list, a date to an ISO string, a dataclass to a dict)", recorded_hint=False)
+                       "(a set to a list, bytes to text)", recorded_hint=False)
 
 
 def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
@@ -111,9 +126,7 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
         data = canonical_bytes(value) if isinstance(value, str) and len(value) > (limit - 2) // 6 else b""
     else:
         try:
-            # Passthrough: orjson would write a datetime or a dataclass as JSON of its own making
-            # (the value read back is then another type than the one given): refused instead.
-            data = orjson.dumps(value, option=_STRICT)
+            data = canonical_bytes(value)
         except (TypeError, orjson.JSONEncodeError):
             _check(value, "$")  # names the offending path
             raise InvalidInput("payload.invalid", f"{what} is not JSON",

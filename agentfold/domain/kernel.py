@@ -525,6 +525,8 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
+        except KeyboardInterrupt:
+            raise  # Ctrl-C (a start's first pass runs on the caller's thread): the caller's, not the run's
         except BaseException as exc:  # noqa: BLE001 - any other strategy error fails the Step
             self._fail(progress, process, _strategy_failure("", exc))
             return
@@ -552,6 +554,8 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
+        except KeyboardInterrupt:
+            raise
         except BaseException as exc:  # noqa: BLE001
             self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
             return
@@ -687,7 +691,9 @@ class Kernel:
             if effect.target is Target.DISPATCHER:
                 try:
                     policy = program.policy(effect)
-                except Exception as exc:
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # SystemExit too: the Program's own code
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
                                  f"failed: {type(exc).__name__}: {recorded_text(exc)}") from exc
                 if not isinstance(policy, EffectPolicy):  # one checks its own fields when built
@@ -1121,8 +1127,9 @@ class _CheckedStep:
 
 def _strategy_failure(prefix: str, exc: BaseException) -> Failure:
     """The Failure of a Step whose decide or evolve raised: ``execution.step.failed``, of
-    kind ``panic`` for what no Program should raise (SystemExit, KeyboardInterrupt, ...: as a
-    dispatcher's are ``engine.dispatch.panicked``)."""
+    kind ``panic`` for what no Program should raise (SystemExit, GeneratorExit, ...: as a
+    dispatcher's are ``engine.dispatch.panicked``). A KeyboardInterrupt is not caught: it is
+    the operator's Ctrl-C, meant for the process, not a failure of the run."""
     kind = FailureKind.EXECUTION if isinstance(exc, Exception) else FailureKind.PANIC
     text = recorded_text(exc).strip()
     return _failure(kind, EngineCode.STEP_FAILED, f"{prefix}{type(exc).__name__}" + (f": {text}" if text else ""))
