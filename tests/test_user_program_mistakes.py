@@ -405,3 +405,45 @@ def test_ctrl_c_in_a_starts_first_decide_reaches_the_caller_and_stores_nothing(s
             assert not runtime._leases.holds(TreeID.for_start("ctrl-c"))
     finally:
         store.close()
+
+
+class _Changes(_Strategy):
+    """Builds its first Effect with dispatcher_effect(), then changes it (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(lambda s, w: Step(len(w), Complete(None), {"n": 2}))
+        self.how = how
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        if state["n"] > 0:
+            return self.second(state, window)
+        effect = dispatcher_effect({"charge": 1})
+        if self.how == "replaced":
+            effect = dataclasses.replace(effect, payload={"charge": 1, "blob": "x" * (17 << 20)})
+        else:  # changed in place: the check made when it was built no longer holds
+            effect.payload["blob"] = "x" * (17 << 20)  # type: ignore[index]
+        return Step(0, Continue((effect,)), {"n": 1})
+
+
+@pytest.mark.parametrize("how", ["replaced", "changed in place"])
+def test_an_effect_changed_after_it_was_built_never_makes_the_history_unreadable(
+    durable_store_url: str, tmp_path: Path, how: str
+) -> None:
+    # dataclasses.replace() kept the mark "payload checked" and a payload changed in place kept
+    # it too: 17 MiB were stored, and every later read of the tree failed (store.corrupt).
+    program = _program("mistake.changed", _raise(ValueError()), CallLog(tmp_path / "c"), strategy=_Changes(how))
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            if how == "replaced":  # not marked: checked at the Step, which is refused
+                result = runtime.start(program, {}, start_id="changed").result(timeout=60)
+                assert result.termination is not None
+                assert result.termination["failure"]["code"] == "execution.effect.invalid"
+                assert store.load(TreeID.for_start("changed")).state.root.status == "failed"
+            else:  # the store refuses to write what no reader would read back
+                with pytest.raises(InvalidInput) as refused:
+                    runtime.start(program, {}, start_id="changed")
+                assert refused.value.code == "payload.too_large"
+                assert store.heads() == []
+    finally:
+        store.close()

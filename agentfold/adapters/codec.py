@@ -31,6 +31,7 @@ from eventsourcing.persistence import (
 )
 
 from agentfold.domain.canonical import MAX_PAYLOAD_BYTES
+from agentfold.domain.errors import InvalidInput
 from agentfold.domain.events import (
     EVENT_TYPES,
     EVENT_VERSIONS,
@@ -176,6 +177,14 @@ class PydanticMapper(Mapper[uuid.UUID]):
         content = content_bytes(event_body(event), timestamp)
         digest = chain_digest(previous, tree_id, position, tag, content)
         state = seal(content, digest)
+        if len(state) > MAX_STATE_BYTES:
+            # Every reader refuses to inflate a state past the bound: written, it would make the
+            # whole history unreadable (a payload changed in place after it was checked).
+            raise InvalidInput(
+                "payload.too_large", f"the {name} at position {position} is {len(state)} bytes, above the "
+                f"{MAX_STATE_BYTES} a stored event may hold: nothing was stored",
+                hint="do not change a payload after building its Effect (dispatcher_effect() checks it once)",
+            )
         if self.compressor:
             state = self.compressor.compress(state)
         if self.cipher:

@@ -220,7 +220,8 @@ class Effect:
 
     target: Target
     payload: JSON
-    _checked: Any = field(default=None, repr=False, compare=False)
+    # Not a constructor argument: ``dataclasses.replace`` (a new payload) leaves it unset.
+    _checked: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def normalized(self) -> bool:
@@ -237,8 +238,14 @@ class Effect:
         return {"target": self.target.value, "payload": self.payload}
 
 
+def _normalized(target: Target, payload: JSON) -> Effect:
+    effect = Effect(target, payload)
+    object.__setattr__(effect, "_checked", _NORMALIZED)
+    return effect
+
+
 def dispatcher_effect(payload: JSON) -> Effect:
-    return Effect(Target.DISPATCHER, normalize(payload, what="effect payload"), _NORMALIZED)
+    return _normalized(Target.DISPATCHER, normalize(payload, what="effect payload"))
 
 
 def wait_effect(key: WaitKey | str, *, prompt: JSON = None, response_schema: JSON = None) -> Effect:
@@ -252,7 +259,7 @@ def wait_effect(key: WaitKey | str, *, prompt: JSON = None, response_schema: JSO
     if response_schema is not None:
         check_schema(response_schema, "#response_schema")
         payload["response_schema"] = response_schema
-    return Effect(Target.FRAMEWORK, normalize(payload, what="wait effect"), _NORMALIZED)
+    return _normalized(Target.FRAMEWORK, normalize(payload, what="wait effect"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +365,7 @@ def program_ref_of(text: Any, programs: Mapping[str, ProgramRef]) -> ProgramRef:
 
 def start_child_effect(spec: ChildSpec) -> Effect:
     payload = {"operation": Operation.START_CHILD.value, **spec.to_json()}
-    return Effect(Target.FRAMEWORK, normalize(payload, what="child input"), _NORMALIZED)
+    return _normalized(Target.FRAMEWORK, normalize(payload, what="child input"))
 
 
 @dataclass(frozen=True, slots=True)
