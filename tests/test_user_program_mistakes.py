@@ -360,6 +360,8 @@ def test_a_value_orjson_writes_its_own_way_is_stored_as_that_json_with_or_withou
          "$ref '#/required' at #output does not name a schema (it names a list)"),
         (lambda: Descriptor("p", input_schema={"$defs": {"x": {"nope": 1}}, "$ref": "#/$defs/x"}), "schema.invalid",
          "unsupported schema keyword 'nope'"),
+        (lambda: Descriptor("p", input_schema={"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}), "schema.invalid",
+         "refers to itself without end"),  # checking a value against it never finished
         (lambda: Descriptor("p", input_schema={"const": b"x"}), "schema.invalid", "value of type bytes at $.const"),
         (lambda: Descriptor("p", input_schema={"enum": [{1, 2}]}), "schema.invalid", "value of type set at $.enum[0]"),
         (lambda: Descriptor("p", input_schema={"enum": [float("nan")]}), "schema.invalid", "non-finite number"),
@@ -445,5 +447,43 @@ def test_an_effect_changed_after_it_was_built_never_makes_the_history_unreadable
                     runtime.start(program, {}, start_id="changed")
                 assert refused.value.code == "payload.too_large"
                 assert store.heads() == []
+    finally:
+        store.close()
+
+
+def test_an_expand_request_raising_an_unreadable_error_leaves_the_call_unknown(store_url: str, tmp_path: Path) -> None:
+    # Its text was formatted on the owner line: the owner stopped (engine.runtime.failed) or the
+    # first start raised a bare RuntimeError with the run stored and stuck.
+    def expand(state: Any, payload: Any) -> Any:
+        raise _Unprintable()
+
+    base = _program("mistake.expand", lambda s, w: Step(len(w), Complete(None), {"n": 2}), CallLog(tmp_path / "c"))
+    program = dataclasses.replace(base, expand_request=expand)
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {}, start_id="expand")
+            assert len(runtime.wait_idle(handle.tree_id, timeout=30).root.unknown_effects()) == 1
+        (settled,) = [e for e in _kinds(store, handle.tree_id) if isinstance(e, EffectSettled)]
+        assert settled.status == "unknown" and settled.diagnostic is not None
+        assert "cannot build the request: (_Unprintable whose text cannot be read)" in settled.diagnostic.message
+    finally:
+        store.close()
+
+
+def test_a_number_whose_quotient_by_multiple_of_overflows_is_not_a_multiple(store_url: str, tmp_path: Path) -> None:
+    # 1e308 against multipleOf 0.01: round() raised OverflowError out of the validator (a bare
+    # error from start, the owner stopped on a host signal, a tool call's outcome unknown).
+    base = _program("mistake.overflow", lambda s, w: Step(len(w), Complete(None), {"n": 2}), CallLog(tmp_path / "c"))
+    schema = {"type": "object", "properties": {"amount": {"type": "number", "multipleOf": 0.01}}}
+    program = dataclasses.replace(base, descriptor=Descriptor("mistake.overflow", input_schema=schema))
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            with pytest.raises(InvalidInput) as refused:
+                runtime.start(program, {"amount": 1e308}, start_id="overflow")
+            assert refused.value.code == "engine.start.input_invalid"
+            assert "$.amount: not a multiple of 0.01" in refused.value.message
+            assert runtime.start(program, {"amount": 12.34}, start_id="fine").tree_id is not None
     finally:
         store.close()

@@ -553,7 +553,7 @@ class _Timers:
                 raise ValueError(f"the clock read {now}")
             return timer.instant - now
         except BaseException as exc:  # noqa: BLE001 - a clock that fails leaves the outcome unknown
-            return exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
+            return exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {recorded_text(exc)}")
 
     def _push(self, timer: _Timer) -> None:
         remaining = self._remaining(timer)
@@ -1099,7 +1099,7 @@ class _Driver:
                 request = effect_request(self.tree, dispatch.process_id, dispatch.effect_id, program, dispatch.attempt_id)
             except Exception as exc:  # noqa: BLE001
                 slots.release_flight(flight)
-                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, f"cannot build the request: {exc}"))
+                self.submit(_unknown(dispatch, EngineCode.DISPATCH_FAILED, f"cannot build the request: {recorded_text(exc)}"))
                 continue
             dispatcher = program.dispatcher if program is not None else None
             if dispatcher is None:
@@ -1126,7 +1126,7 @@ class _Driver:
                 self._timer_done(_settled(job.dispatch, instant))
                 return
         except BaseException as exc:  # noqa: BLE001 - as a dispatcher that raises: the outcome is unknown
-            self._timer_done(_unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}"))
+            self._timer_done(_unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}"))
             return
         timer = _Timer(self, job, float(instant), float(tick))
         job.flight.timer = timer
@@ -1146,7 +1146,7 @@ class _Driver:
                 settlement = job.dispatcher.stopped(job.request) if stopped else job.dispatcher.fired(job.request)
                 done = _settled(job.dispatch, settlement)
             except BaseException as exc:  # noqa: BLE001 - asyncio.CancelledError too: the outcome is unknown
-                done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+                done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
         self._timer_done(done)
 
     def _timer_done(self, done: _Done) -> None:
@@ -1804,7 +1804,7 @@ class Runtime:
                     raise
                 failure = exc if isinstance(exc, AgentfoldError) else AgentfoldError(
                     "engine.program.unavailable", f"rebuilding the Program of tree {tree_id} failed: "
-                    f"{type(exc).__name__}: {exc}", hint="fix the loader, or bind the exact Program this tree runs")
+                    f"{type(exc).__name__}: {recorded_text(exc)}", hint="fix the loader, or bind the exact Program this tree runs")
                 log.warning("recover: tree %s left alone: %s", tree_id, failure)
                 self.recover_failures[tree_id] = failure
                 continue
@@ -2122,7 +2122,7 @@ class Runtime:
                 raise RuntimeError("no dispatcher is bound")
             done = _settled(dispatch, dispatcher.dispatch(request, DispatchContext()))
         except Exception as exc:  # noqa: BLE001
-            done = _unknown(dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {exc}")
+            done = _unknown(dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
         self.calls_settled.add(done.status.value)  # a replay is a call too (GET /metrics)
         if not done.status.definite:
             raise Rejected(

@@ -30,7 +30,7 @@ from agentfold.domain.canonical import JSON, digest_of, duplicate_key, normalize
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.interaction.chat import FINISH_REASONS, ChatInput, parse_response
 from agentfold.domain.interaction.toolset import check_name
-from agentfold.domain.json_schema import check_schema, resolve_ref
+from agentfold.domain.json_schema import check_schema
 from agentfold.domain.program import Program
 
 PROGRAM_NAME = "agentfold.scenario"
@@ -53,82 +53,15 @@ def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence
     return value
 
 
-# Keywords whose value is one schema, a list of schemas, or an object of schemas (as check_schema walks them).
-_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-# Keywords that apply their schema to the same value: a cycle through them never ends.
-_IN_PLACE = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
-
-
-def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key in _ONE_SCHEMA:
-        if key in schema:
-            out.append((key, schema[key]))
-    for key in _SCHEMA_LISTS:
-        out += [(f"{key}/{i}", sub) for i, sub in enumerate(schema.get(key, []))]
-    for key in _SCHEMA_MAPS:
-        out += [(f"{key}/{name}", sub) for name, sub in schema.get(key, {}).items()]
-    return out
-
-
 def _check_schema(schema: Any, path: str) -> None:
-    """Check a scenario's JSON Schema completely, as the run will use it.
-
-    ``check_schema`` refuses what the validator does not enforce; on top of that every
-    ``$ref`` must resolve (to a schema) and no chain of in-place keywords (``$ref``,
-    ``allOf``, ...) may lead back to itself. Either fault would otherwise show only when
-    the run is under way: every value checked against the schema would be refused.
-    """
+    """Check a scenario's JSON Schema completely, as the run will use it: ``check_schema``
+    refuses what the validator does not enforce, a ``$ref`` that names no schema in it, and a
+    chain of in-place keywords (``$ref``, ``allOf``, ...) that leads back to itself. Either
+    fault would otherwise show only when the run is under way."""
     try:
         check_schema(schema, "#")
     except InvalidInput as exc:
         raise ScenarioError(path, exc.message) from exc
-
-    def target(node: dict[str, Any], where: str) -> Any:
-        try:
-            found = resolve_ref(schema, node["$ref"])
-        except InvalidInput as exc:
-            raise ScenarioError(path, f"{exc.message} at {where} (a $ref names a schema in this one: #/$defs/...)") from exc
-        if not isinstance(found, (dict, bool)):
-            raise ScenarioError(path, f"$ref {node['$ref']!r} at {where} does not name a schema")
-        return found
-
-    pending: list[tuple[str, Any]] = [("#", schema)]
-    while pending:
-        where, node = pending.pop()
-        if isinstance(node, dict):
-            if "$ref" in node:
-                target(node, where)
-            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
-
-    def in_place(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = [(f"{where}/{k}", v) for k, v in _subschemas(node) if k.split("/")[0] in _IN_PLACE]
-        if "$ref" in node:
-            out.append((node["$ref"], target(node, where)))
-        return out
-
-    # A depth-first search over in-place edges: a node met again on the current path is a loop.
-    done: set[int] = set()
-
-    def visit(node: Any, where: str, active: dict[int, str]) -> None:
-        if not isinstance(node, dict) or id(node) in done:
-            return
-        if id(node) in active:
-            raise ScenarioError(path, f"the schema at {where} refers to itself without end (through $ref, allOf, ...)")
-        active[id(node)] = where
-        for sub_where, sub in in_place(node, where):
-            visit(sub, sub_where, active)
-        del active[id(node)]
-        done.add(id(node))
-
-    pending = [("#", schema)]
-    while pending:
-        where, node = pending.pop()
-        if isinstance(node, dict):
-            visit(node, where, {})
-            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
 
 
 def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> None:

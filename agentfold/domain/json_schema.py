@@ -14,6 +14,7 @@ silently means less than its author wrote.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -80,6 +81,61 @@ def check_schema(schema: Any, path: str = "#") -> None:
     except InvalidInput as exc:
         raise SchemaError("schema.invalid", f"the schema at {path} is not JSON: {exc.message}") from None
     _check_schema(schema, path, schema, set())
+    _check_no_loop(schema, path)
+
+
+# Keywords whose value is one schema, a list of schemas, or an object of schemas.
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that apply their schema to the same value: a cycle through them never ends.
+_IN_PLACE = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
+
+
+def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key in _ONE_SCHEMA:
+        if key in schema:
+            out.append((key, schema[key]))
+    for key in _SCHEMA_LISTS:
+        out += [(f"{key}/{i}", sub) for i, sub in enumerate(schema.get(key, []))]
+    for key in _SCHEMA_MAPS:
+        out += [(f"{key}/{name}", sub) for name, sub in schema.get(key, {}).items()]
+    return out
+
+
+def _check_no_loop(schema: Any, path: str) -> None:
+    """Refuse a schema that applies itself to the same value without end (``{"$ref": "#"}``,
+    ``{"anyOf": [{"$ref": "#"}, ...]}``): checking any value against it would never finish
+    (each level multiplies the work). Refs are resolvable here (``_check_schema`` ran)."""
+
+    def in_place(node: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = [(f"{where}/{k}", v) for k, v in _subschemas(node) if k.split("/")[0] in _IN_PLACE]
+        if "$ref" in node:
+            out.append((node["$ref"], resolve_ref(schema, node["$ref"])))
+        return out
+
+    done: set[int] = set()
+
+    def visit(node: Any, where: str, active: set[int]) -> None:
+        # A depth-first search over in-place edges: a node met again on the current path is a loop.
+        if not isinstance(node, dict) or id(node) in done:
+            return
+        if id(node) in active:
+            raise SchemaError("schema.invalid", f"the schema at {where} refers to itself without end "
+                              "(through $ref, allOf, ...)")
+        active.add(id(node))
+        for sub_where, sub in in_place(node, where):
+            visit(sub, sub_where, active)
+        active.discard(id(node))
+        done.add(id(node))
+
+    pending: list[tuple[str, Any]] = [(path, schema)]
+    while pending:
+        where, node = pending.pop()
+        if isinstance(node, dict):
+            visit(node, where, set())
+            pending += [(f"{where}/{key}", sub) for key, sub in _subschemas(node)]
 
 
 def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
@@ -242,8 +298,12 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
         if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
             out.append(f"{path}: not less than {schema['exclusiveMaximum']}")
         if "multipleOf" in schema:
-            q = value / schema["multipleOf"]
-            if abs(q - round(q)) > 1e-9:
+            try:
+                q = value / schema["multipleOf"]
+                multiple = math.isfinite(q) and abs(q - round(q)) <= 1e-9
+            except OverflowError:  # a quotient beyond a float (1e308 / 0.01): round() raised
+                multiple = False
+            if not multiple:
                 out.append(f"{path}: not a multiple of {schema['multipleOf']}")
     for sub in schema.get("allOf", []):
         out += _errors(value, sub, root, path, depth + 1)

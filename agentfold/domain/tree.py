@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from agentfold.domain.budget import Allocation, Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, value_at
-from agentfold.domain.errors import Failure, FailureKind
+from agentfold.domain.errors import Failure, FailureKind, recorded_text
 from agentfold.domain.events import (
     CheckpointCommitted,
     ControlRequested,
@@ -720,7 +720,7 @@ class TreeState:
         try:
             process.state = program.strategy.initial(process.input)
         except Exception as exc:
-            raise self.fail(pos, "program.initial", f"{type(exc).__name__}: {exc}") from exc
+            raise self.fail(pos, "program.initial", f"{type(exc).__name__}: {recorded_text(exc)}") from exc
         process.has_state = True
 
     # WriterActivated --------------------------------------------------------
@@ -927,7 +927,7 @@ class TreeState:
                 try:
                     process.state = program.strategy.evolve(process.state, e.facts, consumed)
                 except Exception as exc:
-                    raise self.fail(pos, "step.evolve", f"{type(exc).__name__}: {exc}") from exc
+                    raise self.fail(pos, "step.evolve", f"{type(exc).__name__}: {recorded_text(exc)}") from exc
         process.committed_steps = e.step
         process.last_kind = e.kind
         if e.kind == "wait":

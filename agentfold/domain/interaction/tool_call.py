@@ -60,13 +60,37 @@ TOOL_OUTPUT_SCHEMA: JSON = {
 
 
 def input_response_schema(response_schema: JSON) -> JSON:
-    """The schema the kernel enforces on an answer signal: ``{"input_response": <response>}``."""
+    """The schema the kernel enforces on an answer signal: ``{"input_response": <response>}``.
+
+    The tool's schema moves under ``properties.input_response``, so its local ``$ref``s are
+    rewritten to point there (``#/$defs/a`` -> ``#/properties/input_response/$defs/a``):
+    resolved against the wrapper they named nothing, and no answer could ever be admitted."""
     return {
         "type": "object",
         "required": ["input_response"],
         "additionalProperties": False,
-        "properties": {"input_response": response_schema},
+        "properties": {"input_response": _moved_refs(response_schema, "#/properties/input_response")},
     }
+
+
+#: Keywords whose values are data, not schemas: a "$ref" member inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _moved_refs(schema: Any, prefix: str) -> Any:
+    if isinstance(schema, list):
+        return [_moved_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        else:
+            moved[key] = _moved_refs(value, prefix)
+    return moved
 
 
 @dataclass(frozen=True, slots=True)
