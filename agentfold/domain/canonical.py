@@ -10,7 +10,6 @@ value always survives a round trip through the store unchanged.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import enum
 import json
 import math
@@ -55,8 +54,14 @@ def _text(value: str, path: str) -> None:
 
 NON_FINITE_HINT = "JSON has no NaN or infinity: send null or a string instead"
 
-#: Values orjson writes as JSON of its own (stored as that JSON; what is read back is it).
-_WRITTEN_BY_ORJSON = (datetime.datetime, datetime.date, datetime.time, uuid.UUID, enum.Enum)
+#: Values orjson writes as JSON of its own (stored as that JSON; what is read back is it). The
+#: datetime types are recognised by name: this layer imports no clock module.
+_WRITTEN_BY_ORJSON = (uuid.UUID, enum.Enum)
+_DATETIME_TYPES = frozenset({"datetime", "date", "time"})
+
+
+def _a_datetime(value: Any) -> bool:
+    return any(c.__module__ == "datetime" and c.__name__ in _DATETIME_TYPES for c in type(value).__mro__)
 
 MAX_DEPTH = 254
 """The deepest nesting of arrays and objects a payload may have (what orjson encodes)."""
@@ -78,7 +83,7 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
             raise InvalidInput("payload.invalid", f"integer at {path} exceeds 64 bits",
                                hint="send a number this large as a string", recorded_hint=False)
         return
-    if isinstance(value, _WRITTEN_BY_ORJSON):
+    if isinstance(value, _WRITTEN_BY_ORJSON) or _a_datetime(value):
         # Stored as the JSON orjson writes for it (ISO 8601 text, the UUID's text, the Enum's
         # value, the dataclass's fields), as without a null anywhere in the value, when this
         # walk does not run: accepted either way (it refused these only when a null was there).
