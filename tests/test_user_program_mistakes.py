@@ -487,3 +487,34 @@ def test_a_number_whose_quotient_by_multiple_of_overflows_is_not_a_multiple(stor
             assert runtime.start(program, {"amount": 12.34}, start_id="fine").tree_id is not None
     finally:
         store.close()
+
+
+class _StateWontEncode(_Strategy):
+    def encode_state(self, state: Any) -> Any:
+        raise ValueError("this state has no JSON form")
+
+
+def test_show_reports_a_state_that_does_not_encode_instead_of_failing(
+    durable_store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `agentfold show` (with the Program bound) ended with cli.internal; snapshots skip such a
+    # state, and show now names the error where the state would be.
+    from agentfold.adapters import cli
+    from agentfold.adapters.sources import ProgramSources
+
+    strategy = _StateWontEncode(lambda s, w: Step(len(w), Complete({"ok": True}), {"n": 2}))
+    program = _program("mistake.show", _raise(ValueError()), CallLog(tmp_path / "c"), strategy=strategy)
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            assert runtime.start(program, {}, start_id="show-state").result(timeout=30).status == "completed"
+    finally:
+        store.close()
+    capsys.readouterr()
+    code = cli.main(["show", "show-state", "--store", durable_store_url, "--json"],
+                    sources=ProgramSources(programs=(program,)))
+    shown = orjson.loads(capsys.readouterr().out)
+    assert code == 0
+    (root,) = shown["processes"]
+    assert root["status"] == "completed" and "state" not in root
+    assert root["state_error"] == "encode_state failed: ValueError: this state has no JSON form"

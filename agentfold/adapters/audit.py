@@ -608,7 +608,7 @@ class Replay:
             "version": self.last,
             "programs_bound": self.programs is not None,
             "event": self.event,
-            "tree": self.tree.to_json(),
+            "tree": self.tree.to_json(shown=True),
             "working_context": working_contexts(self.tree, self.programs),
         }
 

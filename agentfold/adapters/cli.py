@@ -297,7 +297,7 @@ def cmd_show(ctx: Context, args: argparse.Namespace) -> Outcome:
         tree, _ = _fold(store, ctx.sources, tree_id)
     finally:
         store.close()
-    return Outcome(tree.to_json(), _show_text(tree))
+    return Outcome(tree.to_json(shown=True), _show_text(tree))
 
 
 def _show_text(tree: TreeState) -> str:

@@ -1416,8 +1416,11 @@ class TreeState:
 
     # -- snapshots ---------------------------------------------------------
 
-    def to_json(self, *, with_state: bool = True, compact: bool = False) -> dict[str, JSON]:
+    def to_json(self, *, with_state: bool = True, compact: bool = False, shown: bool = False) -> dict[str, JSON]:
         """The whole folded tree as JSON (used for ``show``, capture and storage snapshots).
+
+        ``shown`` (``show``, ``replay``): a Program's ``encode_state`` that raises is reported
+        as the process's ``state_error`` instead of raised (a snapshot or a copy must fail).
 
         ``compact`` (storage snapshots) names each process's program by its text ref (the
         tree's bound refs are written once). A finished process never changes, so its JSON
@@ -1460,8 +1463,13 @@ class TreeState:
             if with_state and p.has_state and self.programs is not None:
                 program = self.programs(p.program)
                 if program is not None:
-                    body["state"] = program.strategy.encode_state(p.state)
-            if p.terminal:
+                    try:
+                        body["state"] = program.strategy.encode_state(p.state)
+                    except Exception as exc:
+                        if not shown:
+                            raise
+                        body = {**body, "state_error": f"encode_state failed: {type(exc).__name__}: {recorded_text(exc)}"}
+            if p.terminal and "state_error" not in body:  # a body with an error is never reused
                 p.json_cache = (cache_key, body)
             processes.append(body)
         return {
