@@ -50,15 +50,20 @@ def calls_of(log: Path) -> list[dict[str, Any]]:
     return CallLog(log).calls()
 
 
+def died_in_a_childs_call(url: str, log: Path, start_id: str) -> Any:
+    """A parent whose owner died (for real) inside its child's call, a call whose policy
+    allows making it again (`same_identity`): the call made once."""
+    crash(url, log, "start", "--program", "parent-same", "--start-id", start_id,
+          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
+    assert len(calls_of(log)) == 1
+    return tree_of(start_id)
+
+
 def test_recovery_after_an_ancestors_cancel_makes_no_call_again(durable_store_url: str, tmp_path: Path) -> None:
     # The owner died inside the child's call (its policy allows making it again); a host then
     # cancelled the root. Recovery made the child's call a second time, after the cancel.
     log = tmp_path / "calls.jsonl"
-    start_id = "start:parent-same"
-    tree_id = tree_of(start_id)
-    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
-          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
-    assert len(calls_of(log)) == 1
+    tree_id = died_in_a_childs_call(durable_store_url, log, "start:parent-same")
     with runtime_for(durable_store_url, "parent-same", log) as (store, _):
         root = store.load(tree_id).state.root
     with runtime_for(durable_store_url, "parent-same", log) as (store, _):
@@ -88,11 +93,7 @@ def test_a_cancel_that_takes_a_dead_owners_run_over_makes_no_call_again(
     # /processes/{id}/cancel, Host.cancel): it took the run over first, and the takeover made
     # the child's call again before the cancel was applied. The intent is recorded first now.
     log = tmp_path / "calls.jsonl"
-    start_id = f"start:parent-same-{control}"
-    tree_id = tree_of(start_id)
-    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
-          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
-    assert len(calls_of(log)) == 1
+    tree_id = died_in_a_childs_call(durable_store_url, log, f"start:parent-same-{control}")
     with runtime_for(durable_store_url, "parent-same", log) as (store, _):
         root = store.load(tree_id).state.root
     with runtime_for(durable_store_url, "parent-same", log) as (store, runtime):
@@ -112,10 +113,7 @@ def test_a_second_cancel_of_a_run_nobody_owns_carries_the_first_out(durable_stor
     # out); a second `agentfold cancel` printed "already canceling ... another runtime owns this
     # tree and drives it on", exit 0, while nobody did: the run stayed `progress` for good.
     log = tmp_path / "calls.jsonl"
-    start_id = "start:parent-same-twice"
-    tree_id = tree_of(start_id)
-    crash(durable_store_url, log, "start", "--program", "parent-same", "--start-id", start_id,
-          "--input", '{"child": {"n": 1}}', "--crash", "in-dispatch:1")
+    tree_id = died_in_a_childs_call(durable_store_url, log, "start:parent-same-twice")
     with runtime_for(durable_store_url, "parent-same", log) as (store, runtime):
         root = store.load(tree_id).state.root
         recorder = Runtime(store, programs.catalog("parent-same", log), adopt_on_admit=False)
