@@ -114,6 +114,8 @@ MISTAKES: dict[str, tuple[Decide, Any, str, str, str]] = {
         None, "execution.transition.invalid", "contract", "checkpoint kind 7 is not qualified"),
     "decide raising SystemExit": (
         _raise(SystemExit(3)), None, "execution.step.failed", "panic", "SystemExit: 3"),
+    "decide raising KeyboardInterrupt on an owner thread (no Ctrl-C reaches one)": (
+        _raise(KeyboardInterrupt()), None, "execution.step.failed", "panic", "KeyboardInterrupt"),
     "decide raising GeneratorExit": (
         _raise(GeneratorExit()), None, "execution.step.failed", "panic", "GeneratorExit"),
     "a policy function that calls sys.exit": (
@@ -346,6 +348,9 @@ def test_a_value_orjson_writes_its_own_way_is_stored_as_that_json_with_or_withou
     alone = normalize({"when": value})
     beside_a_null = normalize({"when": value, "note": None})
     assert alone["when"] == beside_a_null["when"] == orjson.loads(orjson.dumps(value))
+    # Given alone (a settlement's whole payload), it came back as the object itself: the live
+    # decide saw it, any later fold the JSON (audit drift showed the difference).
+    assert normalize(value) == orjson.loads(orjson.dumps(value)) and type(normalize(value)) in (str, dict)
     with pytest.raises(InvalidInput) as refused:
         normalize({"when": _Order(float("nan")), "note": None})
     assert refused.value.code == "payload.invalid" and "non-finite number at $.when.amount" in refused.value.message
@@ -518,3 +523,28 @@ def test_show_reports_a_state_that_does_not_encode_instead_of_failing(
     (root,) = shown["processes"]
     assert root["status"] == "completed" and "state" not in root
     assert root["state_error"] == "encode_state failed: ValueError: this state has no JSON form"
+
+
+def test_a_schema_whose_refs_form_a_dag_checks_a_value_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Level i = anyOf of two refs to level i+1: no loop (check_schema takes it), but a wrong
+    # value was checked along every path, 2^depth of them (an answer at depth 40 never finished;
+    # 25 stays under the validator's nesting bound of 64 in-place steps).
+    from agentfold.domain import json_schema
+
+    depth = 25
+    defs: dict[str, Any] = {f"l{i}": {"anyOf": [{"$ref": f"#/$defs/l{i + 1}"}, {"$ref": f"#/$defs/l{i + 1}"}]}
+                            for i in range(depth)}
+    defs[f"l{depth}"] = {"type": "string"}
+    schema = {"$defs": defs, "$ref": "#/$defs/l0"}
+    Descriptor("p", input_schema=schema)
+    checked: list[int] = []
+    once = json_schema._errors_once
+
+    def counted(*args: Any) -> list[str]:
+        checked.append(1)
+        return once(*args)
+
+    monkeypatch.setattr(json_schema, "_errors_once", counted)
+    assert json_schema.schema_errors(5, schema) == ["$: matches none of anyOf"]
+    assert json_schema.schema_errors("fine", schema) == []
+    assert len(checked) < 10 * depth

@@ -1574,7 +1574,8 @@ class Runtime:
             driver.committed = 0
             permits = _Permits(driver)
             try:
-                progress = Kernel(tree, self._resolve, self.ids, dispatch=permits).advance(MAX_EVENTS_PER_APPEND)
+                progress = Kernel(tree, self._resolve, self.ids, dispatch=permits,
+                                  interruptible=_on_main_thread()).advance(MAX_EVENTS_PER_APPEND)
             except BaseException:
                 permits.give_back(discard=True)
                 # Nothing stored: kept, the lease refused every other runtime's start of this id
@@ -1698,7 +1699,8 @@ class Runtime:
             driver = _Driver(self, tree_id, loaded, incarnation)
             with driver.lock:
                 permits = _Permits(driver)
-                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=permits)
+                kernel = Kernel(driver.tree, self._resolve, self.ids, dispatch=permits,
+                                interruptible=_on_main_thread())
                 admitted: list[TreeEvent] = []
                 value: Any = None
                 later = Progress()
@@ -2796,6 +2798,12 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_main_thread() -> bool:
+    """Whether this is the thread a Ctrl-C reaches (a start's first pass, a takeover run by
+    the caller): there a KeyboardInterrupt from a Program's code is the operator's."""
+    return threading.current_thread() is threading.main_thread()
 
 
 class _Admission:

@@ -149,6 +149,10 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
         return orjson.loads(data)
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidInput("payload.invalid", "non-finite number at $", hint=NON_FINITE_HINT, recorded_hint=False)
+    if type(value) not in (int, float, str, bool) and value is not None:
+        # A datetime, UUID, Enum, dataclass (or a subclass of int or str) given alone: what is
+        # stored, and what any fold after this one sees, is its JSON: the live run sees it too.
+        return orjson.loads(data or canonical_bytes(value))
     return value
 
 

@@ -222,7 +222,20 @@ def resolve_ref(root: Any, ref: str) -> Any:
     return node
 
 
-def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[str]:
+def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
+            memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
+    """The problems of ``value`` against ``schema``, each (schema, value, path, depth) checked
+    once per ``schema_errors`` call: schemas that reach one subschema along many paths (refs
+    forming a DAG, anyOf of refs to the next level) took time exponential in their depth."""
+    key = (id(schema), id(value), path, depth)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _errors_once(value, schema, root, path, depth, memo)
+    return list(found)
+
+
+def _errors_once(value: Any, schema: Any, root: Any, path: str, depth: int,
+                 memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
     if depth > 64:
         return [f"{path}: schema nesting too deep"]
     if schema is True:
@@ -231,7 +244,7 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
         return [f"{path}: no value is allowed here"]
     out: list[str] = []
     if "$ref" in schema:
-        out += _errors(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1)
+        out += _errors(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1, memo)
     if "type" in schema:
         names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_type_ok(value, n) for n in names):
@@ -250,17 +263,17 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
             matched = False
             if name in props:
                 matched = True
-                out += _errors(item, props[name], root, f"{path}.{name}", depth + 1)
+                out += _errors(item, props[name], root, f"{path}.{name}", depth + 1, memo)
             for pattern, sub in patterns.items():
                 if re.search(pattern, name):
                     matched = True
-                    out += _errors(item, sub, root, f"{path}.{name}", depth + 1)
+                    out += _errors(item, sub, root, f"{path}.{name}", depth + 1, memo)
             if not matched and "additionalProperties" in schema:
                 extra = schema["additionalProperties"]
                 if extra is False:
                     out.append(f"{path}: unexpected property {name!r}")
                 else:
-                    out += _errors(item, extra, root, f"{path}.{name}", depth + 1)
+                    out += _errors(item, extra, root, f"{path}.{name}", depth + 1, memo)
         if "minProperties" in schema and len(value) < schema["minProperties"]:
             out.append(f"{path}: fewer than {schema['minProperties']} properties")
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
@@ -269,9 +282,9 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
         prefix = schema.get("prefixItems", [])
         for i, item in enumerate(value):
             if i < len(prefix):
-                out += _errors(item, prefix[i], root, f"{path}[{i}]", depth + 1)
+                out += _errors(item, prefix[i], root, f"{path}[{i}]", depth + 1, memo)
             elif "items" in schema:
-                out += _errors(item, schema["items"], root, f"{path}[{i}]", depth + 1)
+                out += _errors(item, schema["items"], root, f"{path}[{i}]", depth + 1, memo)
         if "minItems" in schema and len(value) < schema["minItems"]:
             out.append(f"{path}: fewer than {schema['minItems']} items")
         if "maxItems" in schema and len(value) > schema["maxItems"]:
@@ -306,21 +319,21 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int) -> list[s
             if not multiple:
                 out.append(f"{path}: not a multiple of {schema['multipleOf']}")
     for sub in schema.get("allOf", []):
-        out += _errors(value, sub, root, path, depth + 1)
-    if "anyOf" in schema and not any(not _errors(value, s, root, path, depth + 1) for s in schema["anyOf"]):
+        out += _errors(value, sub, root, path, depth + 1, memo)
+    if "anyOf" in schema and not any(not _errors(value, s, root, path, depth + 1, memo) for s in schema["anyOf"]):
         out.append(f"{path}: matches none of anyOf")
     if "oneOf" in schema:
-        matches = sum(1 for s in schema["oneOf"] if not _errors(value, s, root, path, depth + 1))
+        matches = sum(1 for s in schema["oneOf"] if not _errors(value, s, root, path, depth + 1, memo))
         if matches != 1:
             out.append(f"{path}: matches {matches} of oneOf, expected exactly 1")
-    if "not" in schema and not _errors(value, schema["not"], root, path, depth + 1):
+    if "not" in schema and not _errors(value, schema["not"], root, path, depth + 1, memo):
         out.append(f"{path}: must not match the 'not' schema")
     if "if" in schema:
-        if not _errors(value, schema["if"], root, path, depth + 1):
+        if not _errors(value, schema["if"], root, path, depth + 1, memo):
             if "then" in schema:
-                out += _errors(value, schema["then"], root, path, depth + 1)
+                out += _errors(value, schema["then"], root, path, depth + 1, memo)
         elif "else" in schema:
-            out += _errors(value, schema["else"], root, path, depth + 1)
+            out += _errors(value, schema["else"], root, path, depth + 1, memo)
     return out
 
 
@@ -340,7 +353,7 @@ def _json_type(value: Any) -> str:
 
 def schema_errors(value: Any, schema: Any) -> list[str]:
     """Every violation of ``schema`` by ``value``, as ``$.path: reason`` lines."""
-    return _errors(value, schema, schema, "$", 0)
+    return _errors(value, schema, schema, "$", 0, {})
 
 
 def validate(value: Any, schema: Any, *, code: str = "schema.violation", what: str = "value") -> None:

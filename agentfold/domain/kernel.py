@@ -282,7 +282,7 @@ class Kernel:
 
     def __init__(
         self, tree: TreeState, programs: ProgramResolver, ids: IdSource, *,
-        dispatch: bool | Callable[[ProcessState], bool] = True,
+        dispatch: bool | Callable[[ProcessState], bool] = True, interruptible: bool = False,
     ) -> None:
         """``dispatch=False``: grant no dispatch permission (an owner that is shutting down
         records what it still has to, but starts no call: a declared Effect without its
@@ -295,7 +295,11 @@ class Kernel:
         start). Once it has answered False, the Processes refused by earlier advances are not
         offered again during that ``advance``; the function is still asked for the others
         (a runtime out of call slots refuses every call but a timer, which needs none).
+
+        ``interruptible``: a ``KeyboardInterrupt`` a Program's code raises is passed on (the
+        caller's Ctrl-C, on the thread that receives it), not a ``panic`` failure of the run.
         """
+        self.interruptible = interruptible
         self.tree = tree
         self.programs = programs
         self.ids = ids
@@ -525,8 +529,11 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except KeyboardInterrupt:
-            raise  # Ctrl-C (a start's first pass runs on the caller's thread): the caller's, not the run's
+        except KeyboardInterrupt as exc:
+            if self.interruptible:
+                raise  # Ctrl-C (a start's first pass runs on the caller's thread): the caller's, not the run's
+            self._fail(progress, process, _strategy_failure("", exc))
+            return
         except BaseException as exc:  # noqa: BLE001 - any other strategy error fails the Step
             self._fail(progress, process, _strategy_failure("", exc))
             return
@@ -554,8 +561,11 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except KeyboardInterrupt:
-            raise
+        except KeyboardInterrupt as exc:
+            if self.interruptible:
+                raise
+            self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
+            return
         except BaseException as exc:  # noqa: BLE001
             self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
             return
@@ -692,7 +702,10 @@ class Kernel:
                 try:
                     policy = program.policy(effect)
                 except KeyboardInterrupt:
-                    raise
+                    if self.interruptible:
+                        raise
+                    raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
+                                 "raised KeyboardInterrupt") from None
                 except BaseException as exc:  # SystemExit too: the Program's own code
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
                                  f"failed: {type(exc).__name__}: {recorded_text(exc)}") from exc
@@ -1128,8 +1141,8 @@ class _CheckedStep:
 def _strategy_failure(prefix: str, exc: BaseException) -> Failure:
     """The Failure of a Step whose decide or evolve raised: ``execution.step.failed``, of
     kind ``panic`` for what no Program should raise (SystemExit, GeneratorExit, ...: as a
-    dispatcher's are ``engine.dispatch.panicked``). A KeyboardInterrupt is not caught: it is
-    the operator's Ctrl-C, meant for the process, not a failure of the run."""
+    dispatcher's are ``engine.dispatch.panicked``). A KeyboardInterrupt is one too, except on
+    the thread a Ctrl-C reaches (``Kernel(interruptible=True)``): there it is the operator's."""
     kind = FailureKind.EXECUTION if isinstance(exc, Exception) else FailureKind.PANIC
     text = recorded_text(exc).strip()
     return _failure(kind, EngineCode.STEP_FAILED, f"{prefix}{type(exc).__name__}" + (f": {text}" if text else ""))

@@ -34,3 +34,14 @@ def test_refs_inside_data_keywords_and_recursive_refs_are_kept_as_they_mean() ->
     assert inner["$defs"]["node"]["properties"]["tag"]["const"] == {"$ref": "#/not/a/reference"}
     good = {"input_response": {"kids": [{"kids": [], "tag": {"$ref": "#/not/a/reference"}}]}}
     assert schema_errors(good, wrapped) == []
+
+
+def test_a_property_named_like_a_data_keyword_keeps_its_refs_moved() -> None:
+    # A property called "default" (or const, enum, examples) was taken for the keyword: its
+    # $ref was left pointing at the wrapper, and the tool call failed when its wait opened.
+    level = {"$defs": {"Level": {"enum": ["low", "high"]}},
+             "type": "object", "properties": {"default": {"$ref": "#/$defs/Level"}, "const": {"$ref": "#/$defs/Level"}}}
+    wrapped = input_response_schema(level)
+    check_schema(wrapped)
+    assert schema_errors({"input_response": {"default": "low", "const": "high"}}, wrapped) == []
+    assert schema_errors({"input_response": {"default": "medium"}}, wrapped) != []

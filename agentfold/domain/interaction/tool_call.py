@@ -77,6 +77,10 @@ def input_response_schema(response_schema: JSON) -> JSON:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
+#: Keywords whose value maps names to schemas (a property may be called "default" or "const").
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
 def _moved_refs(schema: Any, prefix: str) -> Any:
     if isinstance(schema, list):
         return [_moved_refs(item, prefix) for item in schema]
@@ -88,6 +92,8 @@ def _moved_refs(schema: Any, prefix: str) -> Any:
             moved[key] = prefix + value[1:]
         elif key in _DATA_KEYWORDS:
             moved[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: _moved_refs(sub, prefix) for name, sub in value.items()}
         else:
             moved[key] = _moved_refs(value, prefix)
     return moved
