@@ -538,13 +538,13 @@ def test_a_schema_whose_refs_form_a_dag_checks_a_value_in_linear_work(monkeypatc
     schema = {"$defs": defs, "$ref": "#/$defs/l0"}
     Descriptor("p", input_schema=schema)
     checked: list[int] = []
-    once = json_schema._errors_once
+    once = json_schema._errors
 
     def counted(*args: Any) -> list[str]:
         checked.append(1)
         return once(*args)
 
-    monkeypatch.setattr(json_schema, "_errors_once", counted)
+    monkeypatch.setattr(json_schema, "_errors", counted)
     assert json_schema.schema_errors(5, schema) == ["$: matches none of anyOf"]
     assert json_schema.schema_errors("fine", schema) == []
     assert len(checked) < 10 * depth

@@ -222,20 +222,21 @@ def resolve_ref(root: Any, ref: str) -> Any:
     return node
 
 
-def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
-            memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
-    """The problems of ``value`` against ``schema``, each (schema, value, path, depth) checked
-    once per ``schema_errors`` call: schemas that reach one subschema along many paths (refs
-    forming a DAG, anyOf of refs to the next level) took time exponential in their depth."""
-    key = (id(schema), id(value), path, depth)
+def _referred(value: Any, target: Any, root: Any, path: str, depth: int,
+              memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
+    """The problems of ``value`` against the schema a ``$ref`` names, each (target, value, path,
+    depth) checked once per ``schema_errors`` call: refs that reach one schema along many paths
+    (a DAG: anyOf of two refs to the next level) took time exponential in its depth. Only refs
+    can share a subschema, so only they are remembered (a check without refs pays nothing)."""
+    key = (id(target), id(value), path, depth)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _errors_once(value, schema, root, path, depth, memo)
+        found = memo[key] = _errors(value, target, root, path, depth, memo)
     return list(found)
 
 
-def _errors_once(value: Any, schema: Any, root: Any, path: str, depth: int,
-                 memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
+def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
+            memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
     if depth > 64:
         return [f"{path}: schema nesting too deep"]
     if schema is True:
@@ -244,7 +245,7 @@ def _errors_once(value: Any, schema: Any, root: Any, path: str, depth: int,
         return [f"{path}: no value is allowed here"]
     out: list[str] = []
     if "$ref" in schema:
-        out += _errors(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1, memo)
+        out += _referred(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1, memo)
     if "type" in schema:
         names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_type_ok(value, n) for n in names):

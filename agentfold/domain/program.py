@@ -314,7 +314,7 @@ class ChildWaitSpec:
 
 
 def wait_children_effect(spec: ChildWaitSpec) -> Effect:
-    return Effect(Target.FRAMEWORK, {"operation": Operation.WAIT_CHILDREN.value, **spec.to_json()})
+    return _normalized(Target.FRAMEWORK, {"operation": Operation.WAIT_CHILDREN.value, **spec.to_json()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +397,8 @@ class SignalRequest:
 
 
 def signal_child_effect(child: ProcessID, request: SignalRequest) -> Effect:
-    return Effect(
+    # Built from checked parts (the signal's payload is normalized by SignalRequest).
+    return _normalized(
         Target.FRAMEWORK,
         {"operation": Operation.SIGNAL_CHILD.value, "child": ProcessID(child), "signal": request.to_json()},
     )
@@ -407,7 +408,7 @@ def cancel_child_effect(child: ProcessID, reason: str) -> Effect:
     reason = bounded_text(reason)
     if not reason:
         raise InvalidInput("effect.invalid", "a child cancellation needs a reason")
-    return Effect(
+    return _normalized(
         Target.FRAMEWORK, {"operation": Operation.CANCEL_CHILD.value, "child": ProcessID(child), "reason": reason}
     )
 
