@@ -59,6 +59,15 @@ def died_in_a_childs_call(url: str, log: Path, start_id: str) -> Any:
     return tree_of(start_id)
 
 
+def made_once_and_unknown(store: EventStore, tree_id: Any, log: Path) -> None:
+    """The child's call was made once, by the process that died, and is recorded unknown."""
+    assert len(calls_of(log)) == 1
+    stream = events(store, tree_id)
+    assert sum(isinstance(e, EffectDispatched) for e in stream) == 1
+    (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
+    assert settled.status == "unknown"
+
+
 def test_recovery_after_an_ancestors_cancel_makes_no_call_again(durable_store_url: str, tmp_path: Path) -> None:
     # The owner died inside the child's call (its policy allows making it again); a host then
     # cancelled the root. Recovery made the child's call a second time, after the cancel.
@@ -77,11 +86,7 @@ def test_recovery_after_an_ancestors_cancel_makes_no_call_again(durable_store_ur
         recover(runtime, tree_id)
         assert runtime.result(tree_id, timeout=30).status == "canceled"
         runtime.wait_idle(tree_id, timeout=30)
-        assert len(calls_of(log)) == 1  # made once, by the process that died
-        stream = events(store, tree_id)
-        assert sum(isinstance(e, EffectDispatched) for e in stream) == 1
-        (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
-        assert settled.status == "unknown"
+        made_once_and_unknown(store, tree_id, log)
         assert {p.status for p in store.load(tree_id).state.processes.values()} == {"canceled"}
 
 
@@ -101,11 +106,7 @@ def test_a_cancel_that_takes_a_dead_owners_run_over_makes_no_call_again(
         assert runtime.owns(tree_id) or runtime.drives(tree_id)  # taken over and driven here
         assert runtime.result(tree_id, timeout=30).status == ("canceled" if control == "cancel" else "killed")
         runtime.wait_idle(tree_id, timeout=30)
-        assert len(calls_of(log)) == 1  # made once, by the process that died
-        stream = events(store, tree_id)
-        assert sum(isinstance(e, EffectDispatched) for e in stream) == 1
-        (settled,) = [e for e in stream if isinstance(e, EffectSettled)]
-        assert settled.status == "unknown"
+        made_once_and_unknown(store, tree_id, log)
 
 
 def test_a_second_cancel_of_a_run_nobody_owns_carries_the_first_out(durable_store_url: str, tmp_path: Path) -> None:

@@ -1125,19 +1125,17 @@ class EventStore:
             if snapshot.version != expected_version + len(events):
                 raise ValueError(f"a snapshot at version {snapshot.version} does not follow this append")
             try:
-                body: bytes | None = self.encode_snapshot(snapshot, digest)
+                body = self.encode_snapshot(snapshot, digest)
             except Exception as exc:  # noqa: BLE001 - a Program's encode_state failing: a snapshot is a cache
                 # Raised, it failed the append (the owner stopped, and the outcome of the call this
                 # append settles was lost): the events go in without it, loads fold them.
                 log.warning("tree %s: no snapshot at version %s: encoding it failed (%s: %s)", tree_id,
                             snapshot.version, type(exc).__name__, recorded_text(exc))
-                body = None
-            if body is None:
-                pass
-            elif len(body) <= INLINE_SNAPSHOT_BYTES:
-                saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, STATE_COMPRESSOR.compress(body))
             else:
-                deferred = body
+                if len(body) <= INLINE_SNAPSHOT_BYTES:
+                    saved = StoredEvent(tree_uuid, snapshot.version, SNAPSHOT_TOPIC, STATE_COMPRESSOR.compress(body))
+                else:
+                    deferred = body
         try:
             if self.backend == "memory":
                 ids = self.recorder.insert_events(stored, head=head)

@@ -87,7 +87,8 @@ def check_schema(schema: Any, path: str = "#") -> None:
 # Keywords whose value is one schema, a list of schemas, or an object of schemas.
 _ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+#: Keywords whose value maps names to schemas (a property may be called "default" or "const").
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 # Keywords that apply their schema to the same value: a cycle through them never ends.
 _IN_PLACE = ("$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else")
 
@@ -99,7 +100,7 @@ def _subschemas(schema: dict[str, Any]) -> list[tuple[str, Any]]:
             out.append((key, schema[key]))
     for key in _SCHEMA_LISTS:
         out += [(f"{key}/{i}", sub) for i, sub in enumerate(schema.get(key, []))]
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         out += [(f"{key}/{name}", sub) for name, sub in schema.get(key, {}).items()]
     return out
 

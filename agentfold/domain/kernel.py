@@ -307,6 +307,11 @@ class Kernel:
         self._denied = False
         self._refused = False
 
+    def _passed_on(self, exc: BaseException) -> None:
+        """Raise ``exc`` again when it is the operator's Ctrl-C (``interruptible``), not the run's."""
+        if self.interruptible and isinstance(exc, KeyboardInterrupt):
+            raise exc
+
     def _emit(self, progress: Progress, event: TreeEvent, next_state: Any = _MISSING) -> None:
         self.tree.apply(event, next_state=next_state)
         progress.events.append(event)
@@ -529,12 +534,8 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except KeyboardInterrupt as exc:
-            if self.interruptible:
-                raise  # Ctrl-C (a start's first pass runs on the caller's thread): the caller's, not the run's
-            self._fail(progress, process, _strategy_failure("", exc))
-            return
         except BaseException as exc:  # noqa: BLE001 - any other strategy error fails the Step
+            self._passed_on(exc)
             self._fail(progress, process, _strategy_failure("", exc))
             return
         try:
@@ -561,12 +562,8 @@ class Kernel:
         except ClassifiedError as exc:
             self._fail(progress, process, exc.failure)
             return
-        except KeyboardInterrupt as exc:
-            if self.interruptible:
-                raise
-            self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
-            return
         except BaseException as exc:  # noqa: BLE001
+            self._passed_on(exc)
             self._fail(progress, process, _strategy_failure("evolve failed: ", exc))
             return
         seq = process.committed_steps + 1
@@ -701,14 +698,10 @@ class Kernel:
             if effect.target is Target.DISPATCHER:
                 try:
                     policy = program.policy(effect)
-                except KeyboardInterrupt:
-                    if self.interruptible:
-                        raise
-                    raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
-                                 "raised KeyboardInterrupt") from None
                 except BaseException as exc:  # SystemExit too: the Program's own code
+                    self._passed_on(exc)
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
-                                 f"failed: {type(exc).__name__}: {recorded_text(exc)}") from exc
+                                 f"failed: {_raised(exc)}") from exc
                 if not isinstance(policy, EffectPolicy):  # one checks its own fields when built
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
                                  f"returned {type(policy).__name__}, not an EffectPolicy")
@@ -1144,8 +1137,13 @@ def _strategy_failure(prefix: str, exc: BaseException) -> Failure:
     dispatcher's are ``engine.dispatch.panicked``). A KeyboardInterrupt is one too, except on
     the thread a Ctrl-C reaches (``Kernel(interruptible=True)``): there it is the operator's."""
     kind = FailureKind.EXECUTION if isinstance(exc, Exception) else FailureKind.PANIC
+    return _failure(kind, EngineCode.STEP_FAILED, prefix + _raised(exc))
+
+
+def _raised(exc: BaseException) -> str:
+    """``Name: text`` of a raised error, or its name alone when it has no text."""
     text = recorded_text(exc).strip()
-    return _failure(kind, EngineCode.STEP_FAILED, f"{prefix}{type(exc).__name__}" + (f": {text}" if text else ""))
+    return type(exc).__name__ + (f": {text}" if text else "")
 
 
 def _output_ref(hint: OutputOf, consumed: Sequence[Signal], output: JSON) -> OutputRef | None:

@@ -25,7 +25,7 @@ from agentfold.domain.interaction.state import (
     tool_completion,
 )
 from agentfold.domain.interaction.toolset import ToolManifest
-from agentfold.domain.json_schema import check_schema
+from agentfold.domain.json_schema import SCHEMA_MAPS, check_schema
 from agentfold.domain.program import (
     Complete,
     Continue,
@@ -77,10 +77,6 @@ def input_response_schema(response_schema: JSON) -> JSON:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-#: Keywords whose value maps names to schemas (a property may be called "default" or "const").
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
-
-
 def _moved_refs(schema: Any, prefix: str) -> Any:
     if isinstance(schema, list):
         return [_moved_refs(item, prefix) for item in schema]
@@ -92,7 +88,7 @@ def _moved_refs(schema: Any, prefix: str) -> Any:
             moved[key] = prefix + value[1:]
         elif key in _DATA_KEYWORDS:
             moved[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             moved[key] = {name: _moved_refs(sub, prefix) for name, sub in value.items()}
         else:
             moved[key] = _moved_refs(value, prefix)
