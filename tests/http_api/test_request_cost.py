@@ -114,9 +114,10 @@ def test_health_answers_while_a_big_body_is_checked(api: ApiServer) -> None:
     assert found["detail"] == "body: $.messages[1400000] has the key 'a' twice", found
     # Probes sent while the request was in flight (not just before its answer) each took
     # a fraction of it (here: 13-28%); with the check on the event loop one probe waited
-    # for most of it (54-88%), and only 2 or 3 were answered.
+    # for most of it (54-88%). How many probes fit depends on the machine's speed (CI's
+    # answered the whole request in 0.44 s: 3 probes inside), so only their wait is judged.
     inside = [took for sent, took in during if sent - started < elapsed * 0.8]
-    assert len(inside) >= 4, (during, elapsed, baseline)
+    assert len(inside) >= 2, (during, elapsed, baseline)
     assert max(inside) < max(elapsed * 0.4, 5 * baseline), (during, elapsed, baseline)
 
 
