@@ -282,6 +282,14 @@ LOST_TREE_ATTEMPTS = 150
 STALLED_TREE_ATTEMPTS = 18_000
 #: Longest stretch (seconds) the watcher spends adopting orphans before its other duties.
 ORPHAN_SCAN_SECONDS = 1.0
+#: Input recorded on a tree whose lease another runtime held: that holder may have been only
+#: passing through (a racing request refused there, a ``recover`` or orphan scan that found the
+#: tree parked), and then nobody drives the input. A runtime without a watcher (a CLI command)
+#: tries to take the tree over again after each of these pauses (s): beside a live owner, such
+#: a request costs their sum. One with a watcher tries at its polls, for TAKE_OVER_SECONDS,
+#: the pause doubling from its poll interval: its requests are not delayed.
+TAKE_OVER_PAUSES = (0.02, 0.05, 0.1, 0.2)
+TAKE_OVER_SECONDS = 10.0
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
 
 
@@ -1438,6 +1446,8 @@ class Runtime:
         # Trees whose owner line stopped because the lease session ended: adopted again
         # by the watcher once leases work (see ``_adopt_lost``).
         self._lost: dict[TreeID, int] = {}  # tree -> failed attempts to adopt it again
+        # tree -> (next try, pause, until, version) for input recorded while another runtime held its lease
+        self._left: dict[TreeID, tuple[float, float, float, int]] = {}
         # tree -> (incarnation, committed version, digest) of the owner line a lost lease stopped
         self._lost_line: dict[TreeID, tuple[TreeIncarnationID, int, str | None]] = {}
         self._stalled_trees: set[TreeID] = set()  # of those, the ones a failed append stopped
@@ -1867,13 +1877,11 @@ class Runtime:
             return tree_id in self._drivers
 
     def drives(self, tree_id: TreeID) -> bool:
-        """Whether this runtime drives the tree on (it owns it), or the tree has ended (nothing
-        is left to drive): false when another live runtime owns it. Ownership is looked at
-        first: a tree that ends and is released meanwhile is then terminal in the index."""
-        if self.owns(tree_id):
-            return True
-        head = self.store.head(tree_id)
-        return head is not None and head.classification == "terminal"
+        """Whether this runtime drives the tree on (it owns it) or drove it to its end: false
+        when another runtime owns it (or ended it: a request recorded beside a live owner now
+        waits a moment for a holder passing through, and a quick run has ended meanwhile)."""
+        with self._lock:  # released at its end and kept among the results at once
+            return tree_id in self._drivers or tree_id in self._results
 
     def release(self, tree_id: TreeID) -> None:
         """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
@@ -1991,17 +1999,66 @@ class Runtime:
             # (An intent recorded already, by a host that does not drive or an owner that died
             # before carrying it out: this one takes the run over to carry it out, as below.)
             if driver is None and self.adopt_on_admit:
-                # The lease was held when this runtime tried to take the tree: by its live
-                # owner (whose watcher catches up with this input), or only for a moment, by
-                # an orphan scan looking whether the parked tree needed driving. In that case
-                # nobody would drive this input until the next scan: take the tree now. The input
-                # is recorded whatever happens here: a failure leaves the tree to the scan.
-                try:
-                    self._try_adopt(tree_id, new_only=True)
-                except Exception as exc:  # noqa: BLE001 - never report a recorded input as failed
-                    log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
+                self._take_over_recorded(tree_id, base + len(events))
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def _take_over_recorded(self, tree_id: TreeID, recorded: int) -> None:
+        """Drive a tree on which this runtime recorded input as stored (its lease was held).
+
+        The holder was its live owner (whose watcher catches up with this input), or one only
+        passing through: an orphan scan or ``recover`` looking whether the parked tree needed
+        driving, or a racing request whose own takeover was refused (the input recorded here
+        made it moot). Then nobody drives this input (the CLI said "another runtime drives it"
+        while none did): the tree is tried again, at once, then after TAKE_OVER_PAUSES here
+        (no watcher) or at the watcher's polls, until someone appends after ``recorded`` (the
+        version the input made: a live owner took it up). The input is recorded whatever
+        happens here: a failure leaves the tree to ``recover`` or a server's orphan scan.
+        """
+        if self._take_over_once(tree_id, recorded, if_needed=False):
+            return
+        if self.poll_interval > 0:
+            now = time.monotonic()
+            with self._lock:
+                if not self._closed:
+                    self._left[tree_id] = (now + self.poll_interval, self.poll_interval, now + TAKE_OVER_SECONDS,
+                                           recorded)
+            self._ensure_watcher()
+            return
+        for pause in TAKE_OVER_PAUSES:
+            time.sleep(pause)
+            if self._take_over_once(tree_id, recorded):
+                return
+
+    def _take_over_once(self, tree_id: TreeID, recorded: int, *, if_needed: bool = True) -> bool:
+        """One try of ``_take_over_recorded``: True when nothing is left to try (the tree is
+        driven here, ended, parked with nothing to drive, appended to after ``recorded``, this
+        runtime is closing, or taking it failed), False when its lease is still held elsewhere."""
+        try:
+            if self._try_adopt(tree_id, new_only=True, if_needed=if_needed) is not None or self.owns(tree_id):
+                return True
+            if self._closed or self._draining:
+                return True
+            head = self.store.head(tree_id)
+            return head is None or head.version > recorded or not self.needs_recovery(head)
+        except Exception as exc:  # noqa: BLE001 - never report a recorded input as failed
+            log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
+            return True
+
+    def _take_over_left(self) -> None:
+        """The watcher's tries of ``_take_over_recorded``, for the trees whose pause is over."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(tree_id, entry) for tree_id, entry in self._left.items() if entry[0] <= now]
+        for tree_id, (_, pause, until, recorded) in due:
+            if self._closed:
+                return
+            done = self._take_over_once(tree_id, recorded) or time.monotonic() >= until
+            with self._lock:
+                if done:
+                    self._left.pop(tree_id, None)
+                elif tree_id in self._left:
+                    self._left[tree_id] = (time.monotonic() + pause * 2, pause * 2, until, recorded)
 
     def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
         """Admit signals to a Process, all or nothing; False when all were already admitted."""
@@ -2351,6 +2408,7 @@ class Runtime:
             try:
                 self._check_leases()
                 self._adopt_lost()
+                self._take_over_left()
                 if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
                     self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
                     self.adopt_orphans(budget=ORPHAN_SCAN_SECONDS)

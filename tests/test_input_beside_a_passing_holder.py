@@ -1,0 +1,143 @@
+"""Input recorded while another runtime held the tree's lease only for a moment is driven on.
+
+A host's request on a run nobody drives takes the run over (one append: the activation and
+the request). When another runtime held the lease at that instant, the request was recorded
+as stored for the lease's holder to apply. Found by a review with two real ``agentfold
+resolve`` processes: that holder was only passing through (the other command, whose own
+takeover was then refused: the first one's resolution had made it moot; or a ``recover``
+looking whether the parked run needed driving), it let go, and nobody drove the run. The CLI
+said "another runtime owns this tree and drives it on" while none did; the run waited for
+``recover``. Here the holder is a lease taken by the test process, let go once the input is
+recorded: the request's runtime takes the run over then (a CLI command within its short
+tries, a runtime with a watcher at its polls).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.events import WriterActivated
+from agentfold.domain.ids import TreeID
+from agentfold.domain.requests import Settlement
+from tests.kernel_programs import CallLog, GatedCall, chain_program
+from tests.test_cli import agentfold, ok, sqlite_url
+from tests.test_cli_interaction import approval, run_json, write
+from tests.test_orphan_adoption import orphaned_chain
+
+
+def parked_on_an_unknown(url: str, log: CallLog) -> tuple[TreeID, str, Any]:
+    """A two-call chain whose owner died inside its first call, recovered by another runtime
+    (the call is unknown) that closed: parked, nobody owns it. (tree, the unknown effect, program)"""
+    gate = GatedCall(log)
+    tree_id = orphaned_chain(url, gate, start_id="passing-holder")
+    gate.release.set()
+    program = chain_program(gate, name="orphan.chain")
+    with Runtime(EventStore(url), Catalog([program]), poll_interval=0) as recovering:
+        recovering.recover(tree_id)
+        tree = recovering.wait_idle(tree_id, timeout=30)
+    [effect] = [e for p in tree.processes.values() for e in p.unknown_effects()]
+    return tree_id, str(effect.effect_id), program
+
+
+def hold_until_recorded(url: str, tree_id: TreeID, then_for: float) -> tuple[threading.Thread, list[str]]:
+    """Take the tree's lease here (another process's, as far as any runtime can tell); let it
+    go ``then_for`` seconds after the next append to the tree lands."""
+    store = EventStore(url)
+    leases = store.leases()
+    assert leases.acquire(tree_id)
+    head = store.head(tree_id)
+    assert head is not None
+    before = head.version
+    problems: list[str] = []
+
+    def let_go() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                now = store.head(tree_id)
+                if now is not None and now.version > before:
+                    break
+                time.sleep(0.005)
+            else:
+                problems.append("the input was never recorded")
+            time.sleep(then_for)
+        finally:
+            leases.release(tree_id)
+            leases.close()
+            store.close()
+
+    thread = threading.Thread(target=let_go, daemon=True)
+    thread.start()
+    return thread, problems
+
+
+def activations(url: str, tree_id: TreeID) -> int:
+    store = EventStore(url, create=False)
+    try:
+        return sum(isinstance(e.event, WriterActivated) for e in store.read(tree_id))
+    finally:
+        store.close()
+
+
+def test_a_runtime_without_a_watcher_takes_the_run_over_once_the_holder_lets_go(
+    durable_store_url: str, tmp_path: Path,
+) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+    tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
+    before = activations(durable_store_url, tree_id)
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=0.03)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as host:
+        host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
+        holder.join(30)
+        assert not problems, problems
+        # Before: recorded, not driven (owns: False), and `result` waited for a run nobody drove.
+        assert host.owns(tree_id)
+        assert host.result(tree_id, timeout=30).status == "completed"
+    assert log.count() == 2  # the unknown first call, made once; the second, once
+    assert activations(durable_store_url, tree_id) == before + 1
+
+
+def test_a_runtime_with_a_watcher_takes_the_run_over_at_its_polls_once_the_holder_lets_go(
+    durable_store_url: str, tmp_path: Path,
+) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+    tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
+    before = activations(durable_store_url, tree_id)
+    # Held longer than a command's tries: a watcher keeps trying, at doubling pauses.
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=0.6)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05) as host:
+        host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
+        assert not host.owns(tree_id)  # the request was not held up waiting for the lease
+        holder.join(30)
+        assert not problems, problems
+        assert host.result(tree_id, timeout=20).status == "completed"
+    assert log.count() == 2
+    assert activations(durable_store_url, tree_id) == before + 1
+
+
+def test_a_cli_answer_drives_the_run_once_a_passing_holder_lets_go(tmp_path: Path) -> None:
+    """Real processes: ``agentfold answer`` while the test process holds the lease for a moment."""
+    store = sqlite_url(tmp_path)
+    side_effects = tmp_path / "side-effects.jsonl"
+    started = run_json(store, write(tmp_path, approval(side_effects)), "--start-id", "passing-1")
+    assert started["status"] == "waiting"
+    tree_id = TreeID(started["tree_id"])
+    [wait] = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    holder, problems = hold_until_recorded(store, tree_id, then_for=0.03)
+    answered = ok(agentfold("answer", wait["process_id"], wait["wait_id"], '{"approved": true}', "--json",
+                            store=store)).json()
+    holder.join(30)
+    assert not problems, problems
+    # Before: driven false ("another runtime owns this tree and drives it on"), status running,
+    # and the run stayed there.
+    assert answered["driven"] is True, answered
+    assert answered["tree"]["status"] == "completed", answered
+    # The tool ran once to ask and once, resumed here, to finish with the answer.
+    assert [json.loads(line)["resumed"] for line in side_effects.read_text().splitlines()] == [False, True]
