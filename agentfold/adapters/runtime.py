@@ -1693,7 +1693,10 @@ class Runtime:
                 if if_needed and head is not None and not self.needs_recovery(head):
                     self._leases.release(tree_id)
                     return None
-                return self._activate(tree_id, admission)
+                driver = self._activate(tree_id, admission)
+                if driver is None:  # the request changed nothing: nothing was appended
+                    self._leases.release(tree_id)
+                return driver
             except BaseException:
                 with self._lock:
                     owned = tree_id in self._drivers
@@ -1701,7 +1704,11 @@ class Runtime:
                     self._leases.release(tree_id)
                 raise
 
-    def _activate(self, tree_id: TreeID, admission: _Admission | None = None) -> _Driver:
+    def _activate(self, tree_id: TreeID, admission: _Admission | None = None) -> _Driver | None:
+        """Take the tree over (its lease is held here) and drive it; with an ``admission``, the
+        request goes in the same append. None when the request changed nothing on a tree with
+        nothing to decide or drive: a request sent again ("already paused", a steering resend
+        under its signal id) appended a ``WriterActivated`` to a parked run every time."""
         loaded = self._load(tree_id)
         incarnation = self.ids.incarnation_id()
         base_incarnation = loaded.state.incarnation
@@ -1724,6 +1731,10 @@ class Runtime:
                 except BaseException:
                     permits.give_back(discard=True)
                     raise
+                if admission is not None and not admitted and _only_activation(activation, progress):
+                    permits.give_back(discard=True)
+                    admission.applied, admission.value = True, value
+                    return None
                 driver.waiting_slot = permits.denied
                 try:
                     driver._append([*activation.events, *progress.events, *admitted, *later.events])
@@ -2862,6 +2873,12 @@ def _on_main_thread() -> bool:
     """Whether this is the thread a Ctrl-C reaches (a start's first pass, a takeover run by
     the caller): there a KeyboardInterrupt from a Program's code is the operator's."""
     return threading.current_thread() is threading.main_thread()
+
+
+def _only_activation(activation: Progress, progress: Progress) -> bool:
+    """Whether taking a tree over decided nothing: no call settled or made again, no Step."""
+    return (not activation.dispatches and not progress.events and not progress.dispatches
+            and all(isinstance(event, WriterActivated) for event in activation.events))
 
 
 class _Admission:

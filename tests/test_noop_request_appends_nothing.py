@@ -1,0 +1,44 @@
+"""A host's request that changes nothing on a parked run nobody owns appends nothing.
+
+Such a request takes the run over in the same append as the request (the activation, what
+it decides, the request). A request sent again ("already paused", a resolution or steering
+resent under its id) changed nothing, yet the activation was appended every time: a host
+retrying a request grew every parked history by one ``WriterActivated`` per retry (noticed in
+an earlier session's note). Now nothing is appended, and the run stays unowned.
+"""
+
+from __future__ import annotations
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.runtime import Runtime
+from agentfold.domain.events import WriterActivated
+from tests.kernel_programs import asker_program
+
+
+def history(url: str, tree_id: object) -> list[str]:
+    store = EventStore(url, create=False)
+    try:
+        return [type(e.event).__name__ for e in store.read(tree_id)]  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def test_a_pause_sent_again_to_a_parked_run_nobody_owns_appends_nothing(durable_store_url: str) -> None:
+    program = asker_program()
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as first:
+        handle = first.start(program, {}, start_id="noop-1")
+        assert first.wait_idle(handle.tree_id, timeout=30).root.status == "waiting"
+    root = handle.root_process_id
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as pausing:
+        assert pausing.pause(root) is True  # a change: taken over and paused in one append
+    paused = history(durable_store_url, handle.tree_id)
+    assert paused.count(WriterActivated.__name__) == 1 and paused[-1] == "ControlRequested", paused
+    for _ in range(3):
+        with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as again:
+            assert again.pause(root) is False  # already requested
+            assert not again.owns(handle.tree_id)
+    assert history(durable_store_url, handle.tree_id) == paused  # before: one WriterActivated more each time
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as resuming:
+        assert resuming.resume(root) is True
+        assert resuming.wait_idle(handle.tree_id, timeout=30).root.status == "waiting"
