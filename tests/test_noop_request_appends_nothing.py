@@ -9,11 +9,16 @@ an earlier session's note). Now nothing is appended, and the run stays unowned.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.events import WriterActivated
+from agentfold.domain.ids import TreeID
 from tests.kernel_programs import asker_program
+from tests.test_cli import agentfold, ok, sqlite_url
+from tests.test_cli_interaction import approval, write
 
 
 def history(url: str, tree_id: object) -> list[str]:
@@ -42,3 +47,19 @@ def test_a_pause_sent_again_to_a_parked_run_nobody_owns_appends_nothing(durable_
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as resuming:
         assert resuming.resume(root) is True
         assert resuming.wait_idle(handle.tree_id, timeout=30).root.status == "waiting"
+
+
+def test_the_cli_says_a_request_sent_again_changed_nothing_and_names_no_other_owner(tmp_path: Path) -> None:
+    """Real processes: `agentfold pause` twice on a parked run nobody owns."""
+    store = sqlite_url(tmp_path)
+    ran = ok(agentfold("run", str(write(tmp_path, approval(None))), "--start-id", "noop-cli", "--json", store=store))
+    root, tree_id = ran.json()["root_process_id"], ran.json()["tree_id"]
+    first = ok(agentfold("pause", root, "--json", store=store)).json()
+    assert (first["recorded"], first["driven"]) == (True, True)
+    before = history(store, TreeID(tree_id))
+    again = ok(agentfold("pause", root, store=store)).stdout
+    assert again.startswith("already paused\n"), again
+    # Before: "(another runtime owns this tree and drives it on)": nobody did, nobody had to.
+    assert "another runtime" not in again, again
+    assert ok(agentfold("pause", root, "--json", store=store)).json()["driven"] is True
+    assert history(store, TreeID(tree_id)) == before

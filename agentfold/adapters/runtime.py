@@ -1455,6 +1455,9 @@ class Runtime:
         self.last_stall: StoreFailure | None = None
         # Acknowledged results of trees this runtime finished and released (bounded, newest kept).
         self._results: collections.OrderedDict[TreeID, Result] = collections.OrderedDict()
+        # Trees a request of this runtime took under its lease and left as they were (nothing to
+        # decide or drive), with the version they had then (``drives``).
+        self._quiet: collections.OrderedDict[TreeID, int] = collections.OrderedDict()
         self._busy = 0  # owner lines inside a cycle (possibly inside a store call)
         self._busy_cond = threading.Condition()
         self._shut = False
@@ -1713,6 +1716,7 @@ class Runtime:
         incarnation = self.ids.incarnation_id()
         base_incarnation = loaded.state.incarnation
         for _ in range(64):
+            stored_version = loaded.state.version  # (the kernel folds what it decides into the state)
             driver = _Driver(self, tree_id, loaded, incarnation)
             with driver.lock:
                 permits = _Permits(driver)
@@ -1734,6 +1738,10 @@ class Runtime:
                 if admission is not None and not admitted and _only_activation(activation, progress):
                     permits.give_back(discard=True)
                     admission.applied, admission.value = True, value
+                    with self._lock:
+                        self._quiet[tree_id] = stored_version
+                        while len(self._quiet) > _RESULTS_KEPT:
+                            self._quiet.popitem(last=False)
                     return None
                 driver.waiting_slot = permits.denied
                 try:
@@ -1888,11 +1896,19 @@ class Runtime:
             return tree_id in self._drivers
 
     def drives(self, tree_id: TreeID) -> bool:
-        """Whether this runtime drives the tree on (it owns it) or drove it to its end: false
-        when another runtime owns it (or ended it: a request recorded beside a live owner now
-        waits a moment for a holder passing through, and a quick run has ended meanwhile)."""
+        """Whether this runtime drives the tree on (it owns it), drove it to its end, or found
+        it under its lease with nothing to drive (a request that changed nothing, and nobody
+        appended since): false when another runtime owns it (or ended it: a request recorded
+        beside a live owner waits a moment for a holder passing through, and a quick run may
+        end meanwhile)."""
         with self._lock:  # released at its end and kept among the results at once
-            return tree_id in self._drivers or tree_id in self._results
+            if tree_id in self._drivers or tree_id in self._results:
+                return True
+            quiet = self._quiet.get(tree_id)
+        if quiet is None:
+            return False
+        head = self.store.head(tree_id)
+        return head is not None and head.version == quiet
 
     def release(self, tree_id: TreeID) -> None:
         """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
