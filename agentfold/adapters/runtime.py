@@ -2042,7 +2042,7 @@ class Runtime:
         version the input made: a live owner took it up). The input is recorded whatever
         happens here: a failure leaves the tree to ``recover`` or a server's orphan scan.
         """
-        if self._take_over_once(tree_id, recorded, if_needed=False):
+        if self._take_over_once(tree_id, recorded):
             return
         if self.poll_interval > 0:
             now = time.monotonic()
@@ -2057,12 +2057,14 @@ class Runtime:
             if self._take_over_once(tree_id, recorded):
                 return
 
-    def _take_over_once(self, tree_id: TreeID, recorded: int, *, if_needed: bool = True) -> bool:
+    def _take_over_once(self, tree_id: TreeID, recorded: int) -> bool:
         """One try of ``_take_over_recorded``: True when nothing is left to try (the tree is
         driven here, ended, parked with nothing to drive, appended to after ``recorded``, this
         runtime is closing, or taking it failed), False when its lease is still held elsewhere."""
         try:
-            if self._try_adopt(tree_id, new_only=True, if_needed=if_needed) is not None or self.owns(tree_id):
+            # Only when it needs driving: input that left the tree parked (steering for a run
+            # waiting for its human) needs no owner, and a takeover would only add an activation.
+            if self._try_adopt(tree_id, new_only=True, if_needed=True) is not None or self.owns(tree_id):
                 return True
             if self._closed or self._draining:
                 return True
