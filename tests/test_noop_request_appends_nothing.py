@@ -63,3 +63,15 @@ def test_the_cli_says_a_request_sent_again_changed_nothing_and_names_no_other_ow
     assert "another runtime" not in again, again
     assert ok(agentfold("pause", root, "--json", store=store)).json()["driven"] is True
     assert history(store, TreeID(tree_id)) == before
+
+
+def test_an_answer_resent_to_a_finished_run_names_no_owner(tmp_path: Path) -> None:
+    """Found by a docs walkthrough: it said "(another runtime owns this tree and drives it on)"."""
+    store = sqlite_url(tmp_path)
+    ok(agentfold("run", str(write(tmp_path, approval(None))), "--start-id", "resent", store=store))
+    [wait] = ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    argv = ("answer", wait["process_id"], wait["wait_id"], '{"approved": true}', "--signal-id", "a-1")
+    assert ok(agentfold(*argv, "--json", store=store)).json()["tree"]["status"] == "completed"
+    again = ok(agentfold(*argv, store=store)).stdout
+    assert again.startswith("already answered with this signal id"), again
+    assert "another runtime" not in again, again

@@ -442,7 +442,7 @@ def cmd_resolve(ctx: Context, args: argparse.Namespace) -> Outcome:
         "tree": summary,
     }
     return Outcome(data, f"resolved {effect_id} as {_resolution_text(settlement)}\n" + _summary_text(summary)
-                   + _owner_note(owned))
+                   + _owner_note(owned, tree))
 
 
 #: Seconds a command that stops waiting (``--timeout``) still gives the calls in flight to
@@ -728,7 +728,7 @@ def cmd_answer(ctx: Context, args: argparse.Namespace) -> Outcome:
     data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "wait_id": wait_id,
             "driven": driven, "tree": summary}
     verb = "answered" if accepted else "already answered with this signal id (nothing changed)"
-    return Outcome(data, f"{verb} {wait_id}\n" + _summary_text(summary) + _owner_note(driven))
+    return Outcome(data, f"{verb} {wait_id}\n" + _summary_text(summary) + _owner_note(driven, after))
 
 
 def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -744,7 +744,7 @@ def cmd_steer(ctx: Context, args: argparse.Namespace) -> Outcome:
     summary = ctx.summary(after)
     data = {"accepted": accepted, "signal_id": signal.id, "process_id": process_id, "driven": driven, "tree": summary}
     verb = "steering queued for the next model request" if accepted else "this steering was already admitted"
-    return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary) + _owner_note(driven))
+    return Outcome(data, f"{verb} ({signal.id})\n" + _summary_text(summary) + _owner_note(driven, after))
 
 
 def _admit_and_drive(
@@ -761,8 +761,12 @@ def _admit_and_drive(
     return admitted, after, driven
 
 
-def _owner_note(driven: bool) -> str:
-    return "" if driven else "\n(another runtime owns this tree and drives it on)"
+def _owner_note(driven: bool, after: TreeState) -> str:
+    """Said when another runtime owns the tree and has something left to drive (not of an
+    ended tree: a resend to a finished run named an owner that did not exist)."""
+    if driven or after.classification() == "terminal":
+        return ""
+    return "\n(another runtime owns this tree and drives it on)"
 
 
 def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -777,7 +781,7 @@ def cmd_cancel(ctx: Context, args: argparse.Namespace) -> Outcome:
     summary = ctx.summary(after)
     data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
     return Outcome(data, ("cancellation recorded" if recorded else "already canceling") + "\n"
-                   + _summary_text(summary) + _owner_note(driven))
+                   + _summary_text(summary) + _owner_note(driven, after))
 
 
 def cmd_pause(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -804,7 +808,7 @@ def _pause_or_resume(ctx: Context, args: argparse.Namespace, control: str) -> Ou
     data = {"recorded": recorded, "process_id": process_id, "driven": driven, "tree": summary}
     said = {("pause", True): "pause recorded", ("pause", False): "already paused",
             ("resume", True): "resume recorded"}.get((control, recorded), "nothing changed")
-    return Outcome(data, said + "\n" + _summary_text(summary) + _owner_note(driven))
+    return Outcome(data, said + "\n" + _summary_text(summary) + _owner_note(driven, after))
 
 
 def cmd_results(ctx: Context, args: argparse.Namespace) -> Outcome:

@@ -58,10 +58,13 @@ from agentfold.domain.errors import (
     recorded_text,
 )
 from agentfold.domain.events import (
+    ControlRequested,
     EffectDeclared,
     EffectDispatched,
+    EffectResolved,
     EffectSettled,
     ProcessStarted,
+    SignalAdmitted,
     TreeEvent,
     TreeLimits,
     TreeStarted,
@@ -1695,6 +1698,7 @@ class Runtime:
                     return None
                 if if_needed and head is not None and not self.needs_recovery(head):
                     self._leases.release(tree_id)
+                    self._note_quiet(tree_id, head.version)
                     return None
                 driver = self._activate(tree_id, admission)
                 if driver is None:  # the request changed nothing: nothing was appended
@@ -1738,10 +1742,7 @@ class Runtime:
                 if admission is not None and not admitted and _only_activation(activation, progress):
                     permits.give_back(discard=True)
                     admission.applied, admission.value = True, value
-                    with self._lock:
-                        self._quiet[tree_id] = stored_version
-                        while len(self._quiet) > _RESULTS_KEPT:
-                            self._quiet.popitem(last=False)
+                    self._note_quiet(tree_id, stored_version)
                     return None
                 driver.waiting_slot = permits.denied
                 try:
@@ -1772,6 +1773,13 @@ class Runtime:
             self._ensure_watcher()
             return driver
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
+
+    def _note_quiet(self, tree_id: TreeID, version: int) -> None:
+        """A tree found under this runtime's lease with nothing to drive, at ``version``."""
+        with self._lock:
+            self._quiet[tree_id] = version
+            while len(self._quiet) > _RESULTS_KEPT:
+                self._quiet.popitem(last=False)
 
     def _activated_by_the_dead(self, tree_id: TreeID, other: TreeIncarnationID | None) -> bool:
         """Whether an activation that committed under this runtime's activation while it held
@@ -2038,8 +2046,9 @@ class Runtime:
         driving, or a racing request whose own takeover was refused (the input recorded here
         made it moot). Then nobody drives this input (the CLI said "another runtime drives it"
         while none did): the tree is tried again, at once, then after TAKE_OVER_PAUSES here
-        (no watcher) or at the watcher's polls, until someone appends after ``recorded`` (the
-        version the input made: a live owner took it up). The input is recorded whatever
+        (no watcher) or at the watcher's polls, until an owner appends after ``recorded`` (the
+        version the input made: a live owner took it up; more input from other hosts does not
+        tell). The input is recorded whatever
         happens here: a failure leaves the tree to ``recover`` or a server's orphan scan.
         """
         if self._take_over_once(tree_id, recorded):
@@ -2069,7 +2078,13 @@ class Runtime:
             if self._closed or self._draining:
                 return True
             head = self.store.head(tree_id)
-            return head is None or head.version > recorded or not self.needs_recovery(head)
+            if head is None:
+                return True
+            if head.version > recorded and any(
+                not isinstance(stored.event, _INPUT_EVENTS) for stored in self.store.read(tree_id, after=recorded)
+            ):
+                return True  # an owner acted after this input (other hosts' input alone does not tell)
+            return not self.needs_recovery(head)
         except Exception as exc:  # noqa: BLE001 - never report a recorded input as failed
             log.warning("tree %s: input recorded, but taking the tree to drive it failed: %s", tree_id, exc)
             return True
@@ -2891,6 +2906,10 @@ def _on_main_thread() -> bool:
     """Whether this is the thread a Ctrl-C reaches (a start's first pass, a takeover run by
     the caller): there a KeyboardInterrupt from a Program's code is the operator's."""
     return threading.current_thread() is threading.main_thread()
+
+
+#: What hosts append to a tree they do not drive: input, never an owner's work.
+_INPUT_EVENTS = (SignalAdmitted, EffectResolved, ControlRequested)
 
 
 def _only_activation(activation: Progress, progress: Progress) -> bool:

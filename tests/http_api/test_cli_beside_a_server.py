@@ -41,7 +41,10 @@ def test_input_from_the_cli_to_a_run_the_server_owns_says_the_server_drives_it(s
     assert (steered["accepted"], steered["driven"]) == (True, False)
     answered = agentfold("answer", wait["process_id"], wait["wait_id"], '{"approved": true}', store=server.store)
     assert answered.code == 0, answered.stderr
-    assert answered.stdout.strip().endswith(OWNED_NOTE), answered.stdout
+    # The note names the owner while the run has something left to do (the server may have
+    # ended it already while the command waited a moment for a lease holder passing through).
+    ended = "tree terminal" in answered.stdout
+    assert answered.stdout.strip().endswith(OWNED_NOTE) != ended, answered.stdout
     # The server, the owner, drives the run to its end.
     wait_until(lambda: ok(c.get(f"/runs/{tree['tree_id']}"))["status"] == "completed", timeout=30)
 
