@@ -141,3 +141,25 @@ def test_a_cli_answer_drives_the_run_once_a_passing_holder_lets_go(tmp_path: Pat
     assert answered["tree"]["status"] == "completed", answered
     # The tool ran once to ask and once, resumed here, to finish with the answer.
     assert [json.loads(line)["resumed"] for line in side_effects.read_text().splitlines()] == [False, True]
+
+
+def test_more_input_from_another_host_does_not_end_the_tries(durable_store_url: str, tmp_path: Path) -> None:
+    """Found by the review of this change: a second host's input moved the version past the
+    first's, which took it for an owner's work and stopped trying; nobody drove the run."""
+    log = CallLog(tmp_path / "calls.jsonl")
+    tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
+    before = activations(durable_store_url, tree_id)
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=1.0)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05) as host:
+        host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
+        root = host.capture(tree_id).root_id
+        assert root is not None
+        with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as other:
+            assert other.cancel(root) is True
+            assert not other.owns(tree_id)  # the holder still holds the lease
+        holder.join(30)
+        assert not problems, problems
+        # Before: never taken over; the resolution and the cancel stayed undriven.
+        assert host.result(tree_id, timeout=20).status == "canceled"
+    assert activations(durable_store_url, tree_id) == before + 1
+    assert log.count() == 1  # the unknown call, made once; the canceled run made no other

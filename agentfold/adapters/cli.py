@@ -762,9 +762,10 @@ def _admit_and_drive(
 
 
 def _owner_note(driven: bool, after: TreeState) -> str:
-    """Said when another runtime owns the tree and has something left to drive (not of an
-    ended tree: a resend to a finished run named an owner that did not exist)."""
-    if driven or after.classification() == "terminal":
+    """Said when another runtime owns the tree and has something left to drive: not of an
+    ended tree (a resend to a finished run named an owner that did not exist), nor of a
+    parked one (its lease may have been held only for a moment; nothing is to drive)."""
+    if driven or after.classification() != "progress":
         return ""
     return "\n(another runtime owns this tree and drives it on)"
 
