@@ -2048,8 +2048,8 @@ class Runtime:
         while none did): the tree is tried again, at once, then after TAKE_OVER_PAUSES here
         (no watcher) or at the watcher's polls, until an owner appends after ``recorded`` (the
         version the input made: a live owner took it up; more input from other hosts does not
-        tell). The input is recorded whatever
-        happens here: a failure leaves the tree to ``recover`` or a server's orphan scan.
+        tell). The input is recorded whatever happens here: a failure leaves the tree to
+        ``recover`` or a server's orphan scan.
         """
         if self._take_over_once(tree_id, recorded):
             return
@@ -2094,15 +2094,18 @@ class Runtime:
         now = time.monotonic()
         with self._lock:
             due = [(tree_id, entry) for tree_id, entry in self._left.items() if entry[0] <= now]
-        for tree_id, (_, pause, until, recorded) in due:
+        for tree_id, entry in due:
             if self._closed:
                 return
+            _, pause, until, recorded = entry
             done = self._take_over_once(tree_id, recorded) or time.monotonic() >= until
             with self._lock:
+                if self._left.get(tree_id) is not entry:
+                    continue  # input recorded here again meanwhile: its own entry stands
                 if done:
-                    self._left.pop(tree_id, None)
-                elif tree_id in self._left:
-                    self._left[tree_id] = (time.monotonic() + pause * 2, pause * 2, until, recorded)
+                    del self._left[tree_id]
+                else:  # the last try at ``until`` at the latest
+                    self._left[tree_id] = (min(time.monotonic() + pause * 2, until), pause * 2, until, recorded)
 
     def deliver_signals(self, process_id: ProcessID | str, requests: Sequence[SignalRequest]) -> bool:
         """Admit signals to a Process, all or nothing; False when all were already admitted."""
