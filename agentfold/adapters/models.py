@@ -9,16 +9,19 @@ the call is unknown: the runtime records it and a host must settle it.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from agentfold.adapters.dispatch import CancelFlag
 from agentfold.domain.canonical import JSON
+from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import EffectAttemptID, EffectID, ProcessID
 from agentfold.domain.interaction.chat import FINISH_REASONS
+from agentfold.domain.kernel import brief_repr
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,18 @@ def _mapped(body: Any, choice: Any, message: dict[str, Any]) -> dict[str, Any]:
     return response
 
 
+class ModelSettingInvalid(InvalidInput, ValueError):
+    """A setting of a model client that can never work (also a ValueError, as it was)."""
+
+
+def _refuse(message: str) -> NoReturn:
+    raise ModelSettingInvalid("interaction.definition.invalid", message, hint="fix the model's settings")
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class OpenAIChatModel:
     """A client of an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint.
 
@@ -201,10 +216,19 @@ class OpenAIChatModel:
         comes back is recorded: a model call has no effect outside the response it returns, so
         sending it again cannot do anything twice (unlike a tool call, never retried); a
         completion lost on its way back (a reset while reading it) is paid for twice."""
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            _refuse(f"base_url must be an http:// or https:// URL, not {brief_repr(base_url)}")
+        if not isinstance(model, str) or not model:
+            _refuse(f"model must be a model name (text), not {brief_repr(model)}")
+        if not isinstance(api_key, str):
+            _refuse("api_key must be text (empty: no Authorization header)")
+        if not _seconds(timeout) or timeout <= 0:
+            # Checked at the first call, it made every model call unknown though none was sent.
+            _refuse(f"timeout must be a number of seconds above 0, not {brief_repr(timeout)}")
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or not 0 <= max_retries <= 10:
-            raise ValueError("max_retries must be an integer from 0 to 10")
-        if not 0 <= retry_wait <= MAX_RETRY_WAIT:
-            raise ValueError(f"retry_wait must be from 0 to {MAX_RETRY_WAIT:g} seconds")
+            _refuse("max_retries must be an integer from 0 to 10")
+        if not _seconds(retry_wait) or not 0 <= retry_wait <= MAX_RETRY_WAIT:
+            _refuse(f"retry_wait must be from 0 to {MAX_RETRY_WAIT:g} seconds")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key

@@ -33,6 +33,7 @@ from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.refs import ToolCallRef, tool_call_ref_of_child
 from agentfold.domain.interaction.tool_call import check_input_request
 from agentfold.domain.interaction.toolset import Classifier, ToolManifest, ToolSpec
+from agentfold.domain.kernel import brief_repr
 from agentfold.domain.program import check_synchronous
 from agentfold.domain.requests import EffectRequest, Relation, Settlement
 
@@ -43,6 +44,19 @@ class ToolOutput:
 
     content: tuple[str, ...] = ()
     details: JSON = None
+
+    def __post_init__(self) -> None:
+        # Checked when made: a str was taken as its letters (five one-letter text parts sent to
+        # the model as a succeeded result) and other values as their repr.
+        content = self.content
+        if isinstance(content, (str, bytes)) or not isinstance(content, (tuple, list)) or not all(
+            isinstance(part, str) for part in content
+        ):
+            raise InvalidInput(
+                "tool.output_invalid", f"a ToolOutput's content is a tuple of texts, not {brief_repr(content)}",
+                hint='ToolOutput.text("...") for one text; ToolOutput(("a", "b")) for several',
+            )
+        object.__setattr__(self, "content", tuple(content))
 
     @classmethod
     def text(cls, text: str, details: JSON = None) -> ToolOutput:

@@ -233,3 +233,14 @@ def test_async_callbacks_and_delegate_input_builders_are_refused() -> None:
     error = refusal(delegates=[Delegate("helper", "Helps.", child, build_input=build)])
     assert (error.code, error.message) == ("interaction.delegate.invalid",
                                            "delegate 'helper': build_input is an async function")
+
+
+@pytest.mark.parametrize("content", ["hello", ("a", {"weird": True}, None), 5, b"raw"])
+def test_a_tool_output_whose_content_is_not_texts_is_refused_when_made(content: Any) -> None:
+    """Found by a docs walkthrough: ``ToolOutput(content="hello")`` was sent to the model as
+    five one-letter text parts (a succeeded result), other values as their repr."""
+    with pytest.raises(InvalidInput) as refused:
+        ToolOutput(content)
+    assert refused.value.code == "tool.output_invalid"
+    assert ToolOutput(["a", "b"]).content == ("a", "b")  # a list is taken as the tuple it means
+    assert ToolOutput.text("hello").to_json() == {"content": [{"type": "text", "text": "hello"}]}

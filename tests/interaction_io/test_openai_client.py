@@ -10,6 +10,7 @@ from agentfold.adapters.interaction import InteractionConfig, compile_interactio
 from agentfold.adapters.models import OpenAIChatModel
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.tools import ToolOutput
+from agentfold.domain.errors import AgentfoldError
 from agentfold.domain.interaction.settle import settle_model_result
 from agentfold.domain.requests import effect_request
 from agentfold.projections.host_views import unknown_effects
@@ -152,6 +153,21 @@ def test_max_retries_and_retry_wait_are_checked_when_the_model_is_made() -> None
         except ValueError:
             continue
         raise AssertionError(f"{bad} was accepted")
+    # Found by a docs walkthrough: these were taken, and every model call of the run was then
+    # recorded unknown (never sent); others raised a bare TypeError/AttributeError.
+    bad_settings: list[tuple[tuple[object, ...], dict[str, object]]] = [
+        (("http://127.0.0.1:9/v1", "m"), {"timeout": -1}), (("http://127.0.0.1:9/v1", "m"), {"timeout": "60"}),
+        (("http://127.0.0.1:9/v1", "m"), {"timeout": float("nan")}), (("http://127.0.0.1:9/v1", "m"), {"timeout": 0}),
+        (("http://127.0.0.1:9/v1", "m"), {"retry_wait": "1"}), ((None, "m"), {}), (("127.0.0.1:9/v1", "m"), {}),
+        (("http://127.0.0.1:9/v1", ""), {}),
+    ]
+    for args, kwargs in bad_settings:
+        try:
+            OpenAIChatModel(*args, **kwargs)  # type: ignore[arg-type]
+        except AgentfoldError as exc:
+            assert exc.code == "interaction.definition.invalid", exc
+            continue
+        raise AssertionError(f"{args} {kwargs} was accepted")
     from agentfold.adapters.models import _retry_after
 
     assert _retry_after(" 7 ") == 7.0 and _retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None and _retry_after(None) is None
