@@ -509,6 +509,16 @@ class HostQueries:
         if not any(p["process_id"] == process_id for p in run["processes"]):
             raise NotFound("engine.process.not_found", f"process {process_id} is not in tree {tree_id}")
         found = any(p["process_id"] == process_id and p.get("interaction") for p in run["processes"])
+        if not found and self.fold(tree_id)[1] is None:
+            # Its Programs are not bound here: whether it is an Interaction cannot be told (it
+            # answered "not an Interaction", found false, for an Interaction run; as `results`).
+            root = run["processes"][0]["program"] if run["processes"] else "?"
+            raise NotFound(
+                "engine.program.unavailable",
+                f"tree {tree_id} (root Program {root}) is not bound here: whether process {process_id} is an "
+                "Interaction, and its delegates, cannot be told",
+                hint="bind the run's Programs (docs/python.md: a deployment's own console script or server)",
+            )
         if rows is not None:
             entries = [d for d in rows.delegates if d["process_id"] == process_id]
         else:
