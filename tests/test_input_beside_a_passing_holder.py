@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
@@ -86,39 +88,24 @@ def activations(url: str, tree_id: TreeID) -> int:
         store.close()
 
 
-def test_a_runtime_without_a_watcher_takes_the_run_over_once_the_holder_lets_go(
-    durable_store_url: str, tmp_path: Path,
+@pytest.mark.parametrize(("poll_interval", "held_for"), [(0, 0.03), (0.05, 0.6)], ids=["no-watcher", "watcher"])
+def test_a_runtime_takes_the_run_over_once_the_holder_lets_go(
+    durable_store_url: str, tmp_path: Path, poll_interval: float, held_for: float,
 ) -> None:
+    """Without a watcher (a CLI command), within its short tries; with one, at its polls (the
+    lease held longer than a command's tries), the request not held up meanwhile."""
     log = CallLog(tmp_path / "calls.jsonl")
     tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
     before = activations(durable_store_url, tree_id)
-    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=0.03)
-    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as host:
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=held_for)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=poll_interval) as host:
         host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
-        holder.join(30)
-        assert not problems, problems
-        # Before: recorded, not driven (owns: False), and `result` waited for a run nobody drove.
-        assert host.owns(tree_id)
-        assert host.result(tree_id, timeout=30).status == "completed"
-    assert log.count() == 2  # the unknown first call, made once; the second, once
-    assert activations(durable_store_url, tree_id) == before + 1
-
-
-def test_a_runtime_with_a_watcher_takes_the_run_over_at_its_polls_once_the_holder_lets_go(
-    durable_store_url: str, tmp_path: Path,
-) -> None:
-    log = CallLog(tmp_path / "calls.jsonl")
-    tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
-    before = activations(durable_store_url, tree_id)
-    # Held longer than a command's tries: a watcher keeps trying, at doubling pauses.
-    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=0.6)
-    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05) as host:
-        host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
-        assert not host.owns(tree_id)  # the request was not held up waiting for the lease
+        # Before: recorded, never driven (owns: False), and `result` waited for a run nobody drove.
+        assert host.owns(tree_id) is (poll_interval == 0)
         holder.join(30)
         assert not problems, problems
         assert host.result(tree_id, timeout=20).status == "completed"
-    assert log.count() == 2
+    assert log.count() == 2  # the unknown first call, made once; the second, once
     assert activations(durable_store_url, tree_id) == before + 1
 
 
