@@ -38,6 +38,7 @@ from agentfold.domain.interaction.interaction import (
 from agentfold.domain.interaction.state import InteractionState
 from agentfold.domain.interaction.tool_call import ToolCallStrategy, tool_program_descriptor
 from agentfold.domain.interaction.toolset import DelegateSpec, ToolManifest
+from agentfold.domain.kernel import brief_repr
 from agentfold.domain.program import (
     ChildSpec,
     ChildWaitSpec,
@@ -306,8 +307,21 @@ def _check_collaborators(config: InteractionConfig) -> None:
                               "interaction.delegate.invalid")
 
 
+def _check_lists(config: InteractionConfig) -> None:
+    """``tools``, ``deferred_tools`` and ``delegates`` are lists (or tuples): one tool passed on
+    its own raised a bare TypeError ('... object is not iterable'), a string iterated its letters."""
+    for field_name, what in (("tools", "tools"), ("deferred_tools", "tools"), ("delegates", "Delegates")):
+        value = getattr(config, field_name)
+        if not isinstance(value, (list, tuple)):
+            raise InvalidInput(
+                DEFINITION, f"InteractionConfig.{field_name} is {brief_repr(value)}, not a list of {what}",
+                hint=f"pass a list, also for one: {field_name}=[...]",
+            )
+
+
 def compile_interaction(config: InteractionConfig) -> Program:
     """Freeze the model loop, bind its child Programs and its dispatchers (the seed's Compile)."""
+    _check_lists(config)
     if config.max_model_calls is not None:
         _check_count("max_model_calls", config.max_model_calls, 1, f"an int from 1 to {MAX_COUNTER} (or None for unlimited)")
     _check_count("max_concurrent_tool_calls", config.max_concurrent_tool_calls, 0, f"an int from 0 to {MAX_COUNTER} (0 means 1)")

@@ -71,12 +71,28 @@ class ToolOutput:
         return out
 
 
+class ToolFailureInvalid(InvalidInput, ValueError):
+    """A ToolFailure made with a kind other than failed/rejected, or an output that is no text or
+    ToolOutput (``tool.failure_invalid``). Still a ValueError, as before it was classified."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__("tool.failure_invalid", message, hint=hint)
+
+
 class ToolFailure(Exception):
     """A definite unsuccessful outcome: ``failed`` (it ran and failed) or ``rejected`` (refused)."""
 
     def __init__(self, kind: str, output: ToolOutput | str, cause: BaseException | None = None) -> None:
-        if kind not in ("failed", "rejected"):
-            raise ValueError("a ToolFailure is failed or rejected")
+        if not isinstance(kind, str) or kind not in ("failed", "rejected"):
+            raise ToolFailureInvalid(
+                f"a ToolFailure's kind is 'failed' (it ran and failed) or 'rejected' (it refused), not {brief_repr(kind)}",
+                hint='raise ToolFailure("failed", "what went wrong") or ToolFailure("rejected", "why not")',
+            )
+        if not isinstance(output, (str, ToolOutput)):
+            raise ToolFailureInvalid(
+                f"a ToolFailure's output is a text or a ToolOutput, not {brief_repr(output)}",
+                hint='raise ToolFailure("failed", "what went wrong"), or with ToolOutput.text("...", details)',
+            )
         self.kind = kind
         self.output = ToolOutput.text(output) if isinstance(output, str) else output
         super().__init__(f"{kind}: {self.output.content}")

@@ -17,11 +17,12 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.interaction import Delegate, InteractionConfig, compile_interaction
 from agentfold.adapters.models import ModelRequest, ScriptedModel
 from agentfold.adapters.runtime import Runtime
-from agentfold.adapters.tools import ToolInvocation, ToolOutput
+from agentfold.adapters.tools import ToolFailure, ToolInvocation, ToolOutput
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Complete, Descriptor, Program, Step
+from tests.interaction.support import unknown_of
 from tests.kernel_programs import JsonStrategy
 
 
@@ -244,3 +245,56 @@ def test_a_tool_output_whose_content_is_not_texts_is_refused_when_made(content: 
     assert refused.value.code == "tool.output_invalid"
     assert ToolOutput(["a", "b"]).content == ("a", "b")  # a list is taken as the tuple it means
     assert ToolOutput.text("hello").to_json() == {"content": [{"type": "text", "text": "hello"}]}
+
+
+@pytest.mark.parametrize("field", ["tools", "deferred_tools", "delegates"])
+@pytest.mark.parametrize("value", [GoodTool(), "lookup", None, {"lookup": GoodTool()}], ids=["one-tool", "str", "none", "dict"])
+def test_tools_and_delegates_that_are_no_list_are_refused(field: str, value: Any) -> None:
+    """Found by a docs walkthrough: ``tools=my_tool`` (one tool, not in a list) raised a bare
+    ``TypeError: 'GoodTool' object is not iterable``; a string was iterated letter by letter."""
+    fields: dict[str, Any] = {field: value}
+    if field != "tools":
+        fields["tools"] = [GoodTool()]
+    error = refusal(**fields)
+    assert error.code == "interaction.definition.invalid"
+    assert error.message.startswith(f"InteractionConfig.{field} is ")
+    assert "not a list of" in error.message
+    assert error.hint == f"pass a list, also for one: {field}=[...]"
+
+
+@pytest.mark.parametrize(("kind", "output", "said"), [
+    ("maybe", "no", "kind is 'failed' (it ran and failed) or 'rejected' (it refused), not 'maybe'"),
+    (None, "no", "not None"),
+    ("failed", 42, "output is a text or a ToolOutput, not 42"),
+])
+def test_a_tool_failure_of_no_known_kind_is_refused_and_its_call_is_unknown_saying_so(
+    kind: Any, output: Any, said: str
+) -> None:
+    """``ToolFailure("maybe", ...)`` raised a bare ValueError, and ``ToolFailure("failed", 42)`` an
+    AttributeError from inside its own constructor: now ``tool.failure_invalid`` (still a
+    ValueError). Raised inside a tool, the call's outcome is unknown (never guessed as failed or
+    rejected), and the unknown Effect says why."""
+    with pytest.raises(ValueError) as refused:
+        ToolFailure(kind, output)
+    assert isinstance(refused.value, InvalidInput)
+    assert refused.value.code == "tool.failure_invalid" and said in refused.value.message
+    assert ToolFailure("rejected", "no").output == ToolOutput.text("no")
+
+    class Refuser(GoodTool):
+        def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+            raise ToolFailure(kind, output)
+
+    calls = ScriptedModel([{"finish_reason": "tool_calls", "message": {"role": "assistant", "tool_calls": [
+        {"id": "c1", "name": "lookup", "arguments": "{}"}]}}])
+    program = compile_interaction(InteractionConfig(name="refusals.failure", model=calls, tools=[Refuser()]))
+    store = EventStore("memory:")
+    try:
+        with Runtime(store) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]})
+            tree = runtime.wait_idle(handle.tree_id, timeout=30)
+            [unknown] = unknown_of(runtime, tree)
+    finally:
+        store.close()
+    assert tree.root.status == "waiting"  # for its tool call, whose outcome a host must settle: nothing guessed
+    assert unknown["kind"] == "tool" and unknown["diagnostic"]["code"] == "engine.dispatch.failed"
+    assert said in unknown["diagnostic"]["message"], unknown["diagnostic"]
