@@ -2000,6 +2000,12 @@ class Runtime:
         driver = self._drivers.get(tree_id)
         if driver is not None and driver.stopped is not None:
             driver = None  # an owner line that is leaving: the tree is taken anew (``_try_adopt``)
+        if driver is None and self.adopt_on_admit and record_first and self._calls_again_only_timers(tree_id):
+            # Nothing the takeover would call again has an outside effect: taken over first, a
+            # stopped timer settles as it says (failed, docs/team.md "Cancellation"); recorded
+            # first, the takeover found it in flight for a Process that is ending and could only
+            # record it unknown (engine.dispatch.interrupted), which no host can resolve.
+            record_first = False
         if driver is None and self.adopt_on_admit and not record_first:
             # Taken over and applied in ONE append (the activation, what it decides, the request
             # and the Steps it allows), on the tree as the new owner sees it: a request refused
@@ -2037,6 +2043,22 @@ class Runtime:
                 self._take_over_recorded(tree_id, base + len(events))
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
+
+    def _calls_again_only_timers(self, tree_id: TreeID) -> bool:
+        """Whether every call a takeover of the tree as stored would make again (in flight,
+        ``same_identity``, its Process not ending) is a timer (``waits_as_timer``): waiting for an
+        instant again has no outside effect. False when it cannot tell (the request then goes
+        its usual way, and reports what is wrong)."""
+        try:
+            tree = self._load(tree_id).state
+        except Exception:  # noqa: BLE001
+            return False
+        return all(
+            self._waits_as_timer(process.program)
+            for process in tree.live.values()
+            for record in process.in_flight()
+            if record.replay == "same_identity" and tree.ending(process) is None
+        )
 
     def _take_over_recorded(self, tree_id: TreeID, recorded: int) -> None:
         """Drive a tree on which this runtime recorded input as stored (its lease was held).

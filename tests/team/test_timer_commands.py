@@ -169,6 +169,33 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     assert timer_records(url, tree_id)[1] == []
 
 
+
+def test_cancel_of_a_run_waiting_for_a_far_timer_stops_the_timer_failed_never_unknown(durable_store_url: str) -> None:
+    """docs/team.md, "Cancellation": a canceled Deadline's timer settles failed, with no unknown
+    Effect. The console script's ``cancel`` of a Deadline left waiting by an earlier command
+    recorded the cancel first and took the run over after it, finding the timer in flight for a
+    Process already ending: unknown (engine.dispatch.interrupted), which `agentfold unknown`
+    listed and no host could resolve. Found by a docs walkthrough."""
+    url = durable_store_url
+    tree_id = orphan_deadline(url, "canceled-1", HOUR)
+    store = EventStore(url)
+    try:
+        root = store.head(tree_id).root_process_id  # type: ignore[union-attr]
+    finally:
+        store.close()
+    status, out, err, took = console(url, "cancel", str(root), "--json")
+    assert status == 0, err
+    assert took < TIMEOUT / 2
+    tree = json.loads(out)["tree"]
+    assert tree["status"] == "canceled" and tree["unknown_effect_ids"] == []
+    dispatched, settled, _ = timer_records(url, tree_id)
+    assert [s.status for s in settled] == ["failed"] and settled[0].effect_id == dispatched[0].effect_id
+    done = subprocess.run([sys.executable, "-m", "tests.team.competition_programs", "cli", "unknown", "--json",
+                           "--store", url], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert str(tree_id) not in done.stdout
+
+
 def test_an_http_write_answers_at_once_when_the_run_is_left_only_waiting_for_a_far_timer(
     durable_store_url: str, tmp_path: Path,
 ) -> None:

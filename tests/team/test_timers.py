@@ -537,3 +537,51 @@ def test_stored_far_timers_never_gives_back_a_lease_its_runtime_holds(store_url:
             assert other.stored_far_timers(handle.tree_id, 60.0) is not None
     finally:
         store.close()
+
+
+
+class StoppedSays(DeadlineDispatcher):
+    """A timer whose ``stopped`` gives its own outcome."""
+
+    def stopped(self, request: EffectRequest) -> Settlement:
+        return Settlement.failed({"error": "custom stop"})
+
+
+def test_a_deadline_canceled_by_a_command_while_nobody_drives_it_stops_its_timer_failed_never_unknown(
+    store_url: str,
+) -> None:
+    """docs/team.md, Deadline, "Cancellation": a canceled Deadline's timer settles failed, with no
+    unknown Effect. Found by a docs walkthrough: a run left waiting for a far timer (a command
+    returned, its runtime closed) and then canceled by another command recorded the timer
+    unknown (engine.dispatch.interrupted: the cancel was recorded first, and the takeover found
+    the timer in flight for a Process already ending), which no host could resolve. Waiting for
+    an instant has no outside effect: the command takes the run over first, and the timer
+    settles as its ``stopped`` says. A timer whose ``dispatch`` is its own is an ordinary call:
+    the cancel is recorded first as before, its call is not made again, and it is unknown."""
+    deadline = compile_deadline("test.deadline")
+    custom = compile_deadline("test.custom_stop", dispatcher=StoppedSays())
+    own = compile_deadline("test.own_timer", dispatcher=BlockingTimer())
+    programs = (deadline, custom, own)
+    store = EventStore(store_url)
+    try:
+        with open_runtime(store, *programs) as runtime:
+            handles = [runtime.start(p, soon(3600), start_id=f"timer:{p.descriptor.name}") for p in programs]
+            wait_timers(runtime, 2)
+            wait_until(lambda: runtime.dispatches_running() == 1, "the overridden timer to be called")
+        with open_runtime(store, *programs, poll_interval=0) as command:  # as `agentfold cancel`
+            assert all(command.cancel(h.root_process_id, "no longer needed") for h in handles)
+            results = [command.result(h.tree_id, WAIT) for h in handles]
+            unknown = [command.capture(h.tree_id).root.unknown_effects() for h in handles]
+        assert [r.status for r in results] == ["canceled"] * 3
+        outcomes = [[(r.event.status, r.event.payload, r.event.diagnostic) for r in settled(store, h.tree_id)]
+                    for h in handles]
+        assert outcomes[0] == [("failed", {"error": "the timer was stopped before its instant (the Process is stopping)"},
+                                None)]
+        assert outcomes[1] == [("failed", {"error": "custom stop"}, None)]
+        [(status, _, diagnostic)] = outcomes[2]
+        assert (status, diagnostic.code) == ("unknown", "engine.dispatch.interrupted")
+        assert [len(u) for u in unknown] == [0, 0, 1]
+        own_calls = [r.event for r in store.read(handles[2].tree_id) if isinstance(r.event, EffectDispatched)]
+        assert len(own_calls) == 1  # recorded first: the ordinary call was not made again
+    finally:
+        store.close()
