@@ -150,3 +150,55 @@ def test_more_input_from_another_host_does_not_end_the_tries(durable_store_url: 
         assert host.result(tree_id, timeout=20).status == "canceled"
     assert activations(durable_store_url, tree_id) == before + 1
     assert log.count() == 1  # the unknown call, made once; the canceled run made no other
+
+
+def test_a_wait_for_the_run_waits_for_the_watchers_takeover(durable_store_url: str, tmp_path: Path) -> None:
+    """Found by the review of this change: a wait for the run right after the request
+    (``wait_idle(elsewhere=False)``, what an HTTP write's ``wait`` and a command do) answered at
+    once with the stored, undriven run, although this runtime took it over at its next poll and
+    drove it to its end."""
+    log = CallLog(tmp_path / "calls.jsonl")
+    tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=0.3)
+    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05) as host:
+        host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
+        assert not host.owns(tree_id)  # the holder still holds the lease
+        tree = host.wait_idle(tree_id, timeout=20, elsewhere=False)
+        assert tree.root.status == "completed"
+        assert host.drives(tree_id)
+        holder.join(30)
+        assert not problems, problems
+    assert log.count() == 2
+
+
+def test_an_http_resolve_with_wait_answers_after_the_servers_takeover(tmp_path: Path) -> None:
+    """Real ``agentfold serve`` and HTTP client: ``POST /unknown-effects/{id}/resolve`` with
+    ``wait`` beside a lease held for a moment answered at once ``driven: false`` with the run
+    undriven; the server took it over ~0.2 s later. It now waits for that and says so."""
+    from tests.http_api.support import ok as http_ok
+    from tests.http_api.support import start_server
+
+    store = sqlite_url(tmp_path)
+    doc = {
+        "name": "unknown-first",
+        "input": {"messages": [{"role": "user", "content": "go"}]},
+        "model": {"responses": [{"error": "the model timed out"},
+                                {"finish_reason": "stop", "message": {"content": "done"}}]},
+    }
+    started = run_json(store, write(tmp_path, doc), "--start-id", "passing-http")
+    tree_id = TreeID(started["tree_id"])
+    [unknown] = ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"]
+    server = start_server(store, tmp_path)
+    try:
+        holder, problems = hold_until_recorded(store, tree_id, then_for=0.5)
+        with server.client() as c:
+            done = http_ok(c.post(f"/unknown-effects/{unknown['effect_id']}/resolve",
+                                  json={"model_response": {"finish_reason": "stop", "message": {"content": "ok"}},
+                                        "wait": 30}))
+        holder.join(30)
+        assert not problems, problems
+    finally:
+        code, _ = server.stop()
+    assert code == 0, server.logs()
+    # Before: {"driven": false, "idle": true, "tree": {"status": "running", ...}} at once.
+    assert (done["driven"], done["idle"], done["tree"]["status"]) == (True, True, "completed"), json.dumps(done)

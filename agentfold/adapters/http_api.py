@@ -872,6 +872,10 @@ class ApiService:
                 # for timers due after it because a slice ends before them.
                 tree, timers = self.runtime.wait_quiet(tree_id, max(0.001, min(left, WAIT_SLICE)), horizon=deadline)
                 idle = tree.classification() != "progress" or bool(timers)
+                if not idle and left > WAIT_SLICE and not self.stopping.is_set() and self.runtime.taking_over(tree_id):
+                    # Recorded beside a lease held for a moment: this server takes the run over at
+                    # its next polls (Runtime._take_over_recorded), within the wait.
+                    continue
             except TimeoutError:
                 if left > WAIT_SLICE and not self.stopping.is_set():
                     continue
@@ -952,11 +956,13 @@ class ApiService:
         # make this server take ownership (WriterActivated).
         process_id = checked_resolution(probe, eid, settlement)
         self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
-        driven = self.runtime.drives(tree_id)
-        return self._written(
-            tree_id, body.wait, effect_id=eid, process_id=process_id, driven=driven,
+        written = self._written(
+            tree_id, body.wait, effect_id=eid, process_id=process_id,
             resolution={"status": settlement.status.value, "payload": settlement.payload},
         )
+        # After the wait: input recorded beside a lease held for a moment is taken over by this
+        # server at its next poll (Runtime._take_over_recorded), which the wait waits for.
+        return {**written, "driven": self.runtime.drives(tree_id)}
 
     def control(self, process_id: str, control: Literal["cancel", "pause", "resume"], reason: str | None,
                 wait: float) -> dict[str, Any]:

@@ -2362,7 +2362,7 @@ class Runtime:
         """
         tree_id = self._tree_ref(tree)
         deadline = time.monotonic() + timeout
-        driver = self._drivers.get(tree_id)
+        driver = self._drivers.get(tree_id) or self._taken_over_for_input(tree_id, deadline)
         if driver is None:
             return self._stored_when_idle(tree_id, deadline, elsewhere)
         # Bounded even while the owner line holds the lock inside a blocked store call.
@@ -2390,6 +2390,27 @@ class Runtime:
         finally:
             driver.cond.release()
         return self._stored_when_idle(tree_id, deadline, elsewhere)
+
+    def taking_over(self, tree_id: TreeID) -> bool:
+        """Whether this runtime still tries to take the tree over for input it recorded beside
+        another runtime's lease (``_take_over_recorded``, at the watcher's polls)."""
+        with self._lock:
+            return tree_id in self._left
+
+    def _taken_over_for_input(self, tree_id: TreeID, deadline: float) -> _Driver | None:
+        """The tree's owner line here, once the watcher's tries to take it over for input this
+        runtime recorded beside another's lease (``_take_over_recorded``) succeed; None when they
+        end without it (a live owner took the input up) or at ``deadline``. A wait for the run
+        (an HTTP write's ``wait``) answered at once with the input undriven, although this
+        runtime took the run over a poll later and drove it."""
+        while True:
+            driver = self._drivers.get(tree_id)
+            if driver is not None:
+                return driver
+            left = deadline - time.monotonic()
+            if not self.taking_over(tree_id) or left <= 0:
+                return None
+            time.sleep(min(0.01, left))
 
     def _stored_when_idle(self, tree_id: TreeID, deadline: float, elsewhere: bool) -> TreeState:
         """``wait_idle`` for a tree without an owner line here: its stored state, read every
