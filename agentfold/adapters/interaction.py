@@ -308,11 +308,12 @@ def _check_collaborators(config: InteractionConfig) -> None:
 
 
 def _check_lists(config: InteractionConfig) -> None:
-    """``tools``, ``deferred_tools`` and ``delegates`` are lists (or tuples): one tool passed on
-    its own raised a bare TypeError ('... object is not iterable'), a string iterated its letters."""
+    """``tools``, ``deferred_tools`` and ``delegates`` are sequences (a list, a tuple): one tool
+    passed on its own raised a bare TypeError ('... object is not iterable'), a string iterated
+    its letters, a generator was used up by the first of the compiler's passes."""
     for field_name, what in (("tools", "tools"), ("deferred_tools", "tools"), ("delegates", "Delegates")):
         value = getattr(config, field_name)
-        if not isinstance(value, (list, tuple)):
+        if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
             raise InvalidInput(
                 DEFINITION, f"InteractionConfig.{field_name} is {brief_repr(value)}, not a list of {what}",
                 hint=f"pass a list, also for one: {field_name}=[...]",

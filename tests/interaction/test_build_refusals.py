@@ -248,7 +248,8 @@ def test_a_tool_output_whose_content_is_not_texts_is_refused_when_made(content: 
 
 
 @pytest.mark.parametrize("field", ["tools", "deferred_tools", "delegates"])
-@pytest.mark.parametrize("value", [GoodTool(), "lookup", None, {"lookup": GoodTool()}], ids=["one-tool", "str", "none", "dict"])
+@pytest.mark.parametrize("value", [GoodTool(), "lookup", None, {"lookup": GoodTool()}, iter([GoodTool()])],
+                         ids=["one-tool", "str", "none", "dict", "generator"])
 def test_tools_and_delegates_that_are_no_list_are_refused(field: str, value: Any) -> None:
     """Found by a docs walkthrough: ``tools=my_tool`` (one tool, not in a list) raised a bare
     ``TypeError: 'GoodTool' object is not iterable``; a string was iterated letter by letter."""
