@@ -1120,7 +1120,12 @@ class _Driver:
             job = _Job(dispatch, dispatcher, request, context, flight)
             if waits_as_timer(dispatcher):
                 slots.release_flight(flight)  # a timer holds no call slot while it waits
-                self._start_timer(job)
+                if self._stopping(dispatch.process_id):
+                    # Made again by a takeover that then recorded a cancel (``Runtime._activate``):
+                    # stopped before it is armed (armed, an overdue one could fire first).
+                    self._timer_done(self._timer_stopped(job))
+                else:
+                    self._start_timer(job)
                 continue
             with self._launched_lock:
                 self._launched.append(job)
@@ -1143,6 +1148,19 @@ class _Driver:
         job.flight.timer = timer
         self.runtime._timers.add(timer)
 
+    def _stopping(self, process_id: ProcessID) -> bool:
+        """Whether the Process takes no other call (``_cancel_stopping_flights``'s rule)."""
+        process = self.tree.processes.get(process_id)
+        return process is None or process.terminal_intent is not None or process.terminal
+
+    @staticmethod
+    def _timer_stopped(job: _Job) -> _Done:
+        """The outcome of a timer stopped before its instant: its dispatcher's ``stopped``."""
+        try:
+            return _settled(job.dispatch, job.dispatcher.stopped(job.request))
+        except BaseException as exc:  # noqa: BLE001 - asyncio.CancelledError too: the outcome is unknown
+            return _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
+
     def _timer_settled(self, timer: _Timer, error: Exception | None = None, *, stopped: bool = False) -> None:
         """A timer fired (``error``: its clock failed) or its Process is stopping (``stopped``):
         its outcome goes to this owner line, unless the line gave the tree up meanwhile (the
@@ -1152,10 +1170,11 @@ class _Driver:
             return
         if error is not None:
             done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"the timer's clock failed: {type(error).__name__}: {error}")
+        elif stopped:
+            done = self._timer_stopped(job)
         else:
             try:
-                settlement = job.dispatcher.stopped(job.request) if stopped else job.dispatcher.fired(job.request)
-                done = _settled(job.dispatch, settlement)
+                done = _settled(job.dispatch, job.dispatcher.fired(job.request))
             except BaseException as exc:  # noqa: BLE001 - asyncio.CancelledError too: the outcome is unknown
                 done = _unknown(job.dispatch, EngineCode.DISPATCH_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
         self._timer_done(done)
@@ -1731,11 +1750,24 @@ class Runtime:
                 later = Progress()
                 try:
                     activation = kernel.activate(incarnation)
-                    progress = kernel.advance(MAX_EVENTS_PER_APPEND)
-                    if admission is not None:
+                    if admission is not None and admission.terminal:
+                        if not self._only_timers(driver.tree, activation.dispatches):
+                            # A call with an outside effect would be made again before the request
+                            # ends its Process: it is recorded first instead (``Runtime._admit``).
+                            permits.give_back(discard=True)
+                            admission.declined = True
+                            return None
+                        # Before the Steps: planned calls of an ending Process never start, an intent
+                        # recorded by an owner that died is "already ..." (not a refusal of what the
+                        # advance ended on its own), and a re-armed timer is stopped (``_launch``).
                         admitted, value = admission.fn(kernel)  # a refusal raises: nothing is appended
-                        if admitted:
-                            later = kernel.advance(MAX_EVENTS_PER_APPEND)
+                        progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+                    else:
+                        progress = kernel.advance(MAX_EVENTS_PER_APPEND)
+                        if admission is not None:
+                            admitted, value = admission.fn(kernel)  # a refusal raises: nothing is appended
+                            if admitted:
+                                later = kernel.advance(MAX_EVENTS_PER_APPEND)
                 except BaseException:
                     permits.give_back(discard=True)
                     raise
@@ -1745,8 +1777,12 @@ class Runtime:
                     self._note_quiet(tree_id, stored_version)
                     return None
                 driver.waiting_slot = permits.denied
+                if admission is not None and admission.terminal:
+                    events = [*activation.events, *admitted, *progress.events]
+                else:
+                    events = [*activation.events, *progress.events, *admitted, *later.events]
                 try:
-                    driver._append([*activation.events, *progress.events, *admitted, *later.events])
+                    driver._append(events)
                 except BaseException as exc:
                     permits.give_back(discard=True)
                     if not isinstance(exc, VersionConflict):
@@ -1768,11 +1804,16 @@ class Runtime:
                 driver._launch([*activation.dispatches, *progress.dispatches, *later.dispatches], permits)
                 permits.give_back()
                 driver._after_commit([], [])
-                driver.more_to_do(later if admitted else progress)
+                driver.more_to_do(later if later.events else progress)
             driver.start_jobs(keep_last=False)
             self._ensure_watcher()
             return driver
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
+
+    def _only_timers(self, tree: TreeState, dispatches: Sequence[Dispatch]) -> bool:
+        """Whether every call of ``dispatches`` (an activation's: made again) is a timer
+        (``waits_as_timer``): waiting for an instant again has no outside effect."""
+        return all(self._waits_as_timer(tree.processes[d.process_id].program) for d in dispatches)
 
     def _note_quiet(self, tree_id: TreeID, version: int) -> None:
         """A tree found under this runtime's lease with nothing to drive, at ``version``."""
@@ -2000,19 +2041,15 @@ class Runtime:
         driver = self._drivers.get(tree_id)
         if driver is not None and driver.stopped is not None:
             driver = None  # an owner line that is leaving: the tree is taken anew (``_try_adopt``)
-        if driver is None and self.adopt_on_admit and record_first and self._calls_again_only_timers(tree_id):
-            # Nothing the takeover would call again has an outside effect: taken over first, a
-            # stopped timer settles as it says (failed, docs/team.md "Cancellation"); recorded
-            # first, the takeover found it in flight for a Process that is ending and could only
-            # record it unknown (engine.dispatch.interrupted), which no host can resolve.
-            record_first = False
-        if driver is None and self.adopt_on_admit and not record_first:
+        if driver is None and self.adopt_on_admit:
             # Taken over and applied in ONE append (the activation, what it decides, the request
             # and the Steps it allows), on the tree as the new owner sees it: a request refused
             # there appends nothing, not even the activation. Taken over first and refused after
             # (another host's input landed in between), a command committed the takeover and the
-            # next call's permission, then exited and left that call unknown.
-            admission = _Admission(fn)
+            # next call's permission, then exited and left that call unknown. A terminal request
+            # is applied right after the activation, and only when every call the activation
+            # makes again is a timer (``_Admission.terminal``); else it is recorded first (below).
+            admission = _Admission(fn, terminal=record_first)
             driver = self._try_adopt(tree_id, admission=admission)
             if admission.applied:
                 return admission.value
@@ -2043,22 +2080,6 @@ class Runtime:
                 self._take_over_recorded(tree_id, base + len(events))
             return value
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing; try again")
-
-    def _calls_again_only_timers(self, tree_id: TreeID) -> bool:
-        """Whether every call a takeover of the tree as stored would make again (in flight,
-        ``same_identity``, its Process not ending) is a timer (``waits_as_timer``): waiting for an
-        instant again has no outside effect. False when it cannot tell (the request then goes
-        its usual way, and reports what is wrong)."""
-        try:
-            tree = self._load(tree_id).state
-        except Exception:  # noqa: BLE001
-            return False
-        return all(
-            self._waits_as_timer(process.program)
-            for process in tree.live.values()
-            for record in process.in_flight()
-            if record.replay == "same_identity" and tree.ending(process) is None
-        )
 
     def _take_over_recorded(self, tree_id: TreeID, recorded: int) -> None:
         """Drive a tree on which this runtime recorded input as stored (its lease was held).
@@ -2967,10 +2988,15 @@ def _only_activation(activation: Progress, progress: Progress) -> bool:
 class _Admission:
     """A host's request to apply in the append that takes a tree over (``Runtime._admit``)."""
 
-    __slots__ = ("applied", "fn", "value")
+    __slots__ = ("applied", "declined", "fn", "terminal", "value")
 
-    def __init__(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]]) -> None:
+    def __init__(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], *, terminal: bool = False) -> None:
         self.fn = fn
+        # A terminal intent (cancel, kill, deadline): applied right after the activation, and only
+        # when every call it makes again is a timer; else ``declined`` (nothing appended, the
+        # request is recorded first and the tree taken over after it).
+        self.terminal = terminal
+        self.declined = False
         self.applied = False  # recorded (in the takeover's append)
         self.value: Any = None
 
