@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
+from agentfold.adapters import audit
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.read_models import RUNS
@@ -276,6 +277,40 @@ def test_materialized_read_models_must_equal_the_pure_projections(
     assert code == 1
     assert first_error(report) == (str(tree_id), LAST, "read_model.mismatch")
     assert ".run.status" in report["first_error"]["detail"]
+
+
+def test_a_run_started_while_the_whole_store_is_verified_is_verified_not_called_orphan_rows(
+    capsys: pytest.CaptureFixture[str], chain: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit walkthrough: with the read models kept current (``project --follow``,
+    as ``serve`` runs it), a run started after ``verify --all`` listed the store had rows, and
+    no place in the list: verify failed (exit 1) with read_model.mismatch "the read models hold
+    rows of tree T, which the store does not have". It is verified as the others."""
+    store, tree_id = chain
+    ok(agentfold("project", store=store))
+    real = audit.all_trees
+    started: list[TreeID] = []
+
+    def listed_then_a_run_starts(events: EventStore) -> list[TreeID | str]:
+        trees = real(events)
+        started.append(record_chain(store, start_id="started-during-verify"))
+        ok(agentfold("project", store=store))  # the follower writes its rows
+        return trees
+
+    monkeypatch.setattr(audit, "all_trees", listed_then_a_run_starts)
+    code, report = verify(capsys, store)
+    assert code == 0, report["first_error"]
+    assert [r["tree"] for r in report["results"]] == [str(tree_id), str(started[0])]
+    assert all(r["read_model"] == "equal" for r in report["results"])
+    # Rows of a tree the store really does not have are still a failing entry.
+    sql = Sql(store)
+    ghost = "tree:" + "ab" * 16
+    columns = ("start_id, root_process_id, program, status, classification, version, events_projected, "
+               "created_position, position, unknown_count, pending_count, body")
+    sql._run(f"INSERT INTO {RUNS} (tree_id, {columns}) SELECT ?, {columns} FROM {RUNS} WHERE tree_id = ?",
+             (ghost, str(tree_id)))
+    code, report = verify(capsys, store)
+    assert code == 1 and first_error(report) == (ghost, 1, "read_model.mismatch"), report["first_error"]
 
 
 def test_a_snapshot_that_differs_from_the_fold_is_reported_at_its_version(
