@@ -347,3 +347,33 @@ def test_http_listings_answer_503_store_corrupt_with_every_healthy_entry_and_the
     assert (alone["tree_id"], alone["position"], alone["rule"]) == (bad, position, "integrity.digest_chain")
     problem(c.get("/runs/bad/pending-inputs"), 503, "store.corrupt")
     assert "Traceback" not in server.logs()
+
+
+@pytest.mark.parametrize("gone", ["first", "all"], ids=["first-event-gone", "every-event-gone"])
+def test_a_tree_whose_first_event_is_gone_is_named_corrupt_not_taken_for_no_tree(
+    durable_store_url: str, tmp_path: Path, gone: str
+) -> None:
+    """Found by an audit walkthrough: with position 1 of one run deleted (or all its events,
+    its index row kept), ``unknown`` and ``pending`` failed as a whole, exit 2,
+    engine.tree.not_found "tree ... does not exist" (the healthy runs' entries not listed), and
+    ``show``, ``resolve``, ``replay`` said the same. The run is corrupt at position 1
+    (integrity.missing_event), named as any other damage."""
+    store = durable_store_url
+    trees, bad, healthy = runs_with_one_to_damage(store, tmp_path)
+    pending = ran_ok(agentfold("pending", "--json", store=store)).json()["pending"]
+    sql = Sql(store)
+    extra = " AND originator_version = 1" if gone == "first" else ""
+    sql._run(f"DELETE FROM agentfold_events WHERE originator_id = ?{extra}", (sql._id(TreeID(bad)),))
+    listed = agentfold("pending", "--json", store=store)
+    assert listed.code == 1, listed.stderr
+    assert listed.json()["pending"] == of_trees(pending, *healthy)
+    [entry] = listed.json()["corrupt_trees"]
+    assert (entry["tree_id"], entry["position"], entry["rule"]) == (bad, 1, "integrity.missing_event"), entry
+    unknown = agentfold("unknown", "--json", store=store)
+    assert unknown.code == 1 and [u["tree_id"] for u in unknown.json()["unknown_effects"]] == [trees["unknown-1"]]
+    for argv in (("show", bad), ("replay", bad, "--at", "1")):
+        shown = agentfold(*argv, store=store)
+        assert shown.code == 1, (argv, shown.stdout, shown.stderr)
+        assert "store.corrupt" in shown.stderr and "integrity.missing_event" in shown.stderr, shown.stderr
+    again = agentfold("run", str(write(tmp_path, MIXED, "again.json")), "--start-id", "bad", "--json", store=store)
+    assert again.code == 1 and "store.corrupt" in again.stderr, again.stderr  # was engine.start.in_progress

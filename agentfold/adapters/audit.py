@@ -638,7 +638,8 @@ def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSo
                            hint="positions start at 1")
     records = store.read(tree_id, upto=position)  # verifies the chain up to the position
     if not records:
-        raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
+        if store.first_event(tree_id) is None:  # store.corrupt when later events or its index row remain
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
     head = store.head(tree_id)
     if len(records) < position:
         if head is not None and head.version >= position:

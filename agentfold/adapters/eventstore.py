@@ -1279,6 +1279,35 @@ class EventStore:
             expected += 1
         return out
 
+    def first_event(self, tree_id: TreeID) -> RecordedEvent | None:
+        """The tree's first event; None when the store has no such tree (no event, no index row).
+        A tree whose first event is gone while later events or its index row remain is
+        ``store.corrupt`` (``integrity.missing_event`` at position 1): it read as a tree that does
+        not exist, and one such tree made the store-wide listings fail with engine.tree.not_found."""
+        first = self.read(tree_id, upto=1)
+        if first:
+            return first[0]
+        missing = self._first_missing(tree_id)
+        if missing is not None:
+            raise missing
+        return None
+
+    def _first_missing(self, tree_id: TreeID) -> CorruptStream | None:
+        """``integrity.missing_event`` at position 1 when the tree has later events or an index
+        row but no first event; None when the store has nothing of it."""
+        try:
+            later = self.recorder.select_events(tree_id.uuid, limit=1)
+        except PersistenceError as exc:
+            raise read_failure(exc, f"reading tree {tree_id}") from exc
+        if later:
+            return CorruptStream(tree_id, 1, "integrity.missing_event",
+                                 f"position 1 is missing (the first event stored is at position {later[0].originator_version})")
+        head = self.head(tree_id)
+        if head is not None:
+            return CorruptStream(tree_id, 1, "integrity.missing_event",
+                                 f"no event is stored, but the tree index holds its row (version {head.version})")
+        return None
+
     def read_raw(self, tree_id: TreeID) -> list[StoredEvent]:
         return list(self.recorder.select_events(tree_id.uuid))
 
@@ -1328,6 +1357,9 @@ class EventStore:
             state = TreeState(programs)
         records = self.read(tree_id, after=state.version, upto=upto, previous_digest=digest, verify=verify)
         if not records and state.version == 0:
+            missing = self._first_missing(tree_id)
+            if missing is not None:
+                raise missing
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist in {redact(self.url)}")
         for record in records:
             try:

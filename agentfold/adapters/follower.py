@@ -274,8 +274,8 @@ class Follower:
                 raise CorruptStream(tree_id, exc.position, exc.rule, exc.detail) from exc
             created = items[0].id
         else:
-            read = self.store.read(tree_id, upto=1)
-            first = read[0].event if read else None
+            read = self.store.first_event(tree_id)
+            first = read.event if read is not None else None
             # From the log, not the tables: a rebuild's reset may have emptied them just now
             # (0), and this fold outlives a batch that loses its compare-and-set (the cache
             # stays): its rows were then written with the run at the head of every listing.

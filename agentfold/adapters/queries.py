@@ -257,10 +257,10 @@ class HostQueries:
     def fold(self, tree_id: TreeID) -> tuple[TreeState, ProgramResolver | None]:
         """Fold a tree with its Programs when they can be bound, else the kernel's view."""
         catalog: Catalog = self.sources.catalog()
-        first = self.store.read(tree_id, upto=1)
-        if not first:
+        first = self.store.first_event(tree_id)
+        if first is None:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
-        started = first[0].event
+        started = first.event
         if isinstance(started, TreeStarted):
             try:
                 programs = catalog.bound(catalog.load(started.program, started.configuration))

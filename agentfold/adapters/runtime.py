@@ -1525,10 +1525,10 @@ class Runtime:
         return self.store.load(tree_id, self.catalog.bound(self._bind_programs(tree_id)))
 
     def _bind_programs(self, tree_id: TreeID) -> Program:
-        first = self.store.read(tree_id, upto=1)
-        if not first:
+        first = self.store.first_event(tree_id)
+        if first is None:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
-        started = first[0].event
+        started = first.event
         if not isinstance(started, TreeStarted):
             raise CorruptStream(tree_id, 1, "stream.first_event",
                                 f"the first event must be TreeStarted, got {type(started).__name__}")
@@ -1655,11 +1655,11 @@ class Runtime:
         return False
 
     def _existing_start(self, tree_id: TreeID, started: TreeStarted) -> RunHandle:
-        first = self.store.read(tree_id, upto=1)
-        if not first:
+        first = self.store.first_event(tree_id)
+        if first is None:
             raise Rejected("engine.start.in_progress", f"start {started.start_id} is being created by another runtime",
                            hint="start it again in a moment: the same start id then returns that run")
-        original = first[0].event
+        original = first.event
         if not isinstance(original, TreeStarted):
             raise CorruptStream(tree_id, 1, "stream.first_event",
                                 f"the first event must be TreeStarted, got {type(original).__name__}")
