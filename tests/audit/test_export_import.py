@@ -26,7 +26,7 @@ from agentfold.adapters.sources import default_sources
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.ids import ProcessID, StartID, TreeID
 from agentfold.domain.integrity import chain_digest
-from tests.audit.support import Sql, digest_of_state, record_demo
+from tests.audit.support import Sql, cli, digest_of_state, record_demo
 from tests.conftest import make_store_url
 from tests.kernel_programs import chain_program
 from tests.test_cli import ROOT, Ran, agentfold, ok, refused
@@ -185,6 +185,36 @@ def test_an_import_continues_a_history_it_imported_before(tmp_path: Path) -> Non
     assert (report["already_present"], report["written"]) == (already, len(records(finished)) - already)
     assert export(target, tree_id, tmp_path / "again.jsonl") == finished
     assert ok(agentfold("trees", "--json", store=target)).json()["trees"][0]["status"] == "completed"
+
+
+def test_an_import_beside_a_longer_import_of_the_same_history_is_no_conflict(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit walkthrough: two consistent exports of one tree (a prefix and the whole)
+    imported at the same time. The whole one committed between the prefix import's compare and
+    its read of the index row, which then anchored past the prefix file: refused
+    import.conflict "the store recorded another history (cut or changed since)", although
+    nothing conflicts (run again, "nothing changed"). It compares again."""
+    source = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", source, answer=False)
+    parked = export(source, tree_id, tmp_path / "parked.jsonl")
+    (pending,) = ok(agentfold("pending", "--json", store=source)).json()["pending"]
+    ok(agentfold("answer", pending["process_id"], pending["wait_id"], '{"approved": true}', store=source))
+    finished = export(source, tree_id, tmp_path / "finished.jsonl")
+    real = audit._anchor_on_the_file
+    landed: list[Ran] = []
+
+    def the_whole_one_commits_first(*args: Any) -> Any:
+        if not landed:  # another process imports the whole history right now
+            landed.append(ok(import_file(tmp_path / "finished.jsonl", durable_store_url)))
+        return real(*args)
+
+    monkeypatch.setattr(audit, "_anchor_on_the_file", the_whole_one_commits_first)
+    ran = cli(capsys, "import", str(tmp_path / "parked.jsonl"), "--json", "--store", durable_store_url)
+    assert ran.code == 0, ran.stderr
+    assert landed and ran.json()["changed"] is False
+    assert ran.json()["already_present"] == len(records(parked))
+    assert export(durable_store_url, tree_id, tmp_path / "again.jsonl") == finished
 
 
 def test_export_to_standard_output_and_refusals(tmp_path: Path) -> None:
