@@ -630,6 +630,32 @@ def test_a_reader_that_goes_away_stops_the_command_quietly_as_sigpipe_would(tmp_
 
 
 @pytest.mark.parametrize("unbuffered", [True, False], ids=["PYTHONUNBUFFERED", "buffered"])
+@pytest.mark.parametrize("argv", [("export", "full-1"), ("audit", "verify", "--all", "--json"), ("trees",)])
+def test_an_answer_that_cannot_be_written_to_stdout_is_one_classified_line(
+    tmp_path: Path, argv: tuple[str, ...], unbuffered: bool
+) -> None:
+    """Found by an audit walkthrough: ``agentfold export T > FILE`` on a full disk (/dev/full
+    here) printed a 15-line traceback and exited 120; now one line, cli.output_failed, exit 1."""
+    if not Path("/dev/full").exists():
+        pytest.fail("this test needs /dev/full (Linux)")
+    store = f"sqlite:///{tmp_path / 'runs.db'}"
+    ok(agentfold("kernel-demo-run", "--start-id", "full-1", "--side-effect-log", str(tmp_path / "calls.jsonl"),
+                 store=store))
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTFOLD_STORE", "PYTHONUNBUFFERED")}
+    env["PYTHONPATH"] = str(ROOT)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        ran = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", *argv, "--store", store],
+                             stdout=full, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=120)
+    [line] = ran.stderr.strip().splitlines()
+    assert ran.returncode == 1, ran.stderr
+    code = json.loads(line)["error"]["code"] if "--json" in argv else line.split(": ")[2]
+    assert code == "cli.output_failed", line
+    assert "No space left on device" in line
+
+
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["PYTHONUNBUFFERED", "buffered"])
 def test_a_reader_that_leaves_mid_output_gets_exit_141_also_with_unbuffered_python(
     tmp_path: Path, unbuffered: bool
 ) -> None:

@@ -1332,6 +1332,21 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
+def _output_failed(exc: OSError) -> int:
+    """Writing the answer to standard output failed (a full disk behind ``> FILE``): one
+    classified line on stderr, exit 1, instead of Python's traceback and exit 120 (what stdout
+    still holds goes to /dev/null). A file written that way lacks the end of the answer (an
+    export its end line: import refuses it)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _report(AgentfoldError(
+        "cli.output_failed", f"writing the answer to standard output failed: {exc.strerror or exc}; "
+        "what was written is incomplete",
+        hint="free space where standard output goes and run the command again (export also writes to a file: "
+        "--out FILE)",
+    ), "--json" in sys.argv[1:])
+    return 1
+
+
 def entry() -> None:
     """The ``agentfold`` console script: ``main``, then exit without waiting for calls it abandoned.
 
@@ -1347,6 +1362,8 @@ def entry() -> None:
         status = 130
     except BrokenPipeError:
         status = _reader_gone()
+    except OSError as exc:
+        status = _output_failed(exc)
     # The command has answered; the process only exits now. Python resets its own signal
     # handlers to the default while it finalizes, so a SIGTERM in that instant (an operator
     # or a scheduler stopping a job that just finished) killed it: exit 143 after a success.
@@ -1357,6 +1374,8 @@ def entry() -> None:
         sys.stdout.flush()  # what is left of a buffered answer
     except BrokenPipeError:
         status = _reader_gone()
+    except OSError as exc:
+        status = _output_failed(exc)
     sys.stderr.flush()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         os._exit(status)
