@@ -548,6 +548,18 @@ def verify_tree(
                             f"the read models counted {counted[1]} events applied to this tree for version {at} "
                             "(events_projected must equal version: events applied twice or skipped)")
                 )
+            recorded = next((c for c in read_models.corrupt_trees() if c.tree_id == str(tree_id)), None) \
+                if read_models is not None else None
+            if recorded is not None:
+                # The follower drops a tree's rows when it records it corrupt: both at once is damage,
+                # and the listings leave the tree out as corrupt while it verifies.
+                check.read_model = "mismatch"
+                check.problems.append(
+                    Finding(str(tree_id), at, "read_model.mismatch",
+                            f"the read models hold rows of this tree but also record it corrupt at position "
+                            f"{recorded.position} ({recorded.rule}), so the listings leave it out as corrupt; it "
+                            "verifies: `agentfold project --rebuild` projects it again")
+                )
     return check, folded, stored
 
 

@@ -21,7 +21,7 @@ import pytest
 from agentfold.adapters import audit
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.read_models import RUNS
+from agentfold.adapters.read_models import CORRUPT, RUNS
 from agentfold.domain.events import EffectSettled, event_body
 from agentfold.domain.ids import TreeID, effect_id
 from agentfold.domain.integrity import chain_digest, content_bytes, seal
@@ -277,6 +277,26 @@ def test_materialized_read_models_must_equal_the_pure_projections(
     assert code == 1
     assert first_error(report) == (str(tree_id), LAST, "read_model.mismatch")
     assert ".run.status" in report["first_error"]["detail"]
+
+
+def test_a_corrupt_tree_record_of_a_tree_that_has_rows_and_verifies_is_a_mismatch(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    """Found by an audit walkthrough: a row in agentfold_rm_corrupt_trees naming a healthy tree
+    that still has its rows made `unknown`/`pending` leave the tree out as corrupt and point
+    at `audit verify TREE`, which said OK, read models equal."""
+    store, tree_id = chain
+    ok(agentfold("project", store=store))
+    Sql(store)._run(
+        f"INSERT INTO {CORRUPT} (tree_id, start_id, created_position, position, rule, detail, found_at, body) "
+        f"SELECT tree_id, start_id, created_position, 3, 'integrity.digest_chain', 'bogus', created_position, '{{}}' "
+        f"FROM {RUNS} WHERE tree_id = ?", (str(tree_id),))
+    code, report = verify(capsys, store, str(tree_id))
+    assert code == 1 and first_error(report) == (str(tree_id), LAST, "read_model.mismatch"), report["first_error"]
+    assert "also record it corrupt at position 3 (integrity.digest_chain)" in report["first_error"]["detail"]
+    ok(agentfold("project", "--rebuild", store=store))
+    code, report = verify(capsys, store, str(tree_id))
+    assert code == 0, report["first_error"]
 
 
 def test_a_run_started_while_the_whole_store_is_verified_is_verified_not_called_orphan_rows(
