@@ -667,6 +667,10 @@ def replay(store: EventStore, tree_id: TreeID, position: int, sources: ProgramSo
             f"tree {tree_id} has positions 1..{len(records)}; there is no position {position}",
             hint=f"pick a position between 1 and {len(records)}",
         )
+    if head is None or head.version < position:
+        # Past the end the row anchors (the row was read after the events: a live tree's only
+        # grows), or no row: damage every load refuses; the state is not shown as the tree's.
+        _check_end(store, tree_id, head, position, records[position - 1].digest)
     last = max(head.version if head is not None else 0, position)
     programs = programs_for(sources.catalog(), records[0].event)
     tree = _fold_records(tree_id, records, programs)
@@ -1017,10 +1021,12 @@ def drift(store: EventStore, tree_id: TreeID, sources: ProgramSources) -> DriftR
     The history's chain is verified first (a broken chain is a corrupt stream, not
     drift); a fold rule the current code breaks is the report's ``error``.
     """
-    _, stored = consistent_read(store, tree_id)
+    head, stored = consistent_read(store, tree_id)
     if not stored:
-        raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
+        if store.first_event(tree_id) is None:  # store.corrupt when its index row remains
+            raise NotFound("engine.tree.not_found", f"tree {tree_id} has no events")
     decoded = _decode_all(store, tree_id, stored)
+    _check_end(store, tree_id, head, len(stored), unseal(stored_json(stored[-1].state)).digest)
     catalog = sources.catalog()
     programs = programs_for(catalog, decoded[0][1])
     if programs is None:
@@ -1032,6 +1038,14 @@ def drift(store: EventStore, tree_id: TreeID, sources: ProgramSources) -> DriftR
             hint="run the command with the sources (catalog) that hold the new version of the program",
         )
     return find_drift(decoded, programs, tree_id=str(tree_id))
+
+
+def _check_end(store: EventStore, tree_id: TreeID, head: TreeHead | None, version: int, digest: str | None) -> None:
+    """The history read ends where the tree's index row anchors (as every load checks it): a
+    history cut between Steps, or events past the row, is ``store.corrupt`` (index.head_mismatch),
+    not drift of the code or a state to show."""
+    if head is None or head.version != version or head.head_digest != digest:
+        raise store._head_mismatch(tree_id, None if head is None else (head.version, head.head_digest), version, digest)
 
 
 def _decode_all(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEvent]) -> list[tuple[int, TreeEvent]]:

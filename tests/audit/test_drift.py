@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from agentfold.adapters.sources import ProgramSources
+from agentfold.domain.ids import TreeID
 from agentfold.domain.program import Complete, Continue, Program, Signal, Step, dispatcher_effect
-from tests.audit.support import chain_sources, cli, record_chain, record_demo
+from tests.audit.support import Sql, chain_sources, cli, record_chain, record_demo
 from tests.kernel_programs import IMPL, Chain, chain_program
 
 
@@ -90,6 +91,26 @@ def test_the_recorded_code_shows_no_drift(capsys: pytest.CaptureFixture[str], ch
     assert ran.code == 0
     report = ran.json()
     assert report == {"tree": tree, "ok": True, "events": 19, "decisions": 5, "first_drift": None, "error": None}
+
+
+@pytest.mark.parametrize("cut", ["between-steps", "last-event"])
+def test_drift_of_a_history_cut_under_its_index_row_is_a_corrupt_store_not_drift(
+    capsys: pytest.CaptureFixture[str], chain: Any, cut: str
+) -> None:
+    """Found by an audit walkthrough: a tail cut between whole Steps said "no drift" (exit 0),
+    and with only the last event gone the code was blamed (DRIFT, ProcessTerminated "missing
+    from the history"), while show, export and verify refused the tree as corrupt."""
+    store, tree = chain
+    tree_id = TreeID(tree)
+    last = 19
+    positions = (last - 1, last) if cut == "between-steps" else (last,)
+    sql = Sql(store)
+    sql.delete(tree_id, *positions)
+    ran = drift(capsys, store, tree)
+    assert ran.code == 1 and ran.stdout == "", ran.stdout
+    error = ran.error()
+    assert (error["code"], error["detail"]["rule"]) == ("store.corrupt", "index.head_mismatch"), error
+    assert "events after it were deleted" in error["message"]
 
 
 def test_a_changed_effect_payload_is_detected_at_its_step(capsys: pytest.CaptureFixture[str], chain: Any) -> None:

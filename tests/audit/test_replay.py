@@ -159,6 +159,27 @@ def test_replay_past_a_cut_tail_says_the_history_is_corrupt_not_that_the_positio
     assert cli(capsys, "replay", str(tree_id), "--at", str(kept), "--json", "--store", store).code == 0
 
 
+def test_replay_past_the_end_the_index_row_anchors_is_corrupt_as_every_load_says(
+    capsys: pytest.CaptureFixture[str], demo: Any
+) -> None:
+    """Found by an audit walkthrough: with the index row rolled back by hand (events stored past
+    it), ``show`` refused the tree (index.head_mismatch, "events were added past it") while
+    ``replay --at LAST`` showed the state, exit 0: replay shows what every load derives."""
+    store, tree_id, _ = demo
+    last = ok(agentfold("show", str(tree_id), "--json", store=store)).json()["version"]
+    kept = last - 2
+    digest = ok(agentfold("replay", str(tree_id), "--at", str(kept), "--json", store=store)).json()["event"]["digest"]
+    Sql(store).set_head(tree_id, kept, digest)
+    for position in (kept + 1, last):
+        ran = cli(capsys, "replay", str(tree_id), "--at", str(position), "--json", "--store", store)
+        assert ran.code == 1 and ran.stdout == "", ran.stdout
+        error = ran.error()
+        assert (error["code"], error["detail"]["position"], error["detail"]["rule"]) == (
+            "store.corrupt", kept + 1, "index.head_mismatch"), error
+        assert "events were added past it" in error["message"]
+    assert cli(capsys, "replay", str(tree_id), "--at", str(kept), "--json", "--store", store).code == 0
+
+
 def test_replay_text_names_the_event_and_the_working_context(demo: Any) -> None:
     store, tree_id, _ = demo
     ran = ok(agentfold("replay", str(tree_id), "--at", "3", store=store))
