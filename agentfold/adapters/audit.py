@@ -192,18 +192,34 @@ def _started_since(store: EventStore, text: str) -> TreeID | None:
     return None
 
 
-def _event_trees(store: EventStore) -> list[TreeID]:
+def _event_trees(store: EventStore) -> list[TreeID | ForeignOriginator]:
     """Distinct trees of the events table (a tree whose index row is gone is still audited)."""
     if store.backend == "memory":
         return []
     with store.factory.datastore.transaction(commit=False) as c:
         c.execute(f"SELECT DISTINCT originator_id AS o FROM {EVENTS_TABLE}")
         rows = c.fetchall()
-    out = []
+    out: list[TreeID | ForeignOriginator] = []
     for row in rows:
         value = row["o"]
-        out.append(TreeID.from_uuid(value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))))
+        if isinstance(value, uuid.UUID):
+            out.append(TreeID.from_uuid(value))
+            continue
+        text = str(value)
+        try:
+            parsed = uuid.UUID(text)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.hex != text:  # every SQLite writer stores uuid.hex
+            out.append(ForeignOriginator(text if value is not None else "NULL"))
+        else:
+            out.append(TreeID.from_uuid(parsed))
     return out
+
+
+class ForeignOriginator(str):
+    """An events-table originator id no writer stores (SQLite: not 32 lowercase hex digits):
+    rows written by hand. ``verify`` reports them as a failing entry of their own."""
 
 
 def _raw(store: EventStore, tree_id: TreeID, *, upto: int | None = None, limit: int | None = None,
@@ -593,6 +609,13 @@ def verify(
     for tree_id in tree_ids:
         if isinstance(tree_id, TreeID):
             check = verify_tree(store, tree_id, catalog, read_models, models_current=current)[0]
+        elif isinstance(tree_id, ForeignOriginator):  # event rows under an id no writer stores (``all_trees``)
+            check = TreeCheck(tree_id, read_model="skipped" if read_models is not None else "absent", problems=[
+                Finding(tree_id, 1, "integrity.format",
+                        f"the events table holds rows under originator id {str(tree_id)!r}, which is not a tree id "
+                        "as agentfold stores one (32 lowercase hex digits): they were written by hand; the read-model "
+                        "followers and the store-wide listings fail on them or count them into a tree: delete them "
+                        "(or restore the store)")])
         else:  # an index row whose tree id is no tree id (``all_trees``)
             check = TreeCheck(tree_id, read_model="skipped" if read_models is not None else "absent", problems=[
                 Finding(tree_id, 1, "index.row_mismatch",

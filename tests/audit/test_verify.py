@@ -279,6 +279,29 @@ def test_materialized_read_models_must_equal_the_pure_projections(
     assert ".run.status" in report["first_error"]["detail"]
 
 
+@pytest.mark.parametrize("originator", ["zzz", None, "dashed"])
+def test_event_rows_under_an_originator_id_no_writer_stores_are_a_failing_entry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, originator: str | None
+) -> None:
+    """SQLite stores a tree's events under its uuid's 32 lowercase hex digits. Found by an audit
+    walkthrough: a row under 'zzz' (or NULL) made `audit verify --all` fail as a whole
+    (cli.internal "badly formed hexadecimal UUID string", no tree checked); copies of a tree's
+    rows under the dashed spelling verified OK while the followers counted them into the tree."""
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    tree_id = record_chain(store)
+    sql = Sql(store)
+    foreign = str(tree_id.uuid) if originator == "dashed" else originator
+    sql._run("INSERT INTO agentfold_events SELECT ?, originator_version, topic, state FROM agentfold_events "
+             "WHERE originator_id = ?", (foreign, tree_id.uuid.hex))
+    code, report = verify(capsys, store)
+    assert code == 1, report
+    by_tree = {r["tree"]: r for r in report["results"]}
+    assert by_tree[str(tree_id)]["ok"] is True  # the tree itself still verifies
+    name = "NULL" if foreign is None else foreign
+    assert first_error(report) == (name, 1, "integrity.format"), report["first_error"]
+    assert "not a tree id as agentfold stores one" in report["first_error"]["detail"]
+
+
 def test_a_corrupt_tree_record_of_a_tree_that_has_rows_and_verifies_is_a_mismatch(
     capsys: pytest.CaptureFixture[str], chain: Any
 ) -> None:
