@@ -55,6 +55,26 @@ def orphan_deadline(url: str, start_id: str, seconds: float) -> TreeID:
     return handle.tree_id
 
 
+def orphan_deadline_root(url: str, start_id: str) -> tuple[TreeID, str]:
+    """``orphan_deadline`` an hour away: its tree id and its root process id."""
+    tree_id = orphan_deadline(url, start_id, HOUR)
+    store = EventStore(url)
+    try:
+        head = store.head(tree_id)
+        assert head is not None
+        return tree_id, str(head.root_process_id)
+    finally:
+        store.close()
+
+
+def at_once(url: str, command: str, process_id: str) -> Any:
+    """``agentfold COMMAND PROCESS_ID --json`` that answers at once (exit 0): its tree summary."""
+    status, out, err, took = console(url, command, process_id, "--json")
+    assert status == 0, err
+    assert took < TIMEOUT / 2, f"{command} took {took:.1f} s: it waited for the timer"
+    return json.loads(out)["tree"]
+
+
 def head_version(url: str, tree_id: TreeID) -> int:
     store = EventStore(url)
     try:
@@ -136,16 +156,8 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     """``pause`` and ``resume`` drive the run through the path every input command takes
     (``cancel``, ``answer``, ``resolve``, ...): each returns at once, the timer left waiting."""
     url = durable_store_url
-    tree_id = orphan_deadline(url, "paused-1", HOUR)
-    store = EventStore(url)
-    try:
-        root = store.head(tree_id).root_process_id  # type: ignore[union-attr]
-    finally:
-        store.close()
-    status, out, err, took = console(url, "pause", str(root), "--json")
-    assert status == 0, err
-    assert took < TIMEOUT / 2
-    paused = json.loads(out)["tree"]
+    tree_id, root = orphan_deadline_root(url, "paused-1")
+    paused = at_once(url, "pause", root)
     # Paused: parked; the pause does not stop the timer, which the command left waiting.
     assert paused["status"] == "paused" and paused["classification"] == "parked"
     assert [t["effect_id"] for t in paused["timers"]] == [timer_records(url, tree_id)[0][0].effect_id]
@@ -158,10 +170,7 @@ def test_resume_drives_a_paused_deadline_and_returns_with_its_far_timer_waiting(
     assert [t["effect_id"] for t in entry["timers"]] == [t["effect_id"] for t in paused["timers"]]
     assert head_version(url, tree_id) == version
 
-    status, out, err, took = console(url, "resume", str(root), "--json")
-    assert status == 0, err
-    assert took < TIMEOUT / 2, f"resume took {took:.1f} s: it waited for the timer"
-    tree = json.loads(out)["tree"]
+    tree = at_once(url, "resume", root)
     assert tree["status"] == "running" and tree["classification"] == "progress"
     [(dispatched, _, _)] = [timer_records(url, tree_id)]
     [timer] = tree["timers"]
@@ -177,16 +186,8 @@ def test_cancel_of_a_run_waiting_for_a_far_timer_stops_the_timer_failed_never_un
     Process already ending: unknown (engine.dispatch.interrupted), which `agentfold unknown`
     listed and no host could resolve. Found by a docs walkthrough."""
     url = durable_store_url
-    tree_id = orphan_deadline(url, "canceled-1", HOUR)
-    store = EventStore(url)
-    try:
-        root = store.head(tree_id).root_process_id  # type: ignore[union-attr]
-    finally:
-        store.close()
-    status, out, err, took = console(url, "cancel", str(root), "--json")
-    assert status == 0, err
-    assert took < TIMEOUT / 2
-    tree = json.loads(out)["tree"]
+    tree_id, root = orphan_deadline_root(url, "canceled-1")
+    tree = at_once(url, "cancel", root)
     assert tree["status"] == "canceled" and tree["unknown_effect_ids"] == []
     dispatched, settled, _ = timer_records(url, tree_id)
     assert [s.status for s in settled] == ["failed"] and settled[0].effect_id == dispatched[0].effect_id
