@@ -22,9 +22,26 @@ import pytest
 from tests.test_cli import ROOT, agentfold, ok, sqlite_url
 from tests.test_cli_interaction import FINAL, approval, logged_calls, one_tool_call, two_call_round, unknowns, write
 
-#: The installed console script (what users run) and the module form the other tests use.
+#: The installed console script (what users run) and the module form the other tests use; and
+#: a deployment's own console script written as docs/python.md shows it (``entry(SOURCES)``):
+#: found by a review, the guide's ``sys.exit(main())`` waited at exit for the hung call.
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "agentfold")
-ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", "agentfold.adapters.cli"]}
+DEPLOYMENT_SCRIPT = """\
+from agentfold.adapters.cli import entry
+from agentfold.adapters.sources import default_sources
+
+SOURCES = default_sources()
+
+
+def console() -> None:
+    entry(SOURCES)
+
+
+if __name__ == "__main__":
+    console()
+"""
+ENTRIES = {"console-script": [CONSOLE_SCRIPT], "module": [sys.executable, "-m", "agentfold.adapters.cli"],
+           "deployment-script": [sys.executable, "myapp_cli.py"]}
 
 
 def hanging_scenario(tmp_path: Path) -> Path:
@@ -37,6 +54,7 @@ def hanging_scenario(tmp_path: Path) -> Path:
 
 
 def start(entry: str, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    (tmp_path / "myapp_cli.py").write_text(DEPLOYMENT_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "AGENTFOLD_STORE"}
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.Popen(

@@ -16,12 +16,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.team import compile_deadline
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.team import FirstSuccessConfig, compile_deadline, compile_first_success
 from agentfold.domain.events import ControlRequested, EffectSettled, WriterActivated
+from agentfold.domain.program import Replay
 from tests.interaction.support import open_runtime
 from tests.interaction.tools import WAIT, wait_until
+from tests.kernel_programs import CallLog, GatedCall, chain_program
 from tests.team.test_timers import soon
 from tests.test_cli import agentfold, ok, sqlite_url
 from tests.test_cli_interaction import write
@@ -102,5 +107,54 @@ def test_a_canceled_overdue_timer_is_stopped_never_fired(durable_store_url: str)
         for handle in handles:
             [settled] = [r.event for r in store.read(handle.tree_id) if isinstance(r.event, EffectSettled)]
             assert (settled.status, settled.diagnostic) == ("failed", None), settled
+    finally:
+        store.close()
+
+
+def accept_none(key: str, outcome: Any) -> bool:
+    """No candidate's outcome is accepted: the race goes on until a host ends it."""
+    return False
+
+
+def test_cancelling_a_deadline_beside_a_sibling_call_made_again_stops_the_timer_failed(
+    durable_store_url: str, tmp_path: Path
+) -> None:
+    """Found by the review of 661d921: a race of a same_identity worker (its call in flight) and
+    a Deadline, whose owner went away; a host cancels the Deadline only. The cancel was recorded
+    first because the takeover makes the worker's call again, so the timer was unknown, though
+    the worker is not ended by the cancel (its call is made again either way). Only calls of
+    the Processes the request ends decide it."""
+    log = CallLog(tmp_path / "calls.jsonl")
+    gate = GatedCall(log)
+    worker = chain_program(gate, replay=Replay.SAME_IDENTITY, name="test.si_worker")
+    deadline = compile_deadline("test.deadline")
+    race = compile_first_success(FirstSuccessConfig(
+        name="test.race_si", candidates=[worker, deadline], accept=accept_none, max_candidates=2,
+        description="A same_identity worker against a Deadline."))
+    programs = (race, worker, deadline)
+    store = EventStore(durable_store_url)
+    try:
+        runtime = Runtime(store, Catalog(list(programs)))
+        try:
+            handle = runtime.start(race, [{"key": "w", "program": "test.si_worker", "input": {"n": 1}},
+                                          {"key": "d", "program": "test.deadline", "input": soon(3600)}],
+                                   start_id="race-si")
+            assert gate.entered.wait(WAIT)
+            wait_until(lambda: runtime.timers_waiting() == 1, "the timer to wait")
+        finally:
+            runtime.close(timeout=0.5)  # the owner goes away with the worker's call and the timer in flight
+            gate.release.set()
+        assert log.count() == 1
+        with open_runtime(store, *programs, poll_interval=0) as command:
+            tree = command.capture(handle.tree_id)
+            [d] = [p for p in tree.processes.values() if str(p.child_key) == "d"]
+            assert command.cancel(d.process_id, "no longer needed") is True
+            wait_until(lambda: log.count() == 2, "the worker's call, made again (its Process goes on)")
+            tree = command.wait_idle(handle.tree_id, timeout=WAIT)
+        [d] = [p for p in tree.processes.values() if str(p.child_key) == "d"]
+        assert d.status == "canceled" and not d.unknown_effects()
+        [settled] = [r.event for r in store.read(handle.tree_id)
+                     if isinstance(r.event, EffectSettled) and r.event.process_id == d.process_id]
+        assert settled.status == "failed", settled
     finally:
         store.close()

@@ -1347,8 +1347,9 @@ def _output_failed(exc: OSError) -> int:
     return 1
 
 
-def entry() -> None:
+def entry(sources: ProgramSources | None = None) -> None:
     """The ``agentfold`` console script: ``main``, then exit without waiting for calls it abandoned.
+    A deployment's own console script calls it with its ``sources`` (docs/python.md).
 
     A tool or model call still running when a command stops waiting (``--timeout``, Ctrl-C)
     is abandoned with the command (docs/cli.md): whoever drives the tree next records it
@@ -1357,7 +1358,7 @@ def entry() -> None:
     """
     _buffer_stdout()
     try:
-        status = main()
+        status = main(sources=sources)
     except KeyboardInterrupt:
         status = 130
     except BrokenPipeError:

@@ -1751,16 +1751,19 @@ class Runtime:
                 try:
                     activation = kernel.activate(incarnation)
                     if admission is not None and admission.terminal:
-                        if not self._only_timers(driver.tree, activation.dispatches):
-                            # A call with an outside effect would be made again before the request
-                            # ends its Process: it is recorded first instead (``Runtime._admit``).
-                            permits.give_back(discard=True)
-                            admission.declined = True
-                            return None
                         # Before the Steps: planned calls of an ending Process never start, an intent
                         # recorded by an owner that died is "already ..." (not a refusal of what the
                         # advance ended on its own), and a re-armed timer is stopped (``_launch``).
                         admitted, value = admission.fn(kernel)  # a refusal raises: nothing is appended
+                        if not self._only_timers(driver.tree, [
+                            d for d in activation.dispatches
+                            if driver.tree.ending(driver.tree.processes[d.process_id]) is not None
+                        ]):
+                            # A call with an outside effect of a Process the request ends would be
+                            # made again: the request is recorded first instead (``Runtime._admit``).
+                            # Calls of Processes it does not end are made again either way.
+                            permits.give_back(discard=True)
+                            return None
                         progress = kernel.advance(MAX_EVENTS_PER_APPEND)
                     else:
                         progress = kernel.advance(MAX_EVENTS_PER_APPEND)
@@ -1811,7 +1814,7 @@ class Runtime:
         raise RuntimeStopped("engine.tree.contention", f"tree {tree_id} kept changing during activation")
 
     def _only_timers(self, tree: TreeState, dispatches: Sequence[Dispatch]) -> bool:
-        """Whether every call of ``dispatches`` (an activation's: made again) is a timer
+        """Whether every call of ``dispatches`` (made again by an activation) is a timer
         (``waits_as_timer``): waiting for an instant again has no outside effect."""
         return all(self._waits_as_timer(tree.processes[d.process_id].program) for d in dispatches)
 
@@ -2048,7 +2051,8 @@ class Runtime:
             # (another host's input landed in between), a command committed the takeover and the
             # next call's permission, then exited and left that call unknown. A terminal request
             # is applied right after the activation, and only when every call the activation
-            # makes again is a timer (``_Admission.terminal``); else it is recorded first (below).
+            # makes again for a Process the request ends is a timer (``_Admission.terminal``);
+            # else it is recorded first (below).
             admission = _Admission(fn, terminal=record_first)
             driver = self._try_adopt(tree_id, admission=admission)
             if admission.applied:
@@ -2988,15 +2992,15 @@ def _only_activation(activation: Progress, progress: Progress) -> bool:
 class _Admission:
     """A host's request to apply in the append that takes a tree over (``Runtime._admit``)."""
 
-    __slots__ = ("applied", "declined", "fn", "terminal", "value")
+    __slots__ = ("applied", "fn", "terminal", "value")
 
     def __init__(self, fn: Callable[[Kernel], tuple[list[TreeEvent], Any]], *, terminal: bool = False) -> None:
         self.fn = fn
         # A terminal intent (cancel, kill, deadline): applied right after the activation, and only
-        # when every call it makes again is a timer; else ``declined`` (nothing appended, the
-        # request is recorded first and the tree taken over after it).
+        # when every call the activation makes again for a Process it ends is a timer; else
+        # nothing is appended (not ``applied``): the request is recorded first and the tree
+        # taken over after it.
         self.terminal = terminal
-        self.declined = False
         self.applied = False  # recorded (in the takeover's append)
         self.value: Any = None
 
