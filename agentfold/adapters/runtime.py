@@ -1149,9 +1149,10 @@ class _Driver:
         self.runtime._timers.add(timer)
 
     def _stopping(self, process_id: ProcessID) -> bool:
-        """Whether the Process takes no other call (``_cancel_stopping_flights``'s rule)."""
+        """Whether the Process takes no other call: it ended, or it or an ancestor is ending (an
+        ancestor's intent reaches it in a later pass when this one stopped at its size limit)."""
         process = self.tree.processes.get(process_id)
-        return process is None or process.terminal_intent is not None or process.terminal
+        return process is None or process.terminal or self.tree.ending(process) is not None
 
     @staticmethod
     def _timer_stopped(job: _Job) -> _Done:
