@@ -607,6 +607,25 @@ def create_private(path: Path) -> None:
     os.close(fd)
 
 
+def _tree_of_row(originator: object) -> TreeID | None:
+    """The tree an event row's originator_id names; None when it names none (NULL, not a uuid)."""
+    if isinstance(originator, uuid.UUID):
+        return TreeID.from_uuid(originator)
+    try:
+        return TreeID.from_uuid(uuid.UUID(hex=str(originator))) if isinstance(originator, str) else None
+    except ValueError:
+        return None
+
+
+def _no_tree_failure(what: str, originator: object) -> StoreFailure:
+    """A stored event row that names no tree: listings and the read-model followers stop there."""
+    return StoreFailure(
+        "store.corrupt", f"{what} names no tree: its originator_id {originator!r} is not a tree id",
+        hint="the row was written by hand: `agentfold audit verify --all` names it; delete it or restore the "
+        "store from a backup or an export (docs/audit.md)",
+    )
+
+
 class EventStore:
     """Tree streams, snapshots and the tree index over one eventsourcing database.
 
@@ -1590,8 +1609,23 @@ class EventStore:
         return TreeID(found) if found else None
 
     def notifications(self, after: int, limit: int = 500) -> Sequence[Notification]:
-        found: Sequence[Notification] = self.recorder.select_notifications(after, limit, inclusive_of_start=False)
+        try:
+            found: Sequence[Notification] = self.recorder.select_notifications(after, limit, inclusive_of_start=False)
+        except (TypeError, ValueError) as exc:
+            nameless = self._nameless_row(after, limit)
+            if nameless is None:
+                raise
+            raise nameless from exc
         return found
+
+    def _nameless_row(self, after: int, limit: int) -> StoreFailure | None:
+        """``store.corrupt`` naming the first event row after notification ``after`` whose
+        originator_id is no tree id (written by hand: eventsourcing's read fails on it, and no
+        tree can be held back for it); None when every row names a tree."""
+        for row in self.raw_notifications(after, limit):
+            if _tree_of_row(row.originator_id) is None:
+                return _no_tree_failure(f"the event at notification {row.id}", row.originator_id)
+        return None
 
     def max_notification_id(self) -> int:
         return int(self.recorder.max_notification_id() or 0)
@@ -1615,8 +1649,15 @@ class EventStore:
     def changes(self, after: int, upto: int, limit: int = 10_000) -> list[Changed]:
         """The trees the first ``limit`` events after notification ``after`` (up to ``upto``)
         belong to, each with its positions there, without reading the events' states."""
-        return [Changed(TreeID.from_uuid(uuid.UUID(hex=tree)), first, low, high, last)
-                for tree, first, low, high, last in self.index.select_changes(after, upto, limit)]
+        out: list[Changed] = []
+        for tree, first, low, high, last in self.index.select_changes(after, upto, limit):
+            tree_id = _tree_of_row(tree)
+            if tree_id is None:
+                where = f"the event at notification {first}" if first == last else \
+                    f"an event between notifications {first} and {last}"
+                raise _no_tree_failure(where, tree)
+            out.append(Changed(tree_id, first, low, high, last))
+        return out
 
     # -- leases ------------------------------------------------------------
 

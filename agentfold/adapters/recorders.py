@@ -294,7 +294,7 @@ class IndexQueries:
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         raise NotImplementedError
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str | None, int, int, int, int]]:
         """Which trees the first ``limit`` events after notification ``after`` (up to ``upto``)
         belong to, without reading their states: per tree (uuid hex), its first notification id
         there, its lowest and highest position there, and its last notification id there."""
@@ -584,7 +584,7 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return str(row[0]) if row else None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str | None, int, int, int, int]]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(
                 "SELECT originator_id, MIN(n), MIN(originator_version), MAX(originator_version), MAX(n) FROM "
@@ -592,7 +592,9 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
                 "WHERE rowid > ? AND rowid <= ? ORDER BY rowid LIMIT ?) GROUP BY originator_id",
                 (after, upto, limit),
             )
-            return [(str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in c.fetchall()]
+            # (A NULL id, written by hand, stays None: EventStore.changes names the row.)
+            return [(None if r[0] is None else str(r[0]).replace("-", ""), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+                    for r in c.fetchall()]
 
     def select_tree_notifications(self, tree_hex: str, from_version: int, limit: int) -> list[Notification]:
         with self.datastore.transaction(commit=False) as c:
@@ -749,7 +751,7 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
                     return head.tree_id
         return None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str | None, int, int, int, int]]:
         trees: dict[str, list[int]] = {}
         for n in self.select_notifications(after + 1, limit, stop=upto):
             tree = UUID(str(n.originator_id)).hex

@@ -510,7 +510,7 @@ class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQuerie
         )
         return str(rows[0]["tree_id"]) if rows else None
 
-    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str, int, int, int, int]]:
+    def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str | None, int, int, int, int]]:
         rows = self._select(
             "SELECT originator_id, MIN(n) AS first, MIN(originator_version) AS low, MAX(originator_version) AS high, "
             "MAX(n) AS last FROM (SELECT notification_id AS n, originator_id, originator_version "
