@@ -617,9 +617,14 @@ def _tree_of_row(originator: object) -> TreeID | None:
         return None
 
 
-def _no_tree_failure(what: str, originator: object) -> StoreFailure:
-    """A stored event row that names no tree: listings and the read-model followers stop there."""
-    return StoreFailure(
+class NamelessRow(StoreFailure, ValueError):
+    """A stored event row that names no tree (``store.corrupt``): listings and the read-model
+    followers stop there. Still the ValueError eventsourcing's read raised, for a reader that
+    reads such rows as stored instead (the feed's publisher)."""
+
+
+def _no_tree_failure(what: str, originator: object) -> NamelessRow:
+    return NamelessRow(
         "store.corrupt", f"{what} names no tree: its originator_id {originator!r} is not a tree id",
         hint="the row was written by hand: `agentfold audit verify --all` names it; delete it or restore the "
         "store from a backup or an export (docs/audit.md)",
@@ -1618,7 +1623,7 @@ class EventStore:
             raise nameless from exc
         return found
 
-    def _nameless_row(self, after: int, limit: int) -> StoreFailure | None:
+    def _nameless_row(self, after: int, limit: int) -> NamelessRow | None:
         """``store.corrupt`` naming the first event row after notification ``after`` whose
         originator_id is no tree id (written by hand: eventsourcing's read fails on it, and no
         tree can be held back for it); None when every row names a tree."""
