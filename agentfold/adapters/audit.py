@@ -187,7 +187,7 @@ def _started_since(store: EventStore, text: str) -> TreeID | None:
         tree_id = TreeID(text)
     except InvalidInput:
         return None
-    if store.head(tree_id) is not None or store.recorder.select_events(tree_id.uuid, limit=1):
+    if store.head(tree_id) is not None or _raw(store, tree_id, limit=1):
         return tree_id
     return None
 

@@ -1343,7 +1343,7 @@ def _output_failed(exc: OSError) -> int:
         "what was written is incomplete",
         hint="free space where standard output goes and run the command again (export also writes to a file: "
         "--out FILE)",
-    ), "--json" in sys.argv[1:])
+    ), _wants_json(sys.argv[1:]))
     return 1
 
 

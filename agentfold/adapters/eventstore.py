@@ -623,7 +623,9 @@ class NamelessRow(StoreFailure, ValueError):
     reads such rows as stored instead (the feed's publisher)."""
 
 
-def _no_tree_failure(what: str, originator: object) -> NamelessRow:
+def nameless_row(what: str, originator: object) -> NamelessRow:
+    """``store.corrupt`` for ``what`` (an event row) whose originator_id ``originator`` names no
+    tree: the listings, the read-model followers and the feed's publisher stop there."""
     return NamelessRow(
         "store.corrupt", f"{what} names no tree: its originator_id {originator!r} is not a tree id",
         hint="the row was written by hand: `agentfold audit verify --all` names it; delete it or restore the "
@@ -1629,7 +1631,7 @@ class EventStore:
         tree can be held back for it); None when every row names a tree."""
         for row in self.raw_notifications(after, limit):
             if _tree_of_row(row.originator_id) is None:
-                return _no_tree_failure(f"the event at notification {row.id}", row.originator_id)
+                return nameless_row(f"the event at notification {row.id}", row.originator_id)
         return None
 
     def max_notification_id(self) -> int:
@@ -1660,7 +1662,7 @@ class EventStore:
             if tree_id is None:
                 where = f"the event at notification {first}" if first == last else \
                     f"an event between notifications {first} and {last}"
-                raise _no_tree_failure(where, tree)
+                raise nameless_row(where, tree)
             out.append(Changed(tree_id, first, low, high, last))
         return out
 

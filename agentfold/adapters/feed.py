@@ -54,7 +54,7 @@ import orjson
 from eventsourcing.persistence import IntegrityError, Notification, Tracking
 
 from agentfold.adapters.codec import TOPIC_PREFIX, stored_json
-from agentfold.adapters.eventstore import CorruptStream, EventStore
+from agentfold.adapters.eventstore import CorruptStream, EventStore, nameless_row
 from agentfold.adapters.queries import corrupt_tree_error
 from agentfold.adapters.read_models import TRACKING_TABLE, table_exists, tracking_recorder
 from agentfold.domain.errors import AgentfoldError, InvalidInput, StoreFailure
@@ -146,16 +146,6 @@ def envelope_of(notification: Notification, chain: ChainCheck | None = None, tre
         "payload": body,
         "digest": sealed.digest,
     }
-
-
-def _no_tree(what: str, exc: BaseException) -> StoreFailure:
-    """A stored row that names no tree (its ``originator_id`` is no tree id): the publisher
-    cannot hold one tree back, so it stops there (``store.corrupt``)."""
-    return StoreFailure(
-        "store.corrupt", f"{what} names no tree: its originator_id is not a tree id ({exc})",
-        "this row was changed by hand: restore it from a backup or an export (docs/audit.md); "
-        "`agentfold audit verify --all` checks every tree",
-    )
 
 
 def _verified_envelope(notification: Notification, chain: ChainCheck, tree_id: TreeID) -> Envelope:
@@ -622,9 +612,9 @@ class Publisher:
             for index, notification in enumerate(notifications):
                 try:
                     tree_id = _tree_of(notification)
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError):
                     # No tree to hold back: what came before it is published, then the publisher stops.
-                    nameless = _no_tree(f"the event at notification {notification.id}", exc)
+                    nameless = nameless_row(f"the event at notification {notification.id}", notification.originator_id)
                     notifications = notifications[:index]
                     break
                 tree = str(tree_id)
