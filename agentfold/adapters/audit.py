@@ -946,6 +946,17 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
     for _ in range(3):
         existing = _raw(store, tree_id)
         for mine, theirs in zip(stored, existing, strict=False):
+            if theirs.originator_version != mine.originator_version:
+                # The store's history skips a position (a row deleted by hand): named as the gap it
+                # is, not as the next record differing from the file's.
+                raise Rejected(
+                    "import.conflict",
+                    f"the store's history of {tree_id} has no event at position {mine.originator_version} (its next "
+                    f"is position {theirs.originator_version}): it was cut; nothing was written",
+                    hint="see what the store holds with `agentfold audit verify`; restore the store from a backup, "
+                    "or import into another store",
+                    tree=str(tree_id), position=mine.originator_version,
+                )
             try:
                 theirs_json = stored_json(theirs.state)
             except SealError:
@@ -961,6 +972,7 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
                     tree=str(tree_id), position=theirs.originator_version,
                 )
         if len(existing) >= len(stored):
+            _refuse_short_of_a_cut(store, tree_id, len(existing), len(stored))
             return ImportReport(tree_id, len(stored), 0, len(stored), bound)
         try:
             expect = _anchor_on_the_file(store, tree_id, stored)
@@ -1000,6 +1012,32 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
             raise StoreFailure("store.append_failed", f"importing tree {tree_id} failed: {exc}") from exc
         return ImportReport(tree_id, len(stored), len(new), len(existing), bound)
     raise StoreFailure("audit.import_contended", f"tree {tree_id} kept changing while it was imported")
+
+
+def _refuse_short_of_a_cut(store: EventStore, tree_id: TreeID, kept: int, records: int) -> None:
+    """A file no longer than what the store keeps of a tree whose index row anchors a later
+    end (a history cut under its row) restores nothing: refused, where "nothing changed"
+    would leave the operator believing the tree whole."""
+    try:
+        anchor = store.anchors([tree_id]).get(tree_id)
+    except PersistenceError as exc:
+        raise read_failure(exc, f"reading the index row of tree {tree_id}") from exc
+    if anchor is None or (anchor[0] != MALFORMED_VERSION and anchor[0] <= kept):
+        return
+    version, digest = anchor
+    if version == MALFORMED_VERSION:
+        what = f"a version that is not a number (head digest {digest}): it was changed by hand"
+    else:
+        what = (f"position {version} with head digest {digest}, but the store keeps only {kept} event(s) of it: "
+                "its history was cut")
+    raise Rejected(
+        "import.conflict",
+        f"the store's index row of {tree_id} anchors {what}; the file's {records} record(s) do not mend it; "
+        "nothing was written",
+        hint="import the tree's export taken before the cut (it passes through the row's end), or see what the "
+        "store holds with `agentfold audit verify`",
+        tree=str(tree_id), position=max(version, 1),
+    )
 
 
 def _anchor_on_the_file(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEvent]) -> tuple[int, str] | None:

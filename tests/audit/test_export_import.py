@@ -514,6 +514,35 @@ def test_a_history_cut_under_its_index_row_is_restored_only_by_the_history_the_r
     assert ok(agentfold("audit", "verify", str(tree_id), "--json", store=target)).json()["ok"] is True
 
 
+def test_a_file_no_longer_than_what_a_cut_store_keeps_is_refused_not_nothing_changed(tmp_path: Path) -> None:
+    # Found by an audit walkthrough: a tree cut under its index row took an import of an export
+    # no longer than what the cut kept as "the store already holds these events; nothing
+    # changed" (exit 0): the operator believed the tree mended, and it stayed corrupt.
+    tree_id, approved, _refused, shared = two_endings(tmp_path)
+    parked = export(sqlite_store(tmp_path, "waiting.db"), tree_id, tmp_path / "parked.jsonl")
+    assert len(records(parked)) <= shared
+    target = sqlite_store(tmp_path, "target.db")
+    ok(import_file(approved, target))
+    anchor = Sql(target).head(tree_id)
+    cut_after(target, tree_id, shared)
+    before = snapshot_of(target, tree_id)
+    error = refused(import_file(tmp_path / "parked.jsonl", target)).error()
+    assert error["code"] == "import.conflict", error
+    assert error["detail"] == {"tree": str(tree_id), "position": anchor[0]}
+    assert f"keeps only {shared} event(s)" in error["message"] and "nothing was written" in error["message"]
+    assert snapshot_of(target, tree_id) == before
+    # The export the row proves still mends it.
+    assert ok(import_file(approved, target)).json()["changed"] is True
+    assert ok(agentfold("audit", "verify", str(tree_id), "--json", store=target)).json()["ok"] is True
+    # A store whose history lacks a middle position: the import names the gap.
+    Sql(target).delete(tree_id, 3)
+    before = snapshot_of(target, tree_id)
+    error = refused(import_file(approved, target)).error()
+    assert error["code"] == "import.conflict" and error["detail"]["position"] == 3, error
+    assert "has no event at position 3 (its next is position 4)" in error["message"]
+    assert snapshot_of(target, tree_id) == before
+
+
 def test_a_cut_that_removed_a_process_start_is_restored_by_importing_the_tree_again(
     stores: tuple[str, str], tmp_path: Path
 ) -> None:
