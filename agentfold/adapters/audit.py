@@ -34,7 +34,7 @@ from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
 from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, decode_snapshot, read_failure
 from agentfold.adapters.read_models import ReadModels
-from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, IndexHeadMismatch, TreeHead
+from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, PROCESSES_TABLE, IndexHeadMismatch, TreeHead
 from agentfold.adapters.runtime import index_head
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.canonical import JSON
@@ -624,23 +624,55 @@ def verify(
         emit(check)
         if progress is not None:
             progress(report.trees, report.events)
+    known = {str(t) for t in tree_ids}
     if whole_store and read_models is not None:
         # Rows of a tree the store does not have (written by hand, or left by a deleted history):
         # the listings would show them, a delegate attribution twice. Each is a failing entry.
-        known = {str(t) for t in tree_ids}
         for orphan in sorted(read_models.tree_ids_with_rows() - known):
             started_since = _started_since(store, orphan)
             if started_since is not None:
                 # A run started while the others were verified (a live store's followers wrote
                 # its rows meanwhile): verified now, as the trees listed at the start were.
+                known.add(orphan)
                 emit(verify_tree(store, started_since, catalog, read_models, models_current=current)[0])
                 continue
             emit(TreeCheck(orphan, read_model="mismatch", problems=[
                 Finding(orphan, 1, "read_model.mismatch",
                         f"the read models hold rows of tree {orphan!r}, which the store does not have (no event, "
                         "no index row): `agentfold project --rebuild` rebuilds the tables from the store")]))
+    if whole_store:
+        # Process rows under a tree the store does not have (written by hand, or left when a
+        # history and its index row were deleted): a process id of theirs names a tree that is
+        # not there (`show`, `cancel`, the HTTP API). Each such tree is a failing entry.
+        for tree_text, first, count in _process_row_trees(store):
+            if tree_text in known:
+                continue
+            started_since = _started_since(store, tree_text)
+            if started_since is not None:
+                known.add(tree_text)
+                emit(verify_tree(store, started_since, catalog, read_models, models_current=current)[0])
+                continue
+            emit(TreeCheck(tree_text, read_model="skipped" if read_models is not None else "absent", problems=[
+                Finding(tree_text, 1, "index.process_mismatch",
+                        f"the process index holds {count} row(s) under tree {tree_text!r} (process {first} first), "
+                        "which the store does not have (no event, no index row): written by hand, or left when the "
+                        "tree's history and index row were deleted; such a process id names a tree that is not "
+                        "there: delete the rows (or restore the store)")]))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _process_row_trees(store: EventStore) -> list[tuple[str, str, int]]:
+    """Each tree id of the process index with its first Process id and its number of rows."""
+    if store.backend == "memory":
+        return []  # written only by appends
+    try:
+        with store.factory.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT tree_id AS t, MIN(process_id) AS p, COUNT(*) AS n FROM {PROCESSES_TABLE} GROUP BY tree_id")
+            rows = c.fetchall()
+    except PersistenceError as exc:
+        raise read_failure(exc, "reading the process index") from exc
+    return [("NULL" if row["t"] is None else str(row["t"]), str(row["p"]), int(row["n"])) for row in rows]
 
 
 # ---------------------------------------------------------------------------

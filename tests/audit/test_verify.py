@@ -23,7 +23,7 @@ from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.read_models import CORRUPT, RUNS
 from agentfold.domain.events import EffectSettled, event_body
-from agentfold.domain.ids import TreeID, effect_id
+from agentfold.domain.ids import StartID, TreeID, effect_id
 from agentfold.domain.integrity import chain_digest, content_bytes, seal
 from tests.audit.support import Sql, chain_sources, cli, digest_of_state, record_chain
 from tests.kernel_programs import chain_program
@@ -210,7 +210,10 @@ def test_index_values_no_writer_stores_are_findings_not_a_failed_command(
         assert code == 1, statement
         assert first_error(report) == (str(tree_id), position, rule), statement
         assert words in report["first_error"]["detail"], statement
-        assert {r["tree"]: r["ok"] for r in report["results"]} == {str(tree_id): False, str(other): True}, statement
+        expected = {str(tree_id): False, str(other): True}
+        if rule == "index.process_mismatch":  # and the rows under a tree the store does not have, on their own
+            expected["tree:zz"] = False
+        assert {r["tree"]: r["ok"] for r in report["results"]} == expected, statement
         sql._run("DELETE FROM agentfold_trees")
         sql._run("DELETE FROM agentfold_processes")
         for row in before:
@@ -231,6 +234,29 @@ def test_index_values_no_writer_stores_are_findings_not_a_failed_command(
     (problem,) = results["tree:zz"]["problems"]
     assert (problem["position"], problem["rule"]) == (1, "index.row_mismatch")
     assert "'tree:zz' is not a tree id" in problem["detail"]
+
+
+def test_process_rows_under_a_tree_the_store_does_not_have_are_a_failing_entry(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    # Left by an audit walkthrough: `agentfold_processes` rows naming a tree with no event and
+    # no index row (a history and its row deleted by hand, its process rows left) passed
+    # `audit verify --all`, while `show` of such a process id named a tree that is not there.
+    store, tree_id = chain
+    sql = Sql(store)
+    ghost = str(TreeID.for_start(StartID("deleted-run")))
+    sql._run("INSERT INTO agentfold_processes VALUES (?, ?)", ("process:" + "ab" * 16, ghost))
+    sql._run("INSERT INTO agentfold_processes VALUES (?, ?)", ("process:" + "cd" * 16, ghost))
+    code, report = verify(capsys, store)
+    assert code == 1
+    results = {r["tree"]: r for r in report["results"]}
+    assert results[str(tree_id)]["ok"] is True and results[ghost]["ok"] is False
+    (problem,) = results[ghost]["problems"]
+    assert (problem["position"], problem["rule"]) == (1, "index.process_mismatch")
+    assert "holds 2 row(s) under tree" in problem["detail"] and "process:" + "ab" * 16 in problem["detail"]
+    assert verify(capsys, store, str(tree_id))[0] == 0  # a tree named on its own is whole
+    sql._run("DELETE FROM agentfold_processes WHERE tree_id = ?", (ghost,))
+    assert verify(capsys, store)[0] == 0
 
 
 def test_a_tree_without_its_first_event_and_index_row_is_verified_not_unknown(
