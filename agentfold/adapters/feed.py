@@ -19,7 +19,8 @@ unacknowledged window, a gap never is. Consumers dedupe by ``notification_id`` (
 
 Following: PostgreSQL stores wake the publisher with LISTEN/NOTIFY on the channel every
 append notifies (``agentfold_events``), with polling as a safety net; SQLite stores are
-polled. One publisher per (store, topic): a second one only duplicates.
+polled. One publisher per (store, topic): each holds the topic's publisher lease
+(``PublisherLease``) while it runs, and a second one is refused (``feed.position_conflict``).
 
 Failures while following (``Publisher.follow_until_stopped``): a failure of the store (a
 restarted or failed-over server, a terminated session) or a retriable failure of the
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -288,6 +290,58 @@ class PublisherPosition:
 
     def save(self, notification_id: int) -> None:
         self.tracking.insert_tracking(Tracking(self.application, notification_id))
+
+
+#: How often a following publisher makes sure it still holds its topic's lease (a PostgreSQL
+#: lease lives as long as its session: a server restart ends it).
+LEASE_CHECK_SECONDS = 1.0
+
+
+def publisher_lease_id(topic: str) -> TreeID:
+    """The key of the lease the publisher of ``topic`` holds among the store's owner leases: an
+    id no tree has (derived in a namespace of its own), so a second publisher is excluded
+    the way a second owner of a run is."""
+    digest = hashlib.sha256(b"agentfold.publisher-lease\x00" + topic.encode("utf-8", "surrogatepass")).digest()
+    return TreeID.from_uuid(uuid.UUID(bytes=digest[:16]))
+
+
+class PublisherLease:
+    """One publisher per (store, topic): a lease held for the publisher's lifetime (an OFD lock
+    on the SQLite store's ``.leases`` file, a PostgreSQL session advisory lock), released when
+    it closes or its process dies. A second publisher is refused at start with
+    ``feed.position_conflict`` instead of producing every event again beside the first."""
+
+    def __init__(self, store: EventStore, topic: str) -> None:
+        self.topic = topic
+        self._key = publisher_lease_id(topic)
+        self._leases = store.leases()
+        self._checked = 0.0
+        try:
+            self.keep()
+        except BaseException:
+            self._leases.close()
+            raise
+
+    def keep(self, *, every: float = 0.0) -> None:
+        """Make sure the lease is held (taken again after a lost session), at most once per
+        ``every`` seconds; ``feed.position_conflict`` when another publisher holds it."""
+        now = time.monotonic()
+        if every and now - self._checked < every:
+            return
+        self._checked = now
+        self._leases.check()
+        if self._leases.holds(self._key):
+            return
+        if not self._leases.acquire(self._key):
+            raise StoreFailure(
+                "feed.position_conflict",
+                f"another publisher is running on topic {self.topic!r} of this store (it holds the topic's publisher "
+                "lease): two would produce every event twice",
+                hint="run one publisher per store and topic: stop the other one, or publish to another topic",
+            )
+
+    def close(self) -> None:
+        self._leases.close()
 
 
 def publisher_positions(store: EventStore) -> dict[str, int]:
@@ -559,6 +613,20 @@ class Publisher:
         self.poll_interval = poll_interval
         self.ack_timeout = ack_timeout
         self._position = PublisherPosition(store, topic)
+        # Before the position is read: the position is this publisher's while it holds the lease.
+        self._lease = PublisherLease(store, topic)
+        try:
+            self._open(store, bootstrap, topic, partitions, replication_factor, producer, on_held, on_released,
+                       on_still_held)
+        except BaseException:
+            self._lease.close()
+            raise
+
+    def _open(
+        self, store: EventStore, bootstrap: str, topic: str, partitions: int, replication_factor: int, producer: Any,
+        on_held: Callable[[HeldTree], None] | None, on_released: Callable[[HeldTree, int], None] | None,
+        on_still_held: Callable[[HeldTree], None] | None,
+    ) -> None:
         self.position = self._position.get()
         self._chain = ChainCheck(store)
         self._held = HeldTrees(store, self._position.application)
@@ -587,6 +655,7 @@ class Publisher:
     def step(self) -> int:
         """Produce the next batch (at most ``batch_size`` events); returns how many it consumed
         (produced, or passed over as events of a held tree)."""
+        self._lease.keep(every=LEASE_CHECK_SECONDS)
         try:
             notifications: Sequence[Notification] = self.store.notifications(self.position, self.batch_size)
         except (TypeError, ValueError):
@@ -934,6 +1003,7 @@ class Publisher:
         from a batch the broker did not acknowledge. Forgetting them costs at most duplicates
         (those records produced again, as after a restart); keeping them lost the events they
         named for good."""
+        self._lease.keep()  # lost with a PostgreSQL session: taken again, unless another publisher has it
         self.position = self._position.get()
         self.held = self._held.all()  # as stored: the holds go with the position
         self._ahead = {}
@@ -950,6 +1020,12 @@ class Publisher:
         """Flush and close the producer. Records the broker still has not taken after
         ``ack_timeout`` (a failed batch, never recorded as published) are dropped: stopping
         during a broker outage ends cleanly. Once interrupted, they are dropped at once."""
+        try:
+            self._close_producer()
+        finally:
+            self._lease.close()
+
+    def _close_producer(self) -> None:
         from kafka.errors import KafkaError
 
         if self.producer is None:
