@@ -69,6 +69,7 @@ from agentfold.projections.transcripts import (
     Entry,
     Envelope,
     EnvelopeInvalid,
+    SchemaVersionUnsupported,
     TranscriptGap,
     TreeTranscripts,
     build_transcripts,
@@ -751,6 +752,17 @@ class TranscriptConsumer:
         for record in records:
             try:
                 envelopes.append(check_envelope(orjson.loads(record.value)))
+            except SchemaVersionUnsupported as exc:
+                # Named where it is: the operator finds the record (and its tree) on the topic.
+                where = f"topic {record.topic} partition {record.partition} offset {record.offset}"
+                try:
+                    tree = str(orjson.loads(record.value).get("tree_id"))
+                except (orjson.JSONDecodeError, AttributeError):  # pragma: no cover - it was read just above
+                    tree = ""
+                raise SchemaVersionUnsupported(
+                    exc.version, exc.type_name, f"{where}, tree {tree}", topic=record.topic,
+                    partition=record.partition, offset=record.offset, tree_id=tree,
+                ) from None
             except (orjson.JSONDecodeError, EnvelopeInvalid, TypeError) as exc:
                 raw = record.value.decode("utf-8", "replace") if isinstance(record.value, bytes) else repr(record.value)
                 # PostgreSQL text cannot hold NUL: kept escaped, else the reject itself would fail the batch.

@@ -95,13 +95,17 @@ class SchemaVersionUnsupported(AgentfoldError):
     """An envelope of a schema version this code does not know: stop rather than skip it
     (skipping would lose the event; setting it aside would leave its tree with a gap)."""
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int, type_name: str | None = None, where: str = "", **detail: Any) -> None:
+        what = f"a {type_name} envelope" if type_name else "an envelope"
         super().__init__(
             "feed.schema_version_unsupported",
-            f"an envelope has schema_version {version}; this consumer knows {SCHEMA_VERSION} "
-            f"({', '.join(f'{k} {v}' for k, v in SCHEMA_VERSIONS.items())})",
+            f"{what}{' (' + where + ')' if where else ''} has schema_version {version}; this consumer knows "
+            f"{SCHEMA_VERSION} ({', '.join(f'{k} {v}' for k, v in SCHEMA_VERSIONS.items())})",
             hint="upgrade the consumer to a release that knows this schema version, then restart it",
+            **detail,
         )
+        self.version = version
+        self.type_name = type_name
 
 
 class TranscriptGap(ValueError):
@@ -126,8 +130,6 @@ def check_envelope(envelope: Any) -> Envelope:
         value = envelope[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise EnvelopeInvalid(f"{name} must be a positive integer, not {value!r}")
-    if not supported_version(envelope["type"], envelope["schema_version"]):
-        raise SchemaVersionUnsupported(envelope["schema_version"])
     for name in ("tree_id", "process_id", "type", "timestamp", "digest"):
         if not isinstance(envelope[name], str) or not envelope[name]:
             raise EnvelopeInvalid(f"{name} must be a non-empty string")
@@ -145,6 +147,11 @@ def check_envelope(envelope: Any) -> Envelope:
                               f"not {str(envelope['timestamp'])[:80]!r}")
     if envelope["type"] not in EVENT_TYPES:
         raise EnvelopeInvalid(f"unknown event type {envelope['type']!r}")
+    # Only a record of the envelope schema, of an event type agentfold writes, can be an event
+    # of a later release: the consumer stops on it (skipping it would lose the event). Anything
+    # else (another system's record on the topic) is set aside like any record of another form.
+    if not supported_version(envelope["type"], envelope["schema_version"]):
+        raise SchemaVersionUnsupported(envelope["schema_version"], envelope["type"])
     if not isinstance(envelope["payload"], Mapping):
         raise EnvelopeInvalid("payload must be an object (the stored event body)")
     if envelope["process_id"] != envelope["payload"].get("process_id"):

@@ -25,7 +25,13 @@ from agentfold.adapters.feed import envelope_bytes, store_envelopes
 from agentfold.adapters.transcripts import DIGESTS, TREES, TranscriptConsumer, TranscriptStore
 from agentfold.domain.errors import AgentfoldError
 from agentfold.domain.json_schema import schema_errors
-from agentfold.projections.transcripts import ENVELOPE_PATTERNS, EnvelopeInvalid, build_transcripts, check_envelope
+from agentfold.projections.transcripts import (
+    ENVELOPE_PATTERNS,
+    EnvelopeInvalid,
+    SchemaVersionUnsupported,
+    build_transcripts,
+    check_envelope,
+)
 from tests.feed.support import documented_envelope_schema, envelope_digest
 from tests.feed.workload import Workload
 
@@ -322,5 +328,42 @@ def test_a_record_not_of_the_envelope_schema_is_kept_as_a_reject_not_applied(tri
         assert reject["record_offset"] == 0 and "process_id must be a process id" in reject["error"]
         assert store.tree_positions() == {} and store.transcripts() == {}
         assert consumer.report.totals.rejected == 1 and consumer.report.totals.applied == 0
+    finally:
+        store.close()
+
+
+def test_another_systems_record_with_a_schema_version_above_1_is_set_aside_not_a_stop(trip: Any, tmp_path: Path) -> None:
+    """Found by a feed review: a record of another system on the topic (`OrderPlaced`, a tree id
+    'order-123', schema_version 2) stopped the consumer for good with
+    feed.schema_version_unsupported ("upgrade the consumer"), naming no record, and nothing of
+    its batch was applied; the same record with schema_version 1 was set aside. Only an event
+    type agentfold writes, in the envelope schema, can be an event of a later release."""
+    pid, envelopes = trip
+    foreign = {"notification_id": 1, "tree_id": "order-123", "position": 1, "process_id": "p", "type": "OrderPlaced",
+               "schema_version": 2, "timestamp": "yesterday", "payload": {}, "digest": "none"}
+    store, consumer, topic = _consumer(tmp_path)
+    try:
+        topic.write(*envelopes[:3], foreign, *envelopes[3:])
+        _drain(consumer)
+        assert store.transcript(pid) == build_transcripts(envelopes)[pid]
+        (reject,) = store.rejects()
+        assert reject["record_offset"] == 3 and "tree_id must be a tree id" in reject["error"], reject
+    finally:
+        store.close()
+
+
+def test_an_event_of_a_later_schema_version_stops_the_consumer_naming_where_it_is(trip: Any, tmp_path: Path) -> None:
+    _, envelopes = trip
+    later = {**envelopes[2], "schema_version": 9}
+    store, consumer, topic = _consumer(tmp_path)
+    try:
+        topic.write(*envelopes[:2], later, *envelopes[3:])
+        with pytest.raises(SchemaVersionUnsupported) as stopped:
+            _drain(consumer)
+        error = stopped.value
+        assert error.code == "feed.schema_version_unsupported"
+        assert error.details == {"topic": "t", "partition": 0, "offset": 2, "tree_id": envelopes[2]["tree_id"]}
+        assert f"a {later['type']} envelope (topic t partition 0 offset 2, tree {later['tree_id']})" in error.message
+        assert store.rejects() == [] and store.transcripts() == {} and topic.commits == 0  # nothing of it applied
     finally:
         store.close()
