@@ -34,6 +34,7 @@ from agentfold.adapters.feed import (
     DEFAULT_POLL_INTERVAL,
     HeldTree,
     Publisher,
+    check_topic,
     publish_failed,
     released_line,
 )
@@ -76,6 +77,13 @@ def _positive(text: str) -> int:
     if not 1 <= value <= 1_000_000:
         raise argparse.ArgumentTypeError(f"must be an integer from 1 to 1000000, not {text!r}")
     return value
+
+
+def _topic(text: str) -> str:
+    try:
+        return check_topic(text)
+    except InvalidInput as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -318,7 +326,7 @@ def register(command: Any) -> None:
         "acknowledged batch; follows until SIGTERM unless --once",
     )
     publish.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
-    publish.add_argument("--topic", required=True, help="the topic (created if missing)")
+    publish.add_argument("--topic", required=True, type=_topic, help="the topic (created if missing)")
     publish.add_argument("--once", action="store_true", help="publish what is stored now, then exit")
     publish.add_argument(
         "--partitions", type=_positive, default=DEFAULT_PARTITIONS, metavar="N",
@@ -337,7 +345,7 @@ def register(command: Any) -> None:
         "consume the feed in a consumer group and keep the transcript tables of --db current",
     )
     transcripts.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
-    transcripts.add_argument("--topic", required=True, help="the feed's topic")
+    transcripts.add_argument("--topic", required=True, type=_topic, help="the feed's topic")
     transcripts.add_argument("--group", required=True, help="the consumer group id")
     transcripts.add_argument("--db", required=True, metavar="URL", help="sqlite:///path.db or postgresql://... for the tables")
     transcripts.add_argument("--group-instance-id", metavar="ID", help="static membership (faster restarts)")

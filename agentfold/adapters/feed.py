@@ -45,6 +45,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -295,6 +296,24 @@ class PublisherPosition:
 #: How often a following publisher makes sure it still holds its topic's lease (a PostgreSQL
 #: lease lives as long as its session: a server restart ends it).
 LEASE_CHECK_SECONDS = 1.0
+
+
+#: Kafka's rule for a topic name: 1 to 249 of ASCII letters, digits, ".", "_" and "-", not "." or "..".
+TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def check_topic(topic: object) -> str:
+    """``topic`` when Kafka takes it as a topic name, else ``feed.topic_invalid`` (before the
+    store or the broker is touched: a publisher stored a position for a topic no consumer
+    could read)."""
+    if not isinstance(topic, str) or not TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
+        shown = repr(topic) if not isinstance(topic, str) else repr(topic[:80])
+        raise InvalidInput(
+            "feed.topic_invalid",
+            f"{shown} is not a Kafka topic name: 1 to 249 ASCII letters, digits, '.', '_' or '-' (not '.' or '..')",
+            hint="name the topic with those characters only, e.g. agentfold.events",
+        )
+    return topic
 
 
 def publisher_lease_id(topic: str) -> TreeID:
@@ -603,6 +622,7 @@ class Publisher:
         held tree that verifies again, with the number of its held records then published; by
         default both are warnings on the ``agentfold.feed`` logger. ``on_still_held`` is called
         for each held tree that does not verify yet, each time the publisher starts."""
+        check_topic(topic)
         if batch_size < 1:
             raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
         if not (poll_interval > 0 and math.isfinite(poll_interval)):  # NaN compares false

@@ -60,7 +60,7 @@ from agentfold.adapters.eventstore import (
     redact,
     set_server_tcp,
 )
-from agentfold.adapters.feed import ChainCheck, FeedError, store_envelopes
+from agentfold.adapters.feed import ChainCheck, FeedError, check_topic, store_envelopes
 from agentfold.adapters.recorders import SQLITE_DURABLE_COMMITS
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.ids import TreeID
@@ -718,7 +718,7 @@ class TranscriptConsumer:
         consumer: Any = None,
     ) -> None:
         self.store = store
-        self.topic = topic
+        self.topic = check_topic(topic)
         self.max_records = max_records
         if consumer is None:
             from kafka import KafkaConsumer

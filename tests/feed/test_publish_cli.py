@@ -176,6 +176,33 @@ def test_the_publisher_api_refuses_a_poll_interval_that_is_not_positive(tmp_path
         store.close()
 
 
+BAD_TOPICS = ["", "orders/feed", "..", "a" * 250, "caf\u00e9"]
+
+
+@pytest.mark.parametrize("topic", BAD_TOPICS)
+def test_a_topic_name_kafka_does_not_take_is_refused_before_anything_is_stored(tmp_path: Path, topic: str) -> None:
+    # Found by a feed review: `publish --topic ''` (or 'orders/feed') exited 0 and stored a publisher
+    # position for a topic no consumer could read; `transcripts` then failed with cli.internal
+    # ("ValueError: All topics must be non-empty strings").
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    EventStore(url).close()  # a store that exists: the refusal is the topic's, not the store's
+    before = (tmp_path / "store.db").read_bytes()
+    for command in (["publish", "--once"], ["transcripts", "--group", "g", "--db", f"sqlite:///{tmp_path / 't.db'}", "--once"]):
+        ran = refused(agentfold(command[0], "--bootstrap", "127.0.0.1:9", "--topic", topic, *command[1:], "--json",
+                                store=url))
+        error = ran.error()
+        assert error["code"] == "cli.usage" and "is not a Kafka topic name" in error["message"], error
+    assert (tmp_path / "store.db").read_bytes() == before and not (tmp_path / "t.db").exists()
+    store = EventStore(url)
+    try:
+        with pytest.raises(InvalidInput) as refused_topic:  # the Python API, before any broker is contacted
+            Publisher(store, "127.0.0.1:9", topic)
+        assert refused_topic.value.code == "feed.topic_invalid"
+        assert PublisherPosition(store, "t").get() == 0
+    finally:
+        store.close()
+
+
 def _topic_exists(bootstrap: str, topic: str) -> bool:
     from kafka import KafkaConsumer
 
