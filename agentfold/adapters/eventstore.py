@@ -1310,29 +1310,40 @@ class EventStore:
         A tree whose first event is gone while later events or its index row remain is
         ``store.corrupt`` (``integrity.missing_event`` at position 1): it read as a tree that does
         not exist, and one such tree made the store-wide listings fail with engine.tree.not_found."""
-        first = self.read(tree_id, upto=1)
-        if first:
-            return first[0]
-        missing = self._first_missing(tree_id)
-        if missing is not None:
-            raise missing
-        return None
+        for _ in range(3):
+            first = self.read(tree_id, upto=1)
+            if first:
+                return first[0]
+            missing = self._first_missing(tree_id)
+            if missing is None:
+                return None
+            if not isinstance(missing, _Appeared):
+                raise missing
+        raise StoreFailure("store.unavailable", f"tree {tree_id}: its first event could not be read back")  # pragma: no cover
 
-    def _first_missing(self, tree_id: TreeID) -> CorruptStream | None:
+    def _first_missing(self, tree_id: TreeID) -> CorruptStream | _Appeared | None:
         """``integrity.missing_event`` at position 1 when the tree has later events or an index
-        row but no first event; None when the store has nothing of it."""
+        row but no first event; None when the store has nothing of it; ``_APPEARED`` when its
+        first append committed while it was looked for (two hosts starting one start id at once:
+        the loser read nothing, then the winner's events and row: that is no corrupt tree)."""
         try:
-            later = self.recorder.select_events(tree_id.uuid, limit=1)
+            lowest = self.recorder.select_events(tree_id.uuid, limit=1)
+            head = None if lowest else self.head(tree_id)
+            if head is not None:
+                # The row first, then the events again: they commit together, so events
+                # committed with the row are read now.
+                lowest = self.recorder.select_events(tree_id.uuid, limit=1)
+                if not lowest:
+                    return CorruptStream(tree_id, 1, "integrity.missing_event",
+                                         f"no event is stored, but the tree index holds its row (version {head.version})")
         except PersistenceError as exc:
             raise read_failure(exc, f"reading tree {tree_id}") from exc
-        if later:
-            return CorruptStream(tree_id, 1, "integrity.missing_event",
-                                 f"position 1 is missing (the first event stored is at position {later[0].originator_version})")
-        head = self.head(tree_id)
-        if head is not None:
-            return CorruptStream(tree_id, 1, "integrity.missing_event",
-                                 f"no event is stored, but the tree index holds its row (version {head.version})")
-        return None
+        if not lowest:
+            return None
+        if lowest[0].originator_version == 1:
+            return _APPEARED
+        return CorruptStream(tree_id, 1, "integrity.missing_event",
+                             f"position 1 is missing (the first event stored is at position {lowest[0].originator_version})")
 
     def read_raw(self, tree_id: TreeID) -> list[StoredEvent]:
         return list(self.recorder.select_events(tree_id.uuid))
@@ -1345,6 +1356,7 @@ class EventStore:
         use_snapshot: bool = True,
         verify: bool = True,
         upto: int | None = None,
+        _again: bool = False,
     ) -> LoadedTree:
         """Fold a tree from its latest snapshot (if any) and the events after it; the end
         reached must be the one the tree index anchors (``index.head_mismatch``: events cut
@@ -1384,7 +1396,9 @@ class EventStore:
         records = self.read(tree_id, after=state.version, upto=upto, previous_digest=digest, verify=verify)
         if not records and state.version == 0:
             missing = self._first_missing(tree_id)
-            if missing is not None:
+            if isinstance(missing, _Appeared) and not _again:
+                return self.load(tree_id, programs, use_snapshot=use_snapshot, verify=verify, upto=upto, _again=True)
+            if isinstance(missing, CorruptStream):
                 raise missing
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist in {redact(self.url)}")
         for record in records:
@@ -1681,6 +1695,13 @@ class EventStore:
             return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
         # Its session is one of the store's, so ``interrupt`` ends it with the others.
         return PostgresLeases(pg_conninfo(self._settings), session=self.session)
+
+
+class _Appeared:
+    """A tree's first append committed while the store looked for it (``EventStore._first_missing``)."""
+
+
+_APPEARED = _Appeared()
 
 
 class _Closed:
