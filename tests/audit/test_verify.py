@@ -22,6 +22,7 @@ from agentfold.adapters import audit
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.read_models import CORRUPT, RUNS
+from agentfold.adapters.runtime import Runtime
 from agentfold.domain.events import EffectSettled, event_body
 from agentfold.domain.ids import StartID, TreeID, effect_id
 from agentfold.domain.integrity import chain_digest, content_bytes, seal
@@ -459,3 +460,53 @@ def test_a_long_verification_says_how_far_it_is_on_stderr(
         f"agentfold: audit verify: 2 of 3 trees, {2 * LAST} events",
     ]
     assert all(line.endswith(" events/s)") for line in lines)
+
+
+class _Weather:
+    name = "weather"
+    description = "The weather."
+    parameters = {"type": "object"}
+
+    def call(self, invocation: Any, arguments: Any) -> Any:
+        from agentfold.adapters.tools import ToolOutput
+
+        return ToolOutput.text("sunny")
+
+
+def test_rows_a_deployment_projected_with_its_programs_are_unchecked_not_a_mismatch_where_they_are_unbound(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str
+) -> None:
+    # Found by an app-builder review: docs/python.md says `audit verify` works on any run, but the
+    # plain `agentfold audit verify` of a deployment's Interaction run (read models projected by the
+    # deployment's own console script, as the docs say to) failed: read_model.mismatch at
+    # .rounds[0], exit 1, for intact rows; the repair it pointed at would have degraded them.
+    from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+    from agentfold.adapters.models import ScriptedModel
+    from agentfold.adapters.sources import ProgramSources, default_sources
+
+    agent = compile_interaction(InteractionConfig(name="deployment.agent", tools=[_Weather()], model=ScriptedModel([
+        {"message": {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "w1", "name": "weather", "arguments": "{}"}]}, "finish_reason": "tool_calls"},
+        {"message": {"role": "assistant", "content": "It is sunny."}, "finish_reason": "stop"},
+    ])))
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([agent])) as runtime:
+            handle = runtime.start(agent, {"messages": [{"role": "user", "content": "weather?"}]}, start_id="dep-1")
+            assert handle.result(timeout=60).status == "completed"
+    finally:
+        store.close()
+    deployment = default_sources().plus(ProgramSources(programs=(agent,)))
+    assert cli(capsys, "project", "--store", durable_store_url, sources=deployment).code == 0
+    bound = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=deployment)
+    assert bound.code == 0 and bound.json()["results"][0]["read_model"] == "equal", bound.stdout
+    plain = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=default_sources())
+    assert plain.code == 0, plain.stdout
+    (result,) = plain.json()["results"]
+    assert (result["ok"], result["programs_bound"], result["read_model"]) == (True, False, "unchecked"), result
+    text = cli(capsys, "audit", "verify", "--all", "--store", durable_store_url, sources=default_sources())
+    assert text.code == 0 and "read models unchecked" in text.stdout, text.stdout
+    # Damage the plain script can see is still a finding: the run row's count of applied events.
+    Sql(durable_store_url)._run("UPDATE agentfold_rm_runs SET events_projected = events_projected + 1")
+    damaged = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=default_sources())
+    assert damaged.code == 1 and damaged.json()["results"][0]["read_model"] == "mismatch", damaged.stdout
