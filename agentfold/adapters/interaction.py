@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from agentfold.adapters.dispatch import DispatchContext
 from agentfold.adapters.models import Model, ModelError, ModelRequest
 from agentfold.adapters.tools import ObservationFailures, Tool, ToolDispatcher, ToolObserver, observe, tool_spec
-from agentfold.domain.budget import MAX_COUNTER, Budget, Quota
+from agentfold.domain.budget import MAX_COUNTER, Budget, Quota, child_debit
 from agentfold.domain.canonical import JSON, MAX_PAYLOAD_BYTES, canonical_bytes, digest_of
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput, recorded_text
 from agentfold.domain.ids import ChildKey, Digest, SignalID, WaitKey
@@ -305,6 +305,33 @@ def _check_collaborators(config: InteractionConfig) -> None:
         if delegate.build_input is not None:
             check_synchronous(f"delegate {delegate.name!r}: build_input", delegate.build_input,
                               "interaction.delegate.invalid")
+        _check_delegate_budget(delegate)
+
+
+def _check_delegate_budget(delegate: Delegate) -> None:
+    """A Delegate whose Interaction grants its own children (its tool calls: ``tool_budget``;
+    its Delegates) what the Delegate's budget cannot hold (kernel rule ``budget.child_allocation``:
+    under a finite quota a grant is finite and at most it): every such child would be refused,
+    and each delegated call fail at run time (``engine.child.budget_exhausted``)."""
+    strategy = getattr(delegate.program, "strategy", None)
+    if not isinstance(strategy, InteractionStrategy):
+        return
+    inner = strategy.definition
+    grants: list[tuple[str, Budget]] = []
+    if inner.tool_program is not None:
+        grants.append(("its tool calls' budget (InteractionConfig.tool_budget)", inner.tool_budget))
+    grants += [(f"its Delegate {d.name!r}'s budget", d.budget) for d in inner.manifest.delegates]
+    for whom, grant in grants:
+        refused = child_debit(delegate.budget, grant)
+        if isinstance(refused, str):
+            raise InvalidInput(
+                "interaction.delegate.invalid",
+                f"delegate {delegate.name!r}: the delegated Interaction {inner.name!r} runs within the Delegate's "
+                f"budget {brief_repr(delegate.budget.to_json())}, and {whom} {brief_repr(grant.to_json())} would be "
+                f"refused within it ({refused}): every delegated call would fail",
+                hint="give the delegated Interaction a finite tool_budget (and its Delegates finite budgets) of at most "
+                "the Delegate's budget in each finite dimension, or leave the Delegate's budget unlimited",
+            )
 
 
 def _check_lists(config: InteractionConfig) -> None:

@@ -299,3 +299,33 @@ def test_a_tool_failure_of_no_known_kind_is_refused_and_its_call_is_unknown_sayi
     assert tree.root.status == "waiting"  # for its tool call, whose outcome a host must settle: nothing guessed
     assert unknown["kind"] == "tool" and unknown["diagnostic"]["code"] == "engine.dispatch.failed"
     assert said in unknown["diagnostic"]["message"], unknown["diagnostic"]
+
+
+def test_a_delegate_whose_interaction_grants_its_tool_calls_more_than_its_budget_holds_is_refused() -> None:
+    """Found by an app-builder review: a Delegate with a finite budget over an Interaction with tools
+    and the default (unlimited) tool_budget compiled, then every delegated call failed at run time
+    (engine.child.budget_exhausted: "the parent's steps quota is finite, so the child's must be
+    finite too"), while the scenario compiler refuses the same configuration."""
+    from agentfold.domain.budget import Budget
+
+    def worker(**fields: Any) -> Program:
+        return compile_interaction(InteractionConfig(name="refusals.worker", model=model(), tools=[GoodTool()], **fields))
+
+    def boss(program: Program, budget: Budget) -> InteractionConfig:
+        return InteractionConfig(name="refusals.boss", model=model(), delegates=[
+            Delegate("helper", "Helps.", program, {"type": "object"}, budget=budget)])
+
+    finite = Budget.of(steps=50, effects=20)
+    for child, words in (
+        (worker(), "the parent's steps quota is finite, so the child's must be finite too"),
+        (worker(tool_budget=Budget.of(steps=60, effects=10)), "the child's steps quota 60 exceeds the parent's maximum 50"),
+    ):
+        with pytest.raises(InvalidInput) as caught:
+            compile_interaction(boss(child, finite))
+        error = caught.value
+        assert error.code == "interaction.delegate.invalid", error
+        assert "delegate 'helper'" in error.message and "tool_budget" in error.message and words in error.message
+        assert "finite tool_budget" in error.hint
+    # What fits is accepted: a finite tool_budget within the Delegate's, or an unlimited Delegate budget.
+    compile_interaction(boss(worker(tool_budget=Budget.of(steps=10, effects=5)), finite))
+    compile_interaction(boss(worker(), Budget()))
