@@ -154,8 +154,24 @@ def from_openai_response(body: Any) -> dict[str, Any]:
 
 def _mapped(body: Any, choice: Any, message: dict[str, Any]) -> dict[str, Any]:
     result_message: dict[str, Any] = {"role": "assistant"}
-    if message.get("content"):
-        result_message["content"] = [{"type": "text", "text": message["content"]}]
+    content = message.get("content")
+    if isinstance(content, list):
+        # Content parts, as some OpenAI-compatible servers answer (and OpenAI's own API accepts):
+        # their text parts, as they are; a part of another type is no answer this client reads.
+        parts = []
+        for index, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ModelError(f"message.content[{index}] is a content part of type {str(kind)[:40]!r}: only text "
+                                 "parts are read (a string content, or parts {\"type\": \"text\", \"text\": ...})")
+            if part["text"]:
+                parts.append({"type": "text", "text": part["text"]})
+        if parts:
+            result_message["content"] = parts
+    elif content:
+        if not isinstance(content, str):
+            raise ModelError(f"message.content is {type(content).__name__}: a string or a list of text parts is read")
+        result_message["content"] = [{"type": "text", "text": content}]
     if message.get("function_call") and not message.get("tool_calls"):
         # The legacy single function call (no call id): not mapped, so the call is unknown
         # rather than a silent final answer without the call the model asked for.

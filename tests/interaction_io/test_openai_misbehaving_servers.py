@@ -150,6 +150,25 @@ def test_a_completion_with_members_of_the_wrong_type_is_a_model_error(body: Any)
     assert len(seen) == 1  # not sent again: the same body would come back
 
 
+def test_content_given_as_text_parts_is_read_and_other_parts_are_a_model_error_saying_so() -> None:
+    # Found by an app-builder review: a server answering with content parts ([{"type": "text", ...}],
+    # as some OpenAI-compatible servers do) was mapped to a text part whose text was the list, and
+    # the call was left unknown with "a part must be {\"type\": \"text\", \"text\": \"...\"}":
+    # exactly the shape the server had sent.
+    parts = {"choices": [{"message": {"role": "assistant", "content": [
+        {"type": "text", "text": "Sunny, "}, {"type": "text", "text": "24 C."}]}, "finish_reason": "stop"}]}
+    with serving(lambda h: send_json(h, parts)) as (url, _):
+        response = OpenAIChatModel(url, "m", timeout=5).call(request())
+    assert response["message"]["content"] == [{"type": "text", "text": "Sunny, "}, {"type": "text", "text": "24 C."}]
+    for content, words in (([{"type": "image_url", "image_url": {"url": "x"}}], "content part of type 'image_url'"),
+                           ({"text": "x"}, "message.content is dict")):
+        body = {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+        with serving(lambda h, b=body: send_json(h, b)) as (url, _):  # type: ignore[misc]
+            with pytest.raises(ModelError) as failed:
+                OpenAIChatModel(url, "m", timeout=5).call(request())
+        assert words in str(failed.value), failed.value
+
+
 def test_a_reply_that_is_not_http_is_a_model_error() -> None:
     def garbage(handler: BaseHTTPRequestHandler) -> None:
         handler.wfile.write(b"garbage\r\n\r\n")
