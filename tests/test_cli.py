@@ -536,7 +536,7 @@ def test_scripts_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
 
 def test_hostile_arguments_are_refused_with_exit_2_and_append_nothing(tmp_path: Path) -> None:
     """Bytes that are not UTF-8, integers beyond 64 bits (which JSON parsers turn into
-    floats), JSON nested deeper than 254 levels, a reason above 4096 bytes, counts and
+    floats), JSON nested deeper than 128 levels, a reason above 4096 bytes, counts and
     positions beyond what a database holds: each once failed as cli.internal, or was stored
     changed (an integer as a float, a reason cut to 4096 bytes)."""
     store = sqlite_url(tmp_path)
@@ -556,7 +556,7 @@ def test_hostile_arguments_are_refused_with_exit_2_and_append_nothing(tmp_path: 
     assert "is not valid UTF-8" in refused_with("cli.argument_invalid", "resolve", effect_id, "--output", '"\udcff"')
     assert "exceeds 64 bits" in refused_with("payload.invalid", "resolve", effect_id, "--output",
                                              '{"charge_id": 100000000000000000000000000000}')
-    assert "nested deeper than 254 levels" in refused_with("payload.invalid", "resolve", effect_id, "--output",
+    assert "nested deeper than 128 levels" in refused_with("payload.invalid", "resolve", effect_id, "--output",
                                                            "[" * 1000 + "]" * 1000)
     assert "at most 4096 bytes" in refused_with("control.invalid", "cancel", process_id, "--reason", "r" * 4097)
     assert "1000000" in refused_with("cli.usage", "project", "--batch", "9" * 30)

@@ -93,7 +93,7 @@ def test_a_value_that_is_not_json_says_how_to_make_it_json(runtime: Runtime, val
 @pytest.mark.parametrize(("text", "words"), [
     ('{"a": 1,}', "RFC 8259"),
     ('{"a": NaN}', "no NaN or infinity"),
-    ("[" * 300 + "]" * 300, "at most 254 levels"),
+    ("[" * 300 + "]" * 300, "at most 128 levels"),
 ])
 def test_json_text_that_is_not_json_says_what_to_send(text: str, words: str) -> None:
     error = refusal(lambda: parse_json_text(text, what="--output"))
@@ -106,7 +106,7 @@ def test_deep_nesting_says_to_flatten() -> None:
     for _ in range(300):
         deep = [deep]
     error = refusal(lambda: normalize(deep))
-    assert error.code == "payload.invalid" and "at most 254 levels" in error.hint
+    assert error.code == "payload.invalid" and "at most 128 levels" in error.hint
 
 
 def test_an_unknown_control_lists_the_controls(runtime: Runtime) -> None:

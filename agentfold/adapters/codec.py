@@ -174,7 +174,13 @@ class PydanticMapper(Mapper[uuid.UUID]):
         name = event_type(event)
         version = event_version(event)
         tag = chain_tag(name, version)
-        content = content_bytes(event_body(event), timestamp)
+        try:
+            content = content_bytes(event_body(event), timestamp)
+        except TypeError as exc:  # orjson: "Recursion limit reached" (payloads are checked to leave room)
+            raise InvalidInput(
+                "payload.invalid", f"the {name} at position {position} cannot be encoded: {exc}: nothing was stored",
+                hint="do not change a payload after building its Effect (dispatcher_effect() checks it once)",
+            ) from None
         digest = chain_digest(previous, tree_id, position, tag, content)
         state = seal(content, digest)
         if len(state) > MAX_STATE_BYTES:

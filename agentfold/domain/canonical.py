@@ -63,16 +63,41 @@ _DATETIME_TYPES = frozenset({"datetime", "date", "time"})
 def _a_datetime(value: Any) -> bool:
     return any(c.__module__ == "datetime" and c.__name__ in _DATETIME_TYPES for c in type(value).__mro__)
 
-MAX_DEPTH = 254
-"""The deepest nesting of arrays and objects a payload may have (what orjson encodes)."""
+ENCODABLE_DEPTH = 254
+"""The deepest nesting of arrays and objects orjson encodes (it refuses a 255th level)."""
+
+MAX_DEPTH = 128
+"""The deepest nesting of arrays and objects a payload may have. A payload is stored wrapped:
+inside its event's body, the sealed content, an Interaction's tool result, a snapshot of the
+whole tree, a feed envelope, an HTTP answer. Each of those must still encode, so a payload
+keeps ``ENCODABLE_DEPTH - MAX_DEPTH`` levels free for them (a payload of 248 levels passed,
+then its event could not be encoded: the run's owner stopped)."""
+
+_HEADROOM = ENCODABLE_DEPTH - MAX_DEPTH
+
+
+def _within_depth(value: Any) -> bool:
+    """Whether ``value`` nests at most ``MAX_DEPTH`` levels: orjson encodes it under
+    ``_HEADROOM`` more (C speed; a walk in Python would cost a large payload milliseconds)."""
+    wrapped = value
+    for _ in range(_HEADROOM):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped, option=_OPTIONS)
+    except (TypeError, orjson.JSONEncodeError):
+        return False
+    return True
+
+
+def _too_deep(path: str) -> InvalidInput:
+    return InvalidInput("payload.invalid", f"the value is nested deeper than {MAX_DEPTH} levels (at {path[:80]}...)",
+                        hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects",
+                        recorded_hint=False)
 
 
 def _check(value: Any, path: str, depth: int = 0) -> None:
-    # Walks the value once; orjson alone would silently turn NaN into null.
-    if depth > MAX_DEPTH:
-        raise InvalidInput("payload.invalid", f"the value is nested deeper than {MAX_DEPTH} levels (at {path[:80]}...)",
-                           hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects",
-                           recorded_hint=False)
+    # Walks the value once; orjson alone would silently turn NaN into null. ``depth``: the
+    # arrays and objects around ``value``; one more at MAX_DEPTH is one level too many.
     if value is None or value is True or value is False:
         return
     if isinstance(value, str):
@@ -90,6 +115,8 @@ def _check(value: Any, path: str, depth: int = 0) -> None:
         if isinstance(value, enum.Enum):
             _check(value.value, path, depth)
         return
+    if depth >= MAX_DEPTH and (isinstance(value, (dict, list, tuple)) or dataclasses.is_dataclass(value)):
+        raise _too_deep(path)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             _check(getattr(value, field.name), f"{path}.{field.name}", depth + 1)
@@ -139,6 +166,12 @@ def normalize(value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "paylo
         if b"null" in data:
             # orjson writes NaN and infinities as null; only then is a walk needed.
             _check(value, "$")
+        if data.count(b"[") + data.count(b"{") > MAX_DEPTH and not _within_depth(value):
+            # Enough brackets to nest that deep (strings hold some too): the walk names the path.
+            _check(value, "$")
+            raise InvalidInput("payload.invalid", f"{what} is nested deeper than {MAX_DEPTH} levels",
+                               hint=f"flatten the value to at most {MAX_DEPTH} levels of arrays and objects",
+                               recorded_hint=False)
     if len(data) > limit:
         raise InvalidInput(
             "payload.too_large",
