@@ -22,9 +22,10 @@ from agentfold.adapters.host import Host
 from agentfold.adapters.interaction import InteractionConfig, compile_interaction
 from agentfold.adapters.models import ScriptedModel
 from agentfold.adapters.runtime import Runtime
-from agentfold.adapters.tools import ToolInputRequired, ToolOutput
+from agentfold.adapters.tools import ToolOutput
 from agentfold.domain.canonical import MAX_DEPTH, normalize
 from agentfold.domain.errors import InvalidInput
+from tests.test_host_python import Approve
 
 
 def nest(levels: int) -> Any:
@@ -54,17 +55,6 @@ class Deep:
 
     def call(self, invocation: Any, arguments: Any) -> ToolOutput:
         return ToolOutput.text("deep", details=nest(self.levels))
-
-
-class Ask:
-    name = "ask"
-    description = "Asks the host."
-    parameters = {"type": "object"}
-
-    def call(self, invocation: Any, arguments: Any) -> ToolOutput:
-        if invocation.continuation is None:
-            raise ToolInputRequired(prompt={"q": 1}, response_schema={"type": "object"}, state=None)
-        return ToolOutput.text("ok")
 
 
 def test_normalize_takes_128_levels_and_refuses_129_naming_the_path() -> None:
@@ -100,7 +90,7 @@ def test_a_tool_result_nested_too_deep_is_an_unknown_outcome_saying_so_and_the_o
 
 def test_host_inputs_nested_too_deep_are_refused_and_append_nothing(tmp_path: Path) -> None:
     store = EventStore(f"sqlite:///{tmp_path / 'inputs.db'}")
-    agent = compile_interaction(InteractionConfig(name="ask", model=ScriptedModel([calls("ask"), DONE]), tools=[Ask()]))
+    agent = compile_interaction(InteractionConfig(name="ask", model=ScriptedModel([calls("approve"), DONE]), tools=[Approve()]))
     try:
         with Runtime(store, Catalog([agent])) as runtime:
             host = Host(runtime)
@@ -114,10 +104,10 @@ def test_host_inputs_nested_too_deep_are_refused_and_append_nothing(tmp_path: Pa
             (pending,) = host.pending("run")
             version = runtime.capture(run.tree_id).version
             with pytest.raises(InvalidInput) as refused:
-                host.answer(pending["process_id"], pending["wait_id"], {"a": nest(250)})
+                host.answer(pending["process_id"], pending["wait_id"], {"ok": nest(250)})
             assert refused.value.code == "payload.invalid" and "nested deeper than 128 levels" in refused.value.message
             assert runtime.capture(run.tree_id).version == version
-            host.answer(pending["process_id"], pending["wait_id"], {"a": nest(10)})
+            host.answer(pending["process_id"], pending["wait_id"], {"ok": nest(10)})
             assert runtime.result(run.tree_id, timeout=60).status == "completed"
     finally:
         store.close()
