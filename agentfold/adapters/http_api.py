@@ -86,7 +86,7 @@ from agentfold.adapters.scenario import (
     validate_scenario,
 )
 from agentfold.adapters.sources import ProgramSources
-from agentfold.domain.canonical import JSON, MAX_PAYLOAD_BYTES, duplicate_key, normalize
+from agentfold.domain.canonical import JSON, MAX_DEPTH, MAX_PAYLOAD_BYTES, duplicate_key, normalize
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, parse_effect_id, parse_wait_id
 from agentfold.domain.program import ProgramResolver
@@ -1534,7 +1534,7 @@ def _install_error_handlers(app: FastAPI) -> None:
                                         f"the request body is not UTF-8 JSON: {exc.__cause__.reason} at byte "
                                         f"{exc.__cause__.start}", "send one JSON object encoded as UTF-8")
             return problem_response(422, "http.request_invalid", f"the request body could not be read: {exc.detail}",
-                                    "send one JSON object, nested at most 254 levels deep")
+                                    f"send one JSON object whose payloads nest at most {MAX_DEPTH} levels deep")
         code = {404: "http.not_found", 405: "http.method_not_allowed", 413: "payload.too_large"}.get(
             exc.status_code, "http.error")
         detail = {404: f"no endpoint {request.url.path}",
