@@ -1065,6 +1065,8 @@ def _refuse_short_of_a_cut(store: EventStore, tree_id: TreeID, kept: int, record
     if anchor is None or (anchor[0] != MALFORMED_VERSION and anchor[0] <= kept):
         return
     version, digest = anchor
+    if version != MALFORMED_VERSION and _raw(store, tree_id, after=version - 1, limit=1):
+        return  # appended since the events were read (a live tree): its row and events commit together
     if version == MALFORMED_VERSION:
         what = f"a version that is not a number (head digest {digest}): it was changed by hand"
     else:

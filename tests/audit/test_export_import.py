@@ -187,6 +187,40 @@ def test_an_import_continues_a_history_it_imported_before(tmp_path: Path) -> Non
     assert ok(agentfold("trees", "--json", store=target)).json()["trees"][0]["status"] == "completed"
 
 
+def test_an_import_of_a_live_trees_earlier_export_changes_nothing_and_is_no_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a review of 7b58940: importing an earlier export of a tree a host still drives was
+    # refused "its history was cut" (5 of 5 CLI imports): the events were read, the host appended,
+    # and the index row read after them was ahead. The window, made certain: the import's read of
+    # the events answers as it did before the last append.
+    source = sqlite_store(tmp_path, "source.db")
+    tree_id = record_demo(tmp_path / "run", source, answer=False)
+    export(source, tree_id, tmp_path / "parked.jsonl")
+    (pending,) = ok(agentfold("pending", "--json", store=source)).json()["pending"]
+    ok(agentfold("answer", pending["process_id"], pending["wait_id"], '{"approved": true}', store=source))
+    parked_tree, parked_stored, parked_folded = audit.check_export((tmp_path / "parked.jsonl").read_bytes(),
+                                                                   default_sources())
+    store = EventStore(source)
+    try:
+        whole = len(store.read_raw(tree_id))
+        assert whole > len(parked_stored)
+        real_raw = audit._raw
+        reads: list[int] = []
+
+        def read_before_the_append(store_: EventStore, tree: TreeID, **kwargs: Any) -> Any:
+            rows = real_raw(store_, tree, **kwargs)
+            reads.append(len(rows))
+            return rows[: len(parked_stored)] if len(reads) == 1 else rows
+
+        monkeypatch.setattr(audit, "_raw", read_before_the_append)
+        report = audit.import_history(store, parked_tree, parked_stored, parked_folded)
+        assert (report.written, report.already) == (0, len(parked_stored))
+        assert len(store.read_raw(tree_id)) == whole
+    finally:
+        store.close()
+
+
 def test_an_import_beside_a_longer_import_of_the_same_history_is_no_conflict(
     capsys: pytest.CaptureFixture[str], durable_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
