@@ -1692,7 +1692,9 @@ class EventStore:
         if self.backend == "sqlite":
             if self.read_only_uri is not None:  # a runtime may read it (find a tree); taking one is refused
                 return RefusedLeases(self._read_only_failure)
-            return FileLeases(self._settings["SQLITE_DBNAME"] + ".leases")
+            # Next to the file itself: a store opened through a symlink (or another spelling of
+            # its path) must lock the same lease file as one opened by its real path.
+            return FileLeases(os.path.realpath(self._settings["SQLITE_DBNAME"]) + ".leases")
         # Its session is one of the store's, so ``interrupt`` ends it with the others.
         return PostgresLeases(pg_conninfo(self._settings), session=self.session)
 

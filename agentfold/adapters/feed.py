@@ -748,17 +748,23 @@ class Publisher:
             assert nameless is not None
             raise nameless
         last = int(notifications[-1].id)
+        # Only the lease holder stores a position: one that lost its lease (a PostgreSQL session
+        # ended, the lease file replaced) stops here, before it writes over the new holder's.
+        self._lease.keep()
         try:
             self._position.save(last)
-        except IntegrityError as exc:
+        except IntegrityError:
             # A retried write whose first attempt committed (its reply was lost) finds exactly
             # its own position stored: that is success. Anything else means someone stored a
-            # position at or past ours: another publisher runs on this topic.
+            # position at or past ours: another publisher.
             if self._position.get() != last:
-                raise StoreFailure(
-                    "feed.position_conflict",
-                    f"another publisher advanced {self._position.application} past {self.position}: {exc}",
-                ) from exc
+                self._lease.keep()  # feed.position_conflict when this publisher lost the lease meanwhile
+                # Still the holder: one that had lost the lease stored positions before it noticed
+                # (it stops at its next write). Go on from the stored position, as after a restart.
+                log.warning("publisher of %s: another publisher stored position %s past this one's %s (it had "
+                            "lost the lease); going on from there", self.topic, self._position.get(), self.position)
+                self.start_again()
+                return 0
         self.position = last
         self.events += len(envelopes)
         self.held_events += passed

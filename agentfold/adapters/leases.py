@@ -145,7 +145,14 @@ class FileLeases(_Durable):
         self._open()
 
     def _open(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:  # another user's 0600 file, a directory of that name, an immutable file
+            raise StoreFailure(
+                "store.unavailable", f"cannot open the lease file {self.path}: {exc.strerror or exc}",
+                hint="the store's processes need to read and write <database>.leases next to the database file: "
+                "fix its owner or permissions (or remove what stands at that path)",
+            ) from exc
         info = os.fstat(fd)
         self._fd, self._file = fd, (info.st_dev, info.st_ino)
 
@@ -164,7 +171,7 @@ class FileLeases(_Durable):
             old = self._fd
             try:
                 self._open()
-            except OSError as exc:
+            except StoreFailure as exc:
                 if not self._reopen_failed:  # once per outage, not at every poll
                     log.warning("the lease file %s was removed or replaced, and cannot be opened again: %s",
                                 self.path, exc)

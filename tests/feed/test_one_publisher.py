@@ -108,3 +108,78 @@ def test_the_publisher_api_holds_the_topic_until_it_closes(kafka_bootstrap: str,
     finally:
         other_store.close()
         store.close()
+
+
+def test_a_publisher_that_lost_its_lease_stops_at_its_next_write_and_the_holder_goes_on(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    # Found by a review of the lease: a publisher catching up a backlog whose lease was lost (its
+    # PostgreSQL session ended, its `.leases` file removed) went on storing positions for up to a
+    # second, while a second publisher took the lease; the holder's own position write then failed
+    # with feed.position_conflict and both stopped (no publisher left, ~20 records twice).
+    url = f"sqlite:///{tmp_path / 'lost.db'}"
+    topic = f"one-publisher-lost-{uuid.uuid4().hex[:12]}"
+    store_a, store_b = EventStore(url), EventStore(url)
+    workload = Workload(store_a)
+    try:
+        workload.runs(4)
+        total = store_a.max_notification_id()
+        first = Publisher(store_a, kafka_bootstrap, topic, batch_size=10)
+        first.step()
+        first.step()
+        (tmp_path / "lost.db.leases").unlink()  # the lease file removed under it
+        second = Publisher(store_b, kafka_bootstrap, topic, batch_size=10)  # a new file, a free lease
+        with pytest.raises(StoreFailure) as stopped:
+            first.step()  # no position written: the lease is checked before the write
+        assert stopped.value.code == "feed.position_conflict"
+        first.close()
+        # A position stored past the holder's by one that had not noticed yet (which produced those
+        # events first; here they are claimed only): the holder goes on from it instead of stopping.
+        claimed = (second.position, second.position + 30)
+        PublisherPosition(store_a, topic).save(claimed[1])
+        while second.position < total:
+            second.step()
+        assert second.position == total
+        second.close()
+        ids = [e["notification_id"] for e in store_envelopes(store_a)]
+    finally:
+        workload.close()
+        store_b.close()
+        store_a.close()
+    expected = {i for i in ids if not claimed[0] < i <= claimed[1]}
+    read = read_topic_confluent(kafka_bootstrap, topic, expected=len(expected))
+    # Every other event on the topic (the holder's batch whose position write found the other
+    # position was produced too; a batch may come twice).
+    assert expected <= set(read.notification_ids()) <= set(ids)
+
+
+def test_a_store_opened_through_a_symlink_holds_the_same_publisher_lease(kafka_bootstrap: str, tmp_path: Path) -> None:
+    # Found by a review of the lease: the lease file was named after the path as given, so a store
+    # opened through a symlink locked another file and two publishers both ran.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").mkdir()
+    topic = f"one-publisher-link-{uuid.uuid4().hex[:12]}"
+    by_path = EventStore(f"sqlite:///{tmp_path / 'real' / 's.db'}")
+    (tmp_path / "link" / "s.db").symlink_to(tmp_path / "real" / "s.db")  # the database file itself
+    by_link = EventStore(f"sqlite:///{tmp_path / 'link' / 's.db'}")
+    try:
+        first = Publisher(by_path, kafka_bootstrap, topic)
+        with pytest.raises(StoreFailure) as refused:
+            Publisher(by_link, kafka_bootstrap, topic)
+        assert refused.value.code == "feed.position_conflict"
+        first.close()
+    finally:
+        by_link.close()
+        by_path.close()
+
+
+def test_a_lease_file_that_cannot_be_opened_is_a_classified_store_failure(tmp_path: Path) -> None:
+    # Found by a review of the lease: `publish` (and `run`, `recover`) failed with cli.internal
+    # ("PermissionError: ... s.db.leases", "IsADirectoryError") when the lease file could not be opened.
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    EventStore(url).close()
+    (tmp_path / "s.db.leases").mkdir()
+    ran = agentfold("publish", "--bootstrap", "127.0.0.1:9", "--topic", "t", "--once", "--json", store=url)
+    assert ran.code == 1, ran
+    error = ran.error()
+    assert error["code"] == "store.unavailable" and "cannot open the lease file" in error["message"], error
