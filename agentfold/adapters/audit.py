@@ -545,13 +545,16 @@ def verify_tree(
             path = first_difference(_normalized(rows), expected)
             if path is None:
                 check.read_model = "equal"
-            elif folded.programs is None:
+            elif folded.programs is None and first_difference(_kernel_view(rows), _kernel_view(expected)) is None:
                 # Rows a deployment projected with its Programs bound (an Interaction's rounds,
-                # delegates, tool inputs) differ from the kernel-only projection this run can
-                # compute: not damage it can see. Said, not failed (verify with the deployment's
-                # console script, which binds them); the rows' own columns are still checked below.
+                # delegates, tool inputs, its unknown calls' requests) differ from the kernel-only
+                # projection this run can compute only there: not damage it can see. Said, not
+                # failed (verify with the deployment's console script, which binds them); the run
+                # entry, the unknown Effects and the rows' own columns are still checked.
                 check.read_model = "unchecked"
             else:
+                if folded.programs is None:  # where the kernel's own view differs
+                    path = first_difference(_kernel_view(rows), _kernel_view(expected)) or path
                 check.read_model = "mismatch"
                 check.problems.append(
                     Finding(str(tree_id), at, "read_model.mismatch",
@@ -585,6 +588,24 @@ def verify_tree(
                             "verifies: `agentfold project --rebuild` projects it again")
                 )
     return check, folded, stored
+
+
+def _kernel_view(rows: Any) -> dict[str, Any]:
+    """What of a tree's read-model rows the kernel alone projects, whatever Programs projected
+    them: the tree, its version, the run entry and which Effects are unknown (an Interaction's
+    rounds, delegates, tool inputs and its unknown calls' requests need its Program)."""
+    if not isinstance(rows, dict):
+        return {"rows": rows}
+    unknown, run = rows.get("unknown"), rows.get("run")
+    if isinstance(run, dict) and isinstance(run.get("processes"), list):
+        # Whether a Process is an Interaction is known from its Program only.
+        run = {**run, "processes": [{k: v for k, v in p.items() if k != "interaction"} if isinstance(p, dict) else p
+                                    for p in run["processes"]]}
+    return {
+        "tree_id": rows.get("tree_id"), "version": rows.get("version"), "run": run,
+        "unknown": [u.get("effect_id") if isinstance(u, dict) else u for u in unknown]
+        if isinstance(unknown, list) else unknown,
+    }
 
 
 def verify(

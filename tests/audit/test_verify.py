@@ -510,3 +510,12 @@ def test_rows_a_deployment_projected_with_its_programs_are_unchecked_not_a_misma
     Sql(durable_store_url)._run("UPDATE agentfold_rm_runs SET events_projected = events_projected + 1")
     damaged = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=default_sources())
     assert damaged.code == 1 and damaged.json()["results"][0]["read_model"] == "mismatch", damaged.stdout
+    Sql(durable_store_url)._run("UPDATE agentfold_rm_runs SET events_projected = events_projected - 1")
+    assert cli(capsys, "audit", "verify", "--all", "--store", durable_store_url, sources=default_sources()).code == 0
+    # And so is a run entry that says something else than the kernel's fold (found by the review
+    # of this test's fix: damage to the run's output or status passed as 'unchecked').
+    Sql(durable_store_url)._run("UPDATE agentfold_rm_runs SET body = replace(body, 'It is sunny.', 'It is raining.')")
+    damaged = cli(capsys, "audit", "verify", "--all", "--json", "--store", durable_store_url, sources=default_sources())
+    (result,) = damaged.json()["results"]
+    assert damaged.code == 1 and result["read_model"] == "mismatch", damaged.stdout
+    assert ".run.output" in result["problems"][0]["detail"], result
