@@ -93,18 +93,23 @@ def test_a_second_publisher_on_one_store_and_topic_is_refused_and_every_event_re
     assert sorted(read.notification_ids()) == ids  # each event exactly once
 
 
+def _refused_beside(holder: EventStore, other: EventStore, bootstrap: str, topic: str) -> None:
+    """A publisher on ``other`` is refused while one on ``holder`` runs, and starts once it closed."""
+    first = Publisher(holder, bootstrap, topic)
+    with pytest.raises(StoreFailure) as refused:
+        Publisher(other, bootstrap, topic)
+    assert refused.value.code == "feed.position_conflict"
+    first.close()
+    Publisher(other, bootstrap, topic).close()
+
+
 def test_the_publisher_api_holds_the_topic_until_it_closes(kafka_bootstrap: str, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'api.db'}"
     topic = f"one-publisher-api-{uuid.uuid4().hex[:12]}"
     store = EventStore(url)
     other_store = EventStore(url)  # another EventStore (as another process would open it)
     try:
-        first = Publisher(store, kafka_bootstrap, topic)
-        with pytest.raises(StoreFailure) as refused:
-            Publisher(other_store, kafka_bootstrap, topic)
-        assert refused.value.code == "feed.position_conflict"
-        first.close()
-        Publisher(other_store, kafka_bootstrap, topic).close()
+        _refused_beside(store, other_store, kafka_bootstrap, topic)
     finally:
         other_store.close()
         store.close()
@@ -163,11 +168,7 @@ def test_a_store_opened_through_a_symlink_holds_the_same_publisher_lease(kafka_b
     (tmp_path / "link" / "s.db").symlink_to(tmp_path / "real" / "s.db")  # the database file itself
     by_link = EventStore(f"sqlite:///{tmp_path / 'link' / 's.db'}")
     try:
-        first = Publisher(by_path, kafka_bootstrap, topic)
-        with pytest.raises(StoreFailure) as refused:
-            Publisher(by_link, kafka_bootstrap, topic)
-        assert refused.value.code == "feed.position_conflict"
-        first.close()
+        _refused_beside(by_path, by_link, kafka_bootstrap, topic)
     finally:
         by_link.close()
         by_path.close()
