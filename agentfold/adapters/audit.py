@@ -543,18 +543,20 @@ def verify_tree(
         else:
             expected = seen["rows"]
             path = first_difference(_normalized(rows), expected)
-            if path is None:
-                check.read_model = "equal"
-            elif folded.programs is None and first_difference(_kernel_view(rows), _kernel_view(expected)) is None:
+            unchecked = False
+            if path is not None and folded.programs is None:
                 # Rows a deployment projected with its Programs bound (an Interaction's rounds,
-                # delegates, tool inputs, its unknown calls' requests) differ from the kernel-only
-                # projection this run can compute only there: not damage it can see. Said, not
-                # failed (verify with the deployment's console script, which binds them); the run
-                # entry, the unknown Effects and the rows' own columns are still checked.
+                # delegates, tool inputs, its unknown calls' requests) may differ from the
+                # kernel-only projection this run can compute there: not damage it can see. Said,
+                # not failed (verify with the deployment's console script, which binds them); the
+                # run entry, the unknown Effects and the rows' own columns are still checked.
+                path = first_difference(_kernel_view(rows), _kernel_view(expected))
+                unchecked = path is None
+            if unchecked:
                 check.read_model = "unchecked"
+            elif path is None:
+                check.read_model = "equal"
             else:
-                if folded.programs is None:  # where the kernel's own view differs
-                    path = first_difference(_kernel_view(rows), _kernel_view(expected)) or path
                 check.read_model = "mismatch"
                 check.problems.append(
                     Finding(str(tree_id), at, "read_model.mismatch",
@@ -1075,6 +1077,10 @@ def import_history(store: EventStore, tree_id: TreeID, stored: Sequence[StoredEv
     raise StoreFailure("audit.import_contended", f"tree {tree_id} kept changing while it was imported")
 
 
+def _malformed_anchor(digest: str) -> str:
+    return f"a version that is not a number (head digest {digest}): it was changed by hand"
+
+
 def _refuse_short_of_a_cut(store: EventStore, tree_id: TreeID, kept: int, records: int) -> None:
     """A file no longer than what the store keeps of a tree whose index row anchors a later
     end (a history cut under its row) restores nothing: refused, where "nothing changed"
@@ -1089,7 +1095,7 @@ def _refuse_short_of_a_cut(store: EventStore, tree_id: TreeID, kept: int, record
     if version != MALFORMED_VERSION and _raw(store, tree_id, after=version - 1, limit=1):
         return  # appended since the events were read (a live tree): its row and events commit together
     if version == MALFORMED_VERSION:
-        what = f"a version that is not a number (head digest {digest}): it was changed by hand"
+        what = _malformed_anchor(digest)
     else:
         what = (f"position {version} with head digest {digest}, but the store keeps only {kept} event(s) of it: "
                 "its history was cut")
@@ -1123,7 +1129,7 @@ def _anchor_on_the_file(store: EventStore, tree_id: TreeID, stored: Sequence[Sto
             pass
         where = f"position {version} with head digest {digest}, which is not the file's record there"
     elif version == MALFORMED_VERSION:
-        where = f"a version that is not a number (head digest {digest}): it was changed by hand"
+        where = _malformed_anchor(digest)
     else:
         where = f"position {version} with head digest {digest}, past the file's {len(stored)} record(s)"
     raise Rejected(

@@ -1310,16 +1310,15 @@ class EventStore:
         A tree whose first event is gone while later events or its index row remain is
         ``store.corrupt`` (``integrity.missing_event`` at position 1): it read as a tree that does
         not exist, and one such tree made the store-wide listings fail with engine.tree.not_found."""
-        for _ in range(3):
-            first = self.read(tree_id, upto=1)
-            if first:
-                return first[0]
+        first = self.read(tree_id, upto=1)
+        if not first:
             missing = self._first_missing(tree_id)
             if missing is None:
                 return None
             if not isinstance(missing, _Appeared):
                 raise missing
-        raise StoreFailure("store.unavailable", f"tree {tree_id}: its first event could not be read back")  # pragma: no cover
+            first = self.read(tree_id, upto=1)  # committed since the first read: there now
+        return first[0]
 
     def _first_missing(self, tree_id: TreeID) -> CorruptStream | _Appeared | None:
         """``integrity.missing_event`` at position 1 when the tree has later events or an index

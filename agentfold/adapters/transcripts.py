@@ -751,17 +751,15 @@ class TranscriptConsumer:
         rejected: list[Rejected] = []
         for record in records:
             try:
-                envelopes.append(check_envelope(orjson.loads(record.value)))
+                value = orjson.loads(record.value)
+                envelopes.append(check_envelope(value))
             except SchemaVersionUnsupported as exc:
                 # Named where it is: the operator finds the record (and its tree) on the topic.
-                where = f"topic {record.topic} partition {record.partition} offset {record.offset}"
-                try:
-                    tree = str(orjson.loads(record.value).get("tree_id"))
-                except (orjson.JSONDecodeError, AttributeError):  # pragma: no cover - it was read just above
-                    tree = ""
+                tree = str(value["tree_id"])  # an envelope of the schema: only its version is unknown
                 raise SchemaVersionUnsupported(
-                    exc.version, exc.type_name, f"{where}, tree {tree}", topic=record.topic,
-                    partition=record.partition, offset=record.offset, tree_id=tree,
+                    exc.version, exc.type_name,
+                    f"topic {record.topic} partition {record.partition} offset {record.offset}, tree {tree}",
+                    topic=record.topic, partition=record.partition, offset=record.offset, tree_id=tree,
                 ) from None
             except (orjson.JSONDecodeError, EnvelopeInvalid, TypeError) as exc:
                 raw = record.value.decode("utf-8", "replace") if isinstance(record.value, bytes) else repr(record.value)
