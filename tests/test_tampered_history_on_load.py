@@ -21,6 +21,7 @@ from agentfold.adapters.runtime import Runtime, index_head
 from agentfold.domain.events import ControlRequested, EffectSettled
 from agentfold.domain.ids import TreeID
 from agentfold.domain.program import Program
+from agentfold.domain.requests import Settlement
 from tests.audit.support import Sql
 from tests.kernel_programs import CallLog, GatedCall, chain_program
 from tests.test_cli import agentfold
@@ -313,3 +314,20 @@ def test_a_tree_whose_first_append_commits_while_it_is_looked_up_is_found_not_re
         finally:
             monkeypatch.setattr(EventStore, "head", real_head)
     store.close()
+
+
+@pytest.mark.parametrize("upto", [0, -1, True, 1.5])
+def test_a_load_up_to_no_position_is_refused_before_reading(tmp_path: Path, upto: object) -> None:
+    # Left by the last notes: `load(upto=0)` answered `store.not_found` for a tree that is
+    # there (nothing folded, the tree taken for absent). A position is 1 or more.
+    store = EventStore(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="upto.chain")
+        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+            handle = runtime.start(program, {"n": 1}, start_id="upto")
+            assert handle.result(timeout=10).status == "completed"
+        with pytest.raises(ValueError, match="upto must be a position, 1 or more"):
+            store.load(handle.tree_id, upto=upto)  # type: ignore[arg-type]
+        assert store.load(handle.tree_id, upto=1).state.version == 1
+    finally:
+        store.close()

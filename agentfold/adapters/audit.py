@@ -656,39 +656,44 @@ def verify(
         if progress is not None:
             progress(report.trees, report.events)
     known = {str(t) for t in tree_ids}
+    # Rows under a tree the store does not have, by tree: one failing entry per tree, with a
+    # finding for each index that holds some.
+    orphans: dict[str, list[Finding]] = {}
+    orphan_read_models: set[str] = set()
     if whole_store and read_models is not None:
         # Rows of a tree the store does not have (written by hand, or left by a deleted history):
-        # the listings would show them, a delegate attribution twice. Each is a failing entry.
+        # the listings would show them, a delegate attribution twice.
         for orphan in sorted(read_models.tree_ids_with_rows() - known):
-            started_since = _started_since(store, orphan)
-            if started_since is not None:
-                # A run started while the others were verified (a live store's followers wrote
-                # its rows meanwhile): verified now, as the trees listed at the start were.
-                known.add(orphan)
-                emit(verify_tree(store, started_since, catalog, read_models, models_current=current)[0])
-                continue
-            emit(TreeCheck(orphan, read_model="mismatch", problems=[
+            orphan_read_models.add(orphan)
+            orphans.setdefault(orphan, []).append(
                 Finding(orphan, 1, "read_model.mismatch",
                         f"the read models hold rows of tree {orphan!r}, which the store does not have (no event, "
-                        "no index row): `agentfold project --rebuild` rebuilds the tables from the store")]))
+                        "no index row): `agentfold project --rebuild` rebuilds the tables from the store"))
     if whole_store:
         # Process rows under a tree the store does not have (written by hand, or left when a
         # history and its index row were deleted): a process id of theirs names a tree that is
-        # not there (`show`, `cancel`, the HTTP API). Each such tree is a failing entry.
+        # not there (`show`, `cancel`, the HTTP API).
         for tree_text, first, count in _process_row_trees(store):
             if tree_text in known:
                 continue
-            started_since = _started_since(store, tree_text)
-            if started_since is not None:
-                known.add(tree_text)
-                emit(verify_tree(store, started_since, catalog, read_models, models_current=current)[0])
-                continue
-            emit(TreeCheck(tree_text, read_model="skipped" if read_models is not None else "absent", problems=[
+            orphans.setdefault(tree_text, []).append(
                 Finding(tree_text, 1, "index.process_mismatch",
                         f"the process index holds {count} row(s) under tree {tree_text!r} (process {first} first), "
                         "which the store does not have (no event, no index row): written by hand, or left when the "
                         "tree's history and index row were deleted; such a process id names a tree that is not "
-                        "there: delete the rows (or restore the store)")]))
+                        "there: delete the rows (or restore the store)"))
+    for orphan in sorted(orphans):
+        started_since = _started_since(store, orphan)
+        if started_since is not None:
+            # A run started while the others were verified (a live store's followers wrote
+            # its rows meanwhile): verified now, as the trees listed at the start were.
+            emit(verify_tree(store, started_since, catalog, read_models, models_current=current)[0])
+            continue
+        if orphan in orphan_read_models:
+            verdict = "mismatch"
+        else:
+            verdict = "skipped" if read_models is not None else "absent"
+        emit(TreeCheck(orphan, read_model=verdict, problems=orphans[orphan]))
     report.seconds = time.perf_counter() - started
     return report
 

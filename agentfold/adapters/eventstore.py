@@ -1359,7 +1359,11 @@ class EventStore:
     ) -> LoadedTree:
         """Fold a tree from its latest snapshot (if any) and the events after it; the end
         reached must be the one the tree index anchors (``index.head_mismatch``: events cut
-        or changed under it), read first, so that an append committed meanwhile only adds."""
+        or changed under it), read first, so that an append committed meanwhile only adds.
+
+        ``upto``: fold only as far as this position (1 is the tree's first event)."""
+        if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto < 1):
+            raise ValueError(f"upto must be a position, 1 or more (1 is the tree's first event), not {upto!r}")
         anchor = self.head(tree_id)
         state: TreeState | None = None
         digest: str | None = None

@@ -267,7 +267,7 @@ class Follower:
     def _load(self, tree_id: TreeID, upto: int, items: Sequence[Notification], *, bind: bool = True) -> _Folded:
         """Fold a tree up to ``upto`` (empty when the batch starts it) and cache it."""
         first: Any
-        if upto == 0:
+        if upto <= 0:  # the batch starts the tree (a row below position 1, written by hand, fails its fold)
             try:
                 first = self.store.mapper.decode(tree_id, items[0], None).event
             except DecodeError as exc:
@@ -282,7 +282,7 @@ class Follower:
             starts = self.store.tree_notifications(tree_id, 1, 1)
             created = starts[0].id if starts else 0
         programs = self._programs(tree_id, first) if bind else None
-        if upto == 0:
+        if upto <= 0:
             state, digest = TreeState(programs), None
         else:
             try:

@@ -360,6 +360,29 @@ def test_a_corrupt_tree_record_of_a_tree_that_has_rows_and_verifies_is_a_mismatc
     assert code == 0, report["first_error"]
 
 
+def test_a_tree_with_orphan_read_model_rows_and_process_rows_is_one_failing_entry(
+    capsys: pytest.CaptureFixture[str], chain: Any
+) -> None:
+    # Left by the last notes: a tree the store does not have, with rows in the read models AND
+    # in the process index, was two failing entries (the trees counted twice, the tree listed
+    # twice in the results). It is one entry holding both findings.
+    store, tree_id = chain
+    ok(agentfold("project", store=store))
+    sql = Sql(store)
+    ghost = str(TreeID.for_start(StartID("deleted-run")))
+    columns = ("start_id, root_process_id, program, status, classification, version, events_projected, "
+               "created_position, position, unknown_count, pending_count, body")
+    sql._run(f"INSERT INTO {RUNS} (tree_id, {columns}) SELECT ?, {columns} FROM {RUNS} WHERE tree_id = ?",
+             (ghost, str(tree_id)))
+    sql._run("INSERT INTO agentfold_processes VALUES (?, ?)", ("process:" + "ab" * 16, ghost))
+    code, report = verify(capsys, store)
+    assert code == 1
+    assert [r["tree"] for r in report["results"]] == [str(tree_id), ghost]
+    assert report["trees"] == 2, report
+    entry = report["results"][1]
+    assert entry["ok"] is False and entry["read_model"] == "mismatch"
+    assert sorted(p["rule"] for p in entry["problems"]) == ["index.process_mismatch", "read_model.mismatch"]
+
 def test_a_run_started_while_the_whole_store_is_verified_is_verified_not_called_orphan_rows(
     capsys: pytest.CaptureFixture[str], chain: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -145,6 +145,9 @@ def check_input_request(value: Any) -> dict[str, Any]:
         check_schema(value["response_schema"], "#response_schema")
     except Exception as exc:
         raise protocol_error(f"invalid response schema: {recorded_text(exc)}") from exc
+    if value["response_schema"] is False or value["response_schema"] == {"not": {}}:
+        # Valid JSON Schema that no answer satisfies: the wait it opens could only be canceled.
+        raise protocol_error("invalid response schema: it accepts no answer (false); use true or {} to accept any")
     return value
 
 

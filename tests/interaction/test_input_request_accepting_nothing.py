@@ -1,0 +1,77 @@
+"""A tool's input request whose response schema accepts no answer is refused when the tool
+raises it (left by an app-builder review: ``response_schema=False`` is valid JSON Schema, and
+the wait it opened could only be canceled: every answer was refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.host import Host
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
+from agentfold.domain.program import Program
+
+
+class Ask:
+    name = "ask"
+    description = "Asks a human with a schema given by the test."
+    parameters = {"type": "object"}
+
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+
+    def call(self, invocation: ToolInvocation, arguments: Any) -> ToolOutput:
+        if invocation.continuation is None:
+            raise ToolInputRequired({"question": "ok?"}, self.schema, None)
+        return ToolOutput.text(f"answer: {invocation.continuation.response}")
+
+
+def agent(schema: Any) -> Program:
+    model = ScriptedModel([
+        {"message": {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "name": "ask", "arguments": "{}"}]},
+         "finish_reason": "tool_calls"},
+        {"message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"},
+    ])
+    return compile_interaction(InteractionConfig(name="ask.nothing", model=model, tools=[Ask(schema)]))
+
+
+@pytest.mark.parametrize("schema", [False, {"not": {}}])
+def test_a_response_schema_that_accepts_nothing_opens_no_wait(tmp_path: Path, schema: Any) -> None:
+    program = agent(schema)
+    store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            run = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="ask")
+            runtime.wait_idle(run.tree_id)
+            assert host.pending("ask") == []  # no wait only a cancel could end
+            [unknown] = host.unknown("ask")
+            assert unknown["kind"] == "tool"
+            assert "it accepts no answer" in str(unknown["diagnostic"]), unknown["diagnostic"]
+            # The host settles the call, and the run goes on.
+            host.resolve(unknown["effect_id"], output="nobody could answer")
+            assert run.result(timeout=10).status == "completed"
+    finally:
+        store.close()
+
+
+def test_a_response_schema_that_accepts_anything_still_opens_a_wait(tmp_path: Path) -> None:
+    program = agent(True)
+    store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            run = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="ask")
+            runtime.wait_idle(run.tree_id)
+            [pending] = host.pending("ask")
+            assert host.unknown("ask") == []
+            assert pending["response_schema"] is True, pending
+    finally:
+        store.close()
