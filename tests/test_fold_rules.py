@@ -1486,22 +1486,29 @@ def test_child_key_a_parent_never_reuses_a_child_key() -> None:
 
 
 @pytest.mark.parametrize(
-    "payload",
+    ("payload", "declared_ok"),
     [
-        {"operation": "start_child", "key": "kid", "input": {"n": 1}},  # no program
-        {**child_payload(), "program": "test.fold.child"},  # a name without its digest
-        {**child_payload(), "program": CHILD_REF.to_json()},  # an object, not a text ref
-        {**child_payload(), "program": str(UNBOUND_REF)},  # not bound in TreeStarted
-        {**child_payload(), "program": f"test.fold.other+{CHILD_REF.digest}"},  # a bound digest, another name
-        {**child_payload(), "key": ""},  # not a child key
-        {**child_payload(), "budget": {"steps": "many"}},  # not a grant
+        ({"operation": "start_child", "key": "kid", "input": {"n": 1}}, False),  # no program
+        ({**child_payload(), "program": "test.fold.child"}, False),  # a name without its digest
+        ({**child_payload(), "program": CHILD_REF.to_json()}, False),  # an object, not a text ref
+        ({**child_payload(), "program": str(UNBOUND_REF)}, True),  # not bound in TreeStarted
+        ({**child_payload(), "program": f"test.fold.other+{CHILD_REF.digest}"}, True),  # a bound digest, another name
+        ({**child_payload(), "key": ""}, False),  # not a child key
+        ({**child_payload(), "budget": {"steps": "many"}}, False),  # not a grant
     ],
     ids=["no-program", "name-only", "object", "unbound", "renamed", "empty-key", "bad-budget"],
 )
-def test_child_spec_a_start_effect_with_a_malformed_spec_starts_no_child(payload: dict[str, Any]) -> None:
+def test_child_spec_a_start_effect_with_a_malformed_spec_starts_no_child(payload: dict[str, Any], declared_ok: bool) -> None:
     base = with_child()
     events = replace(base, 2, declared(1, target="framework", payload=payload))
-    assert_corrupt(events, events[3], "child.spec")
+    if declared_ok:
+        # The kernel declares a start of a Program the tree does not bind (the parent then
+        # observes a failed start), never a child started from it.
+        assert_corrupt(events, events[3], "child.spec")
+    else:
+        # A spec the kernel's Step check refuses is never declared (settling it would fail
+        # every recovery of the store).
+        assert_corrupt(events, events[2], "effect.framework")
 
 
 def test_child_capabilities_a_child_never_holds_more_than_its_parent() -> None:
@@ -1516,6 +1523,21 @@ def test_child_capabilities_a_child_never_holds_more_than_its_parent() -> None:
 def test_child_tree_limit_the_depth_limit_holds() -> None:
     events = replace(with_child(), 0, started(limits=TreeLimits(max_depth=0)))
     assert_corrupt(events, events[3], "child.tree_limit")
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [TreeLimits(max_children=0), TreeLimits(max_active_children=0), TreeLimits(max_tree_processes=1)],
+    ids=["max_children", "max_active_children", "max_tree_processes"],
+)
+def test_child_tree_limit_every_limit_of_a_child_start_holds(limits: TreeLimits) -> None:
+    # Found by a review of crafted histories: the fold checked the depth only, so a history
+    # with more children than the kernel starts (engine.child.tree_limit) was imported.
+    events = replace(with_child(), 0, started(limits=limits))
+    error = assert_corrupt(events, events[3], "child.tree_limit")
+    assert next(iter(limits.model_dump(exclude_defaults=True))) in str(error)
+    fold_tree(replace(with_child(), 0, started(limits=TreeLimits(max_children=1, max_active_children=1,
+                                                                  max_tree_processes=2))))  # room for one: valid
 
 
 def test_child_parent_state_a_terminating_parent_starts_no_child() -> None:
@@ -1749,10 +1771,21 @@ def test_program_unavailable_a_bound_fold_needs_every_program(recorded: Any) -> 
 
 def test_program_initial_a_stream_whose_program_refuses_its_input(recorded: Any) -> None:
     events, catalog = recorded["chain"]
-    bad = events[0].model_copy(update={"input": {"m": 1}})
+    bad = events[0].model_copy(update={"input": {"n": "many"}})  # the schema takes it, initial() does not
     with pytest.raises(FoldError) as caught:
         fold_tree(replace(events, 0, bad), catalog.resolve)
     assert (caught.value.rule, caught.value.position) == ("program.initial", 1)
+
+
+def test_program_input_a_stream_whose_input_breaks_its_programs_schema(recorded: Any) -> None:
+    # Found by a review of crafted histories: a start input the kernel refuses
+    # (engine.start.input_invalid) was imported, verified and recovered, and acted on.
+    events, catalog = recorded["chain"]
+    bad = events[0].model_copy(update={"input": {"m": 1}})  # the schema requires n
+    with pytest.raises(FoldError) as caught:
+        fold_tree(replace(events, 0, bad), catalog.resolve)
+    assert (caught.value.rule, caught.value.position) == ("program.input", 1)
+    fold_tree(replace(events, 0, bad))  # without the Programs the kernel's view cannot tell
 
 
 # ---------------------------------------------------------------------------
@@ -1832,3 +1865,74 @@ def test_event_store_load_reports_the_fold_rule_of_a_corrupt_stream() -> None:
     with pytest.raises(CorruptStream) as caught:
         store.load(TREE)
     assert (caught.value.position, caught.value.rule) == (6, "settlement.once")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"operation": "signal_child", "child": str(CHILD)},  # no signal
+        {"operation": "signal_child", "child": str(CHILD), "signal": "hello"},  # a signal that is no object
+        {"operation": "cancel_child", "reason": "stop"},  # no child
+        {"operation": "cancel_child", "child": 5, "reason": "stop"},  # not a process id
+        {"operation": "cancel_child", "child": str(CHILD)},  # no reason
+    ],
+    ids=["signal-missing", "signal-text", "cancel-no-child", "cancel-child-number", "cancel-no-reason"],
+)
+def test_effect_framework_a_child_control_the_kernel_could_not_settle_is_refused(payload: dict[str, Any]) -> None:
+    # Found by a review of crafted histories: such a declaration was imported and verified, then
+    # every `recover` of the store failed with a bare KeyError (the other runs not recovered).
+    base = waiting()
+    bad = declared(1, target="framework", payload=payload)
+    assert_corrupt(replace(base, 2, bad), bad, "effect.framework")
+
+
+def test_effect_framework_a_framework_effect_is_declared_never_requiring_nothing() -> None:
+    base = waiting()
+    good = base[2]
+    assert good.target == "framework" and good.replay == "never"
+    for bad in (good.model_copy(update={"replay": "same_identity"}), good.model_copy(update={"capabilities": ("net",)})):
+        assert_corrupt(replace(base, 2, bad), bad, "effect.framework")
+
+
+def test_effect_capabilities_a_dispatcher_effect_requires_only_what_its_process_holds() -> None:
+    # Found by a review of crafted histories: a charge declared requiring a capability the
+    # Process did not hold was imported, verified and recovered, and the call was made.
+    requiring = declared(1).model_copy(update={"capabilities": ("payments.admin",)})
+    events = [started(), step(1, effects=1), requiring]
+    assert_corrupt(events, requiring, "effect.capabilities")
+    fold_tree([started(capabilities=["payments.admin"]), step(1, effects=1), requiring])  # the Process holds it: valid
+
+
+def test_child_program_a_child_runs_a_program_its_parents_program_binds(recorded: Any) -> None:
+    # Found by a review of crafted histories: the fold checked a child's Program against the
+    # tree's bound refs only; the kernel starts only a Program the parent's binds
+    # (engine.child.deployment_unavailable otherwise).
+    events, catalog = recorded["parent"]
+    root = events[0]
+    assert isinstance(root, TreeStarted)
+    real = catalog.resolve(root.program)
+
+    class Unbinding:  # the parent's Program as one that binds no child
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def child(self, ref: ProgramRef) -> Any:
+            return real if ref == real.ref else None
+
+    def resolve(ref: ProgramRef) -> Any:
+        return Unbinding() if ref == root.program else catalog.resolve(ref)
+
+    first_child = _first(events, ProcessStarted)
+    with pytest.raises(FoldError) as caught:
+        fold_tree(events, resolve)
+    assert (caught.value.rule, caught.value.position) == ("child.program", first_child + 1)
+    fold_tree(events, catalog.resolve)  # bound as recorded: valid
+
+
+def test_effect_framework_two_waits_of_one_step_never_share_a_key() -> None:
+    # Found by a review of crafted histories: the kernel refuses such a Step
+    # (execution.effect.invalid); the fold took it, opening one wait for two Effects.
+    second = declared(1, 1, target="framework", payload=wait_payload())
+    events = [started(), step(1, effects=2), declared(1, 0, target="framework", payload=wait_payload()), second]
+    assert_corrupt(events, second, "effect.framework")
+    fold_tree([*events[:3], declared(1, 1, target="framework", payload=wait_payload("other"))])  # two keys: valid

@@ -80,7 +80,7 @@ from agentfold.domain.ids import (
     parse_effect_id,
     root_process_id,
 )
-from agentfold.domain.kernel import Dispatch, Kernel, Progress, brief_repr, check_limits, start_tree
+from agentfold.domain.kernel import Dispatch, Kernel, Progress, brief_repr, check_limits, replay_allowed, start_tree
 from agentfold.domain.program import Program, ProgramRef, SettlementStatus, SignalRequest, Target, children_at_once
 from agentfold.domain.requests import EffectRequest, Settlement, effect_request
 from agentfold.domain.tree import TERMINAL, ProcessState, TreeState
@@ -2260,13 +2260,21 @@ class Runtime:
             raise Rejected("engine.process.finished", f"process {process.process_id} is finished or finishing"
                            + (f" ({ending})" if ending else ""),
                            hint="nothing to replay: the run's outcome no longer depends on this effect")
+        program = self._resolve(process.program)
         if record.target != "dispatcher" or record.replay != "same_identity":
             raise Rejected(
                 "engine.effect.replay_forbidden",
                 f"effect {eid} has replay policy {record.replay!r}; only same_identity effects may be replayed",
                 hint="investigate the outcome and resolve it instead",
             )
-        program = self._resolve(process.program)
+        if not replay_allowed(program, record):
+            raise Rejected(
+                "engine.effect.replay_forbidden",
+                f"effect {eid} was declared same_identity, but its Program "
+                + ("is not bound here" if program is None else "does not say same_identity for it now")
+                + ": it is not dispatched again",
+                hint="investigate the outcome and resolve it instead",
+            )
         attempt = self.ids.attempt_id()
         request = effect_request(loaded.state, process.process_id, eid, program, attempt)
         dispatch = Dispatch(process.process_id, eid, attempt)

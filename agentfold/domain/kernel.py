@@ -245,6 +245,21 @@ def start_tree(
 # Progress: run Steps, settle framework Effects, grant dispatch permissions
 
 
+def replay_allowed(program: Program | None, record: EffectRecord) -> bool:
+    """Whether a dispatcher Effect may be dispatched again under its EffectID: its declaration
+    says ``same_identity`` AND its Program, asked again now, still says so (scope-kernel.md
+    §3.8: the policy is asked at each restoration). A declaration edited to say so (a forged
+    import, a hand edit under a recomputed digest chain), a Program that no longer says so,
+    one not bound, or a policy that raises: the call is not made again."""
+    if record.target != "dispatcher" or record.replay != "same_identity" or program is None:
+        return False
+    try:
+        policy = program.policy(Effect(Target.DISPATCHER, record.payload))
+    except Exception:  # noqa: BLE001 - the Program's own code: in doubt, never call twice
+        return False
+    return isinstance(policy, EffectPolicy) and policy.replay.value == "same_identity"
+
+
 def resolvable(tree: TreeState, effect_id: EffectID, process_id: ProcessID | None = None) -> tuple[ProcessState, EffectRecord]:
     """The Process and record of an Effect a host may resolve now, or the kernel's refusal:
     ``engine.effect.not_pending`` (no such unsettled effect, another Process's, or not
@@ -980,8 +995,9 @@ class Kernel:
         """Take ownership: ``WriterActivated``, then decide every in-flight Effect.
 
         A dispatched, unsettled Effect is dispatched again under the same EffectID only
-        when its policy is ``same_identity`` and no terminal intent is pending;
-        otherwise it settles unknown without any call.
+        when its policy is ``same_identity`` (as declared, and as its Program says now:
+        ``replay_allowed``) and no terminal intent is pending; otherwise it settles unknown
+        without any call.
         """
         progress = Progress()
         assert self.tree.root_id is not None and self.tree.incarnation is not None
@@ -998,7 +1014,7 @@ class Kernel:
                 # A paused Process's call too: the pause did not stop it, and its policy says
                 # making it again is safe (scope-kernel.md §3.8: only a terminal intent forces
                 # never; an ancestor's counts, as Scope records it on the subtree at once).
-                if record.replay == "same_identity" and self.tree.ending(process) is None:
+                if self.tree.ending(process) is None and replay_allowed(self.programs(process.program), record):
                     attempt = self.ids.attempt_id()
                     self._emit(
                         progress,

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from agentfold.domain.budget import Allocation, Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, value_at
-from agentfold.domain.errors import Failure, FailureKind, recorded_text
+from agentfold.domain.errors import Failure, FailureKind, InvalidInput, recorded_text
 from agentfold.domain.events import (
     CheckpointCommitted,
     ControlRequested,
@@ -61,14 +61,17 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
+from agentfold.domain.json_schema import schema_errors
 from agentfold.domain.program import (
     Boundary,
+    ChildSpec,
     ChildWaitSpec,
     Operation,
     ProgramRef,
     ProgramResolver,
     SettlementStatus,
     Signal,
+    SignalRequest,
     program_ref_of,
 )
 
@@ -717,6 +720,12 @@ class TreeState:
         program = self.programs(process.program)
         if program is None:
             raise self.fail(pos, "program.unavailable", f"no program bound for {process.program}")
+        # The kernel starts a Process only with an input its Program's schema accepts (its
+        # contract, part of the Program's identity: the same ref, the same schema).
+        problems = schema_errors(process.input, program.descriptor.input_schema)
+        if problems:
+            raise self.fail(pos, "program.input", f"the input does not satisfy {process.program.name}'s input schema: "
+                            + "; ".join(problems[:3]))
         try:
             process.state = program.strategy.initial(process.input)
         except Exception as exc:
@@ -780,8 +789,23 @@ class TreeState:
             quota = getattr(parent.budget, name)
             if not quota.allows(used + getattr(allocated, name), 0):
                 raise self.fail(pos, "budget.child_allocation", f"child grant exceeds the parent's {name} budget")
-        if parent.depth + 1 > self.limits.max_depth:
+        limits = self.limits
+        # The kernel's limits at a child start (kernel.py _start_child), every one of them.
+        if parent.depth + 1 > limits.max_depth:
             raise self.fail(pos, "child.tree_limit", "tree depth limit exceeded")
+        if limits.max_children is not None and len(parent.children) >= limits.max_children:
+            raise self.fail(pos, "child.tree_limit", f"the parent already started max_children ({limits.max_children})")
+        if parent.live_children >= limits.max_active_children:
+            raise self.fail(pos, "child.tree_limit",
+                            f"the parent already has max_active_children ({limits.max_active_children}) live children")
+        if limits.max_tree_processes is not None and len(self.processes) >= limits.max_tree_processes:
+            raise self.fail(pos, "child.tree_limit",
+                            f"the tree already holds max_tree_processes ({limits.max_tree_processes}) processes")
+        if self.programs is not None:
+            parent_program = self.programs(parent.program)
+            if parent_program is not None and parent_program.child(program) is None:
+                # The kernel fails such a start (engine.child.deployment_unavailable).
+                raise self.fail(pos, "child.program", f"program {program.name} is not bound to {parent.program.name}")
         parent.allocated = allocated
         child = ProcessState(
             process_id=e.process_id,
@@ -977,10 +1001,17 @@ class TreeState:
             op = e.payload.get("operation") if isinstance(e.payload, dict) else None
             if op not in {o.value for o in Operation}:
                 raise self.fail(pos, "effect.framework", f"unknown framework operation {op!r}")
+            if e.replay != "never" or e.capabilities:
+                # The kernel declares every framework Effect `never`, requiring nothing.
+                raise self.fail(pos, "effect.framework", f"a framework effect is declared with replay never and no "
+                                f"capabilities, not {e.replay!r} and {list(e.capabilities)}")
             try:
                 if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
                     key = WaitKey(e.payload["key"])
-                    if key in process.open_wait_keys:
+                    if key in process.open_wait_keys or any(
+                        r.step == e.step and r.operation in (Operation.WAIT, Operation.WAIT_CHILDREN)
+                        and isinstance(r.payload, dict) and r.payload.get("key") == key for r in process.batch
+                    ):  # open, or opened by an earlier Effect of the same Step (the kernel refuses both)
                         raise ValueError(f"wait key {key} is already open")
                 if op == Operation.WAIT_CHILDREN:
                     spec = ChildWaitSpec.from_json(e.payload)
@@ -988,8 +1019,31 @@ class TreeState:
                         child = self.processes.get(cid)
                         if child is None or child.parent_id != process.process_id:
                             raise ValueError(f"{cid} is not a direct child of {process.process_id}")
+                # The shapes the kernel's Step check admits, which settling them relies on: a
+                # history holding another (a forged import) is refused here, not met by every
+                # recovery of the store as a KeyError.
+                elif op == Operation.START_CHILD:
+                    try:
+                        ChildSpec.from_json(e.payload, self.bound)
+                    except InvalidInput as exc:
+                        if exc.code != "program.unbound":  # a failed start the parent observes
+                            raise
+                        Budget.from_json(e.payload.get("budget"))
+                elif op == Operation.SIGNAL_CHILD:
+                    ProcessID(e.payload["child"])
+                    signal = e.payload["signal"]
+                    SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
+                elif op == Operation.CANCEL_CHILD:
+                    ProcessID(e.payload["child"])
+                    if not isinstance(e.payload["reason"], str):
+                        raise ValueError("a cancel_child reason is text")
             except Exception as exc:
                 raise self.fail(pos, "effect.framework", f"invalid {op} effect: {exc}") from exc
+        elif not set(e.capabilities) <= set(process.capabilities):
+            # The kernel refuses such a Step (engine.capability.denied): a history holding one
+            # would have the call made with capabilities its Process never held.
+            raise self.fail(pos, "effect.capabilities", f"effect {e.effect_id} requires capabilities "
+                            f"{sorted(set(e.capabilities) - set(process.capabilities))} its process does not hold")
         record = EffectRecord(e.effect_id, e.step, e.index, e.target, e.payload, e.replay, tuple(e.capabilities))
         process.batch.append(record)
         process.batch_index[e.effect_id] = record
