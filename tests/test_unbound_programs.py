@@ -129,3 +129,48 @@ def test_an_answer_for_a_run_whose_program_is_not_bound_says_so_and_appends_noth
         assert len(store.read(run.tree_id)) == before
     finally:
         store.close()
+
+
+def test_a_model_response_for_a_run_whose_program_is_not_bound_says_so_and_appends_nothing(tmp_path: Path) -> None:
+    # Found by a review: the plain script listed the effect as a model call (`unknown`), then
+    # refused `resolve --model-response` with "is not a model call; give --output" (HTTP: 422
+    # "give output"); the operator who followed that advice only then learned the real reason.
+    from agentfold.adapters.host import Host
+    from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+    from agentfold.adapters.models import ScriptedModel
+    from agentfold.domain.errors import NotFound
+    from tests.test_cli import refused
+
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    program = compile_interaction(InteractionConfig(
+        name="myapp.lost_model", model=ScriptedModel([{"error": "the connection dropped"}]), tools=[]))
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]}, start_id="lost-model")
+            runtime.wait_idle(run.tree_id)
+        listed = ok(agentfold("unknown", "--json", store=url)).json()["unknown_effects"]
+        [entry] = listed
+        assert entry["kind"] == "model", entry
+        before = len(store.read(run.tree_id))
+        response = '{"finish_reason": "stop", "message": {"content": "hello"}}'
+        error = refused(agentfold("resolve", entry["effect_id"], "--model-response", response, "--json",
+                                  store=url)).error()
+        assert error["code"] == "engine.program.unavailable", error
+        assert "myapp.lost_model" in error["message"], error
+        with Runtime(store) as bare:
+            try:
+                Host(bare).resolve(entry["effect_id"], model_response={"finish_reason": "stop",
+                                                                         "message": {"content": "hello"}})
+            except NotFound as exc:
+                assert exc.code == "engine.program.unavailable"
+            else:
+                raise AssertionError("resolved without the Program")
+        assert len(store.read(run.tree_id)) == before
+        # With its Program bound, the same response settles the call.
+        with Runtime(store, Catalog([program])) as runtime:
+            Host(runtime).resolve(entry["effect_id"], model_response={"finish_reason": "stop",
+                                                                        "message": {"content": "hello"}})
+            assert runtime.wait_idle(run.tree_id).root.status == "completed"
+    finally:
+        store.close()

@@ -143,7 +143,7 @@ class ModelDispatcher:
             try:
                 # Duplicate call ids are the Interaction's to refuse (it fails the run:
                 # interaction.model.invalid_response); anything else invalid leaves the call unknown.
-                parsed = parse_response(raw, unique_call_ids=False)
+                parsed = parse_response(raw, unique_call_ids=False, admitting=True)
             except InvalidInput as exc:
                 raise ModelError(f"invalid model response: {exc.message}") from exc
             if parsed["finish_reason"] not in FINISH_REASONS:

@@ -103,6 +103,10 @@ def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
                 if output.get("details") is not None:
                     details = json.dumps(output["details"], sort_keys=True)
                     content = f"{content}\n{details}" if content else details
+                if r.get("is_error") and not content.startswith("error"):
+                    # Chat completions have no error flag on a tool message: a failed or rejected
+                    # result (a ToolFailure, a host's failed/rejected resolution) says so in its text.
+                    content = f"error: {content}" if content else "error"
                 out.append({"role": "tool", "tool_call_id": r["id"], "content": content})
             continue
         entry: dict[str, Any] = {"role": role, "content": text if text or role != "assistant" else None}

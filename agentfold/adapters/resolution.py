@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import bounded_text
+from agentfold.domain.errors import NotFound, bounded_text
 from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
 from agentfold.domain.json_schema import schema_errors
@@ -72,6 +72,16 @@ def settlement_for(
     if model_response is not ABSENT:
         if output is not ABSENT or disposition is not None or status is not None:
             raise usage(f"{name('model_response')} takes no {name('output')}, {name('disposition')} or {name('status')}")
+        if program is None and found[1].target == "dispatcher":
+            # Whether it is a model call, and what a model response must hold, only its Program knows.
+            raise NotFound(
+                "engine.program.unavailable",
+                f"effect {effect_id} belongs to a Process of Program {found[0].program.name} "
+                f"({found[0].program.digest}), which this process does not bind: a model response is checked "
+                "by the Program that made the call",
+                hint="resolve it with the deployment's own command or server, which binds the Program "
+                "(docs/python.md, operating)",
+            )
         if not is_model or program is None or request is None:
             raise wrong_kind(f"effect {effect_id} is not a model call; give {name('output')}")
         response = model_response

@@ -211,3 +211,68 @@ def test_a_model_server_name_that_does_not_resolve_is_not_retried() -> None:
     else:
         raise AssertionError("the call succeeded")
     assert waits == []
+
+
+class Lookup:
+    name = "lookup"
+    description = "Looks a thing up; fails for what it does not know."
+    parameters = {"type": "object"}
+
+    def call(self, invocation, arguments):
+        from agentfold.adapters.tools import ToolFailure
+
+        raise ToolFailure("failed", ToolOutput.text("no such thing"))
+
+
+def test_a_failed_tool_result_reaches_the_model_marked_as_an_error(tmp_path) -> None:
+    # Found by a review: a ToolFailure (and a host's failed/rejected resolution) reached an
+    # OpenAI model as plain text, indistinguishable from a success, while the docs promise the
+    # model sees an error result. Chat completions have no flag for it: the text says so.
+    script = [
+        completion(tool_calls=[{"id": "call_1", "name": "lookup", "arguments": "{}"},
+                               {"id": "call_2", "name": "weather", "arguments": '{"city": "Oslo"}'}],
+                   finish_reason="tool_calls"),
+        completion(content="Could not look it up."),
+    ]
+    with FakeOpenAI(script) as server:
+        model = OpenAIChatModel(server.base_url, model="gpt-test", api_key="sk-test", timeout=5)
+        program = compile_interaction(InteractionConfig(name="test.openai.error", model=model,
+                                                        tools=[Lookup(), Weather()]))
+        store = EventStore(f"sqlite:///{tmp_path / 'e.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            result = runtime.start(program, {"messages": [{"role": "user", "content": "look it up"}]}).result(30)
+    assert result.status == "completed"
+    tool_messages = {m["tool_call_id"]: m["content"] for m in server.requests[1]["messages"] if m["role"] == "tool"}
+    assert tool_messages["call_1"] == "error: no such thing"
+    assert tool_messages["call_2"].startswith("sunny in Oslo")  # a success is sent as it is
+
+
+def test_usage_counts_given_as_booleans_are_refused_when_a_host_resolves_a_model_call(tmp_path) -> None:
+    # Found by a review: `"usage": {"prompt_tokens": true}` passed and was recorded as `true`
+    # (1.5 and -1 were refused). A history that already holds such a response still folds.
+    import pytest
+
+    from agentfold.domain.errors import InvalidInput
+    from agentfold.domain.interaction.chat import parse_response
+
+    with FakeOpenAI([]) as server:
+        server.fail_with = 500
+        program = _program(server, Weather())
+        store = EventStore(f"sqlite:///{tmp_path / 'u.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
+            tree = runtime.wait_idle(handle.tree_id)
+            [unknown] = unknown_effects(tree, runtime.catalog.resolve)
+            request = effect_request(tree, handle.root_process_id, unknown["effect_id"], program)
+            response = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+            for counts in ({"prompt_tokens": True}, {"completion_tokens": False}, {"total_tokens": 1.5}):
+                with pytest.raises(InvalidInput) as refused:
+                    settle_model_result(program, request, {**response, "usage": counts})
+                assert "usage holds non-negative" in refused.value.message
+            settlement = settle_model_result(program, request, {**response, "usage": {"prompt_tokens": 3}})
+            runtime.resolve_unknown_effect(unknown["effect_id"], settlement)
+            assert handle.result(30).status == "completed"
+    recorded = {**response, "usage": {"prompt_tokens": True, "completion_tokens": 0, "total_tokens": 0}}
+    assert parse_response(recorded)["usage"] == recorded["usage"]  # read back from a history: as recorded
+    with pytest.raises(InvalidInput):
+        parse_response(recorded, admitting=True)

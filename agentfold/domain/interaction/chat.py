@@ -213,13 +213,17 @@ class Usage:
         }
 
 
-def parse_response(value: Any, path: str = "response", *, unique_call_ids: bool = True) -> dict[str, JSON]:
+def parse_response(
+    value: Any, path: str = "response", *, unique_call_ids: bool = True, admitting: bool = False
+) -> dict[str, JSON]:
     """Validate a model response and return its canonical JSON.
 
     Raises ``chat.invalid`` for a structurally invalid response: a missing or
     non-assistant message, an invalid finish reason, duplicate tool call ids (unless
     ``unique_call_ids`` is off: the model dispatcher records such a response, and the
-    Interaction refuses it, as Scope's does).
+    Interaction refuses it, as Scope's does). ``admitting``: the response is new (a model's
+    answer, a host's resolution), not read back from a history: usage counts that are
+    booleans are refused too (a history an earlier release recorded with them still folds).
     """
     if not isinstance(value, dict):
         raise _bad(path, "a response must be an object")
@@ -240,6 +244,7 @@ def parse_response(value: Any, path: str = "response", *, unique_call_ids: bool 
     if usage is not None:
         if not isinstance(usage, dict) or any(
             not isinstance(usage.get(k, 0), int) or usage.get(k, 0) < 0
+            or (admitting and isinstance(usage.get(k, 0), bool))
             for k in ("prompt_tokens", "completion_tokens", "total_tokens")
         ) or set(usage) - {"prompt_tokens", "completion_tokens", "total_tokens"}:
             raise _bad(f"{path}.usage", "usage holds non-negative prompt_tokens, completion_tokens, total_tokens")

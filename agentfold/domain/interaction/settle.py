@@ -145,7 +145,7 @@ def settle_model_result(
     if response is None:
         raise _refuse("a model settlement needs a response")
     try:
-        parsed = parse_response(response)
+        parsed = parse_response(response, admitting=True)
     except InvalidInput as exc:
         raise _refuse(f"invalid model response: {exc.message}") from exc
     if parsed["finish_reason"] not in FINISH_REASONS:
