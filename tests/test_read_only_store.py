@@ -171,3 +171,34 @@ def test_a_file_that_is_no_database_on_a_read_only_file_system_is_store_damaged(
     assert ran.code == 1, ran.stderr
     error = json.loads(ran.stderr)["error"]
     assert error["code"] == "store.damaged" and "-shm" not in error["hint"], error
+
+
+def test_a_store_whose_files_this_user_may_not_write_is_refused_as_read_only(tmp_path: Path) -> None:
+    # Found by an operations review: with the database file read-only for the user (mode
+    # 0444), `run` failed `store.append_failed` with a hint to free disk space and recover a
+    # run that was never started, and `serve` with `store.unavailable: the store failed:
+    # OperationalError`. Both are `store.read_only` now, naming the files. Root writes any
+    # file: the commands run without the capability that lets it (setpriv).
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("dropping root's file capabilities needs root and setpriv(1), and CI=true: this test must run")
+        pytest.skip("dropping root's file capabilities needs root and setpriv(1)")
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "log"), "--start-id", "first", store=url))
+    (tmp_path / "agentfold.db").chmod(0o444)
+    before = (tmp_path / "agentfold.db").read_bytes()
+    caps = "-dac_override,-dac_read_search"
+    without_override = [setpriv, f"--inh-caps={caps}", f"--ambient-caps={caps}", f"--bounding-set={caps}",
+                        str(ROOT / ".venv" / "bin" / "agentfold"), "--store", url]
+    env = {**os.environ, "AGENTFOLD_API_TOKEN": "t" * 64}
+    for command in (["kernel-demo-run", "--side-effect-log", str(tmp_path / "log2"), "--start-id", "second", "--json"],
+                    ["serve", "--port", "0", "--json"]):
+        ran = subprocess.run([*without_override, *command], capture_output=True, text=True, timeout=60, env=env)
+        assert ran.returncode == 1, (command, ran.stdout, ran.stderr)
+        error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+        assert error["code"] == "store.read_only", (command, error)
+        assert "may not write the store's files" in error["message"] and "write access" in error["hint"], error
+        assert "free disk space" not in error["hint"]
+    assert (tmp_path / "agentfold.db").read_bytes() == before  # nothing was written
+    assert not (tmp_path / "log2").exists()  # no call was made

@@ -122,3 +122,36 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_by_itself_once_there_i
     finally:
         runtime.close()
         store.close()
+
+
+def test_a_store_on_a_full_disk_that_cannot_be_opened_says_the_disk_is_full_and_creates_nothing(small_fs: Path) -> None:
+    # Found by an operations review: with the disk full and no process holding the store
+    # open, every command failed "disk I/O error" with a hint about permissions (SQLite must
+    # create the -shm file to open a WAL database); a new store left an empty file that later
+    # read as "has none of its tables".
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.full_open")
+    url = f"sqlite:///{small_fs / 'agentfold.db'}"
+    store = EventStore(url)
+    with Runtime(store, Catalog([program])) as runtime:
+        assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=30).status == "completed"
+    store.close()
+    with open(small_fs / "ballast", "wb") as ballast:  # fill the file system
+        try:
+            while True:
+                ballast.write(b"\0" * 65536)
+        except OSError:
+            pass
+    agentfold = str(Path(sys.executable).parent / "agentfold")
+    for command in (["trees"], ["audit", "verify", "--all"]):
+        ran = subprocess.run([agentfold, "--store", url, *command], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 1, ran
+        assert "store.unavailable" in ran.stderr and "bytes free" in ran.stderr, ran.stderr
+        assert "free space on that file system" in ran.stderr and "permission" not in ran.stderr, ran.stderr
+    new = small_fs / "new.db"
+    with pytest.raises(AgentfoldError) as refused:
+        EventStore(f"sqlite:///{new}")
+    assert refused.value.code == "store.unavailable" and "bytes free" in refused.value.message
+    assert not new.exists()  # no empty file left to read later as a store without tables
+    (small_fs / "ballast").unlink()
+    ran = subprocess.run([agentfold, "--store", url, "trees", "--json"], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran  # room again: the store reads as before

@@ -61,6 +61,7 @@ from agentfold.adapters.eventstore import (
     redact,
     refuses_writes,
     sqlite_damage,
+    sqlite_unwritable,
     store_url_from_env,
 )
 from agentfold.adapters.host import (
@@ -1276,7 +1277,7 @@ def main(argv: Sequence[str] | None = None, *, sources: ProgramSources | None = 
         if refuses_writes(exc):
             _report(read_only_server("the store refused a write"), as_json)
             return 1
-        _report(sqlite_damage(exc, store_url) or AgentfoldError(
+        _report(sqlite_damage(exc, store_url) or sqlite_unwritable(exc, "the store refused a write") or AgentfoldError(
             "store.unavailable", f"the store failed: {type(exc).__name__}: {exc}",
             "check that the store is reachable and writable"), as_json)
         return 1

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import threading
@@ -522,6 +523,46 @@ def sqlite_damage(exc: BaseException, url: str = "") -> StoreFailure | None:
     return None
 
 
+def sqlite_unwritable(exc: BaseException, what: str, files: str = "") -> StoreFailure | None:
+    """``store.read_only`` when ``exc`` is SQLite refusing to write a database file this process
+    may not write (``attempt to write a readonly database``: the file's or its ``-wal``/``-shm``
+    files' owner or mode); else None. Every attempt meets it again, as on a read-only file system."""
+    if not any("readonly database" in str(seen) for seen in causes(exc)):
+        return None
+    return StoreFailure(
+        "store.read_only",
+        f"{what}: {exc}: this process may not write the store's files ({files or 'the database file, its -wal and -shm files'})",
+        hint="give this user write access to the database file, its -wal and -shm files and their folder (a command "
+        "run as another user may have created -wal/-shm files this one cannot write); nothing was written",
+    )
+
+
+#: Below this much free space on its file system, an SQLite store that fails to open with an
+#: I/O or "disk is full" error is reported as on a full disk.
+FULL_DISK_BYTES = 1 << 20
+
+
+def sqlite_full(exc: BaseException, path: Path, url: str = "") -> StoreFailure | None:
+    """``store.unavailable`` naming a full file system when ``exc`` is SQLite failing to open or
+    write ``path`` (``disk I/O error``, ``database or disk is full``) on a file system with
+    less than ``FULL_DISK_BYTES`` free; else None. SQLite creates the ``-shm`` file (32 KiB)
+    to open a WAL database, so on a full disk even reading the store fails."""
+    if not any("disk I/O error" in str(seen) or "disk is full" in str(seen) for seen in causes(exc)):
+        return None
+    try:
+        free = shutil.disk_usage(path.absolute().parent).free
+    except OSError:
+        return None
+    if free >= FULL_DISK_BYTES:
+        return None
+    return StoreFailure(
+        "store.unavailable",
+        f"cannot open store {redact(url) if url else path}: {exc}: the file system holding it has {free} bytes free",
+        hint="free space on that file system: SQLite needs room for the store's -wal and -shm files even to read "
+        "it; nothing was changed (a store that cannot be opened is not written)",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Changed:
     """A tree with events in a range of the notification log (``EventStore.changes``)."""
@@ -595,16 +636,32 @@ def sqlite_folder_problem(url: str, path: Path) -> InvalidInput | None:
     )
 
 
-def create_private(path: Path) -> None:
+def create_private(path: Path) -> bool:
     """Create a new SQLite database file (a store, a transcript database) readable by its owner
     only (0600): it holds conversations. SQLite gives the ``-wal`` and ``-shm`` files the
     database file's mode. An existing file keeps its mode; a file that cannot be created is
-    left to SQLite to report."""
+    left to SQLite to report. Whether this call created it."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
-        return
+        return False
     os.close(fd)
+    return True
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove a store file this process created and could not set up (a full disk): left
+    empty, it would later read as a store without tables (``store.not_found``)."""
+    try:
+        if os.path.getsize(path) != 0:
+            return  # something was written: left for the operator
+    except OSError:
+        return
+    for name in (f"{path}-wal", f"{path}-shm", str(path)):  # the database file last
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
 
 
 def _tree_of_row(originator: object) -> TreeID | None:
@@ -662,6 +719,7 @@ class EventStore:
         # command that would create runs there is refused before anything is opened (sqlite3
         # would only say "unable to open database file").
         self.read_only_uri: str | None = None
+        created_file = False
         if self.backend == "sqlite" and _on_read_only_fs(Path(settings["SQLITE_DBNAME"])):
             if create:
                 raise self._read_only_failure()
@@ -670,7 +728,7 @@ class EventStore:
             self._require_sqlite_store(Path(settings["SQLITE_DBNAME"]))
         if (self.backend == "sqlite" and create and self.read_only_uri is None and not self._sqlite_in_memory
                 and not settings["SQLITE_DBNAME"].startswith("file:")):  # a file: URI names its file otherwise
-            create_private(Path(settings["SQLITE_DBNAME"]))
+            created_file = create_private(Path(settings["SQLITE_DBNAME"]))
         pool_wait = pg_pool_wait() if self.backend == "postgresql" else 0.0
         statement_wait = pg_statement_wait() if self.backend == "postgresql" else 0.0
         self._tcp_timeout = pg_tcp_timeout() if self.backend == "postgresql" else 0
@@ -733,7 +791,10 @@ class EventStore:
             self.close()
             if refuses_writes(exc):
                 raise read_only_server(f"cannot open store {redact(url)} to write") from exc
-            raise sqlite_damage(exc, url) or StoreFailure(
+            full = sqlite_full(exc, Path(settings["SQLITE_DBNAME"]), url) if self.backend == "sqlite" else None
+            if created_file:
+                remove_if_empty(Path(settings["SQLITE_DBNAME"]))
+            raise sqlite_damage(exc, url) or full or StoreFailure(
                 "store.unavailable", f"cannot open store {redact(url)}: {exc}", hint=OPEN_FAILED_HINT) from exc
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
@@ -745,6 +806,13 @@ class EventStore:
                 info = None
             if info is not None:
                 self._file = (path, info.st_dev, info.st_ino)
+
+    def _sqlite_files(self) -> str:
+        """The SQLite store's files, for a message."""
+        if self._file is None:
+            return "the database file, its -wal and -shm files"
+        path = self._file[0]
+        return f"{path}, {path}-wal, {path}-shm"
 
     def check_file(self) -> None:
         """Refuse to go on with an SQLite file that was removed or replaced since it was opened.
@@ -803,7 +871,7 @@ class EventStore:
             with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
                 present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
-            damaged = sqlite_damage(exc, self.url)
+            damaged = sqlite_damage(exc, self.url) or sqlite_full(exc, path, self.url)
             if damaged is not None:
                 raise damaged from exc
             without_shm = not Path(f"{path.resolve()}-shm").exists()
@@ -1192,6 +1260,15 @@ class EventStore:
             if refuses_writes(exc):  # nothing was stored; the runtime adopts the tree again later
                 self.forget_sessions()
                 raise read_only_server(f"append to tree {tree_id} failed") from exc
+            if isinstance(exc, StoreFailure):
+                # The pool handed out no PostgreSQL connection (NoConnection): the server is down
+                # or unreachable, nothing was sent. Not a refused write.
+                raise StoreFailure(exc.code, f"append to tree {tree_id} failed: {exc.message}", hint=exc.hint) from exc
+            unwritable = sqlite_unwritable(exc, f"append to tree {tree_id} failed", self._sqlite_files())
+            if self.backend == "sqlite" and unwritable is not None:
+                # The file (or its -wal/-shm companions) is not writable by this user: a refused
+                # write that every attempt meets again, as on a read-only file system.
+                raise unwritable from exc
             if self.backend == "sqlite" and "database is locked" in str(exc):
                 # Not a refused write: another process held SQLite's write lock past the busy wait
                 # (a writer stopped mid-transaction, a long import, an operator's open shell).
