@@ -85,3 +85,21 @@ def test_a_lease_file_removed_under_a_live_owner_is_opened_again_and_excludes_la
         gate.release.set()
         runtime.close()
         store.close()
+
+
+def test_read_commands_need_no_lease_file(tmp_path: Path) -> None:
+    # Found by an operations review: with the `.leases` file unopenable (a directory at its
+    # path, another user's, no inode left), `show` failed `store.unavailable` while `trees`,
+    # `unknown`, `pending`, `audit verify` and `export` answered: it built a runtime (which
+    # opens the lease file) only to find the tree. Reads never need a lease.
+    from tests.test_cli import agentfold, ok
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    ok(agentfold("kernel-demo-run", "--side-effect-log", str(tmp_path / "log"), "--start-id", "order-1", store=url))
+    (tmp_path / "s.db.leases").unlink()
+    (tmp_path / "s.db.leases").mkdir()
+    for command in (["show", "order-1"], ["trees"], ["unknown"], ["pending"], ["audit", "verify", "--all"],
+                    ["export", "order-1", "--out", str(tmp_path / "x.jsonl")]):
+        ok(agentfold(*command, "--json", store=url))
+    refused = agentfold("recover", "--json", store=url)  # a write still needs it, and says so
+    assert refused.code == 1 and refused.error()["code"] == "store.unavailable", refused

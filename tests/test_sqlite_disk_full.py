@@ -101,6 +101,9 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_by_itself_once_there_i
         with pytest.raises(AgentfoldError) as refused:
             runtime.start(program, {"n": 1}, start_id="full-disk-2")
         assert refused.value.code == "store.append_failed"
+        # No run exists to continue or recover (an operations review saw a new run's refusal
+        # send the user to `agentfold recover`).
+        assert "the run was not started" in refused.value.hint and "recover" not in refused.value.hint
         time.sleep(0.5)
         assert len(calls) == made
 

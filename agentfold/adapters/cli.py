@@ -293,8 +293,8 @@ def cmd_trees(ctx: Context, args: argparse.Namespace) -> Outcome:
 def cmd_show(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
-        with ctx.runtime(store) as runtime:
-            tree_id = runtime.tree_of(args.tree)
+        # A read: no runtime (which would open the store's lease file, which reads never need).
+        tree_id = store.find_tree(args.tree)
         tree, _ = _fold(store, ctx.sources, tree_id)
     finally:
         store.close()

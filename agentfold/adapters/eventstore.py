@@ -589,6 +589,11 @@ def read_failure(exc: BaseException, what: str) -> StoreFailure:
 
 
 #: What to do when the store refused an append (nothing of it was written).
+#: The first append of a tree refused: there is no run to continue.
+START_FAILED_HINT = (
+    "nothing was stored: the run was not started; fix the store (free disk space, write access), then start "
+    "it again (with the same start id, if one was given)"
+)
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
     "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
@@ -1279,7 +1284,7 @@ class EventStore:
                     "the lock has finished (a stopped or hung agentfold process, an open sqlite3 shell)",
                 ) from exc
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
-                               hint=APPEND_FAILED_HINT) from exc
+                               hint=APPEND_FAILED_HINT if expected_version else START_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)
 
     def _process_taken(self, tree_id: TreeID, expected_version: int, head: TreeHead | None) -> CorruptStream | None:

@@ -271,8 +271,9 @@ class PostgresLeases:
             return psycopg.connect(**self._conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise StoreFailure(
-                "store.unavailable", f"cannot open the owner-lease connection to PostgreSQL: {_first_line(exc)}",
-                hint="check that the server is reachable; runs are adopted again once it is",
+                "store.unavailable", f"cannot open the lease connection to PostgreSQL: {_first_line(exc)}",
+                hint="check that the server is reachable; a command exits (run it again then), a server or worker "
+                "takes its runs up again once it is",
             ) from exc
 
     def _session_lost(self, exc: BaseException) -> StoreFailure:
