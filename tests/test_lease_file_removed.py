@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,36 @@ def test_read_commands_need_no_lease_file(tmp_path: Path) -> None:
         ok(agentfold(*command, "--json", store=url))
     refused = agentfold("recover", "--json", store=url)  # a write still needs it, and says so
     assert refused.code == 1 and refused.error()["code"] == "store.unavailable", refused
+
+
+def test_a_server_whose_lease_file_cannot_be_opened_again_is_unhealthy_until_it_can(
+    tmp_path: Path, servers: list[Any]
+) -> None:
+    # Found by an operations review: the lease file removed under a server and not re-creatable
+    # (no inode left) left `/health` at 200 `"leases": "ok"` while the server's leases, on a
+    # file no other process opens, excluded nobody. A directory in its place stands for it here.
+    from tests.http_api.support import start_server
+
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    EventStore(url).close()
+    server = start_server(url, tmp_path)
+    servers.append(server)
+    client = server.client()
+    assert client.get("/health").status_code == 200
+    leases = tmp_path / "agentfold.db.leases"
+    leases.unlink()
+    leases.mkdir()
+    deadline = time.monotonic() + 20
+    answer = client.get("/health")
+    while answer.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        answer = client.get("/health")
+    assert answer.status_code == 503, answer.text
+    problem = answer.json()
+    assert problem["code"] == "store.unavailable" and "lease file" in problem["detail"], problem
+    leases.rmdir()  # room again: the server opens it again by itself
+    deadline = time.monotonic() + 20
+    while answer.status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        answer = client.get("/health")
+    assert answer.status_code == 200 and answer.json()["leases"] == "ok", answer.text

@@ -310,7 +310,8 @@ class Health(_Doc):
     status: Literal["ok"]
     backend: Literal["memory", "sqlite", "postgresql"]
     follower: Literal["running", "restarting", "stopped", "off"]
-    leases: Literal["ok"] = Field(..., description="the owner-lease session works (503 store.unavailable otherwise)")
+    leases: Literal["ok"] = Field(..., description="the owner leases work: the PostgreSQL lease session, the SQLite lease file "
+                                                 "(503 store.unavailable otherwise)")
     positions: Positions
     adopt_every: float = Field(..., description="seconds between scans for runs nobody owns (0: none)")
     orphans_adopted: int = Field(..., description="runs nobody owned that this server adopted since it started")
@@ -664,6 +665,14 @@ class ApiService:
 
     def health(self) -> dict[str, Any]:
         if not self.runtime.leases_healthy():
+            if self.store.backend == "sqlite":
+                raise StoreFailure(
+                    "store.unavailable",
+                    "the store's lease file was removed or replaced and cannot be opened again: this server's owner "
+                    "leases exclude no other process until it can",
+                    hint="make room for <database>.leases next to the database file (free space or inodes, write "
+                    "access): the server opens it again by itself and takes its leases there",
+                )
             raise StoreFailure(
                 "store.unavailable",
                 "the owner-lease session to the store is down or does not answer: runs cannot be adopted until "

@@ -188,6 +188,12 @@ class FileLeases(_Durable):
             )
             return lost
 
+    def healthy(self) -> bool:
+        """False while the lease file was removed or replaced and cannot be opened again: the
+        leases this process holds are on a file no other process opens, so they exclude nobody
+        (a process that opens the path later may take the same trees; appends still fence)."""
+        return not self._reopen_failed
+
     def _fcntl(self, kind: int, tree_id: TreeID) -> bool:
         data = _FLOCK.pack(kind, os.SEEK_SET, _lock_offset(tree_id), 1, 0)
         try:
