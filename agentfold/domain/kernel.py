@@ -947,17 +947,20 @@ class Kernel:
             refused(FailureKind.CONTRACT, EngineCode.CHILD_INPUT_INVALID, "; ".join(problems[:3]))
             return
         try:
-            child_program.strategy.initial(value)
+            initial = child_program.strategy.initial(value)
         except ClassifiedError as exc:
             refused(exc.failure.kind, exc.failure.code, exc.failure.message)
             return
         except Exception as exc:  # noqa: BLE001
             refused(FailureKind.EXECUTION, EngineCode.PROCESS_START_FAILED, f"{type(exc).__name__}: {recorded_text(exc)}")
             return
-        # ProcessStarted also settles the start-child Effect (the fold derives its result).
+        # ProcessStarted also settles the start-child Effect (the fold derives its result). The
+        # child's initial state goes with it: checked here, neither checked nor computed again.
         self._emit(
             progress,
             ProcessStarted.model_construct(process_id=child_id, parent_id=parent.process_id, start_effect_id=record.effect_id),
+            initial if self.tree.programs is not None and self.tree.programs(child_program.ref) is child_program
+            else _MISSING,
         )
 
     # -- dispatcher outcomes ---------------------------------------------------

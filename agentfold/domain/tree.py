@@ -714,8 +714,14 @@ class TreeState:
         self.processes[e.process_id] = process
         self.live[e.process_id] = process
 
-    def _init_state(self, pos: int, process: ProcessState) -> None:
+    def _init_state(self, pos: int, process: ProcessState, next_state: Any = _MISSING) -> None:
+        """The Process's initial state; ``next_state``: the one the kernel computed from the same
+        input with the same Program, which it checked against the Program's input schema."""
         if self.programs is None:
+            return
+        if next_state is not _MISSING:
+            process.state = next_state
+            process.has_state = True
             return
         program = self.programs(process.program)
         if program is None:
@@ -750,7 +756,7 @@ class TreeState:
 
     # ProcessStarted ---------------------------------------------------------
 
-    def _on_process_started(self, pos: int, e: ProcessStarted, _: Any) -> None:
+    def _on_process_started(self, pos: int, e: ProcessStarted, next_state: Any) -> None:
         parent = self._process(pos, e.parent_id)
         record = parent.frontier()
         if record is None or record.effect_id != e.start_effect_id or record.operation != Operation.START_CHILD:
@@ -820,7 +826,7 @@ class TreeState:
             limits_max_pending=parent.limits_max_pending,
             start_effect_id=e.start_effect_id,
         )
-        self._init_state(pos, child)
+        self._init_state(pos, child, next_state)
         child.ordinal = len(self.processes)
         self.processes[e.process_id] = child
         self.live[e.process_id] = child
