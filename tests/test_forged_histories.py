@@ -61,3 +61,86 @@ def test_a_declaration_forged_to_say_same_identity_is_not_dispatched_again(tmp_p
     assert count(log, "charge") == 1  # not charged again
     listed = ok(agentfold("unknown", "--json", store=target)).json()["unknown_effects"]
     assert len(listed) == 1 and listed[0]["diagnostic"]["code"] == "engine.dispatch.interrupted", listed
+
+
+# A timer Program whose policy (under the same identity: policies are code, not part of the
+# ref) the test flips between two owners.
+POLICY = {"replay": "same_identity"}
+
+
+def _timer_program() -> Any:
+    from agentfold.adapters.dispatch import TimerDispatcher
+    from agentfold.domain.ids import Digest
+    from agentfold.domain.program import (
+        Complete,
+        Continue,
+        Descriptor,
+        EffectPolicy,
+        Program,
+        Replay,
+        Step,
+        dispatcher_effect,
+    )
+
+    class Strategy:
+        def initial(self, input: Any) -> Any:
+            return {"at": input, "phase": "start"}
+
+        def evolve(self, state: Any, facts: Any, consumed: int) -> Any:
+            return {**state, **(facts or {})}
+
+        def encode_state(self, state: Any) -> Any:
+            return state
+
+        def decode_state(self, data: Any) -> Any:
+            return data
+
+        def decide(self, state: Any, window: Any) -> Any:
+            if state["phase"] == "start":
+                return Step(0, Continue((dispatcher_effect({"at": state["at"]}),)), {"phase": "waiting"})
+            return Step(len(window), Complete({"fired": window[0].status.value}), {"phase": "done"})
+
+    class Timer(TimerDispatcher):
+        def due(self, request: Any) -> float:
+            return float(request.payload["at"])
+
+    def policy(effect: Any) -> EffectPolicy:
+        return EffectPolicy(Replay(POLICY["replay"]))
+
+    return Program(Descriptor("test.flip_timer", input_schema={"type": "number"}), Strategy(), Digest.of(b"t"),
+                   Digest.of(b"t"), policy=policy, dispatcher=Timer())
+
+
+def test_a_timer_its_program_no_longer_replays_is_not_waited_for(tmp_path: Path) -> None:
+    # Found by the review of the fix above: `recover` said it waited for such a timer and would
+    # fire it ("nothing to do before its timers"), and at the instant recorded it unknown.
+    import time
+
+    from agentfold.adapters.catalog import Catalog
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.adapters.runtime import Runtime
+
+    program = _timer_program()
+    store = EventStore(f"sqlite:///{tmp_path / 't.db'}")
+    try:
+        first = Runtime(store, Catalog([program]))
+        handle = first.start(program, time.time() + 600, start_id="timer")
+        deadline = time.monotonic() + 10
+        while not first.waiting_timers(handle.tree_id) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first.waiting_timers(handle.tree_id)
+        first.close()  # the timer is left for the next owner (same_identity)
+        with Runtime(store, Catalog([program])) as second:
+            assert second.stored_far_timers(handle.tree_id, 1.0)  # as declared and as the Program says
+        POLICY["replay"] = "never"
+        try:
+            with Runtime(store, Catalog([program])) as third:
+                assert third.stored_far_timers(handle.tree_id, 1.0) is None  # adopt it: it will not be waited for
+                [recovered] = third.recover(str(handle.tree_id))
+                tree = third.wait_idle(recovered.tree_id)
+                [unknown] = [e for p in tree.processes.values() for e in p.unknown_effects()]
+                assert unknown.diagnostic is not None and unknown.diagnostic.code == "engine.dispatch.interrupted"
+        finally:
+            POLICY["replay"] = "same_identity"
+    finally:
+        store.close()

@@ -202,3 +202,19 @@ def test_a_store_whose_files_this_user_may_not_write_is_refused_as_read_only(tmp
         assert "free disk space" not in error["hint"]
     assert (tmp_path / "agentfold.db").read_bytes() == before  # nothing was written
     assert not (tmp_path / "log2").exists()  # no call was made
+    # A folder this user may not write (SQLite cannot create -wal/-shm even to read): the same
+    # refusal when the store is opened (it was store.unavailable).
+    (tmp_path / "agentfold.db").chmod(0o644)
+    for name in ("agentfold.db-wal", "agentfold.db-shm"):  # as a store nobody holds open leaves it
+        companion = tmp_path / name
+        if companion.exists():
+            assert name.endswith("-shm") or companion.stat().st_size == 0
+            companion.unlink()
+    tmp_path.chmod(0o555)
+    try:
+        ran = subprocess.run([*without_override, "trees", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        tmp_path.chmod(0o755)
+    assert ran.returncode == 1, ran
+    error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "store.read_only" and "cannot open store" in error["message"], error

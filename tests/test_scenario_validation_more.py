@@ -47,6 +47,9 @@ FAULTS: list[tuple[str, dict[str, Any], str, str]] = [
     ("parameters-ref-not-a-schema",
      scenario(tools=[tool(parameters={"type": "object", "properties": {"q": {"$ref": "#/type"}}})]),
      "$.tools[0].parameters", "does not name a schema"),
+    # Found by a review: a wait whose schema accepts no answer loaded, and its call was then unknown.
+    ("wait-accepts-nothing", scenario(tools=[tool(waits_for(False))]),
+     "$.tools[0].result.input.response_schema", "accepts no answer"),
     ("wait-ref-missing", scenario(tools=[tool(waits_for({"$ref": "#/$defs/answer"}))]),
      "$.tools[0].result.input.response_schema", "unresolvable $ref '#/$defs/answer'"),
     ("case-wait-ref-missing",

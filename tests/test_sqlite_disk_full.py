@@ -158,3 +158,37 @@ def test_a_store_on_a_full_disk_that_cannot_be_opened_says_the_disk_is_full_and_
     (small_fs / "ballast").unlink()
     ran = subprocess.run([agentfold, "--store", url, "trees", "--json"], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran  # room again: the store reads as before
+
+
+def test_a_store_on_a_file_system_without_free_inodes_says_so(tmp_path: Path) -> None:
+    # Found by a review: with bytes free but no inode left, the open failed "unable to open
+    # database file" with the permissions hint (SQLite could not create the -shm file).
+    where = tmp_path / "fs"
+    where.mkdir()
+    mounted = shutil.which("mount") is not None and os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=32", "tmpfs", str(where)], capture_output=True, timeout=30,
+    ).returncode == 0
+    if not mounted:
+        if os.environ.get("CI") == "true":
+            pytest.fail("a tmpfs with few inodes needs root and mount(8), and CI=true: this test must run")
+        pytest.skip("a tmpfs with few inodes needs root and mount(8)")
+    try:
+        program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.inodes")
+        url = f"sqlite:///{where / 'agentfold.db'}"
+        store = EventStore(url)
+        with Runtime(store, Catalog([program])) as runtime:
+            assert runtime.start(program, {"n": 1}, start_id="before").result(timeout=30).status == "completed"
+        store.close()
+        filled = 0
+        try:
+            while True:
+                (where / f"f{filled}").touch()
+                filled += 1
+        except OSError:
+            pass
+        agentfold = str(Path(sys.executable).parent / "agentfold")
+        ran = subprocess.run([agentfold, "--store", url, "trees"], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 1 and "store.unavailable" in ran.stderr, ran
+        assert "no free inode" in ran.stderr and "permission" not in ran.stderr, ran.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)

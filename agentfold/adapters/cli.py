@@ -82,7 +82,7 @@ from agentfold.adapters.sources import ProgramSources, default_sources
 from agentfold.domain.canonical import JSON, parse_json_text
 from agentfold.domain.errors import AgentfoldError, Fenced, InvalidInput, NotFound
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID, parse_effect_id, parse_wait_id
-from agentfold.domain.kernel import start_tree
+from agentfold.domain.kernel import replay_allowed, start_tree
 from agentfold.domain.program import Program, ProgramResolver
 from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, ProcessState, TreeState
@@ -495,7 +495,7 @@ def _after_drain(ctx: Context, runtime: Runtime, tree_id: TreeID, drained: bool)
     running = runtime.dispatches_running() + runtime.timers_waiting()
     try:  # calls the next owner may make again (a Deadline's timer): not left unknown
         replayable = sum(1 for p in runtime.capture(tree_id).live.values() for r in p.in_flight()
-                         if r.replay == "same_identity")
+                         if replay_allowed(runtime.catalog.resolve(p.program), r))
     except AgentfoldError:
         replayable = 0
     fate = "the next owner records them unknown"

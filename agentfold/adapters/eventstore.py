@@ -547,19 +547,22 @@ def sqlite_full(exc: BaseException, path: Path, url: str = "") -> StoreFailure |
     write ``path`` (``disk I/O error``, ``database or disk is full``) on a file system with
     less than ``FULL_DISK_BYTES`` free; else None. SQLite creates the ``-shm`` file (32 KiB)
     to open a WAL database, so on a full disk even reading the store fails."""
-    if not any("disk I/O error" in str(seen) or "disk is full" in str(seen) for seen in causes(exc)):
+    texts = ("disk I/O error", "disk is full", "unable to open database file")
+    if not any(text in str(seen) for seen in causes(exc) for text in texts):
         return None
     try:
         free = shutil.disk_usage(path.absolute().parent).free
+        inodes = os.statvfs(path.absolute().parent).f_favail
     except OSError:
         return None
-    if free >= FULL_DISK_BYTES:
+    if free >= FULL_DISK_BYTES and inodes > 0:
         return None
+    room = f"{free} bytes free" if free < FULL_DISK_BYTES else "no file left to create (no free inode)"
     return StoreFailure(
         "store.unavailable",
-        f"cannot open store {redact(url) if url else path}: {exc}: the file system holding it has {free} bytes free",
-        hint="free space on that file system: SQLite needs room for the store's -wal and -shm files even to read "
-        "it; nothing was changed (a store that cannot be opened is not written)",
+        f"cannot open store {redact(url) if url else path}: {exc}: the file system holding it has {room}",
+        hint="free space on that file system (bytes, or inodes: room for new files): SQLite needs room for the "
+        "store's -wal and -shm files even to read it; nothing was changed (a store that cannot be opened is not written)",
     )
 
 
@@ -799,7 +802,9 @@ class EventStore:
             full = sqlite_full(exc, Path(settings["SQLITE_DBNAME"]), url) if self.backend == "sqlite" else None
             if created_file:
                 remove_if_empty(Path(settings["SQLITE_DBNAME"]))
-            raise sqlite_damage(exc, url) or full or StoreFailure(
+            unwritable = (sqlite_unwritable(exc, f"cannot open store {redact(url)}")
+                          if self.backend == "sqlite" else None)
+            raise sqlite_damage(exc, url) or full or unwritable or StoreFailure(
                 "store.unavailable", f"cannot open store {redact(url)}: {exc}", hint=OPEN_FAILED_HINT) from exc
         # The SQLite file this store opened: appends check that its path still names it.
         self._file: tuple[Path, int, int] | None = None
@@ -876,7 +881,8 @@ class EventStore:
             with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
                 present = {str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
-            damaged = sqlite_damage(exc, self.url) or sqlite_full(exc, path, self.url)
+            damaged = (sqlite_damage(exc, self.url) or sqlite_full(exc, path, self.url)
+                       or sqlite_unwritable(exc, f"cannot open store {redact(self.url)}"))
             if damaged is not None:
                 raise damaged from exc
             without_shm = not Path(f"{path.resolve()}-shm").exists()

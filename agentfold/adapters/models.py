@@ -103,7 +103,7 @@ def to_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
                 if output.get("details") is not None:
                     details = json.dumps(output["details"], sort_keys=True)
                     content = f"{content}\n{details}" if content else details
-                if r.get("is_error") and not content.startswith("error"):
+                if r.get("is_error") and not (content.startswith("error: ") or content == "error"):
                     # Chat completions have no error flag on a tool message: a failed or rejected
                     # result (a ToolFailure, a host's failed/rejected resolution) says so in its text.
                     content = f"error: {content}" if content else "error"
@@ -191,12 +191,22 @@ def _mapped(body: Any, choice: Any, message: dict[str, Any]) -> dict[str, Any]:
     response: dict[str, Any] = {"message": result_message, "finish_reason": portable_finish_reason(choice.get("finish_reason"))}
     usage = body.get("usage")
     if isinstance(usage, dict):
-        response["usage"] = {
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens") or 0),
-            "total_tokens": int(usage.get("total_tokens") or 0),
-        }
+        response["usage"] = {name: _token_count(usage, name) for name in ("prompt_tokens", "completion_tokens",
+                                                                           "total_tokens")}
     return response
+
+
+def _token_count(usage: dict[str, Any], name: str) -> int:
+    """A usage count as the server sent it: a whole number (missing or null: 0). Anything else
+    (true, 2.9, "7") is not coerced into one: the response is not a chat completion."""
+    value = usage.get(name)
+    if value is None:
+        return 0
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"usage.{name} is {value!r}, not a whole number of tokens")
+    return value
 
 
 class ModelSettingInvalid(InvalidInput, ValueError):

@@ -1258,7 +1258,10 @@ class _Driver:
         for flight, left in timers:
             process = self.tree.processes.get(flight.process_id)
             record = process.effect(flight.effect_id) if process is not None else None
-            if record is None or record.replay != "same_identity" or not isinstance(left, float) or left <= seconds:
+            if (
+                record is None or process is None or not isinstance(left, float) or left <= seconds
+                or not replay_allowed(self.runtime._resolve(process.program), record)  # as the next owner decides
+            ):
                 return None
             far.append((flight.effect_id, left))
         return far
@@ -2875,10 +2878,10 @@ class Runtime:
                     continue
                 return None  # a Step to take or an Effect to start
             record = flights[0]
-            if record.target != "dispatcher" or record.replay != "same_identity":
-                return None
             try:
                 program = self._resolve(process.program)
+                if not replay_allowed(program, record):  # as the owner that adopts it decides
+                    return None
                 dispatcher = program.dispatcher if program is not None else None
                 if not waits_as_timer(dispatcher):
                     return None

@@ -30,7 +30,7 @@ from agentfold.domain.canonical import JSON, digest_of, duplicate_key, normalize
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.interaction.chat import FINISH_REASONS, ChatInput, parse_response
 from agentfold.domain.interaction.toolset import check_name
-from agentfold.domain.json_schema import check_schema
+from agentfold.domain.json_schema import accepts_nothing, check_schema
 from agentfold.domain.program import Program
 
 PROGRAM_NAME = "agentfold.scenario"
@@ -92,6 +92,9 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
     if keys == {"input", "then"}:
         spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"))
         _check_schema(spec["response_schema"], f"{path}.input.response_schema")
+        if accepts_nothing(spec["response_schema"]):
+            raise ScenarioError(f"{path}.input.response_schema", "accepts no answer: the tool's wait could only be "
+                                "canceled (true or {} accepts any)")
         _check_result(value["then"], f"{path}.then", answer_allowed=True)
         return
     if keys <= {"cases", "otherwise"} and "cases" in keys:

@@ -26,7 +26,7 @@ from typing import Any
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import WaitKey
-from agentfold.domain.json_schema import check_schema, schema_errors
+from agentfold.domain.json_schema import accepts_nothing, check_schema, schema_errors
 from agentfold.domain.program import (
     Complete,
     Continue,
@@ -83,6 +83,9 @@ class InputGateStrategy:
             check_schema(answer_schema, "#answer")
         except InvalidInput as exc:
             raise InvalidInput(DEFINITION_INVALID, f"the answer schema is invalid: {exc.message}") from exc
+        if accepts_nothing(answer_schema):
+            raise InvalidInput(DEFINITION_INVALID, "the answer schema accepts no answer: the gate could only be canceled",
+                               hint="give the JSON schema every answer must match (True accepts any JSON)")
         self.descriptor = Descriptor(name, description, request_schema, GATE_OUTPUT_SCHEMA, None)
         self.answer_schema = answer_schema
 

@@ -353,6 +353,39 @@ def _json_type(value: Any) -> str:
     return "object"
 
 
+def accepts_nothing(schema: Any) -> bool:
+    """Whether ``schema`` plainly accepts no value at all: ``false``, ``{"not": {}}`` or
+    ``{"not": true}``, an empty ``enum``, bounds that contradict each other for the one type
+    it allows (``minLength`` above ``maxLength``, ``minimum`` above ``maximum``, ...), or such
+    a schema under ``allOf``, or only such schemas under ``anyOf`` / ``oneOf``. Not every
+    unsatisfiable schema (that cannot be told in general): the ones written by mistake. A wait
+    for an answer to one could only be canceled."""
+    if schema is False:
+        return True
+    if not isinstance(schema, dict):
+        return False
+    negated = schema.get("not")
+    if negated is True or (isinstance(negated, dict) and not negated):
+        return True
+    if isinstance(schema.get("enum"), list) and not schema["enum"]:
+        return True
+    if any(accepts_nothing(sub) for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list)):
+        return True
+    for key in ("anyOf", "oneOf"):
+        subs = schema.get(key)
+        if isinstance(subs, list) and subs and all(accepts_nothing(sub) for sub in subs):
+            return True
+    kind = schema.get("type")
+    bounds = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems"),
+              "object": ("minProperties", "maxProperties"), "number": ("minimum", "maximum"),
+              "integer": ("minimum", "maximum")}.get(kind if isinstance(kind, str) else "")
+    if bounds is not None:
+        low, high = schema.get(bounds[0]), schema.get(bounds[1])
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
+            return True
+    return False
+
+
 def schema_errors(value: Any, schema: Any) -> list[str]:
     """Every violation of ``schema`` by ``value``, as ``$.path: reason`` lines."""
     return _errors(value, schema, schema, "$", 0, {})

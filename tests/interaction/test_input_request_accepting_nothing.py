@@ -42,7 +42,9 @@ def agent(schema: Any) -> Program:
     return compile_interaction(InteractionConfig(name="ask.nothing", model=model, tools=[Ask(schema)]))
 
 
-@pytest.mark.parametrize("schema", [False, {"not": {}}])
+@pytest.mark.parametrize("schema", [False, {"not": {}}, {"not": True}, {"enum": []},
+                                    {"type": "string", "minLength": 3, "maxLength": 1},
+                                    {"anyOf": [False, {"enum": []}]}, {"allOf": [{"type": "object"}, False]}])
 def test_a_response_schema_that_accepts_nothing_opens_no_wait(tmp_path: Path, schema: Any) -> None:
     program = agent(schema)
     store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
@@ -75,3 +77,12 @@ def test_a_response_schema_that_accepts_anything_still_opens_a_wait(tmp_path: Pa
             assert pending["response_schema"] is True, pending
     finally:
         store.close()
+
+
+def test_only_schemas_that_plainly_accept_nothing_are_refused() -> None:
+    from agentfold.domain.json_schema import accepts_nothing
+
+    for schema in (True, {}, {"type": "string"}, {"not": {"type": "string"}}, {"enum": [1]},
+                   {"type": "string", "minLength": 1, "maxLength": 1}, {"minLength": 3, "maxLength": 1},
+                   {"anyOf": [False, {"type": "number"}]}):
+        assert not accepts_nothing(schema), schema

@@ -221,7 +221,8 @@ class Lookup:
     def call(self, invocation, arguments):
         from agentfold.adapters.tools import ToolFailure
 
-        raise ToolFailure("failed", ToolOutput.text("no such thing"))
+        # Text that starts like the marker is marked too (a review saw "errors: ..." sent unmarked).
+        raise ToolFailure("failed", ToolOutput.text("errors: 3 found in the file"))
 
 
 def test_a_failed_tool_result_reaches_the_model_marked_as_an_error(tmp_path) -> None:
@@ -243,7 +244,7 @@ def test_a_failed_tool_result_reaches_the_model_marked_as_an_error(tmp_path) -> 
             result = runtime.start(program, {"messages": [{"role": "user", "content": "look it up"}]}).result(30)
     assert result.status == "completed"
     tool_messages = {m["tool_call_id"]: m["content"] for m in server.requests[1]["messages"] if m["role"] == "tool"}
-    assert tool_messages["call_1"] == "error: no such thing"
+    assert tool_messages["call_1"] == "error: errors: 3 found in the file"
     assert tool_messages["call_2"].startswith("sunny in Oslo")  # a success is sent as it is
 
 
@@ -276,3 +277,17 @@ def test_usage_counts_given_as_booleans_are_refused_when_a_host_resolves_a_model
     assert parse_response(recorded)["usage"] == recorded["usage"]  # read back from a history: as recorded
     with pytest.raises(InvalidInput):
         parse_response(recorded, admitting=True)
+
+
+def test_usage_counts_that_are_not_whole_numbers_leave_the_call_unknown(tmp_path) -> None:
+    # Found by a review: the client coerced a server's usage (true, 2.9, "7") into 1, 2, 7 and
+    # recorded it, where a host giving the same response is refused.
+    with FakeOpenAI([completion("hi", usage={"prompt_tokens": True, "completion_tokens": 2.9, "total_tokens": "7"})]) as server:
+        program = _program(server, Weather())
+        store = EventStore(f"sqlite:///{tmp_path / 'c.db'}")
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
+            tree = runtime.wait_idle(handle.tree_id)
+            [unknown] = unknown_effects(tree, runtime.catalog.resolve)
+            assert "usage.prompt_tokens is True" in unknown["diagnostic"]["message"], unknown["diagnostic"]
+    assert len(server.requests) == 1

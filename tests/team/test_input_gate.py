@@ -265,7 +265,7 @@ def test_s36_the_gate_adopts_its_opening_and_then_waits() -> None:
     assert caught.value.failure.code == "coordination.protocol.invalid"
 
 
-@pytest.mark.parametrize("schema", [None, {"type": 5}])
+@pytest.mark.parametrize("schema", [None, {"type": 5}, False, {"enum": []}])  # the last two accept no answer
 def test_s36_a_gate_without_a_valid_answer_schema_is_refused(schema: Any) -> None:
     """Scope TestInputGateRejectsMissingAnswerSchema: ``coordination.definition.invalid``."""
     with pytest.raises(InvalidInput) as caught:

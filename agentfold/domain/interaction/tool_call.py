@@ -25,7 +25,7 @@ from agentfold.domain.interaction.state import (
     tool_completion,
 )
 from agentfold.domain.interaction.toolset import ToolManifest
-from agentfold.domain.json_schema import SCHEMA_MAPS, check_schema
+from agentfold.domain.json_schema import SCHEMA_MAPS, accepts_nothing, check_schema
 from agentfold.domain.program import (
     Complete,
     Continue,
@@ -145,9 +145,9 @@ def check_input_request(value: Any) -> dict[str, Any]:
         check_schema(value["response_schema"], "#response_schema")
     except Exception as exc:
         raise protocol_error(f"invalid response schema: {recorded_text(exc)}") from exc
-    if value["response_schema"] is False or value["response_schema"] == {"not": {}}:
+    if accepts_nothing(value["response_schema"]):
         # Valid JSON Schema that no answer satisfies: the wait it opens could only be canceled.
-        raise protocol_error("invalid response schema: it accepts no answer (false); use true or {} to accept any")
+        raise protocol_error("invalid response schema: it accepts no answer; use true or {} to accept any")
     return value
 
 
