@@ -127,17 +127,23 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_by_itself_once_there_i
         store.close()
 
 
+def store_with_a_run(folder: Path) -> str:
+    """A store in ``folder`` holding one completed run, closed (its -wal and -shm removed): its URL."""
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.full_open")
+    url = f"sqlite:///{folder / 'agentfold.db'}"
+    store = EventStore(url)
+    with Runtime(store, Catalog([program])) as runtime:
+        assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=30).status == "completed"
+    store.close()
+    return url
+
+
 def test_a_store_on_a_full_disk_that_cannot_be_opened_says_the_disk_is_full_and_creates_nothing(small_fs: Path) -> None:
     # Found by an operations review: with the disk full and no process holding the store
     # open, every command failed "disk I/O error" with a hint about permissions (SQLite must
     # create the -shm file to open a WAL database); a new store left an empty file that later
     # read as "has none of its tables".
-    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.full_open")
-    url = f"sqlite:///{small_fs / 'agentfold.db'}"
-    store = EventStore(url)
-    with Runtime(store, Catalog([program])) as runtime:
-        assert runtime.start(program, {"n": 2}, start_id="before").result(timeout=30).status == "completed"
-    store.close()
+    url = store_with_a_run(small_fs)
     with open(small_fs / "ballast", "wb") as ballast:  # fill the file system
         try:
             while True:
@@ -173,12 +179,7 @@ def test_a_store_on_a_file_system_without_free_inodes_says_so(tmp_path: Path) ->
             pytest.fail("a tmpfs with few inodes needs root and mount(8), and CI=true: this test must run")
         pytest.skip("a tmpfs with few inodes needs root and mount(8)")
     try:
-        program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.inodes")
-        url = f"sqlite:///{where / 'agentfold.db'}"
-        store = EventStore(url)
-        with Runtime(store, Catalog([program])) as runtime:
-            assert runtime.start(program, {"n": 1}, start_id="before").result(timeout=30).status == "completed"
-        store.close()
+        url = store_with_a_run(where)
         filled = 0
         try:
             while True:

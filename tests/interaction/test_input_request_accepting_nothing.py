@@ -4,6 +4,8 @@ the wait it opened could only be canceled: every answer was refused)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,41 +44,39 @@ def agent(schema: Any) -> Program:
     return compile_interaction(InteractionConfig(name="ask.nothing", model=model, tools=[Ask(schema)]))
 
 
-@pytest.mark.parametrize("schema", [False, {"not": {}}, {"not": True}, {"enum": []},
-                                    {"type": "string", "minLength": 3, "maxLength": 1},
-                                    {"anyOf": [False, {"enum": []}]}, {"allOf": [{"type": "object"}, False]}])
-def test_a_response_schema_that_accepts_nothing_opens_no_wait(tmp_path: Path, schema: Any) -> None:
+@contextmanager
+def asked(tmp_path: Path, schema: Any) -> Iterator[tuple[Host, Any]]:
+    """A run whose one tool call asks with ``schema``, on a SQLite store, once it is idle."""
     program = agent(schema)
     store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
     try:
         with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
             run = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="ask")
             runtime.wait_idle(run.tree_id)
-            assert host.pending("ask") == []  # no wait only a cancel could end
-            [unknown] = host.unknown("ask")
-            assert unknown["kind"] == "tool"
-            assert "it accepts no answer" in str(unknown["diagnostic"]), unknown["diagnostic"]
-            # The host settles the call, and the run goes on.
-            host.resolve(unknown["effect_id"], output="nobody could answer")
-            assert run.result(timeout=10).status == "completed"
+            yield Host(runtime), run
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("schema", [False, {"not": {}}, {"not": True}, {"enum": []},
+                                    {"type": "string", "minLength": 3, "maxLength": 1},
+                                    {"anyOf": [False, {"enum": []}]}, {"allOf": [{"type": "object"}, False]}])
+def test_a_response_schema_that_accepts_nothing_opens_no_wait(tmp_path: Path, schema: Any) -> None:
+    with asked(tmp_path, schema) as (host, run):
+        assert host.pending("ask") == []  # no wait only a cancel could end
+        [unknown] = host.unknown("ask")
+        assert unknown["kind"] == "tool"
+        assert "it accepts no answer" in str(unknown["diagnostic"]), unknown["diagnostic"]
+        # The host settles the call, and the run goes on.
+        host.resolve(unknown["effect_id"], output="nobody could answer")
+        assert run.result(timeout=10).status == "completed"
 
 
 def test_a_response_schema_that_accepts_anything_still_opens_a_wait(tmp_path: Path) -> None:
-    program = agent(True)
-    store = EventStore(f"sqlite:///{tmp_path / 'a.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            run = runtime.start(program, {"messages": [{"role": "user", "content": "go"}]}, start_id="ask")
-            runtime.wait_idle(run.tree_id)
-            [pending] = host.pending("ask")
-            assert host.unknown("ask") == []
-            assert pending["response_schema"] is True, pending
-    finally:
-        store.close()
+    with asked(tmp_path, True) as (host, _):
+        [pending] = host.pending("ask")
+        assert host.unknown("ask") == []
+        assert pending["response_schema"] is True, pending
 
 
 def test_only_schemas_that_plainly_accept_nothing_are_refused() -> None:

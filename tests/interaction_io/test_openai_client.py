@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
@@ -248,6 +249,18 @@ def test_a_failed_tool_result_reaches_the_model_marked_as_an_error(tmp_path) -> 
     assert tool_messages["call_2"].startswith("sunny in Oslo")  # a success is sent as it is
 
 
+@contextmanager
+def _unknown_model_call(program, tmp_path):
+    """A run of ``program`` on a SQLite store whose first model call is unknown: (runtime, its
+    handle, the idle tree, the unknown effect as hosts list it)."""
+    store = EventStore(f"sqlite:///{tmp_path / 'u.db'}")
+    with Runtime(store, Catalog([program])) as runtime:
+        handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
+        tree = runtime.wait_idle(handle.tree_id)
+        [unknown] = unknown_effects(tree, runtime.catalog.resolve)
+        yield runtime, handle, tree, unknown
+
+
 def test_usage_counts_given_as_booleans_are_refused_when_a_host_resolves_a_model_call(tmp_path) -> None:
     # Found by a review: `"usage": {"prompt_tokens": true}` passed and was recorded as `true`
     # (1.5 and -1 were refused). A history that already holds such a response still folds.
@@ -259,11 +272,7 @@ def test_usage_counts_given_as_booleans_are_refused_when_a_host_resolves_a_model
     with FakeOpenAI([]) as server:
         server.fail_with = 500
         program = _program(server, Weather())
-        store = EventStore(f"sqlite:///{tmp_path / 'u.db'}")
-        with Runtime(store, Catalog([program])) as runtime:
-            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
-            tree = runtime.wait_idle(handle.tree_id)
-            [unknown] = unknown_effects(tree, runtime.catalog.resolve)
+        with _unknown_model_call(program, tmp_path) as (runtime, handle, tree, unknown):
             request = effect_request(tree, handle.root_process_id, unknown["effect_id"], program)
             response = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
             for counts in ({"prompt_tokens": True}, {"completion_tokens": False}, {"total_tokens": 1.5}):
@@ -284,10 +293,6 @@ def test_usage_counts_that_are_not_whole_numbers_leave_the_call_unknown(tmp_path
     # recorded it, where a host giving the same response is refused.
     with FakeOpenAI([completion("hi", usage={"prompt_tokens": True, "completion_tokens": 2.9, "total_tokens": "7"})]) as server:
         program = _program(server, Weather())
-        store = EventStore(f"sqlite:///{tmp_path / 'c.db'}")
-        with Runtime(store, Catalog([program])) as runtime:
-            handle = runtime.start(program, {"messages": [{"role": "user", "content": "hello"}]})
-            tree = runtime.wait_idle(handle.tree_id)
-            [unknown] = unknown_effects(tree, runtime.catalog.resolve)
+        with _unknown_model_call(program, tmp_path) as (_, _, _, unknown):
             assert "usage.prompt_tokens is True" in unknown["diagnostic"]["message"], unknown["diagnostic"]
     assert len(server.requests) == 1
