@@ -591,12 +591,12 @@ def read_failure(exc: BaseException, what: str) -> StoreFailure:
     return sqlite_damage(exc) or StoreFailure("store.read_failed", f"{what} failed: {exc}")
 
 
-#: What to do when the store refused an append (nothing of it was written).
-#: The first append of a tree refused: there is no run to continue.
+#: What to do when the store refused the first append of a tree: there is no run to continue.
 START_FAILED_HINT = (
     "nothing was stored: the run was not started; fix the store (free disk space, write access), then start "
     "it again (with the same start id, if one was given)"
 )
+#: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
     "nothing of this append was stored; fix the store (free disk space, write access), then the run "
     "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
