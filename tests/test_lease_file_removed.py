@@ -131,9 +131,17 @@ def test_a_server_whose_lease_file_cannot_be_opened_again_is_unhealthy_until_it_
     assert answer.status_code == 503, answer.text
     problem = answer.json()
     assert problem["code"] == "store.unavailable" and "lease file" in problem["detail"], problem
+    # Nor does it take a run meanwhile (a lease on a file no other process opens excludes nobody).
+    hello = {"name": "hello", "input": {"messages": [{"role": "user", "content": "Say hello."}]},
+             "model": {"responses": [{"finish_reason": "stop", "message": {"content": "Hello."}}]}}
+    refused = client.post("/runs", json={"scenario": hello, "start_id": "during", "wait": 10})
+    assert refused.status_code == 503 and refused.json()["code"] == "store.unavailable", refused.text
+    assert "lease file" in refused.json()["detail"]
     leases.rmdir()  # room again: the server opens it again by itself
     deadline = time.monotonic() + 20
     while answer.status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
         answer = client.get("/health")
     assert answer.status_code == 200 and answer.json()["leases"] == "ok", answer.text
+    started = client.post("/runs", json={"scenario": hello, "start_id": "during", "wait": 10})
+    assert started.status_code == 201 and started.json()["tree"]["status"] == "completed", started.text

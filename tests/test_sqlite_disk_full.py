@@ -193,3 +193,31 @@ def test_a_store_on_a_file_system_without_free_inodes_says_so(tmp_path: Path) ->
         assert "no free inode" in ran.stderr and "permission" not in ran.stderr, ran.stderr
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def test_a_file_system_that_counts_no_inodes_is_not_taken_for_full(tmp_path: Path) -> None:
+    # Found by a review: on a file system that reports 0 of 0 inodes (btrfs, vfat, many network
+    # ones; a tmpfs with nr_inodes=0 here) a store this user may not read was reported as on a
+    # full file system ("no free inode") instead of a permissions problem.
+    where = tmp_path / "fs"
+    where.mkdir()
+    setpriv = shutil.which("setpriv")
+    mounted = setpriv is not None and os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=0", "tmpfs", str(where)], capture_output=True, timeout=30,
+    ).returncode == 0
+    if not mounted:
+        if os.environ.get("CI") == "true":
+            pytest.fail("a tmpfs without inode counts needs root, mount(8) and setpriv(1), and CI=true: this test must run")
+        pytest.skip("a tmpfs without inode counts needs root, mount(8) and setpriv(1)")
+    try:
+        assert os.statvfs(where).f_files == 0
+        url = store_with_a_run(where)
+        (where / "agentfold.db").chmod(0o000)
+        caps = "-dac_override,-dac_read_search"
+        ran = subprocess.run([str(setpriv), f"--inh-caps={caps}", f"--ambient-caps={caps}", f"--bounding-set={caps}",
+                              str(Path(sys.executable).parent / "agentfold"), "--store", url, "trees"],
+                             capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 1 and "store.unavailable" in ran.stderr, ran
+        assert "inode" not in ran.stderr and "may read and write" in ran.stderr, ran.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)

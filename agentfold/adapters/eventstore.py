@@ -552,10 +552,12 @@ def sqlite_full(exc: BaseException, path: Path, url: str = "") -> StoreFailure |
         return None
     try:
         free = shutil.disk_usage(path.absolute().parent).free
-        inodes = os.statvfs(path.absolute().parent).f_favail
+        stats = os.statvfs(path.absolute().parent)
     except OSError:
         return None
-    if free >= FULL_DISK_BYTES and inodes > 0:
+    # A file system that counts no inodes (btrfs, vfat, many network ones) says 0 of 0 free.
+    no_inode = stats.f_files > 0 and stats.f_favail == 0
+    if free >= FULL_DISK_BYTES and not no_inode:
         return None
     room = f"{free} bytes free" if free < FULL_DISK_BYTES else "no file left to create (no free inode)"
     return StoreFailure(
@@ -598,8 +600,9 @@ START_FAILED_HINT = (
 )
 #: What to do when the store refused an append (nothing of it was written).
 APPEND_FAILED_HINT = (
-    "nothing of this append was stored; fix the store (free disk space, write access), then the run "
-    "continues where it stopped: a live server or runtime adopts it again, else run `agentfold recover`"
+    "nothing of this append was stored (an answer, a resolution or a control it carried was not recorded: send it "
+    "again); fix the store (free disk space, write access), then the run continues where it stopped: a live "
+    "server or runtime adopts it again, else run `agentfold recover`"
 )
 
 

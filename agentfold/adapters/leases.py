@@ -15,6 +15,7 @@ conflicting append (see ``agentfold.adapters.runtime``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -148,10 +149,12 @@ class FileLeases(_Durable):
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:  # another user's 0600 file, a directory of that name, an immutable file
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
             raise StoreFailure(
                 "store.unavailable", f"cannot open the lease file {self.path}: {exc.strerror or exc}",
                 hint="the store's processes need to read and write <database>.leases next to the database file: "
-                "fix its owner or permissions (or remove what stands at that path)",
+                + ("free space on that file system (bytes, or inodes: room for a new file)" if full else
+                   "fix its owner or permissions (or remove what stands at that path)"),
             ) from exc
         info = os.fstat(fd)
         self._fd, self._file = fd, (info.st_dev, info.st_ino)
@@ -206,6 +209,15 @@ class FileLeases(_Durable):
         with self._lock:
             if tree_id in self._held:
                 return True
+            if self._reopen_failed:
+                # A lock on the file this process still has open would exclude nobody: a process
+                # that opens the path once it can finds no lock there.
+                raise StoreFailure(
+                    "store.unavailable", f"the lease file {self.path} was removed or replaced and cannot be opened "
+                    "again: no run can be taken over or started here until it can",
+                    hint="make room for it (free space or inodes, write access to its folder): this process opens "
+                    "it again by itself; then send the request again",
+                )
             if self._fcntl(fcntl.F_WRLCK, tree_id):
                 self._held.add(tree_id)
                 return True
