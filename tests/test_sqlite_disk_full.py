@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,26 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_by_itself_once_there_i
         store.close()
 
 
+@contextmanager
+def tmpfs(tmp_path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs of its own mounted with ``options`` (root only); unmounted afterwards."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    if not (shutil.which("mount") and os.geteuid() == 0 and _mount_options(where, options)):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"a tmpfs ({options}) needs root and mount(8), and CI=true: this test must run")
+        pytest.skip(f"a tmpfs ({options}) needs root and mount(8)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def _mount_options(where: Path, options: str) -> bool:
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                          timeout=30).returncode == 0
+
+
 def store_with_a_run(folder: Path) -> str:
     """A store in ``folder`` holding one completed run, closed (its -wal and -shm removed): its URL."""
     program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.full_open")
@@ -169,16 +190,7 @@ def test_a_store_on_a_full_disk_that_cannot_be_opened_says_the_disk_is_full_and_
 def test_a_store_on_a_file_system_without_free_inodes_says_so(tmp_path: Path) -> None:
     # Found by a review: with bytes free but no inode left, the open failed "unable to open
     # database file" with the permissions hint (SQLite could not create the -shm file).
-    where = tmp_path / "fs"
-    where.mkdir()
-    mounted = shutil.which("mount") is not None and os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=32", "tmpfs", str(where)], capture_output=True, timeout=30,
-    ).returncode == 0
-    if not mounted:
-        if os.environ.get("CI") == "true":
-            pytest.fail("a tmpfs with few inodes needs root and mount(8), and CI=true: this test must run")
-        pytest.skip("a tmpfs with few inodes needs root and mount(8)")
-    try:
+    with tmpfs(tmp_path, "size=8m,nr_inodes=32") as where:
         url = store_with_a_run(where)
         filled = 0
         try:
@@ -191,25 +203,18 @@ def test_a_store_on_a_file_system_without_free_inodes_says_so(tmp_path: Path) ->
         ran = subprocess.run([agentfold, "--store", url, "trees"], capture_output=True, text=True, timeout=60)
         assert ran.returncode == 1 and "store.unavailable" in ran.stderr, ran
         assert "no free inode" in ran.stderr and "permission" not in ran.stderr, ran.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
 
 
 def test_a_file_system_that_counts_no_inodes_is_not_taken_for_full(tmp_path: Path) -> None:
     # Found by a review: on a file system that reports 0 of 0 inodes (btrfs, vfat, many network
     # ones; a tmpfs with nr_inodes=0 here) a store this user may not read was reported as on a
     # full file system ("no free inode") instead of a permissions problem.
-    where = tmp_path / "fs"
-    where.mkdir()
     setpriv = shutil.which("setpriv")
-    mounted = setpriv is not None and os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,nr_inodes=0", "tmpfs", str(where)], capture_output=True, timeout=30,
-    ).returncode == 0
-    if not mounted:
+    if setpriv is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("a tmpfs without inode counts needs root, mount(8) and setpriv(1), and CI=true: this test must run")
-        pytest.skip("a tmpfs without inode counts needs root, mount(8) and setpriv(1)")
-    try:
+            pytest.fail("setpriv(1) is missing, and CI=true: this test must run")
+        pytest.skip("needs setpriv(1)")
+    with tmpfs(tmp_path, "size=8m,nr_inodes=0") as where:
         assert os.statvfs(where).f_files == 0
         url = store_with_a_run(where)
         (where / "agentfold.db").chmod(0o000)
@@ -219,5 +224,3 @@ def test_a_file_system_that_counts_no_inodes_is_not_taken_for_full(tmp_path: Pat
                              capture_output=True, text=True, timeout=60)
         assert ran.returncode == 1 and "store.unavailable" in ran.stderr, ran
         assert "inode" not in ran.stderr and "may read and write" in ran.stderr, ran.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
