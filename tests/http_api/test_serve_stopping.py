@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,15 +190,37 @@ def test_a_refused_address_is_the_only_stderr_line_even_with_a_short_token(tmp_p
     assert ran.error()["code"] == "cli.argument_invalid" and "--port" in ran.error()["message"]
 
 
-def signalled_while_opening(store: str) -> tuple[int, str, str, float]:
-    """``serve --json`` on ``store``, SIGTERM 2 s after its start (while it opens a store that does
-    not answer): its exit status, stdout, stderr and the seconds from the signal to its exit."""
+def holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open (Linux: /proc/PID/fd)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def signalled_while_opening(store: str, opening: Callable[[int], bool]) -> tuple[int, str, str, float]:
+    """``serve --json`` on ``store``, SIGTERM while it opens a store that does not answer (0.5 s
+    after ``opening(pid)`` says it reached the store): its exit status, stdout, stderr and the
+    seconds from the signal to its exit."""
     server = subprocess.Popen(
         [sys.executable, "-m", "agentfold.adapters.cli", "serve", "--store", store, "--port", "0", "--json"],
         cwd=ROOT, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        time.sleep(2)
+        # Not a fixed delay: on a loaded machine the interpreter took longer than 2 s to reach the
+        # store, and a signal before serve handles signals ends it as any process (CI: exit -15).
+        deadline = time.monotonic() + 30
+        while not opening(server.pid) and time.monotonic() < deadline and server.poll() is None:
+            time.sleep(0.05)
+        assert opening(server.pid), "serve never reached the store"
+        time.sleep(0.5)
         assert server.poll() is None, server.communicate()
         signalled = time.monotonic()
         server.send_signal(signal.SIGTERM)
@@ -222,7 +245,8 @@ def test_a_signal_while_the_store_does_not_answer_at_startup_ends_serve_within_t
     lock = sqlite3.connect(str(db), timeout=30, isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")  # held for the whole test
     try:
-        code, out, err, took = signalled_while_opening(f"sqlite:///{db}")  # it waits for the lock
+        code, out, err, took = signalled_while_opening(  # it waits for the lock
+            f"sqlite:///{db}", opening=lambda pid: holds_open(pid, db))
     finally:
         lock.close()
     assert code == 0, err
@@ -252,7 +276,8 @@ def test_a_store_failure_at_startup_after_the_signal_is_the_stop_not_an_error(tm
     port = listener.getsockname()[1]
     try:
         # connecting to a server that does not answer
-        code, out, err, took = signalled_while_opening(f"postgresql://postgres@127.0.0.1:{port}/x")
+        code, out, err, took = signalled_while_opening(f"postgresql://postgres@127.0.0.1:{port}/x",
+                                                       opening=lambda pid: bool(accepted))
     finally:
         listener.close()
         for connection in accepted:
