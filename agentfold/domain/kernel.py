@@ -91,6 +91,7 @@ from agentfold.domain.program import (
     Step,
     Target,
     Wait,
+    check_child_operation,
     check_reason,
 )
 from agentfold.domain.tree import (
@@ -763,22 +764,10 @@ class Kernel:
                             child = self.tree.processes.get(cid)
                             if child is None or child.parent_id != process.process_id:
                                 raise refuse(EngineCode.EFFECT_INVALID, f"{cid} is not a direct child of the waiter")
-                elif op is Operation.START_CHILD:
-                    try:
-                        ChildSpec.from_json(payload, self.tree.bound)
-                    except InvalidInput as exc:
-                        # An unbound Program is a failed start the parent observes
-                        # (engine.child.deployment_unavailable), not a refused Step.
-                        if exc.code != "program.unbound":
-                            raise
-                        Budget.from_json(payload.get("budget"))
-                elif op is Operation.SIGNAL_CHILD:
-                    ProcessID(payload["child"])
-                    signal = payload["signal"]
-                    SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
                 else:
-                    ProcessID(payload["child"])
-                    check_reason(payload["reason"])
+                    # An unbound Program is a failed start the parent observes
+                    # (engine.child.deployment_unavailable), not a refused Step.
+                    check_child_operation(op, payload, self.tree.bound)
             except _StepRefused:
                 raise
             except (InvalidInput, KeyError, TypeError, ValueError) as exc:

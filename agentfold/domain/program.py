@@ -562,6 +562,31 @@ def check_reason(reason: str) -> str:
     return text
 
 
+def check_child_operation(
+    op: Operation, payload: Mapping[str, Any], programs: Mapping[str, ProgramRef], *,
+    reason: Callable[[Any], object] = check_reason,
+) -> None:
+    """The shape a ``start_child``, ``signal_child`` or ``cancel_child`` payload must have for
+    the kernel to settle it (the kernel's Step check, and the fold for stored ones): raises
+    ``InvalidInput``, ``KeyError``, ``TypeError`` or ``ValueError``. A start of a Program the
+    tree does not bind passes (a failed start the parent observes). ``reason`` checks a
+    cancel's reason (the fold reads stored reasons more loosely than a Step is checked)."""
+    if op is Operation.START_CHILD:
+        try:
+            ChildSpec.from_json(payload, programs)
+        except InvalidInput as exc:
+            if exc.code != "program.unbound":
+                raise
+            Budget.from_json(payload.get("budget"))
+    elif op is Operation.SIGNAL_CHILD:
+        ProcessID(payload["child"])
+        signal = payload["signal"]
+        SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
+    elif op is Operation.CANCEL_CHILD:
+        ProcessID(payload["child"])
+        reason(payload["reason"])
+
+
 # ---------------------------------------------------------------------------
 # Strategy and Program
 

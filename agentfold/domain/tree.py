@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from agentfold.domain.budget import Allocation, Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, value_at
-from agentfold.domain.errors import Failure, FailureKind, InvalidInput, recorded_text
+from agentfold.domain.errors import Failure, FailureKind, recorded_text
 from agentfold.domain.events import (
     CheckpointCommitted,
     ControlRequested,
@@ -64,7 +64,6 @@ from agentfold.domain.ids import (
 from agentfold.domain.json_schema import schema_errors
 from agentfold.domain.program import (
     Boundary,
-    ChildSpec,
     ChildWaitSpec,
     Operation,
     ProgramRef,
@@ -72,6 +71,7 @@ from agentfold.domain.program import (
     SettlementStatus,
     Signal,
     SignalRequest,
+    check_child_operation,
     program_ref_of,
 )
 
@@ -482,6 +482,12 @@ class ProcessState:
 _MISSING: Any = object()
 
 
+def _text(value: Any) -> None:
+    """A stored cancel reason is text (earlier releases checked reasons less than Steps do now)."""
+    if not isinstance(value, str):
+        raise ValueError("a cancel_child reason is text")
+
+
 #: What must follow a Step, by what the fold expects next: (the rule, what is missing).
 _UNFINISHED = {
     "declare": ("effect.declaration", "its EffectDeclared events"),
@@ -844,7 +850,6 @@ class TreeState:
 
     def _on_signal_admitted(self, pos: int, e: SignalAdmitted, _: Any) -> None:
         from agentfold.domain.mailbox import check_admission
-        from agentfold.domain.program import SignalRequest
 
         process = self._process(pos, e.process_id)
         if e.signal_id in process.signal_index:
@@ -1025,27 +1030,14 @@ class TreeState:
                         child = self.processes.get(cid)
                         if child is None or child.parent_id != process.process_id:
                             raise ValueError(f"{cid} is not a direct child of {process.process_id}")
-                # The shapes the kernel's Step check admits, which settling them relies on: a
-                # history holding another (a forged import) is refused here, not met by every
-                # recovery of the store as a KeyError.
-                elif op == Operation.START_CHILD:
-                    try:
-                        ChildSpec.from_json(e.payload, self.bound)
-                    except InvalidInput as exc:
-                        if exc.code != "program.unbound":  # a failed start the parent observes
-                            raise
-                        Budget.from_json(e.payload.get("budget"))
-                elif op == Operation.SIGNAL_CHILD:
-                    ProcessID(e.payload["child"])
-                    signal = e.payload["signal"]
-                    SignalRequest(SignalID(signal["id"]), signal.get("payload"), signal.get("wait_id"))
-                elif op == Operation.CANCEL_CHILD:
-                    ProcessID(e.payload["child"])
-                    if not isinstance(e.payload["reason"], str):
-                        raise ValueError("a cancel_child reason is text")
+                elif op != Operation.WAIT:
+                    # The shapes the kernel's Step check admits, which settling them relies on: a
+                    # history holding another (a forged import) is refused here, not met by every
+                    # recovery of the store as a KeyError.
+                    check_child_operation(Operation(op), e.payload, self.bound, reason=_text)
             except Exception as exc:
                 raise self.fail(pos, "effect.framework", f"invalid {op} effect: {exc}") from exc
-        elif not set(e.capabilities) <= set(process.capabilities):
+        elif e.capabilities and not set(e.capabilities) <= set(process.capabilities):
             # The kernel refuses such a Step (engine.capability.denied): a history holding one
             # would have the call made with capabilities its Process never held.
             raise self.fail(pos, "effect.capabilities", f"effect {e.effect_id} requires capabilities "
