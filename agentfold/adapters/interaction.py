@@ -35,6 +35,7 @@ from agentfold.domain.interaction.interaction import (
     InteractionStrategy,
     expand_interaction_request,
 )
+from agentfold.domain.interaction.settle import check_resolution
 from agentfold.domain.interaction.state import InteractionState
 from agentfold.domain.interaction.tool_call import ToolCallStrategy, tool_program_descriptor
 from agentfold.domain.interaction.toolset import DelegateSpec, ToolManifest
@@ -385,6 +386,7 @@ def compile_interaction(config: InteractionConfig) -> Program:
             IMPLEMENTATION,
             digest_of(tool_config),
             expand_request=tool_strategy.expand_request,
+            check_resolution=check_resolution,
             dispatcher=ToolDispatcher(tool_manifest, [*config.tools, *config.deferred_tools], config.tool_observer),
         )
     definition = InteractionDefinition(
@@ -440,6 +442,7 @@ def compile_interaction(config: InteractionConfig) -> Program:
         children=definition.child_programs(),
         policy=lambda effect: EffectPolicy(),
         expand_request=expand,
+        check_resolution=check_resolution,
         # The tool window's width, for a run that can start children at all (tools or delegates).
         active_children=definition.max_concurrent if definition.child_programs() else 0,
         active_children_setting="its max_concurrent_tool_calls",

@@ -35,7 +35,7 @@ from agentfold.domain.json_schema import check_schema
 from agentfold.domain.program import Descriptor, Program, check_synchronous
 from agentfold.domain.requests import EffectRequest, Settlement
 from agentfold.domain.team import DECISION_SCHEMA, TURN_SCHEMA, CollaborationStrategy, Member, TeamDefinition
-from agentfold.domain.workflow import TransformStrategy, expand_transform_request
+from agentfold.domain.workflow import TransformStrategy, check_transform_resolution, expand_transform_request
 
 TEAM_IMPLEMENTATION = Digest.of(b"agentfold.team/1")
 GATE_IMPLEMENTATION = Digest.of(b"agentfold.input_gate/1")
@@ -289,6 +289,7 @@ def transform(config: TransformConfig) -> Program:
         TRANSFORM_IMPLEMENTATION,
         digest_of({"fn": config.identity if config.identity is not None else _identity(config.fn, None)}),
         expand_request=expand_transform_request,
+        check_resolution=check_transform_resolution,
         dispatcher=TransformDispatcher(config.fn),
     )
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from agentfold.domain.budget import MAX_COUNTER, Budget, child_debit
 from agentfold.domain.canonical import JSON, canonical_bytes, normalize, value_at
 from agentfold.domain.errors import (
+    AgentfoldError,
     ClassifiedError,
     EngineCode,
     Failure,
@@ -94,6 +95,7 @@ from agentfold.domain.program import (
     check_child_operation,
     check_reason,
 )
+from agentfold.domain.requests import effect_request
 from agentfold.domain.tree import (
     _MISSING,
     CAUSE_STATUS,
@@ -1106,10 +1108,12 @@ class Kernel:
         process_id: ProcessID | None = None,
     ) -> list[TreeEvent]:
         """Settle an unknown Effect with a definite result (host investigation or replay)."""
-        process, _ = resolvable(self.tree, effect_id, process_id)
+        process, record = resolvable(self.tree, effect_id, process_id)
         if not status.definite:
             raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be succeeded or failed")
         value = normalize(payload, what="resolution payload")
+        if resolved_by == "host" and record.target == Target.DISPATCHER:
+            self._check_resolution(process, effect_id, status, value)
         event = EffectResolved.model_construct(
             process_id=process.process_id,
             effect_id=effect_id,
@@ -1120,6 +1124,27 @@ class Kernel:
         )
         self.tree.apply(event)
         return [event]
+
+    def _check_resolution(self, process: ProcessState, effect_id: EffectID, status: SettlementStatus, payload: JSON) -> None:
+        """The Program's own check of a host's outcome (``Program.check_resolution``), before
+        anything is recorded. A Program not bound here is not asked (``audit``-style hosts
+        without the deployment's catalog record what they are given, as before)."""
+        program = self.programs(process.program)
+        check = program.check_resolution if program is not None else None
+        if program is None or check is None:
+            return
+        request = effect_request(self.tree, process.process_id, effect_id, program)
+        try:
+            check(program, request, status, payload)
+        except AgentfoldError:
+            raise
+        except Exception as exc:
+            raise InvalidInput(
+                "engine.effect.settlement_invalid",
+                f"the check of program {program.descriptor.name} refused the outcome of effect {effect_id}: "
+                f"{_raised(exc)}",
+                hint="resolve it with the deployment's own command or server (agentfold resolve)",
+            ) from exc
 
 
 class _StepRefused(Exception):

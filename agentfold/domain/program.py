@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentfold.domain.budget import Budget
 from agentfold.domain.canonical import JSON, canonical_bytes, digest_of, normalize
@@ -37,6 +37,9 @@ from agentfold.domain.ids import (
     WaitKey,
 )
 from agentfold.domain.json_schema import check_schema
+
+if TYPE_CHECKING:
+    from agentfold.domain.requests import EffectRequest
 
 # ---------------------------------------------------------------------------
 # Descriptor and ProgramRef
@@ -607,6 +610,9 @@ class Strategy(Protocol):
 
 PolicyFn = Callable[[Effect], EffectPolicy]
 ExpandFn = Callable[[Any, JSON], JSON]
+ResolutionCheckFn = Callable[["Program", "EffectRequest", "SettlementStatus", JSON], None]
+"""``check_resolution(program, request, status, payload)``: raises ``InvalidInput`` when a host's
+outcome of one of the Program's unknown dispatcher Effects is one its strategy would refuse."""
 
 
 _NEVER = EffectPolicy()
@@ -720,6 +726,13 @@ class Program:
     active_children_setting: str = field(default="", compare=False)
     """The setting behind ``active_children``, as the Program's builder names it (for messages:
     what to lower when tree limits are narrower)."""
+    check_resolution: ResolutionCheckFn | None = field(default=None, compare=False)
+    """Checks a host's definite outcome of one of this Program's unknown dispatcher Effects
+    before it is recorded (``Kernel.resolve_effect``; the request is the one the dispatcher
+    got, expanded, without an attempt id): it raises ``InvalidInput`` for an outcome the
+    strategy would fail the Process on (an Interaction's model call settled with a payload
+    that is no model result), so a host's mistake is refused while the host can still say
+    what really happened. None: the kernel's rules only (a definite status, bounded JSON)."""
     ref: ProgramRef = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,20 +9,25 @@ gets, so history holds it once. The output is stored once too (``OutputOf`` the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import ClassifiedError, Failure, FailureKind
+from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
+from agentfold.domain.json_schema import schema_errors
 from agentfold.domain.program import (
     Complete,
     Continue,
     Fail,
     OutputOf,
+    Program,
     SettlementStatus,
     Signal,
     Step,
     dispatcher_effect,
 )
+
+if TYPE_CHECKING:
+    from agentfold.domain.requests import EffectRequest
 
 TRANSFORM_FAILED = "transform.failed"
 
@@ -80,4 +85,22 @@ def expand_transform_request(state: Any, payload: JSON) -> JSON:
     return payload
 
 
-__all__ = ["TRANSFORM_FAILED", "TransformStrategy", "expand_transform_request"]
+def check_transform_resolution(program: Program, request: EffectRequest, status: SettlementStatus, payload: JSON) -> None:
+    """``Program.check_resolution`` of a transform: a host's succeeded outcome is
+    ``{"output": ...}`` valid by the transform's output schema (else the Process would fail,
+    ``transform.result.invalid`` or ``engine.output.invalid``). A failed one fails the Process
+    with ``transform.failed``, as the function raising would: not checked."""
+    if status is not SettlementStatus.SUCCEEDED:
+        return
+    if not isinstance(payload, dict) or set(payload) != {"output"}:
+        raise InvalidInput("engine.effect.settlement_invalid",
+                           f'a transform\'s outcome is {{"output": ...}}, what its function returned, not {payload!s:.200}',
+                           hint="agentfold resolve EFFECT --output JSON (docs/team.md)")
+    problems = schema_errors(payload["output"], program.descriptor.output_schema)
+    if problems:
+        raise InvalidInput("engine.effect.settlement_invalid",
+                           f"the output is not what transform {program.descriptor.name} returns (its output schema): "
+                           + "; ".join(problems[:3]))
+
+
+__all__ = ["TRANSFORM_FAILED", "TransformStrategy", "check_transform_resolution", "expand_transform_request"]

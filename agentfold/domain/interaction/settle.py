@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentfold.domain.canonical import JSON, normalize
-from agentfold.domain.errors import InvalidInput
+from agentfold.domain.errors import ClassifiedError, InvalidInput
 from agentfold.domain.interaction.chat import FINISH_REASONS, ToolCall, parse_messages, parse_parts, parse_response
 from agentfold.domain.interaction.interaction import InteractionStrategy, response_problem
-from agentfold.domain.interaction.tool_call import ToolCallStrategy
-from agentfold.domain.program import Program
+from agentfold.domain.interaction.tool_call import ToolCallStrategy, check_input_request
+from agentfold.domain.program import Program, SettlementStatus
 from agentfold.domain.requests import EffectRequest, Settlement
 
 DISPOSITIONS = ("succeeded", "failed", "rejected")
@@ -201,3 +201,68 @@ def settle_prepared_context(program: Program, request: EffectRequest, messages: 
     if not parsed:
         raise _refuse("the prepared context cannot be empty")
     return Settlement.succeeded({"prepared_context": {"messages": parsed}})
+
+
+def check_resolution(program: Program, request: EffectRequest, status: SettlementStatus, payload: JSON) -> None:
+    """``Program.check_resolution`` of an Interaction and of its ToolSet's Tool children: a
+    host's succeeded outcome must be exactly what these helpers build for it (what a live
+    dispatcher returns); otherwise the Interaction would fail the run on it (a model call
+    settled with ``{"answer": 1}``: ``interaction.protocol.invalid``). A failed outcome is the
+    host's documented way to fail the call (``interaction.host.failed``) and is not checked."""
+    if status is not SettlementStatus.SUCCEEDED:
+        return
+    body = request.payload if isinstance(request.payload, dict) else {}
+    got = payload if isinstance(payload, dict) else None
+    if "model_call" in body:
+        result = got.get("model_result") if got is not None else None
+        if got is None or set(got) != {"model_result"} or not isinstance(result, dict) or not result.keys() <= {
+            "response", "replacement_messages"
+        }:
+            raise _refuse('a model call\'s outcome is {"model_result": {"response": {...}}} (with '
+                          '"replacement_messages" for a program that reduces its context): build it with '
+                          "settle_model_result")
+        effective = result.get("replacement_messages")
+        model_call = body["model_call"] if isinstance(body["model_call"], dict) else {}
+        if effective is None and isinstance(program.strategy, InteractionStrategy) and (
+            program.strategy.definition.context_policy is not None
+        ):
+            # No replacement recorded: the model received exactly the request's messages.
+            effective = (model_call.get("request") or {}).get("messages")
+        expected = settle_model_result(program, request, result.get("response"), effective)
+    elif "prepare_context" in body:
+        prepared = got.get("prepared_context") if got is not None else None
+        if got is None or set(got) != {"prepared_context"} or not isinstance(prepared, dict) or set(prepared) != {"messages"}:
+            raise _refuse('a context preparation\'s outcome is {"prepared_context": {"messages": [...]}}: build it '
+                          "with settle_prepared_context")
+        messages = prepared["messages"]
+        if not isinstance(messages, list):
+            raise _refuse("prepared_context.messages is a list of messages")
+        expected = settle_prepared_context(program, request, messages)
+    elif "tool_call" in body:
+        result = got.get("tool_result") if got is not None else None
+        if got is None or set(got) != {"tool_result"} or not isinstance(result, dict) or set(result) not in (
+            {"completion"}, {"input_request"}
+        ):
+            raise _refuse('a tool call\'s outcome is {"tool_result": {"completion": {"disposition": ..., "output": '
+                          '...}}}: build it with settle_tool_result')
+        if "input_request" in result:
+            try:
+                check_input_request(result["input_request"])
+            except ClassifiedError as exc:
+                raise _refuse(exc.failure.message) from exc
+            return
+        completion = result["completion"]
+        if not isinstance(completion, dict) or not completion.keys() <= {"disposition", "output", "advertised_tool_names"}:
+            raise _refuse("a tool call's completion holds disposition, output and advertised_tool_names only")
+        advertised = completion.get("advertised_tool_names") or []
+        if not isinstance(advertised, list) or not all(isinstance(name, str) for name in advertised):
+            raise _refuse("advertised_tool_names is a list of tool names")
+        disposition = completion.get("disposition")
+        if not isinstance(disposition, str):
+            raise _refuse(f"disposition must be one of {list(DISPOSITIONS)}")
+        expected = settle_tool_result(program, request, completion.get("output", {}), disposition, advertised)
+    else:
+        return
+    if expected.payload != payload:
+        raise _refuse("the outcome is not in the form the settle helpers build for it (settle_model_result, "
+                      "settle_tool_result, settle_prepared_context): build it with them")

@@ -1,0 +1,190 @@
+"""``Runtime.resolve_unknown_effect`` asks the Program whether it can use a host's outcome.
+
+The Python runtime is the lowest surface a host resolves an unknown Effect through. Before
+``Program.check_resolution``, it checked the kernel's rules only (a definite status, bounded
+JSON): a settlement built by hand for an Interaction's model call (``{"answer": 1}``), a tool
+output in a form the settle helpers would have rewritten, or a transform's output its schema
+refuses was recorded, and the run then failed for good on it. Each is now refused before
+anything is appended (the Effect stays unknown, the store does not move), and the outcome
+built with the settle helpers (what ``Host.resolve``, ``agentfold resolve`` and the HTTP API
+record) still completes the run. A ``failed`` outcome, the documented way for a host to fail
+the call, is not checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+from agentfold.adapters.models import ScriptedModel
+from agentfold.adapters.runtime import Runtime
+from agentfold.adapters.team import TransformConfig, transform
+from agentfold.adapters.tools import ToolInvocation, ToolOutput
+from agentfold.domain.errors import InvalidInput
+from agentfold.domain.ids import EffectID
+from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.program import Program
+from agentfold.domain.requests import Settlement, effect_request
+
+FINAL = {"finish_reason": "stop", "message": {"role": "assistant", "content": [{"type": "text", "text": "done"}]}}
+
+
+class FlakyLookup:
+    """A tool whose call raises an error that is no ToolFailure: its outcome is unknown."""
+
+    name = "lookup"
+    description = "Looks something up."
+    parameters: Any = {"type": "object"}
+
+    def call(self, invocation: ToolInvocation, arguments: Any) -> ToolOutput:
+        raise RuntimeError("the lookup service dropped the connection")
+
+
+class Crash(BaseException):
+    """Not an Exception: it escapes the transform's dispatcher, which leaves the call unknown."""
+
+
+def _crash(value: Any) -> Any:
+    raise Crash("the worker died")
+
+
+def model_program() -> Program:
+    return compile_interaction(InteractionConfig(
+        name="test.checked_model", model=ScriptedModel([{"error": "HTTP 502 from the provider"}, FINAL])))
+
+
+def tool_program() -> Program:
+    asks = {"finish_reason": "tool_calls", "message": {"role": "assistant", "tool_calls": [
+        {"id": "c1", "name": "lookup", "arguments": "{}"}]}}
+    return compile_interaction(InteractionConfig(
+        name="test.checked_tool", model=ScriptedModel([asks, FINAL]), tools=[FlakyLookup()]))
+
+
+def transform_program() -> Program:
+    return transform(TransformConfig("test.checked_transform", _crash, output_schema={"type": "integer"}))
+
+
+def _parked(runtime: Runtime, program: Program, value: Any) -> tuple[Any, EffectID]:
+    handle = runtime.start(program, value)
+    tree = runtime.wait_idle(handle.tree_id)
+    [effect] = list(tree.unknown_ids)
+    return handle, effect
+
+
+def _refused(runtime: Runtime, store: EventStore, handle: Any, effect: EffectID, settlement: Settlement,
+             code: str, words: str) -> None:
+    before = store.load(handle.tree_id).state.version
+    with pytest.raises(InvalidInput) as raised:
+        runtime.resolve_unknown_effect(effect, settlement)
+    assert raised.value.code == code, raised.value
+    assert words in raised.value.message, raised.value.message
+    after = store.load(handle.tree_id).state
+    assert after.version == before, "a refused outcome appended events"
+    assert effect in after.unknown_ids
+
+
+def _request(store: EventStore, handle: Any, program: Program, effect: EffectID) -> Any:
+    tree = store.load(handle.tree_id, Catalog([program]).resolve).state
+    found = tree.find_effect(effect)
+    assert found is not None
+    child = Catalog([program]).resolve(found[0].program)
+    assert child is not None
+    return child, effect_request(tree, found[0].process_id, effect, child)
+
+
+def test_a_hand_built_model_outcome_is_refused_and_the_helpers_one_completes_the_run(tmp_path: Path) -> None:
+    program = model_program()
+    store = EventStore(f"sqlite:///{tmp_path / 'model.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"answer": 1}),
+                     "interaction.settlement.invalid", '{"model_result": {"response"')
+            # The right envelope around a response the Interaction would fail the run on.
+            _refused(runtime, store, handle, effect,
+                     Settlement.succeeded({"model_result": {"response": {"finish_reason": "eos", "message": {
+                         "role": "assistant", "content": [{"type": "text", "text": "x"}]}}}}),
+                     "interaction.settlement.invalid", "unknown finish reason 'eos'")
+            owner, request = _request(store, handle, program, effect)
+            runtime.resolve_unknown_effect(effect, settle_model_result(owner, request, FINAL))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed", result
+    finally:
+        store.close()
+
+
+def test_a_tool_output_the_helpers_would_rewrite_is_refused_and_theirs_completes_the_run(tmp_path: Path) -> None:
+    program = tool_program()
+    store = EventStore(f"sqlite:///{tmp_path / 'tool.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
+            # Plain text where the stored form is a list of text parts: the round's end would read it wrong.
+            plain = {"tool_result": {"completion": {"disposition": "succeeded", "output": {"content": "found it"}}}}
+            _refused(runtime, store, handle, effect, Settlement.succeeded(plain),
+                     "interaction.settlement.invalid", "build it with them")
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"tool_result": {"completion": {
+                "disposition": "maybe", "output": {}}}}), "interaction.settlement.invalid", "disposition must be one of")
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"result": "found it"}),
+                     "interaction.settlement.invalid", '{"tool_result": {"completion"')
+            owner, request = _request(store, handle, program, effect)
+            runtime.resolve_unknown_effect(effect, settle_tool_result(owner, request, "found it"))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed", result
+    finally:
+        store.close()
+
+
+def test_a_failed_tool_outcome_is_the_hosts_to_give_and_fails_the_call(tmp_path: Path) -> None:
+    program = tool_program()
+    store = EventStore(f"sqlite:///{tmp_path / 'failed.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
+            runtime.resolve_unknown_effect(effect, Settlement.failed("the lookup was never made"))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "failed", result
+        assert "interaction.host.failed" in str(result.termination), result.termination
+    finally:
+        store.close()
+
+
+def test_a_transform_outcome_outside_its_output_schema_is_refused(tmp_path: Path) -> None:
+    program = transform_program()
+    store = EventStore(f"sqlite:///{tmp_path / 'transform.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, 20)
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"result": 40}),
+                     "engine.effect.settlement_invalid", 'a transform\'s outcome is {"output": ...}')
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": "forty"}),
+                     "engine.effect.settlement_invalid", "its output schema")
+            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed" and result.output == 40, result
+    finally:
+        store.close()
+
+
+def test_a_check_that_raises_refuses_the_outcome_and_records_nothing(tmp_path: Path) -> None:
+    def broken(program: Program, request: Any, status: Any, payload: Any) -> None:
+        raise KeyError("phase")
+
+    program = dataclasses.replace(transform_program(), check_resolution=broken)
+    store = EventStore(f"sqlite:///{tmp_path / 'broken.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, 20)
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                     "engine.effect.settlement_invalid", "KeyError")
+            # A failed outcome is the Program's check to refuse too.
+            _refused(runtime, store, handle, effect, Settlement.failed({"error": "it died"}),
+                     "engine.effect.settlement_invalid", "refused the outcome of effect")
+    finally:
+        store.close()
