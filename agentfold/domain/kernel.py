@@ -1133,9 +1133,10 @@ class Kernel:
         check = program.check_resolution if program is not None else None
         if program is None or check is None:
             return
-        request = effect_request(self.tree, process.process_id, effect_id, program)
         try:
-            check(program, request, status, payload)
+            # Inside: the request's expansion is the Program's code too. Raised from this
+            # owner's cycle, anything but an AgentfoldError would stop the owner line.
+            check(program, effect_request(self.tree, process.process_id, effect_id, program), status, payload)
         except AgentfoldError:
             raise
         except Exception as exc:
@@ -1143,7 +1144,8 @@ class Kernel:
                 "engine.effect.settlement_invalid",
                 f"the check of program {program.descriptor.name} refused the outcome of effect {effect_id}: "
                 f"{_raised(exc)}",
-                hint="resolve it with the deployment's own command or server (agentfold resolve)",
+                hint="build the outcome with the Program's settle helpers (agentfold resolve does); if the check "
+                "itself fails, fix the Program's check_resolution",
             ) from exc
 
 
