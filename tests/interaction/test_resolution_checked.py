@@ -188,3 +188,32 @@ def test_a_check_that_raises_refuses_the_outcome_and_records_nothing(tmp_path: P
                      "engine.effect.settlement_invalid", "refused the outcome of effect")
     finally:
         store.close()
+
+
+def test_a_request_that_cannot_be_rebuilt_refuses_the_outcome_and_the_owner_goes_on(tmp_path: Path) -> None:
+    """The check runs on the request the dispatcher got, rebuilt by the Program's
+    ``expand_request``: when that raises, the outcome is refused; the owner of the run is not
+    stopped by it (it was: the resolution's error reached the owner's cycle)."""
+    from agentfold.domain.workflow import expand_transform_request
+
+    broken = {"on": True}
+
+    def expand(state: Any, payload: Any) -> Any:
+        if broken["on"]:
+            raise LookupError("the input's blob store is unreachable")
+        return expand_transform_request(state, payload)
+
+    program = dataclasses.replace(transform(TransformConfig("test.checked_expand", lambda v: v * 2)),
+                                  expand_request=expand)
+    store = EventStore(f"sqlite:///{tmp_path / 'expand.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, 20)  # the request could not be built: unknown
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                     "engine.effect.settlement_invalid", "LookupError")
+            broken["on"] = False
+            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed" and result.output == 40, result
+    finally:
+        store.close()
