@@ -112,3 +112,79 @@ def test_a_store_runtime_catalog_or_host_built_with_wrong_arguments_is_refused(
             assert runtime.start(chain_program(), {"n": 1}, start_id="fine").result(timeout=30).status == "completed"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("quota", [5, "5", None, {"maximum": 5}])
+def test_a_budget_of_plain_numbers_is_refused_when_built(quota: Any) -> None:
+    """``Budget(steps=5)`` was taken, and the start failed with a bare AttributeError
+    ('int' object has no attribute 'allows') at the first Step's budget check."""
+    with pytest.raises(InvalidInput) as refused:
+        Budget(steps=quota)
+    assert refused.value.code == "budget.invalid"
+    assert "steps is a Quota" in refused.value.message and "Budget.of(steps=5)" in refused.value.hint
+    assert Budget.of(steps=5) == Budget(steps=Quota(5))
+
+
+@pytest.mark.parametrize(("call", "argument"), [
+    ("wait_idle", None), ("wait_idle", -1), ("wait_idle", float("nan")), ("wait_idle", float("inf")),
+    ("wait_idle", True), ("wait_idle", "1"), ("result", "1"), ("result", float("inf")), ("result", -5),
+    ("wait_quiet", None), ("horizon", "x"),
+])
+def test_a_wait_bound_that_is_no_number_of_seconds_is_refused(tmp_path: Path, call: str, argument: Any) -> None:
+    """A parked run waited for with a bound of the wrong type raised a bare TypeError,
+    ValueError or OverflowError; ``True`` was one second, and a negative bound on a busy run
+    waited for good."""
+    store = EventStore(f"sqlite:///{tmp_path / 'waits.db'}")
+    program = asker_program()
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, {"n": 1}, start_id="parked")
+            runtime.wait_idle(run.tree_id)
+            with pytest.raises(InvalidInput) as refused:
+                if call == "horizon":
+                    runtime.wait_idle(run.tree_id, 1, horizon=argument)
+                elif call == "wait_quiet":
+                    runtime.wait_quiet(run.tree_id, argument)
+                else:
+                    getattr(runtime, call)(run.tree_id, argument)
+            assert refused.value.code == "runtime.invalid", refused.value
+            assert repr(argument)[:3] in refused.value.message and refused.value.hint
+            assert runtime.wait_idle(run.tree_id, 5).classification() == "parked"
+    finally:
+        store.close()
+
+
+def test_drain_and_close_refuse_a_bound_that_is_no_number_before_they_change_anything(tmp_path: Path) -> None:
+    """``drain(None)`` raised a TypeError after it had stopped dispatching: a run started
+    afterwards never made its first call."""
+    store = EventStore(f"sqlite:///{tmp_path / 'drain.db'}")
+    program = chain_program(name="test.drain_arguments")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            for bad in (None, "5", float("nan")):
+                with pytest.raises(InvalidInput) as refused:
+                    runtime.drain(bad)  # type: ignore[arg-type]
+                assert refused.value.code == "runtime.invalid"
+                with pytest.raises(InvalidInput):
+                    runtime.close(bad)  # type: ignore[arg-type]
+            run = runtime.start(program, {"n": 3}, start_id="after")
+            assert run.result(timeout=30).status == "completed"
+    finally:
+        store.close()
+
+
+def test_a_host_with_sources_of_the_wrong_type_and_gates_of_no_text_are_refused(tmp_path: Path) -> None:
+    store = EventStore(f"sqlite:///{tmp_path / 'host.db'}")
+    try:
+        with Runtime(store) as runtime:
+            for sources in ("x", [1], {"programs": ()}):
+                with pytest.raises(InvalidInput) as refused:
+                    Host(runtime, sources=sources)  # type: ignore[arg-type]
+                assert refused.value.code == "runtime.invalid" and "ProgramSources" in refused.value.message
+            for tree in (None, 5, b"p10"):
+                with pytest.raises(InvalidInput) as refused:
+                    Host(runtime).gates(tree)  # type: ignore[arg-type]
+                # as host.run(None): the run's name is no text (it was "no tree 'None'")
+                assert refused.value.code == "identity.invalid", refused.value
+    finally:
+        store.close()

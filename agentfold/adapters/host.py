@@ -41,7 +41,8 @@ from agentfold.projections.read_models import Entry
 
 RESOLUTION_HINT = (
     'the entry\'s "kind" in Host.unknown() says what to give: a "tool" call output= (and disposition= '
-    '"succeeded", "failed" or "rejected"), a "model" call model_response=, any other effect output= '
+    '"succeeded", "failed" or "rejected"), a "model" call model_response=, a "context" preparation output= '
+    '(the list of prepared messages), any other effect output= '
     '(and status= "succeeded" or "failed")'
 )
 """What a refused :meth:`Host.resolve` is told to give instead (``host.resolution_invalid``)."""
@@ -240,6 +241,12 @@ class Host:
                 hint="pass Runtime(EventStore(url), Catalog([...])) (agentfold.adapters.runtime); "
                 "a host that only reads can use HostQueries",
             )
+        if sources is not None and not isinstance(sources, ProgramSources):
+            raise InvalidInput(
+                "runtime.invalid", f"a Host's sources are ProgramSources, not {type(sources).__name__}",
+                hint="pass ProgramSources(programs=(program, ...)) (agentfold.adapters.sources), or bind the "
+                "Programs in the Runtime's Catalog",
+            )
         self.runtime = runtime
         if sources is not None:
             for program in sources.programs:
@@ -373,7 +380,7 @@ class Host:
         answer (:meth:`answer_gate`): ``process_id``, ``wait_id``, ``request``, ``answer_schema``,
         ``parent_id`` and ``task`` (the gate's key under its collaboration). docs/team.md."""
         queries = self.queries()
-        return queries.gates(queries.tree_of(str(tree)))
+        return queries.gates(queries.tree_of(tree))
 
     def answer_gate(
         self, process_id: ProcessID | str, wait_id: WaitID | str, answer: JSON, *, signal_id: str | None = None

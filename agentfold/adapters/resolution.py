@@ -18,7 +18,7 @@ from typing import Any
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import NotFound, bounded_text
 from agentfold.domain.ids import EffectID
-from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
+from agentfold.domain.interaction.settle import settle_model_result, settle_prepared_context, settle_tool_result
 from agentfold.domain.json_schema import schema_errors
 from agentfold.domain.kernel import resolvable
 from agentfold.domain.program import ProgramResolver
@@ -67,6 +67,7 @@ def settlement_for(
     payload = request.payload if request is not None else None
     is_tool = isinstance(payload, dict) and "tool_call" in payload
     is_model = isinstance(payload, dict) and "model_call" in payload
+    is_context = isinstance(payload, dict) and "prepare_context" in payload
     if effective_messages is not ABSENT and model_response is ABSENT:
         raise usage(f"{name('effective_messages')} goes with {name('model_response')} (a model call)")
     if model_response is not ABSENT:
@@ -101,6 +102,21 @@ def settlement_for(
         raise usage(f"give {name('output')} (or {name('model_response')} for a model call)")
     if is_model:
         raise wrong_kind(f"effect {effect_id} is a model call; give {name('model_response')}")
+    if is_context and program is not None and request is not None and status != "failed":
+        # The messages the context processor produced: a list of messages, {"messages": [...]}
+        # or the settlement's own form {"prepared_context": {"messages": [...]}}, written as the
+        # helper writes them (settle_prepared_context), as a live dispatcher's.
+        if disposition is not None:
+            raise usage(f"{name('disposition')} applies to tool calls only; use {name('status')}")
+        messages = output
+        if isinstance(messages, dict) and set(messages) == {"prepared_context"}:
+            messages = messages["prepared_context"]
+        if isinstance(messages, dict) and set(messages) == {"messages"}:
+            messages = messages["messages"]
+        if not isinstance(messages, list):
+            raise usage(f"a context preparation is resolved with {name('output')}: the list of messages the "
+                        "context processor prepared (or {\"messages\": [...]})")
+        return settle_prepared_context(program, request, messages)
     if is_tool and program is not None and request is not None:
         # A tool call's outcome is its disposition; a status would silently be ignored.
         if status is not None:

@@ -1362,6 +1362,24 @@ def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
 # The Runtime
 
 
+def _seconds_argument(value: Any, what: str, *, none: bool = False, negative: bool = False) -> None:
+    """Refuse a wait's bound that is no finite number of seconds (``runtime.invalid``) before
+    anything changes: ``None`` only where it means no bound (``none``), below 0 only where it
+    means "do not wait" (``negative``). Else a bare TypeError, ValueError or OverflowError came
+    from inside, a negative one waited for good in ``Condition.acquire``, ``True`` was 1 s."""
+    if value is None and none:
+        return
+    if (
+        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+        or (value < 0 and not negative)
+    ):
+        raise InvalidInput(
+            "runtime.invalid", f"{what} is a number of seconds"
+            + (" from 0" if not negative else "") + f", not {brief_repr(value)}",
+            hint="None waits without a bound" if none else "pass a finite number, e.g. 30",
+        )
+
+
 def _check_settings(store: Any, catalog: Any, *, dispatch_workers: Any, owner_workers: Any, snapshot_every: Any,
                     poll_interval: Any, cancel_grace: Any, adopt_orphans_every: Any) -> None:
     """Refuse a Runtime built with arguments it cannot run with (``runtime.invalid``), before it
@@ -2206,8 +2224,13 @@ class Runtime:
     ) -> None:
         """Settle an unknown Effect with the definite outcome a host established."""
         eid = parse_effect_id(effect_id)
-        if not isinstance(settlement, Settlement) or not settlement.status.definite:
-            raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement")
+        if (
+            not isinstance(settlement, Settlement)
+            or not isinstance(settlement.status, SettlementStatus)  # Settlement("succeeded", ...) built by hand
+            or not settlement.status.definite
+        ):
+            raise InvalidInput("engine.effect.settlement_invalid", "a resolution must be a succeeded or failed Settlement",
+                               hint="build it with Settlement.succeeded(payload) or Settlement.failed(payload)")
         self._not_replaying(eid)
         tree_id = self._tree_of_effect(eid, process_id)
         pid = ProcessID(process_id) if process_id is not None else None
@@ -2336,6 +2359,7 @@ class Runtime:
         ``tree``: a TreeID, or a tree id, start id or process id in text. A run this runtime
         does not drive is waited for in the store (another runtime drives it). Once this
         runtime is closed, a run that has not finished is ``engine.runtime.closed``."""
+        _seconds_argument(timeout, "result's timeout", none=True)
         tree_id = self._tree_ref(tree)
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -2397,6 +2421,11 @@ class Runtime:
         ``horizon`` (a ``time.monotonic()`` instant) when it waits in slices of ``timeout``: the
         timers due before the horizon are then waited for, slice after slice.
         """
+        _seconds_argument(timeout, "wait_idle's timeout")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int | float)
+                                    or not math.isfinite(horizon)):
+            raise InvalidInput("runtime.invalid", f"wait_idle's horizon is a time.monotonic() instant, not "
+                               f"{brief_repr(horizon)}", hint="pass time.monotonic() + seconds, or None")
         tree_id = self._tree_ref(tree)
         deadline = time.monotonic() + timeout
         driver = self._drivers.get(tree_id) or self._taken_over_for_input(tree_id, deadline)
@@ -2805,6 +2834,7 @@ class Runtime:
         for: it cannot return within the grace, and nothing of it is lost. True when nothing
         else is left in flight.
         """
+        _seconds_argument(timeout, "drain's timeout", negative=True)  # before it stops dispatching
         self.stop_dispatching()
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
@@ -2936,6 +2966,7 @@ class Runtime:
         ``engine.runtime.busy`` and the runtime takes no new work; call close again once
         the store call has returned or failed.
         """
+        _seconds_argument(timeout, "close's timeout", negative=True)  # before anything closes
         if self._shut:
             return
         self._closed = True

@@ -57,6 +57,16 @@ class Budget:
     effects: Quota = UNLIMITED
     signals: Quota = UNLIMITED
 
+    def __post_init__(self) -> None:
+        for name in ("steps", "effects", "signals"):
+            value = getattr(self, name)
+            if not isinstance(value, Quota):
+                # Budget(steps=5) read its quota's .allows only at the first Step: an AttributeError then.
+                raise InvalidInput(
+                    "budget.invalid", f"a Budget's {name} is a Quota, not {type(value).__name__} {value!r:.80}",
+                    hint=f"pass Budget({name}=Quota(5)), or Budget.of({name}=5); a Quota() is unlimited",
+                )
+
     def to_json(self) -> dict[str, dict[str, int | None]]:
         return {"steps": self.steps.to_json(), "effects": self.effects.to_json(), "signals": self.signals.to_json()}
 

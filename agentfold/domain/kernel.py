@@ -1139,7 +1139,8 @@ class Kernel:
             check(program, effect_request(self.tree, process.process_id, effect_id, program), status, payload)
         except AgentfoldError:
             raise
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the Program's own code (a Ctrl-C on the operator's thread passes)
+            self._passed_on(exc)
             raise InvalidInput(
                 "engine.effect.settlement_invalid",
                 f"the check of program {program.descriptor.name} refused the outcome of effect {effect_id}: "

@@ -27,6 +27,7 @@ from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.team import TransformConfig, transform
 from agentfold.adapters.tools import ToolInvocation, ToolOutput
 from agentfold.domain.errors import InvalidInput
+from agentfold.domain.events import EffectResolved
 from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_model_result, settle_tool_result
 from agentfold.domain.program import Program
@@ -212,6 +213,85 @@ def test_a_request_that_cannot_be_rebuilt_refuses_the_outcome_and_the_owner_goes
             _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
                      "engine.effect.settlement_invalid", "LookupError")
             broken["on"] = False
+            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed" and result.output == 40, result
+    finally:
+        store.close()
+
+
+class DownSummarizer:
+    """A context processor whose preparation raises: its outcome is unknown (kind ``context``)."""
+
+    def prepare_context(self, request: Any) -> Any:
+        raise RuntimeError("the summarizer is down")
+
+
+@pytest.mark.parametrize("given", [
+    [{"role": "user", "content": "hi (summarized)"}],
+    {"messages": [{"role": "user", "content": "hi (summarized)"}]},
+    {"prepared_context": {"messages": [{"role": "user", "content": "hi (summarized)"}]}},
+], ids=["a-list", "messages", "the-settlement"])
+def test_a_context_preparation_is_resolved_with_the_prepared_messages(tmp_path: Path, given: Any) -> None:
+    """``Host.resolve`` (as ``agentfold resolve`` and the HTTP API) builds a context
+    preparation's outcome with ``settle_prepared_context``: the messages are stored as the
+    helper writes them, and the check does not refuse them (it did, for text content)."""
+    from agentfold.adapters.host import Host
+
+    program = compile_interaction(InteractionConfig(
+        name="test.checked_context", model=ScriptedModel([FINAL]), context_processor=DownSummarizer(),
+        max_model_calls=2))
+    store = EventStore(f"sqlite:///{tmp_path / 'context.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
+            [entry] = host.unknown(str(handle.tree_id))
+            assert entry["kind"] == "context", entry
+            with pytest.raises(InvalidInput) as raised:
+                host.resolve(effect, output="hi (summarized)")
+            assert raised.value.code == "host.resolution_invalid", raised.value
+            assert "list of messages" in raised.value.message, raised.value.message
+            host.resolve(effect, output=given)
+            result = runtime.result(handle.tree_id, timeout=30)
+        assert result.status == "completed", result
+        [resolved] = [r.event for r in store.read(handle.tree_id)
+                      if isinstance(r.event, EffectResolved) and r.event.effect_id == effect]
+        assert resolved.payload == {"prepared_context": {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi (summarized)"}]}]}}, resolved.payload
+    finally:
+        store.close()
+
+
+def test_a_settlement_built_with_a_status_that_is_text_is_refused(tmp_path: Path) -> None:
+    program = transform_program()
+    store = EventStore(f"sqlite:///{tmp_path / 'status.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, 20)
+            # Settlement("succeeded", ...) raised a bare AttributeError ('str' object has no attribute 'definite').
+            _refused(runtime, store, handle, effect, Settlement("succeeded", {"output": 40}),  # type: ignore[arg-type]
+                     "engine.effect.settlement_invalid", "a succeeded or failed Settlement")
+    finally:
+        store.close()
+
+
+def test_a_check_that_raises_system_exit_refuses_and_the_owner_goes_on(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def exits(program: Program, request: Any, status: Any, payload: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise SystemExit(3)
+
+    program = dataclasses.replace(transform_program(), check_resolution=exits)
+    store = EventStore(f"sqlite:///{tmp_path / 'exit.db'}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle, effect = _parked(runtime, program, 20)
+            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                     "engine.effect.settlement_invalid", "SystemExit")
+            assert runtime.owns(handle.tree_id)  # the owner did not stop (it did: engine.runtime.failed)
             runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
             result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed" and result.output == 40, result

@@ -23,7 +23,11 @@ DISPOSITIONS = ("succeeded", "failed", "rejected")
 
 
 def _refuse(message: str) -> InvalidInput:
-    return InvalidInput("interaction.settlement.invalid", message)
+    return InvalidInput(
+        "interaction.settlement.invalid", message,
+        hint="a tool call is resolved with its output (and disposition), a model call with the model's response, "
+        "a context preparation with the prepared messages (`agentfold unknown` says which; docs/interaction.md#recovery)",
+    )
 
 
 def _check_program(program: Program, request: EffectRequest) -> None:
