@@ -1936,3 +1936,151 @@ def test_effect_framework_two_waits_of_one_step_never_share_a_key() -> None:
     events = [started(), step(1, effects=2), declared(1, 0, target="framework", payload=wait_payload()), second]
     assert_corrupt(events, second, "effect.framework")
     fold_tree([*events[:3], declared(1, 1, target="framework", payload=wait_payload("other"))])  # two keys: valid
+
+
+# ---------------------------------------------------------------------------
+# Histories the kernel never writes (second review of crafted histories): each refused with
+# its rule, the same way from a storage snapshot of the valid prefix (which holds the folded
+# state every rule reads), while what the kernel, or a release whose stores this one reads,
+# writes still folds.
+
+
+def assert_corrupt_from_snapshot(events: Sequence[TreeEvent], bad: TreeEvent, rule: str) -> None:
+    """``assert_corrupt``, and the same refusal when the prefix is loaded from a snapshot."""
+    assert_corrupt(events, bad, rule)
+    index = next(i for i, e in enumerate(events) if e is bad)
+    prefix = fold_tree(events[:index])
+    for loaded in (prefix, TreeState.from_json(prefix.to_json(compact=True))):
+        with pytest.raises(FoldError) as caught:
+            loaded.apply(bad)
+        assert (caught.value.rule, caught.value.position) == (rule, index + 1), str(caught.value)
+
+
+def test_child_parent_state_a_paused_parent_starts_no_child() -> None:
+    # The kernel carries out a start only for a running parent: a paused one's waits for its resume.
+    base = with_child()
+    events = insert(base, 3, control("pause", "hold"))
+    assert_corrupt_from_snapshot(events, events[4], "child.parent_state")
+    resumed = fold_tree([*base[:3], control("pause", "hold"), control("resume", ""), *base[3:]])
+    assert resumed.processes[CHILD].terminal  # started after the resume: valid
+
+
+CANCEL_KID = {"operation": "cancel_child", "child": str(CHILD), "reason": "enough"}
+
+
+@pytest.mark.parametrize(
+    ("blocker", "bad", "index"),
+    [
+        (control("pause", "hold"), child_settled(), 3),  # a failed start of a paused parent
+        (control("cancel"), child_settled(), 3),  # a failed start of a terminating parent
+        (control("pause", "hold"), settled(2, 1, att=None, payload={"child": str(CHILD)}), 10),
+        (control("kill"), settled(2, 1, att=None, payload={"child": str(CHILD)}), 10),
+        (control("pause", "hold"), settled(2, 0, "failed", att=None, payload={
+            "child": str(CHILD), "signal_id": "hello", "failure": BOOM.to_json()}), 7),  # a refused signal
+    ],
+    ids=["start-paused", "start-terminating", "cancel-receipt-paused", "cancel-receipt-killed", "signal-receipt-paused"],
+)
+def test_settlement_process_state_a_framework_effect_settles_only_for_a_running_process(
+    blocker: ControlRequested, bad: EffectSettled, index: int
+) -> None:
+    # The kernel carries out a framework Effect only for a running Process without a terminal
+    # intent (a killed one ends at once, its planned Effects never settle).
+    base = failed_child_start() if index == 3 else commanding()
+    events = [*base[:index], blocker, bad]
+    assert_corrupt_from_snapshot(events, bad, "settlement.process_state")
+
+
+@pytest.mark.parametrize(
+    ("blocker", "bad", "rule"),
+    [
+        (control("pause", "hold"), admitted("hello", {"text": "hi"}, pid=CHILD, source="parent"), "signal.source"),
+        (control("kill"), admitted("hello", {"text": "hi"}, pid=CHILD, source="parent"), "signal.source"),
+        (control("pause", "hold"), control("cancel", "enough", owner="parent", pid=CHILD), "control.owner"),
+    ],
+    ids=["signal-paused", "signal-killed", "cancel-paused"],
+)
+def test_parent_input_comes_only_from_a_running_parents_frontier_effect(
+    blocker: ControlRequested, bad: TreeEvent, rule: str
+) -> None:
+    events = commanding()
+    at = 7 if rule == "signal.source" else 9
+    forged = [*events[:at], blocker, bad] if rule == "signal.source" else [*events[:8], settled(
+        2, 0, att=None, payload={"child": str(CHILD), "signal_id": "hello"}), blocker, bad]
+    assert_corrupt_from_snapshot(forged, bad, rule)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "unresolved"),
+    [
+        ([started(), step(1, effects=1), declared(1)], ()),  # a planned batch
+        ([*one_effect()[:4], settled(1, status="unknown")], (eid(1),)),  # an unknown frontier
+        ([started(), control("pause", "hold")], ()),
+        (waiting()[:4], ()),
+    ],
+    ids=["planned-batch", "unknown-frontier", "paused", "waiting"],
+)
+def test_terminal_failure_state_a_failure_without_intent_ends_only_a_process_that_could_step(
+    prefix: list[TreeEvent], unresolved: tuple[EffectID, ...]
+) -> None:
+    # A failure without an intent is a Step's (refused, or a fail Step): the kernel runs a Step
+    # only for a running Process with no batch outstanding; in these states it writes nothing
+    # (parked) or settles, dispatches, starts.
+    bad = terminated("failed", "execution_failure", failure=BOOM, unresolved=unresolved)
+    assert_corrupt_from_snapshot([*prefix, bad], bad, "terminal.failure_state")
+    fold_tree([started(), terminated("failed", "execution_failure", failure=BOOM)])  # a refused first Step
+
+
+@pytest.mark.parametrize("kind", ["cancel", "kill", "deadline", "pause"])
+@pytest.mark.parametrize("reason", ["", " \t\n"])
+def test_control_reason_every_control_but_resume_has_a_reason(kind: str, reason: str) -> None:
+    # The kernel checks every reason it records (check_reason: non-empty once trimmed).
+    bad = control(kind, reason)
+    assert_corrupt_from_snapshot([started(), bad], bad, "control.reason")
+    fold_tree([started(), control("pause", "hold"), control("resume", "")])  # a resume needs none
+
+
+def test_step_transition_a_pause_steps_reason_is_not_blank() -> None:
+    bad = step(1, "pause", reason="   ")
+    assert_corrupt_from_snapshot([started(), bad], bad, "step.transition")
+
+
+@pytest.mark.parametrize("reason", ["", "  "])
+def test_effect_framework_a_cancel_child_reason_is_not_blank(reason: str) -> None:
+    # Refused where it is declared: settling it would record a cancel without a reason.
+    bad = declared(2, target="framework", payload={**CANCEL_KID, "reason": reason})
+    events = [*with_child()[:4], step(2, consumed=1, effects=1), bad]
+    assert_corrupt(events, bad, "effect.framework")
+
+
+@pytest.mark.parametrize("kind", ["", "Round.Complete", "9th", "round complete", "é"])
+def test_checkpoint_kind_a_checkpoint_kind_is_a_qualified_name(kind: str) -> None:
+    bad = CheckpointCommitted(process_id=ROOT, step=1, kind=kind)
+    assert_corrupt([started(), step(1, "checkpoint"), bad], bad, "checkpoint.kind")
+
+
+@pytest.mark.parametrize("att", [2, None], ids=["another-attempt", "no-attempt"])
+def test_settlement_attempt_an_unknown_names_the_attempt_in_flight(att: int | None) -> None:
+    bad = settled(1, status="unknown", att=att)
+    assert_corrupt_from_snapshot([*one_effect()[:4], bad], bad, "settlement.attempt")
+    # Recovery's unknown names the previous writer's attempt: valid.
+    fold_tree([*one_effect()[:4], activated(INC2, INC1), settled(1, status="unknown", att=1)])
+
+
+def test_histories_earlier_releases_wrote_still_fold() -> None:
+    # Releases before 2026-12-01 let a child go on (step, call out, have an unknown resolved by a
+    # host: before 2026-12-03) while its parent had a terminal intent; releases before 2026-12-03
+    # let a Step reserve settlements past max_pending_signals. This release reads their stores.
+    child_calls = [
+        *ending_with_a_call_in_flight("kill"),
+        step(1, effects=1, pid=CHILD),
+        declared(1, pid=CHILD),
+        dispatched(1, pid=CHILD),
+        settled(1, status="unknown", pid=CHILD),
+        resolved(1, pid=CHILD),
+        settled(2),
+        terminated("killed", "engine_kill"),
+    ]
+    assert fold_tree(child_calls).processes[CHILD].terminal_intent == "cancel"
+    bound = TreeLimits(max_pending_signals=1)
+    overreserved = fold_tree([started(limits=bound), step(1, effects=2), declared(1, 0), declared(1, 1)])
+    assert overreserved.root.reserved_signals == 2

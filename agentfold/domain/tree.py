@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from agentfold.domain.budget import Allocation, Budget, child_debit
 from agentfold.domain.canonical import JSON, digest_of, value_at
-from agentfold.domain.errors import Failure, FailureKind, recorded_text
+from agentfold.domain.errors import Failure, FailureKind, recorded_text, valid_qualified_name
 from agentfold.domain.events import (
     CheckpointCommitted,
     ControlRequested,
@@ -483,9 +483,10 @@ _MISSING: Any = object()
 
 
 def _text(value: Any) -> None:
-    """A stored cancel reason is text (earlier releases checked reasons less than Steps do now)."""
-    if not isinstance(value, str):
-        raise ValueError("a cancel_child reason is text")
+    """A stored cancel reason is text, not only whitespace (earlier releases checked reasons
+    less than Steps do now: a lone surrogate or more than 4096 bytes, never a blank one)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"a cancel_child reason is non-empty text, not {value!r}")
 
 
 #: What must follow a Step, by what the fold expects next: (the rule, what is missing).
@@ -773,6 +774,10 @@ class TreeState:
             raise self.fail(pos, "child.start_effect", f"start-child effect {record.effect_id} was already settled")
         if parent.terminal or parent.terminal_intent is not None:
             raise self.fail(pos, "child.parent_state", f"parent {parent.process_id} is terminal or terminating")
+        if parent.status != "running":
+            # The kernel settles a framework Effect only for a running Process (a paused one's
+            # start waits for its resume).
+            raise self.fail(pos, "child.parent_state", f"parent {parent.process_id} is {parent.status}")
         if e.process_id != child_process_id(e.start_effect_id):
             raise self.fail(pos, "child.identity", f"child id {e.process_id} is not derived from its start effect")
         if e.process_id in self.processes:
@@ -920,8 +925,9 @@ class TreeState:
             raise self.fail(pos, "budget.steps", f"step {e.step} exceeds the steps budget of {e.process_id}")
         if e.effects and e.kind != "continue":
             raise self.fail(pos, "step.effects", "only a continue transition may declare effects")
-        if e.kind == "pause" and not e.reason:
-            raise self.fail(pos, "step.transition", "a pause transition needs a reason")
+        if e.kind == "pause" and not (e.reason or "").strip():
+            # The kernel's Step check (check_reason) refuses a blank reason.
+            raise self.fail(pos, "step.transition", f"a pause transition needs a reason, not {e.reason!r}")
         # Consume the window prefix.
         start = process.cursor
         consumed_records = process.mailbox[start : start + e.consumed]
@@ -1109,12 +1115,24 @@ class TreeState:
                     )
             elif e.diagnostic is None:
                 raise self.fail(pos, "settlement.diagnostic", "an unknown settlement needs a diagnostic")
+            elif e.attempt_id != record.attempt_id:
+                # The kernel records unknown only the attempt in flight (its dispatcher's outcome,
+                # or recovery's decision about it), never another one.
+                raise self.fail(
+                    pos, "settlement.attempt",
+                    f"an unknown settlement names attempt {e.attempt_id}, the attempt in flight is {record.attempt_id}",
+                )
         else:
             if not status.definite:
                 raise self.fail(pos, "settlement.framework", "a framework effect always settles definitely")
             if process.terminal:
                 raise self.fail(pos, "settlement.process_terminal", f"process {e.process_id} is terminal")
             self._check_framework_settlement(pos, process, record, e)
+            if process.status != "running" or process.terminal_intent is not None:
+                # The kernel carries out a framework Effect only for a running Process without a
+                # terminal intent: a paused one's waits for its resume, a terminating one's never.
+                state = f"{process.terminal_intent} requested" if process.terminal_intent else process.status
+                raise self.fail(pos, "settlement.process_state", f"process {e.process_id} is {state}")
         if status.definite and process.terminal:
             raise self.fail(pos, "settlement.process_terminal", f"process {e.process_id} is terminal")
         record.phase = "settled"
@@ -1291,6 +1309,9 @@ class TreeState:
     def _on_checkpoint(self, pos: int, e: CheckpointCommitted, _: Any) -> None:
         if self._expect != ("checkpoint", e.process_id, e.step, 0):
             raise self.fail(pos, "checkpoint.pairing", "CheckpointCommitted must follow its checkpoint step")
+        if not valid_qualified_name(e.kind):
+            # The kernel's Step check refuses such a kind (engine.transition.invalid).
+            raise self.fail(pos, "checkpoint.kind", f"checkpoint kind {e.kind[:80]!r} is not a qualified name")
         self._expect = None
 
     # ControlRequested -------------------------------------------------------
@@ -1315,11 +1336,13 @@ class TreeState:
                 if e.control != "cancel":
                     raise self.fail(pos, "control.owner", f"a parent only cancels its children, not {e.control}")
                 self._check_parent_command(pos, process, Operation.CANCEL_CHILD, "control.owner")
+        if e.control != "resume" and not e.reason.strip():
+            # Every reason the kernel records is checked non-blank (check_reason), a parent's too:
+            # the end it gives its children, its cancel_child's reason (effect.framework).
+            raise self.fail(pos, "control.reason", f"a {e.control} needs a reason, not {e.reason!r}")
         if e.control == "pause":
             if process.status not in ("running", "waiting") or process.terminal_intent is not None:
                 raise self.fail(pos, "control.pause_state", f"cannot pause a {process.status} process")
-            if not e.reason:
-                raise self.fail(pos, "control.reason", "a pause needs a reason")
             process.status = "paused"
             process.pause_reason = e.reason
         elif e.control == "resume":
@@ -1378,6 +1401,13 @@ class TreeState:
                 raise self.fail(pos, "terminal.failure", "a failure cause needs a failure of the matching kind")
             if after_step and process.last_kind != "fail":
                 raise self.fail(pos, "terminal.priority", "a complete step must end completed")
+            if process.status != "running" or process.batch:
+                # A failure without an intent is a Step's (refused, or a fail Step), and the kernel
+                # runs a Step only for a running Process with no batch outstanding: one with a
+                # planned or unknown Effect at its frontier, waiting or paused, is not failed.
+                state = "a batch outstanding" if process.batch else process.status
+                raise self.fail(pos, "terminal.failure_state",
+                                f"process {e.process_id} ends {e.status} without an intent while {state}")
         output = e.output
         if e.output_of is not None:
             output = self._output_of(pos, e, after_step)
@@ -1448,6 +1478,12 @@ class TreeState:
             )
         if not ok:
             raise self.fail(pos, rule, f"no frontier {op.value} effect of the parent of {child.process_id} matches")
+        assert parent is not None
+        if parent.status != "running" or parent.terminal_intent is not None:
+            # The kernel carries out a parent's framework Effect only while it runs without a
+            # terminal intent (a paused parent's waits for its resume, a terminating one's never).
+            state = f"{parent.terminal_intent} requested" if parent.terminal_intent else parent.status
+            raise self.fail(pos, rule, f"the parent of {child.process_id} is {state}: its {op.value} is not carried out")
 
     def _notify_waiters(self, process: ProcessState) -> None:
         """After ``process`` ended: check its ancestors' open child waits, nearest first.
