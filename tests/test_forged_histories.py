@@ -144,3 +144,31 @@ def test_a_timer_its_program_no_longer_replays_is_not_waited_for(tmp_path: Path)
             POLICY["replay"] = "same_identity"
     finally:
         store.close()
+
+
+def test_a_count_forged_as_true_or_text_is_refused_at_import(tmp_path: Path) -> None:
+    # pydantic's lax mode read `"step": true` (or "1", or 1.0) as 1: a history the kernel never
+    # wrote imported and folded. The kernel's counts are stored as whole numbers only.
+    source = f"sqlite:///{tmp_path / 'source.db'}"
+    log = tmp_path / "side-effects.jsonl"
+    start_crashing_run(source, log, start_id="order-1", point="in-dispatch:1")
+    exported = tmp_path / "order-1.jsonl"
+    ok(agentfold("export", "order-1", "--out", str(exported), store=source))
+    for topic, field, value in (("StepCommitted", "step", True), ("EffectDeclared", "index", "0"),
+                                ("StepCommitted", "effects", 1.0)):
+        forged = tmp_path / f"forged-{field}.jsonl"
+        edited: list[int] = []
+
+        def edit(position: int, event_topic: str, body: dict[str, Any], topic: str = topic, field: str = field,
+                 value: Any = value, edited: list[int] = edited) -> None:
+            if event_topic.endswith(":" + topic) and body.get(field) in (0, 1) and not edited:
+                body[field] = value
+                edited.append(position)
+
+        rewrite(exported, forged, edit)
+        assert edited, (topic, field)
+        target = f"sqlite:///{tmp_path / f'target-{field}.db'}"
+        ran = agentfold("import", str(forged), "--json", store=target)
+        assert ran.code != 0, (topic, field, ran.stdout)
+        assert "stream.event_invalid" in ran.stdout + ran.stderr, (topic, field, ran.stdout, ran.stderr)
+        assert f"position {edited[0]}" in ran.stdout + ran.stderr, (edited, ran.stdout, ran.stderr)

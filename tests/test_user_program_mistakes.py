@@ -106,6 +106,9 @@ MISTAKES: dict[str, tuple[Decide, Any, str, str, str]] = {
     "a policy function that raises": (
         lambda s, w: Step(len(w), Continue((dispatcher_effect({"charge": 2}),)), {"n": 2}),
         _policy_raising, "execution.effect.invalid", "contract", "policy for effect 0 failed: KeyError"),
+    "a consumed count that is True (it was stored as true)": (
+        lambda s, w: Step(True, Continue((dispatcher_effect({"charge": 2}),)), {"n": 2}),
+        None, "execution.transition.invalid", "contract", "consumed True of a window of 1"),
     "a wait id that is no text": (
         lambda s, w: Step(len(w), Wait({"id": 1}), {"n": 2}),  # type: ignore[arg-type]
         None, "execution.transition.invalid", "contract", "the Step cannot be checked: TypeError"),

@@ -16,9 +16,9 @@ a parent delivers with ``signal_child``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Strict
 
 from agentfold.domain.budget import Budget
 from agentfold.domain.errors import Failure
@@ -35,6 +35,12 @@ from agentfold.domain.ids import (
 from agentfold.domain.program import ProgramRef
 
 SCHEMA_VERSION = 1
+
+#: A count or position the kernel computes: a whole number as stored, never ``true`` or
+#: ``"1"`` read as 1 (pydantic's lax mode would take both from a forged or hand-edited event).
+#: ``StepCommitted.consumed`` stays lax: the kernel stored a Strategy's ``Step(True, ...)``
+#: as ``true`` until 2026-12-04.
+StrictCount = Annotated[int, Strict()]
 
 
 class TreeEvent(BaseModel):
@@ -151,19 +157,19 @@ class StepCommitted(TreeEvent):
     ``CheckpointCommitted``.
     """
 
-    step: int
+    step: StrictCount
     consumed: int
     kind: TransitionKind
     facts: Any = None
-    effects: int = 0
+    effects: StrictCount = 0
     wait_id: WaitID | None = None
     reason: str | None = None
 
 
 class EffectDeclared(TreeEvent):
     effect_id: EffectID
-    step: int
-    index: int
+    step: StrictCount
+    index: StrictCount
     target: Literal["framework", "dispatcher"]
     payload: Any = None
     replay: Literal["never", "same_identity"] = "never"
@@ -200,7 +206,7 @@ class EffectResolved(TreeEvent):
 
 
 class CheckpointCommitted(TreeEvent):
-    step: int
+    step: StrictCount
     kind: str
     acknowledges: Any = None
 

@@ -635,7 +635,7 @@ class Kernel:
 
         if not isinstance(step, Step):
             raise refuse(EngineCode.TRANSITION_INVALID, f"decide returned {type(step).__name__}, not a Step")
-        if not isinstance(step.consumed, int) or not 0 <= step.consumed <= window:
+        if not isinstance(step.consumed, int) or isinstance(step.consumed, bool) or not 0 <= step.consumed <= window:
             raise refuse(EngineCode.TRANSITION_INVALID, f"consumed {step.consumed!r} of a window of {window}")
         transition = step.transition
         if type(transition) not in TRANSITION_KINDS:
