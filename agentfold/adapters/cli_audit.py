@@ -1,7 +1,8 @@
 """CLI commands: `audit verify`, `audit drift`, `replay`, `export`, `import` (docs/audit.md).
 
 Exit status: 0 when the history is intact (no drift; the export or import succeeded),
-1 when a check found something wrong (the report says what, where and which rule),
+1 when a check found something wrong (the report says what, where and which rule) or the
+export could not be written (a full disk: ``export.write_failed``),
 2 when the input was refused (an unknown tree, a position out of range, a corrupt or
 conflicting import file).
 """
@@ -9,6 +10,7 @@ conflicting import file).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import stat
@@ -22,7 +24,7 @@ from agentfold.adapters import audit
 from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError, json_text
 from agentfold.adapters.eventstore import redact
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import InvalidInput
+from agentfold.domain.errors import AgentfoldError, InvalidInput
 from agentfold.domain.ids import TreeID
 
 
@@ -233,6 +235,14 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     except BrokenPipeError:
         raise  # ``--out /dev/stdout`` and the reader went away: exit 141, as for any output
     except OSError as exc:
+        if exc.errno in _WRITE_FAILURES:
+            # Not the input: the file system could not take the file (a full disk). Exit 1, as
+            # the same export written with ``> FILE`` fails (``cli.output_failed``).
+            raise AgentfoldError(
+                "export.write_failed", f"cannot write {args.out}: {exc.strerror or exc}; nothing was written "
+                f"({args.out} is as it was)",
+                "free space on that file system (or write elsewhere) and run the export again",
+            ) from exc
         raise InvalidInput(
             "export.unwritable", f"cannot write {args.out}: {exc.strerror or exc}",
             "write to an existing directory you may write to; nothing was written",
@@ -248,6 +258,11 @@ def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
 
         return Outcome(data, report, body=to_stderr)
     return Outcome(data, report)
+
+
+#: Errors of the file system, not of the path ``--out`` names: the export fails with exit 1
+#: (``export.write_failed``), as the same export redirected to a file does (``cli.output_failed``).
+_WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 
 def _names_stdout(path: Path) -> bool:

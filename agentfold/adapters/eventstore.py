@@ -2001,6 +2001,9 @@ def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFo
             "store.not_found", f"no database {dbname!r} on the PostgreSQL server of {shown}: {reason}",
             hint="check the database name in the URL, or create the database first with CREATE DATABASE",
         )
+    crowded = too_many_connections(reason, shown)
+    if crowded is not None:  # before the login markers: its message names the role too
+        return crowded
     login = ("password authentication failed", "no password supplied", "authentication failed",
              "pg_hba.conf", "not permitted to log in", "role \"")
     if any(marker in reason for marker in login):
@@ -2020,6 +2023,39 @@ def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFo
         hint=f"check that the server runs and is reachable at the URL's host and port; "
         f"the first connection waits at most {timeout} s, PGCONNECT_TIMEOUT sets it",
     )
+
+
+#: The server's messages for SQLSTATE 53300 (too_many_connections): libpq gives a failed
+#: connection's message only, in the server's ``lc_messages`` language (English recognized).
+_TOO_MANY_FOR = re.compile(r'too many connections for (role|database) "([^"]*)"')
+_TOO_MANY_CLIENTS = ("sorry, too many clients already", "remaining connection slots are reserved")
+
+
+def too_many_connections(reason: str, shown: str) -> StoreFailure | None:
+    """``store.unavailable`` naming the limit a refused connection met (SQLSTATE 53300: a role's
+    or a database's CONNECTION LIMIT, the server's ``max_connections``), or None when
+    ``reason`` (a failed connection's message) is not that refusal."""
+    found = _TOO_MANY_FOR.search(reason)
+    if found is not None:
+        kind, name = found.groups()
+        command = "ALTER ROLE" if kind == "role" else "ALTER DATABASE"
+        return StoreFailure(
+            "store.unavailable",
+            f"PostgreSQL refused a connection to {shown}: the {kind} {name!r} has too many connections, as many as "
+            f"its CONNECTION LIMIT allows (SQLSTATE 53300 too_many_connections): {reason}",
+            hint=f"raise the {kind}'s limit ({command} \"{name}\" CONNECTION LIMIT n; -1: none) or open fewer "
+            f"connections as this {kind}: each agentfold process keeps up to 12 pooled connections, and a server "
+            "or follower a session or two of its own; stop idle processes, or give them another role",
+        )
+    if any(marker in reason for marker in _TOO_MANY_CLIENTS):
+        return StoreFailure(
+            "store.unavailable",
+            f"PostgreSQL refused a connection to {shown}: the server has too many connections, as many as its "
+            f"max_connections allows (SQLSTATE 53300 too_many_connections): {reason}",
+            hint="raise the server's max_connections (a restart), or open fewer connections: each agentfold "
+            "process keeps up to 12 pooled connections, and a server or follower a session or two of its own",
+        )
+    return None
 
 
 def store_url_from_env(explicit: str | None = None) -> str:

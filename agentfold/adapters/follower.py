@@ -404,6 +404,18 @@ def store_failed(exc: BaseException) -> bool:
     return False
 
 
+def lost_session(exc: BaseException) -> bool:
+    """Whether ``exc`` (or one of its causes) is a session the database server ended or lost
+    (``_CONNECTION_FAILURES``, psycopg's), not a pooled connection that could not be had."""
+    pool = sys.modules.get("psycopg_pool")  # loaded only on a PostgreSQL store
+    for cause in causes(exc):
+        if pool is not None and isinstance(cause, pool.PoolTimeout):
+            return False  # no connection could be had (``NoConnection``): none was lost
+        if _connection_failure(cause):
+            return True
+    return False
+
+
 def retry_until_stopped(
     attempt: Callable[[], None],
     stop: threading.Event,
@@ -439,7 +451,12 @@ def retry_until_stopped(
     interrupted. ``on_failure`` is called for each failure counted, as it is counted (a
     command's report at the last resort, ``exit_at_once``, shows them so far). ``renew`` is
     called after a write the database refused as read-only (``refuses_writes``): the store's
-    pooled sessions keep that setting for their life (``EventStore.forget_sessions``).
+    pooled sessions keep that setting for their life (``EventStore.forget_sessions``); and
+    after a lost session (``lost_session``): the other idle pooled sessions of a server that
+    shut down or restarted are cut too, and each next attempt would take one of them and
+    fail again with the same old disconnect text ("terminating connection due to
+    administrator command") while the server stays down; renewed, the next attempt connects
+    anew and says what is true then (no connection: the server is down or unreachable).
     """
     failures = 0
     delay = backoff
@@ -456,7 +473,7 @@ def retry_until_stopped(
                 say(f"stopping; the attempt in progress failed: {one_line(exc)}")
                 return failures
             failures += 1
-            if renew is not None and refuses_writes(exc):
+            if renew is not None and (refuses_writes(exc) or lost_session(exc)):
                 renew()
             if on_failure is not None:
                 on_failure()

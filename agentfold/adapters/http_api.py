@@ -77,7 +77,7 @@ from agentfold.adapters.queries import (
     parse_runs_cursor,
 )
 from agentfold.adapters.resolution import ABSENT, settlement_for
-from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, RandomIds, Runtime
+from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, RandomIds, Runtime, RuntimeStopped
 from agentfold.adapters.scenario import (
     confine_side_effect_logs,
     confined_input_log,
@@ -664,6 +664,7 @@ class ApiService:
     # -- reads -----------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        self._check_runs_start()
         if not self.runtime.leases_healthy():
             if self.store.backend == "sqlite":
                 raise StoreFailure(
@@ -708,6 +709,23 @@ class ApiService:
             "adopt_every": self.runtime.adopt_orphans_every,
             "orphans_adopted": self.runtime.orphans_adopted,
         }
+
+    def _check_runs_start(self) -> None:
+        """``GET /health``'s 503 while this server cannot start or drive runs: its runtime is
+        closed (``POST /runs`` answers 503 ``engine.runtime.closed``) or it is stopping (it starts
+        no call and takes no run over). A load balancer then sends new runs to another server."""
+        if self.runtime.closed:
+            raise RuntimeStopped(
+                "engine.runtime.closed", "this server's runtime is closed: it starts no run and drives none "
+                "(POST /runs answers 503 engine.runtime.closed)",
+                hint="restart the server; another server adopts its runs",
+            )
+        if self.stopping.is_set():
+            raise RuntimeStopped(
+                "engine.runtime.draining", "this server is stopping: it starts no call and takes no run over",
+                hint="send requests to another server; the runs it drove are adopted by another server or "
+                "`agentfold recover`",
+            )
 
     def metrics(self) -> str:
         """GET /metrics: this server's counters and the store's gauges, in Prometheus' text format."""
@@ -1327,7 +1345,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     app.add_middleware(BearerFirst, service=service)  # added last: runs first
     _install_error_handlers(app)
 
-    @app.get("/health", tags=["health"], summary="store reachable; positions (no token needed)",
+    @app.get("/health", tags=["health"], summary="store reachable, runs can start; positions (no token needed)",
              responses={**_ok(Health, "the server is up"), 503: _problems()[503], 500: _problems()[500]})
     # HEAD: the same check and status with no body, for probes that send HEAD (not in the
     # OpenAPI document, which lists each operation once).
@@ -1337,7 +1355,7 @@ def create_app(service: ApiService | None = None) -> FastAPI:
         limiter = getattr(request.app.state, "health_limiter", None)
         try:
             return json_response(await anyio.to_thread.run_sync(service.health, limiter=limiter))
-        except StoreFailure as exc:
+        except (StoreFailure, RuntimeStopped) as exc:
             if token_refusal(request.headers.get("authorization", ""), service.token) is None:
                 raise
             # No token needed here: say what (the code), not where (store paths, server addresses).

@@ -23,6 +23,7 @@ from psycopg.sql import SQL, Composed, Identifier
 from psycopg_pool import PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
+from agentfold.adapters.eventstore import mask_passwords, too_many_connections
 from agentfold.adapters.recorders import (
     APPEND_FUNCTION,
     EVENTS_TABLE,
@@ -105,21 +106,55 @@ def fail_fast_without_connection(datastore: Any, wait: float) -> None:
     pool = datastore.pool
     pool.timeout = wait
     getconn = pool.getconn
+    connect: Any = getattr(pool, "_connect", None)
     where = f"{datastore.pool.kwargs.get('host')}:{datastore.pool.kwargs.get('port')}"
+    # Why the pool's latest attempt to open a connection failed (what the server or libpq
+    # said), until an attempt succeeds again.
+    failed: list[str] = []
+
+    def connect_noting(timeout: float | None = None) -> Any:
+        try:
+            conn = connect(timeout)
+        except Exception as exc:
+            failed[:] = [one_line_reason(exc)]
+            raise
+        failed.clear()
+        return conn
 
     def getconn_or_fail(timeout: float | None = None) -> Any:
         try:
             return getconn(timeout)
         except PoolTimeout as exc:
+            waited = f"{pool.timeout if timeout is None else timeout:g}"
+            latest = failed[:1]  # one read: the pool's workers change it meanwhile
+            reason = latest[0] if latest else None
+            # A server at its connection limit is up and reachable: say which limit (SQLSTATE 53300).
+            crowded = too_many_connections(reason, where) if reason is not None else None
+            if crowded is not None:
+                raise NoConnection(crowded.code, f"no PostgreSQL connection within {waited} s: {crowded.message}",
+                                   hint=crowded.hint) from exc
             raise NoConnection(
                 "store.unavailable",
-                f"no PostgreSQL connection within {pool.timeout if timeout is None else timeout:g} s: the server at "
-                f"{where} is down or unreachable, or all {pool.max_size} pooled connections stayed busy",
+                f"no PostgreSQL connection within {waited} s: the server at "
+                f"{where} is down or unreachable, or all {pool.max_size} pooled connections stayed busy"
+                + (f" (the last connection attempt: {reason})" if reason is not None else ""),
                 hint="nothing was sent to the database; retry once PostgreSQL answers (agentfold reconnects by "
                 "itself); AGENTFOLD_PG_POOL_WAIT sets the wait",
             ) from exc
 
+    if callable(connect):  # psycopg_pool's own (private) method: without it, the message names no reason
+        pool._connect = connect_noting
     pool.getconn = getconn_or_fail
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """A failed connection's message on one line, without a password (libpq repeats a line per attempt)."""
+    lines: list[str] = []
+    for line in mask_passwords(str(exc).removeprefix("connection failed: ")).splitlines():
+        line = " ".join(line.split())
+        if line and line not in lines:
+            lines.append(line)
+    return "; ".join(lines) or type(exc).__name__
 
 
 #: The longest pause between two attempts of the pool to replace a connection it lost.

@@ -2953,6 +2953,11 @@ class Runtime:
 
     # -- lifecycle -----------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: the runtime starts and drives no run any more."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeStopped("engine.runtime.closed", "this runtime is closed")
