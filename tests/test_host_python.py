@@ -229,3 +229,24 @@ def test_arguments_of_the_wrong_kind_get_classified_errors_and_change_nothing(ur
             assert stored(store, "kinds") == before
     finally:
         store.close()
+
+
+def test_an_answer_to_a_canceled_runs_input_says_the_process_ended(url: str) -> None:
+    """It said ``engine.signal.rejected`` "not a pending tool input", where ``deliver_signals``
+    and ``steer`` say ``engine.process.finished`` (a review of the Python API)."""
+    program = agent()
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            run, pending = parked_on_approval(runtime, program, "r-canceled")
+            runtime.cancel(run.root_process_id)
+            assert run.result(timeout=30).status == "canceled"
+            events = stored(store, "r-canceled")
+            with pytest.raises(Rejected) as late:
+                host.answer(pending["process_id"], pending["wait_id"], {"ok": True})
+            assert late.value.code == "engine.process.finished", late.value
+            assert "already ended canceled" in late.value.message, late.value.message
+            assert stored(store, "r-canceled") == events
+    finally:
+        store.close()

@@ -151,6 +151,12 @@ def answer_signal(
                 hint=OWN_WAIT_HINT,
                 wait=state,
             )
+        if process is not None and process.terminal and wait is not None:
+            # Its wait was never answered, and never will be: as deliver_signals and steer say it.
+            raise Rejected(
+                "engine.process.finished", f"process {process_id} already ended {process.status}: its wait "
+                f"{wait_id} takes no answer", hint="nothing to answer: read the run to see how it ended", wait=state,
+            )
         current = process.current_wait if process is not None else None
         raise Rejected(
             "engine.signal.rejected",
