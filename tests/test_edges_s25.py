@@ -26,7 +26,7 @@ from tests.conftest import require_postgres
 from tests.kernel_programs import chain_program
 from tests.test_cli import ROOT, agentfold, ok
 from tests.test_feed_reconnects import Command, _runs
-from tests.test_shutdown_during_outage import OwnServer, _tracked
+from tests.test_shutdown_during_outage import OwnServer, _tracked, own_pg  # noqa: F401 - a fixture
 from tests.test_sqlite_disk_full import tmpfs
 
 # ---------------------------------------------------------------------------
@@ -136,18 +136,8 @@ def test_health_answers_503_while_the_server_is_stopping(tmp_path: Path) -> None
 # project --follow while PostgreSQL stays down
 
 
-@pytest.fixture
-def own_pg() -> Iterator[OwnServer]:
-    """A PostgreSQL server of this test's own (scripts/pg-throwaway), which it stops."""
-    server = OwnServer()
-    try:
-        yield server
-    finally:
-        server.remove()
-
-
 def test_project_follow_says_the_server_cannot_be_reached_while_it_stays_down(
-    own_pg: OwnServer, monkeypatch: pytest.MonkeyPatch,
+    own_pg: OwnServer, monkeypatch: pytest.MonkeyPatch,  # noqa: F811 - the fixture
 ) -> None:
     # Found by an operations review: after `pg_ctl stop -m fast`, every retry line repeated the
     # old "terminating connection due to administrator command" (each attempt took another idle

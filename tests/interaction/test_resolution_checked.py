@@ -13,7 +13,9 @@ the call, is not checked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,17 @@ def transform_program() -> Program:
     return transform(TransformConfig("test.checked_transform", _crash, output_schema={"type": "integer"}))
 
 
+@contextlib.contextmanager
+def running(tmp_path: Path, program: Program, name: str) -> Iterator[tuple[Runtime, EventStore]]:
+    """A Runtime binding ``program`` on a fresh SQLite store, and the store."""
+    store = EventStore(f"sqlite:///{tmp_path / name}")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            yield runtime, store
+    finally:
+        store.close()
+
+
 def _parked(runtime: Runtime, program: Program, value: Any) -> tuple[Any, EffectID]:
     handle = runtime.start(program, value)
     tree = runtime.wait_idle(handle.tree_id)
@@ -101,76 +114,60 @@ def _request(store: EventStore, handle: Any, program: Program, effect: EffectID)
 
 def test_a_hand_built_model_outcome_is_refused_and_the_helpers_one_completes_the_run(tmp_path: Path) -> None:
     program = model_program()
-    store = EventStore(f"sqlite:///{tmp_path / 'model.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"answer": 1}),
-                     "interaction.settlement.invalid", '{"model_result": {"response"')
-            # The right envelope around a response the Interaction would fail the run on.
-            _refused(runtime, store, handle, effect,
-                     Settlement.succeeded({"model_result": {"response": {"finish_reason": "eos", "message": {
-                         "role": "assistant", "content": [{"type": "text", "text": "x"}]}}}}),
-                     "interaction.settlement.invalid", "unknown finish reason 'eos'")
-            owner, request = _request(store, handle, program, effect)
-            runtime.resolve_unknown_effect(effect, settle_model_result(owner, request, FINAL))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "model.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"answer": 1}),
+                 "interaction.settlement.invalid", '{"model_result": {"response"')
+        # The right envelope around a response the Interaction would fail the run on.
+        _refused(runtime, store, handle, effect,
+                 Settlement.succeeded({"model_result": {"response": {"finish_reason": "eos", "message": {
+                     "role": "assistant", "content": [{"type": "text", "text": "x"}]}}}}),
+                 "interaction.settlement.invalid", "unknown finish reason 'eos'")
+        owner, request = _request(store, handle, program, effect)
+        runtime.resolve_unknown_effect(effect, settle_model_result(owner, request, FINAL))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed", result
-    finally:
-        store.close()
 
 
 def test_a_tool_output_the_helpers_would_rewrite_is_refused_and_theirs_completes_the_run(tmp_path: Path) -> None:
     program = tool_program()
-    store = EventStore(f"sqlite:///{tmp_path / 'tool.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
-            # Plain text where the stored form is a list of text parts: the round's end would read it wrong.
-            plain = {"tool_result": {"completion": {"disposition": "succeeded", "output": {"content": "found it"}}}}
-            _refused(runtime, store, handle, effect, Settlement.succeeded(plain),
-                     "interaction.settlement.invalid", "build it with them")
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"tool_result": {"completion": {
-                "disposition": "maybe", "output": {}}}}), "interaction.settlement.invalid", "disposition must be one of")
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"result": "found it"}),
-                     "interaction.settlement.invalid", '{"tool_result": {"completion"')
-            owner, request = _request(store, handle, program, effect)
-            runtime.resolve_unknown_effect(effect, settle_tool_result(owner, request, "found it"))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "tool.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
+        # Plain text where the stored form is a list of text parts: the round's end would read it wrong.
+        plain = {"tool_result": {"completion": {"disposition": "succeeded", "output": {"content": "found it"}}}}
+        _refused(runtime, store, handle, effect, Settlement.succeeded(plain),
+                 "interaction.settlement.invalid", "build it with them")
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"tool_result": {"completion": {
+            "disposition": "maybe", "output": {}}}}), "interaction.settlement.invalid", "disposition must be one of")
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"result": "found it"}),
+                 "interaction.settlement.invalid", '{"tool_result": {"completion"')
+        owner, request = _request(store, handle, program, effect)
+        runtime.resolve_unknown_effect(effect, settle_tool_result(owner, request, "found it"))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed", result
-    finally:
-        store.close()
 
 
 def test_a_failed_tool_outcome_is_the_hosts_to_give_and_fails_the_call(tmp_path: Path) -> None:
     program = tool_program()
-    store = EventStore(f"sqlite:///{tmp_path / 'failed.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
-            runtime.resolve_unknown_effect(effect, Settlement.failed("the lookup was never made"))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "failed.db") as (runtime, _store):
+        handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "look it up"}]})
+        runtime.resolve_unknown_effect(effect, Settlement.failed("the lookup was never made"))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "failed", result
         assert "interaction.host.failed" in str(result.termination), result.termination
-    finally:
-        store.close()
 
 
 def test_a_transform_outcome_outside_its_output_schema_is_refused(tmp_path: Path) -> None:
     program = transform_program()
-    store = EventStore(f"sqlite:///{tmp_path / 'transform.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, 20)
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"result": 40}),
-                     "engine.effect.settlement_invalid", 'a transform\'s outcome is {"output": ...}')
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": "forty"}),
-                     "engine.effect.settlement_invalid", "its output schema")
-            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "transform.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, 20)
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"result": 40}),
+                 "engine.effect.settlement_invalid", 'a transform\'s outcome is {"output": ...}')
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"output": "forty"}),
+                 "engine.effect.settlement_invalid", "its output schema")
+        runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed" and result.output == 40, result
-    finally:
-        store.close()
 
 
 def test_a_check_that_raises_refuses_the_outcome_and_records_nothing(tmp_path: Path) -> None:
@@ -178,17 +175,13 @@ def test_a_check_that_raises_refuses_the_outcome_and_records_nothing(tmp_path: P
         raise KeyError("phase")
 
     program = dataclasses.replace(transform_program(), check_resolution=broken)
-    store = EventStore(f"sqlite:///{tmp_path / 'broken.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, 20)
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
-                     "engine.effect.settlement_invalid", "KeyError")
-            # A failed outcome is the Program's check to refuse too.
-            _refused(runtime, store, handle, effect, Settlement.failed({"error": "it died"}),
-                     "engine.effect.settlement_invalid", "refused the outcome of effect")
-    finally:
-        store.close()
+    with running(tmp_path, program, "broken.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, 20)
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                 "engine.effect.settlement_invalid", "KeyError")
+        # A failed outcome is the Program's check to refuse too.
+        _refused(runtime, store, handle, effect, Settlement.failed({"error": "it died"}),
+                 "engine.effect.settlement_invalid", "refused the outcome of effect")
 
 
 def test_a_request_that_cannot_be_rebuilt_refuses_the_outcome_and_the_owner_goes_on(tmp_path: Path) -> None:
@@ -206,18 +199,14 @@ def test_a_request_that_cannot_be_rebuilt_refuses_the_outcome_and_the_owner_goes
 
     program = dataclasses.replace(transform(TransformConfig("test.checked_expand", lambda v: v * 2)),
                                   expand_request=expand)
-    store = EventStore(f"sqlite:///{tmp_path / 'expand.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, 20)  # the request could not be built: unknown
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
-                     "engine.effect.settlement_invalid", "LookupError")
-            broken["on"] = False
-            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "expand.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, 20)  # the request could not be built: unknown
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                 "engine.effect.settlement_invalid", "LookupError")
+        broken["on"] = False
+        runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed" and result.output == 40, result
-    finally:
-        store.close()
 
 
 class DownSummarizer:
@@ -241,39 +230,31 @@ def test_a_context_preparation_is_resolved_with_the_prepared_messages(tmp_path: 
     program = compile_interaction(InteractionConfig(
         name="test.checked_context", model=ScriptedModel([FINAL]), context_processor=DownSummarizer(),
         max_model_calls=2))
-    store = EventStore(f"sqlite:///{tmp_path / 'context.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
-            [entry] = host.unknown(str(handle.tree_id))
-            assert entry["kind"] == "context", entry
-            with pytest.raises(InvalidInput) as raised:
-                host.resolve(effect, output="hi (summarized)")
-            assert raised.value.code == "host.resolution_invalid", raised.value
-            assert "list of messages" in raised.value.message, raised.value.message
-            host.resolve(effect, output=given)
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "context.db") as (runtime, store):
+        host = Host(runtime)
+        handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
+        [entry] = host.unknown(str(handle.tree_id))
+        assert entry["kind"] == "context", entry
+        with pytest.raises(InvalidInput) as raised:
+            host.resolve(effect, output="hi (summarized)")
+        assert raised.value.code == "host.resolution_invalid", raised.value
+        assert "list of messages" in raised.value.message, raised.value.message
+        host.resolve(effect, output=given)
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed", result
         [resolved] = [r.event for r in store.read(handle.tree_id)
-                      if isinstance(r.event, EffectResolved) and r.event.effect_id == effect]
+                  if isinstance(r.event, EffectResolved) and r.event.effect_id == effect]
         assert resolved.payload == {"prepared_context": {"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hi (summarized)"}]}]}}, resolved.payload
-    finally:
-        store.close()
+        {"role": "user", "content": [{"type": "text", "text": "hi (summarized)"}]}]}}, resolved.payload
 
 
 def test_a_settlement_built_with_a_status_that_is_text_is_refused(tmp_path: Path) -> None:
     program = transform_program()
-    store = EventStore(f"sqlite:///{tmp_path / 'status.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, 20)
-            # Settlement("succeeded", ...) raised a bare AttributeError ('str' object has no attribute 'definite').
-            _refused(runtime, store, handle, effect, Settlement("succeeded", {"output": 40}),  # type: ignore[arg-type]
-                     "engine.effect.settlement_invalid", "a succeeded or failed Settlement")
-    finally:
-        store.close()
+    with running(tmp_path, program, "status.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, 20)
+        # Settlement("succeeded", ...) raised a bare AttributeError ('str' object has no attribute 'definite').
+        _refused(runtime, store, handle, effect, Settlement("succeeded", {"output": 40}),  # type: ignore[arg-type]
+                 "engine.effect.settlement_invalid", "a succeeded or failed Settlement")
 
 
 def test_a_check_that_raises_system_exit_refuses_and_the_owner_goes_on(tmp_path: Path) -> None:
@@ -285,15 +266,11 @@ def test_a_check_that_raises_system_exit_refuses_and_the_owner_goes_on(tmp_path:
             raise SystemExit(3)
 
     program = dataclasses.replace(transform_program(), check_resolution=exits)
-    store = EventStore(f"sqlite:///{tmp_path / 'exit.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            handle, effect = _parked(runtime, program, 20)
-            _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
-                     "engine.effect.settlement_invalid", "SystemExit")
-            assert runtime.owns(handle.tree_id)  # the owner did not stop (it did: engine.runtime.failed)
-            runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
-            result = runtime.result(handle.tree_id, timeout=30)
+    with running(tmp_path, program, "exit.db") as (runtime, store):
+        handle, effect = _parked(runtime, program, 20)
+        _refused(runtime, store, handle, effect, Settlement.succeeded({"output": 40}),
+                 "engine.effect.settlement_invalid", "SystemExit")
+        assert runtime.owns(handle.tree_id)  # the owner did not stop (it did: engine.runtime.failed)
+        runtime.resolve_unknown_effect(effect, Settlement.succeeded({"output": 40}))
+        result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "completed" and result.output == 40, result
-    finally:
-        store.close()
