@@ -188,3 +188,26 @@ def test_a_host_with_sources_of_the_wrong_type_and_gates_of_no_text_are_refused(
                 assert refused.value.code == "identity.invalid", refused.value
     finally:
         store.close()
+
+
+def test_release_adopt_orphans_and_stored_far_timers_refuse_what_they_silently_ignored(tmp_path: Path) -> None:
+    """``release(None)``, ``release(<start id>)``, ``adopt_orphans("x")`` and
+    ``stored_far_timers(tree, None)`` did nothing and said nothing (a review of the Python API)."""
+    store = EventStore(f"sqlite:///{tmp_path / 'release.db'}")
+    program = asker_program()
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, {"n": 1}, start_id="parked")
+            runtime.wait_idle(run.tree_id)
+            assert runtime.owns(run.tree_id)
+            with pytest.raises(InvalidInput) as refused:
+                runtime.release(None)  # type: ignore[arg-type]
+            assert refused.value.code == "identity.invalid"
+            for call in (lambda: runtime.adopt_orphans("x"), lambda: runtime.stored_far_timers(run.tree_id, None)):
+                with pytest.raises(InvalidInput) as refused:
+                    call()
+                assert refused.value.code == "runtime.invalid", refused.value
+            runtime.release("parked")  # a start id names the run, as everywhere else
+            assert not runtime.owns(run.tree_id)
+    finally:
+        store.close()

@@ -1984,8 +1984,10 @@ class Runtime:
         head = self.store.head(tree_id)
         return head is not None and head.version == quiet
 
-    def release(self, tree_id: TreeID) -> None:
-        """Stop driving a tree (its state stays in the store; another runtime may adopt it)."""
+    def release(self, tree: TreeID | str) -> None:
+        """Stop driving a tree (its state stays in the store; another runtime may adopt it).
+        ``tree``: a TreeID, or a tree id, start id or process id in text."""
+        tree_id = self._tree_ref(tree)  # None or a number: identity.invalid, not a silent no-op
         with self._lock:
             driver = self._drivers.get(tree_id)
         if driver is not None:
@@ -2735,6 +2737,7 @@ class Runtime:
         peer's thousand runs) goes on at the next poll, so that the watcher still catches up
         and checks the leases of this runtime's own trees meanwhile.
         """
+        _seconds_argument(budget, "adopt_orphans' budget", none=True)
         began = time.monotonic()
         if self._closed or self._draining or not self._leases.healthy():
             return []
@@ -2885,6 +2888,7 @@ class Runtime:
         input such a writer recorded meanwhile without driving it moves the index row on,
         which makes the answer None: whoever adopts the run then drives that input. A failing
         store or lease session raises, as adopting would."""
+        _seconds_argument(after, "stored_far_timers' after")
         tree_id = self._tree_ref(tree)
         with self._lease_look(tree_id) as look:
             if look.held != "look":
