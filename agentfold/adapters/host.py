@@ -160,7 +160,7 @@ def answer_signal(
         current = process.current_wait if process is not None else None
         raise Rejected(
             "engine.signal.rejected",
-            f"wait {wait_id} is not a pending tool input of process {process_id}"
+            f"wait {wait_id} is not a pending input (a tool's or an InputGate's) of process {process_id}"
             + (f" (its current wait is {current})" if current else ""),
             hint=listing_hint,
             wait=state,
