@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,6 +186,19 @@ def crowded_role() -> Iterator[tuple[str, str]]:
             conn.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
+def role_idle(role: str) -> None:
+    """Wait until the server counts no session of ``role``: a closed connection's backend exits a
+    moment after its client went (CI run116: the store just closed still held one of the two)."""
+    deadline = time.monotonic() + 15
+    with psycopg.connect(require_postgres(), autocommit=True) as admin:
+        while True:
+            row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (role,)).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            assert time.monotonic() < deadline, f"role {role} still has {row} sessions"
+            time.sleep(0.05)
+
+
 def test_a_role_at_its_connection_limit_is_named_not_taken_for_a_wrong_password(
     crowded_role: tuple[str, str],
 ) -> None:
@@ -192,6 +206,7 @@ def test_a_role_at_its_connection_limit_is_named_not_taken_for_a_wrong_password(
     # login ("check the user and password in the URL").
     url, role = crowded_role
     EventStore(url).close()  # its tables
+    role_idle(role)
     held = [psycopg.connect(url) for _ in range(2)]  # every connection the role may have
     try:
         ran = agentfold("trees", "--json", store=url)
@@ -205,6 +220,7 @@ def test_a_role_at_its_connection_limit_is_named_not_taken_for_a_wrong_password(
     assert "53300" in error["message"] and "too_many_connections" in error["message"], error
     assert f'ALTER ROLE "{role}" CONNECTION LIMIT' in error["hint"] and "fewer" in error["hint"], error
     assert "password" not in error["hint"], error
+    role_idle(role)
     assert ok(agentfold("trees", "--json", store=url)).code == 0  # its connections back: it works
 
 
@@ -214,6 +230,7 @@ def test_a_pool_that_cannot_grow_past_the_role_limit_says_so(
     # The same limit met later, when the pool opens a connection: not "down or unreachable".
     monkeypatch.setenv("AGENTFOLD_PG_POOL_WAIT", "3")
     url, role = crowded_role
+    role_idle(role)
     store = EventStore(url)
     pool = store.factory.datastore.pool
     taken = []
