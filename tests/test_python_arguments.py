@@ -128,7 +128,7 @@ def test_a_budget_of_plain_numbers_is_refused_when_built(quota: Any) -> None:
 @pytest.mark.parametrize(("call", "argument"), [
     ("wait_idle", None), ("wait_idle", -1), ("wait_idle", float("nan")), ("wait_idle", float("inf")),
     ("wait_idle", True), ("wait_idle", "1"), ("result", "1"), ("result", float("inf")), ("result", -5),
-    ("wait_quiet", None), ("horizon", "x"),
+    ("wait_quiet", None), ("horizon", "x"), ("result", 1e10), ("wait_idle", 10**400),
 ])
 def test_a_wait_bound_that_is_no_number_of_seconds_is_refused(tmp_path: Path, call: str, argument: Any) -> None:
     """A parked run waited for with a bound of the wrong type raised a bare TypeError,
@@ -161,7 +161,7 @@ def test_drain_and_close_refuse_a_bound_that_is_no_number_before_they_change_any
     program = chain_program(name="test.drain_arguments")
     try:
         with Runtime(store, Catalog([program])) as runtime:
-            for bad in (None, "5", float("nan")):
+            for bad in (None, "5", float("nan"), 10**400, 1e10):
                 with pytest.raises(InvalidInput) as refused:
                     runtime.drain(bad)  # type: ignore[arg-type]
                 assert refused.value.code == "runtime.invalid"

@@ -1110,6 +1110,21 @@ class EventStore:
             except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
                 log.warning("could not renew the store's PostgreSQL sessions: %s", exc)
 
+    def check_sessions(self) -> None:
+        """Test the idle pooled PostgreSQL sessions and replace the broken ones: after a session
+        the server ended (a restart, ``pg_ctl stop -m fast``) the others idle in the pool are
+        dead too, and each next use would fail again with the same old disconnect text.
+        (``forget_sessions`` replaces them all, live ones too: the pool then grew by the
+        sessions it was replacing itself, up to its maximum, at every restart.)"""
+        if self.backend != "postgresql" or self.factory is None:
+            return
+        check = getattr(self.factory.datastore.pool, "check", None)
+        if check is not None:
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
+                log.warning("could not check the store's PostgreSQL sessions: %s", exc)
+
     def session(self, *, listen: bool = False) -> Any:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
         pool: the owner-lease session, a follower's LISTEN session (``listen``: the server's

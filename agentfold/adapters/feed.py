@@ -1016,7 +1016,7 @@ class Publisher:
         # time: during an outage each attempt may wait long for the store or the broker.
         retry_until_stopped(
             attempt, stop, say, retryable=publish_failed, backoff=backoff, max_backoff=max_backoff, on_failure=failed,
-            progress=lambda: self.steps, renew=self.store.forget_sessions,
+            progress=lambda: self.steps, renew=self.store.forget_sessions, recheck=self.store.check_sessions,
         )
         return PublishReport(self.events - before, self.position, self.failures - failed_before)
 

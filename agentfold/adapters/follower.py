@@ -427,6 +427,7 @@ def retry_until_stopped(
     on_failure: Callable[[], None] | None = None,
     progress: Callable[[], int] | None = None,
     renew: Callable[[], None] | None = None,
+    recheck: Callable[[], None] | None = None,
 ) -> int:
     """Run ``attempt`` until ``stop`` is set, again after each failure ``retryable`` accepts;
     returns how many failures there were.
@@ -451,12 +452,13 @@ def retry_until_stopped(
     interrupted. ``on_failure`` is called for each failure counted, as it is counted (a
     command's report at the last resort, ``exit_at_once``, shows them so far). ``renew`` is
     called after a write the database refused as read-only (``refuses_writes``): the store's
-    pooled sessions keep that setting for their life (``EventStore.forget_sessions``); and
-    after a lost session (``lost_session``): the other idle pooled sessions of a server that
-    shut down or restarted are cut too, and each next attempt would take one of them and
-    fail again with the same old disconnect text ("terminating connection due to
-    administrator command") while the server stays down; renewed, the next attempt connects
-    anew and says what is true then (no connection: the server is down or unreachable).
+    pooled sessions keep that setting for their life (``EventStore.forget_sessions``).
+    ``recheck`` is called after a lost session (``lost_session``): the other idle pooled
+    sessions of a server that shut down or restarted are cut too, and each next attempt would
+    take one of them and fail again with the same old disconnect text ("terminating connection
+    due to administrator command") while the server stays down; the broken ones replaced
+    (``EventStore.check_sessions``), the next attempt connects anew and says what is true
+    then (no connection: the server is down or unreachable).
     """
     failures = 0
     delay = backoff
@@ -473,8 +475,10 @@ def retry_until_stopped(
                 say(f"stopping; the attempt in progress failed: {one_line(exc)}")
                 return failures
             failures += 1
-            if renew is not None and (refuses_writes(exc) or lost_session(exc)):
+            if renew is not None and refuses_writes(exc):
                 renew()
+            elif recheck is not None and lost_session(exc):
+                recheck()
             if on_failure is not None:
                 on_failure()
             if progress is not None:
@@ -572,8 +576,12 @@ def follow_until_stopped(
         if current:
             current[0].store.forget_sessions()
 
+    def recheck() -> None:
+        if current:
+            current[0].store.check_sessions()
+
     retry_until_stopped(attempt, stop, say, backoff=backoff, max_backoff=max_backoff, on_failure=progress.failed,
-                        progress=steps, renew=renew)
+                        progress=steps, renew=renew, recheck=recheck)
     return progress.report()
 
 

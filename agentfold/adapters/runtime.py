@@ -1369,13 +1369,17 @@ def _seconds_argument(value: Any, what: str, *, none: bool = False, negative: bo
     from inside, a negative one waited for good in ``Condition.acquire``, ``True`` was 1 s."""
     if value is None and none:
         return
-    if (
-        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-        or (value < 0 and not negative)
-    ):
+    try:
+        # Above threading.TIMEOUT_MAX (~292 years) a lock's wait raises OverflowError; an int
+        # beyond a float's range cannot even be compared with it.
+        number = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and (
+            value >= 0 or negative) and value <= threading.TIMEOUT_MAX
+    except OverflowError:
+        number = False
+    if not number:
         raise InvalidInput(
             "runtime.invalid", f"{what} is a number of seconds"
-            + (" from 0" if not negative else "") + f", not {brief_repr(value)}",
+            + (" from 0" if not negative else "") + f" up to {threading.TIMEOUT_MAX:.0f}, not {brief_repr(value)}",
             hint="None waits without a bound" if none else "pass a finite number, e.g. 30",
         )
 
