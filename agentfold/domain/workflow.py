@@ -100,7 +100,8 @@ def check_transform_resolution(program: Program, request: EffectRequest, status:
     if problems:
         raise InvalidInput("engine.effect.settlement_invalid",
                            f"the output is not what transform {program.descriptor.name} returns (its output schema): "
-                           + "; ".join(problems[:3]))
+                           + "; ".join(problems[:3]),
+                           hint="give the value the function returned, or resolve the call as failed with the error's text")
 
 
 __all__ = ["TRANSFORM_FAILED", "TransformStrategy", "check_transform_resolution", "expand_transform_request"]
