@@ -6,6 +6,8 @@ AttributeError from inside the runtime)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +127,20 @@ def test_a_budget_of_plain_numbers_is_refused_when_built(quota: Any) -> None:
     assert Budget.of(steps=5) == Budget(steps=Quota(5))
 
 
+@contextlib.contextmanager
+def parked_asker(tmp_path: Path) -> Iterator[tuple[Runtime, Any]]:
+    """A runtime on a fresh SQLite store, and a run of it parked on a wait (start id ``parked``)."""
+    store = EventStore(f"sqlite:///{tmp_path / 'parked.db'}")
+    program = asker_program()
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, {"n": 1}, start_id="parked")
+            runtime.wait_idle(run.tree_id)
+            yield runtime, run
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(("call", "argument"), [
     ("wait_idle", None), ("wait_idle", -1), ("wait_idle", float("nan")), ("wait_idle", float("inf")),
     ("wait_idle", True), ("wait_idle", "1"), ("result", "1"), ("result", float("inf")), ("result", -5),
@@ -134,24 +150,17 @@ def test_a_wait_bound_that_is_no_number_of_seconds_is_refused(tmp_path: Path, ca
     """A parked run waited for with a bound of the wrong type raised a bare TypeError,
     ValueError or OverflowError; ``True`` was one second, and a negative bound on a busy run
     waited for good."""
-    store = EventStore(f"sqlite:///{tmp_path / 'waits.db'}")
-    program = asker_program()
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, {"n": 1}, start_id="parked")
-            runtime.wait_idle(run.tree_id)
-            with pytest.raises(InvalidInput) as refused:
-                if call == "horizon":
-                    runtime.wait_idle(run.tree_id, 1, horizon=argument)
-                elif call == "wait_quiet":
-                    runtime.wait_quiet(run.tree_id, argument)
-                else:
-                    getattr(runtime, call)(run.tree_id, argument)
-            assert refused.value.code == "runtime.invalid", refused.value
-            assert repr(argument)[:3] in refused.value.message and refused.value.hint
-            assert runtime.wait_idle(run.tree_id, 5).classification() == "parked"
-    finally:
-        store.close()
+    with parked_asker(tmp_path) as (runtime, run):
+        with pytest.raises(InvalidInput) as refused:
+            if call == "horizon":
+                runtime.wait_idle(run.tree_id, 1, horizon=argument)
+            elif call == "wait_quiet":
+                runtime.wait_quiet(run.tree_id, argument)
+            else:
+                getattr(runtime, call)(run.tree_id, argument)
+        assert refused.value.code == "runtime.invalid", refused.value
+        assert repr(argument)[:3] in refused.value.message and refused.value.hint
+        assert runtime.wait_idle(run.tree_id, 5).classification() == "parked"
 
 
 def test_drain_and_close_refuse_a_bound_that_is_no_number_before_they_change_anything(tmp_path: Path) -> None:
@@ -193,21 +202,14 @@ def test_a_host_with_sources_of_the_wrong_type_and_gates_of_no_text_are_refused(
 def test_release_adopt_orphans_and_stored_far_timers_refuse_what_they_silently_ignored(tmp_path: Path) -> None:
     """``release(None)``, ``release(<start id>)``, ``adopt_orphans("x")`` and
     ``stored_far_timers(tree, None)`` did nothing and said nothing (a review of the Python API)."""
-    store = EventStore(f"sqlite:///{tmp_path / 'release.db'}")
-    program = asker_program()
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, {"n": 1}, start_id="parked")
-            runtime.wait_idle(run.tree_id)
-            assert runtime.owns(run.tree_id)
+    with parked_asker(tmp_path) as (runtime, run):
+        assert runtime.owns(run.tree_id)
+        with pytest.raises(InvalidInput) as refused:
+            runtime.release(None)  # type: ignore[arg-type]
+        assert refused.value.code == "identity.invalid"
+        for call in (lambda: runtime.adopt_orphans("x"), lambda: runtime.stored_far_timers(run.tree_id, None)):
             with pytest.raises(InvalidInput) as refused:
-                runtime.release(None)  # type: ignore[arg-type]
-            assert refused.value.code == "identity.invalid"
-            for call in (lambda: runtime.adopt_orphans("x"), lambda: runtime.stored_far_timers(run.tree_id, None)):
-                with pytest.raises(InvalidInput) as refused:
-                    call()
-                assert refused.value.code == "runtime.invalid", refused.value
-            runtime.release("parked")  # a start id names the run, as everywhere else
-            assert not runtime.owns(run.tree_id)
-    finally:
-        store.close()
+                call()
+            assert refused.value.code == "runtime.invalid", refused.value
+        runtime.release("parked")  # a start id names the run, as everywhere else
+        assert not runtime.owns(run.tree_id)

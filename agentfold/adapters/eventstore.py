@@ -1101,14 +1101,7 @@ class EventStore:
         a write refused as read-only (``refuses_writes``). A session keeps the
         ``default_transaction_read_only`` it started with for its whole life (an hour in the
         pool), so the store would stay read-only after the database takes writes again."""
-        if self.backend != "postgresql" or self.factory is None:
-            return
-        drain = getattr(self.factory.datastore.pool, "drain", None)  # psycopg_pool 3.2 and later
-        if drain is not None:
-            try:
-                drain()
-            except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
-                log.warning("could not renew the store's PostgreSQL sessions: %s", exc)
+        self._renew_pool("drain", "renew")  # psycopg_pool 3.2 and later
 
     def check_sessions(self) -> None:
         """Test the idle pooled PostgreSQL sessions and replace the broken ones: after a session
@@ -1118,14 +1111,18 @@ class EventStore:
         it had while it replaces them (after four restarts of the server, a follower held 12,
         its pool's maximum, against 6 before); it closes the idle ones beyond its minimum after
         psycopg_pool's ``max_idle`` (10 minutes)."""
+        self._renew_pool("check", "check")
+
+    def _renew_pool(self, method: str, what: str) -> None:
+        """Call the PostgreSQL pool's ``method`` (``drain``, ``check``) when it has one."""
         if self.backend != "postgresql" or self.factory is None:
             return
-        check = getattr(self.factory.datastore.pool, "check", None)
-        if check is not None:
+        call = getattr(self.factory.datastore.pool, method, None)
+        if call is not None:
             try:
-                check()
+                call()
             except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
-                log.warning("could not check the store's PostgreSQL sessions: %s", exc)
+                log.warning("could not %s the store's PostgreSQL sessions: %s", what, exc)
 
     def session(self, *, listen: bool = False) -> Any:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
@@ -2002,15 +1999,19 @@ def check_postgres(url: str, settings: dict[str, str]) -> None:
         raise connect_failure(url, settings, exc) from exc
 
 
-def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFound | StoreFailure:
-    """A classified error for a failed PostgreSQL connection, with the server's reason on one line."""
-    text = mask_passwords(str(exc).removeprefix("connection failed: "))
+def connect_reason(exc: BaseException) -> str:
+    """A failed PostgreSQL connection's reason on one line, without a password."""
     lines: list[str] = []
-    for line in text.splitlines():
+    for line in mask_passwords(str(exc).removeprefix("connection failed: ")).splitlines():
         line = " ".join(line.split())
         if line and line not in lines:  # libpq repeats the reason for each SSL/non-SSL attempt
             lines.append(line)
-    reason = "; ".join(lines) or type(exc).__name__
+    return "; ".join(lines) or type(exc).__name__
+
+
+def connect_failure(url: str, settings: dict[str, str], exc: Exception) -> NotFound | StoreFailure:
+    """A classified error for a failed PostgreSQL connection, with the server's reason on one line."""
+    reason = connect_reason(exc)
     shown = redact(url)
     dbname = settings["POSTGRES_DBNAME"]
     if f'database "{dbname}" does not exist' in reason:

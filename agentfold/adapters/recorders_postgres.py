@@ -23,7 +23,7 @@ from psycopg.sql import SQL, Composed, Identifier
 from psycopg_pool import PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
-from agentfold.adapters.eventstore import mask_passwords, too_many_connections
+from agentfold.adapters.eventstore import connect_reason, too_many_connections
 from agentfold.adapters.recorders import (
     APPEND_FUNCTION,
     EVENTS_TABLE,
@@ -116,7 +116,7 @@ def fail_fast_without_connection(datastore: Any, wait: float) -> None:
         try:
             conn = connect(timeout)
         except Exception as exc:
-            failed[:] = [one_line_reason(exc)]
+            failed[:] = [connect_reason(exc)]
             raise
         failed.clear()
         return conn
@@ -145,16 +145,6 @@ def fail_fast_without_connection(datastore: Any, wait: float) -> None:
     if callable(connect):  # psycopg_pool's own (private) method: without it, the message names no reason
         pool._connect = connect_noting
     pool.getconn = getconn_or_fail
-
-
-def one_line_reason(exc: BaseException) -> str:
-    """A failed connection's message on one line, without a password (libpq repeats a line per attempt)."""
-    lines: list[str] = []
-    for line in mask_passwords(str(exc).removeprefix("connection failed: ")).splitlines():
-        line = " ".join(line.split())
-        if line and line not in lines:
-            lines.append(line)
-    return "; ".join(lines) or type(exc).__name__
 
 
 #: The longest pause between two attempts of the pool to replace a connection it lost.

@@ -1362,21 +1362,25 @@ def _settled(dispatch: Dispatch, settlement: Any) -> _Done:
 # The Runtime
 
 
+def _is_seconds(value: Any, *, negative: bool = False) -> bool:
+    """A number of seconds a lock or timer can wait: an int or float (not a bool), finite, at
+    most ``threading.TIMEOUT_MAX`` (~292 years; above it a wait raises OverflowError, and an int
+    beyond a float's range cannot even be compared), and 0 or more unless ``negative``."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and (
+            value >= 0 or negative) and abs(value) <= threading.TIMEOUT_MAX
+    except OverflowError:
+        return False
+
+
 def _seconds_argument(value: Any, what: str, *, none: bool = False, negative: bool = False) -> None:
-    """Refuse a wait's bound that is no finite number of seconds (``runtime.invalid``) before
-    anything changes: ``None`` only where it means no bound (``none``), below 0 only where it
-    means "do not wait" (``negative``). Else a bare TypeError, ValueError or OverflowError came
+    """Refuse a wait's bound that is no number of seconds (``_is_seconds``, ``runtime.invalid``)
+    before anything changes: ``None`` only where it means no bound (``none``), below 0 only where
+    it means "do not wait" (``negative``). Else a bare TypeError, ValueError or OverflowError came
     from inside, a negative one waited for good in ``Condition.acquire``, ``True`` was 1 s."""
     if value is None and none:
         return
-    try:
-        # Above threading.TIMEOUT_MAX (~292 years) a lock's wait raises OverflowError; an int
-        # beyond a float's range cannot even be compared with it.
-        number = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and (
-            value >= 0 or negative) and value <= threading.TIMEOUT_MAX
-    except OverflowError:
-        number = False
-    if not number:
+    if not _is_seconds(value, negative=negative):
         raise InvalidInput(
             "runtime.invalid", f"{what} is a number of seconds"
             + (" from 0" if not negative else "") + f" up to {threading.TIMEOUT_MAX:.0f}, not {brief_repr(value)}",
@@ -1393,9 +1397,6 @@ def _check_settings(store: Any, catalog: Any, *, dispatch_workers: Any, owner_wo
 
     def whole(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
-
-    def seconds(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
     if not isinstance(store, EventStore) and not all(callable(getattr(store, n, None)) for n in ("append", "leases")):
         # (a wrapper that passes an EventStore's methods through is fine: tests inject faults so)
@@ -1415,7 +1416,7 @@ def _check_settings(store: Any, catalog: Any, *, dispatch_workers: Any, owner_wo
                      "the least events between storage snapshots (default 1000); 0 stores none")
     for name, value in (("poll_interval", poll_interval), ("cancel_grace", cancel_grace),
                         ("adopt_orphans_every", adopt_orphans_every)):
-        if not seconds(value) or value < 0:
+        if not _is_seconds(value):
             raise refuse(f"{name} must be a number of seconds, 0 or more, got {value!r}",
                          "poll_interval: how often the watcher looks at other writers (0: no watcher); "
                          "cancel_grace: how long a canceled call may finish; adopt_orphans_every: 0 = never")
@@ -2428,8 +2429,7 @@ class Runtime:
         timers due before the horizon are then waited for, slice after slice.
         """
         _seconds_argument(timeout, "wait_idle's timeout")
-        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int | float)
-                                    or not math.isfinite(horizon)):
+        if horizon is not None and not _is_seconds(horizon, negative=True):
             raise InvalidInput("runtime.invalid", f"wait_idle's horizon is a time.monotonic() instant, not "
                                f"{brief_repr(horizon)}", hint="pass time.monotonic() + seconds, or None")
         tree_id = self._tree_ref(tree)
