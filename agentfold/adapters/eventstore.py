@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -1100,29 +1100,29 @@ class EventStore:
         """Replace every pooled PostgreSQL session (those in use once they are handed back): after
         a write refused as read-only (``refuses_writes``). A session keeps the
         ``default_transaction_read_only`` it started with for its whole life (an hour in the
-        pool), so the store would stay read-only after the database takes writes again."""
-        self._renew_pool("drain", "renew")  # psycopg_pool 3.2 and later
+        pool), so the store would stay read-only after the database takes writes again.
+        psycopg_pool's ``drain`` replaces each one by one: the pool keeps its size."""
+        self._renew_pool("renew", lambda pool: pool.drain() if hasattr(pool, "drain") else None)  # psycopg_pool 3.2+
 
     def check_sessions(self) -> None:
-        """Test the idle pooled PostgreSQL sessions and replace the broken ones: after a session
+        """Test the idle pooled PostgreSQL sessions and let go of the broken ones: after a session
         the server ended (a restart, ``pg_ctl stop -m fast``) the others idle in the pool are
-        dead too, and each next use would fail again with the same old disconnect text.
-        (``forget_sessions`` replaces the live ones too.) The pool may open more sessions than
-        it had while it replaces them (after four restarts of the server, a follower held 12,
-        its pool's maximum, against 6 before); it closes the idle ones beyond its minimum after
-        psycopg_pool's ``max_idle`` (10 minutes)."""
-        self._renew_pool("check", "check")
+        dead too, and each next use would fail again with the same old disconnect text. The
+        pool opens sessions again as they are asked for (``drop_broken_sessions``), so it
+        holds no more of them after an outage than before. The sessions in use are left
+        alone (a broken one is replaced once it is handed back); ``forget_sessions`` replaces
+        the live ones too."""
+        self._renew_pool("check", drop_broken_sessions)
 
-    def _renew_pool(self, method: str, what: str) -> None:
-        """Call the PostgreSQL pool's ``method`` (``drain``, ``check``) when it has one."""
+    def _renew_pool(self, what: str, renew: Callable[[Any], object]) -> None:
+        """``renew`` the PostgreSQL store's connection pool (``what`` names it in the warning
+        that says it failed); nothing for other stores."""
         if self.backend != "postgresql" or self.factory is None:
             return
-        call = getattr(self.factory.datastore.pool, method, None)
-        if call is not None:
-            try:
-                call()
-            except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
-                log.warning("could not %s the store's PostgreSQL sessions: %s", what, exc)
+        try:
+            renew(self.factory.datastore.pool)
+        except Exception as exc:  # noqa: BLE001 - only a speed-up of the pool's own renewal
+            log.warning("could not %s the store's PostgreSQL sessions: %s", what, exc)
 
     def session(self, *, listen: bool = False) -> Any:
         """A connection of its own (autocommit) to this PostgreSQL store's database, outside the
@@ -1861,6 +1861,55 @@ class _SessionSocket:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def drop_broken_sessions(pool: Any) -> int:
+    """Test the idle connections of a psycopg_pool ``pool``, put the working ones back and close
+    the broken ones, without opening others in their place; how many it closed.
+
+    Why not psycopg_pool's ``check()``: it opens a new connection for each broken one AND
+    grows the pool by one more each time it is called (it calls its ``_maybe_grow_pool``,
+    meant for a client waiting while every connection is busy), and the client that waits
+    for a connection during the outage grows it by one again; those extra connections are
+    closed only one per ``max_idle`` (10 minutes). A follower so held 6 sessions, then 7, 9,
+    10, 11 after each of four server restarts, and on up to the pool's maximum. Here the pool
+    counts the broken ones as gone (as when it gives up reconnecting one), so the next
+    client that waits makes it open connections again, one after another up to its
+    ``min_size`` (more only while several clients wait at once, as usual): after an
+    outage the pool holds at most as many as before. A connection that works goes first to
+    a client waiting for one, as when it is handed back. Connections in use are not
+    touched: a broken one is replaced when it is handed back, by the pool itself.
+
+    Uses psycopg_pool's private state (3.2 to 3.3: ``_lock``, ``_pool``, ``_nconns``,
+    ``_nconns_min``, ``_waiting``, ``_maybe_grow_pool``, ``_add_to_pool``,
+    ``_close_connection``): a pool without them gets its own ``check()``."""
+    if not all(hasattr(pool, name) for name in ("_lock", "_pool", "_nconns", "_waiting", "_add_to_pool",
+                                                 "_close_connection")):
+        pool.check()
+        return 0
+    with pool._lock:
+        idle = list(pool._pool)
+        pool._pool.clear()
+    broken = 0
+    for conn in idle:
+        try:
+            pool.check_connection(conn)
+        except Exception:  # noqa: BLE001 - any failure: the connection does not work
+            broken += 1
+            try:
+                pool._close_connection(conn)
+            except Exception:  # noqa: BLE001 - closing a broken connection: nothing more to do
+                pass
+        else:
+            pool._add_to_pool(conn)  # to a waiting client first; closed if the pool was closed meanwhile
+    if broken:
+        with pool._lock:
+            pool._nconns = max(0, pool._nconns - broken)
+            if hasattr(pool, "_nconns_min"):  # idle connections seen lately: what the shrinking looks at
+                pool._nconns_min = min(pool._nconns_min, len(pool._pool))
+            if pool._waiting and hasattr(pool, "_maybe_grow_pool"):
+                pool._maybe_grow_pool()  # a client waiting since before: the pool was full then
+    return broken
 
 
 @functools.cache

@@ -416,6 +416,20 @@ def lost_session(exc: BaseException) -> bool:
     return False
 
 
+def renew_sessions(exc: BaseException, renew: Callable[[], None] | None,
+                   recheck: Callable[[], None] | None) -> None:
+    """What a following loop does to its store's pooled sessions after the failure ``exc``:
+    ``renew`` them after a write the database refused as read-only (``refuses_writes``: a
+    session keeps that setting for its life, ``EventStore.forget_sessions``), ``recheck``
+    them after a lost session (``lost_session``: the other idle sessions of a server that
+    shut down or restarted were cut too, ``EventStore.check_sessions``); nothing otherwise.
+    Shared by ``retry_until_stopped`` and ``serve``'s read-model follower thread."""
+    if renew is not None and refuses_writes(exc):
+        renew()
+    elif recheck is not None and lost_session(exc):
+        recheck()
+
+
 def retry_until_stopped(
     attempt: Callable[[], None],
     stop: threading.Event,
@@ -456,9 +470,10 @@ def retry_until_stopped(
     ``recheck`` is called after a lost session (``lost_session``): the other idle pooled
     sessions of a server that shut down or restarted are cut too, and each next attempt would
     take one of them and fail again with the same old disconnect text ("terminating connection
-    due to administrator command") while the server stays down; the broken ones replaced
+    due to administrator command") while the server stays down; the broken ones let go
     (``EventStore.check_sessions``), the next attempt connects anew and says what is true
-    then (no connection: the server is down or unreachable).
+    then (no connection: the server is down or unreachable), and the pool holds no more
+    sessions after the outage than before (``renew_sessions``).
     """
     failures = 0
     delay = backoff
@@ -475,10 +490,7 @@ def retry_until_stopped(
                 say(f"stopping; the attempt in progress failed: {one_line(exc)}")
                 return failures
             failures += 1
-            if renew is not None and refuses_writes(exc):
-                renew()
-            elif recheck is not None and lost_session(exc):
-                recheck()
+            renew_sessions(exc, renew, recheck)
             if on_failure is not None:
                 on_failure()
             if progress is not None:

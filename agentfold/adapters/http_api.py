@@ -59,7 +59,7 @@ from agentfold.adapters.eventstore import (
     sqlite_damage,
 )
 from agentfold.adapters.feed import held_trees_by_topic, publisher_positions
-from agentfold.adapters.follower import Follower, one_line
+from agentfold.adapters.follower import Follower, one_line, renew_sessions
 from agentfold.adapters.host import (
     answer_signal,
     checked_resolution,
@@ -538,8 +538,11 @@ class FollowerThread:
                 follower.follow(self._stop)
             except Exception as exc:  # noqa: BLE001 - reads fold meanwhile; try again
                 self.state = "restarting"
-                if refuses_writes(exc):  # new sessions once the database takes writes again
-                    self.store.forget_sessions()
+                # As the CLI followers: new sessions once the database takes writes again (read
+                # only); after a lost session, the other idle pooled sessions the server cut are
+                # let go (only idle ones: those the requests hold are left alone), so the next
+                # failure says what is true then, not the old disconnect text again.
+                renew_sessions(exc, self.store.forget_sessions, self.store.check_sessions)
                 log.error("read-model follower failed (reads fold until it recovers): %s", one_line(exc))
                 self._stop.wait(self.retry)
         self.state = "stopped"
