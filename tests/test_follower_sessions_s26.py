@@ -140,3 +140,52 @@ def test_serve_follower_says_there_is_no_connection_while_postgresql_stays_down(
     for line in failures()[1:4]:
         assert "administrator command" not in line and "server closed the connection" not in line, server.logs()
         assert "no PostgreSQL connection within 1 s" in line and "down or unreachable" in line, server.logs()
+
+
+def test_a_call_waiting_for_a_session_while_the_broken_ones_are_dropped_gets_a_new_one(pg_database: str) -> None:
+    """``drop_broken_sessions`` takes the idle sessions out of the pool to test them; a call that
+    asks for one meanwhile waits (and, the pool full, cannot grow it). When every idle one was
+    broken, the pool must open a new one for that call instead of leaving it to wait out its
+    whole timeout (``store.unavailable`` for a request of ``serve``). A one-session pool whose
+    session the server ended (``pg_terminate_backend``), and a call that starts waiting while it
+    is being tested."""
+    from psycopg_pool import ConnectionPool
+
+    from agentfold.adapters.eventstore import drop_broken_sessions
+
+    pool = ConnectionPool(pg_database, min_size=1, max_size=1, open=True, kwargs={"autocommit": True})
+    try:
+        pool.wait(10)
+        with pool.connection() as conn:
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        with psycopg.connect(pg_database, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        got: list[object] = []
+
+        def call() -> None:
+            try:
+                with pool.connection(timeout=20) as conn:
+                    got.append(conn.execute("SELECT 1").fetchone())
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                got.append(exc)
+
+        waiter = threading.Thread(target=call)
+        real_check = pool.check_connection
+
+        def check_once_a_call_waits(conn: object) -> None:
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while not pool._waiting:  # the call found no idle session: it waits
+                assert time.monotonic() < deadline, "the call did not wait"
+                time.sleep(0.01)
+            real_check(conn)
+
+        pool.check_connection = check_once_a_call_waits  # type: ignore[method-assign]
+        started = time.monotonic()
+        assert drop_broken_sessions(pool) == 1
+        waiter.join(15)
+        assert got == [(1,)], got
+        assert time.monotonic() - started < 10  # served by a new session, not at its timeout
+    finally:
+        pool.close()
