@@ -40,7 +40,6 @@ import argparse
 import importlib
 import io
 import json
-import math
 import os
 import signal
 import sqlite3
@@ -1091,14 +1090,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: The shortest ``--poll-interval`` of a follower: below a millisecond it only keeps a core busy
+#: polling (``1e-300`` spun at ~45% of a core on an idle SQLite store).
+MIN_POLL_INTERVAL = 0.001
+
+
 def positive_seconds(text: str) -> float:
-    """An option's number of seconds: positive and finite (``--poll-interval``, ``--idle-exit``)."""
+    """An option's number of seconds: positive and at most ``MAX_TIMEOUT`` (``--idle-exit``;
+    beyond, a wait overflowed the platform's clock: ``cli.internal`` once the command ran)."""
+    return _seconds_within(text, 0.0, "a positive number of seconds")
+
+
+def poll_seconds(text: str) -> float:
+    """A follower's ``--poll-interval``: from ``MIN_POLL_INTERVAL`` to ``MAX_TIMEOUT`` seconds."""
+    return _seconds_within(text, MIN_POLL_INTERVAL, f"a number of seconds from {MIN_POLL_INTERVAL:g}")
+
+
+def _seconds_within(text: str, least: float, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not (value > 0 and math.isfinite(value)):  # NaN compares false
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    if not (value > 0 and least <= value <= MAX_TIMEOUT):  # NaN compares false
+        raise argparse.ArgumentTypeError(f"must be {what} up to {MAX_TIMEOUT:.0f} (30 days), not {text!r}")
     return value
 
 
@@ -1218,7 +1232,7 @@ def build_parser() -> argparse.ArgumentParser:
     project.add_argument("--rebuild", action="store_true", help="empty the tables and project every event again")
     project.add_argument("--batch", type=_positive_int, default=1000, metavar="N",
                          help="events per transaction (default 1000)")
-    project.add_argument("--poll-interval", type=positive_seconds, default=0.05, metavar="SECONDS",
+    project.add_argument("--poll-interval", type=poll_seconds, default=0.05, metavar="SECONDS",
                          help="with --follow: SQLite polls this often; PostgreSQL listens and re-checks every "
                          "10 x SECONDS as a safety net (default 0.05)")
     for module in COMMAND_MODULES:  # commands kept in their own modules (each has register(command))

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from agentfold.adapters.cli import PROG, Context, Outcome, positive_seconds, print_outcome
+from agentfold.adapters.cli import PROG, Context, Outcome, poll_seconds, positive_seconds, print_outcome
 from agentfold.adapters.eventstore import redact
 from agentfold.adapters.feed import (
     DEFAULT_BATCH,
@@ -336,7 +336,7 @@ def register(command: Any) -> None:
                          help="replication factor of a topic this command creates (default 1)")
     publish.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH, metavar="N",
                          help=f"events per acknowledged batch (default {DEFAULT_BATCH})")
-    publish.add_argument("--poll-interval", type=positive_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
+    publish.add_argument("--poll-interval", type=poll_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
                          help="when following: SQLite polls this often; PostgreSQL listens and re-checks every "
                          f"10 x SECONDS as a safety net (default {DEFAULT_POLL_INTERVAL})")
 

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import ipaddress
 import json
-import math
 import os
 import signal
 import socket
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from agentfold.adapters.cli import MAX_TIMEOUT
 from agentfold.adapters.runtime import DEFAULT_DISPATCH_WORKERS, MAX_DISPATCH_WORKERS
 from agentfold.domain.errors import AgentfoldError, InvalidInput
 
@@ -229,9 +229,10 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
         raise InvalidInput("http.token_invalid", f"{TOKEN_ENV} must be printable ASCII without spaces",
                            hint=f"e.g. export {TOKEN_ENV}=$(openssl rand -hex 32)")
     adopt_every = args.adopt_every
-    if not (adopt_every >= 0 and math.isfinite(adopt_every)):
-        raise InvalidInput("cli.argument_invalid", f"--adopt-every must be a number of seconds >= 0, got {adopt_every}",
-                           hint="0 turns the scan off")
+    if not 0 <= adopt_every <= MAX_TIMEOUT:  # NaN compares false; beyond, the scan's timer overflows
+        raise InvalidInput("cli.argument_invalid",
+                           f"--adopt-every must be a number of seconds from 0 to {MAX_TIMEOUT:.0f} (30 days), "
+                           f"got {adopt_every:g}", hint="0 turns the scan off")
     workers = args.dispatch_workers
     if not 1 <= workers <= MAX_DISPATCH_WORKERS:
         raise InvalidInput("cli.argument_invalid",

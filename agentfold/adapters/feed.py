@@ -43,7 +43,6 @@ import collections
 import dataclasses
 import hashlib
 import logging
-import math
 import os
 import re
 import threading
@@ -625,8 +624,12 @@ class Publisher:
         check_topic(topic)
         if batch_size < 1:
             raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
-        if not (poll_interval > 0 and math.isfinite(poll_interval)):  # NaN compares false
-            raise InvalidInput("feed.poll_interval_invalid", f"poll interval {poll_interval} must be positive and finite")
+        from agentfold.adapters.follower import MAX_POLL_INTERVAL, poll_interval_valid
+
+        if not poll_interval_valid(poll_interval):
+            raise InvalidInput("feed.poll_interval_invalid",
+                               f"poll interval {poll_interval} must be a number of seconds above 0 and at most "
+                               f"{MAX_POLL_INTERVAL:.0f} (30 days)")
         self.store = store
         self.topic = topic
         self.batch_size = batch_size

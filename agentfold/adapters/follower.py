@@ -110,6 +110,17 @@ def _log_corrupt(found: CorruptTree) -> None:
     log.warning("read models: %s", corrupt_tree_line(found))
 
 
+#: The longest poll interval a follower takes (30 days): a PostgreSQL follower re-checks every
+#: 10 x the interval, and a longer wait overflowed the platform's clock once it followed.
+MAX_POLL_INTERVAL = 30 * 86400.0
+
+
+def poll_interval_valid(seconds: object) -> bool:
+    """A number of seconds above 0 and at most ``MAX_POLL_INTERVAL`` (not NaN, not a bool)."""
+    return (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            and 0 < seconds <= MAX_POLL_INTERVAL)
+
+
 class Follower:
     """Keeps one store's read models current."""
 
@@ -131,8 +142,10 @@ class Follower:
         follower's catalog does not bind (same default)."""
         if batch_size < 1:
             raise InvalidInput("projection.batch_invalid", f"batch size {batch_size} must be at least 1")
-        if not poll_interval > 0:
-            raise InvalidInput("projection.poll_interval_invalid", f"poll interval {poll_interval} must be positive")
+        if not poll_interval_valid(poll_interval):
+            raise InvalidInput("projection.poll_interval_invalid",
+                               f"poll interval {poll_interval} must be a number of seconds above 0 and at most "
+                               f"{MAX_POLL_INTERVAL:.0f} (30 days)")
         self.store = store
         self.catalog = catalog or Catalog()
         self.read_models = read_models or ReadModels(store)

@@ -22,6 +22,7 @@ import pytest
 
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.feed import Publisher, PublisherPosition, store_envelopes
+from agentfold.adapters.follower import Follower
 from agentfold.domain.errors import InvalidInput
 from tests.feed.support import ROOT, read_topic_confluent
 from tests.feed.workload import Workload
@@ -156,7 +157,8 @@ def test_publish_creates_a_missing_topic_with_the_requested_partitions_and_keeps
         assert seen == list(range(1, versions[tree] + 1)), tree
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+# 1e-300 spun a core polling; 1e300 overflowed a wait once following (cli.internal).
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon", "1e-300", "0.0009", "1e300"])
 def test_publish_refuses_a_poll_interval_that_is_not_a_positive_number_of_seconds(tmp_path: Path, value: str) -> None:
     # Refused while parsing: no store is opened (this one does not exist) and no broker is contacted.
     ran = refused(agentfold("publish", "--bootstrap", "127.0.0.1:9", "--topic", "t", "--poll-interval", value,
@@ -168,10 +170,14 @@ def test_publish_refuses_a_poll_interval_that_is_not_a_positive_number_of_second
 def test_the_publisher_api_refuses_a_poll_interval_that_is_not_positive(tmp_path: Path) -> None:
     store = EventStore(f"sqlite:///{tmp_path / 'store.db'}")
     try:
-        for value in (0.0, -1.0, float("nan"), float("inf")):
+        for value in (0.0, -1.0, float("nan"), float("inf"), 1e300, True, "1"):
             with pytest.raises(InvalidInput) as refused_value:  # before any broker is contacted
-                Publisher(store, "127.0.0.1:9", "t", poll_interval=value)
+                Publisher(store, "127.0.0.1:9", "t", poll_interval=value)  # type: ignore[arg-type]
             assert refused_value.value.code == "feed.poll_interval_invalid"
+            # The read-model follower's, which took inf and 1e300 (they overflowed a wait once it followed).
+            with pytest.raises(InvalidInput) as refused_value:
+                Follower(store, poll_interval=value)  # type: ignore[arg-type]
+            assert refused_value.value.code == "projection.poll_interval_invalid"
     finally:
         store.close()
 
@@ -228,3 +234,13 @@ def test_transcripts_on_a_topic_that_does_not_exist_fails_at_once_and_creates_no
     assert f"the topic '{typo}' does not exist" in error["message"], error
     assert time.monotonic() - began < 30
     assert not _topic_exists(kafka_bootstrap, typo)
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "1e-300", "0.0009", "1e300"])
+def test_project_refuses_a_poll_interval_outside_a_millisecond_to_thirty_days(tmp_path: Path, value: str) -> None:
+    # Refused while parsing, before the store is opened (this one does not exist): 1e-300 spun a
+    # core polling an idle SQLite store, 1e300 overflowed a wait once it followed (cli.internal).
+    ran = refused(agentfold("project", "--follow", "--poll-interval", value, "--json",
+                            store=f"sqlite:///{tmp_path / 'missing.db'}"))
+    error = ran.error()
+    assert error["code"] == "cli.usage" and "from 0.001 up to 2592000" in error["message"], error

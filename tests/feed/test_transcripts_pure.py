@@ -348,7 +348,7 @@ def test_agentfold_transcript_reads_and_creates_nothing_on_a_mistyped_db(tmp_pat
 
 def test_transcripts_refuses_an_idle_exit_that_is_not_a_positive_number(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    for value in ("-2", "0", "nan"):
+    for value in ("-2", "0", "nan", "1e300"):  # 1e300: beyond what a wait can take
         ran = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "transcripts", "--bootstrap", "127.0.0.1:1",
                               "--topic", "t", "--group", "g", "--db", f"sqlite:///{db}", "--idle-exit", value],
                              cwd=ROOT, capture_output=True, text=True)
