@@ -624,12 +624,9 @@ class Publisher:
         check_topic(topic)
         if batch_size < 1:
             raise InvalidInput("feed.batch_size", "the batch size must be at least 1")
-        from agentfold.adapters.follower import MAX_POLL_INTERVAL, poll_interval_valid
+        from agentfold.adapters.follower import check_poll_interval
 
-        if not poll_interval_valid(poll_interval):
-            raise InvalidInput("feed.poll_interval_invalid",
-                               f"poll interval {poll_interval} must be a number of seconds above 0 and at most "
-                               f"{MAX_POLL_INTERVAL:.0f} (30 days)")
+        check_poll_interval(poll_interval, "feed.poll_interval_invalid")
         self.store = store
         self.topic = topic
         self.batch_size = batch_size

@@ -115,10 +115,12 @@ def _log_corrupt(found: CorruptTree) -> None:
 MAX_POLL_INTERVAL = 30 * 86400.0
 
 
-def poll_interval_valid(seconds: object) -> bool:
-    """A number of seconds above 0 and at most ``MAX_POLL_INTERVAL`` (not NaN, not a bool)."""
-    return (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-            and 0 < seconds <= MAX_POLL_INTERVAL)
+def check_poll_interval(seconds: object, code: str) -> None:
+    """Refuse (``code``) a poll interval that is no number of seconds above 0 and at most
+    ``MAX_POLL_INTERVAL`` (NaN, a bool, text); the read-model follower's and the publisher's."""
+    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds <= MAX_POLL_INTERVAL):
+        raise InvalidInput(code, f"poll interval {seconds!r} must be a number of seconds above 0 and at most "
+                                 f"{MAX_POLL_INTERVAL:.0f} (30 days)")
 
 
 class Follower:
@@ -142,10 +144,7 @@ class Follower:
         follower's catalog does not bind (same default)."""
         if batch_size < 1:
             raise InvalidInput("projection.batch_invalid", f"batch size {batch_size} must be at least 1")
-        if not poll_interval_valid(poll_interval):
-            raise InvalidInput("projection.poll_interval_invalid",
-                               f"poll interval {poll_interval} must be a number of seconds above 0 and at most "
-                               f"{MAX_POLL_INTERVAL:.0f} (30 days)")
+        check_poll_interval(poll_interval, "projection.poll_interval_invalid")
         self.store = store
         self.catalog = catalog or Catalog()
         self.read_models = read_models or ReadModels(store)
