@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -99,8 +100,11 @@ def test_project_follow_holds_no_more_sessions_after_each_server_restart(own_pg:
             follower.process.kill()
             follower.process.wait(10)
     assert status == 0, follower.stderr
-    assert "3 store failure(s) retried" in out, out
     assert all(count <= before for count in counts), (before, counts, follower.stderr)
+    # At least one failure per restart; a loaded machine may see two (its next attempt came
+    # while the server was still starting: fresh-clone CI run121 counted 4).
+    retried = re.search(r"\((\d+) store failure\(s\) retried\)", out)
+    assert retried is not None and int(retried.group(1)) >= 3, out
 
 
 def test_serve_follower_says_there_is_no_connection_while_postgresql_stays_down(
