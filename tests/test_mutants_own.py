@@ -29,40 +29,6 @@ from tests.test_orphan_adoption import parked_asker
 from tests.test_terminal_request_takeover import accept_none
 
 
-def test_an_answer_that_lands_after_the_orphan_scan_judged_the_parked_run_is_driven_by_that_scan(
-    durable_store_url: str,
-) -> None:
-    """The scan held the lease, found the run parked with nothing in flight (leave it), and only
-    then did an answer arrive through a runtime that could not take the tree (the scan held its
-    lease) and so recorded it without driving it. Nobody else will try again: the scan must see
-    the index row moved on when it lets go and adopt the run there and then, or the answer waits
-    undriven until some later scan or `recover`."""
-    program, handle, wait = parked_asker(durable_store_url, "judged-1")
-    judged, answered = threading.Event(), threading.Event()
-    with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner, \
-            Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as answering:
-        look = scanner.needs_recovery
-
-        def judged_then_the_answer_lands(head: Any) -> bool:
-            verdict = look(head)  # parked, nothing in flight: leave it
-            judged.set()
-            assert answered.wait(30)
-            return verdict
-
-        scanner.needs_recovery = judged_then_the_answer_lands  # type: ignore[method-assign]
-        scan: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: scan.setdefault("adopted", scanner.adopt_orphans()), daemon=True)
-        thread.start()
-        assert judged.wait(30)
-        assert answering.deliver_signals(
-            handle.root_process_id, [SignalRequest(SignalID("judged-answer"), {"name": "late"}, wait)])
-        assert not answering.drives(handle.tree_id)  # the scan still held the lease: recorded only
-        answered.set()
-        thread.join(30)
-        assert scan["adopted"] == [handle.tree_id]
-        assert scanner.result(handle.tree_id, timeout=30).output == {"hello": "late"}
-
-
 def test_a_cancel_sent_again_while_a_passing_holder_has_the_lease_carries_the_recorded_cancel_out(
     durable_store_url: str,
 ) -> None:

@@ -130,19 +130,26 @@ def test_an_answer_sent_while_a_scan_held_the_lease_to_look_is_driven_once_the_l
         assert answering.result(handle.tree_id, timeout=30).output == {"hello": "n"}
 
 
-def test_a_scan_that_looked_at_a_parked_tree_while_an_answer_came_drives_the_answer(durable_store_url: str) -> None:
+@pytest.mark.parametrize("judged_first", [False, True], ids=["while-it-looked", "after-it-judged"])
+def test_a_scan_that_looked_at_a_parked_tree_while_an_answer_came_drives_the_answer(
+    durable_store_url: str, judged_first: bool,
+) -> None:
     """The answer came (through a runtime that could not take the tree) while the scan held the
-    lease to look: the scan finds the tree moved on when it lets go, and adopts it there and then."""
-    program, handle, wait = parked_asker(durable_store_url, "looked-2")
+    lease to look, before or after the scan judged the run parked with nothing in flight (leave
+    it): the scan finds the tree moved on when it lets go, and adopts it there and then. Nobody
+    else will try again, or the answer waits undriven until some later scan or `recover` (the
+    second case: found by the mutation audit of 2026-12-05)."""
+    program, handle, wait = parked_asker(durable_store_url, f"looked-2-{judged_first}")
     looking, answered = threading.Event(), threading.Event()
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as scanner, \
             Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0) as answering:
         look = scanner.needs_recovery
 
         def slow_look(head: Any) -> bool:
+            verdict = look(head) if judged_first else None
             looking.set()
             assert answered.wait(30)
-            return look(head)
+            return look(head) if verdict is None else verdict
 
         scanner.needs_recovery = slow_look  # type: ignore[method-assign]
         scan: dict[str, Any] = {}
