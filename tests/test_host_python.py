@@ -24,7 +24,7 @@ from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.sources import ProgramSources
 from agentfold.adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
 from agentfold.domain.errors import InvalidInput, NotFound, Rejected
-from agentfold.domain.ids import TreeID
+from agentfold.domain.ids import ProcessID, TreeID
 from agentfold.domain.program import Program
 
 INPUT = {"messages": [{"role": "user", "content": "Book it."}]}
@@ -231,22 +231,32 @@ def test_arguments_of_the_wrong_kind_get_classified_errors_and_change_nothing(ur
         store.close()
 
 
-def test_an_answer_to_a_canceled_runs_input_says_the_process_ended(url: str) -> None:
+@pytest.mark.parametrize(("control", "target", "ended"), [
+    ("cancel", "root", "canceled"), ("kill", "tool", "killed"), ("deadline", "tool", "timed_out"),
+])
+def test_an_answer_to_the_input_of_a_process_that_ended_says_the_process_ended(
+    url: str, control: str, target: str, ended: str,
+) -> None:
     """It said ``engine.signal.rejected`` "not a pending tool input", where ``deliver_signals``
-    and ``steer`` say ``engine.process.finished`` (a review of the Python API)."""
+    and ``steer`` say ``engine.process.finished`` (a review of the Python API). Whatever ended
+    the process that asked (the run canceled, its tool call killed or past its deadline: the
+    last two found by the mutation audit of 2026-12-05), its wait takes no answer and nothing
+    is stored."""
     program = agent()
     store = EventStore(url)
     try:
         with Runtime(store, Catalog([program])) as runtime:
             host = Host(runtime)
-            run, pending = parked_on_approval(runtime, program, "r-canceled")
-            runtime.cancel(run.root_process_id)
-            assert run.result(timeout=30).status == "canceled"
-            events = stored(store, "r-canceled")
+            run, pending = parked_on_approval(runtime, program, f"r-{control}")
+            getattr(runtime, control)(pending["process_id"] if target == "tool" else run.root_process_id)
+            assert run.result(timeout=30).status in ("failed", "canceled")
+            tool = runtime.capture(run.tree_id).processes[ProcessID(pending["process_id"])]
+            assert tool.status == ended, tool.status
+            events = stored(store, f"r-{control}")
             with pytest.raises(Rejected) as late:
                 host.answer(pending["process_id"], pending["wait_id"], {"ok": True})
             assert late.value.code == "engine.process.finished", late.value
-            assert "already ended canceled" in late.value.message, late.value.message
-            assert stored(store, "r-canceled") == events
+            assert f"already ended {ended}" in late.value.message, late.value.message
+            assert stored(store, f"r-{control}") == events
     finally:
         store.close()

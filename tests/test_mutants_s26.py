@@ -10,8 +10,8 @@ let through (the report of the audit lists them):
   the host resolves as failed);
 - counts the kernel computes are read strictly from stored events (``StrictCount``);
 - the Python API's argument checks: every Budget quota, the Runtime's settings up to
-  ``threading.TIMEOUT_MAX``, negative ``drain``/``close`` bounds that mean "do not wait",
-  an answer to the input of a run that ended in any way.
+  ``threading.TIMEOUT_MAX``, negative ``drain``/``close`` bounds that mean "do not wait"
+  (an answer to the input of a run that ended in any way: tests/test_host_python.py).
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from agentfold.adapters.interaction import InteractionConfig, compile_interactio
 from agentfold.adapters.models import ScriptedModel
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.budget import Budget, Quota
-from agentfold.domain.errors import InvalidInput, Rejected
+from agentfold.domain.errors import InvalidInput
 from agentfold.domain.events import EffectResolved
-from agentfold.domain.ids import EffectID, ProcessID
+from agentfold.domain.ids import EffectID
 from agentfold.domain.interaction.settle import settle_prepared_context
 from agentfold.domain.program import Program, Replay
 from agentfold.domain.requests import EffectRequest, Settlement
 from tests.interaction.test_resolution_checked import (
     FINAL,
     DownSummarizer,
+    _helpers_outcome_completes,
     _parked,
     _refused,
-    _request,
     running,
     tool_program,
 )
@@ -49,7 +49,6 @@ from tests.kernel_programs import chain_program
 from tests.reduced_program import program as reduced_program
 from tests.test_cli import ROOT, agentfold, ok
 from tests.test_forged_histories import rewrite
-from tests.test_host_python import agent, parked_on_approval, stored
 
 
 def _resolved(store: EventStore, tree_id: Any, effect: EffectID) -> EffectResolved:
@@ -121,10 +120,8 @@ def test_a_hand_built_context_preparation_outcome_is_refused_before_it_is_record
         _refused(runtime, store, handle, effect, Settlement.succeeded({"messages": [
             {"role": "user", "content": "hi (summarized)"}]}), "interaction.settlement.invalid",
             '{"prepared_context": {"messages": [...]}}')
-        owner, request = _request(store, handle, program, effect)
-        runtime.resolve_unknown_effect(effect, settle_prepared_context(
-            owner, request, [{"role": "user", "content": "hi (summarized)"}]))
-        assert runtime.result(handle.tree_id, timeout=30).status == "completed"
+        _helpers_outcome_completes(runtime, store, handle, program, effect, settle_prepared_context,
+                                   [{"role": "user", "content": "hi (summarized)"}])
 
 
 def test_a_context_preparation_the_host_resolves_as_failed_fails_the_run_with_its_error(tmp_path: Path) -> None:
@@ -287,34 +284,5 @@ def test_a_negative_drain_or_close_bound_means_do_not_wait(tmp_path: Path) -> No
         runtime.close(-1)
         assert runtime.closed
         assert runtime.result("done", timeout=5).status == "completed"
-    finally:
-        store.close()
-
-
-@pytest.mark.parametrize(("control", "target", "ended"), [
-    ("kill", "tool", "killed"), ("deadline", "tool", "timed_out"), ("cancel", "root", "canceled"),
-])
-def test_an_answer_to_the_input_of_a_process_that_ended_says_the_process_ended(
-    tmp_path: Path, control: str, target: str, ended: str,
-) -> None:
-    """Not only a canceled one's: whatever ended the process that asked (its tool call killed or
-    past its deadline, the run canceled), its wait takes no answer (``engine.process.finished``,
-    as ``deliver_signals`` and ``steer`` say), and nothing is stored."""
-    program = agent()
-    store = EventStore(f"sqlite:///{tmp_path / 'ended.db'}")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            run, pending = parked_on_approval(runtime, program, f"r-{control}")
-            getattr(runtime, control)(pending["process_id"] if target == "tool" else run.root_process_id)
-            assert run.result(timeout=30).status in ("failed", "canceled")
-            tool = runtime.capture(run.tree_id).processes[ProcessID(pending["process_id"])]
-            assert tool.status == ended, tool.status
-            events = stored(store, f"r-{control}")
-            with pytest.raises(Rejected) as late:
-                host.answer(pending["process_id"], pending["wait_id"], {"ok": True})
-            assert late.value.code == "engine.process.finished", late.value
-            assert f"already ended {ended}" in late.value.message, late.value.message
-            assert stored(store, f"r-{control}") == events
     finally:
         store.close()

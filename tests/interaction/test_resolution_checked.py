@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +103,18 @@ def _refused(runtime: Runtime, store: EventStore, handle: Any, effect: EffectID,
     assert effect in after.unknown_ids
 
 
-def _request(store: EventStore, handle: Any, program: Program, effect: EffectID) -> Any:
+def _helpers_outcome_completes(runtime: Runtime, store: EventStore, handle: Any, program: Program, effect: EffectID,
+                               settle: Callable[[Program, Any, Any], Settlement], value: Any) -> None:
+    """Resolve ``effect`` with what ``settle`` (a settle helper) builds from ``value`` for the
+    Effect's own Program and request: the run completes."""
     tree = store.load(handle.tree_id, Catalog([program]).resolve).state
     found = tree.find_effect(effect)
     assert found is not None
-    child = Catalog([program]).resolve(found[0].program)
-    assert child is not None
-    return child, effect_request(tree, found[0].process_id, effect, child)
+    owner = Catalog([program]).resolve(found[0].program)
+    assert owner is not None
+    runtime.resolve_unknown_effect(effect, settle(owner, effect_request(tree, found[0].process_id, effect, owner), value))
+    result = runtime.result(handle.tree_id, timeout=30)
+    assert result.status == "completed", result
 
 
 def test_a_hand_built_model_outcome_is_refused_and_the_helpers_one_completes_the_run(tmp_path: Path) -> None:
@@ -123,10 +128,7 @@ def test_a_hand_built_model_outcome_is_refused_and_the_helpers_one_completes_the
                  Settlement.succeeded({"model_result": {"response": {"finish_reason": "eos", "message": {
                      "role": "assistant", "content": [{"type": "text", "text": "x"}]}}}}),
                  "interaction.settlement.invalid", "unknown finish reason 'eos'")
-        owner, request = _request(store, handle, program, effect)
-        runtime.resolve_unknown_effect(effect, settle_model_result(owner, request, FINAL))
-        result = runtime.result(handle.tree_id, timeout=30)
-        assert result.status == "completed", result
+        _helpers_outcome_completes(runtime, store, handle, program, effect, settle_model_result, FINAL)
 
 
 def test_a_tool_output_the_helpers_would_rewrite_is_refused_and_theirs_completes_the_run(tmp_path: Path) -> None:
@@ -141,10 +143,7 @@ def test_a_tool_output_the_helpers_would_rewrite_is_refused_and_theirs_completes
             "disposition": "maybe", "output": {}}}}), "interaction.settlement.invalid", "disposition must be one of")
         _refused(runtime, store, handle, effect, Settlement.succeeded({"result": "found it"}),
                  "interaction.settlement.invalid", '{"tool_result": {"completion"')
-        owner, request = _request(store, handle, program, effect)
-        runtime.resolve_unknown_effect(effect, settle_tool_result(owner, request, "found it"))
-        result = runtime.result(handle.tree_id, timeout=30)
-        assert result.status == "completed", result
+        _helpers_outcome_completes(runtime, store, handle, program, effect, settle_tool_result, "found it")
 
 
 def test_a_failed_tool_outcome_is_the_hosts_to_give_and_fails_the_call(tmp_path: Path) -> None:
