@@ -195,6 +195,33 @@ def test_a_cancel_nobody_carried_out_is_progress_for_recovery_not_a_parked_run(d
         store.close()
 
 
+def test_an_ended_run_whose_index_row_says_parked_is_not_taken_over(durable_store_url: str) -> None:
+    # The index row is what recovery and the orphan scan list from; one that was behind the
+    # history (edited, or written by a writer that ended the run after it was read) must not
+    # make a runtime append a WriterActivated to a history whose every Process ended: the fold
+    # refuses it (writer.tree_ended), so such an append would make the run unreadable.
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="ending.chain")
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program])) as owner:
+            handle = owner.start(program, {"n": 2}, start_id="ending-row-behind")
+            assert owner.result(handle.tree_id, timeout=30).status == "completed"
+        before = len(store.read(handle.tree_id))
+        Sql(durable_store_url)._run(
+            "UPDATE agentfold_trees SET classification = 'parked', status = 'running' WHERE tree_id = ?",
+            (str(handle.tree_id),),
+        )
+        with Runtime(store, Catalog([program])) as recovering:
+            # Asked for by name, it is what a finished run gives: its handle (nothing to drive).
+            assert [h.tree_id for h in recovering.recover(str(handle.tree_id))] == [handle.tree_id]
+            assert recovering.recover() == []
+            assert recovering.recover(if_needed=True) == []
+            assert recovering.capture(handle.tree_id).root.status == "completed"
+        assert len(store.read(handle.tree_id)) == before
+    finally:
+        store.close()
+
+
 class Fan(JsonStrategy):
     """Declares three calls in one Step, then pauses."""
 

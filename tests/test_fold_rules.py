@@ -1152,6 +1152,21 @@ def test_writer_new_incarnation_an_incarnation_is_never_reused() -> None:
     assert_corrupt(insert(base, 6, bad), bad, "writer.new_incarnation")
 
 
+def test_writer_tree_ended_no_writer_activates_a_tree_whose_processes_all_ended() -> None:
+    base = unknown_then_resolved()  # ends with the root's (the only Process's) ProcessTerminated
+    bad = activated(INC3, INC2)
+    assert_corrupt([*base, bad], bad, "writer.tree_ended")
+
+
+def test_a_writer_may_activate_a_tree_whose_root_ended_while_a_child_still_runs() -> None:
+    # The root's end gives its live child a cancel intent; the child's end is still to be
+    # decided, by whoever owns the tree next.
+    events = [*waiting_for_a_child()[:7], control("kill"), terminated("killed", "engine_kill"), activated(INC2, INC1)]
+    tree = fold_tree(events)
+    assert tree.root.terminal and tree.incarnation == INC2
+    assert tree.classification() != "terminal"
+
+
 def test_writer_root_an_activation_names_the_root() -> None:
     bad = activated(INC2, INC1, pid=CHILD)
     assert_corrupt([started(), bad], bad, "writer.root")

@@ -1766,6 +1766,11 @@ class Runtime:
         incarnation = self.ids.incarnation_id()
         base_incarnation = loaded.state.incarnation
         for _ in range(64):
+            if loaded.state.classification() == "terminal":
+                # Every Process ended (its index row was behind, or a writer ended it after that
+                # row was read): there is nothing to drive, and the fold refuses an activation of
+                # an ended tree (``writer.tree_ended``).
+                return None
             stored_version = loaded.state.version  # (the kernel folds what it decides into the state)
             driver = _Driver(self, tree_id, loaded, incarnation)
             with driver.lock:
@@ -1930,6 +1935,11 @@ class Runtime:
                         "recover it with another runtime",
                     )
                 if tree is not None:
+                    ended = self._load(tree_id).state
+                    if ended.classification() == "terminal":
+                        # Ended, though its index row said otherwise (``_activate``): as above.
+                        handles.append(RunHandle(self, tree_id, ended.root.process_id, ended.start_id))  # type: ignore[arg-type]
+                        continue
                     raise Fenced(
                         "engine.tree.owned", f"tree {tree_id} is owned by another live runtime",
                         hint="that runtime drives it; send input instead, or stop it first",

@@ -750,6 +750,8 @@ class TreeState:
     def _on_writer_activated(self, pos: int, e: WriterActivated, _: Any) -> None:
         if e.process_id != self.root_id:
             raise self.fail(pos, "writer.root", "WriterActivated must name the root process")
+        if not self.live:
+            raise self.fail(pos, "writer.tree_ended", "WriterActivated after every process of the tree ended")
         if e.previous_incarnation_id != self.incarnation:
             raise self.fail(
                 pos,
