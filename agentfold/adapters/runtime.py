@@ -1935,7 +1935,7 @@ class Runtime:
                         "recover it with another runtime",
                     )
                 if tree is not None:
-                    ended = self._load(tree_id).state
+                    ended = self.store.load(tree_id).state  # the kernel's fold: no Program needs binding
                     if ended.classification() == "terminal":
                         # Ended, though its index row said otherwise (``_activate``): as above.
                         handles.append(RunHandle(self, tree_id, ended.root.process_id, ended.start_id))  # type: ignore[arg-type]
