@@ -88,7 +88,7 @@ def dump(url: str) -> dict[str, Any]:
 
 def empty_rows(tree_id: str) -> dict[str, Any]:
     return {"tree_id": tree_id, "version": 0, "run": None, "rounds": [], "delegates": [], "pending": [],
-            "unknown": []}
+            "unknown": [], "gates": []}
 
 
 def assert_tables(url: str, healthy: list[str], bad: str, position: int) -> CorruptTree:
@@ -121,7 +121,7 @@ def assert_tables(url: str, healthy: list[str], bad: str, position: int) -> Corr
             assert tables.pending(TreeID(tree_id)) == rows.pending
             assert tables.unknown(TreeID(tree_id)) == rows.unknown
         # Store-wide listings: the tables give folding's answer, the corrupt tree named alike.
-        for question in ("pending", "unknown", "runs"):
+        for question in ("pending", "unknown", "gates", "runs"):
             from_tables, folded = getattr(tables, question)(), getattr(folding, question)()
             if question == "runs":  # the two number their page cursors differently
                 from_tables, folded = [r["tree_id"] for r in from_tables], [r["tree_id"] for r in folded]

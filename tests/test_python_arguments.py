@@ -190,11 +190,12 @@ def test_a_host_with_sources_of_the_wrong_type_and_gates_of_no_text_are_refused(
                 with pytest.raises(InvalidInput) as refused:
                     Host(runtime, sources=sources)  # type: ignore[arg-type]
                 assert refused.value.code == "runtime.invalid" and "ProgramSources" in refused.value.message
-            for tree in (None, 5, b"p10"):
+            for tree in (5, b"p10"):
                 with pytest.raises(InvalidInput) as refused:
                     Host(runtime).gates(tree)  # type: ignore[arg-type]
-                # as host.run(None): the run's name is no text (it was "no tree 'None'")
+                # as host.run(5): the run's name is no text (it was "no tree '5'")
                 assert refused.value.code == "identity.invalid", refused.value
+            assert Host(runtime).gates(None) == []  # no run named: every run's, as pending(None)
     finally:
         store.close()
 

@@ -837,14 +837,25 @@ def cmd_gates(ctx: Context, args: argparse.Namespace) -> Outcome:
     store = ctx.open_store()
     try:
         queries = HostQueries(store, ctx.sources)
-        gates = queries.gates(queries.tree_of(args.tree))
+        if args.tree is not None:
+            gates = queries.gates(queries.tree_of(args.tree))
+        else:
+            listing = queries.gates()
     finally:
         store.close()
-    data = {"gates": gates}
-    if not gates:
+    if args.tree is not None:
+        if not gates:
+            return Outcome({"gates": gates}, "no InputGate waits for an answer")
+        lines = [f"{g['process_id']} {g['wait_id']}  task {g['task']}: {_short(g['request'], 200)}" for g in gates]
+        return Outcome({"gates": gates}, "\n".join(lines))
+    data: dict[str, JSON] = {"gates": listing}
+    if not listing:
+        if listing.corrupt:
+            return _listed(data, "no InputGate waits for an answer in the trees that could be read", listing, "gates")
         return Outcome(data, "no InputGate waits for an answer")
-    lines = [f"{g['process_id']} {g['wait_id']}  task {g['task']}: {_short(g['request'], 200)}" for g in gates]
-    return Outcome(data, "\n".join(lines))
+    lines = [f"{g['tree_id']} {g['process_id']} {g['wait_id']}  task {g['task']}: {_short(g['request'], 200)}"
+             for g in listing]
+    return _listed(data, "\n".join(lines), listing, "gates")
 
 
 def cmd_delegates(ctx: Context, args: argparse.Namespace) -> Outcome:
@@ -1211,8 +1222,9 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_argument("--signal-id", metavar="ID", default=None, help="deduplication id (resend it to retry safely)")
     results = command("results", cmd_results, "the settled tool results of each open round (SettledResults)")
     results.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
-    gates = command("gates", cmd_gates, "the InputGates of one run that wait for an answer (docs/team.md)")
-    gates.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
+    gates = command("gates", cmd_gates, "the InputGates that wait for an answer, of one run or of every run (docs/team.md)")
+    gates.add_argument("tree", metavar="TREE", nargs="?", default=None,
+                       help="a tree id, a start id or a process id (none: every run)")
     delegates = command("delegates", cmd_delegates, "which child process each delegated tool call started")
     delegates.add_argument("process_id", metavar="PROCESS_ID", help="the Interaction process")
     cancel = command("cancel", cmd_cancel, "cancel a process and its subtree, then drive the tree on", timeout=True)

@@ -381,12 +381,14 @@ class Host:
         signal = answer_signal(tree, programs, pid, wid, response, sid, listing_hint="list pending inputs with Host.pending()")
         return deliver_answer(self.runtime, tree_id, pid, signal)
 
-    def gates(self, tree: str) -> list[Entry]:
-        """The InputGates of one run (a tree id, start id or process id) that wait for an
-        answer (:meth:`answer_gate`): ``process_id``, ``wait_id``, ``request``, ``answer_schema``,
-        ``parent_id`` and ``task`` (the gate's key under its collaboration). docs/team.md."""
+    def gates(self, tree: str | None = None, *, limit: int | None = None, after: str | None = None) -> list[Entry]:
+        """The InputGates that wait for an answer (:meth:`answer_gate`): of one run (a tree id,
+        start id or process id), of all, or (``limit``) a page of all as ``GET /gates`` (see
+        :meth:`unknown`). Each: ``tree_id``, ``process_id``, ``wait_id``, ``request``,
+        ``answer_schema``, ``parent_id`` and ``task`` (the gate's key under its collaboration).
+        docs/team.md."""
         queries = self.queries()
-        return queries.gates(queries.tree_of(tree))
+        return _entries(queries, queries.gates, queries.gates_page, tree, limit, after)
 
     def answer_gate(
         self, process_id: ProcessID | str, wait_id: WaitID | str, answer: JSON, *, signal_id: str | None = None

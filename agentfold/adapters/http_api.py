@@ -411,6 +411,11 @@ class PendingPage(_Doc):
     next_after: str | None = Field(..., description=_NEXT_PAGE)
 
 
+class GatePage(_Doc):
+    gates: list[GateInputDoc]
+    next_after: str | None = Field(..., description=_NEXT_PAGE)
+
+
 class UnknownPage(_Doc):
     unknown_effects: list[dict[str, Any]] = Field(
         ..., description="unknown effects (docs/cli.md#unknown)")
@@ -439,6 +444,11 @@ class _Partial(Problem):
 class PartialPending(_Partial):
     pending: list[PendingInput] = Field(default_factory=list,
                                               description="this page's tool input waits of every other tree")
+    next_after: str | None = Field(None, description=_NEXT_PAGE)
+
+
+class PartialGates(_Partial):
+    gates: list[GateInputDoc] = Field(default_factory=list, description="this page's InputGates of every other tree")
     next_after: str | None = Field(None, description=_NEXT_PAGE)
 
 
@@ -873,6 +883,12 @@ class ApiService:
         self._reach(min_position, wait)
         page = self.queries.pending_page(limit=limit, after=after, min_position=min_position)
         return _complete({"pending": page, "next_after": page.next_after}, page, "tool input waits")
+
+    def gates_page(self, limit: int, after: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
+        """A page of every run's InputGates that wait for an answer, runs in creation order."""
+        self._reach(min_position, wait)
+        page = self.queries.gates_page(limit=limit, after=after, min_position=min_position)
+        return _complete({"gates": page, "next_after": page.next_after}, page, "InputGates")
 
     def unknown_page(self, limit: int, after: str | None, min_position: int | None, wait: float) -> dict[str, Any]:
         self._reach(min_position, wait)
@@ -1431,6 +1447,14 @@ def create_app(service: ApiService | None = None) -> FastAPI:
     def get_pending(service: Service, limit: PageLimit = 100, after: PageAfter = None,
                     min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
         return json_response(service.pending_page(limit, after, min_position, wait))
+
+    @api.get("/gates", tags=["pending inputs"],
+             summary="every InputGate that waits for an answer, runs in creation order, a page at a time",
+             responses={**_ok(GatePage, "a page of InputGates waiting for an answer"),
+                        **_partial(PartialGates, "InputGates")})
+    def get_gates(service: Service, limit: PageLimit = 100, after: PageAfter = None,
+                  min_position: MinPosition = None, wait: ReadWait = DEFAULT_READ_WAIT) -> Response:
+        return json_response(service.gates_page(limit, after, min_position, wait))
 
     @api.get("/unknown-effects", tags=["unknown effects"],
              summary="every unknown effect of the live runs, a page at a time",

@@ -28,7 +28,7 @@ from typing import Any, overload
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import CorruptStream, EventStore, read_failure
-from agentfold.adapters.read_models import PENDING, UNKNOWN, ReadModels
+from agentfold.adapters.read_models import GATES, PENDING, UNKNOWN, ReadModels
 from agentfold.adapters.recorders import HeadFilter, TreeHead
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.errors import InvalidInput, NotFound, StoreFailure
@@ -496,10 +496,24 @@ class HostQueries:
         rounds = rows.rounds if rows is not None else models.rounds(str(tree_id))  # type: ignore[union-attr]
         return {"tree_id": tree_id, "rounds": rounds}
 
-    def gates(self, tree_id: TreeID) -> list[Entry]:
-        """The InputGates of one tree that wait for an answer (docs/team.md), from a fold of its
-        events (a gate is told by its wait's key: no Program needs to be bound)."""
-        folded, _ = self.fold(tree_id)
+    @overload
+    def gates(self, tree_id: None = None, *, min_position: int | None = None) -> Listing: ...
+    @overload
+    def gates(self, tree_id: TreeID, *, min_position: int | None = None) -> list[Entry]: ...
+
+    def gates(self, tree_id: TreeID | None = None, *, min_position: int | None = None) -> list[Entry]:
+        """The InputGates that wait for an answer (docs/team.md): of one tree, or of every run in
+        creation order (a :class:`Listing`, as :meth:`pending`). A gate is told by its wait's key:
+        no Program needs to be bound."""
+        if tree_id is None:
+            return self._listing("gates", GATES, min_position)
+        _, rows, models = self._rows(tree_id, min_position)
+        if rows is not None:
+            return rows.gates
+        assert models is not None
+        if models.has_gates():
+            return models.gates(str(tree_id))
+        folded, _ = self.fold(tree_id)  # tables of an older follower: no InputGates table yet
         return [gate.to_json() for gate in gate_inputs(folded)]
 
     def delegates(self, process_id: str, *, min_position: int | None = None) -> Entry:
@@ -584,6 +598,11 @@ class HostQueries:
         entries unless one run alone has more; page on with ``next_after``."""
         return self._page("pending", PENDING, limit, after, min_position)
 
+    def gates_page(self, *, limit: int = 100, after: str | None = None,
+                   min_position: int | None = None) -> ListingPage:
+        """A page of every run's InputGates that wait for an answer (``GET /gates``), as :meth:`pending_page`."""
+        return self._page("gates", GATES, limit, after, min_position)
+
     def unknown_page(self, *, limit: int = 100, after: str | None = None,
                      min_position: int | None = None) -> ListingPage:
         """A page of every run's unknown effects (``GET /unknown-effects``), as :meth:`pending_page`."""
@@ -603,6 +622,8 @@ class HostQueries:
         relevant = _relevant_to(member)
         if cursor.path in (None, "m"):
             view = self.view(min_position)
+            if view is not None and table == GATES and not view[0].has_gates():
+                view = None  # tables of an older follower, without this one: fold
             if view is not None:
                 # the first page starts before every run (a lagging tree's creation may read 0)
                 return self._table_page(member, table, view, relevant, limit, cursor.created if cursor.path else -1)

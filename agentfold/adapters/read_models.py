@@ -21,6 +21,7 @@ tables in: hosts of a memory store fold (``agentfold.adapters.queries`` does tha
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -32,10 +33,14 @@ import orjson
 from eventsourcing.persistence import IntegrityError
 from eventsourcing.sqlite import SQLiteTrackingRecorder
 
-from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.adapters.recorders import on_a_live_connection
-from agentfold.domain.errors import InvalidInput
+from agentfold.domain.errors import InvalidInput, NotFound
+from agentfold.domain.ids import TreeID
+from agentfold.projections.host_views import gate_inputs
 from agentfold.projections.read_models import Entry, TreeRows
+
+log = logging.getLogger(__name__)
 
 APPLICATION = "agentfold.read_models"
 TRACKING_TABLE = "agentfold_tracking"
@@ -45,7 +50,8 @@ DELEGATES = "agentfold_rm_delegates"
 PENDING = "agentfold_rm_pending_inputs"
 UNKNOWN = "agentfold_rm_unknown_effects"
 CORRUPT = "agentfold_rm_corrupt_trees"
-TREE_TABLES = (RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN)  # a tree's rows (none once it is corrupt)
+GATES = "agentfold_rm_input_gates"
+TREE_TABLES = (RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN, GATES)  # a tree's rows (none once it is corrupt)
 TABLES = (*TREE_TABLES, CORRUPT)
 
 # Column lists (the DDL below adds types); ``body`` is the entry's JSON text.
@@ -82,6 +88,13 @@ _DDL = (
     "created_position BIGINT NOT NULL, position BIGINT NOT NULL, rule TEXT NOT NULL, detail TEXT NOT NULL, "
     "found_at BIGINT NOT NULL, body TEXT NOT NULL)",
     f"CREATE INDEX IF NOT EXISTS {CORRUPT}_by_created ON {CORRUPT} (created_position)",
+    # Added 2026-12-05: the first follower of a newer release to open tables without it creates it
+    # and fills it for every live run (``ReadModels._gates_to_fill``).
+    f"CREATE TABLE IF NOT EXISTS {GATES} (tree_id TEXT NOT NULL, ord INTEGER NOT NULL, "
+    "created_position BIGINT NOT NULL, process_id TEXT NOT NULL, wait_id TEXT NOT NULL, parent_id TEXT, "
+    "body TEXT NOT NULL, PRIMARY KEY (tree_id, ord))",
+    f"CREATE INDEX IF NOT EXISTS {GATES}_by_created ON {GATES} (created_position, ord)",
+    f"CREATE INDEX IF NOT EXISTS {GATES}_by_wait ON {GATES} (wait_id)",
 )
 
 #: Every table and index the DDL creates.
@@ -146,6 +159,7 @@ ROUND_COLUMNS = "process_id, model_call_sequence, call_count, entry_count, compl
 DELEGATE_COLUMNS = "process_id, model_call_sequence, tool_call_index, tool_call_ref, child_key, child_process_id"
 PENDING_COLUMNS = "process_id, wait_id, tool_call_ref"
 UNKNOWN_COLUMNS = "process_id, effect_id, kind, tool_call_ref"
+GATE_COLUMNS = "process_id, wait_id, parent_id"
 
 
 def _run_columns(run: Entry, version: int, unknown: int, pending: int) -> tuple[Any, ...]:
@@ -169,6 +183,10 @@ def _pending_columns(p: Entry) -> tuple[Any, ...]:
 
 def _unknown_columns(u: Entry) -> tuple[Any, ...]:
     return (u["process_id"], u["effect_id"], u["kind"], u["tool_call_ref"])
+
+
+def _gate_columns(g: Entry) -> tuple[Any, ...]:
+    return (g["process_id"], g["wait_id"], g["parent_id"])
 
 
 def _stored_columns(row: Any, columns: str) -> tuple[Any, ...]:
@@ -239,15 +257,47 @@ class ReadModels:
         self.datastore = datastore
         self.tracking = tracking_recorder(store, create=create)
         self._has_corrupt_table = create  # created below; a reader looks (``_corrupt_table_exists``)
+        self._has_gates_table = create  # the same (``has_gates``)
         if not create or not self._missing():
             return
+        fill = self._gates_to_fill()
         with datastore.transaction(commit=True) as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens
                 if not self._missing(c):
                     return  # another opener created them while this one waited for the lock
+            had_gates = table_exists(c, self.backend, GATES)
             for statement in _DDL:
                 c.execute(self._sql(statement))
+            if fill and not had_gates:
+                for tree_id, created_position, gates in fill:
+                    c.execute(self._sql(f"DELETE FROM {GATES} WHERE tree_id = ?"), (tree_id,))
+                    self._insert_gates(c, tree_id, created_position, gates)
+
+    def _gates_to_fill(self) -> list[tuple[str, int, list[Entry]]]:
+        """The InputGates table's rows of every live run, when the tables exist without it (an
+        older follower created them): each run's gates as of the version its run row reflects,
+        folded from the store. The table is created and filled in one transaction, so a reader
+        never takes an empty table for "no gate waits". Its later rows come with the follower's
+        batches, as every table's. A run that cannot be read is left without rows (logged): the
+        follower records it corrupt when it reads it, and ``audit verify`` reports it."""
+        with self.datastore.transaction(commit=False) as c:
+            if not table_exists(c, self.backend, RUNS) or table_exists(c, self.backend, GATES):
+                return []
+            c.execute(self._sql(f"SELECT tree_id, version, created_position FROM {RUNS} WHERE classification <> ? "
+                                "ORDER BY created_position"), ("terminal",))
+            runs = [(str(r["tree_id"]), int(r["version"]), int(r["created_position"])) for r in c.fetchall()]
+        fill = []
+        for tree_id, version, created_position in runs:
+            try:
+                state = self.store.load(TreeID(tree_id), upto=version).state
+            except (CorruptStream, NotFound) as exc:
+                log.warning("read models: tree %s has no InputGate rows (it cannot be read: %s)", tree_id, exc)
+                continue
+            gates = [gate.to_json() for gate in gate_inputs(state)]
+            if gates:
+                fill.append((tree_id, created_position, gates))
+        return fill
 
     def _missing(self, cursor: Any = None) -> bool:
         """Whether a table or index of the read models is missing (the DDL has to run).
@@ -377,7 +427,7 @@ class ReadModels:
         tree_id = rows.tree_id
         run = rows.run
         sql = self._sql
-        for table in (ROUNDS, DELEGATES, PENDING, UNKNOWN):
+        for table in (ROUNDS, DELEGATES, PENDING, UNKNOWN, GATES):
             c.execute(sql(f"DELETE FROM {table} WHERE tree_id = ?"), (tree_id,))
         c.execute(
             sql(
@@ -403,6 +453,11 @@ class ReadModels:
         self._insert(c, UNKNOWN, f"tree_id, ord, created_position, {UNKNOWN_COLUMNS}, body",
                      [(tree_id, i, update.created_position, *_unknown_columns(u), _dumps(u))
                       for i, u in enumerate(rows.unknown)])
+        self._insert_gates(c, tree_id, update.created_position, rows.gates)
+
+    def _insert_gates(self, c: Any, tree_id: str, created_position: int, gates: Sequence[Entry]) -> None:
+        self._insert(c, GATES, f"tree_id, ord, created_position, {GATE_COLUMNS}, body",
+                     [(tree_id, i, created_position, *_gate_columns(g), _dumps(g)) for i, g in enumerate(gates)])
 
     def _write_corrupt(self, c: Any, found: CorruptTree) -> None:
         # Its rows reflect a history that cannot be read from here on: a listing must never
@@ -498,10 +553,10 @@ class ReadModels:
     @on_a_live_connection
     def ordered(self, table: str, *, after: tuple[int, int] | None = None, limit: int | None = None,
                 created: int | None = None) -> list[tuple[int, int, str, Entry]]:
-        """Rows of the pending or unknown table as (created_position, ord, tree_id, entry), in
+        """Rows of the pending, unknown or gates table as (created_position, ord, tree_id, entry), in
         that order: every row, the first ``limit`` after the key ``after`` (created_position,
         ord), or the rows of the run created at ``created``."""
-        if table not in (PENDING, UNKNOWN):
+        if table not in (PENDING, UNKNOWN, GATES):
             raise ValueError(table)
         statement = f"SELECT created_position, ord, tree_id, body FROM {table}"
         params: list[Any] = []
@@ -523,6 +578,9 @@ class ReadModels:
     def pending_wait(self, wait_id: str) -> Entry | None:
         found = self._bodies(f"SELECT body FROM {PENDING} WHERE wait_id = ?", (wait_id,))
         return found[0] if found else None
+
+    def gates(self, tree_id: str) -> list[Entry]:
+        return self._bodies(f"SELECT body FROM {GATES} WHERE tree_id = ? ORDER BY ord", (tree_id,))
 
     def unknown(self, tree_id: str | None = None) -> list[Entry]:
         if tree_id is not None:
@@ -596,6 +654,9 @@ class ReadModels:
                     faults.append(f"{RUNS}: the columns (start_id ... version) do not say what its entry says")
             pending = bodies(PENDING, PENDING_COLUMNS, _pending_columns, positioned=True)
             unknown = bodies(UNKNOWN, UNKNOWN_COLUMNS, _unknown_columns, positioned=True)
+            if not self._has_gates_table:  # (in this transaction: ``has_gates`` would open another)
+                self._has_gates_table = table_exists(c, self.backend, GATES)
+            gates = bodies(GATES, GATE_COLUMNS, _gate_columns, positioned=True) if self._has_gates_table else None
             rows = {
                 "tree_id": tree_id,
                 "version": run["version"] if run is not None else 0,
@@ -604,6 +665,7 @@ class ReadModels:
                 "delegates": bodies(DELEGATES, DELEGATE_COLUMNS, _delegate_columns),
                 "pending": pending,
                 "unknown": unknown,
+                "gates": gates,
             }
             if row is not None and (row["unknown_count"], row["pending_count"]) != (len(unknown), len(pending)):
                 faults.append(f"{RUNS}: unknown_count {row['unknown_count']} and pending_count {row['pending_count']} "
@@ -614,7 +676,8 @@ class ReadModels:
     def tree_ids_with_rows(self) -> set[str]:
         """Every tree id any read-model table holds a row of (``audit verify --all`` looks for rows
         of trees the store does not have)."""
-        tables = [RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN] + ([CORRUPT] if self._corrupt_table_exists() else [])
+        tables = [RUNS, ROUNDS, DELEGATES, PENDING, UNKNOWN] + ([GATES] if self.has_gates() else []) + (
+            [CORRUPT] if self._corrupt_table_exists() else [])
         with self.datastore.transaction(commit=False) as c:
             c.execute(self._sql(" UNION ".join(f"SELECT DISTINCT tree_id FROM {table}" for table in tables)))
             return {str(r["tree_id"]) for r in c.fetchall()}
@@ -635,6 +698,17 @@ class ReadModels:
                         int(r["found_at"]))
             for r in rows
         ]
+
+    @on_a_live_connection
+    def has_gates(self) -> bool:
+        """Whether the tables hold InputGates: a reader may open tables an older follower
+        created without that table (it is created, and filled, by the first newer follower)."""
+        if self._has_gates_table:
+            return True
+        with self.datastore.transaction(commit=False) as c:
+            found = table_exists(c, self.backend, GATES)
+        self._has_gates_table = found
+        return found
 
     @on_a_live_connection
     def _corrupt_table_exists(self) -> bool:

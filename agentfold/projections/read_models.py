@@ -8,7 +8,8 @@ the follower stores exactly these entries. A query answered from the tables and 
 answered by folding therefore return the same bytes.
 
 Tables (columns in docs/read-models.md): one row per run, per open round with settled
-results, per Delegate start, per current tool input wait, per unknown effect.
+results, per Delegate start, per current tool input wait, per InputGate waiting for its answer,
+per unknown effect.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from agentfold.domain.ids import EffectID, ProcessID
 from agentfold.domain.interaction.state import InteractionState
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import TreeState
-from agentfold.projections.host_views import delegate_attributions, pending_tool_inputs, run_summary, unknown_effects
+from agentfold.projections.host_views import (
+    delegate_attributions,
+    gate_inputs,
+    pending_tool_inputs,
+    run_summary,
+    unknown_effects,
+)
 from agentfold.projections.settled_results import RoundResults, settled_results
 
 Entry = dict[str, Any]
@@ -96,6 +103,7 @@ class TreeRows:
     delegates: list[Entry] = field(default_factory=list)
     pending: list[Entry] = field(default_factory=list)
     unknown: list[Entry] = field(default_factory=list)
+    gates: list[Entry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -106,6 +114,7 @@ class TreeRows:
             "delegates": self.delegates,
             "pending": self.pending,
             "unknown": self.unknown,
+            "gates": self.gates,
         }
 
 
@@ -113,7 +122,8 @@ def project_tree(tree: TreeState, programs: ProgramResolver | None = None) -> Tr
     """The read-model rows of one folded tree.
 
     Without bound Programs (``tree`` folded by the kernel alone) there are no
-    Interaction states, so only the run and its unknown effects are known.
+    Interaction states, so only the run, its unknown effects and its InputGates (told by
+    their waits) are known.
     """
     tree_id = str(tree.tree_id)
     return TreeRows(
@@ -124,6 +134,7 @@ def project_tree(tree: TreeState, programs: ProgramResolver | None = None) -> Tr
         delegates=delegate_entries(tree),
         pending=[p.to_json() for p in pending_tool_inputs(tree)],
         unknown=unknown_entries(tree, programs),
+        gates=[g.to_json() for g in gate_inputs(tree)],
     )
 
 

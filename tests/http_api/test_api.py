@@ -57,7 +57,7 @@ OPERATIONS = {
     ("get", "/health"), ("get", "/openapi.json"), ("get", "/metrics"), ("get", "/runs"), ("post", "/runs"), ("get", "/runs/{tree}"),
     ("get", "/runs/{tree}/results"), ("get", "/runs/{tree}/pending-inputs"), ("get", "/runs/{tree}/unknown-effects"),
     ("get", "/runs/{tree}/gates"),
-    ("get", "/processes/{process_id}/delegates"), ("get", "/pending-inputs"), ("get", "/unknown-effects"),
+    ("get", "/processes/{process_id}/delegates"), ("get", "/pending-inputs"), ("get", "/gates"), ("get", "/unknown-effects"),
     ("post", "/processes/{process_id}/waits/{wait_id}/answer"), ("post", "/processes/{process_id}/steer"),
     ("post", "/unknown-effects/{effect_id}/resolve"), ("post", "/processes/{process_id}/cancel"),
     ("post", "/processes/{process_id}/pause"), ("post", "/processes/{process_id}/resume"),
