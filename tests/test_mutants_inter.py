@@ -74,6 +74,16 @@ def runtime_on(tmp_path: Path, *programs: Program) -> tuple[EventStore, Runtime]
     return store, Runtime(store, Catalog(programs))
 
 
+def run_to_end(tmp_path: Path, program: Program, given: Any) -> Any:
+    """Start ``program`` on ``given`` in a fresh runtime and store, and return its result."""
+    store, runtime = runtime_on(tmp_path, program)
+    try:
+        return runtime.start(program, given).result(WAIT)
+    finally:
+        runtime.close()
+        store.close()
+
+
 def child_with_key(runtime: Runtime, tree_id: Any, key: str) -> str:
     [pid] = [p.process_id for p in runtime.capture(tree_id).processes.values() if p.child_key == key]
     return str(pid)
@@ -173,17 +183,22 @@ def cancel_the_second(turn: dict[str, Any]) -> dict[str, Any]:
             "output": " ".join(f"{t['request']['key']}:{_status_of(t)}" for t in turn["tasks"])}
 
 
+def gate_team(name: str, coordinator_name: str, policy: Any, gate_name: str) -> Program:
+    """A team of text whose coordinator is the transform ``policy`` and whose one worker is an
+    InputGate of text named ``gate_name``."""
+    gate = compile_input_gate(InputGateConfig(gate_name, answer_schema={"type": "string"},
+                                              request_schema={"type": "string"}))
+    coordinator = transform(TransformConfig(coordinator_name, policy, "Decide.",
+                                            input_schema=TURN_SCHEMA, output_schema=DECISION_SCHEMA))
+    return compile_team(TeamConfig(name=name, coordinator=TeamMember(coordinator), workers=[TeamMember(gate)],
+                                   state_schema={"type": "string"}, output_schema={"type": "string"}))
+
+
 def test_a_coordinators_cancel_control_stops_the_task_it_names_and_no_other(tmp_path: Path) -> None:
     """docs/team.md: a Decision's control acts on the task it names. Two gate tasks wait;
     the coordinator cancels ``second``: ``second`` ends canceled (its gate is no longer
     pending) while ``first`` keeps waiting for its answer until the collaboration completes."""
-    gate = compile_input_gate(InputGateConfig("test.inter.gate", answer_schema={"type": "string"},
-                                              request_schema={"type": "string"}))
-    coordinator = transform(TransformConfig("test.inter.coordinator", cancel_the_second, "Decide.",
-                                            input_schema=TURN_SCHEMA, output_schema=DECISION_SCHEMA))
-    program = compile_team(TeamConfig(name="test.inter.team", coordinator=TeamMember(coordinator),
-                                      workers=[TeamMember(gate)], state_schema={"type": "string"},
-                                      output_schema={"type": "string"}))
+    program = gate_team("test.inter.team", "test.inter.coordinator", cancel_the_second, "test.inter.gate")
     store, runtime = runtime_on(tmp_path, program)
     try:
         run = runtime.start(program, "begin")
@@ -223,12 +238,7 @@ def test_finished_tasks_do_not_count_against_the_concurrent_task_limit(tmp_path:
                                             input_schema=TURN_SCHEMA, output_schema=DECISION_SCHEMA))
     program = compile_team(TeamConfig(name="test.inter.sequence", coordinator=TeamMember(coordinator),
                                       workers=[TeamMember(worker)], max_concurrent_tasks=1))
-    store, runtime = runtime_on(tmp_path, program)
-    try:
-        result = runtime.start(program, "begin").result(WAIT)
-    finally:
-        runtime.close()
-        store.close()
+    result = run_to_end(tmp_path, program, "begin")
     assert result.status == "completed", result.termination
     assert result.output == "step1! step2! step3!"
 
@@ -280,12 +290,7 @@ def test_a_round_that_mixes_a_direct_result_tool_with_an_ordinary_tool_goes_back
     model = ScriptedModel([tool_round(call("c0", "lookup"), call("c1", "note")), final("both seen")])
     program = interaction("test.mixed-direct", model,
                           [ProbeTool("lookup", log, direct_result=True), ProbeTool("note", log)])
-    store, runtime = runtime_on(tmp_path, program)
-    try:
-        result = runtime.start(program, chat_input("go")).result(WAIT)
-    finally:
-        runtime.close()
-        store.close()
+    result = run_to_end(tmp_path, program, chat_input("go"))
     assert result.status == "completed"
     assert "direct_tool_results" not in result.output
     assert result.output["model_calls"] == 2
@@ -303,12 +308,7 @@ def test_tool_calls_cut_by_the_token_limit_are_rejected_to_the_model_and_never_r
         final("gave up on the tools"),
     ])
     program = interaction("test.truncated", model, [ProbeTool("lookup", log)])
-    store, runtime = runtime_on(tmp_path, program)
-    try:
-        result = runtime.start(program, chat_input("go")).result(WAIT)
-    finally:
-        runtime.close()
-        store.close()
+    result = run_to_end(tmp_path, program, chat_input("go"))
     assert result.status == "completed", result.termination
     assert result.output["model_calls"] == 2 and log.count() == 0
     results = model.requests[1].messages[-1]["tool_results"]
@@ -459,13 +459,7 @@ def test_a_coordinators_signal_control_addressed_to_a_workers_wait_answers_that_
     given. A coordinator answers an InputGate task's wait that way: the gate completes with
     the coordinator's answer and the collaboration completes with it."""
     GATE_WAITS.clear()
-    gate = compile_input_gate(InputGateConfig("test.inter.answerable", answer_schema={"type": "string"},
-                                              request_schema={"type": "string"}))
-    coordinator = transform(TransformConfig("test.inter.answerer", answer_through_a_control, "Decide.",
-                                            input_schema=TURN_SCHEMA, output_schema=DECISION_SCHEMA))
-    program = compile_team(TeamConfig(name="test.inter.answering", coordinator=TeamMember(coordinator),
-                                      workers=[TeamMember(gate)], state_schema={"type": "string"},
-                                      output_schema={"type": "string"}))
+    program = gate_team("test.inter.answering", "test.inter.answerer", answer_through_a_control, "test.inter.answerable")
     store, runtime = runtime_on(tmp_path, program)
     try:
         run = runtime.start(program, "begin")
@@ -509,12 +503,7 @@ def test_the_completion_validator_is_given_only_the_artifacts_of_delegates_that_
     ])
     program = interaction("test.validated", model, delegates=[Delegate("maybe", "Maybe does it.", worker, TASK_SCHEMA)],
                           completion_validator=validator)
-    store, runtime = runtime_on(tmp_path, program)
-    try:
-        result = runtime.start(program, chat_input("go")).result(WAIT)
-    finally:
-        runtime.close()
-        store.close()
+    result = run_to_end(tmp_path, program, chat_input("go"))
     assert result.status == "completed", result.termination
     results = model.requests[1].messages[-1]["tool_results"]
     assert [(r["id"], bool(r.get("is_error"))) for r in results] == [("d0", True), ("d1", False)]

@@ -256,8 +256,8 @@ class ReadModels:
         datastore = store.factory.datastore
         self.datastore = datastore
         self.tracking = tracking_recorder(store, create=create)
-        self._has_corrupt_table = create  # created below; a reader looks (``_corrupt_table_exists``)
-        self._has_gates_table = create  # the same (``has_gates``)
+        # Tables a release added after the first (created below; a reader looks: ``_has_table``).
+        self._tables_seen: set[str] = {CORRUPT, GATES} if create else set()
         if not create or not self._missing():
             return
         fill = self._gates_to_fill()
@@ -654,9 +654,8 @@ class ReadModels:
                     faults.append(f"{RUNS}: the columns (start_id ... version) do not say what its entry says")
             pending = bodies(PENDING, PENDING_COLUMNS, _pending_columns, positioned=True)
             unknown = bodies(UNKNOWN, UNKNOWN_COLUMNS, _unknown_columns, positioned=True)
-            if not self._has_gates_table:  # (in this transaction: ``has_gates`` would open another)
-                self._has_gates_table = table_exists(c, self.backend, GATES)
-            gates = bodies(GATES, GATE_COLUMNS, _gate_columns, positioned=True) if self._has_gates_table else None
+            has_gates = self._has_table(GATES, c)  # in this transaction, which sees one moment
+            gates = bodies(GATES, GATE_COLUMNS, _gate_columns, positioned=True) if has_gates else None
             rows = {
                 "tree_id": tree_id,
                 "version": run["version"] if run is not None else 0,
@@ -699,27 +698,29 @@ class ReadModels:
             for r in rows
         ]
 
-    @on_a_live_connection
     def has_gates(self) -> bool:
         """Whether the tables hold InputGates: a reader may open tables an older follower
         created without that table (it is created, and filled, by the first newer follower)."""
-        if self._has_gates_table:
+        return self._has_table(GATES)
+
+    def _corrupt_table_exists(self) -> bool:
+        return self._has_table(CORRUPT)
+
+    def _has_table(self, name: str, cursor: Any = None) -> bool:
+        """Whether table ``name`` exists: a reader (create=False) may open tables an older
+        follower created without it; once it exists it stays, so a yes is remembered
+        (``cursor``: look in that transaction)."""
+        if name in self._tables_seen:
             return True
-        with self.datastore.transaction(commit=False) as c:
-            found = table_exists(c, self.backend, GATES)
-        self._has_gates_table = found
+        found = self._look_for_table(name) if cursor is None else table_exists(cursor, self.backend, name)
+        if found:
+            self._tables_seen.add(name)
         return found
 
     @on_a_live_connection
-    def _corrupt_table_exists(self) -> bool:
-        # A reader (create=False) may open tables an older follower created without this one;
-        # once it exists it stays, so a yes is remembered.
-        if self._has_corrupt_table:
-            return True
+    def _look_for_table(self, name: str) -> bool:
         with self.datastore.transaction(commit=False) as c:
-            found = table_exists(c, self.backend, CORRUPT)
-        self._has_corrupt_table = found
-        return found
+            return table_exists(c, self.backend, name)
 
     @on_a_live_connection
     def counter(self, tree_id: str) -> tuple[int, int] | None:

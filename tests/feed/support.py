@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.feed import envelope_bytes, store_envelopes
+from agentfold.adapters.transcripts import TranscriptConsumer, TranscriptStore
 from agentfold.domain.canonical import canonical_bytes
 from agentfold.domain.integrity import chain_digest
 
@@ -145,3 +148,75 @@ def follow_until(publisher: Any, done: Callable[[], bool], timeout: float = 60.0
         publisher.close()
         publisher.store.close()
     return lines
+
+
+@dataclass(frozen=True, slots=True)
+class FakeRecord:
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+
+
+class FakeTopic:
+    """A stand-in for kafka-python's consumer: one partition, polled in order, commits counted
+    (the consumer's records then come through its own path, ``TranscriptConsumer.poll_once``)."""
+
+    def __init__(self) -> None:
+        self.records: list[FakeRecord] = []
+        self.at = 0
+        self.commits = 0
+
+    def write(self, *envelopes: dict[str, Any]) -> None:
+        for e in envelopes:
+            self.records.append(FakeRecord("t", 0, len(self.records), envelope_bytes(e)))
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict[Any, list[FakeRecord]]:
+        batch = self.records[self.at : self.at + max_records]
+        self.at += len(batch)
+        return {("t", 0): batch} if batch else {}
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def assignment(self) -> set[Any]:
+        return {("t", 0)}
+
+    def close(self, autocommit: bool = False) -> None:
+        pass
+
+
+def fake_topic_consumer(tmp_path: Path, max_records: int = 1000) -> tuple[TranscriptStore, TranscriptConsumer, FakeTopic]:
+    """A transcript consumer on a fresh SQLite transcript database, reading a ``FakeTopic``."""
+    store = TranscriptStore(f"sqlite:///{tmp_path / 'transcripts.db'}")
+    topic = FakeTopic()
+    return store, TranscriptConsumer(store, "unused:1", "t", "g", consumer=topic, max_records=max_records), topic
+
+
+def trip_envelopes(folder: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The root process id and the envelopes (in position order) of one trip run's tree, run
+    on an SQLite store in ``folder``."""
+    from tests.feed.workload import Workload
+
+    store = EventStore(f"sqlite:///{folder / 'store.db'}")
+    workload = Workload(store)
+    try:
+        run = workload.run(0, "trip")
+        envelopes = [e for e in store_envelopes(store) if e["tree_id"] == str(run.tree_id)]
+    finally:
+        workload.close()
+        store.close()
+    return run.root_process_id, envelopes
+
+
+def two_tree_envelopes(folder: Path) -> list[list[dict[str, Any]]]:
+    """The envelopes of two runs' trees (run on an SQLite store in ``folder``), each tree's in
+    position order."""
+    from tests.test_feed_reconnects import _runs
+
+    url = f"sqlite:///{folder / 'store.db'}"
+    _runs(url, 2)
+    by_tree: dict[str, list[dict[str, Any]]] = {}
+    for e in stored_envelopes(url):
+        by_tree.setdefault(e["tree_id"], []).append(e)
+    return list(by_tree.values())[:2]

@@ -28,19 +28,13 @@ import pytest
 from agentfold.adapters.transcripts import DIGESTS, ApplyReport, TranscriptStore
 from agentfold.domain.errors import AgentfoldError
 from agentfold.projections.transcripts import build_transcripts
-from tests.feed.support import stored_envelopes
-from tests.test_feed_reconnects import _runs
+from tests.feed.support import two_tree_envelopes
 
 
 @pytest.fixture(scope="module")
 def two_trees(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
     """The envelopes of two runs' trees, each tree's in position order."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('shared-db') / 'store.db'}"
-    _runs(url, 2)
-    by_tree: dict[str, list[dict[str, Any]]] = {}
-    for e in stored_envelopes(url):
-        by_tree.setdefault(e["tree_id"], []).append(e)
-    trees = list(by_tree.values())
+    trees = two_tree_envelopes(tmp_path_factory.mktemp("shared-db"))
     assert len(trees) >= 2 and all(len(t) >= 10 for t in trees[:2])
     return trees[:2]
 
