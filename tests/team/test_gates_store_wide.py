@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
@@ -131,8 +130,7 @@ def test_tables_an_older_follower_wrote_get_their_gates_filled_by_the_next_follo
         store.close()
 
 
-@pytest.mark.parametrize("backend", ["sqlite"])
-def test_get_gates_pages_every_runs_waiting_gates(backend: str, tmp_path: Path) -> None:
+def test_get_gates_pages_every_runs_waiting_gates(tmp_path: Path) -> None:
     gate = P.gate()
     url = f"sqlite:///{tmp_path / 'gates.db'}"
     store = EventStore(url)
