@@ -198,8 +198,8 @@ def test_a_cancel_nobody_carried_out_is_progress_for_recovery_not_a_parked_run(d
 def test_an_ended_run_whose_index_row_says_parked_is_not_taken_over(durable_store_url: str) -> None:
     # The index row is what recovery and the orphan scan list from; one that was behind the
     # history (edited, or written by a writer that ended the run after it was read) must not
-    # make a runtime append a WriterActivated to a history whose every Process ended: the fold
-    # refuses it (writer.tree_ended), so such an append would make the run unreadable.
+    # make a runtime append a WriterActivated to a history whose every Process ended (a release
+    # before 2026-12-05 did: an ended run has no writer to activate).
     program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="ending.chain")
     store = EventStore(durable_store_url)
     try:

@@ -1768,8 +1768,7 @@ class Runtime:
         for _ in range(64):
             if loaded.state.classification() == "terminal":
                 # Every Process ended (its index row was behind, or a writer ended it after that
-                # row was read): there is nothing to drive, and the fold refuses an activation of
-                # an ended tree (``writer.tree_ended``).
+                # row was read): there is nothing to drive, and no writer to activate.
                 return None
             stored_version = loaded.state.version  # (the kernel folds what it decides into the state)
             driver = _Driver(self, tree_id, loaded, incarnation)
