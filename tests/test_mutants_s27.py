@@ -29,17 +29,11 @@ from tests.http_api.support import problem, start_server
 from tests.interaction.support import open_runtime
 from tests.interaction.tools import WAIT
 from tests.team import programs as P
+from tests.team.test_gates_store_wide import cli
 from tests.team.test_input_gate import waiting_gate
 from tests.test_corrupt_tree_listings import corrupt
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(url: str, *argv: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", *argv, "--store", url],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == expect, (done.returncode, done.stdout, done.stderr)
-    return done
 
 
 def park(store: EventStore, program: Program, inputs: list[Any], prefix: str) -> list[str]:
