@@ -41,6 +41,7 @@ from tests.feed.support import (
     trip_envelopes,
     two_tree_envelopes,
 )
+from tests.feed.test_publisher_retry import FailingOnce
 from tests.test_feed_reconnects import _runs
 
 GENUINE_REQUEST = "request 0: trip"
@@ -154,20 +155,15 @@ def test_a_following_publisher_stops_on_a_record_the_broker_client_refuses_for_g
         store.close()
 
 
-class _Unacknowledged:
-    """The real producer, whose record number ``lost`` is sent for real but whose
+class _Unacknowledged(FailingOnce):
+    """The real producer, whose record number ``fail_at`` is sent for real but whose
     acknowledgement never comes back (its future fails as kafka-python's does when a record
     expires unacknowledged: ``KafkaTimeoutError``); every other call is the real producer's."""
-
-    def __init__(self, inner: Any, lost: int) -> None:
-        self.inner = inner
-        self.lost = lost
-        self.sent = 0
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         self.sent += 1
         future = self.inner.send(*args, **kwargs)
-        if self.sent != self.lost:
+        if self.sent != self.fail_at:
             return future
 
         class _Lost:
@@ -175,9 +171,6 @@ class _Unacknowledged:
                 raise KafkaTimeoutError("injected: the record expired before the broker acknowledged it")
 
         return _Lost()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def test_a_batch_with_a_record_the_broker_did_not_acknowledge_stores_no_position(
@@ -194,7 +187,7 @@ def test_a_batch_with_a_record_the_broker_did_not_acknowledge_stores_no_position
     url = f"sqlite:///{tmp_path / 'store.db'}"
     _runs(url, 2)
     stored = stored_envelopes(url)
-    producer = _Unacknowledged(new_producer(kafka_bootstrap), lost=5)
+    producer = _Unacknowledged(new_producer(kafka_bootstrap), fail_at=5)
     topic = f"unacked-{uuid.uuid4().hex[:12]}"
     store = EventStore(url)
     publisher = Publisher(store, kafka_bootstrap, topic, batch_size=500, producer=producer)
