@@ -326,8 +326,8 @@ def test_a_call_permitted_by_an_append_that_commits_while_the_runtime_closes_is_
                 permits.append(expected)
                 if len(permits) == 2:  # the second call's permission: the runtime closes meanwhile
                     thread = threading.Thread(target=runtime.close, kwargs={"timeout": 10}, daemon=True)
-                    closer.append(thread)
                     thread.start()
+                    closer.append(thread)  # started first: the test joins it as soon as it is listed
                     wait_until(lambda: runtime.closed, "the close to begin")
             return real(tree_id, expected, events, **kwargs)
 
