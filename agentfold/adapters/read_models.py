@@ -264,8 +264,14 @@ class ReadModels:
         with datastore.transaction(commit=True) as c:
             if self.backend == "postgresql":
                 c.execute("SELECT pg_advisory_xact_lock(7406170101)")  # concurrent first opens
-                if not self._missing(c):
-                    return  # another opener created them while this one waited for the lock
+            else:
+                # Take SQLite's write lock before reading: a transaction that read first and then
+                # writes after another opener's commit fails at once ("database is locked", no busy
+                # wait). Nothing has been done since eventsourcing's BEGIN.
+                c.execute("COMMIT")
+                c.execute("BEGIN IMMEDIATE")
+            if not self._missing(c):
+                return  # another opener created them while this one waited for the lock
             had_gates = table_exists(c, self.backend, GATES)
             for statement in _DDL:
                 c.execute(self._sql(statement))
