@@ -249,3 +249,31 @@ def test_a_read_models_cursor_on_a_store_without_read_models_is_refused_not_retr
             assert refused.value.http_status == 422
             assert "read models" in refused.value.message and "without after" in (refused.value.hint or "")
         assert not ReadModels.exist(store)  # the refusal created no tables
+
+
+def test_a_batch_the_database_refuses_for_good_fails_project_instead_of_retrying_for_ever(
+    store: EventStore, tmp_path: Path
+) -> None:
+    """Only a moved tracking position (another follower committed first) is retried. Any other
+    constraint failure of a batch (here an operator's trigger; a bug inserting a row twice would
+    do the same) fails every retry alike: ``project`` took it for a moved position, started
+    again from the same position, and never ended, without a word. It now fails, names the
+    refusal, and leaves the tables where they were."""
+    import subprocess
+    import sys
+
+    from tests.audit.support import Sql
+
+    url = store.url
+    with Runtime(store, default_sources().catalog()) as runtime:
+        start_waiting(runtime, 1, "refused-0")
+    before = project(store)
+    Sql(url)._run("CREATE TRIGGER refuse_runs BEFORE INSERT ON agentfold_rm_runs "
+                  "BEGIN SELECT RAISE(ABORT, 'refused by the operator'); END")
+    with Runtime(store, default_sources().catalog()) as runtime:
+        start_waiting(runtime, 1, "refused-1")
+    done = subprocess.run([sys.executable, "-m", "agentfold.adapters.cli", "project", "--store", url],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "refused by the operator" in done.stderr
+    assert ReadModels(store).position() == before  # nothing of the refused batch was written

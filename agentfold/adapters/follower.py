@@ -46,12 +46,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eventsourcing.persistence import IntegrityError, InterfaceError, Notification, OperationalError
+from eventsourcing.persistence import InterfaceError, Notification, OperationalError
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import DecodeError
 from agentfold.adapters.eventstore import CorruptStream, EventStore, causes, read_only_refusal, refuses_writes
-from agentfold.adapters.read_models import CorruptTree, ReadModels, TreeUpdate, crash_hook_from_env
+from agentfold.adapters.read_models import CorruptTree, PositionMoved, ReadModels, TreeUpdate, crash_hook_from_env
 from agentfold.adapters.recorders import EVENTS_TABLE, psycopg_error
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.events import TreeStarted
@@ -201,7 +201,7 @@ class Follower:
         try:
             self.read_models.write(updates, last, after=self._position, corrupt=corrupt,
                                    before_commit=self._crash(self._batches))
-        except IntegrityError:
+        except PositionMoved:
             # Another follower (or a rebuild's reset) moved the position since this batch was
             # read: nothing of it was written. Start again from the tables' position. The
             # cache stays: each folded tree is a fold of the (immutable) log up to its own

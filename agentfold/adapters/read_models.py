@@ -237,6 +237,13 @@ def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     return recorder
 
 
+class PositionMoved(IntegrityError):
+    """A batch's compare-and-set of the tracking position found another position: another
+    follower (or a rebuild's reset) committed since the batch was read, and nothing of it was
+    written. Only this is retried: any other constraint failure of a batch is a fault that
+    would fail every retry the same way."""
+
+
 class ReadModels:
     """The read-model tables of one store, their tracking position, and their queries.
 
@@ -373,7 +380,7 @@ class ReadModels:
         The position is compared and set **first**, so the transaction holds the tracking
         row from its first statement on: writers of the tables (several followers, a
         rebuild's reset) take turns, and a batch read from a position that is no longer the
-        committed one (another follower committed meanwhile) writes nothing: ``IntegrityError``,
+        committed one (another follower committed meanwhile) writes nothing: ``PositionMoved``,
         the whole transaction rolled back. So every notification is applied exactly once,
         whichever follower applies it, and ``events_projected + n`` counts it once.
         """
@@ -423,7 +430,7 @@ class ReadModels:
             )
             if c.fetchone() is not None:
                 return
-        raise IntegrityError(
+        raise PositionMoved(
             f"tracking position of {APPLICATION} is no longer {after}: another follower committed first "
             f"(batch up to {notification_id} dropped)"
         )
