@@ -336,11 +336,8 @@ def test_a_child_grant_must_leave_the_parent_the_step_that_observes_the_start(
 # A Process that has to end never has a call made again by a new owner
 
 
-def test_a_new_owner_records_unknown_a_same_identity_call_of_a_process_that_has_to_end(tmp_path: Path) -> None:
-    """The history a crash leaves when a same_identity call was in flight and a cancel was
-    recorded: the next owner's activation settles the call unknown without calling anything
-    (scope-kernel.md §3.8: a terminal intent forces never), and the Process then ends canceled
-    with the call as unresolved evidence."""
+def held_call() -> tuple[threading.Event, threading.Event, list[str], Callable[[EffectRequest, DispatchContext], Settlement]]:
+    """A dispatcher whose call is held open: (entered, release, the effect ids called, the dispatcher)."""
     entered, release = threading.Event(), threading.Event()
     calls: list[str] = []
 
@@ -350,6 +347,15 @@ def test_a_new_owner_records_unknown_a_same_identity_call_of_a_process_that_has_
         release.wait(WAIT)
         return Settlement.succeeded({"value": 1})
 
+    return entered, release, calls, held
+
+
+def test_a_new_owner_records_unknown_a_same_identity_call_of_a_process_that_has_to_end(tmp_path: Path) -> None:
+    """The history a crash leaves when a same_identity call was in flight and a cancel was
+    recorded: the next owner's activation settles the call unknown without calling anything
+    (scope-kernel.md §3.8: a terminal intent forces never), and the Process then ends canceled
+    with the call as unresolved evidence."""
+    entered, release, calls, held = held_call()
     program = chain_program(held, replay=Replay.SAME_IDENTITY, name="mk.ending.replayable")
     catalog = Catalog([program])
     store = _store(tmp_path, "ending.db")
@@ -389,15 +395,7 @@ def test_a_new_owner_records_unknown_a_same_identity_call_whose_ancestor_has_to_
     """As above, one level down: the crash comes right after the host's cancel of the root was
     stored, before the owner's next pass gave the child its own intent. The child's call is
     still not made again: its ancestor's intent is enough (``TreeState.ending``)."""
-    entered, release = threading.Event(), threading.Event()
-    calls: list[str] = []
-
-    def held(request: EffectRequest, context: DispatchContext) -> Settlement:
-        calls.append(request.effect_id)
-        entered.set()
-        release.wait(WAIT)
-        return Settlement.succeeded({"value": 1})
-
+    entered, release, calls, held = held_call()
     child = chain_program(held, replay=Replay.SAME_IDENTITY, name="mk.ending.child")
     root = parent_program(child, count=1, name="mk.ending.root")
     catalog = Catalog([root])
