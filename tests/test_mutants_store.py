@@ -7,6 +7,7 @@ look at what is stored with plain SQL (``tests.audit.support.Sql``), as an opera
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import orjson
@@ -14,10 +15,11 @@ import pytest
 from eventsourcing.persistence import StoredEvent
 
 from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import TOPIC_PREFIX, DecodeError, OrjsonTranscoder, PydanticMapper
 from agentfold.adapters.eventstore import CorruptStream, EventStore, VersionConflict
 from agentfold.adapters.runtime import Runtime, index_head
 from agentfold.domain.events import ControlRequested
-from agentfold.domain.integrity import content_bytes, seal
+from agentfold.domain.integrity import chain_digest, content_bytes, seal
 from tests.audit.support import Sql, digest_of_state
 from tests.kernel_programs import chain_program
 from tests.test_cli import agentfold
@@ -188,28 +190,31 @@ def test_an_append_returns_the_notification_ids_its_events_are_stored_under(
         store.close()
 
 
+def decode_refused(tree_id: str, tag: str, content: bytes) -> DecodeError:
+    """Decode ``content``, stored as the first event of ``tree_id`` under topic ``tag`` and
+    correctly chained, as every load does; the refusal it must meet."""
+    stored_event = StoredEvent(uuid.UUID(int=1), 1, TOPIC_PREFIX + tag,
+                               seal(content, chain_digest(None, tree_id, 1, tag, content)))
+    with pytest.raises(DecodeError) as caught:
+        PydanticMapper(OrjsonTranscoder()).decode(tree_id, stored_event, None)
+    return caught.value
+
+
 def test_an_event_of_a_schema_version_from_a_later_release_is_refused_as_an_unknown_version() -> None:
     """Mutant M18 (codec.py ``decode``: the topic's schema version accepted up to one past the
     newest this release knows). docs/events.md: decoding "refuses a version it does not know
     (``stream.schema_version``)". A later release's ProcessTerminated@3 carries a member this
     release has no field for: it must be named an unknown version (upgrade), not an invalid
     event (a corrupt history)."""
-    import uuid
-
-    from agentfold.adapters.codec import TOPIC_PREFIX, DecodeError, OrjsonTranscoder, PydanticMapper
     from agentfold.domain.events import EVENT_VERSIONS
-    from agentfold.domain.integrity import chain_digest
 
     newest = EVENT_VERSIONS["ProcessTerminated"]
     tree_id, tag = "tree:00000000000000000000000000000001", f"ProcessTerminated@{newest + 1}"
     body = {"process_id": "process:" + "1" * 32, "status": "completed", "cause": "completion",
             "output": {"ok": True}, "a_later_member": {"kept": 1}}
     content = content_bytes(body, "2026-01-01T00:00:00.000000Z")
-    stored_event = StoredEvent(uuid.UUID(int=1), 1, TOPIC_PREFIX + tag,
-                               seal(content, chain_digest(None, tree_id, 1, tag, content)))
-    with pytest.raises(DecodeError) as caught:
-        PydanticMapper(OrjsonTranscoder()).decode(tree_id, stored_event, None)
-    assert (caught.value.rule, caught.value.position) == ("stream.schema_version", 1), str(caught.value)
+    caught = decode_refused(tree_id, tag, content)
+    assert (caught.rule, caught.position) == ("stream.schema_version", 1), str(caught)
 
 
 def test_a_first_append_onto_a_tree_whose_index_row_remains_is_refused_and_writes_nothing(
@@ -245,20 +250,13 @@ def test_a_stored_state_with_a_member_besides_event_and_timestamp_is_refused() -
     through). docs/events.md: the state is canonical JSON of exactly three members. A state
     chained correctly but carrying one more member (data no writer stores, hidden in a row)
     must be ``integrity.format`` at its position, on every load, not only in an audit."""
-    import uuid
-
-    from agentfold.adapters.codec import TOPIC_PREFIX, DecodeError, OrjsonTranscoder, PydanticMapper
-    from agentfold.domain.integrity import chain_digest
 
     tree_id, tag = "tree:00000000000000000000000000000001", "ProcessTerminated"
     body = {"process_id": "process:" + "1" * 32, "status": "completed", "cause": "completion", "output": {"ok": True}}
     content = orjson.dumps({"event": body, "hidden": "x", "timestamp": "2026-01-01T00:00:00.000000Z"},
                            option=orjson.OPT_SORT_KEYS)
-    stored_event = StoredEvent(uuid.UUID(int=1), 1, TOPIC_PREFIX + tag,
-                               seal(content, chain_digest(None, tree_id, 1, tag, content)))
-    with pytest.raises(DecodeError) as caught:
-        PydanticMapper(OrjsonTranscoder()).decode(tree_id, stored_event, None)
-    assert (caught.value.rule, caught.value.position) == ("integrity.format", 1), str(caught.value)
+    caught = decode_refused(tree_id, tag, content)
+    assert (caught.rule, caught.position) == ("integrity.format", 1), str(caught)
 
 
 def test_a_postgresql_append_waits_for_an_earlier_uncommitted_append_so_ids_follow_commit_order(
@@ -270,7 +268,6 @@ def test_a_postgresql_append_waits_for_an_earlier_uncommitted_append_so_ids_foll
     follower that has read past that id never reads the earlier event (docs/read-models.md:
     every event once, in the log's order). Another session holds an append open: ours waits."""
     import threading
-    import uuid
 
     import psycopg
 
