@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -28,6 +29,13 @@ from tests.test_tampered_history_on_load import parked_in_flight
 NOW = "2026-12-01T00:00:00Z"
 
 
+def pause_after(store: EventStore, tree_id: Any, program: Any, last: int) -> tuple[Any, ControlRequested, Any]:
+    """The tree as loaded, a host's pause to append after its ``last`` event, and that append's index row."""
+    whole = store.load(tree_id, Catalog([program]).resolve)
+    pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
+    return whole, pause, index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
+
+
 def test_a_retry_after_a_lost_reply_is_acknowledged_with_the_same_digest_and_writes_nothing(
     durable_store_url: str, tmp_path: Path
 ) -> None:
@@ -39,9 +47,7 @@ def test_a_retry_after_a_lost_reply_is_acknowledged_with_the_same_digest_and_wri
     store = EventStore(durable_store_url)
     sql = Sql(durable_store_url)
     try:
-        whole = store.load(tree_id, Catalog([program]).resolve)
-        pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
-        head = index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
+        whole, pause, head = pause_after(store, tree_id, program, last)
         first = store.append(tree_id, last, [pause], previous_digest=whole.digest, timestamp=NOW, head=head)
         stored = (sql.raw_rows(tree_id), sql.head(tree_id), store.max_notification_id())
         # The reply was lost: the writer sends the very same append again.
@@ -63,10 +69,8 @@ def test_a_retry_whose_events_are_no_longer_the_head_is_a_version_conflict(
     store = EventStore(durable_store_url)
     sql = Sql(durable_store_url)
     try:
-        whole = store.load(tree_id, Catalog([program]).resolve)
+        whole, pause, head = pause_after(store, tree_id, program, last)
         root = whole.state.root.process_id
-        pause = ControlRequested(process_id=root, control="pause", reason="hold")
-        head = index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
         first = store.append(tree_id, last, [pause], previous_digest=whole.digest, timestamp=NOW, head=head)
         resume = ControlRequested(process_id=root, control="resume", reason="go on")
         store.append(tree_id, last + 1, [resume], previous_digest=first.digest, timestamp=NOW,
@@ -276,9 +280,7 @@ def test_a_postgresql_append_waits_for_an_earlier_uncommitted_append_so_ids_foll
     tree_id, _, program, last = parked_in_flight(pg_database, tmp_path)
     store = EventStore(pg_database)
     try:
-        whole = store.load(tree_id, Catalog([program]).resolve)
-        pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
-        head = index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
+        whole, pause, head = pause_after(store, tree_id, program, last)
         done = threading.Event()
 
         def ours() -> None:
@@ -307,9 +309,7 @@ def test_a_retry_whose_stored_events_are_damaged_is_not_acknowledged(durable_sto
     store = EventStore(durable_store_url)
     sql = Sql(durable_store_url)
     try:
-        whole = store.load(tree_id, Catalog([program]).resolve)
-        pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
-        head = index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
+        whole, pause, head = pause_after(store, tree_id, program, last)
         store.append(tree_id, last, [pause], previous_digest=whole.digest, timestamp=NOW, head=head)
         (topic,) = [t for v, t, _ in sql.raw_rows(tree_id) if v == last + 1]
         sql.set_row(tree_id, last + 1, topic, b"\x01not deflate")
