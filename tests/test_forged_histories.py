@@ -5,9 +5,11 @@ called (found by a review of crafted histories)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
+from agentfold.adapters.recorders import EVENTS_TABLE, TREES_TABLE
 from agentfold.domain.integrity import chain_digest, content_bytes, seal, unseal
 from tests.test_cli import agentfold, count, ok, start_crashing_run
 
@@ -172,3 +174,51 @@ def test_a_count_forged_as_true_or_text_is_refused_at_import(tmp_path: Path) -> 
         assert ran.code != 0, (topic, field, ran.stdout)
         assert "stream.event_invalid" in ran.stdout + ran.stderr, (topic, field, ran.stdout, ran.stderr)
         assert f"position {edited[0]}" in ran.stdout + ran.stderr, (edited, ran.stdout, ran.stderr)
+
+
+def test_a_tree_started_naming_another_tree_is_refused_at_import_and_on_load(tmp_path: Path) -> None:
+    # The digest chain binds the id a tree is stored under, and the fold read the tree's identity
+    # from its TreeStarted: a history whose TreeStarted names another tree (its start id and tree id
+    # rewritten together, the chain recomputed under the stored id) imported, and `show` of the
+    # stored id answered as that other run. The first event must name the tree it is stored as.
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.domain.ids import StartID, TreeID
+
+    source = f"sqlite:///{tmp_path / 'source.db'}"
+    start_crashing_run(source, tmp_path / "side-effects.jsonl", start_id="order-1", point="in-dispatch:1")
+    exported = tmp_path / "order-1.jsonl"
+    ok(agentfold("export", "order-1", "--out", str(exported), store=source))
+    other = TreeID.for_start(StartID("order-2"))
+
+    def rename(position: int, topic: str, body: dict[str, Any]) -> None:
+        if position == 1:
+            body["start_id"], body["tree_id"] = "order-2", str(other)
+
+    forged = tmp_path / "forged.jsonl"
+    rewrite(exported, forged, rename)
+    target = f"sqlite:///{tmp_path / 'target.db'}"
+    ran = agentfold("import", str(forged), "--json", store=target)
+    assert ran.code == 2, (ran.code, ran.stdout, ran.stderr)
+    refusal = json.loads(ran.stderr)["error"]
+    assert refusal["code"] == "import.corrupt" and (refusal["detail"]["rule"], refusal["detail"]["position"]) == (
+        "tree.identity", 1), refusal
+    tree = TreeID.for_start(StartID("order-1"))
+    store = EventStore(target)
+    try:
+        assert store.read_raw(tree) == []  # nothing of it was stored
+    finally:
+        store.close()
+    # The same rows written into the store by hand (each state and the index row's head replaced
+    # with the forged ones): every read refuses the tree instead of showing it as order-2.
+    ok(agentfold("import", str(exported), store=target))
+    lines = [json.loads(line) for line in forged.read_text().splitlines() if line.strip()]
+    with sqlite3.connect(tmp_path / "target.db") as db:
+        for line in lines:
+            if "state" in line:
+                db.execute(f"UPDATE {EVENTS_TABLE} SET state = ? WHERE originator_id = ? AND originator_version = ?",
+                           (line["state"].encode(), tree.uuid.hex, line["position"]))
+            else:
+                db.execute(f"UPDATE {TREES_TABLE} SET head_digest = ? WHERE tree_id = ?", (line["end"]["head_digest"], str(tree)))
+    shown = agentfold("show", "order-1", "--json", store=target)
+    assert shown.code == 1, (shown.code, shown.stdout, shown.stderr)
+    assert "tree.identity" in shown.stdout + shown.stderr and "order-2" not in shown.stdout, shown.stdout + shown.stderr

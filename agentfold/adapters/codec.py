@@ -36,6 +36,7 @@ from agentfold.domain.events import (
     EVENT_TYPES,
     EVENT_VERSIONS,
     TreeEvent,
+    TreeStarted,
     event_body,
     event_from_body,
     event_type,
@@ -247,6 +248,13 @@ class PydanticMapper(Mapper[uuid.UUID]):
             raise DecodeError(
                 position, "stream.schema_version",
                 f"topic {topic!r} says schema version {schema_version}, its body is version {event_version(event)}",
+            )
+        if position == 1 and isinstance(event, TreeStarted) and event.tree_id != tree_id:
+            # The chain binds the stream's tree id, but the fold reads the tree's identity from
+            # this event: a history written (or its digests recomputed) under another tree's id
+            # would otherwise be shown, driven and exported as that other tree.
+            raise DecodeError(
+                position, "tree.identity", f"the TreeStarted names tree {event.tree_id}, but it is stored as tree {tree_id}"
             )
         return RecordedEvent(
             originator_id=stored.originator_id,  # type: ignore[arg-type]
