@@ -109,6 +109,9 @@ class Scan:
         self.functions: dict[Key, list[ast.FunctionDef | ast.AsyncFunctionDef]] = defaultdict(list)
         self.imports: dict[str, dict[str, Key]] = defaultdict(dict)
         self.constants: dict[str, dict[str, str]] = defaultdict(dict)  # module -> NAME / Class.NAME -> code
+        self._by_name: dict[str, list[Key]] | None = None  # every definition by its name (built once indexed)
+        self._calls: dict[int, list[ast.Call]] = {}  # the calls inside each function, by id(function)
+        self.module_calls: dict[str, list[ast.Call]] = {}  # every call of each module, in ast.walk order
         for module, (_path, tree) in self.trees.items():
             self._index(module, tree)
         self.sinks: dict[Key, list[Sink]] = defaultdict(list)
@@ -124,10 +127,13 @@ class Scan:
         return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
     def _index(self, module: str, tree: ast.Module) -> None:
+        calls = self.module_calls[module] = []
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
-            if isinstance(node, ast.ClassDef):
+            if isinstance(node, ast.Call):
+                calls.append(node)
+            elif isinstance(node, ast.ClassDef):
                 self.classes[(module, node.name)] = node
                 for item in node.body:
                     if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant):
@@ -158,7 +164,11 @@ class Scan:
             return self.resolve(source, original, depth + 1) if source in self.trees else []
         if depth:
             return []
-        return [k for k in (*self.classes, *self.functions) if k[1] == name]
+        if self._by_name is None:
+            self._by_name = defaultdict(list)
+            for k in (*self.classes, *self.functions):
+                self._by_name[k[1]].append(k)
+        return list(self._by_name.get(name, ()))
 
     def _constant(self, module: str, name: str) -> str | None:
         """A string constant ``NAME`` or ``Class.NAME`` as seen from ``module`` (own or imported)."""
@@ -269,9 +279,10 @@ class Scan:
                             continue
                         key = (module, owner.name)
                     params = _params(fn, method)
-                    for call in ast.walk(fn):
-                        if not isinstance(call, ast.Call):
-                            continue
+                    calls = self._calls.get(id(fn))
+                    if calls is None:
+                        calls = self._calls[id(fn)] = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+                    for call in calls:
                         for sink in self._callee_sinks(module, call):
                             arg = self._argument(call, sink) if sink.fixed is None else None
                             if isinstance(arg, ast.Name) and arg.id in params:
@@ -324,10 +335,8 @@ class Scan:
 
     def _sites(self) -> list[Site]:
         sites: list[Site] = []
-        for module, (path, tree) in self.trees.items():
-            for call in ast.walk(tree):
-                if not isinstance(call, ast.Call):
-                    continue
+        for module, (path, _tree) in self.trees.items():
+            for call in self.module_calls[module]:
                 for sink in self._callee_sinks(module, call):
                     where = f"{path}:{call.lineno}"
                     http = sink.http_status
@@ -587,12 +596,18 @@ def wrong_class() -> None:
 '''
 
 
+@functools.cache
+def scanned_with_fake() -> Scan:
+    """The sources with FAKE added as one more module (scanned once for the tests below)."""
+    return Scan(sources({"agentfold/adapters/fake_new_codes.py": FAKE}))
+
+
 def _line(text: str) -> int:
     return next(n for n, line in enumerate(FAKE.splitlines(), 1) if text in line)
 
 
 def test_an_undocumented_code_fails_the_check() -> None:
-    scan = Scan(sources({"agentfold/adapters/fake_new_codes.py": FAKE}))
+    scan = scanned_with_fake()
     missing = undocumented(scan, page())
     # execution.step.failed is on the page as a recorded code, not as a raised one
     assert set(missing) == {"fake.literal", "fake.helper", "fake.keyword", "fake.assigned", "fake.constant",
@@ -603,7 +618,7 @@ def test_an_undocumented_code_fails_the_check() -> None:
 
 
 def test_a_wrong_status_fails_the_check() -> None:
-    scan = Scan(sources({"agentfold/adapters/fake_new_codes.py": FAKE}))
+    scan = scanned_with_fake()
     wrong = status_mismatches(scan, page())
     assert any(w.startswith("store.url_invalid: raised with several classes") for w in wrong), wrong
     rows = [Row(r.code, r.section, ("1", "503", *r.cells[2:]) if r.code == "payload.invalid" else r.cells, r.line)
