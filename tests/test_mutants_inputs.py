@@ -35,6 +35,7 @@ from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import AgentfoldError, EngineCode, InvalidInput, ResourceLimitExceeded
 from agentfold.domain.events import TreeLimits
 from agentfold.domain.ids import ChildKey, SignalID, TreeID
+from agentfold.domain.interaction.toolset import prepare_arguments
 from agentfold.domain.program import (
     ChildSpec,
     Complete,
@@ -84,6 +85,8 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("wind-text", {"city": "Oslo", "days": 2, "detail": {"wind": "yes"}}, "$.detail.wind: expected boolean"),
     ("ratio-bool", {"city": "Oslo", "days": 2, "ratio": True}, "$.ratio: expected number"),
     ("city-long", {"city": "x" * 13, "days": 2}, "$.city: longer than 12 characters"),
+    # orjson alone read it as 1.8446744073709552e+19, which passed "integer" and reached the tool
+    ("days-huge", {"city": "Oslo", "days": 2**64}, "integer at $.days exceeds 64 bits"),
 ]
 
 # Calls exactly at every bound: each runs, with its arguments as the model sent them.
@@ -137,6 +140,13 @@ def test_a_tool_call_breaking_one_keyword_of_its_parameters_never_runs_and_the_m
         assert is_error and said in text, (cid, text)
     for cid, _ in ACCEPTED:
         assert results[cid] == ("sunny", False), (cid, results[cid])
+
+
+def test_tool_arguments_are_read_exactly_a_key_written_twice_is_refused_not_the_last_one_taken() -> None:
+    schema = {"type": "object", "properties": {"days": {"type": "integer"}}}
+    assert prepare_arguments('{"days": 1, "days": 7}', schema) == (None, "arguments: $ has the key 'days' twice")
+    assert prepare_arguments('{"days": 18446744073709551617}', schema) == (None, "integer at $.days exceeds 64 bits")
+    assert prepare_arguments('{"days": 7}', schema) == ({"days": 7}, None)
 
 
 # ---------------------------------------------------------------------------

@@ -113,7 +113,9 @@ def settle_tool_result(
     spec = strategy.manifest.tool(call.name)
     if spec is None:
         raise _refuse(f'tool "{call.name}" is not bound to this ToolSet')
-    _, problem = spec.prepare(call)
+    # Read as leniently as any release that may have run the call (an unknown outcome from
+    # before 2026-12-05 stays resolvable); this release's dispatcher refuses more before running.
+    _, problem = spec.prepare(call, exact=False)
     if problem is not None:
         raise _refuse(f"the call's arguments are not admitted: {problem}")
     if disposition not in DISPOSITIONS:

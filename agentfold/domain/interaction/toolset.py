@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from agentfold.domain.budget import Budget
-from agentfold.domain.canonical import JSON
+from agentfold.domain.canonical import JSON, parse_json_text
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.json_schema import check_schema, schema_errors
@@ -58,9 +58,10 @@ class ToolSpec:
     def definition(self) -> dict[str, JSON]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
-    def prepare(self, call: ToolCall) -> tuple[JSON, str | None]:
-        """Parse and validate the call's arguments: ``(arguments, None)`` or ``(None, reason)``."""
-        return prepare_arguments(call.arguments, self.parameters)
+    def prepare(self, call: ToolCall, *, exact: bool = True) -> tuple[JSON, str | None]:
+        """Parse and validate the call's arguments: ``(arguments, None)`` or ``(None, reason)``
+        (``exact``: see ``prepare_arguments``)."""
+        return prepare_arguments(call.arguments, self.parameters, exact=exact)
 
     def classify(self, call: ToolCall) -> tuple[str, bool]:
         """``(key, concurrent)``; calls without a policy or with bad arguments run alone."""
@@ -73,7 +74,15 @@ class ToolSpec:
         return str(key), bool(concurrent)
 
 
-def prepare_arguments(text: str, schema: JSON) -> tuple[JSON, str | None]:
+def prepare_arguments(text: str, schema: JSON, *, exact: bool = True) -> tuple[JSON, str | None]:
+    """A call's arguments parsed and checked against ``schema``: ``(arguments, None)`` or
+    ``(None, what is wrong)``.
+
+    Read exactly, as a host's JSON text is (``parse_json_text``): orjson alone reads an integer
+    beyond 64 bits as a float (precision lost, silently: 2**64 + 1 reached the tool as
+    1.8446744073709552e+19 and passed ``{"type": "integer"}``) and keeps the last of a key
+    written twice. ``exact=False`` reads as releases before 2026-12-05 did (orjson alone), for a
+    call such a release may have run (the resolution of its unknown outcome)."""
     raw = text.strip() if text else ""
     if not raw:
         value: JSON = {}
@@ -82,6 +91,11 @@ def prepare_arguments(text: str, schema: JSON) -> tuple[JSON, str | None]:
             value = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return None, f"arguments are not valid JSON: {exc}"
+        if exact:
+            try:
+                value = parse_json_text(raw, what="arguments")
+            except InvalidInput as exc:
+                return None, exc.message
     problems = schema_errors(value, schema)
     if problems:
         return None, "; ".join(problems[:3])
