@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import InvalidInput, NotFound
+from agentfold.domain.errors import InvalidInput, NotFound, recorded_text
 from agentfold.domain.ids import Digest
 from agentfold.domain.program import Program, ProgramRef
 
@@ -157,7 +157,19 @@ class Catalog:
         # earlier releases built it (their trees name the identity those gave).
         rebuilt: list[Program] = []
         for loader in loaders if isinstance(loaders, Sequence) else (loaders,):
-            rebuilt.append(loader(configuration))
+            try:
+                rebuilt.append(loader(configuration))
+            except Exception as exc:
+                # Classified like a Program not bound here: `recover` lists the run and goes on to
+                # the next one, a host command refuses with a code (a loader's KeyError stopped a
+                # worker's whole recover, and reached hosts as a raw exception).
+                raise NotFound(
+                    "engine.program.unavailable",
+                    f"rebuilding {ref.name} ({ref.digest}) from its stored configuration failed: "
+                    f"{type(exc).__name__}: {recorded_text(exc)}",
+                    hint="the program's loader no longer reads this configuration; keep a loader for the format "
+                    "that started the run (loaders for earlier releases follow the current one) until its runs end",
+                ) from exc
             if rebuilt[-1].ref == ref:
                 break
         else:
