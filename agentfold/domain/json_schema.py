@@ -9,16 +9,21 @@ Supported keywords: ``type`` (string or list), ``enum``, ``const``, ``properties
 ``$defs`` and ``definitions``). Annotation keywords (``title``, ``description``,
 ``default``, ``examples``, ``format``, ``$schema``, ``$id``) are accepted and ignored.
 Any other keyword is refused when the schema is checked, so a schema never
-silently means less than its author wrote.
+silently means less than its author wrote. ``pattern`` and ``patternProperties`` keys are
+ECMA-262 regular expressions searched unanchored (``ecma_regex``: ``$``, ``.``, ``\\d``,
+``\\w``, ``\\s`` as ECMA-262 reads them); ``multipleOf`` is exact on the numbers as written.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from decimal import Context, Decimal
 from typing import Any
+from urllib.parse import unquote
 
-from agentfold.domain.canonical import normalize
+from agentfold.domain.canonical import MAX_DEPTH, normalize
 from agentfold.domain.errors import InvalidInput
 
 _ANNOTATIONS = {
@@ -32,10 +37,68 @@ _KEYWORDS = {
     "multipleOf", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$defs", "definitions",
 }
 _TYPES = {"null", "boolean", "object", "array", "number", "integer", "string"}
+#: Python frames one check may nest (a step into a subschema costs one, a ``$ref`` two): room
+#: for a value as deep as a payload may be (MAX_DEPTH levels) under a schema recursing through
+#: ``items`` or ``properties`` and a ``$ref`` (three a level), well under the interpreter's
+#: recursion limit. It was 64 steps: such a value 22 levels deep was refused.
+MAX_STEPS = 3 * MAX_DEPTH + 16
 
 
 class SchemaError(InvalidInput):
     """A value does not satisfy a schema, or a schema is not one we can enforce."""
+
+
+# ECMA-262 WhiteSpace and LineTerminator: what its \s matches (Python's differs: \x1c-\x1f in, \ufeff out).
+_ECMA_SPACE = "\\t\\n\\v\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
+
+
+@functools.lru_cache(maxsize=1024)
+def ecma_regex(pattern: str) -> re.Pattern[str]:
+    """``pattern`` (an ECMA-262 regular expression, as JSON Schema says) compiled to mean in
+    Python's ``re`` what it means in ECMA-262 where the two differ on a valid value: ``$`` is
+    the end of the string (Python's also matches before a final newline: ``^[a-z]+$`` took
+    "main\\n"), ``.`` no line terminator, ``\\d`` ``\\w`` ``\\b`` ASCII (``re.ASCII``; Python's
+    take any Unicode digit or letter), ``\\s`` ECMA's white space, ``[]`` nothing and ``[^]``
+    anything. Python-only syntax (``(?P<n>...)``, ``\\Z``) is still read as Python reads it;
+    a pattern ``re`` cannot compile (``\\p{L}``) raises ``re.error``."""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            escaped = pattern[i + 1]
+            if escaped == "s":
+                out.append(_ECMA_SPACE if in_class else f"[{_ECMA_SPACE}]")
+            elif escaped == "S" and not in_class:
+                out.append(f"[^{_ECMA_SPACE}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            negated = pattern.startswith("[^", i)
+            start = i + (2 if negated else 1)
+            if pattern.startswith("]", start):  # ECMA: [] matches nothing, [^] any character
+                out.append("[\\s\\S]" if negated else "(?!)")
+                i = start + 1
+                continue
+            out.append(pattern[i:start])
+            i, in_class = start, True
+            continue
+        elif c == "$":
+            c = "\\Z"
+        elif c == ".":
+            c = "[^\\n\\r\\u2028\\u2029]"
+        out.append(c)
+        i += 1
+    try:
+        return re.compile("".join(out), re.ASCII)
+    except (ValueError, OverflowError, RecursionError) as exc:
+        # "(?u)" against re.ASCII, "a{99999999999999999999}", 2000 nested groups: not a crash
+        # of check_schema but a pattern we cannot enforce.
+        raise re.error(f"{type(exc).__name__}: {exc}") from None
 
 
 def _type_ok(value: Any, name: str) -> bool:
@@ -152,7 +215,8 @@ def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
         where = f"{path}/{key}"
         if key == "type":
             names = sub if isinstance(sub, list) else [sub]
-            if not names or any(n not in _TYPES for n in names):
+            # isinstance first: {"type": [{}]} raised a bare TypeError (an unhashable name).
+            if not names or any(not isinstance(n, str) or n not in _TYPES for n in names):
                 raise SchemaError("schema.invalid", f"invalid type {sub!r} at {where}")
         elif key in ("properties", "patternProperties", "$defs", "definitions"):
             if not isinstance(sub, dict):
@@ -160,7 +224,7 @@ def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
             for name, child in sub.items():
                 if key == "patternProperties":
                     try:
-                        re.compile(name)
+                        ecma_regex(name)
                     except re.error as exc:
                         raise SchemaError("schema.invalid", f"bad pattern {name!r} at {where}") from exc
                 _check_schema(child, f"{where}/{name}", root, refs)
@@ -179,11 +243,15 @@ def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
                 raise SchemaError("schema.invalid", f"enum at {path} must be an array")
         elif key == "pattern":
             try:
-                re.compile(sub)
+                if not isinstance(sub, str):
+                    raise TypeError(type(sub).__name__)
+                ecma_regex(sub)
             except (re.error, TypeError) as exc:
                 raise SchemaError("schema.invalid", f"bad pattern {sub!r} at {path}") from exc
         elif key in ("minProperties", "maxProperties", "minItems", "maxItems", "minLength", "maxLength"):
-            if not isinstance(sub, int) or isinstance(sub, bool) or sub < 0:
+            # 2.0 is an integer in JSON Schema (and so a valid count); 2.5 is not.
+            integral = isinstance(sub, int) or (isinstance(sub, float) and sub.is_integer())
+            if not integral or isinstance(sub, bool) or sub < 0:
                 raise SchemaError("schema.invalid", f"{key} at {path} must be a non-negative integer")
         elif key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
             if not isinstance(sub, (int, float)) or isinstance(sub, bool):
@@ -214,10 +282,18 @@ def resolve_ref(root: Any, ref: str) -> Any:
     node = root
     if ref in ("#", "#/"):
         return node
-    for part in ref[2:].split("/"):
+    # The fragment of a URI: percent-encoded ("#/$defs/a%20b" names "a b"), then a JSON
+    # pointer whose steps also index arrays ("#/allOf/0", "#/prefixItems/1").
+    try:
+        pointer = unquote(ref[2:], errors="strict")
+    except UnicodeDecodeError:  # "%ff": no UTF-8 text
+        raise SchemaError("schema.invalid", f"unresolvable $ref {ref!r}") from None
+    for part in pointer.split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
+        elif isinstance(node, list) and re.fullmatch(r"0|[1-9][0-9]*", part) and int(part) < len(node):
+            node = node[int(part)]
         else:
             raise SchemaError("schema.invalid", f"unresolvable $ref {ref!r}")
     return node
@@ -238,7 +314,7 @@ def _referred(value: Any, target: Any, root: Any, path: str, depth: int,
 
 def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
             memo: dict[tuple[int, int, str, int], list[str]]) -> list[str]:
-    if depth > 64:
+    if depth > MAX_STEPS:
         return [f"{path}: schema nesting too deep"]
     if schema is True:
         return []
@@ -246,7 +322,8 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
         return [f"{path}: no value is allowed here"]
     out: list[str] = []
     if "$ref" in schema:
-        out += _referred(value, resolve_ref(root, schema["$ref"]), root, path, depth + 1, memo)
+        # Two frames (_referred, then _errors): two steps of the budget.
+        out += _referred(value, resolve_ref(root, schema["$ref"]), root, path, depth + 2, memo)
     if "type" in schema:
         names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_type_ok(value, n) for n in names):
@@ -267,7 +344,7 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
                 matched = True
                 out += _errors(item, props[name], root, f"{path}.{name}", depth + 1, memo)
             for pattern, sub in patterns.items():
-                if re.search(pattern, name):
+                if _search(pattern, name, memo):
                     matched = True
                     out += _errors(item, sub, root, f"{path}.{name}", depth + 1, memo)
             if not matched and "additionalProperties" in schema:
@@ -301,7 +378,7 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
             out.append(f"{path}: shorter than {schema['minLength']} characters")
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             out.append(f"{path}: longer than {schema['maxLength']} characters")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not _search(schema["pattern"], value, memo):
             out.append(f"{path}: does not match pattern {schema['pattern']!r}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "minimum" in schema and value < schema["minimum"]:
@@ -312,20 +389,24 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
             out.append(f"{path}: not greater than {schema['exclusiveMinimum']}")
         if "exclusiveMaximum" in schema and value >= schema["exclusiveMaximum"]:
             out.append(f"{path}: not less than {schema['exclusiveMaximum']}")
-        if "multipleOf" in schema:
-            try:
-                q = value / schema["multipleOf"]
-                multiple = math.isfinite(q) and abs(q - round(q)) <= 1e-9
-            except OverflowError:  # a quotient beyond a float (1e308 / 0.01): round() raised
-                multiple = False
-            if not multiple:
-                out.append(f"{path}: not a multiple of {schema['multipleOf']}")
+        if "multipleOf" in schema and not (
+            _was_multiple(value, schema["multipleOf"]) if type(memo) is _Releases else _is_multiple(value, schema["multipleOf"])
+        ):
+            out.append(f"{path}: not a multiple of {schema['multipleOf']}")
     for sub in schema.get("allOf", []):
         out += _errors(value, sub, root, path, depth + 1, memo)
-    if "anyOf" in schema and not any(not _errors(value, s, root, path, depth + 1, memo) for s in schema["anyOf"]):
-        out.append(f"{path}: matches none of anyOf")
+    # Plain loops, no generator: each nested step costs one frame of the MAX_STEPS budget.
+    if "anyOf" in schema:
+        for sub in schema["anyOf"]:
+            if not _errors(value, sub, root, path, depth + 1, memo):
+                break
+        else:
+            out.append(f"{path}: matches none of anyOf")
     if "oneOf" in schema:
-        matches = sum(1 for s in schema["oneOf"] if not _errors(value, s, root, path, depth + 1, memo))
+        matches = 0
+        for sub in schema["oneOf"]:
+            if not _errors(value, sub, root, path, depth + 1, memo):
+                matches += 1
         if matches != 1:
             out.append(f"{path}: matches {matches} of oneOf, expected exactly 1")
     if "not" in schema and not _errors(value, schema["not"], root, path, depth + 1, memo):
@@ -337,6 +418,70 @@ def _errors(value: Any, schema: Any, root: Any, path: str, depth: int,
         elif "else" in schema:
             out += _errors(value, schema["else"], root, path, depth + 1, memo)
     return out
+
+
+# Precision for an exact remainder: a quotient below a float's range (1.8e308; larger ones are
+# refused first) of numbers with at most 17 significant digits has at most ~650 digits.
+_EXACT = Context(prec=1000)
+
+
+def _exact(number: int | float) -> Decimal:
+    # A float as the JSON text that gave it (its shortest repr: 0.1 is 1/10, not the binary
+    # 0.1000000000000000055...), so 0.3 is a multiple of 0.1 as written.
+    return Decimal(number) if isinstance(number, int) else Decimal(repr(number))
+
+
+def _is_multiple(value: int | float, step: int | float) -> bool:
+    """Exact: a float quotient with a tolerance took an odd 64-bit integer for a multiple of
+    2 (2**60 + 1 divided by 2 rounds to an integer float), 1e17 for a multiple of 3 and
+    0.30000000001 for a multiple of 0.1."""
+    if isinstance(value, int) and isinstance(step, int):
+        return value % step == 0
+    try:
+        # Kept from before: a quotient beyond a float (1e308 / 0.01) is no multiple
+        # (tests/test_user_program_mistakes.py holds it).
+        if not math.isfinite(value / step):
+            return False
+    except OverflowError:
+        return False
+    return _EXACT.remainder(_exact(value), _exact(step)).is_zero()
+
+
+class _Releases(dict[tuple[int, int, str, int], list[str]]):
+    """The memo of a check under the semantics of releases before 2026-12-05 (``pattern`` as
+    Python's ``re.search``, ``multipleOf`` a float quotient within 1e-9): see
+    ``recorded_schema_errors``."""
+
+
+def _search(pattern: str, text: str, memo: dict[tuple[int, int, str, int], list[str]]) -> bool:
+    if type(memo) is not _Releases:
+        return ecma_regex(pattern).search(text) is not None
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:  # a pattern only ECMA-262 reads ("[^]"): no earlier release accepted its schema
+        return False
+
+
+def _was_multiple(value: int | float, step: int | float) -> bool:
+    try:
+        q = value / step
+        return math.isfinite(q) and abs(q - round(q)) <= 1e-9
+    except OverflowError:  # a quotient beyond a float (1e308 / 0.01): round() raised
+        return False
+
+
+def recorded_schema_errors(value: Any, schema: Any) -> list[str]:
+    """``schema_errors`` for a value a history holds (the fold checks a Process's input, output
+    and admitted signals again): none when a release before 2026-12-05 accepted it.
+
+    That release read ``pattern`` as Python's ``re.search`` (``$`` matched before a final
+    newline, ``\\d`` and ``\\w`` any Unicode digit or letter) and ``multipleOf`` with a float
+    tolerance; values it admitted under those meanings stay readable, while every value
+    admitted from now on is checked as JSON Schema says."""
+    problems = schema_errors(value, schema)
+    if problems and not _errors(value, schema, schema, "$", 0, _Releases()):
+        return []
+    return problems
 
 
 def _json_type(value: Any) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from agentfold.domain.canonical import digest_of
 from agentfold.domain.errors import InvalidInput, Rejected, ResourceLimitExceeded
 from agentfold.domain.ids import Digest, SignalID, WaitID
-from agentfold.domain.json_schema import schema_errors
+from agentfold.domain.json_schema import recorded_schema_errors, schema_errors
 
 if TYPE_CHECKING:
     from agentfold.domain.program import SignalRequest
@@ -49,6 +49,7 @@ def check_admission(
     signal_schema: object = None,
     check_signal_schema: bool = True,
     parent_schema: bool = False,
+    recorded: bool = False,
 ) -> Admission:
     """Validate a batch of SignalRequests against one Process; all or nothing.
 
@@ -103,7 +104,7 @@ def check_admission(
                 )
             if wait.response_schema is not None:
                 try:
-                    problems = schema_errors(request.payload, wait.response_schema)
+                    problems = (recorded_schema_errors if recorded else schema_errors)(request.payload, wait.response_schema)
                 except Exception as exc:  # a schema no check refused (a history of an earlier release)
                     raise Rejected(
                         "engine.signal.rejected",
@@ -143,7 +144,7 @@ def check_admission(
                         f"process {process.process_id} accepts no unaddressed input",
                         hint="address the signal to one of its waits",
                     )
-                problems = schema_errors(request.payload, signal_schema)
+                problems = (recorded_schema_errors if recorded else schema_errors)(request.payload, signal_schema)
                 if problems:
                     raise InvalidInput(
                         "engine.signal.schema",

@@ -61,7 +61,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.json_schema import schema_errors
+from agentfold.domain.json_schema import recorded_schema_errors
 from agentfold.domain.program import (
     Boundary,
     ChildWaitSpec,
@@ -735,7 +735,7 @@ class TreeState:
             raise self.fail(pos, "program.unavailable", f"no program bound for {process.program}")
         # The kernel starts a Process only with an input its Program's schema accepts (its
         # contract, part of the Program's identity: the same ref, the same schema).
-        problems = schema_errors(process.input, program.descriptor.input_schema)
+        problems = recorded_schema_errors(process.input, program.descriptor.input_schema)
         if problems:
             raise self.fail(pos, "program.input", f"the input does not satisfy {process.program.name}'s input schema: "
                             + "; ".join(problems[:3]))
@@ -874,7 +874,8 @@ class TreeState:
                 if program is not None:
                     schema = program.descriptor.signal_schema
                     check_schema = True
-            check_admission(process, [request], source=e.source, signal_schema=schema, check_signal_schema=check_schema)
+            check_admission(process, [request], source=e.source, signal_schema=schema, check_signal_schema=check_schema,
+                            recorded=True)
         except Exception as exc:
             code = getattr(exc, "code", type(exc).__name__)
             over_budget = not process.budget.signals.allows(
@@ -1419,9 +1420,7 @@ class TreeState:
             if self.programs is not None and process.has_state:
                 program = self.programs(process.program)
                 if program is not None:
-                    from agentfold.domain.json_schema import schema_errors
-
-                    if schema_errors(output, program.descriptor.output_schema):
+                    if recorded_schema_errors(output, program.descriptor.output_schema):
                         raise self.fail(pos, "terminal.output_schema", "output does not satisfy the output schema")
         elif e.output is not None:
             raise self.fail(pos, "terminal.output", "only a completed process has an output")
