@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "agentfold"
 #: The standard library modules the pure layers use: none performs I/O, reads a clock or draws
 #: random numbers (``uuid`` for the ``UUID`` type and parsing only: see ``IMPURE_CALLS``).
 PURE_STDLIB = {
-    "__future__", "abc", "collections", "collections.abc", "copy", "dataclasses", "enum", "functools", "heapq",
+    "__future__", "abc", "collections", "collections.abc", "copy", "dataclasses", "decimal", "enum", "functools", "heapq",
     "hashlib", "itertools", "json", "math", "operator", "re", "string", "types", "typing", "uuid",
 }
 ALLOWED = {

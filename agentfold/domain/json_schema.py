@@ -21,7 +21,6 @@ import math
 import re
 from decimal import Context, Decimal
 from typing import Any
-from urllib.parse import unquote
 
 from agentfold.domain.canonical import MAX_DEPTH, normalize
 from agentfold.domain.errors import InvalidInput
@@ -277,6 +276,15 @@ def _check_schema(schema: Any, path: str, root: Any, refs: set[str]) -> None:
                 _check_schema(target, sub, root, refs)
 
 
+_PERCENT = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
+def _unquote(text: str) -> str:
+    """A URI fragment percent-decoded as UTF-8 (``UnicodeDecodeError`` for bytes that are no
+    UTF-8: ``%ff``); a ``%`` not followed by two hex digits stays as it is."""
+    return _PERCENT.sub(lambda m: bytes.fromhex(m.group(0).replace("%", "")).decode("utf-8"), text)
+
+
 def resolve_ref(root: Any, ref: str) -> Any:
     """The schema a local ``$ref`` names inside ``root`` (``schema.invalid`` when it names nothing)."""
     node = root
@@ -285,7 +293,7 @@ def resolve_ref(root: Any, ref: str) -> Any:
     # The fragment of a URI: percent-encoded ("#/$defs/a%20b" names "a b"), then a JSON
     # pointer whose steps also index arrays ("#/allOf/0", "#/prefixItems/1").
     try:
-        pointer = unquote(ref[2:], errors="strict")
+        pointer = _unquote(ref[2:])
     except UnicodeDecodeError:  # "%ff": no UTF-8 text
         raise SchemaError("schema.invalid", f"unresolvable $ref {ref!r}") from None
     for part in pointer.split("/"):
