@@ -29,10 +29,10 @@ from agentfold.adapters.team import (
 )
 from agentfold.domain.budget import Budget
 from agentfold.domain.ids import Digest
-from agentfold.domain.program import SignalRequest
 from tests.interaction.support import child_by_key, open_runtime
 from tests.interaction.tools import WAIT, wait_until
 from tests.team import programs as P
+from tests.team.test_team_recovery import answer_gate
 
 TEXT = {"type": "string"}
 
@@ -43,17 +43,7 @@ def sqlite(tmp_path: Path) -> str:
 
 def answer(runtime: Any, tree_id: Any, key: str, text: str) -> Any:
     """Answer the InputGate child ``key`` once it waits; returns that child."""
-
-    def waiting() -> bool:
-        try:
-            return child_by_key(runtime.capture(tree_id), key).current_wait is not None
-        except AssertionError:
-            return False
-
-    wait_until(waiting, f"gate {key} to wait")
-    gate = child_by_key(runtime.capture(tree_id), key)
-    assert runtime.deliver_signals(gate.process_id, [SignalRequest(f"signal:{key}", text, gate.current_wait)])
-    return gate
+    return answer_gate(runtime, tree_id, key, f"signal:{key}", text)
 
 
 def turn_keys(tree: Any) -> list[str]:

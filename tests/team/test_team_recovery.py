@@ -123,7 +123,9 @@ def test_s31_a_null_output_survives_process_death(durable_store_url: str, point:
 # 33. an outcome arriving during a coordinator turn is seen by the next turn
 
 
-def answer_gate(runtime: Any, tree_id: Any, key: str, signal_id: str) -> Any:
+def answer_gate(runtime: Any, tree_id: Any, key: str, signal_id: str, text: str = "answer") -> Any:
+    """Answer the InputGate child ``key`` with ``text`` once it waits; returns that child."""
+
     def waiting() -> bool:
         try:
             return child_by_key(runtime.capture(tree_id), key).current_wait is not None
@@ -132,7 +134,7 @@ def answer_gate(runtime: Any, tree_id: Any, key: str, signal_id: str) -> Any:
 
     wait_until(waiting, f"gate {key} to wait")
     gate = child_by_key(runtime.capture(tree_id), key)
-    assert runtime.deliver_signals(gate.process_id, [SignalRequest(signal_id, "answer", gate.current_wait)])
+    assert runtime.deliver_signals(gate.process_id, [SignalRequest(signal_id, text, gate.current_wait)])
     return gate
 
 
