@@ -200,6 +200,13 @@ def parse_json_text(text: str | bytes, *, limit: int = MAX_PAYLOAD_BYTES, what: 
         raise InvalidInput("payload.invalid", f"{what} is not valid JSON: {exc}",
                            hint="send JSON text (RFC 8259): double-quoted strings and keys, no trailing commas, "
                            "no NaN or infinity", recorded_hint=False) from exc
+    return exactly(raw, value, limit=limit, what=what)
+
+
+def exactly(raw: bytes | str, value: JSON, *, limit: int = MAX_PAYLOAD_BYTES, what: str = "payload") -> JSON:
+    """``value`` (what orjson parsed from ``raw``) checked against an exact reading of ``raw``, then
+    normalized: ``InvalidInput`` for a key written twice, an integer beyond 64 bits, or nesting
+    beyond ``MAX_DEPTH``."""
     # Read once more by the standard library, exactly: it sees a key written twice (orjson
     # keeps the last one), and an integer beyond 64 bits, which orjson reads as a float
     # (precision lost, silently), stays an integer that normalize refuses by its path.

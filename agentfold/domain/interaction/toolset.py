@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from agentfold.domain.budget import Budget
-from agentfold.domain.canonical import JSON, parse_json_text
+from agentfold.domain.canonical import JSON, exactly
 from agentfold.domain.errors import InvalidInput
 from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.json_schema import check_schema, schema_errors
@@ -78,7 +78,7 @@ def prepare_arguments(text: str, schema: JSON, *, exact: bool = True) -> tuple[J
     """A call's arguments parsed and checked against ``schema``: ``(arguments, None)`` or
     ``(None, what is wrong)``.
 
-    Read exactly, as a host's JSON text is (``parse_json_text``): orjson alone reads an integer
+    Read exactly, as a host's JSON text is (``canonical.exactly``): orjson alone reads an integer
     beyond 64 bits as a float (precision lost, silently: 2**64 + 1 reached the tool as
     1.8446744073709552e+19 and passed ``{"type": "integer"}``) and keeps the last of a key
     written twice. ``exact=False`` reads as releases before 2026-12-05 did (orjson alone), for a
@@ -93,7 +93,7 @@ def prepare_arguments(text: str, schema: JSON, *, exact: bool = True) -> tuple[J
             return None, f"arguments are not valid JSON: {exc}"
         if exact:
             try:
-                value = parse_json_text(raw, what="arguments")
+                value = exactly(raw, value, what="arguments")
             except InvalidInput as exc:
                 return None, exc.message
     problems = schema_errors(value, schema)
