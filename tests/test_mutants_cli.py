@@ -278,3 +278,53 @@ def test_a_failed_delegate_is_a_failed_settled_result_the_same_error_the_model_t
     assert delegated["id"] == "d0" and delegated["is_error"] is True, delegated
     assert delegated["output"] == entry["result"]["output"], (delegated, entry)
 
+
+
+
+def test_a_refused_delegate_start_is_a_rejected_settled_result_at_every_position_of_its_history(
+    tmp_path: Path,
+) -> None:
+    """docs/interaction.md (Delegates): a Delegate whose start the engine refuses (its grant does
+    not fit the run's budget) gets a model-visible ``rejected`` result. Between the refusal and
+    the parent's next Step (a run whose owner died there, read by ``results``), SettledResults
+    takes it from the refused start itself; from that Step on, from the round's record. At every
+    position of the history it is the same entry: ``rejected``, ``is_error``, the refusal's code,
+    exactly what the model then receives. Mutant (C11 of the cli audit, settled_results.py
+    ``_round_entries``): the refusal listed as ``failed`` in that window; no test looked there."""
+    from agentfold.adapters.audit import replay
+    from agentfold.domain.budget import Budget
+    from agentfold.projections.settled_results import settled_results
+    from tests.test_mutants_inter import TASK_SCHEMA
+
+    too_big = Budget.of(steps=10_000, effects=10_000, signals=10_000)
+    refused = transform(TransformConfig("test.cli-audit.refused", _refuse, "Never starts.", input_schema=TASK_SCHEMA))
+    model = ScriptedModel([tool_round(call("d0", "archive", {"task": "a"})), final("done")])
+    program = compile_interaction(InteractionConfig(
+        name="test.cli-audit.refusing", model=model,
+        delegates=[Delegate("archive", "Archives.", refused, TASK_SCHEMA, budget=too_big)],
+    ))
+    store = EventStore(sqlite_url(tmp_path), create=True)
+    runtime = Runtime(store, Catalog([program]), poll_interval=0)
+    try:
+        run = runtime.start(program, chat_input("go"), budget=Budget.of(steps=500, effects=500, signals=500))
+        assert run.result(WAIT).status == "completed"
+        end = store.head(run.tree_id).version
+        seen: dict[int, dict[str, Any]] = {}
+        for position in range(1, end + 1):
+            tree = replay(store, run.tree_id, position, ProgramSources(programs=(program,))).tree
+            for round_ in settled_results(tree):
+                for entry in round_.entries:
+                    seen[position] = entry.json_value()
+    finally:
+        runtime.close()
+        store.close()
+    assert [p.program.name for p in tree.processes.values()] == ["test.cli-audit.refusing"]  # never started
+    delegated = model.requests[1].messages[-1]["tool_results"][0]
+    assert delegated["id"] == "d0" and delegated["is_error"] is True, delegated
+    assert "delegated worker child start failed: engine.child.budget_exhausted" in json.dumps(delegated), delegated
+    # The round is open from the refusal until the model's second call: several positions.
+    assert len(seen) >= 2, seen
+    for position, entry in seen.items():
+        assert (entry["tool_call_index"], entry["call"]["id"], entry["disposition"]) == (0, "d0", "rejected"), (
+            position, entry)
+        assert entry["result"]["is_error"] is True and entry["result"]["output"] == delegated["output"], (position, entry)
