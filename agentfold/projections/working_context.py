@@ -13,7 +13,8 @@ tool?" for a tree folded up to any position (``agentfold replay``):
   the dispatcher receives it;
 * ``next_model_request``: the messages the next model request would contain, when the
   history up to this cut determines them (``null`` while a tool round still waits for
-  results, or once the Interaction completed).
+  results, or once the Interaction completed; with a context processor, ``null`` until the
+  model call is requested: the model receives what the processor returns).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import ClassifiedError
 from agentfold.domain.interaction.chat import tool_message
+from agentfold.domain.interaction.interaction import InteractionStrategy
 from agentfold.domain.interaction.state import InteractionState, Phase, round_tool_results
 from agentfold.domain.program import Program, ProgramResolver
 from agentfold.domain.tree import ProcessState, TreeState
@@ -56,11 +58,21 @@ def _model_call(process: ProcessState, program: Program, state: InteractionState
     return None
 
 
-def _next_messages(state: InteractionState, request: dict[str, JSON] | None) -> list[JSON] | None:
+def _prepares_context(program: Program) -> bool:
+    """Whether the Interaction runs a context processor before each model call."""
+    strategy = program.strategy
+    return isinstance(strategy, InteractionStrategy) and strategy.definition.prepare_context
+
+
+def _next_messages(state: InteractionState, request: dict[str, JSON] | None, prepared: bool) -> list[JSON] | None:
     steer = [m for _, messages in state.pending_steer for m in messages]
     phase = state.phase
-    if phase in (Phase.AWAITING_MODEL, Phase.AWAITING_CONTEXT) and request is not None:
+    if phase is Phase.AWAITING_MODEL and request is not None:
         return list(request["messages"])  # already requested: these are the messages sent
+    if prepared:
+        # The model receives what the context processor returns: until its preparation
+        # settles and the model call is requested, the history does not determine it.
+        return None
     if phase is Phase.READY_MODEL:
         return [*state.messages, *steer]
     if phase is Phase.ROUND_COMPLETE and state.round is not None:
@@ -77,7 +89,7 @@ def working_context(process: ProcessState, program: Program | None) -> dict[str,
     if state.completed:
         return {"phase": Phase.COMPLETED.value, "messages": None, "model_request": None, "next_model_request": None}
     request = _model_call(process, program, state)
-    upcoming = _next_messages(state, request)
+    upcoming = _next_messages(state, request, _prepares_context(program))
     return {
         "phase": state.phase.value,
         "model_call_count": state.model_call_count,
