@@ -108,6 +108,9 @@ def test_without_a_follower_reads_fold_and_health_says_so(crashed: tuple[ApiServ
     health = ok(httpx.get(server.url + "/health"))
     assert (health["follower"], health["positions"]["read_models"]) == ("off", None)
     assert started["follower"] is False
+    # Without --host it listens on 127.0.0.1 only (docs/http-api.md), and says so (a mutation
+    # audit: a server bound to every interface by default went unnoticed).
+    assert started["listening"] == f"http://127.0.0.1:{started['port']}" == server.url
     c = server.client()
     runs = ok(c.get("/runs", params={"limit": 1}))
     assert runs["runs"][0]["start_id"] == "crash-1"
