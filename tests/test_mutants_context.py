@@ -22,10 +22,10 @@ from agentfold.adapters.interaction import InteractionConfig, compile_interactio
 from agentfold.adapters.models import ScriptedModel
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.sources import ProgramSources
-from agentfold.adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
 from agentfold.domain.program import Program
 from tests.audit.support import cli
 from tests.interaction.tools import WAIT, CallLog, ProbeTool, call, chat_input, final, tool_round
+from tests.test_mutants_inter import asking  # a tool that asks a human before it acts
 
 
 def interaction(name: str, model: ScriptedModel, tools: list[Any] = (), **options: Any) -> Program:  # type: ignore[assignment]
@@ -214,20 +214,6 @@ def test_the_model_receives_the_given_messages_in_the_given_order_system_message
 
 # ---------------------------------------------------------------------------
 # A round recovered from a snapshot
-
-
-APPROVAL = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}, "additionalProperties": False}
-
-
-def asking(log: CallLog) -> ProbeTool:
-    """A tool that asks a human before it acts (an input wait), then reports the answer."""
-
-    def behave(invocation: ToolInvocation, arguments: Any) -> ToolOutput:
-        if invocation.continuation is None:
-            raise ToolInputRequired({"question": "approve?"}, APPROVAL, None)
-        return ToolOutput.text(f"approved={invocation.continuation.response['ok']}")
-
-    return ProbeTool("ask", log, behave)
 
 
 def test_a_round_recovered_from_a_snapshot_shows_the_model_every_result_once_in_call_order(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ passes without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from agentfold.domain.errors import Failure, FailureKind, InvalidInput
 from agentfold.domain.events import EffectResolved, ProcessTerminated
 from agentfold.domain.interaction.settle import settle_tool_result
 from agentfold.domain.program import Descriptor, Fail, Program, Signal, Step
-from agentfold.domain.requests import effect_request
+from agentfold.domain.requests import EffectRequest, effect_request
 from agentfold.domain.tree import fold_tree
 from tests.audit.support import chain_sources, cli, record_chain
 from tests.audit.test_drift import ShortcutDisagreesWithEvolve, same_ref, step_position
@@ -160,27 +161,37 @@ class LostLookup:
         raise RuntimeError("the lookup service dropped the connection")
 
 
-def _resolved_tool_run(tmp_path: Path) -> tuple[Program, list[tuple[int, Any]]]:
-    """A run whose one tool call ended unknown and was resolved by the host with the settle
-    helper; the records of the completed run."""
-    program = compile_interaction(InteractionConfig(
-        name="test.drift_resolved", model=ScriptedModel([_asks("lookup"), FINAL]), tools=[LostLookup()]))
-    store = EventStore(f"sqlite:///{tmp_path / 'resolved.db'}")
+@contextlib.contextmanager
+def _one_unknown_tool_call(
+    program: Program, text: str, db: Path
+) -> Iterator[tuple[Runtime, EventStore, Any, Program, EffectRequest]]:
+    """``program`` run on a SQLite file until its one tool call is left unknown: the runtime, its
+    store, the run's handle, the ToolSet Program that owns the call and the call's retained request."""
+    store = EventStore(f"sqlite:///{db}")
     try:
         with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
-            handle = runtime.start(program, {"messages": [{"role": "user", "content": "look it up"}]})
+            handle = runtime.start(program, {"messages": [{"role": "user", "content": text}]})
             tree = runtime.wait_idle(handle.tree_id, timeout=30)
             [effect] = list(tree.unknown_ids)
             found = tree.find_effect(effect)
             assert found is not None
             owner = runtime.catalog.resolve(found[0].program)
             assert owner is not None
-            request = effect_request(tree, found[0].process_id, effect, owner)
-            runtime.resolve_unknown_effect(effect, settle_tool_result(owner, request, "found it (investigated)"))
-            assert runtime.result(handle.tree_id, timeout=30).status == "completed"
-        records = [(r.position, r.event) for r in store.read(handle.tree_id)]
+            yield runtime, store, handle, owner, effect_request(tree, found[0].process_id, effect, owner)
     finally:
         store.close()
+
+
+def _resolved_tool_run(tmp_path: Path) -> tuple[Program, list[tuple[int, Any]]]:
+    """A run whose one tool call ended unknown and was resolved by the host with the settle
+    helper; the records of the completed run."""
+    program = compile_interaction(InteractionConfig(
+        name="test.drift_resolved", model=ScriptedModel([_asks("lookup"), FINAL]), tools=[LostLookup()]))
+    with _one_unknown_tool_call(program, "look it up", tmp_path / "resolved.db") as (runtime, store, handle, owner,
+                                                                                     request):
+        runtime.resolve_unknown_effect(request.effect_id, settle_tool_result(owner, request, "found it (investigated)"))
+        assert runtime.result(handle.tree_id, timeout=30).status == "completed"
+        records = [(r.position, r.event) for r in store.read(handle.tree_id)]
     assert any(isinstance(e, EffectResolved) for _, e in records)
     return program, records
 
@@ -235,19 +246,8 @@ def _unknown_search_request(tmp_path: Path) -> tuple[Program, Any]:
         {"id": "c1", "name": "search", "arguments": '{"q": "hotels"}'}]}}
     program = compile_interaction(InteractionConfig(
         name="test.search_lost", model=ScriptedModel([asks, FINAL]), tools=[LostSearch()]))
-    store = EventStore(f"sqlite:///{tmp_path / 'search.db'}")
-    try:
-        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
-            handle = runtime.start(program, {"messages": [{"role": "user", "content": "find hotels"}]})
-            tree = runtime.wait_idle(handle.tree_id, timeout=30)
-            [effect] = list(tree.unknown_ids)
-            found = tree.find_effect(effect)
-            assert found is not None
-            owner = runtime.catalog.resolve(found[0].program)
-            assert owner is not None
-            return owner, effect_request(tree, found[0].process_id, effect, owner)
-    finally:
-        store.close()
+    with _one_unknown_tool_call(program, "find hotels", tmp_path / "search.db") as (_, _, _, owner, request):
+        return owner, request
 
 
 def _with_arguments(request: Any, arguments: str) -> Any:

@@ -23,7 +23,6 @@ from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.team import (
     FIRST_COMPLETED,
-    DeadlineDispatcher,
     FirstSuccessConfig,
     compile_deadline,
     compile_first_success,
@@ -33,23 +32,8 @@ from agentfold.domain.requests import EffectRequest, Settlement
 from tests.interaction.support import open_runtime
 from tests.interaction.tools import WAIT, wait_until
 from tests.kernel_programs import chain_program
+from tests.team.test_timers import ManualClock, QuickTimer  # a clock moved by hand; a 0.05 s tick
 from tests.test_call_slots import one_slot_held
-
-
-class ManualClock:
-    """A wall clock the test moves by hand."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class QuickTimer(DeadlineDispatcher):
-    """A Deadline's timer whose clock is read again every 0.05 s (the stock tick is 30 s)."""
-
-    TICK_SECONDS = 0.05
 
 
 def at(clock: ManualClock, seconds: float) -> str:
