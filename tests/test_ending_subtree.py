@@ -289,3 +289,31 @@ def test_a_wait_under_a_cancel_nobody_carried_out_is_not_listed_as_pending(durab
     assert shown["processes"][0]["status"] == "canceled"
     ok(agentfold("project", store=url))
     assert ok(agentfold("audit", "verify", "--all", store=url)).code == 0
+
+
+def test_a_canceled_runs_result_answers_before_a_child_call_under_way_settles_and_wait_idle_after(
+    tmp_path: Path,
+) -> None:
+    """`run.result()` is the root's end (Scope's Await): a root canceled while its child's call is
+    under way answers canceled at once; the child ends once that call settles, and only
+    `wait_idle` waits for it (Scope's Join; docs/python.md)."""
+    from tests.kernel_programs import GatedCall
+
+    gate = GatedCall(CallLog(tmp_path / "calls.jsonl"), at=0)
+    child = chain_program(gate, name="test.ending.gated")
+    parent = parent_program(child, 1, name="test.ending.parent")
+    with Runtime(EventStore("memory:"), Catalog([parent, child])) as runtime:
+        run = runtime.start(parent, {"child": {"n": 1}}, start_id="ending-under-way")
+        try:
+            assert gate.entered.wait(10)
+            runtime.cancel(run.root_process_id)
+            assert run.result(timeout=10).status == "canceled"
+            during = runtime.capture(run.tree_id)
+            (kid,) = [p for p in during.processes.values() if p.process_id != run.root_process_id]
+            assert kid.status == "running"
+        finally:
+            gate.release.set()
+        after = runtime.wait_idle(run.tree_id, timeout=10)
+    kid = after.processes[kid.process_id]
+    assert kid.status == "canceled"
+    assert [e.status for e in events(runtime.store, run.tree_id) if isinstance(e, EffectSettled)] == ["succeeded"]

@@ -234,7 +234,8 @@ class RunHandle:
     start_id: StartID
 
     def result(self, timeout: float | None = None) -> Result:
-        """Block until the root Process is terminal and return its Result."""
+        """Block until the root Process is terminal and return its Result (its subtree may
+        still be ending: ``Runtime.wait_idle`` waits for the whole tree)."""
         return self.runtime.result(self.tree_id, timeout)
 
     def status(self) -> str:

@@ -8,9 +8,9 @@ tool?" for a tree folded up to any position (``agentfold replay``):
 * ``messages``: the working context the state holds. During a tool round these are
   exactly the messages the round's model request contained (the round's assistant
   message and its tool results join the context only when the round finishes);
-* ``model_request``: when the Process's current batch retains a model call (requested,
-  in flight or settled but not yet consumed), the request it sends, rebuilt exactly as
-  the dispatcher receives it;
+* ``model_request``: when the Process's current batch retains a model call or a context
+  preparation (requested, in flight or settled but not yet consumed; ``kind`` says which),
+  the request it sends, rebuilt exactly as the dispatcher receives it;
 * ``next_model_request``: the messages the next model request would contain, when the
   history up to this cut determines them (``null`` while a tool round still waits for
   results, or once the Interaction completed; with a context processor, ``null`` until the
