@@ -33,7 +33,6 @@ from agentfold.domain.errors import (
     InvalidInput,
     NotFound,
     Rejected,
-    ResourceLimitExceeded,
     recorded_text,
 )
 from agentfold.domain.events import (
@@ -1191,15 +1190,6 @@ def _output_ref(hint: OutputOf, consumed: Sequence[Signal], output: JSON) -> Out
             if found and canonical_bytes(value) == canonical_bytes(output):
                 return OutputRef(effect_id=hint.effect_id, path=tuple(hint.path))
             return None
-    return None
-
-
-def check_budget_exceeded(process: ProcessState) -> ResourceLimitExceeded | None:
-    """Helper for hosts: the reason admitting one more signal would exceed the budget, if it would."""
-    if not process.budget.signals.allows(
-        process.accepted_signals + process.allocated.signals + process.reserved_signals, 1
-    ):
-        return ResourceLimitExceeded("engine.limit.signals", f"process {process.process_id} has no signal budget left")
     return None
 
 
