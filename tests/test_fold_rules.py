@@ -1955,6 +1955,18 @@ def test_effect_framework_two_waits_of_one_step_never_share_a_key() -> None:
     fold_tree([*events[:3], declared(1, 1, target="framework", payload=wait_payload("other"))])  # two keys: valid
 
 
+def test_effect_framework_a_step_consuming_a_waits_answer_does_not_open_its_key_again() -> None:
+    # The kernel checks a Step's Effects before its consumption closes the wait (scope-kernel.md
+    # 2.5 step 6, 5.3: a wait closes when the cursor passes its answer), so it refuses this Step
+    # (execution.effect.invalid); the fold took it until 2026-12-05.
+    answered = waiting()[:5]
+    bad = declared(3, target="framework", payload=wait_payload())
+    assert_corrupt([*answered, step(3, consumed=1, effects=1), bad], bad, "effect.framework")
+    # The key is free from the next Step on, and another key in the same Step is valid.
+    fold_tree([*answered, step(3, consumed=1), step(4, effects=1), declared(4, target="framework", payload=wait_payload())])
+    fold_tree([*answered, step(3, consumed=1, effects=1), declared(3, target="framework", payload=wait_payload("next"))])
+
+
 # ---------------------------------------------------------------------------
 # Histories the kernel never writes (second review of crafted histories): each refused with
 # its rule, the same way from a storage snapshot of the valid prefix (which holds the folded

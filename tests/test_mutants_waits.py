@@ -525,3 +525,29 @@ def test_a_signal_child_to_a_process_that_is_not_the_senders_child_fails_not_own
         receipt = second.output["receipt"]
         assert receipt["failure"]["code"] == "engine.child.control.not_owned", receipt
         assert "from-a-sibling" not in first.signal_index
+
+
+class AsksAgainInTheConsumingStep(AsksTwice):
+    """Opens ``q`` again in the Step that consumes its first answer."""
+
+    def decide(self, state: Any, window: Sequence[Signal]) -> Step:
+        step = super().decide(state, window)
+        if state["phase"] == "asking" and step.transition == Continue(()):
+            return Step(step.consumed, Continue((wait_effect(WaitKey("q")),)), {**step.facts, "phase": "opening"})
+        return step
+
+
+def test_a_step_that_consumes_a_waits_answer_may_not_open_its_key_again() -> None:
+    """scope-kernel.md 2.5 step 6 and 5.3: a Step's waits are checked before its consumption
+    closes anything, so the key of the wait whose answer it consumes is still open; the fold
+    refuses a stored Step that does it (tests/test_fold_rules.py)."""
+    program = Program(Descriptor("mw.twice.same"), AsksAgainInTheConsumingStep(), IMPL, config_digest("mw.twice.same"))
+    with Runtime(EventStore("memory:"), Catalog([program])) as runtime:
+        handle = runtime.start(program, None, start_id="same")
+        tree = runtime.wait_idle(handle.tree_id, timeout=WAIT)
+        answer = SignalRequest(SignalID("a1"), {"n": 1}, tree.root.current_wait)
+        assert runtime.deliver_signals(handle.root_process_id, [answer])
+        result = runtime.result(handle.tree_id, timeout=WAIT)
+        assert result.termination is not None, result
+        assert (result.status, result.termination["failure"]["code"]) == ("failed", "execution.effect.invalid")
+        assert "wait key q is already open" in result.termination["failure"]["message"]

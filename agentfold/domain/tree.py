@@ -379,6 +379,11 @@ class ProcessState:
     became closed or satisfied are dropped when next met)."""
     ordinal: int = field(default=0, repr=False, compare=False)
     """Its place in the tree's creation order (``TreeState.processes``): the kernel's order."""
+    freed_wait_keys: tuple[int, frozenset[WaitKey]] = field(default=(0, frozenset()), repr=False, compare=False)
+    """The last Step whose consumption closed waits, and their keys: that Step's own Effects may
+    not open those keys again (the kernel checks a Step's Effects before its consumption closes
+    anything: spec 2.5 step 6 and 5.3). A Step and its declarations are one append, so this never
+    needs to survive a snapshot."""
 
     @property
     def terminal(self) -> bool:
@@ -938,6 +943,7 @@ class TreeState:
         consumed_records = process.mailbox[start : start + e.consumed]
         consumed = [r.signal() for r in consumed_records]
         process.window_cache = process.window_cache[e.consumed :]
+        freed: list[WaitKey] = []
         for record in consumed_records:
             if record.source != "engine":
                 # Fix the digest before the payload is released: a host resending this signal
@@ -951,9 +957,12 @@ class TreeState:
                     wait.closed = True
                     if process.open_wait_keys.get(wait.key) == wait.wait_id:
                         del process.open_wait_keys[wait.key]
+                        freed.append(wait.key)
                     if wait.kind == "children":
                         # Engine-internal and answered: nothing will address it again.
                         del process.waits[wait.wait_id]
+        if freed:
+            process.freed_wait_keys = (e.step, frozenset(freed))
         if consumed_records:
             process.consumed_through = consumed_records[-1].arrival
             kept = [r for r in consumed_records if r.source != "engine"]
@@ -1030,10 +1039,12 @@ class TreeState:
             try:
                 if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
                     key = WaitKey(e.payload["key"])
-                    if key in process.open_wait_keys or any(
+                    freed_step, freed = process.freed_wait_keys
+                    if key in process.open_wait_keys or (freed_step == e.step and key in freed) or any(
                         r.step == e.step and r.operation in (Operation.WAIT, Operation.WAIT_CHILDREN)
                         and isinstance(r.payload, dict) and r.payload.get("key") == key for r in process.batch
-                    ):  # open, or opened by an earlier Effect of the same Step (the kernel refuses both)
+                    ):  # open, open until this Step consumed its answer, or opened by an earlier
+                        # Effect of the same Step (the kernel refuses all three)
                         raise ValueError(f"wait key {key} is already open")
                 if op == Operation.WAIT_CHILDREN:
                     spec = ChildWaitSpec.from_json(e.payload)
