@@ -32,7 +32,7 @@ from agentfold.domain.coordination import INPUT_WAIT_KEY
 from agentfold.domain.errors import InvalidInput, NotFound, Rejected
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
 from agentfold.domain.interaction.tool_call import ToolCallState
-from agentfold.domain.kernel import Kernel
+from agentfold.domain.kernel import Kernel, brief_repr
 from agentfold.domain.program import ProgramResolver, SignalRequest
 from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, TreeState
@@ -219,10 +219,10 @@ def _entries(queries: HostQueries, listing: Callable[..., list[Entry]], page: Ca
     if not paged:
         return listing()
     if after is not None and not isinstance(after, str):
-        raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {after!r}",
+        raise InvalidInput("host.page_invalid", f"after must be a cursor (a string: a page's next_after), got {brief_repr(after)}",
                            hint="pass the next_after of the previous page, or leave after out for the first page")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
+        raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {brief_repr(limit)}",
                            hint="pass a whole number of entries per page, at least 1 (e.g. limit=100)")
     return page(limit=100 if limit is None else min(limit, MAX_PAGE_LIMIT), after=after)
 
@@ -286,14 +286,14 @@ class Host:
         ``parked``, ``terminal``); page on with the last entry's ``cursor`` (a string, as
         ``GET /runs`` returns it: ``m...`` from the read models, ``f...`` from folding)."""
         if status is not None and status not in STATUSES:
-            raise InvalidInput("host.page_invalid", f"status must be one of {', '.join(STATUSES)}, got {status!r}",
+            raise InvalidInput("host.page_invalid", f"status must be one of {', '.join(STATUSES)}, got {brief_repr(status)}",
                                hint="pass a status as the kernel names it, or leave status out for every run")
         if classification is not None and classification not in CLASSIFICATIONS:
             raise InvalidInput("host.page_invalid",
-                               f"classification must be one of {', '.join(CLASSIFICATIONS)}, got {classification!r}",
+                               f"classification must be one of {', '.join(CLASSIFICATIONS)}, got {brief_repr(classification)}",
                                hint="pass a classification, or leave classification out for every run")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {limit!r}",
+            raise InvalidInput("host.page_invalid", f"limit must be a positive integer, got {brief_repr(limit)}",
                                hint="pass a whole number of runs per page, at least 1 (e.g. limit=100)")
         limit = min(limit, MAX_PAGE_LIMIT)
         given: object = after
@@ -306,7 +306,7 @@ class Host:
             except InvalidInput:
                 problem = "is not a cursor Host.runs returned"
         if problem is not None:
-            raise InvalidInput("host.page_invalid", f"after {problem}: got {after!r}",
+            raise InvalidInput("host.page_invalid", f"after {problem}: got {brief_repr(after)}",
                                hint="pass the cursor of the last run of the previous page (e.g. 'm1005' or 'f100'), "
                                     "or leave after out for the first page")
         # A ListingPage: its ``corrupt`` names a run whose history cannot be read (left out).
