@@ -69,6 +69,30 @@ def _store(tmp_path: Path, name: str) -> EventStore:
     return EventStore(f"sqlite:///{tmp_path / name}")
 
 
+def _program(name: str, strategy: Any, **kwargs: Any) -> Program:
+    """A test Program named ``name`` (its configuration digest from the name)."""
+    return Program(Descriptor(name, signal_schema=kwargs.pop("signal_schema", None)), strategy, IMPL,
+                   config_digest(name), **kwargs)
+
+
+def _family(name: str, parent: Any, child_strategy: Any) -> Program:
+    """A parent Program built by ``parent(child)`` around a child Program ``<name>.child``."""
+    child = _program(f"{name}.child", child_strategy)
+    return _program(f"{name}.parent", parent(child), children=(child,))
+
+
+class _HeldCall:
+    """A dispatcher that holds its call until ``release`` is set (``entered`` once it holds)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, request: EffectRequest, context: DispatchContext) -> Settlement:
+        self.entered.set()
+        self.release.wait(WAIT)
+        return Settlement.succeeded({"value": 1})
+
+
 # ---------------------------------------------------------------------------
 # A host signal counts the settlement already reserved
 
@@ -84,16 +108,10 @@ class OneCallThenDone(JsonStrategy):
 
 def test_a_host_signal_sent_while_a_settlement_is_reserved_never_overruns_the_signals_budget(tmp_path: Path) -> None:
     # Budget 2 signals; the call in flight holds 1 for its settlement: a host may send 1, not 2.
-    entered, release = threading.Event(), threading.Event()
-
-    def held(request: EffectRequest, context: DispatchContext) -> Settlement:
-        entered.set()
-        release.wait(WAIT)
-        return Settlement.succeeded({"value": 1})
-
-    name = "budget.reserved"
-    program = Program(Descriptor(name, signal_schema={"type": "object"}), OneCallThenDone(), IMPL,
-                      config_digest(name), dispatcher=FunctionDispatcher(held))
+    held = _HeldCall()
+    entered, release = held.entered, held.release
+    program = _program("budget.reserved", OneCallThenDone(), signal_schema={"type": "object"},
+                       dispatcher=FunctionDispatcher(held))
     store = _store(tmp_path, "reserved.db")
     try:
         with Runtime(store, Catalog([program])) as runtime:
@@ -123,16 +141,10 @@ def test_a_tree_loaded_from_a_snapshot_taken_with_a_call_in_flight_keeps_its_res
     # A snapshot after every append: the one taken while the call is held records its reserved
     # settlement. A second Runtime (which loads the tree from that snapshot) must refuse what the
     # budget cannot hold: 2 signals, 1 of them reserved, leaves room for 1 host signal.
-    entered, release = threading.Event(), threading.Event()
-
-    def held(request: EffectRequest, context: DispatchContext) -> Settlement:
-        entered.set()
-        release.wait(WAIT)
-        return Settlement.succeeded({"value": 1})
-
-    name = "budget.snapshot"
-    program = Program(Descriptor(name, signal_schema={"type": "object"}), OneCallThenDone(), IMPL,
-                      config_digest(name), dispatcher=FunctionDispatcher(held))
+    held = _HeldCall()
+    entered, release = held.entered, held.release
+    program = _program("budget.snapshot", OneCallThenDone(), signal_schema={"type": "object"},
+                       dispatcher=FunctionDispatcher(held))
     url = f"sqlite:///{tmp_path / 'snapshot.db'}"
     store, other = EventStore(url), EventStore(url)
     try:
@@ -176,7 +188,7 @@ def test_a_step_declaring_more_effects_than_are_left_fails_the_process_and_calls
         return Settlement.succeeded({"value": 1})
 
     name = "budget.two-at-once"
-    program = Program(Descriptor(name), TwoCallsAtOnce(), IMPL, config_digest(name), dispatcher=FunctionDispatcher(call))
+    program = _program(name, TwoCallsAtOnce(), dispatcher=FunctionDispatcher(call))
     store = _store(tmp_path, "two.db")
     try:
         with Runtime(store, Catalog([program])) as runtime:
@@ -222,9 +234,7 @@ class GrantsThenGoesOn(JsonStrategy):
 
 def test_a_parent_whose_steps_went_to_a_child_fails_with_the_steps_limit(tmp_path: Path) -> None:
     # Budget 3 steps = 2 of the parent's own + 1 granted: the third Step of its own is refused.
-    child = Program(Descriptor("budget.grant.child"), Done(), IMPL, config_digest("budget.grant.child"))
-    parent = Program(Descriptor("budget.grant.parent"), GrantsThenGoesOn(child), IMPL,
-                     config_digest("budget.grant.parent"), children=(child,))
+    parent = _family("budget.grant", GrantsThenGoesOn, Done())
     store = _store(tmp_path, "grant.db")
     try:
         with Runtime(store, Catalog([parent])) as runtime:
@@ -265,9 +275,7 @@ def test_a_grant_must_fit_beside_the_start_effect_and_its_reserved_settlement(
     # Effects 2 / signals 3: the start effect is already prepared (1 effect) and its settlement
     # reserved (1 signal); a grant that does not fit beside them fails the start, the run goes on.
     limit = {"effects": 2, "signals": 3}[dimension]
-    child = Program(Descriptor("budget.fit.child"), Done(), IMPL, config_digest("budget.fit.child"))
-    parent = Program(Descriptor("budget.fit.parent"), GrantsOne(child), IMPL, config_digest("budget.fit.parent"),
-                     children=(child,))
+    parent = _family("budget.fit", GrantsOne, Done())
     store = _store(tmp_path, "fit.db")
     try:
         with Runtime(store, Catalog([parent])) as runtime:
@@ -315,9 +323,8 @@ def test_a_call_whose_settlement_has_no_room_beside_a_reserved_child_wait_fails_
         calls.append(request.effect_id)
         return Settlement.succeeded({"value": 1})
 
-    child = Program(Descriptor("budget.held.child"), Holds(), IMPL, config_digest("budget.held.child"))
-    parent = Program(Descriptor("budget.held.parent"), WaitsThenCalls(child), IMPL,
-                     config_digest("budget.held.parent"), children=(child,), dispatcher=FunctionDispatcher(call))
+    child = _program("budget.held.child", Holds())
+    parent = _program("budget.held.parent", WaitsThenCalls(child), children=(child,), dispatcher=FunctionDispatcher(call))
     store = _store(tmp_path, "held.db")
     try:
         with Runtime(store, Catalog([parent])) as runtime:
@@ -457,9 +464,7 @@ class WaitsForChild(JsonStrategy):
 
 
 def test_the_host_run_answer_gives_each_process_its_own_usage(tmp_path: Path) -> None:
-    child = Program(Descriptor("budget.usage.child"), Done(), IMPL, config_digest("budget.usage.child"))
-    parent = Program(Descriptor("budget.usage.parent"), WaitsForChild(child), IMPL,
-                     config_digest("budget.usage.parent"), children=(child,))
+    parent = _family("budget.usage", WaitsForChild, Done())
     store = _store(tmp_path, "usage.db")
     try:
         with Runtime(store, Catalog([parent])) as runtime:

@@ -10,9 +10,11 @@ the tree as stored before anything is appended.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from agentfold.adapters.models import ScriptedModel
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.errors import MAX_DIAGNOSTIC_BYTES, InvalidInput, Rejected
 from agentfold.domain.ids import ProcessID, SignalID, WaitID
+from agentfold.projections.read_models import Entry
 from tests.interaction.test_resolution_checked import _parked, running
 from tests.test_host_python import INPUT, Approve, Book, agent, calls, parked_on_approval, stored
 from tests.test_mutants_s26 import context_program
@@ -37,6 +40,30 @@ DONE = {"message": {"role": "assistant", "content": "done"}, "finish_reason": "s
 @pytest.fixture
 def url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'host.db'}"
+
+
+@contextlib.contextmanager
+def parked_unknown(url: str, program: Any, start_id: str, kind: str) -> Iterator[tuple[Runtime, EventStore, Host, Any, Entry, Any]]:
+    """A run of ``program`` whose first runtime left one ``kind`` call unknown, opened by a second
+    runtime that does not own it: (runtime, store, host, run, the unknown entry, what is stored)."""
+    store = EventStore(url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, INPUT, start_id=start_id)
+            runtime.wait_idle(run.tree_id)
+        with Runtime(store, Catalog([program])) as runtime:
+            host = Host(runtime)
+            [unknown] = host.unknown(start_id)
+            assert unknown["kind"] == kind
+            yield runtime, store, host, run, unknown, stored(store, start_id)
+    finally:
+        store.close()
+
+
+def lost_model_call() -> Any:
+    """An Interaction whose first model call is lost (unknown), then answers ``done``."""
+    model = ScriptedModel([{"error": "the connection dropped mid-response"}, DONE])
+    return compile_interaction(InteractionConfig(name="host.lost-model", model=model, tools=[Book()]))
 
 
 def texts(message: dict[str, Any]) -> str:
@@ -79,80 +106,43 @@ def test_a_model_response_given_for_a_tool_call_is_refused_as_the_wrong_kind_and
     """docs/errors.md ``host.resolution_invalid``: ``Host.resolve`` with options that do not fit
     the effect (``model_response`` on a tool call) is refused by the host's rule, before the
     Program's settle helper is asked to read a tool call as a model call."""
-    program = agent()
-    store = EventStore(url)
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, INPUT, start_id="wrong-kind")
-            runtime.wait_idle(run.tree_id)
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            [unknown] = host.unknown("wrong-kind")
-            assert unknown["kind"] == "tool"
-            before = stored(store, "wrong-kind")
-            with pytest.raises(InvalidInput) as refused:
-                host.resolve(unknown["effect_id"], model_response={"message": {"content": "booked"}, "finish_reason": "stop"})
-            assert refused.value.code == "host.resolution_invalid", refused.value
-            assert "is not a model call" in refused.value.message and "output" in refused.value.message
-            assert stored(store, "wrong-kind") == before
-            assert not runtime.owns(run.tree_id)
-            assert [u["effect_id"] for u in host.unknown("wrong-kind")] == [unknown["effect_id"]]
-    finally:
-        store.close()
+    with parked_unknown(url, agent(), "wrong-kind", "tool") as (runtime, store, host, run, unknown, before):
+        with pytest.raises(InvalidInput) as refused:
+            host.resolve(unknown["effect_id"], model_response={"message": {"content": "booked"}, "finish_reason": "stop"})
+        assert refused.value.code == "host.resolution_invalid", refused.value
+        assert "is not a model call" in refused.value.message and "output" in refused.value.message
+        assert stored(store, "wrong-kind") == before
+        assert not runtime.owns(run.tree_id)
+        assert [u["effect_id"] for u in host.unknown("wrong-kind")] == [unknown["effect_id"]]
 
 
 def test_a_status_given_for_a_tool_call_is_refused_never_ignored_and_appends_nothing(url: str) -> None:
     """docs/errors.md ``host.resolution_invalid``: a tool call is resolved with a disposition;
     ``status="failed"`` on one was silently dropped and the call recorded as succeeded."""
-    program = agent()
-    store = EventStore(url)
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, INPUT, start_id="tool-status")
-            runtime.wait_idle(run.tree_id)
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            [unknown] = host.unknown("tool-status")
-            assert unknown["kind"] == "tool"
-            before = stored(store, "tool-status")
-            for status in ("failed", "succeeded"):
-                with pytest.raises(InvalidInput) as refused:
-                    host.resolve(unknown["effect_id"], output="the booking was declined", status=status)
-                assert refused.value.code == "host.resolution_invalid", refused.value
-                assert "disposition" in refused.value.message
-            assert stored(store, "tool-status") == before
-            assert not runtime.owns(run.tree_id)
-            settled = host.resolve(unknown["effect_id"], output="the booking was declined", disposition="failed")
-            assert settled.payload["tool_result"]["completion"]["disposition"] == "failed"
-    finally:
-        store.close()
+    with parked_unknown(url, agent(), "tool-status", "tool") as (runtime, store, host, run, unknown, before):
+        for status in ("failed", "succeeded"):
+            with pytest.raises(InvalidInput) as refused:
+                host.resolve(unknown["effect_id"], output="the booking was declined", status=status)
+            assert refused.value.code == "host.resolution_invalid", refused.value
+            assert "disposition" in refused.value.message
+        assert stored(store, "tool-status") == before
+        assert not runtime.owns(run.tree_id)
+        settled = host.resolve(unknown["effect_id"], output="the booking was declined", disposition="failed")
+        assert settled.payload["tool_result"]["completion"]["disposition"] == "failed"
 
 
 def test_an_output_given_for_a_model_call_is_refused_before_anything_is_appended(url: str) -> None:
     """docs/errors.md ``host.resolution_invalid``: a model call is resolved with
     ``model_response``; an ``output`` is refused by the host's rule, before the run is taken
     over (nothing appended, not even a WriterActivated)."""
-    model = ScriptedModel([{"error": "the connection dropped mid-response"}, DONE])
-    program = compile_interaction(InteractionConfig(name="host.lost-model", model=model, tools=[Book()]))
-    store = EventStore(url)
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, INPUT, start_id="model-output")
-            runtime.wait_idle(run.tree_id)
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            [unknown] = host.unknown("model-output")
-            assert unknown["kind"] == "model"
-            before = stored(store, "model-output")
-            with pytest.raises(InvalidInput) as refused:
-                host.resolve(unknown["effect_id"], output="done")
-            assert refused.value.code == "host.resolution_invalid", refused.value
-            assert "is a model call" in refused.value.message and "model_response" in refused.value.message
-            assert stored(store, "model-output") == before
-            assert not runtime.owns(run.tree_id)
-            assert [u["effect_id"] for u in host.unknown("model-output")] == [unknown["effect_id"]]
-    finally:
-        store.close()
+    with parked_unknown(url, lost_model_call(), "model-output", "model") as (runtime, store, host, run, unknown, before):
+        with pytest.raises(InvalidInput) as refused:
+            host.resolve(unknown["effect_id"], output="done")
+        assert refused.value.code == "host.resolution_invalid", refused.value
+        assert "is a model call" in refused.value.message and "model_response" in refused.value.message
+        assert stored(store, "model-output") == before
+        assert not runtime.owns(run.tree_id)
+        assert [u["effect_id"] for u in host.unknown("model-output")] == [unknown["effect_id"]]
 
 
 def test_a_disposition_given_for_a_context_preparation_is_refused_never_ignored(tmp_path: Path) -> None:
@@ -216,30 +206,18 @@ def test_a_model_response_whose_message_is_not_the_assistants_is_refused_not_rew
     """The role of a model response's message may be left out (it is the assistant's), but a
     message given as the user's or a tool's is refused (``interaction.settlement.invalid``):
     it must not be rewritten as the assistant's and recorded."""
-    model = ScriptedModel([{"error": "the connection dropped mid-response"}, DONE])
-    program = compile_interaction(InteractionConfig(name="host.lost-model", model=model, tools=[Book()]))
-    store = EventStore(url)
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, INPUT, start_id="model-role")
-            runtime.wait_idle(run.tree_id)
-        with Runtime(store, Catalog([program])) as runtime:
-            host = Host(runtime)
-            [unknown] = host.unknown("model-role")
-            before = stored(store, "model-role")
-            for role in ("user", "system"):
-                with pytest.raises(InvalidInput) as refused:
-                    host.resolve(unknown["effect_id"],
-                                 model_response={"message": {"role": role, "content": "forged"}, "finish_reason": "stop"})
-                assert refused.value.code == "interaction.settlement.invalid", refused.value
-                assert "assistant" in refused.value.message
-            assert stored(store, "model-role") == before
-            settled = host.resolve(unknown["effect_id"], model_response={"message": {"content": "done"},
-                                                                         "finish_reason": "stop"})
-            assert settled.payload["model_result"]["response"]["message"]["role"] == "assistant"
-            assert runtime.result(run.tree_id, timeout=30).status == "completed"
-    finally:
-        store.close()
+    with parked_unknown(url, lost_model_call(), "model-role", "model") as (runtime, store, host, run, unknown, before):
+        for role in ("user", "system"):
+            with pytest.raises(InvalidInput) as refused:
+                host.resolve(unknown["effect_id"],
+                             model_response={"message": {"role": role, "content": "forged"}, "finish_reason": "stop"})
+            assert refused.value.code == "interaction.settlement.invalid", refused.value
+            assert "assistant" in refused.value.message
+        assert stored(store, "model-role") == before
+        settled = host.resolve(unknown["effect_id"], model_response={"message": {"content": "done"},
+                                                                     "finish_reason": "stop"})
+        assert settled.payload["model_result"]["response"]["message"]["role"] == "assistant"
+        assert runtime.result(run.tree_id, timeout=30).status == "completed"
 
 
 def test_an_answer_that_lost_the_race_for_a_wait_hears_who_answered_it_even_after_the_run_completed(url: str) -> None:
