@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -335,11 +336,8 @@ def test_an_error_raised_while_handling_a_tool_failure_leaves_the_call_unknown_n
     handling it) does not: such a call's outcome is **unknown** for a host to settle, never
     guessed from an earlier refusal. Kills T09 (``__context__`` followed too: the call
     recorded as a definite rejected result and the run went on)."""
-    from agentfold.adapters.eventstore import EventStore
-    from agentfold.adapters.host import Host
     from agentfold.adapters.interaction import InteractionConfig, compile_interaction
     from agentfold.adapters.models import ScriptedModel
-    from agentfold.adapters.runtime import Runtime
 
     model = ScriptedModel([
         {"message": {"role": "assistant", "content": None,
@@ -348,18 +346,28 @@ def test_an_error_raised_while_handling_a_tool_failure_leaves_the_call_unknown_n
     ])
     tool = _CleanupFails()
     program = compile_interaction(InteractionConfig(name="edges.cleanup", model=model, tools=[tool]))
-    store = EventStore("memory:")
-    try:
-        with Runtime(store) as runtime:
-            run = runtime.start(program, {"messages": [{"role": "user", "content": "pay"}]})
-            runtime.wait_idle(run.tree_id, timeout=30)
-            host = Host(runtime)
-            unknown = host.unknown(run.tree_id)
-            status = host.run(run.tree_id)["status"]
-    finally:
-        store.close()
+    unknown, status = unknown_calls_and_status(program, "pay")
     assert tool.calls == 1
     assert [(u["kind"], u["diagnostic"]["message"]) for u in unknown] == [
         ("tool", "RuntimeError: rollback failed: the ledger connection dropped")], unknown
     assert status == "waiting"  # for a host to settle the call
     assert len(model.requests) == 1  # the model never saw a guessed result
+
+
+def unknown_calls_and_status(program: Any, text: str) -> tuple[list[dict[str, Any]], str]:
+    """Run an Interaction ``program`` on the user message ``text`` (memory store) until nothing
+    more happens without a host: its unknown calls as ``Host.unknown`` lists them, and its status."""
+    from agentfold.adapters.catalog import Catalog
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.adapters.host import Host
+    from agentfold.adapters.runtime import Runtime
+
+    store = EventStore("memory:")
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            run = runtime.start(program, {"messages": [{"role": "user", "content": text}]})
+            runtime.wait_idle(run.tree_id, timeout=30)
+            host = Host(runtime)
+            return host.unknown(run.tree_id), host.run(run.tree_id)["status"]
+    finally:
+        store.close()

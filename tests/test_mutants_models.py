@@ -168,22 +168,13 @@ def test_a_model_adapter_answering_usage_counts_as_booleans_leaves_its_call_unkn
     (``true``) leaves the model call unknown for a host, whichever model client answered (a
     host's resolution with one is refused the same way). Kills N25 (the model dispatcher read a
     new answer as it reads a history: ``"prompt_tokens": true`` recorded as the run's usage)."""
-    from agentfold.adapters.host import Host
     from agentfold.adapters.models import ScriptedModel
+    from tests.test_mutants_edges import unknown_calls_and_status
 
     model = ScriptedModel([{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
                             "usage": {"prompt_tokens": True, "completion_tokens": 1, "total_tokens": 2}}])
     program = compile_interaction(InteractionConfig(name="models.usage", model=model))
-    store = EventStore("memory:")
-    try:
-        with Runtime(store, Catalog([program])) as runtime:
-            run = runtime.start(program, {"messages": [{"role": "user", "content": "hi"}]})
-            runtime.wait_idle(run.tree_id, timeout=30)
-            host = Host(runtime)
-            unknown = host.unknown(run.tree_id)
-            status = host.run(run.tree_id)["status"]
-    finally:
-        store.close()
+    unknown, status = unknown_calls_and_status(program, "hi")
     assert [(u["kind"], u["diagnostic"]["code"]) for u in unknown] == [("model", "engine.dispatch.failed")], unknown
     assert "usage" in unknown[0]["diagnostic"]["message"], unknown[0]["diagnostic"]
     assert status == "running"  # parked on the unknown call: nothing recorded as its answer
