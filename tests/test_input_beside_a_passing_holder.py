@@ -25,7 +25,7 @@ import pytest
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
-from agentfold.domain.events import WriterActivated
+from agentfold.domain.events import ControlRequested, TreeEvent, WriterActivated
 from agentfold.domain.ids import TreeID
 from agentfold.domain.requests import Settlement
 from tests.kernel_programs import CallLog, GatedCall, chain_program
@@ -48,9 +48,12 @@ def parked_on_an_unknown(url: str, log: CallLog) -> tuple[TreeID, str, Any]:
     return tree_id, str(effect.effect_id), program
 
 
-def hold_until_recorded(url: str, tree_id: TreeID, then_for: float) -> tuple[threading.Thread, list[str]]:
+def hold_until_recorded(
+    url: str, tree_id: TreeID, then_for: float, until: type[TreeEvent] | None = None
+) -> tuple[threading.Thread, list[str]]:
     """Take the tree's lease here (another process's, as far as any runtime can tell); let it
-    go ``then_for`` seconds after the next append to the tree lands."""
+    go ``then_for`` seconds after the next append to the tree lands (with ``until``: after an
+    event of that type lands)."""
     store = EventStore(url)
     leases = store.leases()
     assert leases.acquire(tree_id)
@@ -64,7 +67,9 @@ def hold_until_recorded(url: str, tree_id: TreeID, then_for: float) -> tuple[thr
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 now = store.head(tree_id)
-                if now is not None and now.version > before:
+                if now is not None and now.version > before and (
+                    until is None or any(isinstance(r.event, until) for r in store.read(tree_id)[before:])
+                ):
                     break
                 time.sleep(0.005)
             else:
@@ -136,7 +141,9 @@ def test_more_input_from_another_host_does_not_end_the_tries(durable_store_url: 
     log = CallLog(tmp_path / "calls.jsonl")
     tree_id, effect_id, program = parked_on_an_unknown(durable_store_url, log)
     before = activations(durable_store_url, tree_id)
-    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=1.0)
+    # The lease is held until the second host's cancel is recorded too (and 1 s more): under load
+    # a hold timed from the resolution alone could end first, and the run complete uncanceled.
+    holder, problems = hold_until_recorded(durable_store_url, tree_id, then_for=1.0, until=ControlRequested)
     with Runtime(EventStore(durable_store_url), Catalog([program]), poll_interval=0.05) as host:
         host.resolve_unknown_effect(effect_id, Settlement.succeeded({"value": 1}))
         root = host.capture(tree_id).root_id
