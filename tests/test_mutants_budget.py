@@ -61,12 +61,7 @@ from agentfold.domain.requests import EffectRequest, Settlement
 from agentfold.domain.tree import fold_tree
 from tests.kernel_programs import IMPL, JsonStrategy, chain_program, config_digest
 from tests.test_fold_rules import assert_corrupt, declared, step, with_child
-
-WAIT = 30.0
-
-
-def _store(tmp_path: Path, name: str) -> EventStore:
-    return EventStore(f"sqlite:///{tmp_path / name}")
+from tests.test_mutants_kernel import WAIT, _store
 
 
 def _program(name: str, strategy: Any, **kwargs: Any) -> Program:

@@ -11,9 +11,6 @@ the tree as stored before anything is appended.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,7 @@ from agentfold.projections.read_models import Entry
 from tests.interaction.test_resolution_checked import _parked, running
 from tests.test_host_python import INPUT, Approve, Book, agent, calls, parked_on_approval, stored
 from tests.test_mutants_s26 import context_program
-from tests.test_transform import _WORKER, CRASH_PROGRAM, ROOT
+from tests.test_transform import CRASH_PROGRAM, crashed_inside_the_function
 
 DONE = {"message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}
 
@@ -169,12 +166,7 @@ def test_a_failed_transform_call_resolved_with_a_blank_error_text_is_refused(tmp
     with (``transform.failed``): blank text is refused as no text is, and nothing is stored.
     The call's outcome is unknown because its process died inside the function (a real
     crash: tests/test_transform.py's worker)."""
-    url = f"sqlite:///{tmp_path / 'crash.db'}"
-    calls = tmp_path / "calls.log"
-    env = {**os.environ, "TRANSFORM_CALLS": str(calls), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", _WORKER, url], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 75, done.stderr
+    url, calls = crashed_inside_the_function(tmp_path)
     store = EventStore(url)
     try:
         with Runtime(store, Catalog([CRASH_PROGRAM])) as runtime:

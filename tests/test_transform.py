@@ -121,14 +121,21 @@ runtime.start(CRASH_PROGRAM, {"n": 5}, start_id="crash-1").result(30)
 """
 
 
-@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
-def test_a_crash_inside_the_function_waits_for_the_host_and_nothing_runs_twice(tmp_path: Path, outcome: str) -> None:
+def crashed_inside_the_function(tmp_path: Path) -> tuple[str, Path]:
+    """A process that died (for real) inside CRASH_PROGRAM's function, run ``crash-1``: the
+    store's URL and the log of the function's calls."""
     url = f"sqlite:///{tmp_path / 'crash.db'}"
     calls = tmp_path / "calls.log"
     env = {**os.environ, "TRANSFORM_CALLS": str(calls), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", _WORKER, url], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 75, done.stderr
+    return url, calls
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
+def test_a_crash_inside_the_function_waits_for_the_host_and_nothing_runs_twice(tmp_path: Path, outcome: str) -> None:
+    url, calls = crashed_inside_the_function(tmp_path)
     assert calls.read_text().splitlines() == ["{'n': 5}"]
     os.environ["TRANSFORM_CALLS"] = str(calls)
     store = EventStore(url)
