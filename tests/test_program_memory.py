@@ -113,3 +113,37 @@ def test_a_follower_keeps_no_finished_run_nor_its_programs(tmp_path: Path) -> No
         del follower
     finally:
         store.close()
+
+
+def test_a_run_finished_after_input_admitted_elsewhere_is_not_kept_by_the_watcher(tmp_path: Path) -> None:
+    """The watcher that hands a tree's owner line what another writer appended kept that line
+    (its tree, its Programs) in a local variable until it next found a tree behind: a run
+    answered from another process stayed in memory after it finished. Under load the same held
+    one finished run of a long-lived server (CI: a ``hello-18`` Program held by its ``Bound``
+    after 190 more runs)."""
+    from agentfold.adapters.runtime import _Driver
+
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    store, elsewhere_store = EventStore(url), EventStore(url)
+    runtime = Runtime(store, default_sources().catalog(), poll_interval=0.02)
+    elsewhere = Runtime(elsewhere_store, default_sources().catalog(), poll_interval=0, adopt_on_admit=False)
+    try:
+        parked = start(runtime, approval(None), "parked")
+        runtime.wait_idle(parked.tree_id)
+        [wait] = Host(elsewhere).pending()
+        Host(elsewhere).answer(wait["process_id"], wait["wait_id"], {"approved": True})  # recorded, not driven
+        assert runtime.result(parked.tree_id, timeout=30).status == "completed"  # the owner caught up
+
+        def lines_of_the_run() -> int:
+            gc.collect()
+            return sum(1 for o in gc.get_objects() if isinstance(o, _Driver) and o.tree_id == parked.tree_id)
+
+        deadline = time.monotonic() + 5  # 250 polls of the watcher
+        while lines_of_the_run() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines_of_the_run() == 0
+    finally:
+        elsewhere.close()
+        runtime.close()
+        elsewhere_store.close()
+        store.close()

@@ -584,32 +584,41 @@ class _Timers:
                 return
 
     def _turn(self) -> None:
-        """Settle the due timers, or wait until the next one is to be looked at."""
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                due: list[tuple[_Timer, Exception | None]] = []
-                while self._heap and self._heap[0][0] <= now:
-                    _, _, timer = heapq.heappop(self._heap)
-                    if timer.done:
-                        continue
-                    remaining = self._remaining(timer)
-                    if isinstance(remaining, float) and remaining > 0:
-                        self._push(timer)  # looked at before its instant (a tick, or the clock moved)
-                        continue
-                    timer.done = True
-                    self.waiting -= 1
-                    due.append((timer, remaining if isinstance(remaining, Exception) else None))
-                if not due:
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                    continue
-            for timer, error in due:
-                try:
-                    timer.driver._timer_settled(timer, error)
-                except BaseException:  # one timer's failure is not the others'
-                    log.exception("timer of effect %s: its outcome could not be handed over", timer.job.dispatch.effect_id)
+        """Settle the due timers, or wait until the next one is to be looked at.
+
+        One or the other per call (the thread's loop calls again): what a turn names (a timer,
+        its owner line, and through it a tree and its Programs) is let go when it returns, not
+        kept by the waiting thread's frame (a finished run stayed in memory until the next
+        timer fired, which might be never)."""
+        with self._cond:
+            if self._closed:
+                return
+            now = time.monotonic()
+            due = self._take_due(now)
+            if not due:
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                return
+        for timer, error in due:
+            try:
+                timer.driver._timer_settled(timer, error)
+            except BaseException:  # one timer's failure is not the others'
+                log.exception("timer of effect %s: its outcome could not be handed over", timer.job.dispatch.effect_id)
+
+    def _take_due(self, now: float) -> list[tuple[_Timer, Exception | None]]:
+        """The timers due at ``now``, taken off the heap (called with ``_cond`` held)."""
+        due: list[tuple[_Timer, Exception | None]] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, _, timer = heapq.heappop(self._heap)
+            if timer.done:
+                continue
+            remaining = self._remaining(timer)
+            if isinstance(remaining, float) and remaining > 0:
+                self._push(timer)  # looked at before its instant (a tick, or the clock moved)
+                continue
+            timer.done = True
+            self.waiting -= 1
+            due.append((timer, remaining if isinstance(remaining, Exception) else None))
+        return due
 
 
 def _wake(drivers: list[_Driver]) -> None:
@@ -2578,24 +2587,31 @@ class Runtime:
         quiet_stop_signals()
         while not self._watch_stop.wait(self.poll_interval):
             try:
-                self._check_leases()
-                self._adopt_lost()
-                self._take_over_left()
-                if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
-                    self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
-                    self.adopt_orphans(budget=ORPHAN_SCAN_SECONDS)
-                with self._lock:
-                    owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
-                if not owned:
-                    continue
-                versions = self.store.versions(list(owned))
-                for tree_id, version in versions.items():
-                    if version > owned[tree_id]:
-                        driver = self._drivers.get(tree_id)
-                        if driver is not None and version > driver.committed:
-                            driver.submit(_Refresh())
+                self._poll()
             except Exception:  # noqa: BLE001 - the watcher must survive transient store errors
                 continue
+
+    def _poll(self) -> None:
+        """One look of the watcher. A method of its own, not the loop's body: what a look
+        names (an owner line, and through it its tree and Programs) is let go when it ends,
+        not kept by the watcher's frame until the next look that finds a tree behind (a run
+        that finished after input admitted elsewhere stayed in memory)."""
+        self._check_leases()
+        self._adopt_lost()
+        self._take_over_left()
+        if self.adopt_orphans_every > 0 and time.monotonic() >= self._next_orphan_scan:
+            self._next_orphan_scan = time.monotonic() + self.adopt_orphans_every
+            self.adopt_orphans(budget=ORPHAN_SCAN_SECONDS)
+        with self._lock:
+            owned = {tree_id: driver.committed for tree_id, driver in self._drivers.items()}
+        if not owned:
+            return
+        versions = self.store.versions(list(owned))
+        for tree_id, version in versions.items():
+            if version > owned[tree_id]:
+                driver = self._drivers.get(tree_id)
+                if driver is not None and version > driver.committed:
+                    driver.submit(_Refresh())
 
     def _check_leases(self) -> None:
         """Stop the owner line of every tree whose lease the lease manager lost (e.g. its

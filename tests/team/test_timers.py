@@ -585,3 +585,26 @@ def test_a_deadline_canceled_by_a_command_while_nobody_drives_it_stops_its_timer
         assert len(own_calls) == 1  # recorded first: the ordinary call was not made again
     finally:
         store.close()
+
+
+def test_a_run_whose_last_call_was_a_timer_is_not_kept_by_the_timer_thread_once_finished(tmp_path: Any) -> None:
+    """The timer thread kept the last timer it looked at (its owner line, its tree, its Programs)
+    in a local variable while it waited for the next: a long-lived server held a finished run in
+    memory until another timer fired, which might be never."""
+    import gc
+
+    from agentfold.adapters.runtime import _Driver
+
+    quick = timer_chain(0.05, Replay.NEVER)
+    with open_runtime(f"sqlite:///{tmp_path / 'timers.db'}", quick) as runtime:
+        handle = runtime.start(quick, {"n": 1}, start_id="quick")
+        assert runtime.result(handle.tree_id, WAIT).status == "completed"
+
+        def lines_of_the_run() -> int:
+            gc.collect()
+            return sum(1 for o in gc.get_objects() if isinstance(o, _Driver) and o.tree_id == handle.tree_id)
+
+        deadline = time.monotonic() + 5
+        while lines_of_the_run() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines_of_the_run() == 0
