@@ -637,3 +637,19 @@ def test_removing_a_row_fails_the_check(section: str) -> None:
     rows = page()
     victim = next(r for r in rows if r.section == section)
     assert victim.code in undocumented(scanned(), [r for r in rows if r is not victim])
+
+
+def test_an_error_raised_again_is_a_copy_with_its_code_message_hint_and_details_and_no_old_traceback() -> None:
+    from agentfold.domain.errors import Fenced
+
+    try:
+        raise Fenced("engine.tree.incarnation_conflict", "another writer took the tree", "recover it there",
+                     tree_id="tree:0")
+    except Fenced as raised:
+        kept = raised
+    again = kept.again()
+    assert type(again) is Fenced and again is not kept
+    assert (again.code, again.message, again.hint, again.details, str(again)) == \
+        (kept.code, kept.message, kept.hint, kept.details, str(kept))
+    assert kept.__traceback__ is not None and again.__traceback__ is None
+    assert again.__context__ is None and again.__cause__ is None

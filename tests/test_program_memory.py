@@ -147,3 +147,58 @@ def test_a_run_finished_after_input_admitted_elsewhere_is_not_kept_by_the_watche
         runtime.close()
         elsewhere_store.close()
         store.close()
+
+
+def test_a_fenced_owner_line_is_let_go_and_its_error_raised_again_does_not_grow(tmp_path: Path) -> None:
+    """An owner line fenced by another writer is stopped, and the runtime keeps its error so that
+    later ``result()`` calls report the fence. It kept the error as raised: its traceback held
+    the frames that raised it (the stopped line, its tree, its Programs) for the runtime's life,
+    one per fenced tree; and each ``result()`` raised that very object again, which grows its
+    traceback by the raising frames every time (and holds them)."""
+    from agentfold.adapters.catalog import Catalog
+    from agentfold.adapters.runtime import _Driver
+    from agentfold.domain.errors import Fenced
+    from tests.crash.worker import GrantAllLeases
+    from tests.kernel_programs import asker_program
+
+    class Unleased(EventStore):
+        def leases(self) -> Any:
+            return GrantAllLeases()  # ownership decided by version fencing alone (a lost lease)
+
+    program = asker_program("memory.fenced")
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    ours, theirs = Unleased(url), Unleased(url)
+    runtime = Runtime(ours, Catalog([program]), poll_interval=0)
+    other = Runtime(theirs, Catalog([program]), poll_interval=0)
+    try:
+        handle = runtime.start(program, {})
+        assert runtime.wait_idle(handle.tree_id).root.status == "waiting"
+        other.recover(str(handle.tree_id))  # another writer activates the tree
+        try:
+            runtime.pause(handle.root_process_id)  # our line's append is fenced
+        except Fenced as exc:
+            assert exc.code == "engine.tree.incarnation_conflict"
+        else:
+            raise AssertionError("the fenced line appended")
+
+        def traceback_length() -> int:
+            try:
+                runtime.result(handle.tree_id, timeout=5)
+            except Fenced as exc:
+                tb, length = exc.__traceback__, 0
+                while tb is not None:
+                    tb, length = tb.tb_next, length + 1
+                return length
+            raise AssertionError("result() of a fenced tree did not report the fence")
+
+        first = traceback_length()
+        for _ in range(20):
+            traceback_length()
+        assert traceback_length() == first
+        gc.collect()
+        assert [o for o in gc.get_objects() if isinstance(o, _Driver) and o.runtime is runtime] == []
+    finally:
+        other.close()
+        runtime.close()
+        theirs.close()
+        ours.close()

@@ -932,12 +932,14 @@ class _Driver:
     def _reject(self, items: Iterable[Any], exc: AgentfoldError) -> None:
         for item in items:
             if isinstance(item, _Call) and not item.future.done():
-                item.future.set_exception(exc)
+                item.future.set_exception(exc.again())
 
     def _stop(self, exc: AgentfoldError, items: Iterable[Any] = ()) -> None:
         with self.lock:
             if self.stopped is None:
-                stopped = exc if isinstance(exc, (Fenced, RuntimeStopped)) else RuntimeStopped(exc.code, exc.message, exc.hint)
+                # A copy, as every error kept to be raised later (``AgentfoldError.again``).
+                stopped = exc.again() if isinstance(exc, (Fenced, RuntimeStopped)) \
+                    else RuntimeStopped(exc.code, exc.message, exc.hint)
                 if stopped.code not in ("engine.runtime.closed", "engine.runtime.released"):
                     # Later result()/wait_idle() calls on this runtime report the failure (Scope:
                     # every published Process's Await returns a RuntimeError), not a stale state.
@@ -2407,13 +2409,13 @@ class Runtime:
                     if driver.final is not None:
                         return driver.final
                     if driver.stopped is not None:
-                        raise driver.stopped
+                        raise driver.stopped.again()
                     raise TimeoutError(f"tree {tree_id} is not finished")
                 finally:
                     driver.cond.release()
             failed = self._failed.get(tree_id)
             if failed is not None:
-                raise failed
+                raise failed.again()
             kept = self._results.get(tree_id)
             if kept is not None:
                 return kept
@@ -2464,7 +2466,7 @@ class Runtime:
                 if driver.stopped is not None:
                     failed = self._failed.get(tree_id)
                     if failed is not None:
-                        raise failed
+                        raise failed.again()
                     break  # closed or released meanwhile: the store answers (below)
                 quiet = driver.idle and not driver.flights and not driver._scheduled
                 now = time.monotonic()
@@ -2510,7 +2512,7 @@ class Runtime:
         while True:
             failed = self._failed.get(tree_id)
             if failed is not None:
-                raise failed
+                raise failed.again()
             if not elsewhere:
                 return self._load(tree_id).state
             head = self.store.head(tree_id)
@@ -2664,7 +2666,7 @@ class Runtime:
             if not self._closed:
                 self._lost.setdefault(tree_id, 0)
                 self._stalled_trees.add(tree_id)
-                self.last_stall = failure
+                self.last_stall = failure.again()  # kept: without the frames that raised it
         log.warning("tree %s: an append failed; its owner line stopped (adopted again when the store takes "
                     "appends)", tree_id)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 MAX_DIAGNOSTIC_BYTES = 4096
 """Upper bound of a Failure message, a pause reason and a control reason, in UTF-8 bytes."""
@@ -119,6 +119,17 @@ class AgentfoldError(Exception):
     def members(self) -> dict[str, Any]:
         """What the error names, as members of a problem document (HTTP API)."""
         return dict(self.details)
+
+    def again(self) -> Self:
+        """A copy to raise again: the same class, code, message, hint and details, without the
+        traceback, cause or context of an earlier raise. An error kept to be raised later (a
+        stopped owner line's, for every later ``result()``) is kept and raised as a copy: kept
+        as raised, its traceback held the raising frames and all they named; raised again as
+        itself, it grows by the raising frames each time."""
+        fresh = type(self).__new__(type(self))
+        fresh.args = self.args
+        fresh.__dict__.update(self.__dict__)
+        return fresh
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
