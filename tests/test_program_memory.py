@@ -22,7 +22,7 @@ from agentfold.adapters.read_models import ReadModels
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.scenario import scenario_input, scenario_program, validate_scenario
 from agentfold.adapters.sources import default_sources
-from agentfold.domain.program import Program
+from agentfold.domain.program import Program, ProgramRef
 from tests.test_cli_interaction import approval
 
 RUNS = 3 * RECENT_PROGRAMS
@@ -79,6 +79,12 @@ def test_a_runtime_holds_the_programs_of_its_live_runs_only_and_rebuilds_a_relea
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(held) <= RECENT_PROGRAMS, (len(held), RUNS, holders(held))
+        # Nor anything else of a released Program: its ProgramRef was kept by the runtime's
+        # answer to "does this Program wait on the timer thread" (one entry per Program, for good).
+        digests = {scenario_program(validate_scenario(hello(i))).ref.digest for i in range(RUNS)}
+        gc.collect()
+        refs = {o.digest for o in gc.get_objects() if isinstance(o, ProgramRef) and o.digest in digests}
+        assert refs <= {p.ref.digest for p in live_hello_programs()}, (len(refs), RECENT_PROGRAMS)
         # The parked run's Programs were held by its tree all along: a human answer resumes it.
         host = Host(runtime)
         [wait] = host.pending()

@@ -1489,7 +1489,6 @@ class Runtime:
         self._calls_lock = threading.Lock()
         self._calls_running = 0  # dispatcher calls inside a dispatcher right now
         self._timers = _Timers()  # TimerDispatcher calls waiting for their instant
-        self._timer_programs: dict[ProgramRef, bool] = {}  # see _waits_as_timer
         self._owner_pool = ThreadPoolExecutor(
             owner_workers, thread_name_prefix="agentfold-owner", initializer=quiet_stop_signals
         )
@@ -1546,17 +1545,14 @@ class Runtime:
         return self.catalog.resolve(ref)
 
     def _waits_as_timer(self, ref: ProgramRef) -> bool:
-        """Whether the calls of this Program wait on the timer thread (no call slot)."""
-        known = self._timer_programs.get(ref)
-        if known is None:
-            try:
-                program = self._resolve(ref)
-            except Exception:  # noqa: BLE001 - an ordinary call: _launch reports the catalog's failure
-                return False
-            known = program is not None and waits_as_timer(program.dispatcher)
-            if program is not None:
-                self._timer_programs[ref] = known
-        return known
+        """Whether the calls of this Program wait on the timer thread (no call slot). Asked of
+        the Program (held by its tree) each time, not remembered by ref: a long-lived runtime
+        kept one entry per Program it ever drove, and every scenario document is a Program."""
+        try:
+            program = self._resolve(ref)
+        except Exception:  # noqa: BLE001 - an ordinary call: _launch reports the catalog's failure
+            return False
+        return program is not None and waits_as_timer(program.dispatcher)
 
     def _load(self, tree_id: TreeID) -> LoadedTree:
         """Load a tree with its Programs bound (rebuilding a stored configuration if needed);
