@@ -66,19 +66,13 @@ def test_the_raw_and_per_tree_reads_of_the_log_say_what_the_notification_log_say
     position twice) and ``tree_position_before`` to find where a held tree resumes (it would
     skip an event): both must say exactly what the notification log says (SQLite and PostgreSQL; the memory
     store has no raw rows)."""
-    from agentfold.adapters.catalog import Catalog
     from agentfold.adapters.eventstore import EventStore
-    from agentfold.adapters.runtime import Runtime
     from agentfold.domain.ids import TreeID
-    from agentfold.domain.requests import Settlement
-    from tests.kernel_programs import chain_program
+    from tests.test_store_changes import two_finished_chains
 
-    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.rawlog")
     store = EventStore(durable_store_url)
     try:
-        with Runtime(store, Catalog([program])) as runtime:
-            for start in ("one", "two"):
-                runtime.start(program, {"n": 2}, start_id=start).result(timeout=30)
+        two_finished_chains(store, "test.rawlog", 2)
         log = [(n.id, _uuid.UUID(str(n.originator_id)), n.originator_version, n.topic)
                for n in store.notifications(0, 10_000)]
         assert len(log) >= 4

@@ -14,13 +14,18 @@ from agentfold.domain.requests import Settlement
 from tests.kernel_programs import chain_program
 
 
+def two_finished_chains(store: EventStore, name: str, effects: int) -> None:
+    """Two finished runs (start ids ``one`` and ``two``) of a chain of ``effects`` Effects."""
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name=name)
+    with Runtime(store, Catalog([program])) as runtime:
+        for start in ("one", "two"):
+            runtime.start(program, {"n": effects}, start_id=start).result(timeout=30)
+
+
 def test_changes_name_the_trees_and_positions_of_the_notification_log(store_url: str) -> None:
-    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="test.changes")
     store = EventStore(store_url)
     try:
-        with Runtime(store, Catalog([program])) as runtime:
-            for start in ("one", "two"):
-                runtime.start(program, {"n": 3}, start_id=start).result(timeout=30)
+        two_finished_chains(store, "test.changes", 3)
         log = [(n.id, TreeID.from_uuid(uuid.UUID(str(n.originator_id))), n.originator_version)
                for n in store.notifications(0, 10_000)]
         head = store.max_notification_id()
