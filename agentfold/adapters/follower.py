@@ -251,8 +251,10 @@ class Follower:
             self._apply(tree_id, folded, items, anchor)
         if folded.state.terminal:
             # A finished run rarely gets another event (a late resolution): one that does is
-            # folded again from the store. Its state and Programs need not be kept meanwhile.
+            # folded again from the store. Its state and Programs need not be kept meanwhile,
+            # nor that it was reported unbound (kept for good, one per such run ever followed).
             self._cache.pop(tree_id, None)
+            self._unbound.discard(tree_id)
         return TreeUpdate(project_tree(folded.state, folded.programs), len(items), folded.created_position)
 
     def _apply(self, tree_id: TreeID, folded: _Folded, items: Sequence[Notification],

@@ -295,6 +295,7 @@ ORPHAN_SCAN_SECONDS = 1.0
 TAKE_OVER_PAUSES = (0.02, 0.05, 0.1, 0.2)
 TAKE_OVER_SECONDS = 10.0
 _RESULTS_KEPT = 4096  # results of released finished trees a runtime answers without a load
+_FAILED_KEPT = 4096  # errors of owner lines stopped here that result()/wait_idle() raise again
 
 
 @dataclass(slots=True)
@@ -482,6 +483,10 @@ class _Timer:
     instant: float
     tick: float  # the longest wait before its clock is read again (TimerDispatcher.TICK_SECONDS)
     done: bool = False  # fired, stopped, or its owner line gave the tree up
+    # The heap's way to this timer (``_Timers._push``), emptied when the timer is done: a stopped
+    # timer's heap entry stays until its next look (up to TICK_SECONDS away) and must not hold
+    # its owner line, tree and Programs until then.
+    slot: list[_Timer | None] | None = None
 
 
 #: The longest ``TimerDispatcher.TICK_SECONDS`` a runtime accepts (its waits are bounded by it).
@@ -520,7 +525,9 @@ class _Timers:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, _Timer]] = []  # (monotonic time to look, tie-break, timer)
+        # (monotonic time to look, tie-break, [timer]): the one-element list is emptied when the
+        # timer is done before its look (``_forget``), so the entry no longer holds it.
+        self._heap: list[tuple[float, int, list[_Timer | None]]] = []
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -545,13 +552,24 @@ class _Timers:
                 return False
             timer.done = True
             self.waiting -= 1
+            self._forget(timer)
             return True
+
+    @staticmethod
+    def _forget(timer: _Timer) -> None:
+        """Let the heap entry of a timer that is done go of it (the entry itself is dropped at its
+        look): a race won by its worker, or a run canceled, was kept with its timer's owner line
+        (its tree, its Programs) for up to ``tick`` seconds after it finished."""
+        if timer.slot is not None:
+            timer.slot[0] = None
+            timer.slot = None
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            for _, _, timer in self._heap:
-                if not timer.done:
+            for _, _, slot in self._heap:
+                timer = slot[0]
+                if timer is not None and not timer.done:
                     timer.done = True
                     self.waiting -= 1
             self._heap.clear()
@@ -570,7 +588,9 @@ class _Timers:
     def _push(self, timer: _Timer) -> None:
         remaining = self._remaining(timer)
         wait = min(remaining, timer.tick) if isinstance(remaining, float) else 0.0
-        heapq.heappush(self._heap, (time.monotonic() + max(0.0, wait), next(self._order), timer))
+        slot: list[_Timer | None] = [timer]
+        timer.slot = slot
+        heapq.heappush(self._heap, (time.monotonic() + max(0.0, wait), next(self._order), slot))
 
     def _run(self) -> None:
         quiet_stop_signals()
@@ -608,14 +628,16 @@ class _Timers:
         """The timers due at ``now``, taken off the heap (called with ``_cond`` held)."""
         due: list[tuple[_Timer, Exception | None]] = []
         while self._heap and self._heap[0][0] <= now:
-            _, _, timer = heapq.heappop(self._heap)
-            if timer.done:
+            _, _, slot = heapq.heappop(self._heap)
+            timer = slot[0]
+            if timer is None or timer.done:
                 continue
             remaining = self._remaining(timer)
             if isinstance(remaining, float) and remaining > 0:
                 self._push(timer)  # looked at before its instant (a tick, or the clock moved)
                 continue
             timer.done = True
+            timer.slot = None
             self.waiting -= 1
             due.append((timer, remaining if isinstance(remaining, Exception) else None))
         return due
@@ -947,7 +969,11 @@ class _Driver:
                     # replaced at once (``_try_adopt``), and the new line's registration clears
                     # this entry, which a later write would bring back over the new line's run.
                     with self.runtime._lock:
-                        self.runtime._failed[self.tree_id] = stopped
+                        failed = self.runtime._failed
+                        failed[self.tree_id] = stopped
+                        failed.move_to_end(self.tree_id)
+                        while len(failed) > _FAILED_KEPT:
+                            failed.popitem(last=False)
                 self.stopped = stopped
             for flight in self.flights.values():
                 flight.context.cancelled.set()
@@ -1499,7 +1525,10 @@ class Runtime:
         # Re-entrant: an owner line that stops while its tree is being taken (its lease lost
         # before its registration) gives the tree up, under the same lock, on the same thread.
         self._adopt_locks = [threading.RLock() for _ in range(64)]
-        self._failed: dict[TreeID, AgentfoldError] = {}
+        # The errors of owner lines that stopped here (fenced, a failed append or cycle), raised
+        # again by result()/wait_idle(); bounded, newest kept, as ``_results``: a tree another
+        # writer took over and finished was kept here for the runtime's life (~1.3 KB each).
+        self._failed: collections.OrderedDict[TreeID, AgentfoldError] = collections.OrderedDict()
         # Unknown Effects a host is replaying through this runtime now (Scope: while a replay
         # is in flight, another replay or a resolution of that Effect is ErrEffectNotPending).
         self._replaying: set[EffectID] = set()

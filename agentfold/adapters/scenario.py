@@ -482,11 +482,13 @@ class SideEffectLog:
     that Effect) and whether it resumes after a human answer (an approval tool's ask and its
     resume are two executions of one call, under two Effects)."""
 
-    _locks: dict[str, threading.Lock] = {}
+    # Writers of one path in this process take turns; striped by path, not one lock per path
+    # kept for good (a server kept one per side-effect log any scenario ever named).
+    _locks: tuple[threading.Lock, ...] = tuple(threading.Lock() for _ in range(64))
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = SideEffectLog._locks.setdefault(path, threading.Lock())
+        self._lock = SideEffectLog._locks[hash(path) % len(SideEffectLog._locks)]
 
     def record(self, tool: str, call_id: str, arguments: str, effect_id: str, resumed: bool) -> None:
         entry = {"tool": tool, "call_id": call_id, "arguments": arguments, "effect_id": effect_id, "resumed": resumed}
