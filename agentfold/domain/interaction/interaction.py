@@ -223,6 +223,17 @@ def _delegate_input(spec: DelegateSpec, call: ToolCall) -> tuple[JSON, str | Non
         return None, f"preparing the delegated worker input failed: {type(exc).__name__}: {recorded_text(exc)}"
 
 
+def tool_calls_not_completed(response: dict[str, Any]) -> str | None:
+    """Why the Interaction fails the run on a parsed response with tool calls
+    (``interaction.model.tool_calls_not_completed``): they came with a finish reason other
+    than ``tool_calls`` or ``length``, so they are not executed. Shared with the recovery
+    helpers (``settle_model_result``), which refuse such a response."""
+    reason = response["finish_reason"]
+    if response["message"].get("tool_calls") and reason not in ("tool_calls", "length"):
+        return f'model output ended with "{reason}"; tool calls were not executed'
+    return None
+
+
 def response_problem(response: dict[str, Any]) -> str | None:
     """Why the Interaction refuses a parsed final model response (``interaction.model.invalid_response``).
 
@@ -359,15 +370,9 @@ class InteractionStrategy:
         except InvalidInput as exc:
             raise ClassifiedError(FailureKind.EXTERNAL, "interaction.model.invalid_response", exc.message) from exc
         calls = response["message"].get("tool_calls", [])
-        reason = response["finish_reason"]
-        if calls and reason not in ("tool_calls", "length"):
-            return plan.step(
-                _fail(
-                    FailureKind.EXTERNAL,
-                    "interaction.model.tool_calls_not_completed",
-                    f'model output ended with "{reason}"; tool calls were not executed',
-                )
-            )
+        not_completed = tool_calls_not_completed(response)
+        if not_completed is not None:
+            return plan.step(_fail(FailureKind.EXTERNAL, "interaction.model.tool_calls_not_completed", not_completed))
         if result.get("replacement_messages") is not None:
             plan.add({"op": "replace_context"})
         if not calls:

@@ -14,7 +14,7 @@ from typing import Any
 from agentfold.domain.canonical import JSON, normalize
 from agentfold.domain.errors import ClassifiedError, InvalidInput
 from agentfold.domain.interaction.chat import FINISH_REASONS, ToolCall, parse_messages, parse_parts, parse_response
-from agentfold.domain.interaction.interaction import InteractionStrategy, response_problem
+from agentfold.domain.interaction.interaction import InteractionStrategy, response_problem, tool_calls_not_completed
 from agentfold.domain.interaction.tool_call import ToolCallStrategy, check_input_request
 from agentfold.domain.program import Program, SettlementStatus
 from agentfold.domain.requests import EffectRequest, Settlement
@@ -161,7 +161,7 @@ def settle_model_result(
             f"invalid model response: unknown finish reason {parsed['finish_reason']!r} "
             f"(one of {', '.join(FINISH_REASONS)})"
         )
-    problem = response_problem(parsed)
+    problem = response_problem(parsed) or tool_calls_not_completed(parsed)
     if problem is not None:
         # The Interaction would fail the run for good on this response: refuse it now, while
         # the host can still state what the model really answered.
