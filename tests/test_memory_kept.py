@@ -28,7 +28,7 @@ from agentfold.adapters.team import FIRST_COMPLETED, FirstSuccessConfig, compile
 from agentfold.domain.errors import Fenced
 from tests.kernel_programs import asker_program, chain_program
 from tests.team.test_timers import echo, soon
-from tests.test_program_memory import start
+from tests.test_program_memory import start, unleased_pair
 
 
 def lines_of(tree_id: Any) -> int:
@@ -64,19 +64,9 @@ def test_the_errors_of_stopped_owner_lines_are_kept_for_the_newest_trees_only(
 ) -> None:
     """Each fenced tree's error was kept for the runtime's life (one per tree another writer
     took over, finished or not); now the newest ``_FAILED_KEPT`` (4096; 3 here) are."""
-    from tests.crash.worker import GrantAllLeases
-
-    class Unleased(EventStore):
-        def leases(self) -> Any:
-            return GrantAllLeases()  # ownership decided by version fencing alone (a lost lease)
-
     monkeypatch.setattr(runtime_module, "_FAILED_KEPT", 3)
     program = asker_program("memory.fenced")
-    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    ours, theirs = Unleased(url), Unleased(url)
-    runtime = Runtime(ours, Catalog([program]), poll_interval=0)
-    other = Runtime(theirs, Catalog([program]), poll_interval=0)
-    try:
+    with unleased_pair(tmp_path, program) as (runtime, other):
         handles = []
         for i in range(6):
             handle = runtime.start(program, {}, start_id=f"fenced-{i}")
@@ -88,11 +78,6 @@ def test_the_errors_of_stopped_owner_lines_are_kept_for_the_newest_trees_only(
         assert len(runtime._failed) == 3
         with pytest.raises(Fenced):  # the newest still report the fence
             runtime.result(handles[-1].tree_id, timeout=5)
-    finally:
-        other.close()
-        runtime.close()
-        theirs.close()
-        ours.close()
 
 
 def test_a_follower_forgets_the_finished_runs_it_reported_unbound(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from agentfold.domain.interaction.settle import settle_model_result
 from agentfold.domain.program import Program
 from agentfold.domain.requests import Settlement
 from tests.interaction.support import request_of
+from tests.test_host_python import Book  # its reply is lost
 
 DONE = {"message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}
 LOST = {"error": "the connection dropped mid-response"}
@@ -230,24 +231,15 @@ def test_the_model_helper_refuses_a_request_made_by_another_version_of_the_progr
         assert "not by this program" in refused.value.message
 
 
-class Lost:
-    name = "lost"
-    description = "Its reply never arrives."
-    parameters = {"type": "object"}
-
-    def call(self, invocation: ToolInvocation, arguments: Any) -> ToolOutput:
-        raise ConnectionResetError("the connection dropped after the request was sent")
-
-
 @pytest.mark.parametrize("disposition", ["cancelled", "ok"])
 def test_a_tool_outcome_with_a_disposition_outside_succeeded_failed_rejected_is_refused_and_appends_nothing(
     store: EventStore, disposition: str
 ) -> None:
     """A settlement built by hand (``Runtime.resolve_unknown_effect``) with another disposition is
     not one live dispatch returns: refused before it is recorded, the call stays unknown."""
-    model = ScriptedModel([{"message": {"role": "assistant", "tool_calls": [{"id": "c1", "name": "lost"}]},
+    model = ScriptedModel([{"message": {"role": "assistant", "tool_calls": [{"id": "c1", "name": "book"}]},
                             "finish_reason": "tool_calls"}, DONE])
-    agent = compile_interaction(InteractionConfig(name="chat.lost-tool", model=model, tools=[Lost()]))
+    agent = compile_interaction(InteractionConfig(name="chat.lost-tool", model=model, tools=[Book()]))
     with Runtime(store, Catalog([agent])) as runtime:
         run = runtime.start(agent, {"messages": [{"role": "user", "content": "Go."}]}, start_id="lost-tool")
         runtime.wait_idle(run.tree_id)

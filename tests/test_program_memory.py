@@ -9,8 +9,10 @@ it (plus the few most recently used), and rebuilds it when a run needs it again.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,28 +157,42 @@ def test_a_run_finished_after_input_admitted_elsewhere_is_not_kept_by_the_watche
         store.close()
 
 
+@contextlib.contextmanager
+def unleased_pair(tmp_path: Path, program: Program) -> Iterator[tuple[Runtime, Runtime]]:
+    """Two runtimes on one SQLite file whose ownership is decided by version fencing alone (an
+    owner that lost its lease): what one takes over, the other's owner line is fenced on."""
+    from agentfold.adapters.catalog import Catalog
+    from tests.crash.worker import GrantAllLeases
+
+    class Unleased(EventStore):
+        def leases(self) -> Any:
+            return GrantAllLeases()
+
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    ours, theirs = Unleased(url), Unleased(url)
+    runtime = Runtime(ours, Catalog([program]), poll_interval=0)
+    other = Runtime(theirs, Catalog([program]), poll_interval=0)
+    try:
+        yield runtime, other
+    finally:
+        other.close()
+        runtime.close()
+        theirs.close()
+        ours.close()
+
+
 def test_a_fenced_owner_line_is_let_go_and_its_error_raised_again_does_not_grow(tmp_path: Path) -> None:
     """An owner line fenced by another writer is stopped, and the runtime keeps its error so that
     later ``result()`` calls report the fence. It kept the error as raised: its traceback held
     the frames that raised it (the stopped line, its tree, its Programs) for the runtime's life,
     one per fenced tree; and each ``result()`` raised that very object again, which grows its
     traceback by the raising frames every time (and holds them)."""
-    from agentfold.adapters.catalog import Catalog
     from agentfold.adapters.runtime import _Driver
     from agentfold.domain.errors import Fenced
-    from tests.crash.worker import GrantAllLeases
     from tests.kernel_programs import asker_program
 
-    class Unleased(EventStore):
-        def leases(self) -> Any:
-            return GrantAllLeases()  # ownership decided by version fencing alone (a lost lease)
-
     program = asker_program("memory.fenced")
-    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    ours, theirs = Unleased(url), Unleased(url)
-    runtime = Runtime(ours, Catalog([program]), poll_interval=0)
-    other = Runtime(theirs, Catalog([program]), poll_interval=0)
-    try:
+    with unleased_pair(tmp_path, program) as (runtime, other):
         handle = runtime.start(program, {})
         assert runtime.wait_idle(handle.tree_id).root.status == "waiting"
         other.recover(str(handle.tree_id))  # another writer activates the tree
@@ -203,8 +219,3 @@ def test_a_fenced_owner_line_is_let_go_and_its_error_raised_again_does_not_grow(
         assert traceback_length() == first
         gc.collect()
         assert [o for o in gc.get_objects() if isinstance(o, _Driver) and o.runtime is runtime] == []
-    finally:
-        other.close()
-        runtime.close()
-        theirs.close()
-        ours.close()
