@@ -21,6 +21,7 @@ holding by a failed adoption is taken up again by the next orphan scan.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -197,7 +198,7 @@ def test_a_line_stopped_by_a_failure_and_replaced_at_once_leaves_no_stale_failur
         outcome: list[Any] = []
         threads: list[threading.Thread] = []
 
-        class Failures(dict[Any, Any]):
+        class Failures(collections.OrderedDict[Any, Any]):  # as Runtime._failed
             def __setitem__(self, key: Any, value: Any) -> None:
                 if key == tree_id and not threads:
                     run_inside(lambda: owner.recover(str(tree_id)), outcome, threads)
