@@ -303,7 +303,9 @@ def test_signals_granted_to_a_child_are_no_longer_the_parents_to_admit(tmp_path:
                 ResourceLimitExceeded,
                 EngineCode.LIMIT_SIGNALS,
             )
-            assert runtime.capture(handle.tree_id).root.usage["signals"] == 4
+            # Each counter where it belongs (two Steps, the one child start, the start's settlement
+            # and 3 host signals): a usage with effects and signals swapped shows here.
+            assert runtime.capture(handle.tree_id).root.usage == {"steps": 2, "effects": 1, "signals": 4}
     finally:
         store.close()
 
