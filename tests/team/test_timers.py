@@ -608,3 +608,13 @@ def test_a_run_whose_last_call_was_a_timer_is_not_kept_by_the_timer_thread_once_
         while lines_of_the_run() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lines_of_the_run() == 0
+
+
+def test_a_timer_counts_once_among_the_settled_calls_when_it_fires(tmp_path: Any) -> None:
+    """docs/http-api.md (``agentfold_calls_settled_total``): a timer counts once when it settles,
+    as any dispatcher call; it fires here, so ``succeeded``."""
+    quick = timer_chain(0.05, Replay.NEVER)
+    with open_runtime(f"sqlite:///{tmp_path / 'counted.db'}", quick) as runtime:
+        handle = runtime.start(quick, {"n": 1}, start_id="counted")
+        assert runtime.result(handle.tree_id, WAIT).status == "completed"
+        assert runtime.calls_settled.snapshot() == {"succeeded": 1}
