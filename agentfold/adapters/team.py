@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from agentfold.adapters.dispatch import DispatchContext, TimerDispatcher
 from agentfold.adapters.interaction import _identity
-from agentfold.domain.budget import Budget, Quota
+from agentfold.domain.budget import MAX_COUNTER, Budget, Quota
 from agentfold.domain.canonical import JSON, digest_of, normalize
 from agentfold.domain.competition import AcceptFn, FirstSuccessStrategy
 from agentfold.domain.coordination import DeadlineStrategy, InputGateStrategy, deadline_policy, instant_seconds
@@ -50,6 +50,8 @@ TeamMember = Member
 def _limit(name: str, value: object, minimum: int, code: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidInput(code, f"TeamConfig.{name} is {value!r}; it must be an int of at least {minimum}")
+    if value > MAX_COUNTER:  # else a Quota refused it as budget.invalid
+        raise InvalidInput(code, f"TeamConfig.{name} is {value!r}; it must be at most {MAX_COUNTER}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,7 +194,7 @@ def compile_first_success(config: FirstSuccessConfig) -> Program:
     candidates = tuple(config.candidates) if isinstance(config.candidates, (list, tuple)) else None
     if candidates is None:
         raise InvalidInput("program.invalid", "FirstSuccessConfig.candidates is a list of Programs")
-    check_synchronous(f"FirstSuccessConfig.accept of {config.name!r}", config.accept, "program.invalid")
+    check_synchronous(f"FirstSuccessConfig.accept of {config.name!r}", config.accept, "coordination.definition.invalid")
     identity = config.accept_identity
     if identity is not None and (not isinstance(identity, str) or not identity.strip()):
         raise InvalidInput("program.invalid", f"FirstSuccessConfig.accept_identity of {config.name!r} must be non-empty text")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentfold.domain.budget import Budget, Quota
+from agentfold.domain.budget import MAX_COUNTER, Budget, Quota
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, InvalidInput
 from agentfold.domain.ids import ChildKey, ProcessID, SignalID, WaitKey
@@ -203,8 +203,9 @@ class TeamDefinition:
                                     hint="leave it unlimited (None) or allow at least one turn")
         for name in ("max_concurrent_tasks", "max_controls_per_turn"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _definition_error(f"{name} is {value!r}; it must be an integer of at least 1")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNTER:
+                # (above 2^63-1 the configuration digest's JSON raised a bare TypeError)
+                raise _definition_error(f"{name} is {value!r}; it must be an integer from 1 to {MAX_COUNTER}")
         if not self.workers:
             raise _definition_error("a team needs at least one worker", hint="give workers=[TeamMember(program), ...]")
         seen: set[str] = set()

@@ -240,19 +240,22 @@ def test_compile_refuses_a_bad_configuration() -> None:
     async def later(key: str, outcome: Any) -> bool:
         return True
 
-    bad: list[dict[str, Any]] = [
-        {"candidates": [a], "accept": FIRST_COMPLETED, "max_candidates": 0},
-        {"candidates": [a], "accept": "yes"},
-        {"candidates": [], "accept": FIRST_COMPLETED},
-        {"candidates": [a, gate("gate.a")], "accept": FIRST_COMPLETED},
-        {"candidates": ["gate.a"], "accept": FIRST_COMPLETED},
-        {"candidates": [a], "accept": later},
-        {"candidates": [a], "accept": FIRST_COMPLETED, "accept_identity": " "},
+    # docs/team.md (Failure codes): the refusals it names are coordination.definition.invalid
+    # (an accept that is not a function was program.invalid); a blank accept_identity is program.invalid.
+    definition, program = "coordination.definition.invalid", "program.invalid"
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"candidates": [a], "accept": FIRST_COMPLETED, "max_candidates": 0}, definition),
+        ({"candidates": [a], "accept": "yes"}, definition),
+        ({"candidates": [], "accept": FIRST_COMPLETED}, definition),
+        ({"candidates": [a, gate("gate.a")], "accept": FIRST_COMPLETED}, definition),
+        ({"candidates": ["gate.a"], "accept": FIRST_COMPLETED}, definition),
+        ({"candidates": [a], "accept": later}, definition),
+        ({"candidates": [a], "accept": FIRST_COMPLETED, "accept_identity": " "}, program),
     ]
-    for fields in bad:
+    for fields, code in bad:
         with pytest.raises(InvalidInput) as caught:
             compile_first_success(FirstSuccessConfig(name="test.race", **fields))
-        assert caught.value.code in ("coordination.definition.invalid", "program.invalid"), fields
+        assert caught.value.code == code, (fields, caught.value)
 
 
 def test_the_configuration_digest_names_the_predicate_and_the_bound() -> None:
