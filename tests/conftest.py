@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from agentfold.adapters.eventstore import EventStore
     from tests.http_api.support import ApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +128,25 @@ def make_store_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh store URL, once per backend."""
     return make_store_url(request.param, tmp_path, request)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    """The SQLite file of ``store``."""
+    return tmp_path / "agentfold.db"
+
+
+@pytest.fixture
+def store(db: Path) -> Iterator[EventStore]:
+    """An EventStore on a fresh SQLite file (``db``), closed after the test (a module's own
+    ``store`` fixture takes its place there)."""
+    from agentfold.adapters.eventstore import EventStore
+
+    opened = EventStore(f"sqlite:///{db}")
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

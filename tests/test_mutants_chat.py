@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,15 +52,6 @@ def program(name: str, *responses: dict[str, Any]) -> tuple[Program, ScriptedMod
 
 def stored(store: EventStore, start_id: str) -> list[str]:
     return [type(r.event).__name__ for r in store.read(TreeID.for_start(start_id))]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{tmp_path / 'chat.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 @contextlib.contextmanager

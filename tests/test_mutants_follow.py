@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.follower import Follower, follow_until_stopped
@@ -27,15 +23,6 @@ from agentfold.adapters.sources import default_sources
 from agentfold.domain.ids import TreeID
 from tests.test_corrupt_tree_listings import corrupt
 from tests.test_mutants_reads import start_waiting
-
-
-@pytest.fixture()
-def store(tmp_path: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{tmp_path / 'agentfold.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def damaged_store(store: EventStore) -> tuple[str, str]:

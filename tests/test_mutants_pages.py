@@ -14,7 +14,7 @@ past 64 bits is refused before it reaches SQL.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +28,6 @@ from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.sources import default_sources
 from agentfold.domain.ids import TreeID
 from tests.test_mutants_reads import in_time, project, start_waiting
-
-
-@pytest.fixture()
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "agentfold.db"
-
-
-@pytest.fixture()
-def store(db: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{db}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def every_page(read: Callable[[str | None], Any]) -> list[Any]:

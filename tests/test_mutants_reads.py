@@ -14,7 +14,6 @@ then stops, the runs changed afterwards, as between two polls of ``serve``'s fol
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,6 @@ from agentfold.adapters.scenario import scenario_input, scenario_program, valida
 from agentfold.adapters.sources import default_sources
 from tests.http_api.test_listing_pages import waits
 from tests.interaction.tools import WAIT
-
-
-@pytest.fixture()
-def store(tmp_path: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{tmp_path / 'agentfold.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def start_waiting(runtime: Runtime, k: int, start_id: str) -> str:

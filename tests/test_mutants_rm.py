@@ -15,12 +15,10 @@ file with a real follower, in this process.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.follower import Follower
@@ -32,20 +30,6 @@ from agentfold.adapters.sources import default_sources
 from tests.http_api.test_listing_pages import unknown_model_call, waits
 from tests.interaction.tools import WAIT
 from tests.test_mutants_reads import cancel, start_waiting
-
-
-@pytest.fixture()
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "agentfold.db"
-
-
-@pytest.fixture()
-def store(db: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{db}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def project(store: EventStore) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +39,6 @@ def held_call(request: Any, context: Any) -> Settlement:
 
 
 SOURCES = ProgramSources(programs=(chain_program(name="obs.chain"), chain_program(held_call, name="obs.held")))
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[EventStore]:
-    opened = EventStore(f"sqlite:///{tmp_path / 'runs.db'}")
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 def serve(store: EventStore) -> tuple[ApiService, TestClient]:
@@ -115,7 +105,7 @@ def test_the_leases_healthy_gauge_says_0_while_health_says_the_lease_file_is_gon
     # The gauge and /health tell the same story: 0 while the lease file cannot be opened again
     # (a directory in its place), 1 once it can. Mutant: the gauge stuck at 1.
     service, client = serve(store)
-    leases = tmp_path / "runs.db.leases"
+    leases = tmp_path / "agentfold.db.leases"
     try:
         with client:
             run_one(client, "leases-1")  # the runtime's watcher looks at the lease file from then on
