@@ -114,6 +114,30 @@ def test_a_runtime_whose_sessions_reach_a_read_only_database_gets_store_read_onl
         store.close()
 
 
+def test_a_write_after_the_database_takes_writes_again_is_not_refused_by_a_session_opened_before(database: str) -> None:
+    # Found by CI (run143): /health said 200 once a probe renewed the sessions, but the pool had
+    # opened their replacements while the database was still read-only, and POST /runs got
+    # store.read_only. A session keeps default_transaction_read_only for its life: an append
+    # refused as read-only renews the sessions and is tried once more (nothing was stored).
+    program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="standby.renewed")
+    store = EventStore(database)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            switch(database, True, end_sessions=True)
+            store.check_sessions()  # lets go of the sessions the switch ended
+            assert store.refuses_writes_now()  # renews the sessions: their replacements open read-only
+            pool = store.factory.datastore.pool
+            deadline = time.monotonic() + 30
+            while pool.get_stats()["pool_available"] < pool.min_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.get_stats()["pool_available"] >= pool.min_size, pool.get_stats()
+            switch(database, False, end_sessions=False)
+            handle = runtime.start(program, {"n": 2}, start_id="after")
+            assert handle.result(timeout=60).status == "completed"
+    finally:
+        store.close()
+
+
 def slow_chain() -> Any:
     def call(request: Any, context: Any) -> Settlement:
         time.sleep(0.1)

@@ -1265,7 +1265,7 @@ class EventStore:
                     self.snapshots.insert_events([saved])
                     self.snapshots.prune(tree_uuid, saved.originator_version)
             else:
-                ids = self.recorder.insert_events(stored, head=head, snapshot=saved)
+                ids = self._insert(stored, head, saved)
         except IntegrityError as exc:
             try:
                 ours = self._already_stored(tree_id, stored)
@@ -1309,6 +1309,20 @@ class EventStore:
             raise StoreFailure("store.append_failed", f"append to tree {tree_id} failed: {exc}",
                                hint=APPEND_FAILED_HINT if expected_version else START_FAILED_HINT) from exc
         return AppendResult(digest, tuple(ids or ()), deferred)
+
+    def _insert(self, stored: list[StoredEvent], head: TreeHead | None, saved: StoredEvent | None) -> Any:
+        """The recorder's insert, tried once more on fresh sessions when the database refused it
+        as read-only (nothing was stored). A session keeps the ``default_transaction_read_only``
+        it opened with for its life: the pool may hold sessions opened while the database was
+        read-only (a maintenance switch, a failover and back) after it takes writes again, and
+        the first write would be refused for what is no longer true. A standby refuses again."""
+        try:
+            return self.recorder.insert_events(stored, head=head, snapshot=saved)
+        except PersistenceError as exc:
+            if not refuses_writes(exc):
+                raise
+        self.forget_sessions()
+        return self.recorder.insert_events(stored, head=head, snapshot=saved)
 
     def _process_taken(self, tree_id: TreeID, expected_version: int, head: TreeHead | None) -> CorruptStream | None:
         """A refused append whose new Process is indexed already: the process index holds a
