@@ -374,6 +374,9 @@ def test_a_value_orjson_writes_its_own_way_is_stored_as_that_json_with_or_withou
         (lambda: Descriptor("p", input_schema={"enum": [{1, 2}]}), "schema.invalid", "value of type set at $.enum[0]"),
         (lambda: Descriptor("p", input_schema={"enum": [float("nan")]}), "schema.invalid", "non-finite number"),
         (lambda: Descriptor(None), "program.invalid", "descriptor name None is not a qualified name"),  # type: ignore[arg-type]
+        # a description that is no text was accepted; a lone surrogate raised a bare TypeError at its digest
+        (lambda: Descriptor("p", 5), "program.invalid", "the description of Program 'p' is int, not text"),  # type: ignore[arg-type]
+        (lambda: Descriptor("p", "a\udc80"), "program.invalid", "is not valid UTF-8"),
         (lambda: Program(Descriptor("p"), JsonStrategy(), implementation_digest=IMPL,  # type: ignore[abstract]
                          configuration_digest=IMPL, children=("x",)),  # type: ignore[arg-type]
          "program.invalid", "children is a tuple of Programs"),

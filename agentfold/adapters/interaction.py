@@ -53,6 +53,7 @@ from agentfold.domain.program import (
     SignalRequest,
     Step,
     Wait,
+    check_description,
     check_synchronous,
     start_child_effect,
     wait_children_effect,
@@ -351,6 +352,7 @@ def _check_lists(config: InteractionConfig) -> None:
 def compile_interaction(config: InteractionConfig) -> Program:
     """Freeze the model loop, bind its child Programs and its dispatchers (the seed's Compile)."""
     _check_lists(config)
+    check_description(config.description, "InteractionConfig.description", DEFINITION)
     if config.max_model_calls is not None:
         _check_count("max_model_calls", config.max_model_calls, 1, f"an int from 1 to {MAX_COUNTER} (or None for unlimited)")
     _check_count("max_concurrent_tool_calls", config.max_concurrent_tool_calls, 0, f"an int from 0 to {MAX_COUNTER} (0 means 1)")

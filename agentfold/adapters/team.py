@@ -32,7 +32,7 @@ from agentfold.domain.coordination import DeadlineStrategy, InputGateStrategy, d
 from agentfold.domain.errors import InvalidInput, bounded_text, recorded_text
 from agentfold.domain.ids import Digest
 from agentfold.domain.json_schema import check_schema
-from agentfold.domain.program import Descriptor, Program, check_synchronous
+from agentfold.domain.program import Descriptor, Program, check_description, check_synchronous
 from agentfold.domain.requests import EffectRequest, Settlement
 from agentfold.domain.team import DECISION_SCHEMA, TURN_SCHEMA, CollaborationStrategy, Member, TeamDefinition
 from agentfold.domain.workflow import TransformStrategy, check_transform_resolution, expand_transform_request
@@ -112,6 +112,7 @@ def compile_team(config: TeamConfig) -> Program:
             _limit(name, value, 0, code)
     if isinstance(config.workers, (str, bytes)) or not isinstance(config.workers, Sequence):
         raise InvalidInput(code, "TeamConfig.workers must be a list of TeamMember")
+    check_description(config.description, "TeamConfig.description", code)
     _check_schema("state_schema", config.state_schema)
     _check_schema("output_schema", config.output_schema)
     try:
@@ -154,6 +155,9 @@ class InputGateConfig:
 
 def compile_input_gate(config: InputGateConfig) -> Program:
     """A Program that waits for one addressed answer (coordination.InputGate)."""
+    if not isinstance(config, InputGateConfig):
+        raise InvalidInput("coordination.definition.invalid",
+                           f"compile_input_gate takes an InputGateConfig, not {type(config).__name__}")
     strategy = InputGateStrategy(config.name, config.description, config.request_schema, config.answer_schema)
     return Program(
         strategy.descriptor,
@@ -189,15 +193,18 @@ FIRST_COMPLETED: AcceptFn = _accept_everything
 
 def compile_first_success(config: FirstSuccessConfig) -> Program:
     """A Program that races the candidates its input names (coordination.FirstSuccess)."""
+    code = "coordination.definition.invalid"
     if not isinstance(config, FirstSuccessConfig):
-        raise InvalidInput("program.invalid", f"compile_first_success takes a FirstSuccessConfig, got {type(config).__name__}")
+        raise InvalidInput(code, f"compile_first_success takes a FirstSuccessConfig, not {type(config).__name__}")
     candidates = tuple(config.candidates) if isinstance(config.candidates, (list, tuple)) else None
     if candidates is None:
-        raise InvalidInput("program.invalid", "FirstSuccessConfig.candidates is a list of Programs")
-    check_synchronous(f"FirstSuccessConfig.accept of {config.name!r}", config.accept, "coordination.definition.invalid")
+        raise InvalidInput(code, f"FirstSuccessConfig.candidates is {type(config.candidates).__name__}, not a list of "
+                           "Programs", hint="pass the candidate Programs as a list, also for one")
+    check_synchronous(f"FirstSuccessConfig.accept of {config.name!r}", config.accept, code)
     identity = config.accept_identity
     if identity is not None and (not isinstance(identity, str) or not identity.strip()):
-        raise InvalidInput("program.invalid", f"FirstSuccessConfig.accept_identity of {config.name!r} must be non-empty text")
+        raise InvalidInput(code, f"FirstSuccessConfig.accept_identity of {config.name!r} must be non-empty text",
+                           hint="name what accept decides and its version, e.g. 'shop.pick/2', or leave it out")
     strategy = FirstSuccessStrategy(config.name, config.description, candidates, config.max_candidates, config.accept)
     document: JSON = {
         "accept": identity if identity is not None else _identity(config.accept, None),

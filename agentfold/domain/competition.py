@@ -43,6 +43,7 @@ from agentfold.domain.program import (
     Signal,
     Step,
     Wait,
+    check_description,
     start_child_effect,
     wait_children_effect,
 )
@@ -156,6 +157,7 @@ class FirstSuccessStrategy:
                                hint="e.g. lambda key, outcome: True accepts the first candidate that completes")
         if not candidates:
             raise InvalidInput(DEFINITION_INVALID, "a FirstSuccess needs at least one candidate Program")
+        check_description(description, f"the description of FirstSuccess {name!r}", DEFINITION_INVALID)
         by_name: dict[str, Program] = {}
         for program in candidates:
             if not isinstance(program, Program):

@@ -40,6 +40,7 @@ from agentfold.domain.program import (
     Step,
     Target,
     Wait,
+    check_description,
     dispatcher_effect,
     wait_effect,
 )
@@ -86,6 +87,12 @@ class InputGateStrategy:
         if accepts_nothing(answer_schema):
             raise InvalidInput(DEFINITION_INVALID, "the answer schema accepts no answer: the gate could only be canceled",
                                hint="give the JSON schema every answer must match (True accepts any JSON)")
+        try:
+            check_schema(request_schema, "#input")
+        except InvalidInput as exc:
+            raise InvalidInput(DEFINITION_INVALID, f"the request schema is invalid: {exc.message}",
+                               hint="give the JSON schema every request must match (True accepts any JSON)") from exc
+        check_description(description, f"the description of InputGate {name!r}", DEFINITION_INVALID)
         self.descriptor = Descriptor(name, description, request_schema, GATE_OUTPUT_SCHEMA, None)
         self.answer_schema = answer_schema
 

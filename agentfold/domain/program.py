@@ -45,6 +45,20 @@ if TYPE_CHECKING:
 # Descriptor and ProgramRef
 
 
+def check_description(description: object, what: str, code: str = "program.invalid") -> None:
+    """A Program's description is text that encodes as UTF-8; else ``code`` (each compiler
+    names its own definition code; ``Descriptor`` is the last check, ``program.invalid``)."""
+    if not isinstance(description, str):
+        problem = f"is {type(description).__name__}, not text"
+    else:
+        try:
+            description.encode("utf-8")
+            return
+        except UnicodeEncodeError:
+            problem = "is not valid UTF-8 (it holds a lone surrogate)"
+    raise InvalidInput(code, f"{what} {problem}", hint="give the description as text (or leave it out)")
+
+
 @dataclass(frozen=True, slots=True)
 class Descriptor:
     """A Program's contract: name and the JSON schemas of its input, output and signals.
@@ -62,6 +76,7 @@ class Descriptor:
     def __post_init__(self) -> None:
         if not valid_qualified_name(self.name):
             raise InvalidInput("program.invalid", f"descriptor name {self.name!r} is not a qualified name")
+        check_description(self.description, f"the description of Program {self.name!r}")
         check_schema(self.input_schema, "#input")
         check_schema(self.output_schema, "#output")
         if self.signal_schema is not None:

@@ -180,6 +180,14 @@ def test_a_limit_of_the_wrong_type_is_a_classified_refusal_naming_field_value_an
     assert f"{field}=" in error.hint
 
 
+@pytest.mark.parametrize("description", [5, None, "agent \udc80"])
+def test_a_description_that_is_not_text_is_refused(description: Any) -> None:
+    # Accepted before (and digested as a number); a lone surrogate raised a bare TypeError.
+    error = refusal(description=description)
+    assert error.code == "interaction.definition.invalid"
+    assert "InteractionConfig.description is" in error.message, error.message
+
+
 @pytest.mark.parametrize(("field", "value"), [("max_model_calls", 0), ("max_model_calls", 2**64),
                                               ("max_concurrent_tool_calls", -1)])
 def test_a_limit_out_of_range_keeps_its_code(field: str, value: int) -> None:

@@ -711,6 +711,9 @@ REFUSED_CONFIGS: dict[str, dict[str, Any]] = {
     "a member budget that is not a Budget": {"workers": [TeamMember(P.echo(), {"steps": 3})]},  # type: ignore[arg-type]
     "member capabilities that are a string": {"workers": [TeamMember(P.echo(), capabilities="net")]},  # type: ignore[arg-type]
     "a configuration that is not JSON": {"configuration": {1, 2}},
+    # a description that is no text was accepted (and digested as a number)
+    "a description that is not text": {"description": 5},
+    "a description with a lone surrogate": {"description": "team \udc80"},
 }
 
 

@@ -240,17 +240,20 @@ def test_compile_refuses_a_bad_configuration() -> None:
     async def later(key: str, outcome: Any) -> bool:
         return True
 
-    # docs/team.md (Failure codes): the refusals it names are coordination.definition.invalid
-    # (an accept that is not a function was program.invalid); a blank accept_identity is program.invalid.
-    definition, program = "coordination.definition.invalid", "program.invalid"
+    # docs/team.md (Failure codes): every FirstSuccessConfig it refuses is
+    # coordination.definition.invalid (a blank accept_identity and candidates that are no list
+    # were program.invalid, although "a FirstSuccess without candidates" is documented).
+    definition = "coordination.definition.invalid"
     bad: list[tuple[dict[str, Any], str]] = [
         ({"candidates": [a], "accept": FIRST_COMPLETED, "max_candidates": 0}, definition),
         ({"candidates": [a], "accept": "yes"}, definition),
         ({"candidates": [], "accept": FIRST_COMPLETED}, definition),
+        ({"candidates": None, "accept": FIRST_COMPLETED}, definition),
         ({"candidates": [a, gate("gate.a")], "accept": FIRST_COMPLETED}, definition),
         ({"candidates": ["gate.a"], "accept": FIRST_COMPLETED}, definition),
         ({"candidates": [a], "accept": later}, definition),
-        ({"candidates": [a], "accept": FIRST_COMPLETED, "accept_identity": " "}, program),
+        ({"candidates": [a], "accept": FIRST_COMPLETED, "accept_identity": " "}, definition),
+        ({"candidates": [a], "accept": FIRST_COMPLETED, "description": 5}, definition),
     ]
     for fields, code in bad:
         with pytest.raises(InvalidInput) as caught:

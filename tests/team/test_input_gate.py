@@ -273,6 +273,18 @@ def test_s36_a_gate_without_a_valid_answer_schema_is_refused(schema: Any) -> Non
     assert caught.value.code == "coordination.definition.invalid"
 
 
+@pytest.mark.parametrize("change", [{"request_schema": {"type": 5}}, {"description": 5}, {"description": "\udc80"}])
+def test_a_gate_with_an_invalid_request_schema_or_description_is_refused_as_its_definition(change: dict[str, Any]) -> None:
+    # The request schema was schema.invalid while the answer schema was coordination.definition.invalid;
+    # a description that is no text was accepted.
+    with pytest.raises(InvalidInput) as caught:
+        compile_input_gate(InputGateConfig("test.gate", answer_schema=True, **change))
+    assert caught.value.code == "coordination.definition.invalid", caught.value
+    with pytest.raises(InvalidInput) as caught:
+        compile_input_gate({"name": "test.gate", "answer_schema": True})  # type: ignore[arg-type]
+    assert caught.value.code == "coordination.definition.invalid"
+
+
 def test_an_answer_to_a_gate_from_a_process_without_its_program_says_it_is_an_input_gate(
     durable_store_url: str,
 ) -> None:
