@@ -219,3 +219,34 @@ def test_a_fenced_owner_line_is_let_go_and_its_error_raised_again_does_not_grow(
         assert traceback_length() == first
         gc.collect()
         assert [o for o in gc.get_objects() if isinstance(o, _Driver) and o.runtime is runtime] == []
+
+
+def test_a_server_builds_and_holds_a_parked_runs_programs_once(tmp_path: Path) -> None:
+    """serve: its runtime, its read-model follower and its reads share one catalog. The
+    follower had its own, so a parked run's Programs were built and held twice (the runtime's
+    tree and the follower's cache), and a read that folded a run rebuilt its scenario again."""
+    from agentfold.adapters.http_api import ApiService
+
+    def live_approvals() -> list[Program]:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, Program) and isinstance(o.configuration, dict)
+                and o.configuration.get("name") == "approval"]
+
+    store = EventStore(f"sqlite:///{tmp_path / 'agentfold.db'}")
+    service = ApiService.open(store, default_sources(), "t" * 40)
+    try:
+        assert service.follower is not None
+        parked = start(service.runtime, approval(None), "parked")
+        service.runtime.wait_idle(parked.tree_id)
+        deadline = time.monotonic() + 30
+        while (not ReadModels.exist(store) or ReadModels(store, create=False).position() < store.max_notification_id()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ReadModels(store, create=False).runs(limit=10), "the follower did not project the run"
+        state, programs = service.queries.fold(parked.tree_id)  # a read that folds the run binds its Programs
+        assert programs is not None and state.root.status == "waiting"
+        held = live_approvals()
+        assert len(held) == 1, holders(held)
+    finally:
+        service.close()
+        store.close()

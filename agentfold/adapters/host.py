@@ -261,8 +261,7 @@ class Host:
 
     def queries(self) -> HostQueries:
         """Host questions answered with every Program the runtime has bound by now."""
-        catalog = self.runtime.catalog
-        return HostQueries(self.runtime.store, ProgramSources(tuple(catalog.programs()), catalog.loaders()))
+        return HostQueries(self.runtime.store, ProgramSources(), catalog=self.runtime.catalog)
 
     # -- questions ---------------------------------------------------------------
 

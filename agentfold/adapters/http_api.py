@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.cli import timers_json, tree_summary
 from agentfold.adapters.eventstore import (
     EventStore,
@@ -525,14 +526,18 @@ class _StartIds(RandomIds):
 class FollowerThread:
     """Keeps the read models current in a background thread; restarts after a failure."""
 
-    def __init__(self, store: EventStore, sources: ProgramSources, *, retry: float = 1.0) -> None:
+    def __init__(self, store: EventStore, sources: ProgramSources, *, retry: float = 1.0,
+                 catalog: Catalog | None = None) -> None:
+        """``catalog``: the server's runtime's, so a run's Programs are built and held once for
+        both (else one of its own, from ``sources``)."""
         self.store = store
         self.sources = sources
+        self.catalog = catalog if catalog is not None else sources.catalog()
         self.retry = retry
         self.state: Literal["running", "restarting", "stopped"] = "stopped"
         self._stop = threading.Event()
         # Created here, not in the thread, so the tables exist before the first request.
-        self._follower: Follower | None = Follower(store, sources.catalog())
+        self._follower: Follower | None = Follower(store, self.catalog)
         self._thread = threading.Thread(target=self._run, name="agentfold-follower", daemon=True)
 
     def start(self) -> None:
@@ -542,7 +547,7 @@ class FollowerThread:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                follower = self._follower or Follower(self.store, self.sources.catalog())
+                follower = self._follower or Follower(self.store, self.catalog)
                 self._follower = None
                 self.state = "running"
                 follower.follow(self._stop)
@@ -613,7 +618,10 @@ class ApiService:
     stopping: threading.Event = field(init=False, default_factory=threading.Event)
 
     def __post_init__(self) -> None:
-        self.queries = HostQueries(self.store, self.sources)
+        # The runtime's catalog: a run's Programs are built once and held once, by whichever of
+        # the runtime, the follower and the reads folds it (each had its own: a parked run's
+        # Programs were in memory twice, and a read that folded a run rebuilt its scenario).
+        self.queries = HostQueries(self.store, self.sources, catalog=self.runtime.catalog)
 
     @classmethod
     def open(
@@ -629,7 +637,7 @@ class ApiService:
         follower = None
         try:
             if follow and store.backend in ("sqlite", "postgresql"):
-                follower = FollowerThread(store, sources)
+                follower = FollowerThread(store, sources, catalog=runtime.catalog)
                 follower.start()
         except BaseException:
             runtime.close()

@@ -218,9 +218,12 @@ class HostQueries:
     """Read-only questions about one store's runs."""
 
     def __init__(self, store: EventStore, sources: ProgramSources, *, read_models: ReadModels | None = None,
-                 use_read_models: bool = True) -> None:
+                 use_read_models: bool = True, catalog: Catalog | None = None) -> None:
+        """``catalog``: where folds bind a run's Programs (a server passes its runtime's); else
+        one of its own, from ``sources``, kept for this object's life."""
         self.store = store
         self.sources = sources
+        self.catalog = catalog if catalog is not None else sources.catalog()
         self._read_models = read_models
         self._use_read_models = use_read_models and store.backend in ("sqlite", "postgresql")
         # Trees folded while the tables lagged behind them: a long-lived reader (a server) that
@@ -256,7 +259,7 @@ class HostQueries:
 
     def fold(self, tree_id: TreeID) -> tuple[TreeState, ProgramResolver | None]:
         """Fold a tree with its Programs when they can be bound, else the kernel's view."""
-        catalog: Catalog = self.sources.catalog()
+        catalog = self.catalog
         first = self.store.first_event(tree_id)
         if first is None:
             raise NotFound("engine.tree.not_found", f"tree {tree_id} does not exist")
