@@ -1286,7 +1286,7 @@ class EventStore:
             raise self._head_mismatch(tree_id, exc.stored, expected_version, previous_digest) from exc
         except PersistenceError as exc:
             if refuses_writes(exc):  # nothing was stored; the runtime adopts the tree again later
-                self.forget_sessions()
+                # Refused twice: on the sessions it had, then on sessions opened since (``_insert``).
                 raise read_only_server(f"append to tree {tree_id} failed") from exc
             if isinstance(exc, StoreFailure):
                 # The pool handed out no PostgreSQL connection (NoConnection): the server is down
