@@ -759,6 +759,7 @@ class TranscriptConsumer:
                 raise SchemaVersionUnsupported(
                     exc.version, exc.type_name,
                     f"topic {record.topic} partition {record.partition} offset {record.offset}, tree {tree}",
+                    unknown_type=exc.unknown_type,
                     topic=record.topic, partition=record.partition, offset=record.offset, tree_id=tree,
                 ) from None
             except (orjson.JSONDecodeError, EnvelopeInvalid, TypeError) as exc:

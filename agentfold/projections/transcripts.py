@@ -92,20 +92,28 @@ class EnvelopeInvalid(ValueError):
 
 
 class SchemaVersionUnsupported(AgentfoldError):
-    """An envelope of a schema version this code does not know: stop rather than skip it
-    (skipping would lose the event; setting it aside would leave its tree with a gap)."""
+    """An envelope of a schema version, or of an event type, this code does not know (``unknown_type``):
+    stop rather than skip it (skipping would lose the event; setting it aside would leave its
+    tree with a gap, or lose its last event without a word)."""
 
-    def __init__(self, version: int, type_name: str | None = None, where: str = "", **detail: Any) -> None:
+    def __init__(self, version: int, type_name: str | None = None, where: str = "", *, unknown_type: bool = False,
+                 **detail: Any) -> None:
         what = f"a {type_name} envelope" if type_name else "an envelope"
+        place = f" ({where})" if where else ""
+        if unknown_type:
+            message = (f"an envelope{place} is of event type {str(type_name)[:80]!r}, which this consumer does not know "
+                       f"(an event of a later release); it knows {', '.join(EVENT_TYPES)}")
+        else:
+            message = (f"{what}{place} has schema_version {version}; this consumer knows "
+                       f"{SCHEMA_VERSION} ({', '.join(f'{k} {v}' for k, v in SCHEMA_VERSIONS.items())})")
         super().__init__(
-            "feed.schema_version_unsupported",
-            f"{what}{' (' + where + ')' if where else ''} has schema_version {version}; this consumer knows "
-            f"{SCHEMA_VERSION} ({', '.join(f'{k} {v}' for k, v in SCHEMA_VERSIONS.items())})",
-            hint="upgrade the consumer to a release that knows this schema version, then restart it",
+            "feed.schema_version_unsupported", message,
+            hint="upgrade the consumer to a release that knows this event type and schema version, then restart it",
             **detail,
         )
         self.version = version
         self.type_name = type_name
+        self.unknown_type = unknown_type
 
 
 class TranscriptGap(ValueError):
@@ -145,12 +153,14 @@ def check_envelope(envelope: Any) -> Envelope:
     if not TIMESTAMP_PATTERN.fullmatch(str(envelope["timestamp"])):
         raise EnvelopeInvalid(f"timestamp must be UTC as YYYY-MM-DDTHH:MM:SS[.fraction]Z, "
                               f"not {str(envelope['timestamp'])[:80]!r}")
-    if envelope["type"] not in EVENT_TYPES:
-        raise EnvelopeInvalid(f"unknown event type {envelope['type']!r}")
-    # Only a record of the envelope schema, of an event type agentfold writes, can be an event
-    # of a later release: the consumer stops on it (skipping it would lose the event). Anything
-    # else (another system's record on the topic) is set aside like any record of another form.
-    if not supported_version(envelope["type"], envelope["schema_version"]):
+    known = envelope["type"] in EVENT_TYPES
+    # Only a record of the envelope schema can be an event of a later release: of an event type
+    # agentfold writes in a schema version this code does not know, or (checked below, once
+    # the rest of the envelope is the schema's) of an event type a later release added. The
+    # consumer stops on it: skipping it would lose the event (the tree's next record then
+    # stopped it as a gap, and a tree's last event was lost without a word). Anything else
+    # (another system's record on the topic) is set aside like any record of another form.
+    if known and not supported_version(envelope["type"], envelope["schema_version"]):
         raise SchemaVersionUnsupported(envelope["schema_version"], envelope["type"])
     if not isinstance(envelope["payload"], Mapping):
         raise EnvelopeInvalid("payload must be an object (the stored event body)")
@@ -158,6 +168,8 @@ def check_envelope(envelope: Any) -> Envelope:
         # The digest covers the payload, not this copy of its process id: a record that changed
         # only the copy would chain, and be filed under another Process.
         raise EnvelopeInvalid("process_id must be the payload's process_id")
+    if not known:
+        raise SchemaVersionUnsupported(envelope["schema_version"], envelope["type"], unknown_type=True)
     return envelope
 
 

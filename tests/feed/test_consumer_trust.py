@@ -315,3 +315,27 @@ def test_an_event_of_a_later_schema_version_stops_the_consumer_naming_where_it_i
         assert store.rejects() == [] and store.transcripts() == {} and topic.commits == 0  # nothing of it applied
     finally:
         store.close()
+
+
+def test_an_event_of_a_type_a_later_release_added_stops_the_consumer_instead_of_being_set_aside(
+    trip: Any, tmp_path: Path,
+) -> None:
+    """Found by a review: a well-formed envelope of an event type this consumer does not know
+    was set aside like another system's record; the tree's next record then stopped the
+    consumer as a gap ("an event is missing"), and when it was the tree's last event it was
+    lost without a word. It stops the consumer like a later schema version: upgrade it."""
+    _, envelopes = trip
+    later = {**envelopes[2], "type": "EffectRetried"}
+    store, consumer, topic = fake_topic_consumer(tmp_path)
+    try:
+        topic.write(*envelopes[:2], later, *envelopes[3:])
+        with pytest.raises(SchemaVersionUnsupported) as stopped:
+            _drain(consumer)
+        error = stopped.value
+        assert error.code == "feed.schema_version_unsupported" and "upgrade the consumer" in (error.hint or "")
+        assert error.details == {"topic": "t", "partition": 0, "offset": 2, "tree_id": envelopes[2]["tree_id"]}
+        assert "(topic t partition 0 offset 2, tree " in error.message
+        assert "event type 'EffectRetried', which this consumer does not know" in error.message, error.message
+        assert store.rejects() == [] and store.transcripts() == {} and topic.commits == 0  # nothing of it applied
+    finally:
+        store.close()

@@ -220,12 +220,17 @@ def test_envelopes_without_the_documented_members_are_refused(runs_store: Any) -
         {k: v for k, v in good.items() if k != "digest"},
         {**good, "extra": 1},
         {**good, "position": "1"},
-        {**good, "type": "Nonsense"},
+        {**good, "type": "Nonsense", "tree_id": "order-1"},  # not of the schema whatever its type
+        {**good, "type": "Nonsense", "payload": []},
         {**good, "payload": []},
     ):
         with pytest.raises(EnvelopeInvalid):
             check_envelope(broken)
         assert schema_errors(broken, documented_envelope_schema()) != []
+    # An envelope of the schema but for its event type: an event of a later release, a stop.
+    with pytest.raises(SchemaVersionUnsupported) as stopped:
+        check_envelope({**good, "type": "Nonsense"})
+    assert stopped.value.unknown_type and not isinstance(stopped.value, EnvelopeInvalid)
 
 
 def test_an_unknown_schema_version_stops_the_builder_instead_of_being_skipped(runs_store: Any) -> None:
