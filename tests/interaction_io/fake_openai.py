@@ -7,14 +7,17 @@ format), records every request body, and can be told to fail with an HTTP status
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
 class FakeOpenAI:
-    def __init__(self, script: list[dict[str, Any]]) -> None:
+    def __init__(self, script: list[dict[str, Any]], *, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: a server context (its certificate loaded): the server speaks HTTPS."""
         self.script = list(script)
+        self.tls = tls
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.fail_with: int | None = None
@@ -55,12 +58,15 @@ class FakeOpenAI:
                 self.wfile.write(data)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            # Each connection's handshake runs in its own handler thread (a failed one ends only it).
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property
     def base_url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}/v1"
 
     def __enter__(self) -> FakeOpenAI:
         self.thread.start()
