@@ -30,8 +30,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A private CA, and two server certificates it signed: one for 127.0.0.1 (where the test
     server listens), one for another name only."""
-    if shutil.which("openssl") is None:  # Debian's openssl is part of the machine (scripts/test needs it too)
-        pytest.fail("the openssl command is needed to make the test certificates")
+    if shutil.which("openssl") is None:  # Debian's openssl (the machine's): a missing one fails, never skips
+        pytest.fail("the openssl command is needed to make the test certificates (apt-get install openssl)")
     where = tmp_path_factory.mktemp("tls")
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
              "-subj", "/CN=agentfold test CA", "-keyout", "ca.key", "-out", "ca.pem", cwd=where)
