@@ -264,6 +264,7 @@ class DeadlineStrategy:
     ``awaiting_timer``, ``completed`` or ``interrupted``."""
 
     def __init__(self, name: str, description: str) -> None:
+        check_description(description, f"the description of Deadline {name!r}", DEFINITION_INVALID)
         self.descriptor = Descriptor(name, description, DEADLINE_SCHEMA, DEADLINE_SCHEMA, None)
 
     def initial(self, input: JSON) -> dict[str, Any]:

@@ -430,3 +430,12 @@ def test_a_canceled_interaction_reports_the_end_of_each_open_tool_call(tmp_path:
     assert "unresolved_effect_ids" not in results["approve"]
     calls = [c["tool_call_ref"] for e in transcript["entries"] if e["kind"] == "assistant_message" for c in e["tool_calls"]]
     assert sorted(e["tool_call_ref"] for e in results.values()) == sorted(calls)
+
+
+def test_the_consumer_knows_every_event_type_the_store_writes() -> None:
+    # An event type of the store's own release missing here would stop that release's consumer
+    # ("an event of a later release": feed.schema_version_unsupported) at the first such event.
+    from agentfold.domain.events import EVENT_TYPES as STORED_TYPES
+    from agentfold.projections.transcripts import EVENT_TYPES as CONSUMED_TYPES
+
+    assert set(CONSUMED_TYPES) == set(STORED_TYPES)

@@ -77,10 +77,11 @@ def test_a_certificate_from_a_ca_the_client_does_not_trust_fails_the_call_at_onc
 
 def test_a_private_ca_named_by_ssl_cert_file_is_trusted(certificates: dict[str, Path],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SSL_CERT_FILE", str(certificates["ca"]))
     waits: list[float] = []
     with _server(certificates, "here", [completion("hello over TLS")]) as server:
-        response = _model(server, waits).call(_request())
+        model = _model(server, waits)
+        monkeypatch.setenv("SSL_CERT_FILE", str(certificates["ca"]))  # read at each connection, as documented
+        response = model.call(_request())
     assert response["message"]["content"][0]["text"] == "hello over TLS", response
     assert len(server.requests) == 1 and server.headers[0]["Authorization"] == "Bearer sk-secret"
 

@@ -259,6 +259,9 @@ def test_compile_refuses_a_bad_configuration() -> None:
         with pytest.raises(InvalidInput) as caught:
             compile_first_success(FirstSuccessConfig(name="test.race", **fields))
         assert caught.value.code == code, (fields, caught.value)
+    with pytest.raises(InvalidInput) as caught:  # a Deadline's too (was program.invalid, from its Descriptor)
+        compile_deadline("test.deadline", 5)  # type: ignore[arg-type]
+    assert caught.value.code == definition, caught.value
 
 
 def test_the_configuration_digest_names_the_predicate_and_the_bound() -> None:
