@@ -268,6 +268,10 @@ def test_usage_errors_exit_2_with_one_line_in_text_or_json(tmp_path: Path) -> No
     assert refused(agentfold("kernel-demo-run", "--side-effect-log", "x", "--crash-after", "sometime",
                              store=store)).stderr.startswith("agentfold: error: crash.point_invalid:")
     assert refused(agentfold("trees", store="ftp://example")).stderr.startswith("agentfold: error: store.url_invalid:")
+    # An option the command does not take names the command's own help (it named `agentfold --help`).
+    error = refused(agentfold("recover", "--crash-after", "x", "--json", store=store)).error()
+    assert error == {"code": "cli.usage", "message": "unrecognized arguments: --crash-after x",
+                     "hint": "see `agentfold recover --help`"}, error
 
 
 def test_commands_refuse_an_sqlite_store_that_does_not_exist_without_creating_it(tmp_path: Path) -> None:

@@ -177,6 +177,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _UsageError("cli.usage", message, f"see `{self.prog} --help`")
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, except that arguments no parser took name the command's own help (the
+        root parser reports them, and named only `agentfold --help`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            raise _UsageError("cli.usage", f"unrecognized arguments: {' '.join(extras)}",
+                              f"see `{self.prog}{' ' + command if command else ''} --help`")
+        return parsed
+
 
 def _wants_json(argv: Sequence[str]) -> bool:
     return "--json" in argv

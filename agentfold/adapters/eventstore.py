@@ -239,7 +239,8 @@ def parse_store_url(url: str) -> tuple[str, dict[str, str]]:
             raise InvalidInput(
                 "store.url_invalid",
                 f"sqlite URL {url!r} has parameters after '?' or '#': agentfold takes none, and a file name cannot contain them",
-                hint="sqlite:///path/to/file.db (read-only commands never write to the file)",
+                hint="give the file's path alone, sqlite:///path/to/file.db: commands that only read never write to "
+                "the file, so no mode=ro is needed",
             )
         return "sqlite", {
             "PERSISTENCE_MODULE": "eventsourcing.sqlite",
