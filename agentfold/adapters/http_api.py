@@ -1168,6 +1168,12 @@ async def distinct_keys(request: Request, service: Service) -> None:
     client did not write. It also reads UTF-16 and UTF-32 (``not_utf8``)."""
     if request.method not in ("POST", "PUT", "PATCH"):
         return
+    types = request.headers.getlist("content-type")
+    if len(types) > 1:
+        # A field that must appear once (RFC 9110): FastAPI reads the first, a proxy in front
+        # may go by the last, and the body would be taken for what the client did not send.
+        raise RequestInvalid(f"the request has {len(types)} Content-Type headers",
+                             "send one: Content-Type: application/json")
     body = await request.body()  # Starlette keeps it: the handler reads the same bytes
     # A worker thread: the check parses the body once more (seconds for 16 MiB of small
     # values), and the event loop must stay free for other requests (GET /health above all).

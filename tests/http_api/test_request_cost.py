@@ -166,4 +166,10 @@ def test_a_body_without_a_json_content_type_is_told_what_to_send(api: ApiServer)
         found = problem(response, 422, "http.request_invalid")
         assert found["detail"] == f"the request body was not read as JSON: {said}", found
         assert found["hint"] == "send Content-Type: application/json with one JSON object"
+    # Two Content-Type headers: the first was read (an operator's walk recorded an answer sent
+    # with `application/json` and then `text/plain`); a proxy may have gone by the last.
+    response = api.client().post("/runs", content=body, headers=[("content-type", "application/json"),
+                                                                  ("content-type", "text/plain")])
+    found = problem(response, 422, "http.request_invalid")
+    assert found["detail"] == "the request has 2 Content-Type headers", found
     assert _positions(api) == before
