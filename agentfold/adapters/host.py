@@ -33,7 +33,7 @@ from agentfold.domain.errors import InvalidInput, NotFound, Rejected
 from agentfold.domain.ids import EffectID, ProcessID, SignalID, TreeID, WaitID, parse_effect_id, parse_wait_id
 from agentfold.domain.interaction.tool_call import ToolCallState
 from agentfold.domain.kernel import Kernel, brief_repr
-from agentfold.domain.program import ProgramResolver, SignalRequest
+from agentfold.domain.program import ProgramResolver, SignalRequest, host_signal_id
 from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, TreeState
 from agentfold.projections.host_views import gate_inputs, pending_tool_inputs
@@ -101,6 +101,8 @@ def answer_signal(
     kernel as it is, which deduplicates identical content (accepted false) and refuses a
     different answer under the same id (``engine.signal.conflict``).
     """
+    if signal_id is not None:
+        host_signal_id(signal_id)  # a malformed request is refused as such, whatever the wait's state
     if programs is None:
         process = tree.processes.get(process_id)
         program = process.program.name if process is not None else "?"

@@ -386,6 +386,19 @@ def start_child_effect(spec: ChildSpec) -> Effect:
     return _normalized(Target.FRAMEWORK, normalize(payload, what="child input"))
 
 
+def host_signal_id(signal_id: str) -> SignalID:
+    """A signal id a host (or a parent) may use: any but the engine's own namespace
+    (``signal.invalid``), which settlements and wait openings use."""
+    parsed = SignalID(signal_id)
+    if parsed.engine_owned:
+        raise InvalidInput(
+            "signal.invalid",
+            f"signal id {parsed} uses the engine-owned namespace {SignalID.ENGINE_PREFIX!r}",
+            hint="choose another signal id",
+        )
+    return parsed
+
+
 @dataclass(frozen=True, slots=True)
 class SignalRequest:
     """What a host (or a parent) submits: an identity, an optional wait address, a payload."""
@@ -395,13 +408,7 @@ class SignalRequest:
     wait_id: WaitID | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "id", SignalID(self.id))
-        if self.id.engine_owned:
-            raise InvalidInput(
-                "signal.invalid",
-                f"signal id {self.id} uses the engine-owned namespace {SignalID.ENGINE_PREFIX!r}",
-                hint="choose another signal id",
-            )
+        object.__setattr__(self, "id", host_signal_id(self.id))
         if self.wait_id is not None:
             object.__setattr__(self, "wait_id", WaitID(self.wait_id))
         object.__setattr__(self, "payload", normalize(self.payload, what="signal payload"))

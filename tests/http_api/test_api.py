@@ -426,6 +426,10 @@ def test_an_answer_is_validated_against_the_wait_then_drives_the_run_to_completi
     late = problem(c.post(answer_url, json={"response": {"approved": False}, "signal_id": "approve-2"}), 409,
                    "engine.signal.rejected")
     assert late["wait"] == {"wait_id": wid, "process_id": pid, "state": "answered", "answered_by": "approve-1"}
+    # A signal id of the engine's namespace is malformed whatever the wait's state (it was a 409
+    # "already answered" once the wait was answered: an operator's walk).
+    problem(c.post(answer_url, json={"response": {"approved": True}, "signal_id": "signal:engine:x"}), 422,
+            "signal.invalid")
     assert run(c, tree_id)["version"] == answered["tree"]["version"]
 
 
