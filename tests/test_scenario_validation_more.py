@@ -113,7 +113,7 @@ def test_run_refuses_each_fault_with_its_path_and_stores_nothing(tmp_path: Path)
         assert error["code"] == "scenario.invalid", (name, ran.stderr)
         assert error["message"].startswith(f"{where}: "), (name, error)
         assert phrase in error["message"], (name, error)
-        assert error["hint"] == "fix the scenario file"
+        assert error["hint"] == "fix the scenario document"
     # Nothing was stored: `run` refuses before it creates its store.
     assert not (tmp_path / "agentfold.db").exists() or ok(agentfold("trees", "--json", store=store)).json()[
         "trees"] == []

@@ -38,7 +38,7 @@ PROGRAM_NAME = "agentfold.scenario"
 
 class ScenarioError(InvalidInput):
     def __init__(self, path: str, message: str) -> None:
-        super().__init__("scenario.invalid", f"{path}: {message}", hint="fix the scenario file", path=path)
+        super().__init__("scenario.invalid", f"{path}: {message}", hint="fix the scenario document", path=path)
 
 
 def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict[str, Any]:
