@@ -101,8 +101,11 @@ def answer_signal(
     kernel as it is, which deduplicates identical content (accepted false) and refuses a
     different answer under the same id (``engine.signal.conflict``).
     """
+    # A malformed request is refused as such, whatever the wait's state (an answer to a wait
+    # answered meanwhile was a 409 although its signal id or answer could never be admitted).
     if signal_id is not None:
-        host_signal_id(signal_id)  # a malformed request is refused as such, whatever the wait's state
+        host_signal_id(signal_id)
+    normalize(response, limit=MAX_TOOL_INPUT_BYTES, what="answer")  # payload.invalid, payload.too_large over 1 MiB
     if programs is None:
         process = tree.processes.get(process_id)
         program = process.program.name if process is not None else "?"

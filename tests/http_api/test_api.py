@@ -430,6 +430,7 @@ def test_an_answer_is_validated_against_the_wait_then_drives_the_run_to_completi
     # "already answered" once the wait was answered: an operator's walk).
     problem(c.post(answer_url, json={"response": {"approved": True}, "signal_id": "signal:engine:x"}), 422,
             "signal.invalid")
+    problem(c.post(answer_url, json={"response": big, "signal_id": "approve-3"}), 422, "payload.too_large")
     assert run(c, tree_id)["version"] == answered["tree"]["version"]
 
 
