@@ -54,6 +54,17 @@ def stored(store: EventStore, start_id: str) -> list[str]:
     return [type(r.event).__name__ for r in store.read(TreeID.for_start(start_id))]
 
 
+def refused_start(store: EventStore, name: str, run_input: dict[str, Any], start_id: str) -> str:
+    """Start a chat Program ``name`` with ``run_input``: refused (``InvalidInput``) with nothing
+    stored and no model call made; the refusal's message."""
+    agent, model = program(name, DONE)
+    with Runtime(store, Catalog([agent])) as runtime:
+        with pytest.raises(InvalidInput) as refused:
+            runtime.start(agent, run_input, start_id=start_id)
+    assert stored(store, start_id) == [] and model.requests == []
+    return refused.value.message
+
+
 @contextlib.contextmanager
 def parked_model_call(store: EventStore, start_id: str) -> Iterator[tuple[Runtime, Host, Any, dict[str, Any]]]:
     """A run whose first model call was lost (unknown): (runtime, host, program, the unknown entry)."""
@@ -76,12 +87,8 @@ def parked_model_call(store: EventStore, start_id: str) -> Iterator[tuple[Runtim
 def test_a_message_carrying_tool_results_on_a_role_other_than_tool_is_refused_at_start(
     store: EventStore, message: dict[str, Any]
 ) -> None:
-    agent, model = program("chat.input", DONE)
-    with Runtime(store, Catalog([agent])) as runtime:
-        with pytest.raises(InvalidInput) as refused:
-            runtime.start(agent, {"messages": [message]}, start_id="results-on-user")
-    assert "only tool messages carry tool results" in refused.value.message
-    assert stored(store, "results-on-user") == [] and model.requests == []
+    refusal = refused_start(store, "chat.input", {"messages": [message]}, "results-on-user")
+    assert "only tool messages carry tool results" in refusal
 
 
 @pytest.mark.parametrize("role", ["user", "system"])
@@ -90,46 +97,29 @@ def test_a_message_carrying_tool_calls_on_a_role_other_than_assistant_is_refused
 ) -> None:
     """Read as given, the model would be sent a conversation in which the user (or the system)
     called a tool: one no provider accepts, whose round the Interaction never ran."""
-    agent, model = program("chat.calls", DONE)
     message = {"role": role, "content": "hi", "tool_calls": [{"id": "c1", "name": "ping", "arguments": "{}"}]}
-    with Runtime(store, Catalog([agent])) as runtime:
-        with pytest.raises(InvalidInput) as refused:
-            runtime.start(agent, {"messages": [message]}, start_id="calls-on-user")
-    assert "only assistant messages carry tool calls" in refused.value.message
-    assert stored(store, "calls-on-user") == [] and model.requests == []
+    refusal = refused_start(store, "chat.calls", {"messages": [message]}, "calls-on-user")
+    assert "only assistant messages carry tool calls" in refusal
 
 
 def test_a_tool_message_without_tool_results_is_refused_at_start(store: EventStore) -> None:
-    agent, model = program("chat.empty-tool", DONE)
     given = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "pong"}]
-    with Runtime(store, Catalog([agent])) as runtime:
-        with pytest.raises(InvalidInput) as refused:
-            runtime.start(agent, {"messages": given}, start_id="empty-tool")
-    assert "input.messages[1].tool_results" in refused.value.message
-    assert stored(store, "empty-tool") == [] and model.requests == []
+    refusal = refused_start(store, "chat.empty-tool", {"messages": given}, "empty-tool")
+    assert "input.messages[1].tool_results" in refusal
 
 
 def test_tool_choice_in_the_input_options_is_refused_at_start(store: EventStore) -> None:
     """Tools and tool_choice come from the Program (its digest covers them), never from an input."""
-    agent, model = program("chat.tool-choice", DONE)
-    with Runtime(store, Catalog([agent])) as runtime:
-        with pytest.raises(InvalidInput) as refused:
-            runtime.start(agent, {"messages": [{"role": "user", "content": "hi"}], "options": {"tool_choice": "none"}},
-                          start_id="tool-choice")
-    assert "tools and tool_choice come from the program" in refused.value.message
-    assert stored(store, "tool-choice") == [] and model.requests == []
+    given = {"messages": [{"role": "user", "content": "hi"}], "options": {"tool_choice": "none"}}
+    assert "tools and tool_choice come from the program" in refused_start(store, "chat.tool-choice", given, "tool-choice")
 
 
 def test_a_content_part_of_another_type_is_refused_never_read_as_text(store: EventStore) -> None:
     """An image part that also has a ``text`` member (a caption) is not a text part: read as
     one, the model would be sent the caption as if the user had typed it."""
-    agent, model = program("chat.parts", DONE)
     image = {"role": "user", "content": [{"type": "image", "text": "a cat"}]}
-    with Runtime(store, Catalog([agent])) as runtime:
-        with pytest.raises(InvalidInput) as refused:
-            runtime.start(agent, {"messages": [image]}, start_id="image-part")
-    assert "input.messages[0].content[0]" in refused.value.message
-    assert stored(store, "image-part") == [] and model.requests == []
+    refusal = refused_start(store, "chat.parts", {"messages": [image]}, "image-part")
+    assert "input.messages[0].content[0]" in refusal
 
 
 def test_a_tool_call_without_arguments_goes_back_to_the_model_without_an_arguments_member(store: EventStore) -> None:

@@ -46,6 +46,18 @@ def run(doc: dict[str, Any], store: EventStore | None = None, start_id: str = "s
         return runtime.capture(handle.tree_id)
 
 
+def parked_call(doc: dict[str, Any], start_id: str) -> dict[str, Any]:
+    """Run a scenario whose script ends before the run does: the next model call is unknown
+    and parks the run; that call's stored ``model_call`` request."""
+    doc = validate_scenario(doc)
+    with Runtime(EventStore("memory:"), scenario_catalog()) as runtime:
+        handle = runtime.start(scenario_program(doc), scenario_input(doc), start_id=start_id, configuration=doc)
+        tree = runtime.wait_idle(handle.tree_id, timeout=30)
+    (unknown,) = tree.unknown_ids
+    _, call = tree.find_effect(unknown)
+    return dict(call.payload["model_call"])
+
+
 def log_lines(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -148,19 +160,14 @@ def test_a_scenario_without_input_asks_with_one_user_message_holding_its_name() 
 def test_a_deferred_tool_is_shown_to_the_model_after_a_call_of_the_tool_that_advertises_it() -> None:
     # The script ends after the first round: the second model call is unknown and parks the
     # run, its request (what the model is sent) stored with the Effect.
-    doc = validate_scenario({
+    second_call = parked_call({
         "name": "discovery",
         "model": {"responses": [calls("finder")]},
         "tools": [{"name": "finder", "advertises": ["secret"], "result": {"output": "found it"}},
                   {"name": "secret", "deferred": True, "result": {"output": "ran"}}],
-    })
-    with Runtime(EventStore("memory:"), scenario_catalog()) as runtime:
-        handle = runtime.start(scenario_program(doc), scenario_input(doc), start_id="deferred", configuration=doc)
-        tree = runtime.wait_idle(handle.tree_id, timeout=30)
-    (unknown,) = tree.unknown_ids
-    _, second_call = tree.find_effect(unknown)
-    assert second_call.payload["model_call"]["model_call_sequence"] == 2
-    assert second_call.payload["model_call"]["advertised_tool_names"] == ["secret"]
+    }, "deferred")
+    assert second_call["model_call_sequence"] == 2
+    assert second_call["advertised_tool_names"] == ["secret"]
 
 
 def test_a_server_refuses_a_delegates_side_effect_log_outside_its_folder_naming_where(tmp_path: Path) -> None:

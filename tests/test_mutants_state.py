@@ -11,20 +11,10 @@ the request stored for the model call, the wait keys in the stored history.
 
 from __future__ import annotations
 
-from typing import Any
-
 from agentfold.adapters.eventstore import EventStore
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.scenario import scenario_catalog, scenario_input, scenario_program, validate_scenario
-
-
-def calls(*names: str) -> dict[str, Any]:
-    tool_calls = [{"id": f"call_{i}", "name": name, "arguments": "{}"} for i, name in enumerate(names)]
-    return {"finish_reason": "tool_calls", "message": {"content": "", "tool_calls": tool_calls}}
-
-
-def stop(text: str) -> dict[str, Any]:
-    return {"finish_reason": "stop", "message": {"content": text}}
+from tests.test_mutants_scen import calls, parked_call, stop
 
 
 def test_a_direct_result_round_with_one_failed_call_goes_back_to_the_model() -> None:
@@ -57,19 +47,14 @@ def test_a_deferred_tool_advertised_again_is_offered_to_the_model_once() -> None
     # (a tool named twice in a request is refused by hosted models). The script ends after two
     # responses, so the third model call is unknown and parks the run with its request stored.
     # (Mutant: the merge appended without looking, giving ["secret", "secret"].)
-    doc = validate_scenario({
+    third_call = parked_call({
         "name": "advertised-twice",
         "model": {"responses": [calls("finder"), calls("finder")]},
         "tools": [{"name": "finder", "advertises": ["secret"], "result": {"output": "found it"}},
                   {"name": "secret", "deferred": True, "result": {"output": "ran"}}],
-    })
-    with Runtime(EventStore("memory:"), scenario_catalog()) as runtime:
-        handle = runtime.start(scenario_program(doc), scenario_input(doc), start_id="twice", configuration=doc)
-        tree = runtime.wait_idle(handle.tree_id, timeout=30)
-    (unknown,) = tree.unknown_ids
-    _, third_call = tree.find_effect(unknown)
-    assert third_call.payload["model_call"]["model_call_sequence"] == 3
-    assert third_call.payload["model_call"]["advertised_tool_names"] == ["secret"]
+    }, "twice")
+    assert third_call["model_call_sequence"] == 3
+    assert third_call["advertised_tool_names"] == ["secret"]
 
 
 def test_each_tool_window_waits_under_the_documented_key_of_its_results_so_far() -> None:

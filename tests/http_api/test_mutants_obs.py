@@ -58,17 +58,22 @@ def run_one(client: TestClient, start_id: str) -> None:
     assert started.status_code == 201 and started.json()["tree"]["status"] == "completed", started.text
 
 
+def samples_after_one_run(store: EventStore, start_id: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics of a server that has just run one chain to its end."""
+    service, client = serve(store)
+    try:
+        with client:
+            run_one(client, start_id)
+            return scrape(client)
+    finally:
+        service.close()
+
+
 def test_the_read_models_lag_is_the_count_of_events_they_do_not_reflect_yet(store: EventStore) -> None:
     # Alert: agentfold_read_models_lag growing. Mutant: read_models - store (a lag that only
     # ever goes negative: the alert never fires). Read models at position 0, no follower.
     ReadModels(store, create=True)
-    service, client = serve(store)
-    try:
-        with client:
-            run_one(client, "lag-1")
-            samples = scrape(client)
-    finally:
-        service.close()
+    samples = samples_after_one_run(store, "lag-1")
     position = samples[("agentfold_store_position", ())]
     assert position > 0 and samples[("agentfold_read_models_position", ())] == 0
     assert samples[("agentfold_read_models_lag", ())] == position
@@ -85,13 +90,7 @@ def test_the_append_latency_histogram_is_in_seconds(store: EventStore, monkeypat
         return append(*args, **kwargs)
 
     monkeypatch.setattr(store, "append", slow_append)
-    service, client = serve(store)
-    try:
-        with client:
-            run_one(client, "slow-1")
-            samples = scrape(client)
-    finally:
-        service.close()
+    samples = samples_after_one_run(store, "slow-1")
     count = samples[("agentfold_append_seconds_count", ())]
     assert count == samples[("agentfold_appends_total", ())] >= 2
     assert samples[("agentfold_append_seconds_bucket", (("le", "0.025"),))] == 0
