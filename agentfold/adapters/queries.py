@@ -220,10 +220,10 @@ class HostQueries:
     def __init__(self, store: EventStore, sources: ProgramSources, *, read_models: ReadModels | None = None,
                  use_read_models: bool = True, catalog: Catalog | None = None) -> None:
         """``catalog``: where folds bind a run's Programs (a server passes its runtime's); else
-        one of its own, from ``sources``, kept for this object's life."""
+        one of its own, built from ``sources`` at the first fold and kept for this object's life."""
         self.store = store
         self.sources = sources
-        self.catalog = catalog if catalog is not None else sources.catalog()
+        self._catalog = catalog
         self._read_models = read_models
         self._use_read_models = use_read_models and store.backend in ("sqlite", "postgresql")
         # Trees folded while the tables lagged behind them: a long-lived reader (a server) that
@@ -256,6 +256,12 @@ class HostQueries:
         if wait > 0 and models.wait_for(target, wait):
             return models
         return None
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:  # a read the tables answer binds no Program: none is built
+            self._catalog = self.sources.catalog()
+        return self._catalog
 
     def fold(self, tree_id: TreeID) -> tuple[TreeState, ProgramResolver | None]:
         """Fold a tree with its Programs when they can be bound, else the kernel's view."""
