@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agentfold.adapters.scenario import validate_scenario
+from agentfold.adapters.scenario import ScenarioError, validate_scenario
 from tests.test_cli import agentfold, ok, refused, sqlite_url
 
 MODEL = {"responses": [{"finish_reason": "stop", "message": {"content": "done"}}]}
@@ -235,3 +235,57 @@ def test_an_answer_in_a_case_below_then_is_returned(tmp_path: Path) -> None:
     answer_pending(store, 42, "which amount?")
     assert tool_output(store) == {"disposition": "succeeded", "output": {"details": 42}}  # as a whole-then answer
     assert ok(agentfold("unknown", "--json", store=store)).json()["unknown_effects"] == []
+
+
+def test_run_names_every_fault_of_a_scenario_in_one_refusal(tmp_path: Path) -> None:
+    """An author fixing a scenario saw one fault per attempt; the refusal now lists them all
+    (independent parts are each checked; a part whose own form is wrong is not looked into)."""
+    store = sqlite_url(tmp_path)
+    doc = {
+        "name": "", "colour": 1,
+        "model": {"responses": [{"finish_reason": "nope", "message": {"content": "x"}}, {"error": 3}, MODEL["responses"][0]]},
+        "tools": [tool(deferred="yes", advertises=["zz"]), tool({}), 5, tool(name="t2", description=["x"])],
+        "delegates": [{**DELEGATE, "input_schema": {"type": "string"},
+                       "scenario": {"name": "inner", "model": {"responses": 3}, "extra": 1}}],
+        "limits": {"max_model_calls": 0},
+    }
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps(doc))
+    error = refused(agentfold("run", str(path), "--json", store=store)).error()
+    expected = [
+        ("$.colour", "is not a scenario member"),
+        ("$.name", "must be a non-empty string"),
+        ("$.model.responses[0].finish_reason", "'nope' is not one of"),
+        ("$.model.responses[1].error", "must be a string"),
+        ("$.tools[0].deferred", "must be a boolean"),
+        ("$.tools[1].name", "must be a unique non-empty string"),  # not looked into further
+        ("$.tools[2]", "must be an object"),
+        ("$.tools[3].description", "must be a string"),
+        ("$.tools[0].advertises[0]", "'zz' is not a deferred tool"),
+        ("$.delegates[0].input_schema", "must be an object schema"),
+        ("$.delegates[0].scenario.extra", "is not a scenario member"),
+        ("$.delegates[0].scenario.model.responses", "must be a list"),
+        ("$.limits.max_model_calls", "must be at least 1"),
+    ]
+    assert error["code"] == "scenario.invalid"
+    detail = error["detail"]
+    assert [f["path"] for f in detail["faults"]] == [p for p, _ in expected]
+    for fault, (_, phrase) in zip(detail["faults"], expected, strict=True):
+        assert fault["message"].startswith(phrase), fault
+    assert detail["fault_count"] == len(expected) and detail["path"] == "$.colour"
+    assert error["message"].startswith("$.colour: is not a scenario member (and 12 more faults: $.name: ")
+    # The text form names the first five and says where the rest are.
+    text = refused(agentfold("run", str(path), store=store)).stderr
+    assert "$.model.responses[1].error: must be a string" in text and "listed in faults" in text
+    assert "$.tools[3]" not in text
+    assert not (tmp_path / "agentfold.db").exists() or ok(agentfold("trees", "--json", store=store)).json()[
+        "trees"] == []
+
+
+def test_a_refusal_lists_at_most_twenty_faults_and_counts_them_all() -> None:
+    doc = scenario(tools=[tool(name=f"t{i}", deferred=i) for i in range(1, 26)])
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(doc)
+    detail = caught.value.details
+    assert detail["fault_count"] == 25
+    assert [f["path"] for f in detail["faults"]] == [f"$.tools[{i}].deferred" for i in range(20)]

@@ -36,9 +36,58 @@ from agentfold.domain.program import Program
 PROGRAM_NAME = "agentfold.scenario"
 
 
+#: At most this many faults are listed in a refusal's ``faults`` (``fault_count`` says how many
+#: there were), and the first ``MESSAGE_FAULTS`` of them in its message.
+MAX_FAULTS = 20
+MESSAGE_FAULTS = 5
+
+
 class ScenarioError(InvalidInput):
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__("scenario.invalid", f"{path}: {message}", hint="fix the scenario document", path=path)
+    """``scenario.invalid``: ``path`` is the first fault's JSON path, ``faults`` every fault found
+    (``[{"path", "message"}]``, at most ``MAX_FAULTS``) and ``fault_count`` how many there were."""
+
+    def __init__(self, path: str, message: str, *, more: Sequence[tuple[str, str]] = (), count: int = 0) -> None:
+        found = [(path, message), *more]
+        count = max(count, len(found))
+        text = f"{path}: {message}"
+        if count > 1:
+            listed = "; ".join(f"{p}: {m}" for p, m in found[1:MESSAGE_FAULTS])
+            text += f" (and {count - 1} more fault{'s' if count > 2 else ''}: {listed}"
+            text += f"; ... {count - MESSAGE_FAULTS} more listed in faults)" if count > MESSAGE_FAULTS else ")"
+        super().__init__(
+            "scenario.invalid", text, hint="fix the scenario document", path=path,
+            faults=[{"path": p, "message": m} for p, m in found[:MAX_FAULTS]], fault_count=count,
+        )
+        self.path = path
+        self.fault = message
+
+    def found(self) -> list[tuple[str, str]]:
+        """Every fault this refusal lists (the first ``MAX_FAULTS``), as (path, message)."""
+        return [(f["path"], f["message"]) for f in self.details["faults"]]
+
+
+class _Faults:
+    """Collects the faults of a scenario's independent parts (each model response, tool,
+    Delegate, ...), so that one refusal names them all, not only the first."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, str]] = []
+        self.count = 0
+
+    @contextlib.contextmanager
+    def part(self) -> Iterator[None]:
+        """Check one part; a fault in it is kept and the checks go on with the next part."""
+        try:
+            yield
+        except ScenarioError as exc:
+            self.found.extend(exc.found())
+            self.count += exc.details["fault_count"]
+
+    def refuse(self) -> None:
+        """Raise one ScenarioError for every fault kept, if any."""
+        if self.found:
+            (path, message), *more = self.found
+            raise ScenarioError(path, message, more=more, count=self.count)
 
 
 def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict[str, Any]:
@@ -118,117 +167,179 @@ def validate_scenario(
 ) -> dict[str, Any]:
     """Validate a scenario document; return its normalized form (side_effect_log made absolute).
 
+    Every part is checked (each model response, tool, Delegate, nested scenario, the limits,
+    ...) and one ``scenario.invalid`` names all the faults found, the first as its ``path``.
+    A part whose own form is wrong (not an object, a member missing) is not looked into further.
+
     ``budget``: the Budget the scenario's Interaction runs with (a Delegate's ``budget``;
     a root run's is unlimited). Each Tool child and Delegate child is granted its budget
     out of it, so a grant the kernel would refuse at the first call is refused here.
     """
-    doc = _obj(
-        doc, path, ("name", "model"),
-        ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget"),
-    )
-    if not isinstance(doc["name"], str) or not doc["name"]:
-        raise ScenarioError(f"{path}.name", "must be a non-empty string")
-    _check_description(doc, path)
+    if not isinstance(doc, dict):
+        raise ScenarioError(path, "must be an object")
+    faults = _Faults()
+    members = ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget")
+    for name in ("name", "model"):
+        if name not in doc:
+            faults.found.append((f"{path}.{name}", "is required"))
+            faults.count += 1
+    for name in sorted(set(doc) - {"name", "model", *members}):
+        faults.found.append((f"{path}.{name}", "is not a scenario member"))
+        faults.count += 1
+    with faults.part():
+        if "name" in doc and (not isinstance(doc["name"], str) or not doc["name"]):
+            raise ScenarioError(f"{path}.name", "must be a non-empty string")
+    with faults.part():
+        _check_description(doc, path)
+    lists: dict[str, list[Any]] = {}
     for member in ("tools", "delegates"):
-        if member in doc and not isinstance(doc[member], list):
-            raise ScenarioError(f"{path}.{member}", "must be a list (of objects)")
+        with faults.part():
+            if member in doc and not isinstance(doc[member], list):
+                raise ScenarioError(f"{path}.{member}", "must be a list (of objects)")
+            lists[member] = doc.get(member, [])
+    tools, delegates = lists.get("tools", []), lists.get("delegates", [])
     if "input" in doc:
-        try:
-            ChatInput.parse(doc["input"], f"{path}.input")
-        except InvalidInput as exc:
-            raise ScenarioError(f"{path}.input", exc.message) from exc
-    model = _obj(doc["model"], f"{path}.model", ("responses",))
-    if not isinstance(model["responses"], list):
-        raise ScenarioError(f"{path}.model.responses", "must be a list")
-    for i, response in enumerate(model["responses"]):
-        where = f"{path}.model.responses[{i}]"
-        if isinstance(response, dict) and set(response) == {"error"}:
-            if not isinstance(response["error"], str):
-                raise ScenarioError(f"{where}.error", "must be a string")
-            continue
-        response = _obj(response, where, ("finish_reason", "message"), ("usage",))
-        message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"))
-        try:
-            parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
-                            **({"usage": response["usage"]} if "usage" in response else {})}, where)
-        except InvalidInput as exc:
-            # The parser's message names its own path already (``$.model.responses[0].message...: ...``).
-            inner = str(exc.details.get("path") or "")
-            if inner.startswith(where) and exc.message.startswith(f"{inner}: "):
-                raise ScenarioError(inner, exc.message[len(inner) + 2:]) from exc
-            raise ScenarioError(where, exc.message) from exc
-        if response["finish_reason"] not in FINISH_REASONS:
-            # The model dispatcher would leave that call unknown: refused here, before the run.
-            raise ScenarioError(f"{where}.finish_reason",
-                                f"{response['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}")
+        with faults.part():
+            try:
+                ChatInput.parse(doc["input"], f"{path}.input")
+            except InvalidInput as exc:
+                raise ScenarioError(f"{path}.input", exc.message) from exc
+    if "model" in doc:
+        with faults.part():
+            model = _obj(doc["model"], f"{path}.model", ("responses",))
+            if not isinstance(model["responses"], list):
+                raise ScenarioError(f"{path}.model.responses", "must be a list")
+            for i, response in enumerate(model["responses"]):
+                with faults.part():
+                    _check_response(response, f"{path}.model.responses[{i}]")
     names: set[str] = set()
-    for i, tool in enumerate(doc.get("tools", [])):
-        where = f"{path}.tools[{i}]"
-        tool = _obj(
-            tool, where, ("name", "result"),
-            ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"),
-        )
-        if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
-            raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
-        _check_tool_name(tool["name"], f"{where}.name")
-        names.add(tool["name"])
+    checked: dict[int, dict[str, Any]] = {}  # the tools whose own form is right, by index
+    for i, tool in enumerate(tools):
+        with faults.part():
+            checked[i] = _check_tool(tool, f"{path}.tools[{i}]", names, faults)
+    own = budget if budget is not None else Budget()
+    with faults.part():
+        if "tool_budget" in doc:
+            if not tools:
+                raise ScenarioError(f"{path}.tool_budget", "is granted to each Tool child: give it only with tools")
+            _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
+        elif tools:
+            _grant(own, None, f"{path}.tool_budget", "each Tool child")
+    deferred = {t["name"] for t in checked.values() if t.get("deferred") is True}
+    for i, tool in checked.items():
+        advertises = tool.get("advertises", [])
+        for j, name in enumerate(advertises if isinstance(advertises, list) else []):
+            with faults.part():
+                if isinstance(name, str) and name not in deferred:
+                    raise ScenarioError(f"{path}.tools[{i}].advertises[{j}]", f"{name!r} is not a deferred tool")
+    for i, delegate in enumerate(delegates):
+        with faults.part():
+            _check_delegate(delegate, f"{path}.delegates[{i}]", names, own, base_dir, faults)
+    with faults.part():
+        _check_limits(doc, path, bool(tools or delegates))
+    if "side_effect_log" in doc:
+        with faults.part():
+            doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
+    faults.refuse()
+    try:
+        return normalize(doc, what="scenario")  # type: ignore[no-any-return]
+    except InvalidInput as exc:
+        raise ScenarioError(path, exc.message) from exc
+
+
+def _check_response(response: Any, where: str) -> None:
+    """One scripted model response (``$.model.responses[i]``)."""
+    if isinstance(response, dict) and set(response) == {"error"}:
+        if not isinstance(response["error"], str):
+            raise ScenarioError(f"{where}.error", "must be a string")
+        return
+    response = _obj(response, where, ("finish_reason", "message"), ("usage",))
+    message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"))
+    try:
+        parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
+                        **({"usage": response["usage"]} if "usage" in response else {})}, where)
+    except InvalidInput as exc:
+        # The parser's message names its own path already (``$.model.responses[0].message...: ...``).
+        inner = str(exc.details.get("path") or "")
+        if inner.startswith(where) and exc.message.startswith(f"{inner}: "):
+            raise ScenarioError(inner, exc.message[len(inner) + 2:]) from exc
+        raise ScenarioError(where, exc.message) from exc
+    if response["finish_reason"] not in FINISH_REASONS:
+        # The model dispatcher would leave that call unknown: refused here, before the run.
+        raise ScenarioError(f"{where}.finish_reason",
+                            f"{response['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}")
+
+
+def _check_tool(value: Any, where: str, names: set[str], faults: _Faults) -> dict[str, Any]:
+    """One scripted tool (``$.tools[i]``): its name joins ``names``; the faults of its members
+    go to ``faults``; returned when its own form (an object with a unique name) is right."""
+    tool = _obj(
+        value, where, ("name", "result"),
+        ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"),
+    )
+    if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
+        raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
+    _check_tool_name(tool["name"], f"{where}.name")
+    names.add(tool["name"])
+    with faults.part():
         _check_description(tool, where)
+    with faults.part():
         if "parameters" in tool:
             _check_schema(tool["parameters"], f"{where}.parameters")
+    with faults.part():
         if "advertises" in tool and (
             not isinstance(tool["advertises"], list) or not all(isinstance(n, str) for n in tool["advertises"])
         ):
             raise ScenarioError(f"{where}.advertises", "must be a list of tool names")
+    with faults.part():
         if "concurrency" in tool:
             conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"))
             if not isinstance(conc["key"], str) or not isinstance(conc["concurrent"], bool):
                 raise ScenarioError(f"{where}.concurrency", "needs a string key and a boolean concurrent")
-        for flag in ("direct_result", "deferred"):
+    for flag in ("direct_result", "deferred"):
+        with faults.part():
             if flag in tool and not isinstance(tool[flag], bool):
                 raise ScenarioError(f"{where}.{flag}", "must be a boolean")
+    with faults.part():
         _check_result(tool["result"], f"{where}.result")
-    own = budget if budget is not None else Budget()
-    if "tool_budget" in doc:
-        if not doc.get("tools"):
-            raise ScenarioError(f"{path}.tool_budget", "is granted to each Tool child: give it only with tools")
-        _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
-    elif doc.get("tools"):
-        _grant(own, None, f"{path}.tool_budget", "each Tool child")
-    deferred = {t["name"] for t in doc.get("tools", []) if t.get("deferred")}
-    for i, tool in enumerate(doc.get("tools", [])):
-        for j, name in enumerate(tool.get("advertises", [])):
-            if name not in deferred:
-                raise ScenarioError(f"{path}.tools[{i}].advertises[{j}]", f"{name!r} is not a deferred tool")
-    for i, delegate in enumerate(doc.get("delegates", [])):
-        where = f"{path}.delegates[{i}]"
-        delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+    return tool
+
+
+def _check_delegate(
+    delegate: Any, where: str, names: set[str], own: Budget, base_dir: Path | None, faults: _Faults
+) -> None:
+    """One Delegate (``$.delegates[i]``); its scenario is validated (and normalized) in place."""
+    delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+    with faults.part():
         if not isinstance(delegate["name"], str) or not delegate["name"]:
             raise ScenarioError(f"{where}.name", "must be a non-empty string")
         _check_tool_name(delegate["name"], f"{where}.name")
         if delegate["name"] in names:
             raise ScenarioError(f"{where}.name", "collides with a tool or another delegate")
         names.add(delegate["name"])
+    with faults.part():
         _check_description(delegate, where)
-        granted = _grant(own, delegate.get("budget"), f"{where}.budget", "the Delegate")
+    with faults.part():
         _check_schema(delegate["input_schema"], f"{where}.input_schema")
         if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
             raise ScenarioError(f"{where}.input_schema", "must be an object schema")
+    granted = None
+    with faults.part():
+        granted = _grant(own, delegate.get("budget"), f"{where}.budget", "the Delegate")
+    if granted is not None:
         delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir, granted)
+
+
+def _check_limits(doc: dict[str, Any], path: str, calls_tools: bool) -> None:
     limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"))
     for name in ("max_model_calls", "max_concurrent_tool_calls"):
         if name in limits and (not isinstance(limits[name], int) or isinstance(limits[name], bool) or limits[name] < 0):
             raise ScenarioError(f"{path}.limits.{name}", "must be a non-negative integer")
     if limits.get("max_model_calls") == 0:
         raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
-    if limits.get("max_concurrent_tool_calls") and not (doc.get("tools") or doc.get("delegates")):
+    if limits.get("max_concurrent_tool_calls") and not calls_tools:
         raise ScenarioError(f"{path}.limits.max_concurrent_tool_calls",
                             "bounds the calls of tools and delegates: give it only with tools or delegates")
-    if "side_effect_log" in doc:
-        doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
-    try:
-        return normalize(doc, what="scenario")  # type: ignore[no-any-return]
-    except InvalidInput as exc:
-        raise ScenarioError(path, exc.message) from exc
 
 
 def _grant(parent: Budget, value: Any, path: str, whom: str) -> Budget:

@@ -275,6 +275,15 @@ def test_refused_starts_are_problems_and_append_nothing(api: ApiServer) -> None:
     invalid = problem(c.post("/runs", json={"scenario": bad}), 422, "scenario.invalid")
     assert invalid["path"] == "$.tools[0].result.failure.kind"
     assert invalid["hint"]
+    assert invalid["faults"] == [{"path": "$.tools[0].result.failure.kind", "message": "must be failed or rejected"}]
+    assert invalid["fault_count"] == 1
+    # Every fault of a scenario in one problem, the first as its path.
+    worse = {**bad, "limits": {"max_model_calls": 0}, "tools": [*bad["tools"], {"name": "t", "result": {"echo": 1}}]}
+    invalid = problem(c.post("/runs", json={"scenario": worse}), 422, "scenario.invalid")
+    assert invalid["path"] == "$.tools[0].result.failure.kind"
+    assert [f["path"] for f in invalid["faults"]] == [
+        "$.tools[0].result.failure.kind", "$.tools[1].name", "$.limits.max_model_calls"]
+    assert invalid["fault_count"] == 3
     both = c.post("/runs", json={"scenario": HELLO, "program": "demo.payment"})
     problem(both, 422, "http.request_invalid")
     problem(c.post("/runs", json={}), 422, "http.request_invalid")
