@@ -289,3 +289,73 @@ def test_a_refusal_lists_at_most_twenty_faults_and_counts_them_all() -> None:
     detail = caught.value.details
     assert detail["fault_count"] == 25
     assert [f["path"] for f in detail["faults"]] == [f"$.tools[{i}].deferred" for i in range(20)]
+
+
+def test_a_document_holding_no_json_is_refused_with_where_not_a_type_error() -> None:
+    # A Python caller's document with a lone surrogate in a call's arguments raised a bare
+    # TypeError from the response parser.
+    doc = scenario(tools=[tool()], model={"responses": [{"finish_reason": "tool_calls", "message": {
+        "tool_calls": [{"id": "a", "name": "t", "arguments": ["\ud800"]}]}}]})
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(doc)
+    assert caught.value.details["path"] == "$"
+    assert "$.model.responses[0].message.tool_calls[0].arguments[0]" in caught.value.message
+
+
+RICH = {
+    "name": "s", "description": "d", "input": {"messages": [{"role": "user", "content": "hi"}]},
+    "model": {"responses": [
+        {"finish_reason": "tool_calls", "message": {"tool_calls": [{"id": "a", "name": "t", "arguments": "{}"}]}},
+        {"finish_reason": "stop", "message": {"content": "done"}, "usage": {"prompt_tokens": 1}}, {"error": "boom"}]},
+    "tools": [
+        {"name": "t", "parameters": {"type": "object"}, "concurrency": {"key": "k", "concurrent": True},
+         "advertises": ["u"], "result": {"cases": [{"when": {"a": 1}, "result": {"output": 1}}],
+                                         "otherwise": {"echo": True}}},
+        {"name": "u", "deferred": True, "direct_result": False,
+         "result": {"input": {"prompt": "p", "response_schema": {"type": "integer"}}, "then": {"answer": True}}}],
+    "tool_budget": {"steps": {"maximum": 10}},
+    "delegates": [{"name": "d", "description": "x", "input_schema": {"type": "object"},
+                   "budget": {name: {"maximum": 50} for name in ("steps", "effects", "signals")},
+                   "scenario": {"name": "inner", "model": MODEL, "tools": [{"name": "x", "result": {"output": 2}}],
+                                "tool_budget": {name: {"maximum": 5} for name in ("steps", "effects", "signals")}}}],
+    "limits": {"max_model_calls": 3, "max_concurrent_tool_calls": 2},
+}
+
+
+def test_any_damage_to_a_valid_scenario_is_refused_as_scenario_invalid_or_accepted() -> None:
+    """Checking every part means checking parts beside broken ones: no damage (a member
+    replaced, removed or added, up to four at once) makes the validator fail otherwise."""
+    import copy
+    import random
+
+    validate_scenario(copy.deepcopy(RICH))
+    values: list[Any] = [None, 0, -1, True, "", "t", [], [1], ["t"], [{}], {}, {"a": 1}, {"maximum": 1}, 1.5]
+
+    def places(value: Any, at: tuple[Any, ...] = ()) -> Any:
+        yield at
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, inner in items:
+            yield from places(inner, (*at, key))
+
+    rng = random.Random(7)
+    refusals = 0
+    for _ in range(1500):
+        doc = copy.deepcopy(RICH)
+        for _ in range(rng.randint(1, 4)):
+            *parents, key = rng.choice(list(places(doc))[1:])
+            parent = doc
+            for step in parents:
+                parent = parent[step]
+            roll = rng.random()
+            if roll < 0.7 or not isinstance(parent, dict):
+                parent[key] = copy.deepcopy(rng.choice(values))
+            elif roll < 0.85:
+                del parent[key]
+            else:
+                parent[f"extra{rng.randint(0, 2)}"] = copy.deepcopy(rng.choice(values))
+        try:
+            validate_scenario(doc)
+        except ScenarioError as refused:
+            refusals += 1
+            assert refused.details["fault_count"] >= len(refused.details["faults"]) >= 1
+    assert refusals > 1000

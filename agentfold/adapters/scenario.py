@@ -177,6 +177,13 @@ def validate_scenario(
     """
     if not isinstance(doc, dict):
         raise ScenarioError(path, "must be an object")
+    if path == "$":
+        # A value that is no JSON (a lone surrogate, a NaN: a Python caller's document) would
+        # break a check below with a bare TypeError: refused first, with where it lies.
+        try:
+            normalize(doc, what="scenario")
+        except InvalidInput as exc:
+            raise ScenarioError(path, exc.message) from exc
     faults = _Faults()
     members = ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget")
     for name in ("name", "model"):
