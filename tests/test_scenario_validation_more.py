@@ -359,3 +359,15 @@ def test_any_damage_to_a_valid_scenario_is_refused_as_scenario_invalid_or_accept
             refusals += 1
             assert refused.details["fault_count"] >= len(refused.details["faults"]) >= 1
     assert refusals > 1000
+
+
+def test_tools_that_are_no_list_are_one_fault_not_three() -> None:
+    # tool_budget and max_concurrent_tool_calls are refused without tools; a tools member
+    # that is no list is the fault itself, not a scenario without tools.
+    doc = scenario(tools={}, tool_budget={"steps": {"maximum": 3}}, limits={"max_concurrent_tool_calls": 2})
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(doc)
+    assert caught.value.details["faults"] == [{"path": "$.tools", "message": "must be a list (of objects)"}]
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(scenario(tool_budget={"steps": {"maximum": 3}}, limits={"max_concurrent_tool_calls": 2}))
+    assert [f["path"] for f in caught.value.details["faults"]] == ["$.tool_budget", "$.limits.max_concurrent_tool_calls"]

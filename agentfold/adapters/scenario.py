@@ -58,8 +58,6 @@ class ScenarioError(InvalidInput):
             "scenario.invalid", text, hint="fix the scenario document", path=path,
             faults=[{"path": p, "message": m} for p, m in found[:MAX_FAULTS]], fault_count=count,
         )
-        self.path = path
-        self.fault = message
 
     def found(self) -> list[tuple[str, str]]:
         """Every fault this refusal lists (the first ``MAX_FAULTS``), as (path, message)."""
@@ -73,6 +71,10 @@ class _Faults:
     def __init__(self) -> None:
         self.found: list[tuple[str, str]] = []
         self.count = 0
+
+    def add(self, path: str, message: str) -> None:
+        self.found.append((path, message))
+        self.count += 1
 
     @contextlib.contextmanager
     def part(self) -> Iterator[None]:
@@ -188,11 +190,9 @@ def validate_scenario(
     members = ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget")
     for name in ("name", "model"):
         if name not in doc:
-            faults.found.append((f"{path}.{name}", "is required"))
-            faults.count += 1
+            faults.add(f"{path}.{name}", "is required")
     for name in sorted(set(doc) - {"name", "model", *members}):
-        faults.found.append((f"{path}.{name}", "is not a scenario member"))
-        faults.count += 1
+        faults.add(f"{path}.{name}", "is not a scenario member")
     with faults.part():
         if "name" in doc and (not isinstance(doc["name"], str) or not doc["name"]):
             raise ScenarioError(f"{path}.name", "must be a non-empty string")
@@ -205,6 +205,9 @@ def validate_scenario(
                 raise ScenarioError(f"{path}.{member}", "must be a list (of objects)")
             lists[member] = doc.get(member, [])
     tools, delegates = lists.get("tools", []), lists.get("delegates", [])
+    # A tools or delegates member that is no list is one fault: the rules that depend on
+    # whether there are tools (tool_budget, limits) are not judged against it.
+    unsure = len(lists) < 2
     if "input" in doc:
         with faults.part():
             try:
@@ -227,7 +230,7 @@ def validate_scenario(
     own = budget if budget is not None else Budget()
     with faults.part():
         if "tool_budget" in doc:
-            if not tools:
+            if not tools and not unsure:
                 raise ScenarioError(f"{path}.tool_budget", "is granted to each Tool child: give it only with tools")
             _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
         elif tools:
@@ -243,7 +246,7 @@ def validate_scenario(
         with faults.part():
             _check_delegate(delegate, f"{path}.delegates[{i}]", names, own, base_dir, faults)
     with faults.part():
-        _check_limits(doc, path, bool(tools or delegates))
+        _check_limits(doc, path, bool(tools or delegates or unsure))
     if "side_effect_log" in doc:
         with faults.part():
             doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
