@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agentfold.adapters.scenario import ScenarioError, validate_scenario
+from agentfold.adapters.scenario import ScenarioError, side_effect_confinement, validate_scenario
 from tests.test_cli import agentfold, ok, refused, sqlite_url
 
 MODEL = {"responses": [{"finish_reason": "stop", "message": {"content": "done"}}]}
@@ -265,7 +265,7 @@ def test_run_names_every_fault_of_a_scenario_in_one_refusal(tmp_path: Path) -> N
         ("$.delegates[0].input_schema", "must be an object schema"),
         ("$.delegates[0].scenario.extra", "is not a scenario member"),
         ("$.delegates[0].scenario.model.responses", "must be a list"),
-        ("$.limits.max_model_calls", "must be at least 1"),
+        ("$.limits.max_model_calls", "must be an integer of at least 1"),
     ]
     assert error["code"] == "scenario.invalid"
     detail = error["detail"]
@@ -371,3 +371,76 @@ def test_tools_that_are_no_list_are_one_fault_not_three() -> None:
     with pytest.raises(ScenarioError) as caught:
         validate_scenario(scenario(tool_budget={"steps": {"maximum": 3}}, limits={"max_concurrent_tool_calls": 2}))
     assert [f["path"] for f in caught.value.details["faults"]] == ["$.tool_budget", "$.limits.max_concurrent_tool_calls"]
+
+
+def faults_of(doc: Any) -> list[tuple[str, str]]:
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(doc)
+    return [(f["path"], f["message"]) for f in caught.value.details["faults"]]
+
+
+def test_every_fault_inside_one_part_is_named_with_the_member_it_may_be_a_typo_of() -> None:
+    # Found by a scenario author's walk: one tool with three typos was refused for the first;
+    # a misspelled required member was only "is required".
+    assert faults_of(scenario(tools=[{"name": "t", "result": {"ouput": "x"}, "defered": True, "direct_results": True}])) == [
+        ("$.tools[0].defered", "is not a scenario member (did you mean 'deferred'?)"),
+        ("$.tools[0].direct_results", "is not a scenario member (did you mean 'direct_result'?)"),
+        ("$.tools[0].result.ouput", "is not a result form (did you mean 'output'?): a result is an object with one "
+                                    "of output, echo, failure, error, input, cases"),
+    ]
+    assert faults_of({"name": "x", "model": {"respones": []}, "limits": {"max_model_calls": -1, "max_concurrent_tool_calls": "2"}}) == [
+        ("$.model.responses", "is required"),
+        ("$.model.respones", "is not a scenario member (did you mean 'responses'?)"),
+        ("$.limits.max_model_calls", "must be an integer of at least 1 (omit it for unlimited)"),
+        ("$.limits.max_concurrent_tool_calls", "must be a non-negative integer"),
+    ]
+    cases = {"cases": [{"when": "x", "result": {"output": 1}}, {"when": {}, "result": {"echo": False}}],
+             "otherwise": {"answer": True}}
+    assert faults_of(scenario(tools=[tool(cases), tool({"then": {"answer": True}}, name="u"),
+                                     tool({"output": 1, "echo": True}, name="v")])) == [
+        ("$.tools[0].result.cases[0].when", "must be an object"),
+        ("$.tools[0].result.cases[1].result.echo", "must be true"),
+        ("$.tools[0].result.otherwise.answer", "is allowed only below a then (it returns the answer to the input "
+                                               "asked before it)"),
+        ("$.tools[1].result", "has then without input: they go together"),
+        ("$.tools[2].result", "has the members echo, output: a result has exactly one form (output, echo, failure, "
+                              "error, input with then, or cases with an optional otherwise)"),
+    ]
+
+
+def test_a_delegate_budget_at_fault_does_not_hide_its_scenario_s_faults() -> None:
+    inner = {"name": "", "model": {"responses": 3}}
+    assert [p for p, _ in faults_of(scenario(delegates=[{**DELEGATE, "budget": {"stepz": 1}, "scenario": inner}]))] == [
+        "$.delegates[0].budget", "$.delegates[0].scenario.name", "$.delegates[0].scenario.model.responses"]
+
+
+def test_an_input_fault_is_named_at_its_own_path() -> None:
+    (fault,) = faults_of(scenario(input={"messages": [{"role": "bot", "content": "x"}]}))
+    assert fault[0] == "$.input.messages[0].role" and not fault[1].startswith("$")
+
+
+def test_past_twenty_faults_the_message_says_how_many_are_listed_nowhere() -> None:
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(scenario(tools=[tool(name=f"t{i}", deferred=i) for i in range(1, 26)]))
+    assert caught.value.message.endswith("; ... 20 more, 15 of them listed in faults)")
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(scenario(tools=[tool(name=f"t{i}", deferred=i) for i in range(1, 8)]))
+    assert caught.value.message.endswith("; ... 2 more listed in faults)")
+
+
+def test_the_side_effect_folder_itself_is_no_log_file(tmp_path: Path) -> None:
+    with side_effect_confinement(tmp_path):
+        for given in (".", str(tmp_path)):
+            (fault,) = faults_of(scenario(side_effect_log=given))
+            assert fault == ("$.side_effect_log", f"{given!r} is this server's --side-effect-dir itself; give the path "
+                                                  "of a file inside it to append to")
+
+
+def test_a_key_twice_in_a_file_is_named_with_the_document_s_other_faults(tmp_path: Path) -> None:
+    store = sqlite_url(tmp_path)
+    text = json.dumps(scenario(limits={"max_model_calls": 0}))
+    path = tmp_path / "twice.json"
+    path.write_text(text[:-1] + ', "name": "again"}')
+    detail = refused(agentfold("run", str(path), "--json", store=store)).error()["detail"]
+    assert [f["path"] for f in detail["faults"]] == ["$", "$.limits.max_model_calls"]
+    assert detail["faults"][0]["message"].startswith("has the key 'name' twice")

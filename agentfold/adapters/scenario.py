@@ -10,12 +10,13 @@ the ProgramRef, so every later command rebuilds the exact Program without the fi
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import json
 import os
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,12 @@ class ScenarioError(InvalidInput):
         if count > 1:
             listed = "; ".join(f"{p}: {m}" for p, m in found[1:MESSAGE_FAULTS])
             text += f" (and {count - 1} more fault{'s' if count > 2 else ''}: {listed}"
-            text += f"; ... {count - MESSAGE_FAULTS} more listed in faults)" if count > MESSAGE_FAULTS else ")"
+            if count > MAX_FAULTS:
+                text += f"; ... {count - MESSAGE_FAULTS} more, {MAX_FAULTS - MESSAGE_FAULTS} of them listed in faults)"
+            elif count > MESSAGE_FAULTS:
+                text += f"; ... {count - MESSAGE_FAULTS} more listed in faults)"
+            else:
+                text += ")"
         super().__init__(
             "scenario.invalid", text, hint="fix the scenario document", path=path,
             faults=[{"path": p, "message": m} for p, m in found[:MAX_FAULTS]], fault_count=count,
@@ -85,23 +91,43 @@ class _Faults:
             self.found.extend(exc.found())
             self.count += exc.details["fault_count"]
 
+    def error(self) -> ScenarioError | None:
+        """One ScenarioError for every fault kept; None without any."""
+        if not self.found:
+            return None
+        (path, message), *more = self.found
+        return ScenarioError(path, message, more=more, count=self.count)
+
     def refuse(self) -> None:
         """Raise one ScenarioError for every fault kept, if any."""
-        if self.found:
-            (path, message), *more = self.found
-            raise ScenarioError(path, message, more=more, count=self.count)
+        error = self.error()
+        if error is not None:
+            raise error
 
 
-def _obj(value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict[str, Any]:
+def _obj(
+    value: Any, path: str, required: Sequence[str] = (), optional: Sequence[str] = (), faults: _Faults | None = None
+) -> dict[str, Any]:
+    """``value`` as an object with these members. Every member missing and every unknown one
+    is a fault; an unknown member goes to ``faults`` (when given) and the object is returned,
+    a missing one (or no object at all) is raised: its parts are not looked into."""
     if not isinstance(value, dict):
         raise ScenarioError(path, "must be an object")
-    for name in required:
-        if name not in value:
-            raise ScenarioError(f"{path}.{name}", "is required")
-    extra = set(value) - set(required) - set(optional)
-    if extra:
-        raise ScenarioError(f"{path}.{sorted(extra)[0]}", "is not a scenario member")
+    allowed = (*required, *optional)
+    missing = [(f"{path}.{name}", "is required") for name in required if name not in value]
+    unknown = [(f"{path}.{name}", _not_a_member(name, allowed, value)) for name in sorted(set(value) - set(allowed))]
+    if missing or (unknown and faults is None):
+        (first, message), *more = missing + unknown
+        raise ScenarioError(first, message, more=more)
+    for where, message in unknown:
+        faults.add(where, message)  # type: ignore[union-attr]  # None raised above
     return value
+
+
+def _not_a_member(name: str, allowed: Sequence[str], present: Mapping[str, Any], what: str = "a scenario member") -> str:
+    """"is not a scenario member", with the member it may be a misspelling of."""
+    near = difflib.get_close_matches(name, [a for a in allowed if a not in present], n=1, cutoff=0.75)
+    return f"is not {what}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
 
 def _check_schema(schema: Any, path: str) -> None:
@@ -115,7 +141,12 @@ def _check_schema(schema: Any, path: str) -> None:
         raise ScenarioError(path, exc.message) from exc
 
 
-def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> None:
+RESULT_FORMS = ("output", "echo", "failure", "error", "input", "cases")
+
+
+def _check_result(value: Any, path: str, faults: _Faults, *, answer_allowed: bool = False) -> None:
+    """One tool result (``RESULT`` of docs/scenarios.md); each case and each branch of it is
+    checked as a part of its own."""
     if not isinstance(value, dict) or not value:
         raise ScenarioError(path, "a result is an object with one of output, echo, failure, error, input, cases")
     keys = set(value)
@@ -130,9 +161,10 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
             raise ScenarioError(f"{path}.answer", "must be true")
         return
     if keys == {"failure"}:
-        failure = _obj(value["failure"], f"{path}.failure", ("kind", "output"))
-        if failure["kind"] not in ("failed", "rejected"):
-            raise ScenarioError(f"{path}.failure.kind", "must be failed or rejected")
+        failure = _obj(value["failure"], f"{path}.failure", ("kind", "output"), (), faults)
+        with faults.part():
+            if failure["kind"] not in ("failed", "rejected"):
+                raise ScenarioError(f"{path}.failure.kind", "must be failed or rejected")
         if not isinstance(failure["output"], str):
             raise ScenarioError(f"{path}.failure.output", "must be a string")
         return
@@ -141,27 +173,44 @@ def _check_result(value: Any, path: str, *, answer_allowed: bool = False) -> Non
             raise ScenarioError(f"{path}.error", "must be a string")
         return
     if keys == {"input", "then"}:
-        spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"))
-        _check_schema(spec["response_schema"], f"{path}.input.response_schema")
-        if accepts_nothing(spec["response_schema"]):
-            raise ScenarioError(f"{path}.input.response_schema", "accepts no answer: the tool's wait could only be "
-                                "canceled (true or {} accepts any)")
-        _check_result(value["then"], f"{path}.then", answer_allowed=True)
+        with faults.part():
+            spec = _obj(value["input"], f"{path}.input", ("prompt", "response_schema"), (), faults)
+            _check_schema(spec["response_schema"], f"{path}.input.response_schema")
+            if accepts_nothing(spec["response_schema"]):
+                raise ScenarioError(f"{path}.input.response_schema", "accepts no answer: the tool's wait could only "
+                                    "be canceled (true or {} accepts any)")
+        _check_result(value["then"], f"{path}.then", faults, answer_allowed=True)
         return
     if keys <= {"cases", "otherwise"} and "cases" in keys:
         if not isinstance(value["cases"], list):
             raise ScenarioError(f"{path}.cases", "must be a list")
         for i, case in enumerate(value["cases"]):
-            case = _obj(case, f"{path}.cases[{i}]", ("when", "result"))
-            _obj(case["when"], f"{path}.cases[{i}].when", (), tuple(case["when"]) if isinstance(case["when"], dict) else ())
-            _check_result(case["result"], f"{path}.cases[{i}].result", answer_allowed=answer_allowed)
+            with faults.part():
+                case = _obj(case, f"{path}.cases[{i}]", ("when", "result"), (), faults)
+                with faults.part():
+                    if not isinstance(case["when"], dict):
+                        raise ScenarioError(f"{path}.cases[{i}].when", "must be an object")
+                _check_result(case["result"], f"{path}.cases[{i}].result", faults, answer_allowed=answer_allowed)
         if "otherwise" in value:
-            _check_result(value["otherwise"], f"{path}.otherwise", answer_allowed=answer_allowed)
+            _check_result(value["otherwise"], f"{path}.otherwise", faults, answer_allowed=answer_allowed)
         elif not value["cases"]:
             # No case and nothing otherwise: every call would raise and become unknown.
             raise ScenarioError(f"{path}.cases", "is empty and there is no otherwise: no call could have a result")
         return
-    raise ScenarioError(path, f"unknown result form with members {sorted(keys)}")
+    forms = (*RESULT_FORMS, "answer") if answer_allowed else RESULT_FORMS
+    if keys == {"answer"}:
+        raise ScenarioError(f"{path}.answer", "is allowed only below a then (it returns the answer to the input "
+                            "asked before it)")
+    partner = {"input": "then", "then": "input", "otherwise": "cases"}
+    if len(keys) == 1 and next(iter(keys)) in partner:
+        (key,) = keys
+        raise ScenarioError(path, f"has {key} without {partner[key]}: they go together")
+    if len(keys) == 1:
+        (key,) = keys
+        raise ScenarioError(f"{path}.{key}", _not_a_member(key, forms, {}, "a result form") +
+                            f": a result is an object with one of {', '.join(forms)}")
+    raise ScenarioError(path, f"has the members {', '.join(sorted(keys))}: a result has exactly one form (output, "
+                        "echo, failure, error, input with then, or cases with an optional otherwise)")
 
 
 def validate_scenario(
@@ -192,7 +241,7 @@ def validate_scenario(
         if name not in doc:
             faults.add(f"{path}.{name}", "is required")
     for name in sorted(set(doc) - {"name", "model", *members}):
-        faults.add(f"{path}.{name}", "is not a scenario member")
+        faults.add(f"{path}.{name}", _not_a_member(name, ("name", "model", *members), doc))
     with faults.part():
         if "name" in doc and (not isinstance(doc["name"], str) or not doc["name"]):
             raise ScenarioError(f"{path}.name", "must be a non-empty string")
@@ -213,15 +262,15 @@ def validate_scenario(
             try:
                 ChatInput.parse(doc["input"], f"{path}.input")
             except InvalidInput as exc:
-                raise ScenarioError(f"{path}.input", exc.message) from exc
+                raise _at_its_path(exc, f"{path}.input") from exc
     if "model" in doc:
         with faults.part():
-            model = _obj(doc["model"], f"{path}.model", ("responses",))
+            model = _obj(doc["model"], f"{path}.model", ("responses",), (), faults)
             if not isinstance(model["responses"], list):
                 raise ScenarioError(f"{path}.model.responses", "must be a list")
             for i, response in enumerate(model["responses"]):
                 with faults.part():
-                    _check_response(response, f"{path}.model.responses[{i}]")
+                    _check_response(response, f"{path}.model.responses[{i}]", faults)
     names: set[str] = set()
     checked: dict[int, dict[str, Any]] = {}  # the tools whose own form is right, by index
     for i, tool in enumerate(tools):
@@ -246,7 +295,7 @@ def validate_scenario(
         with faults.part():
             _check_delegate(delegate, f"{path}.delegates[{i}]", names, own, base_dir, faults)
     with faults.part():
-        _check_limits(doc, path, bool(tools or delegates or unsure))
+        _check_limits(doc, path, bool(tools or delegates or unsure), faults)
     if "side_effect_log" in doc:
         with faults.part():
             doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
@@ -257,27 +306,32 @@ def validate_scenario(
         raise ScenarioError(path, exc.message) from exc
 
 
-def _check_response(response: Any, where: str) -> None:
+def _check_response(response: Any, where: str, faults: _Faults) -> None:
     """One scripted model response (``$.model.responses[i]``)."""
     if isinstance(response, dict) and set(response) == {"error"}:
         if not isinstance(response["error"], str):
             raise ScenarioError(f"{where}.error", "must be a string")
         return
-    response = _obj(response, where, ("finish_reason", "message"), ("usage",))
-    message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"))
+    response = _obj(response, where, ("finish_reason", "message"), ("usage",), faults)
+    message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"), faults)
     try:
         parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
                         **({"usage": response["usage"]} if "usage" in response else {})}, where)
     except InvalidInput as exc:
-        # The parser's message names its own path already (``$.model.responses[0].message...: ...``).
-        inner = str(exc.details.get("path") or "")
-        if inner.startswith(where) and exc.message.startswith(f"{inner}: "):
-            raise ScenarioError(inner, exc.message[len(inner) + 2:]) from exc
-        raise ScenarioError(where, exc.message) from exc
+        raise _at_its_path(exc, where) from exc
     if response["finish_reason"] not in FINISH_REASONS:
         # The model dispatcher would leave that call unknown: refused here, before the run.
         raise ScenarioError(f"{where}.finish_reason",
                             f"{response['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}")
+
+
+def _at_its_path(exc: InvalidInput, where: str) -> ScenarioError:
+    """A parser's refusal of the part at ``where``, as the fault at the path it names (its
+    message starts with that path already: ``$.model.responses[0].message...: ...``)."""
+    inner = str(exc.details.get("path") or "")
+    if inner.startswith(where) and exc.message.startswith(f"{inner}: "):
+        return ScenarioError(inner, exc.message[len(inner) + 2:])
+    return ScenarioError(where, exc.message)
 
 
 def _check_tool(value: Any, where: str, names: set[str], faults: _Faults) -> dict[str, Any]:
@@ -285,7 +339,7 @@ def _check_tool(value: Any, where: str, names: set[str], faults: _Faults) -> dic
     go to ``faults``; returned when its own form (an object with a unique name) is right."""
     tool = _obj(
         value, where, ("name", "result"),
-        ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"),
+        ("description", "parameters", "concurrency", "direct_result", "deferred", "advertises"), faults,
     )
     if not isinstance(tool["name"], str) or not tool["name"] or tool["name"] in names:
         raise ScenarioError(f"{where}.name", "must be a unique non-empty string")
@@ -303,7 +357,7 @@ def _check_tool(value: Any, where: str, names: set[str], faults: _Faults) -> dic
             raise ScenarioError(f"{where}.advertises", "must be a list of tool names")
     with faults.part():
         if "concurrency" in tool:
-            conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"))
+            conc = _obj(tool["concurrency"], f"{where}.concurrency", ("key", "concurrent"), (), faults)
             if not isinstance(conc["key"], str) or not isinstance(conc["concurrent"], bool):
                 raise ScenarioError(f"{where}.concurrency", "needs a string key and a boolean concurrent")
     for flag in ("direct_result", "deferred"):
@@ -311,7 +365,7 @@ def _check_tool(value: Any, where: str, names: set[str], faults: _Faults) -> dic
             if flag in tool and not isinstance(tool[flag], bool):
                 raise ScenarioError(f"{where}.{flag}", "must be a boolean")
     with faults.part():
-        _check_result(tool["result"], f"{where}.result")
+        _check_result(tool["result"], f"{where}.result", faults)
     return tool
 
 
@@ -319,7 +373,7 @@ def _check_delegate(
     delegate: Any, where: str, names: set[str], own: Budget, base_dir: Path | None, faults: _Faults
 ) -> None:
     """One Delegate (``$.delegates[i]``); its scenario is validated (and normalized) in place."""
-    delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"))
+    delegate = _obj(delegate, where, ("name", "input_schema", "scenario"), ("description", "budget"), faults)
     with faults.part():
         if not isinstance(delegate["name"], str) or not delegate["name"]:
             raise ScenarioError(f"{where}.name", "must be a non-empty string")
@@ -333,21 +387,24 @@ def _check_delegate(
         _check_schema(delegate["input_schema"], f"{where}.input_schema")
         if not isinstance(delegate["input_schema"], dict) or delegate["input_schema"].get("type") != "object":
             raise ScenarioError(f"{where}.input_schema", "must be an object schema")
-    granted = None
+    granted = Budget()  # a budget at fault: the nested scenario's grants are not judged against it
     with faults.part():
         granted = _grant(own, delegate.get("budget"), f"{where}.budget", "the Delegate")
-    if granted is not None:
-        delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir, granted)
+    delegate["scenario"] = validate_scenario(delegate["scenario"], f"{where}.scenario", base_dir, granted)
 
 
-def _check_limits(doc: dict[str, Any], path: str, calls_tools: bool) -> None:
-    limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"))
-    for name in ("max_model_calls", "max_concurrent_tool_calls"):
-        if name in limits and (not isinstance(limits[name], int) or isinstance(limits[name], bool) or limits[name] < 0):
-            raise ScenarioError(f"{path}.limits.{name}", "must be a non-negative integer")
-    if limits.get("max_model_calls") == 0:
-        raise ScenarioError(f"{path}.limits.max_model_calls", "must be at least 1 (omit it for unlimited)")
-    if limits.get("max_concurrent_tool_calls") and not calls_tools:
+def _check_limits(doc: dict[str, Any], path: str, calls_tools: bool, faults: _Faults) -> None:
+    limits = _obj(doc.get("limits", {}), f"{path}.limits", (), ("max_model_calls", "max_concurrent_tool_calls"), faults)
+    calls = limits.get("max_model_calls")
+    with faults.part():
+        if "max_model_calls" in limits and (not isinstance(calls, int) or isinstance(calls, bool) or calls < 1):
+            raise ScenarioError(f"{path}.limits.max_model_calls", "must be an integer of at least 1 (omit it for unlimited)")
+    concurrent = limits.get("max_concurrent_tool_calls")
+    if "max_concurrent_tool_calls" in limits and (
+        not isinstance(concurrent, int) or isinstance(concurrent, bool) or concurrent < 0
+    ):
+        raise ScenarioError(f"{path}.limits.max_concurrent_tool_calls", "must be a non-negative integer")
+    if concurrent and not calls_tools:
         raise ScenarioError(f"{path}.limits.max_concurrent_tool_calls",
                             "bounds the calls of tools and delegates: give it only with tools or delegates")
 
@@ -406,6 +463,10 @@ def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
             raise ScenarioError(path, _NO_LOGS)
         base_dir = folder
         if _lexically_inside(value, folder) is None:
+            normal = Path(os.path.normpath(value if os.path.isabs(value) else os.path.join(folder, value)))
+            if normal in (folder, _CONFINEMENT.given):
+                raise ScenarioError(path, f"{value!r} is this server's --side-effect-dir itself; give the path of a "
+                                    "file inside it to append to")
             raise ScenarioError(path, f"{value!r} is outside this server's --side-effect-dir {str(folder)!r}")
     log = Path(value)
     if not log.is_absolute():
@@ -587,10 +648,16 @@ def load_scenario_file(path: str | Path) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise ScenarioError("$", f"not valid JSON: {exc}") from exc
     duplicate = duplicate_key(text)
-    if duplicate is not None:
-        path, key = duplicate
-        raise ScenarioError(path, f"has the key {key!r} twice (JSON parsers keep only the last one, silently)")
-    return validate_scenario(doc, "$", file.parent.resolve())
+    if duplicate is None:
+        return validate_scenario(doc, "$", file.parent.resolve())
+    # The fault, and what the document holds besides (read with the last of the two values).
+    faults = _Faults()
+    faults.add(duplicate[0], f"has the key {duplicate[1]!r} twice (JSON parsers keep only the last one, silently)")
+    with faults.part():
+        validate_scenario(doc, "$", file.parent.resolve())
+    error = faults.error()
+    assert error is not None  # the duplicate is one
+    raise error
 
 
 # ---------------------------------------------------------------------------
