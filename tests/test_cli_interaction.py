@@ -827,3 +827,16 @@ def test_resolve_says_the_disposition_a_host_gave_a_tool_call(tmp_path: Path) ->
     resolved = ok(agentfold("resolve", beta["effect_id"], "--output", '"not allowed"', "--disposition", "rejected",
                             store=store)).stdout
     assert resolved.startswith(f"resolved {beta['effect_id']} as a tool result, rejected\n"), resolved
+
+
+def test_run_and_show_say_why_a_run_failed_with_its_code(tmp_path: Path) -> None:
+    # A scenario author's walk: `run` printed "root failed, tree terminal" and `show` the
+    # message only; the code was in --json alone.
+    store = sqlite_url(tmp_path)
+    doc = {**two_call_round(None), "limits": {"max_model_calls": 1}}
+    ran = ok(agentfold("run", str(write(tmp_path, doc)), "--start-id", "limited", store=store)).stdout
+    assert "root failed, tree terminal" in ran
+    assert ("\nfailed: interaction.limit.model_calls: Interaction reached its configured model-call limit (1) "
+            "before a final response") in ran
+    shown = ok(agentfold("show", "limited", store=store)).stdout
+    assert "before a final response [interaction.limit.model_calls]" in shown

@@ -84,7 +84,7 @@ from agentfold.domain.ids import EffectID, ProcessID, SignalID, StartID, TreeID,
 from agentfold.domain.kernel import replay_allowed, start_tree
 from agentfold.domain.program import Program, ProgramResolver
 from agentfold.domain.requests import Settlement
-from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, ProcessState, TreeState
+from agentfold.domain.tree import CLASSIFICATIONS, STATUSES, ProcessState, Termination, TreeState
 from agentfold.projections.host_views import pending_tool_inputs
 
 PROG = "agentfold"
@@ -367,7 +367,8 @@ def _process_text(p: ProcessState) -> list[str]:
         lines.append(f"  children: {', '.join(p.children)}")
     if p.termination is not None:
         t = p.termination
-        lines.append(f"  termination: {t.status} ({t.cause}){': ' + t.reason if t.reason else ''}")
+        lines.append(f"  termination: {t.status} ({t.cause}){': ' + t.reason if t.reason else ''}"
+                     + (f" [{t.failure.code}]" if t.failure is not None else ""))
         if t.unresolved_effect_ids:
             lines.append(f"  unresolved effects: {', '.join(t.unresolved_effect_ids)}")
     if p.status == "completed":
@@ -688,7 +689,16 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
         text += f"\n{len(pending)} tool input(s) wait for an answer: `{PROG} pending`"
     if tree.root.status == "completed":
         text += f"\noutput: {_short(tree.root.output, 400)}"
+    elif tree.root.termination is not None:
+        text += f"\n{_ending(tree.root.termination)}"
     return Outcome(data, text)
+
+
+def _ending(term: Termination) -> str:
+    """Why a Process ended other than completed: its failure's code and message, else the reason."""
+    if term.failure is not None:
+        return f"{term.status}: {term.failure.code}: {term.failure.message}"
+    return f"{term.status} ({term.cause}){': ' + term.reason if term.reason else ''}"
 
 
 def cmd_pending(ctx: Context, args: argparse.Namespace) -> Outcome:
