@@ -840,3 +840,7 @@ def test_run_and_show_say_why_a_run_failed_with_its_code(tmp_path: Path) -> None
             "before a final response") in ran
     shown = ok(agentfold("show", "limited", store=store)).stdout
     assert "before a final response [interaction.limit.model_calls]" in shown
+    # The same start id again returns that run, and says so.
+    again = ok(agentfold("run", str(write(tmp_path, doc)), "--start-id", "limited", store=store)).stdout
+    assert again.startswith("run two-call-round: this start id's run, started before: tree:")
+    assert "run two-call-round: tree:" in ran

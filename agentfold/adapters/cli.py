@@ -676,6 +676,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
     _check_start(program, scenario_input(doc), args.start_id, doc)
     store = ctx.open_store(create=True)
     try:
+        existed = args.start_id is not None and store.head(TreeID.for_start(StartID(args.start_id))) is not None
         with ctx.runtime(store, crash, program) as runtime:
             handle = runtime.start(program, scenario_input(doc), start_id=args.start_id, configuration=doc)
             tree = _drive(ctx, runtime, handle.tree_id, f"started {handle.tree_id}")
@@ -683,7 +684,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> Outcome:
         store.close()
     data = {"tree_id": tree.tree_id, "root_process_id": tree.root.process_id, "status": tree.root.status}
     summary = ctx.summary(tree)
-    text = f"run {doc['name']}: " + _summary_text(summary)
+    text = f"run {doc['name']}: " + ("this start id's run, started before: " if existed else "") + _summary_text(summary)
     pending = pending_tool_inputs(tree)
     if pending:
         text += f"\n{len(pending)} tool input(s) wait for an answer: `{PROG} pending`"
