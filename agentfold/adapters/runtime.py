@@ -3125,6 +3125,19 @@ def _copy_of(driver: _Driver) -> TreeState | None:
         return None
 
 
+#: Whether an event type is a ProcessStarted or TreeStarted (``index_head``), by type.
+_STARTS_PROCESS: dict[type, bool] = {}
+
+
+def _starts_process(event_type: type) -> bool:
+    """``isinstance(event, (ProcessStarted, TreeStarted))`` for an event of this type, answered once
+    per type (safe: for these classes it depends on the type alone; their metaclass's check is slow)."""
+    starts = _STARTS_PROCESS.get(event_type)
+    if starts is None:
+        starts = _STARTS_PROCESS[event_type] = issubclass(event_type, (ProcessStarted, TreeStarted))
+    return starts
+
+
 def index_head(
     tree: TreeState, tree_id: TreeID, events: Sequence[TreeEvent], now: str, *, version: int | None = None,
     stored: tuple[str, str, tuple[str, ...]] | None = None,
@@ -3147,7 +3160,7 @@ def index_head(
         unknown_effect_ids=unknown,
         created_at=now,
         updated_at=now,
-        new_processes=tuple(e.process_id for e in events if isinstance(e, (ProcessStarted, TreeStarted))),
+        new_processes=tuple([e.process_id for e in events if _starts_process(type(e))]),
         progress_only=stored == (status, classification, unknown),
     )
 

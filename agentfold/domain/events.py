@@ -60,22 +60,25 @@ class TreeEvent(BaseModel):
         instead of being dropped. Field defaults are immutable (None, tuples, strings,
         frozen models), so one default instance is shared.
         """
-        fields = _FIELD_DEFAULTS.get(cls)
-        if fields is None:
-            fields = _field_defaults(cls)
-        data: dict[str, Any] = {}
-        for name, default in fields:
-            value = values.get(name, default)
-            if value is _REQUIRED:
-                raise TypeError(f"{cls.__name__}.model_construct() needs {name}")
-            data[name] = value
-        if not values.keys() <= data.keys():
-            raise TypeError(f"{cls.__name__}.model_construct() got unknown fields {sorted(set(values) - set(data))}")
+        spec = _CONSTRUCT.get(cls)
+        if spec is None:
+            spec = _construct_spec(cls)
+        defaults, required = spec
+        if not values.keys() >= required:
+            missing = next(name for name in defaults if name in required and name not in values)
+            raise TypeError(f"{cls.__name__}.model_construct() needs {missing}")
+        # Safe: the defaults in field order, overwritten in place by the given values, hold the same
+        # keys in the same order as filling field by field; an unknown name adds a key (refused below).
+        data = defaults.copy()
+        data.update(values)
+        if len(data) != len(defaults):
+            raise TypeError(f"{cls.__name__}.model_construct() got unknown fields {sorted(set(values) - set(defaults))}")
         event = _new_object(cls)
-        _set_attribute(event, "__dict__", data)
-        _set_attribute(event, "__pydantic_fields_set__", set(values) if _fields_set is None else _fields_set)
-        _set_attribute(event, "__pydantic_extra__", None)
-        _set_attribute(event, "__pydantic_private__", None)
+        # Safe: BaseModel's own slot descriptors, what object.__setattr__ looks up by name each time.
+        _set_dict(event, data)
+        _set_fields_set(event, set(values) if _fields_set is None else _fields_set)
+        _set_extra(event, None)
+        _set_private(event, None)
         return event
 
 
@@ -90,8 +93,24 @@ def _field_defaults(cls: type[TreeEvent]) -> tuple[tuple[str, Any], ...]:
         for name, f in cls.model_fields.items()
     )
     return fields
+
+
+#: Per event class: its fields' defaults by name in field order (``_REQUIRED`` for a required
+#: field) and the names of its required fields (``model_construct``).
+_CONSTRUCT: dict[type[TreeEvent], tuple[dict[str, Any], frozenset[str]]] = {}
+
+
+def _construct_spec(cls: type[TreeEvent]) -> tuple[dict[str, Any], frozenset[str]]:
+    fields = _FIELD_DEFAULTS.get(cls) or _field_defaults(cls)
+    spec = _CONSTRUCT[cls] = (dict(fields), frozenset(name for name, default in fields if default is _REQUIRED))
+    return spec
+
+
 _new_object = object.__new__
-_set_attribute = object.__setattr__
+_set_dict = BaseModel.__dict__["__dict__"].__set__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 class TreeLimits(BaseModel):
@@ -332,9 +351,13 @@ def event_body(event: TreeEvent) -> dict[str, Any]:
         fields = _field_defaults(cls)
     values = event.__dict__
     body: dict[str, Any] = {}
+    passed = _PASSED_TYPES
     for name, default in fields:
         value = values[name]
         if default is not _REQUIRED and (value is default or value == default):
+            continue
+        if type(value) in passed:  # safe: a type that passed the isinstance check below before
+            body[name] = value
             continue
         if isinstance(value, tuple):
             if not all(isinstance(item, str) for item in value):
@@ -342,12 +365,17 @@ def event_body(event: TreeEvent) -> dict[str, Any]:
             value = [str(item) for item in value]
         elif value is not None and not isinstance(value, _JSON_FIELD_TYPES):
             return event.model_dump(mode="json", exclude_defaults=True)
+        else:
+            passed.add(type(value))  # None or a JSON type: whether it passes depends on the type alone
         body[name] = value
     return body
 
 
 #: Field values ``event_body`` passes through as they are (normalized JSON values, ids as ``str``).
 _JSON_FIELD_TYPES = (str, int, float, dict, list)
+#: The exact types of the field values ``event_body`` has passed through (None and subclasses of
+#: ``_JSON_FIELD_TYPES`` other than tuple: ids, ints, dicts...); a set lookup instead of isinstance.
+_PASSED_TYPES: set[type] = set()
 
 
 def event_from_body(type_name: str, body: dict[str, Any]) -> TreeEvent:

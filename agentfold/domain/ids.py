@@ -168,7 +168,7 @@ class TreeID(_HexIdentity):
 
     @property
     def uuid(self) -> _uuid.UUID:
-        return _uuid.UUID(hex=self.hex)
+        return _tree_uuid(self.hex)
 
     @classmethod
     def from_uuid(cls, value: _uuid.UUID) -> TreeID:
@@ -178,6 +178,13 @@ class TreeID(_HexIdentity):
     def for_start(cls, start_id: StartID) -> TreeID:
         """Starting twice with one StartID addresses the same stream: idempotent start."""
         return cls.from_bytes(_hash("tree", start_id)[:16])
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_uuid(hex_text: str) -> _uuid.UUID:
+    """A tree's UUID (every append asks for it): cached, as a UUID is immutable and a pure function
+    of the text (a text that is no UUID raises, and is not cached)."""
+    return _uuid.UUID(hex=hex_text)
 
 
 def _hash(tag: str, *parts: str | int) -> bytes:
@@ -191,7 +198,10 @@ def derive(prefix: str, tag: str, *parts: str | int) -> str:
 
 
 def _effect_id(process_id: ProcessID, step: int, index: int) -> EffectID:
-    return str.__new__(EffectID, derive("effect:", "effect", process_id, step, index))
+    # Safe: derive("effect:", "effect", process_id, step, index) (its NUL-joined str() parts, one hex
+    # digest) spelled out for the kernel's hottest derivation.
+    data = f"effect\x00{process_id!s}\x00{step!s}\x00{index!s}".encode("ascii")
+    return str.__new__(EffectID, "effect:" + hashlib.sha256(data).hexdigest())
 
 
 #: EffectID of the ``index``-th (zero-based) Effect of one-based Step ``step``. Derived ids
@@ -230,7 +240,9 @@ def wait_id_for(effect: EffectID) -> WaitID:
 
 
 def _settlement_signal_id(effect: EffectID) -> SignalID:
-    return str.__new__(SignalID, derive(SignalID.ENGINE_PREFIX, "signal", effect))
+    # Safe: derive(SignalID.ENGINE_PREFIX, "signal", effect) spelled out (one per Effect).
+    data = f"signal\x00{effect!s}".encode("ascii")
+    return str.__new__(SignalID, "signal:engine:" + hashlib.sha256(data).hexdigest())
 
 
 #: The engine-owned SignalID that delivers an Effect's settlement (cached like ``effect_id``).

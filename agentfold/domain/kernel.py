@@ -85,6 +85,7 @@ from agentfold.domain.program import (
     Pause,
     Program,
     ProgramResolver,
+    Replay,
     SettlementStatus,
     Signal,
     SignalRequest,
@@ -617,7 +618,7 @@ class Kernel:
                     effect_id=derive_effect_id(process.process_id, seq, index),
                     step=seq,
                     index=index,
-                    target=effect.target.value,
+                    target=effect.target._value_,  # safe: the member's value, without Enum's Python-level property
                     payload=checked.payloads[index],
                     replay=policy[0],  # type: ignore[arg-type]
                     capabilities=policy[1],
@@ -722,13 +723,18 @@ class Kernel:
                 if not isinstance(policy, EffectPolicy):  # one checks its own fields when built
                     raise refuse(EngineCode.EFFECT_INVALID, f"the Program's policy for effect {len(checked.policies)} "
                                  f"returned {type(policy).__name__}, not an EffectPolicy")
-                missing = set(policy.required_capabilities) - set(process.capabilities)
+                required = policy.required_capabilities
+                # Safe: nothing required, nothing missing (the sets are built only when something is).
+                missing = set(required) - set(process.capabilities) if required else None
                 if missing:
                     raise refuse(
                         EngineCode.CAPABILITY_DENIED,
                         f"effect requires capabilities {sorted(missing)} the process does not hold",
                     )
-                checked.policies.append((policy.replay.value, tuple(sorted(policy.required_capabilities))))
+                replay = policy.replay
+                # Safe: a Replay member's value (what .value returns) without Enum's Python-level property.
+                replay_text = replay._value_ if type(replay) is Replay else replay.value
+                checked.policies.append((replay_text, tuple(sorted(required)) if required else ()))
                 reserve += 1
                 continue
             checked.policies.append(("never", ()))
@@ -974,7 +980,7 @@ class Kernel:
         event = EffectSettled.model_construct(
             process_id=process_id,
             effect_id=effect_id,
-            status=status.value,
+            status=status._value_,  # safe: the member's value, without Enum's Python-level property
             payload=payload,
             attempt_id=attempt_id,
             diagnostic=diagnostic,

@@ -209,8 +209,8 @@ class EffectPolicy:
 def _capability_set(value: Any) -> frozenset[str]:
     """Capability names as a frozenset; a bare string (which Python reads as one-letter names)
     or a member that is no non-empty string is ``capabilities.invalid``."""
-    if isinstance(value, frozenset) and all(isinstance(c, str) and c for c in value):
-        return value
+    if isinstance(value, frozenset) and (not value or all(isinstance(c, str) and c for c in value)):
+        return value  # (an empty one, every policy's default, without building the generator: same answer)
     try:
         names = None if isinstance(value, (str, bytes)) else frozenset(value)
     except TypeError:

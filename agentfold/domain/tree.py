@@ -109,6 +109,9 @@ FAILURE_CAUSE = {
 }
 
 INTENT_PRIORITY = ("kill", "deadline", "cancel")
+#: Each SettlementStatus by its text, and every Operation's text (built once, not per event).
+_SETTLEMENT_STATUS: dict[str, SettlementStatus] = {s._value_: s for s in SettlementStatus}
+_OPERATIONS = frozenset(o._value_ for o in Operation)
 
 
 def intent_cause(kind: str, owner: str) -> str:
@@ -410,6 +413,8 @@ class ProcessState:
 
     @property
     def terminal_intent(self) -> str | None:
+        if not self.intents:  # safe: no intent recorded, none of the priorities is in it (the common case)
+            return None
         for kind in INTENT_PRIORITY:
             if kind in self.intents:
                 return kind
@@ -1030,7 +1035,7 @@ class TreeState:
             raise self.fail(pos, "budget.signals", f"effect {e.effect_id} cannot reserve its settlement signal")
         if e.target == "framework":
             op = e.payload.get("operation") if isinstance(e.payload, dict) else None
-            if op not in {o.value for o in Operation}:
+            if op not in _OPERATIONS:
                 raise self.fail(pos, "effect.framework", f"unknown framework operation {op!r}")
             if e.replay != "never" or e.capabilities:
                 # The kernel declares every framework Effect `never`, requiring nothing.
@@ -1120,7 +1125,11 @@ class TreeState:
             raise self.fail(pos, "settlement.once", f"effect {e.effect_id} is already settled")
         if process.frontier() is not record:
             raise self.fail(pos, "effect.frontier", f"effect {e.effect_id} is not the frontier of its batch")
-        status = SettlementStatus(e.status)
+        # Safe: the member SettlementStatus(e.status) returns, by a dict look-up of a plain text;
+        # anything else (an unknown or forged value) still goes through (and raises in) the Enum call.
+        status = _SETTLEMENT_STATUS.get(e.status) if type(e.status) is str else None
+        if status is None:
+            status = SettlementStatus(e.status)
         if record.target == "dispatcher":
             if record.phase != "pending":
                 raise self.fail(pos, "settlement.after_dispatch", f"effect {e.effect_id} was never dispatched")
