@@ -432,7 +432,7 @@ def test_the_side_effect_folder_itself_is_no_log_file(tmp_path: Path) -> None:
     with side_effect_confinement(tmp_path):
         for given in (".", str(tmp_path)):
             (fault,) = faults_of(scenario(side_effect_log=given))
-            assert fault == ("$.side_effect_log", f"{given!r} is this server's --side-effect-dir itself; give the path "
+            assert fault == ("$.side_effect_log", f"{given!r} is this server's --side-effect-dir itself: give the path "
                                                   "of a file inside it to append to")
 
 
@@ -444,3 +444,48 @@ def test_a_key_twice_in_a_file_is_named_with_the_document_s_other_faults(tmp_pat
     detail = refused(agentfold("run", str(path), "--json", store=store)).error()["detail"]
     assert [f["path"] for f in detail["faults"]] == ["$", "$.limits.max_model_calls"]
     assert detail["faults"][0]["message"].startswith("has the key 'name' twice")
+
+
+def test_faults_from_one_cause_are_named_once() -> None:
+    # A review of the change: an unknown member of a response's message was named twice (the
+    # parser refused it again, hiding the response's other faults); a deferred tool at fault
+    # made every tool advertising it a fault too; an error response with a stray member was
+    # four faults.
+    responses = [{"finish_reason": "stopp", "message": {"content": "hi", "tool_cals": []}},
+                 {"error": "x", "eror": 1}]
+    assert faults_of(scenario(model={"responses": responses})) == [
+        ("$.model.responses[0].message.tool_cals", "is not a scenario member (did you mean 'tool_calls'?)"),
+        ("$.model.responses[0].finish_reason", "'stopp' is not one of stop, length, tool_calls, content_filter, "
+                                               "refusal, other"),
+        ("$.model.responses[1].eror", "is not a scenario member"),
+    ]
+    for broken in ({"deferred": 1}, {"result": None}, {"name": "u u"}):
+        deferred = {**tool(name="u"), "deferred": True, **broken}
+        if deferred["result"] is None:
+            del deferred["result"]
+        paths = [p for p, _ in faults_of(scenario(tools=[tool(advertises=[deferred["name"]]), deferred]))]
+        assert len(paths) == 1 and paths[0].startswith("$.tools[1]"), (broken, paths)
+
+
+def test_two_faults_of_one_member_of_a_tool_are_both_named() -> None:
+    assert [p for p, _ in faults_of(scenario(tools=[
+        tool({"failure": {"kind": "oops", "output": 5}}, description=5, parameters={"type": "objekt"})]))] == [
+        "$.tools[0].description", "$.tools[0].parameters", "$.tools[0].result.failure.kind",
+        "$.tools[0].result.failure.output"]
+
+
+def test_an_input_s_unknown_member_is_named_at_its_path_and_long_names_are_cut() -> None:
+    assert faults_of(scenario(input={"mesages": []})) == [
+        ("$.input.messages", "is required"), ("$.input.mesages", "is not a scenario member (did you mean 'messages'?)")]
+    long = "x" * 5000
+    ((path, _),) = faults_of(scenario(**{long: 1}))
+    assert path == "$." + "x" * 80 + "..."
+
+
+def test_a_nested_scenario_s_faults_are_all_counted_past_twenty() -> None:
+    inner = {"name": "inner", "model": MODEL, "tools": [tool(name=f"t{i}", deferred=i) for i in range(1, 26)]}
+    with pytest.raises(ScenarioError) as caught:
+        validate_scenario(scenario(name="", delegates=[{**DELEGATE, "scenario": inner}]))
+    assert caught.value.details["fault_count"] == 26
+    assert len(caught.value.details["faults"]) == 20
+    assert caught.value.details["faults"][0]["path"] == "$.name"

@@ -79,17 +79,30 @@ class _Faults:
         self.count = 0
 
     def add(self, path: str, message: str) -> None:
-        self.found.append((path, message))
+        if len(self.found) < MAX_FAULTS:  # the rest are only counted
+            self.found.append((path, message))
         self.count += 1
 
-    @contextlib.contextmanager
-    def part(self) -> Iterator[None]:
-        """Check one part; a fault in it is kept and the checks go on with the next part."""
-        try:
-            yield
-        except ScenarioError as exc:
-            self.found.extend(exc.found())
-            self.count += exc.details["fault_count"]
+    @property
+    def full(self) -> bool:
+        """Whether a refusal lists no more faults: a costlier message is not worth making."""
+        return len(self.found) >= MAX_FAULTS
+
+    def part(self) -> _Faults:
+        """Check one part (``with faults.part(): ...``); a fault in it is kept and the checks go
+        on with the next part. (A plain context manager: a scenario of thousands of tools has
+        several parts per tool.)"""
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if not isinstance(exc, ScenarioError):
+            return False
+        self.found.extend(exc.found()[: MAX_FAULTS - len(self.found)])
+        self.count += exc.details["fault_count"]
+        return True
 
     def error(self) -> ScenarioError | None:
         """One ScenarioError for every fault kept; None without any."""
@@ -115,7 +128,11 @@ def _obj(
         raise ScenarioError(path, "must be an object")
     allowed = (*required, *optional)
     missing = [(f"{path}.{name}", "is required") for name in required if name not in value]
-    unknown = [(f"{path}.{name}", _not_a_member(name, allowed, value)) for name in sorted(set(value) - set(allowed))]
+    unknown = [
+        (f"{path}.{_shown(name)}", _not_a_member(name, allowed, value) if i < MESSAGE_FAULTS and not (faults and faults.full)
+         else "is not a scenario member")
+        for i, name in enumerate(sorted(set(value) - set(allowed)))
+    ]
     if missing or (unknown and faults is None):
         (first, message), *more = missing + unknown
         raise ScenarioError(first, message, more=more)
@@ -124,9 +141,14 @@ def _obj(
     return value
 
 
+def _shown(name: str) -> str:
+    """A member name as a fault's path shows it: a long one cut (a refusal stays small)."""
+    return name if len(name) <= 80 else name[:80] + "..."
+
+
 def _not_a_member(name: str, allowed: Sequence[str], present: Mapping[str, Any], what: str = "a scenario member") -> str:
     """"is not a scenario member", with the member it may be a misspelling of."""
-    near = difflib.get_close_matches(name, [a for a in allowed if a not in present], n=1, cutoff=0.75)
+    near = difflib.get_close_matches(name[:80], [a for a in allowed if a not in present], n=1, cutoff=0.75)
     return f"is not {what}" + (f" (did you mean {near[0]!r}?)" if near else "")
 
 
@@ -207,7 +229,8 @@ def _check_result(value: Any, path: str, faults: _Faults, *, answer_allowed: boo
         raise ScenarioError(path, f"has {key} without {partner[key]}: they go together")
     if len(keys) == 1:
         (key,) = keys
-        raise ScenarioError(f"{path}.{key}", _not_a_member(key, forms, {}, "a result form") +
+        named = "is not a result form" if faults.full else _not_a_member(key, forms, {}, "a result form")
+        raise ScenarioError(f"{path}.{_shown(key)}", named +
                             f": a result is an object with one of {', '.join(forms)}")
     raise ScenarioError(path, f"has the members {', '.join(sorted(keys))}: a result has exactly one form (output, "
                         "echo, failure, error, input with then, or cases with an optional otherwise)")
@@ -241,7 +264,7 @@ def validate_scenario(
         if name not in doc:
             faults.add(f"{path}.{name}", "is required")
     for name in sorted(set(doc) - {"name", "model", *members}):
-        faults.add(f"{path}.{name}", _not_a_member(name, ("name", "model", *members), doc))
+        faults.add(f"{path}.{_shown(name)}", _not_a_member(name, ("name", "model", *members), doc))
     with faults.part():
         if "name" in doc and (not isinstance(doc["name"], str) or not doc["name"]):
             raise ScenarioError(f"{path}.name", "must be a non-empty string")
@@ -259,8 +282,9 @@ def validate_scenario(
     unsure = len(lists) < 2
     if "input" in doc:
         with faults.part():
+            given = _obj(doc["input"], f"{path}.input", ("messages",), ("options",), faults)
             try:
-                ChatInput.parse(doc["input"], f"{path}.input")
+                ChatInput.parse({k: v for k, v in given.items() if k in ("messages", "options")}, f"{path}.input")
             except InvalidInput as exc:
                 raise _at_its_path(exc, f"{path}.input") from exc
     if "model" in doc:
@@ -284,7 +308,10 @@ def validate_scenario(
             _grant(own, doc["tool_budget"], f"{path}.tool_budget", "each Tool child")
         elif tools:
             _grant(own, None, f"{path}.tool_budget", "each Tool child")
-    deferred = {t["name"] for t in checked.values() if t.get("deferred") is True}
+    # Every tool that says it is deferred (a tool at fault too: its own fault is named, not again
+    # in each tool that advertises it).
+    deferred = {t["name"] for t in tools
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("deferred", False) is not False}
     for i, tool in checked.items():
         advertises = tool.get("advertises", [])
         for j, name in enumerate(advertises if isinstance(advertises, list) else []):
@@ -306,14 +333,19 @@ def validate_scenario(
         raise ScenarioError(path, exc.message) from exc
 
 
+MESSAGE_MEMBERS = ("content", "tool_calls", "role")
+
+
 def _check_response(response: Any, where: str, faults: _Faults) -> None:
     """One scripted model response (``$.model.responses[i]``)."""
-    if isinstance(response, dict) and set(response) == {"error"}:
+    if isinstance(response, dict) and "error" in response:
+        _obj(response, where, ("error",), (), faults)  # an error response: other members are faults
         if not isinstance(response["error"], str):
             raise ScenarioError(f"{where}.error", "must be a string")
         return
     response = _obj(response, where, ("finish_reason", "message"), ("usage",), faults)
-    message = _obj(response["message"], f"{where}.message", (), ("content", "tool_calls", "role"), faults)
+    message = _obj(response["message"], f"{where}.message", (), MESSAGE_MEMBERS, faults)
+    message = {k: v for k, v in message.items() if k in MESSAGE_MEMBERS}  # an unknown one is a fault already
     try:
         parse_response({"message": {"role": "assistant", **message}, "finish_reason": response["finish_reason"],
                         **({"usage": response["usage"]} if "usage" in response else {})}, where)
@@ -465,7 +497,7 @@ def _side_effect_log(value: Any, path: str, base_dir: Path | None) -> str:
         if _lexically_inside(value, folder) is None:
             normal = Path(os.path.normpath(value if os.path.isabs(value) else os.path.join(folder, value)))
             if normal in (folder, _CONFINEMENT.given):
-                raise ScenarioError(path, f"{value!r} is this server's --side-effect-dir itself; give the path of a "
+                raise ScenarioError(path, f"{value!r} is this server's --side-effect-dir itself: give the path of a "
                                     "file inside it to append to")
             raise ScenarioError(path, f"{value!r} is outside this server's --side-effect-dir {str(folder)!r}")
     log = Path(value)
