@@ -131,6 +131,11 @@ MISTAKES: dict[str, tuple[Decide, Any, str, str, str]] = {
     "an Effect built directly with NaN in its payload": (
         lambda s, w: Step(len(w), Continue((Effect(Target.DISPATCHER, {"amount": float("nan")}),)), {"n": 2}),
         None, "execution.effect.invalid", "contract", "non-finite number"),
+    # Nothing else exercised the capability check (a review found it could be dropped unseen).
+    "an Effect requiring a capability the process does not hold": (
+        lambda s, w: Step(len(w), Continue((dispatcher_effect({"charge": 2}),)), {"n": 2}),
+        lambda e: EffectPolicy(required_capabilities=("payments",) if e.payload.get("charge") == 2 else ()),
+        "engine.capability.denied", "contract", "effect requires capabilities ['payments'] the process does not hold"),
     "an Effect whose target is a string": (
         lambda s, w: Step(len(w), Continue((Effect("dispatcher", {}),)), {"n": 2}),  # type: ignore[arg-type]
         None, "execution.effect.invalid", "contract", "an Effect's target is a Target, not 'dispatcher'"),
@@ -554,3 +559,25 @@ def test_a_schema_whose_refs_form_a_dag_checks_a_value_in_linear_work(monkeypatc
     assert json_schema.schema_errors(5, schema) == ["$: matches none of anyOf"]
     assert json_schema.schema_errors("fine", schema) == []
     assert len(checked) < 10 * depth
+
+
+def test_an_effect_requiring_a_capability_the_process_holds_runs(store_url: str, tmp_path: Path) -> None:
+    log = CallLog(tmp_path / "calls.jsonl")
+
+    def second(state: Any, window: Sequence[Signal]) -> Step:
+        if state["n"] == 1:
+            return Step(len(window), Continue((dispatcher_effect({"charge": 2}),)), {"n": 2})
+        return Step(len(window), Complete({"ok": True}), {"n": 3})
+
+    policy = lambda e: EffectPolicy(required_capabilities=("payments",) if e.payload.get("charge") == 2 else ())  # noqa: E731
+    program = _program("mistake.capable", second, log, policy=policy)
+    store = EventStore(store_url)
+    try:
+        with Runtime(store, Catalog([program])) as runtime:
+            handle = runtime.start(program, {}, start_id="capable", capabilities=("payments",))
+            assert handle.result(timeout=30).status == "completed"
+        declared = [e for e in _kinds(store, handle.tree_id) if isinstance(e, EffectDeclared)]
+        assert [d.capabilities for d in declared] == [(), ("payments",)]
+        assert len(log.calls()) == 2
+    finally:
+        store.close()
