@@ -16,7 +16,7 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import FunctionDispatcher
-from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.errors import Rejected
 from agentfold.domain.events import ControlRequested, EffectDispatched, EffectResolved, EffectSettled, TreeLimits
@@ -197,9 +197,11 @@ def test_a_cancel_nobody_carried_out_is_progress_for_recovery_not_a_parked_run(d
 
 def test_an_ended_run_whose_index_row_says_parked_is_not_taken_over(durable_store_url: str) -> None:
     # The index row is what recovery and the orphan scan list from; one that was behind the
-    # history (edited, or written by a writer that ended the run after it was read) must not
-    # make a runtime append a WriterActivated to a history whose every Process ended (a release
-    # before 2026-12-05 did: an ended run has no writer to activate).
+    # history (edited by hand: every writer stores the row with its events) must not make a
+    # runtime append a WriterActivated to a history whose every Process ended (a release
+    # before 2026-12-05 did: an ended run has no writer to activate). Since an auditor's walk
+    # (2026-12-05) a load refuses such a row (index.row_mismatch): the next append would have
+    # rewritten it, and the evidence with it.
     program = chain_program(lambda request, context: Settlement.succeeded({"value": 1}), name="ending.chain")
     store = EventStore(durable_store_url)
     try:
@@ -212,11 +214,12 @@ def test_an_ended_run_whose_index_row_says_parked_is_not_taken_over(durable_stor
             (str(handle.tree_id),),
         )
         with Runtime(store, Catalog([program])) as recovering:
-            # Asked for by name, it is what a finished run gives: its handle (nothing to drive).
-            assert [h.tree_id for h in recovering.recover(str(handle.tree_id))] == [handle.tree_id]
-            assert recovering.recover() == []
+            with pytest.raises(CorruptStream) as corrupt:
+                recovering.recover(str(handle.tree_id))
+            assert (corrupt.value.rule, corrupt.value.position) == ("index.row_mismatch", before)
+            assert "the tree index's status is 'running'; the fold at position" in corrupt.value.message
+            assert recovering.recover() == []  # left alone, logged
             assert recovering.recover(if_needed=True) == []
-            assert recovering.capture(handle.tree_id).root.status == "completed"
         assert len(store.read(handle.tree_id)) == before
     finally:
         store.close()

@@ -9,6 +9,7 @@ row's bytes alone would not see. Then the store is opened as a user would: ``Eve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -331,3 +332,46 @@ def test_a_load_up_to_no_position_is_refused_before_reading(tmp_path: Path, upto
         assert store.load(handle.tree_id, upto=1).state.version == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("edit", [
+    "status = 'completed', classification = 'terminal'",
+    "unknown_effect_ids = '[]'",
+    "start_id = 'evil'",
+])
+def test_a_hand_edited_index_row_is_refused_by_every_load_and_keeps_its_evidence(
+    durable_store_url: str, tmp_path: Path, edit: str
+) -> None:
+    # Found by an auditor's walk: `audit verify` reported the row (index.row_mismatch), but
+    # loads checked only its version and head digest; `resolve` and `recover` drove the run on
+    # and their append rewrote the row, after which `audit verify` said OK.
+    tree_id, log, program, last = parked_in_flight(durable_store_url, tmp_path)
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+            assert runtime.recover(str(tree_id))  # the call in flight becomes unknown: a parked run
+        last = len(store.read(tree_id))
+        assert store.head(tree_id).unknown_effect_ids
+        sql = Sql(durable_store_url)
+        sql._run(f"UPDATE agentfold_trees SET {edit} WHERE tree_id = ?", (str(tree_id),))
+        before = (sql.raw_rows(tree_id), sql.head(tree_id))
+        with pytest.raises(CorruptStream) as loaded:
+            store.load(tree_id)
+        assert (loaded.value.rule, loaded.value.position) == ("index.row_mismatch", last)
+        assert "the row was changed by hand" in loaded.value.message
+        (unknown,) = store.read(tree_id)[-1].event.effect_id,  # the call's unknown settlement
+        with Runtime(store, Catalog([program]), poll_interval=0) as runtime:
+            with contextlib.suppress(CorruptStream):  # refused, or (a row saying terminal) nothing to drive
+                runtime.recover(str(tree_id))
+            with pytest.raises(CorruptStream):
+                runtime.capture(tree_id)
+    finally:
+        store.close()
+    resolved = agentfold("resolve", unknown, "--output", '"host"', "--json", store=durable_store_url)
+    assert resolved.code != 0, resolved
+    shown = agentfold("show", str(tree_id), "--json", store=durable_store_url)
+    assert shown.code == 1 and shown.error()["detail"]["rule"] == "index.row_mismatch", shown
+    assert log.count() == 3  # nothing called again
+    assert (sql.raw_rows(tree_id), sql.head(tree_id)) == before  # the evidence is intact
+    verified = agentfold("audit", "verify", str(tree_id), "--json", store=durable_store_url)
+    assert verified.code == 1 and "index.row_mismatch" in verified.stdout

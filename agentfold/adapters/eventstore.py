@@ -179,6 +179,30 @@ class VersionConflict(Rejected):
         self.expected = expected
 
 
+def row_state(tree: TreeState) -> tuple[str, str, tuple[str, ...]]:
+    """The ``status``, ``classification`` and ``unknown_effect_ids`` an ``agentfold_trees`` row
+    holds for a folded tree (every writer stores these; loads check them)."""
+    return tree.root.status, tree.classification(), tuple(sorted(tree.unknown_ids))
+
+
+def row_disagreement(row: TreeHead, tree: TreeState) -> str | None:
+    """How an ``agentfold_trees`` row at the tree's version disagrees with the fold there, if
+    it does. A row an earlier release stored ``parked`` where the fold now says ``progress``
+    (a waiting run with an end recorded and not yet carried out: docs/audit.md) is no
+    disagreement here: ``recover`` drives such a run, which rewrites the row."""
+    root = tree.root
+    status, classification, unknown = row_state(tree)
+    if (row.classification, classification) == ("parked", "progress"):
+        classification = "parked"
+    expected = (("start_id", str(tree.start_id)), ("root_process_id", str(root.process_id)), ("program", root.program.name),
+                ("status", status), ("classification", classification), ("unknown_effect_ids", unknown))
+    for column, value in expected:
+        stored = getattr(row, column)
+        if stored != value:
+            return f"the tree index's {column} is {stored!r}; the fold at position {tree.version} gives {value!r}"
+    return None
+
+
 class CorruptStream(StoreFailure):
     """The stored history breaks a rule (digest chain or fold)."""
 
@@ -1543,19 +1567,29 @@ class EventStore:
             if again is None:
                 raise self._head_mismatch(tree_id, None, state.version, digest)
             if again.version <= state.version:  # else later appends committed too: ours is a prefix
-                self._check_anchor(tree_id, again, state.version, digest, upto)
+                self._check_anchor(tree_id, again, state, digest, upto)
         else:
-            self._check_anchor(tree_id, anchor, state.version, digest, upto)
+            self._check_anchor(tree_id, anchor, state, digest, upto)
         return LoadedTree(state, digest, snapshot_version)
 
-    def _check_anchor(self, tree_id: TreeID, anchor: TreeHead, version: int, digest: str | None, upto: int | None) -> None:
-        """A load must reach the end the index row anchors (``upto``: as far as it asked)."""
+    def _check_anchor(
+        self, tree_id: TreeID, anchor: TreeHead, state: TreeState, digest: str | None, upto: int | None
+    ) -> None:
+        """A load must reach the end the index row anchors (``upto``: as far as it asked), and
+        at that end the row must say what the fold says (``index.row_mismatch``)."""
+        version = state.version
         end = anchor.version if upto is None else min(upto, anchor.version)
         if version < end:
             raise self._head_mismatch(tree_id, (anchor.version, anchor.head_digest), version, digest)
         if version == anchor.version:
             if digest != anchor.head_digest:
                 raise self._head_mismatch(tree_id, (anchor.version, anchor.head_digest), version, digest)
+            disagreement = row_disagreement(anchor, state)
+            if disagreement is not None:
+                # A row changed by hand (every writer stores the fold's values): driven on, the
+                # next append would rewrite it and the evidence would be gone.
+                raise CorruptStream(tree_id, version, "index.row_mismatch", disagreement + ": the row was changed "
+                                    "by hand; agentfold neither drives nor shows the tree from it")
         elif version > anchor.version:
             # Appended after the row was read (an append writes its events and the row in one
             # transaction), or events added past the row's end by hand: the row read again

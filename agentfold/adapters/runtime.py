@@ -40,7 +40,7 @@ from eventsourcing.persistence import PersistenceError
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES
 from agentfold.adapters.dispatch import DispatchCancelled, DispatchContext, TimerDispatcher
-from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict
+from agentfold.adapters.eventstore import CorruptStream, EventStore, LoadedTree, VersionConflict, row_state
 from agentfold.adapters.metrics import APPEND_BUCKETS, Counter, Histogram
 from agentfold.adapters.recorders import TreeHead
 from agentfold.domain.budget import Budget
@@ -3147,7 +3147,7 @@ def index_head(
     its ``row_state`` is ``stored``, the state the row holds now."""
     root = tree.root
     assert tree.start_id is not None
-    status, classification, unknown = root.status, tree.classification(), tuple(sorted(tree.unknown_ids))
+    status, classification, unknown = row_state(tree)
     return TreeHead(
         tree_id=tree_id,
         start_id=tree.start_id,
