@@ -33,7 +33,10 @@ def pause_after(store: EventStore, tree_id: Any, program: Any, last: int) -> tup
     """The tree as loaded, a host's pause to append after its ``last`` event, and that append's index row."""
     whole = store.load(tree_id, Catalog([program]).resolve)
     pause = ControlRequested(process_id=whole.state.root.process_id, control="pause", reason="hold")
-    return whole, pause, index_head(whole.state, tree_id, [pause], NOW, version=last + 1)
+    # The row as a writer stores it: of the tree with the pause applied (loads compare it with the fold).
+    ahead = store.load(tree_id, Catalog([program]).resolve).state
+    ahead.apply(pause)
+    return whole, pause, index_head(ahead, tree_id, [pause], NOW)
 
 
 def test_a_retry_after_a_lost_reply_is_acknowledged_with_the_same_digest_and_writes_nothing(

@@ -197,8 +197,8 @@ def unknown_effect_tree(store: EventStore, effect_id: EffectID, *, listing_hint:
     tree_id = store.tree_of_unknown_effect(effect_id)
     if tree_id is None:
         raise NotFound("engine.effect.not_pending", f"effect {effect_id} is not an unknown effect of any tree in {where}",
-                       hint=f"{listing_hint}; the effect is looked up in the tree index: if its run still shows it "
-                       "unknown, the run's index row was damaged (`agentfold audit verify` names it)")
+                       hint=f"{listing_hint} (the effect is looked up in the tree index: a run whose index row was "
+                       "damaged is not found by it, and reading that run is refused as store.corrupt)")
     return tree_id
 
 
