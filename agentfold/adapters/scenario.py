@@ -126,6 +126,20 @@ def _obj(
     a missing one (or no object at all) is raised: its parts are not looked into."""
     if not isinstance(value, dict):
         raise ScenarioError(path, "must be an object")
+    missing, unknown = _member_faults(value, path, required, optional, faults)
+    if missing or (unknown and faults is None):
+        (first, message), *more = missing + unknown
+        raise ScenarioError(first, message, more=more)
+    for where, message in unknown:
+        faults.add(where, message)  # type: ignore[union-attr]  # None raised above
+    return value
+
+
+def _member_faults(
+    value: dict[str, Any], path: str, required: Sequence[str], optional: Sequence[str], faults: _Faults | None
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The members of object ``value`` that are missing, and those that are unknown (the first
+    few with the member each may be a misspelling of, while ``faults`` lists more)."""
     allowed = (*required, *optional)
     missing = [(f"{path}.{name}", "is required") for name in required if name not in value]
     unknown = [
@@ -133,12 +147,7 @@ def _obj(
          else "is not a scenario member")
         for i, name in enumerate(sorted(set(value) - set(allowed)))
     ]
-    if missing or (unknown and faults is None):
-        (first, message), *more = missing + unknown
-        raise ScenarioError(first, message, more=more)
-    for where, message in unknown:
-        faults.add(where, message)  # type: ignore[union-attr]  # None raised above
-    return value
+    return missing, unknown
 
 
 def _shown(name: str) -> str:
@@ -236,10 +245,14 @@ def _check_result(value: Any, path: str, faults: _Faults, *, answer_allowed: boo
                         "echo, failure, error, input with then, or cases with an optional otherwise)")
 
 
+SCENARIO_MEMBERS = ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget")
+
+
 def validate_scenario(
     doc: Any, path: str = "$", base_dir: Path | None = None, budget: Budget | None = None
 ) -> dict[str, Any]:
     """Validate a scenario document; return its normalized form (side_effect_log made absolute).
+    ``path`` other than ``$`` is a nested scenario's, inside a document normalized already.
 
     Every part is checked (each model response, tool, Delegate, nested scenario, the limits,
     ...) and one ``scenario.invalid`` names all the faults found, the first as its ``path``.
@@ -252,19 +265,19 @@ def validate_scenario(
     if not isinstance(doc, dict):
         raise ScenarioError(path, "must be an object")
     if path == "$":
-        # A value that is no JSON (a lone surrogate, a NaN: a Python caller's document) would
-        # break a check below with a bare TypeError: refused first, with where it lies.
+        # Normalized first (a fresh copy: the caller's document is not changed), once for the
+        # whole document with its nested scenarios: a value that is no JSON (a lone surrogate,
+        # a NaN: a Python caller's document) would break a check below with a bare TypeError.
         try:
-            normalize(doc, what="scenario")
+            doc = normalize(doc, what="scenario")
         except InvalidInput as exc:
             raise ScenarioError(path, exc.message) from exc
+        assert isinstance(doc, dict)
     faults = _Faults()
-    members = ("input", "tools", "delegates", "limits", "side_effect_log", "description", "tool_budget")
-    for name in ("name", "model"):
-        if name not in doc:
-            faults.add(f"{path}.{name}", "is required")
-    for name in sorted(set(doc) - {"name", "model", *members}):
-        faults.add(f"{path}.{_shown(name)}", _not_a_member(name, ("name", "model", *members), doc))
+    # Unlike a part's, the document's own missing members stop nothing: the rest is checked.
+    missing, unknown = _member_faults(doc, path, ("name", "model"), SCENARIO_MEMBERS, faults)
+    for where, message in missing + unknown:
+        faults.add(where, message)
     with faults.part():
         if "name" in doc and (not isinstance(doc["name"], str) or not doc["name"]):
             raise ScenarioError(f"{path}.name", "must be a non-empty string")
@@ -327,10 +340,7 @@ def validate_scenario(
         with faults.part():
             doc = {**doc, "side_effect_log": _side_effect_log(doc["side_effect_log"], f"{path}.side_effect_log", base_dir)}
     faults.refuse()
-    try:
-        return normalize(doc, what="scenario")  # type: ignore[no-any-return]
-    except InvalidInput as exc:
-        raise ScenarioError(path, exc.message) from exc
+    return doc  # type: ignore[no-any-return]
 
 
 MESSAGE_MEMBERS = ("content", "tool_calls", "role")
