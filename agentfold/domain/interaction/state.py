@@ -11,12 +11,13 @@ the two cannot disagree.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import ClassifiedError, FailureKind, recorded_text
+from agentfold.domain.frozen import replace
 from agentfold.domain.interaction.chat import (
     ToolCall,
     ToolResult,

@@ -11,11 +11,12 @@ new EffectID). A failed settlement (host failure before any work) fails the chil
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from agentfold.domain.canonical import JSON, MAX_TOOL_INPUT_BYTES, canonical_bytes
 from agentfold.domain.errors import ClassifiedError, Failure, FailureKind, recorded_text
+from agentfold.domain.frozen import replace
 from agentfold.domain.interaction.chat import ToolCall
 from agentfold.domain.interaction.state import (
     is_dispatch_settlement,
