@@ -28,6 +28,7 @@ import orjson
 
 from agentfold.domain.canonical import JSON, canonical_bytes, value_at
 from agentfold.domain.events import (
+    EffectDeclared,
     EffectResolved,
     EffectSettled,
     ProcessTerminated,
@@ -37,6 +38,7 @@ from agentfold.domain.events import (
     event_type,
 )
 from agentfold.domain.ids import EffectAttemptID, TreeIncarnationID
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes
 from agentfold.domain.kernel import Kernel, Progress
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import _MISSING, FAILURE_CAUSE, FoldError, ProcessState, TreeState
@@ -171,13 +173,37 @@ def _inline(event: TreeEvent, settled: dict[str, JSON]) -> TreeEvent:
     return event
 
 
+def _whole_input(event: TreeEvent, tree: TreeState) -> TreeEvent:
+    """An ``EffectDeclared`` with a child's input whole: stored as its changes from an earlier
+    child's input (``input_patch``, schema version 2) or whole (older releases, or changes no
+    shorter) is a storage form, not a decision, so drift compares both whole."""
+    if not isinstance(event, EffectDeclared) or not isinstance(event.payload, dict) or INPUT_PATCH not in event.payload:
+        return event
+    process = tree.processes.get(event.process_id)
+    patch = event.payload[INPUT_PATCH]
+    base = process.child_keys.get(patch.get("base")) if process is not None and isinstance(patch, dict) else None  # type: ignore[arg-type]
+    if base is None:
+        return event
+    try:
+        value = apply_changes(tree.processes[base].input, patch.get("ops"))
+    except ValueError:
+        return event
+    whole = {k: v for k, v in event.payload.items() if k != INPUT_PATCH}
+    whole["input"] = value
+    return event.model_copy(update={"payload": whole})
+
+
 def _compare(
-    recorded: Sequence[TreeEvent], current: Sequence[TreeEvent], settled: dict[str, JSON] | None = None
+    recorded: Sequence[TreeEvent], current: Sequence[TreeEvent], settled: dict[str, JSON] | None = None,
+    tree: TreeState | None = None,
 ) -> tuple[int, str] | None:
     """(offset, path) of the first recorded event the current decision does not reproduce."""
     if settled is not None:
         recorded = [_inline(e, settled) for e in recorded]
         current = [_inline(e, settled) for e in current]
+    if tree is not None:
+        recorded = [_whole_input(e, tree) for e in recorded]
+        current = [_whole_input(e, tree) for e in current]
     for offset, expected in enumerate(current):
         if offset >= len(recorded):
             return offset, f"{event_type(expected)} (missing from the history)"
@@ -227,7 +253,7 @@ def find_drift(
                 current = probe.decision(process)
                 recorded = [e for _, e in records[index : index + len(current)]]
                 decisions += 1
-                found = _compare(recorded, current, settled)
+                found = _compare(recorded, current, settled, tree)
                 if found is not None:
                     offset, path = found
                     return DriftReport(

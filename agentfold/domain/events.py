@@ -322,14 +322,20 @@ def event_type(event: TreeEvent) -> str:
 #: The newest schema version of each event type that has more than version 1.
 #: ``ProcessTerminated`` 2 adds ``output_of``; a version-1 reader must refuse it (it
 #: would take the missing ``output`` for null), so the version is in the topic.
-EVENT_VERSIONS: dict[str, int] = {"ProcessTerminated": 2}
+#: ``EffectDeclared`` 2: a start-child payload may hold ``input_patch`` instead of ``input``
+#: (agentfold.domain.input_changes), which a version-1 reader would take for a null input.
+EVENT_VERSIONS: dict[str, int] = {"ProcessTerminated": 2, "EffectDeclared": 2}
 
 
 def event_version(event: TreeEvent) -> int:
     """The schema version an event is stored under: the lowest that can carry it, so an
     event without the newer fields stays byte-identical to what older releases wrote."""
-    if isinstance(event, ProcessTerminated) and event.output_of is not None:
-        return 2
+    cls = type(event)  # the event types are final (and an isinstance check on them is slow)
+    if cls is ProcessTerminated:
+        return 2 if event.output_of is not None else 1  # type: ignore[attr-defined]
+    if cls is EffectDeclared:
+        payload = event.payload  # type: ignore[attr-defined]
+        return 2 if event.target == "framework" and type(payload) is dict and "input_patch" in payload else 1  # type: ignore[attr-defined]
     return 1
 
 

@@ -67,6 +67,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
+from agentfold.domain.input_changes import INPUT_PATCH, input_changes
 from agentfold.domain.json_schema import check_schema, schema_errors
 from agentfold.domain.mailbox import check_admission
 from agentfold.domain.program import (
@@ -611,6 +612,9 @@ class Kernel:
             )
         for index, effect in enumerate(effects):
             policy = checked.policies[index]
+            payload = checked.payloads[index]
+            if effect.input_like is not None:
+                payload = self._input_as_changes(process, payload, effect.input_like)
             self._emit(
                 progress,
                 EffectDeclared.model_construct(
@@ -619,7 +623,7 @@ class Kernel:
                     step=seq,
                     index=index,
                     target=effect.target._value_,  # safe: the member's value, without Enum's Python-level property
-                    payload=checked.payloads[index],
+                    payload=payload,
                     replay=policy[0],  # type: ignore[arg-type]
                     capabilities=policy[1],
                 ),
@@ -628,6 +632,21 @@ class Kernel:
             self._terminate(progress, process, "completion", "", None, checked.output, checked.output_of)
         elif isinstance(transition, Fail):
             self._fail(progress, process, transition.failure)
+
+    def _input_as_changes(self, process: ProcessState, payload: JSON, like: object) -> JSON:
+        """A start-child payload whose input is stored as its changes from the input of the
+        earlier child ``like`` names (``Effect.input_like``), when that is shorter; else as is."""
+        if not isinstance(payload, dict) or payload.get("operation") != Operation.START_CHILD.value:
+            return payload
+        base = process.child_keys.get(like) if isinstance(like, str) else None  # type: ignore[call-overload]
+        if base is None:
+            return payload  # names no earlier child: a hint, not a rule
+        patch = input_changes(self.tree.processes[base].input, payload.get("input"), str(like))
+        if patch is None:
+            return payload
+        stored = {k: v for k, v in payload.items() if k != "input"}
+        stored[INPUT_PATCH] = patch
+        return stored
 
     def _check_step(self, process: ProcessState, program: Program, step: Step, window: int) -> _CheckedStep:
         def refuse(code: str, message: str, kind: FailureKind = FailureKind.CONTRACT) -> _StepRefused:
@@ -744,6 +763,9 @@ class Kernel:
                 op = Operation(str(payload.get("operation")))
             except ValueError:
                 raise refuse(EngineCode.EFFECT_INVALID, f"unknown framework operation {payload.get('operation')!r}") from None
+            if op is Operation.START_CHILD and INPUT_PATCH in payload:
+                raise refuse(EngineCode.EFFECT_INVALID, f"a start-child payload holds no {INPUT_PATCH}: the kernel "
+                             "writes it (give the whole input, and start_child_effect(..., input_like=key))")
             try:
                 if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
                     key = WaitKey(payload["key"])

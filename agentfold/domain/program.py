@@ -238,6 +238,10 @@ class Effect:
 
     target: Target
     payload: JSON
+    #: A start-child Effect's storage hint (``start_child_effect(..., input_like=key)``): the key
+    #: of an earlier child of the same parent whose input this child's is close to. The kernel
+    #: then stores the input as its changes from that one (agentfold.domain.input_changes).
+    input_like: str | None = None
     # Not a constructor argument: ``dataclasses.replace`` (a new payload) leaves it unset.
     _checked: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -381,9 +385,17 @@ def program_ref_of(text: Any, programs: Mapping[str, ProgramRef]) -> ProgramRef:
     return ref
 
 
-def start_child_effect(spec: ChildSpec) -> Effect:
+def start_child_effect(spec: ChildSpec, *, input_like: ChildKey | str | None = None) -> Effect:
+    """Start a child. ``input_like``: the key of an earlier child of the same parent whose
+    input this one's mostly repeats (a cumulative input, such as a team's Turn): the input is
+    then stored as its changes from that child's (``input_patch``, docs/events.md), when that
+    is shorter; what the child receives is the same either way. A key that names no earlier
+    child is ignored."""
     payload = {"operation": Operation.START_CHILD.value, **spec.to_json()}
-    return _normalized(Target.FRAMEWORK, normalize(payload, what="child input"))
+    effect = _normalized(Target.FRAMEWORK, normalize(payload, what="child input"))
+    if input_like is not None:
+        object.__setattr__(effect, "input_like", ChildKey(input_like))
+    return effect
 
 
 def host_signal_id(signal_id: str) -> SignalID:

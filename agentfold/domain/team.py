@@ -571,7 +571,10 @@ class CollaborationStrategy:
         coordinator = self.definition.coordinator
         spec = ChildSpec(ChildKey(f"{TURN_KEY_PREFIX}{number}"), coordinator.program.ref, turn,
                          coordinator.budget, coordinator.capabilities)
-        return plan.step(Continue((start_child_effect(spec),)))
+        # A Turn repeats the one before with this turn's changes: stored as those changes (each
+        # task outcome once, not again in every later Turn), the coordinator gets the same Turn.
+        like = ChildKey(f"{TURN_KEY_PREFIX}{number - 1}") if number > 1 else None
+        return plan.step(Continue((start_child_effect(spec, input_like=like),)))
 
     def _open_wait(self, plan: _Plan) -> Step:
         s = plan.state

@@ -61,6 +61,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes
 from agentfold.domain.json_schema import recorded_schema_errors
 from agentfold.domain.program import (
     Boundary,
@@ -1024,9 +1025,12 @@ class TreeState:
         process = self._process(pos, e.process_id)
         if e.effect_id != derive_effect_id(e.process_id, e.step, e.index):
             raise self.fail(pos, "effect.identity", f"effect id {e.effect_id} is not derived from its step and index")
+        payload = e.payload
+        if e.target == "framework" and isinstance(payload, dict) and INPUT_PATCH in payload:
+            payload = self._input_from_changes(pos, process, payload)
         if not process.budget.effects.allows(process.prepared_effects + process.allocated.effects, 1):
             raise self.fail(pos, "budget.effects", f"effect {e.effect_id} exceeds the effects budget")
-        reserve = 2 if e.target == "framework" and isinstance(e.payload, dict) and e.payload.get(
+        reserve = 2 if e.target == "framework" and isinstance(payload, dict) and payload.get(
             "operation"
         ) == Operation.WAIT_CHILDREN else 1
         if not process.budget.signals.allows(
@@ -1034,7 +1038,7 @@ class TreeState:
         ):
             raise self.fail(pos, "budget.signals", f"effect {e.effect_id} cannot reserve its settlement signal")
         if e.target == "framework":
-            op = e.payload.get("operation") if isinstance(e.payload, dict) else None
+            op = payload.get("operation") if isinstance(payload, dict) else None
             if op not in _OPERATIONS:
                 raise self.fail(pos, "effect.framework", f"unknown framework operation {op!r}")
             if e.replay != "never" or e.capabilities:
@@ -1043,7 +1047,7 @@ class TreeState:
                                 f"capabilities, not {e.replay!r} and {list(e.capabilities)}")
             try:
                 if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
-                    key = WaitKey(e.payload["key"])
+                    key = WaitKey(payload["key"])
                     freed_step, freed = process.freed_wait_keys
                     if key in process.open_wait_keys or (freed_step == e.step and key in freed) or any(
                         r.step == e.step and r.operation in (Operation.WAIT, Operation.WAIT_CHILDREN)
@@ -1052,7 +1056,7 @@ class TreeState:
                         # Effect of the same Step (the kernel refuses all three)
                         raise ValueError(f"wait key {key} is already open")
                 if op == Operation.WAIT_CHILDREN:
-                    spec = ChildWaitSpec.from_json(e.payload)
+                    spec = ChildWaitSpec.from_json(payload)
                     for cid in spec.children:
                         child = self.processes.get(cid)
                         if child is None or child.parent_id != process.process_id:
@@ -1061,7 +1065,7 @@ class TreeState:
                     # The shapes the kernel's Step check admits, which settling them relies on: a
                     # history holding another (a forged import) is refused here, not met by every
                     # recovery of the store as a KeyError.
-                    check_child_operation(Operation(op), e.payload, self.bound, reason=_text)
+                    check_child_operation(Operation(op), payload, self.bound, reason=_text)
             except Exception as exc:
                 raise self.fail(pos, "effect.framework", f"invalid {op} effect: {exc}") from exc
         elif e.capabilities and not set(e.capabilities) <= set(process.capabilities):
@@ -1069,7 +1073,7 @@ class TreeState:
             # would have the call made with capabilities its Process never held.
             raise self.fail(pos, "effect.capabilities", f"effect {e.effect_id} requires capabilities "
                             f"{sorted(set(e.capabilities) - set(process.capabilities))} its process does not hold")
-        record = EffectRecord(e.effect_id, e.step, e.index, e.target, e.payload, e.replay, tuple(e.capabilities))
+        record = EffectRecord(e.effect_id, e.step, e.index, e.target, payload, e.replay, tuple(e.capabilities))
         process.batch.append(record)
         process.batch_index[e.effect_id] = record
         process.prepared_effects += 1
@@ -1079,6 +1083,26 @@ class TreeState:
         self._expect = ("declare", e.process_id, e.step, e.index + 1) if remaining else None
         if not remaining:
             self._settle_implicit(process)
+
+    def _input_from_changes(self, pos: int, process: ProcessState, payload: dict[str, Any]) -> dict[str, Any]:
+        """A start-child payload with its input rebuilt from ``input_patch`` (the changes from an
+        earlier child's input: agentfold.domain.input_changes)."""
+        patch = payload[INPUT_PATCH]
+        if payload.get("operation") != Operation.START_CHILD or "input" in payload:
+            raise self.fail(pos, "effect.input_patch", f"only a start-child effect without an input holds {INPUT_PATCH}")
+        if not isinstance(patch, dict) or set(patch) != {"base", "ops"} or not isinstance(patch["base"], str):
+            raise self.fail(pos, "effect.input_patch", f"{INPUT_PATCH} is an object with exactly base (a child key) and ops")
+        base = process.child_keys.get(patch["base"])  # type: ignore[call-overload]
+        if base is None:
+            raise self.fail(pos, "effect.input_patch",
+                            f"its base {patch['base']!r} is not a child {process.process_id} started before")
+        try:
+            value = apply_changes(self.processes[base].input, patch["ops"])
+        except ValueError as exc:
+            raise self.fail(pos, "effect.input_patch", f"its changes do not apply to {patch['base']}'s input: {exc}") from exc
+        resolved = {k: v for k, v in payload.items() if k != INPUT_PATCH}
+        resolved["input"] = value
+        return resolved
 
     # EffectDispatched -------------------------------------------------------
 

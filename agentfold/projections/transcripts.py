@@ -50,8 +50,10 @@ Envelope = Mapping[str, Any]
 
 SCHEMA_VERSION = 1
 #: The newest schema version this builder knows per event type (others: 1). Version 2 of
-#: ``ProcessTerminated`` may carry ``output_of`` instead of ``output`` (docs/events.md).
-SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2}
+#: ``ProcessTerminated`` may carry ``output_of`` instead of ``output``; version 2 of
+#: ``EffectDeclared`` a child start's ``input_patch`` instead of its ``input`` (docs/events.md:
+#: a team's coordinator turns, which have no transcript, so the builder does not rebuild it).
+SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2, "EffectDeclared": 2}
 #: Succeeded settlements kept per live Tool or Delegate child, to resolve ``output_of``.
 SETTLED_KEPT = 4
 
