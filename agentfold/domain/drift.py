@@ -38,7 +38,7 @@ from agentfold.domain.events import (
     event_type,
 )
 from agentfold.domain.ids import EffectAttemptID, TreeIncarnationID
-from agentfold.domain.input_changes import INPUT_PATCH, apply_changes
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch
 from agentfold.domain.kernel import Kernel, Progress
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import _MISSING, FAILURE_CAUSE, FoldError, ProcessState, TreeState
@@ -177,7 +177,7 @@ def _whole_input(event: TreeEvent, tree: TreeState) -> TreeEvent:
     """An ``EffectDeclared`` with a child's input whole: stored as its changes from an earlier
     child's input (``input_patch``, schema version 2) or whole (older releases, or changes no
     shorter) is a storage form, not a decision, so drift compares both whole."""
-    if not isinstance(event, EffectDeclared) or not isinstance(event.payload, dict) or INPUT_PATCH not in event.payload:
+    if not isinstance(event, EffectDeclared) or not holds_input_patch(event.target, event.payload):
         return event
     process = tree.processes.get(event.process_id)
     patch = event.payload[INPUT_PATCH]

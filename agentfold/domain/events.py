@@ -334,8 +334,9 @@ def event_version(event: TreeEvent) -> int:
     if cls is ProcessTerminated:
         return 2 if event.output_of is not None else 1  # type: ignore[attr-defined]
     if cls is EffectDeclared:
-        payload = event.payload  # type: ignore[attr-defined]
-        return 2 if event.target == "framework" and type(payload) is dict and "input_patch" in payload else 1  # type: ignore[attr-defined]
+        from agentfold.domain.input_changes import holds_input_patch
+
+        return 2 if holds_input_patch(event.target, event.payload) else 1  # type: ignore[attr-defined]
     return 1
 
 

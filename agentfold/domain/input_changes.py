@@ -25,9 +25,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from agentfold.domain.canonical import JSON, canonical_bytes
 
 INPUT_PATCH = "input_patch"
+
+
+def holds_input_patch(target: Any, payload: Any) -> bool:
+    """Whether an ``EffectDeclared`` stores its child's input as changes (schema version 2): a
+    framework ``start_child`` payload with ``input_patch`` and without ``input``. Any other
+    payload holding an ``input_patch`` member is what older releases stored too (a framework
+    payload's unknown members were kept, unread): read as it always was."""
+    return (
+        target == "framework"
+        and type(payload) is dict
+        and INPUT_PATCH in payload
+        and "input" not in payload
+        and payload.get("operation") == "start_child"
+    )
 
 
 def input_changes(base: JSON, new: JSON, base_key: str) -> dict[str, JSON] | None:
@@ -69,9 +85,10 @@ def _diff(old: Any, new: Any, path: list[JSON], ops: list[JSON]) -> None:
 
 
 def apply_changes(base: JSON, ops: Any) -> JSON:
-    """``base`` with ``ops`` applied (``base`` itself is left unchanged: every array and
-    object on an op's path is copied once). Raises ``ValueError`` naming the first op that
-    is not one or does not apply."""
+    """``base`` with ``ops`` applied, as a value of its own in canonical form (object members
+    in key order, nothing shared with ``base`` or ``ops``): what decoding the stored input
+    would give. ``base`` is left unchanged (every array and object on an op's path is copied
+    once). Raises ``ValueError`` naming the first op that is not one or does not apply."""
     if not isinstance(ops, list):
         raise ValueError(f"ops must be a list, not {type(ops).__name__}")
     root: list[Any] = [base]
@@ -118,7 +135,7 @@ def apply_changes(base: JSON, ops: Any) -> JSON:
                 container[last] = op["value"]
         else:
             raise ValueError(f"op {number} does not apply at {_shown(path)}")
-    return root[0]
+    return orjson.loads(canonical_bytes(root[0]))
 
 
 def _copy(holder: Any, at: Any, copied: set[int]) -> Any:
@@ -144,4 +161,4 @@ def _shown(path: list[Any]) -> str:
     return "/" + "/".join(str(p) for p in path)
 
 
-__all__ = ["INPUT_PATCH", "apply_changes", "input_changes"]
+__all__ = ["INPUT_PATCH", "apply_changes", "holds_input_patch", "input_changes"]

@@ -613,7 +613,7 @@ class Kernel:
         for index, effect in enumerate(effects):
             policy = checked.policies[index]
             payload = checked.payloads[index]
-            if effect.input_like is not None:
+            if effect.input_like is not None and effect.target is Target.FRAMEWORK:
                 payload = self._input_as_changes(process, payload, effect.input_like)
             self._emit(
                 progress,

@@ -21,8 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 from agentfold.domain.budget import Allocation, Budget, child_debit
-from agentfold.domain.canonical import JSON, digest_of, value_at
+from agentfold.domain.canonical import JSON, canonical_bytes, digest_of, value_at
 from agentfold.domain.errors import Failure, FailureKind, recorded_text, valid_qualified_name
 from agentfold.domain.events import (
     CheckpointCommitted,
@@ -61,7 +63,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.input_changes import INPUT_PATCH, apply_changes
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch
 from agentfold.domain.json_schema import recorded_schema_errors
 from agentfold.domain.program import (
     Boundary,
@@ -751,7 +753,10 @@ class TreeState:
             raise self.fail(pos, "program.input", f"the input does not satisfy {process.program.name}'s input schema: "
                             + "; ".join(problems[:3]))
         try:
-            process.state = program.strategy.initial(process.input)
+            # A copy, as the kernel gives it (normalize): an ``initial`` that changes its input in
+            # place changes neither the Process's recorded input nor a later sibling's rebuilt
+            # from it (``input_patch``).
+            process.state = program.strategy.initial(orjson.loads(canonical_bytes(process.input)))
         except Exception as exc:
             raise self.fail(pos, "program.initial", f"{type(exc).__name__}: {recorded_text(exc)}") from exc
         process.has_state = True
@@ -1026,7 +1031,7 @@ class TreeState:
         if e.effect_id != derive_effect_id(e.process_id, e.step, e.index):
             raise self.fail(pos, "effect.identity", f"effect id {e.effect_id} is not derived from its step and index")
         payload = e.payload
-        if e.target == "framework" and isinstance(payload, dict) and INPUT_PATCH in payload:
+        if holds_input_patch(e.target, payload):
             payload = self._input_from_changes(pos, process, payload)
         if not process.budget.effects.allows(process.prepared_effects + process.allocated.effects, 1):
             raise self.fail(pos, "budget.effects", f"effect {e.effect_id} exceeds the effects budget")
@@ -1088,8 +1093,6 @@ class TreeState:
         """A start-child payload with its input rebuilt from ``input_patch`` (the changes from an
         earlier child's input: agentfold.domain.input_changes)."""
         patch = payload[INPUT_PATCH]
-        if payload.get("operation") != Operation.START_CHILD or "input" in payload:
-            raise self.fail(pos, "effect.input_patch", f"only a start-child effect without an input holds {INPUT_PATCH}")
         if not isinstance(patch, dict) or set(patch) != {"base", "ops"} or not isinstance(patch["base"], str):
             raise self.fail(pos, "effect.input_patch", f"{INPUT_PATCH} is an object with exactly base (a child key) and ops")
         base = process.child_keys.get(patch["base"])  # type: ignore[call-overload]

@@ -43,6 +43,7 @@ from typing import Any
 
 from agentfold.domain.errors import AgentfoldError
 from agentfold.domain.ids import EffectID, wait_id_for
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch
 from agentfold.domain.interaction.refs import DELEGATE_CHILD_PREFIX, TOOL_CHILD_PREFIX, delegate_child_key
 
 Entry = dict[str, Any]
@@ -51,8 +52,8 @@ Envelope = Mapping[str, Any]
 SCHEMA_VERSION = 1
 #: The newest schema version this builder knows per event type (others: 1). Version 2 of
 #: ``ProcessTerminated`` may carry ``output_of`` instead of ``output``; version 2 of
-#: ``EffectDeclared`` a child start's ``input_patch`` instead of its ``input`` (docs/events.md:
-#: a team's coordinator turns, which have no transcript, so the builder does not rebuild it).
+#: ``EffectDeclared`` a child start's ``input_patch`` instead of its ``input`` (docs/events.md),
+#: rebuilt from the last input of the same Program the parent started (``_rebuilt_input``).
 SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2, "EffectDeclared": 2}
 #: Succeeded settlements kept per live Tool or Delegate child, to resolve ``output_of``.
 SETTLED_KEPT = 4
@@ -235,6 +236,10 @@ class TreeTranscripts:
         # The last succeeded settlements of each live Process ([effect id, payload], oldest
         # first): a ProcessTerminated may refer to one for its output (``output_of``).
         self._settled: dict[str, list[list[Any]]] = s.get("settled", {})
+        # The input of the last child each live Process started of each Program ({parent:
+        # {program: [key, input]}}): a later start of the same Program may store its input as
+        # changes from it (``input_patch``).
+        self._last_inputs: dict[str, dict[str, list[Any]]] = s.get("last_inputs", {})
         self._out: list[Entry] = []
         self._env: Envelope = {}
 
@@ -250,6 +255,7 @@ class TreeTranscripts:
             "rounds": self._rounds,
             "transcripts": self.headers,
             "settled": self._settled,
+            "last_inputs": self._last_inputs,
         }
 
     # -- entry point ---------------------------------------------------------
@@ -341,7 +347,11 @@ class TreeTranscripts:
         if p.get("target") == "framework":
             operation = payload.get("operation")
             if operation == "start_child":
-                self._starts[effect_id] = {"parent": pid, "key": payload.get("key"), "input": payload.get("input")}
+                self._starts[effect_id] = {
+                    "parent": pid, "key": payload.get("key"), "program": payload.get("program"),
+                    "input": self._rebuilt_input(pid, payload) if holds_input_patch("framework", payload)
+                    else payload.get("input"),
+                }
             elif operation == "wait" and payload.get("key") == TOOL_INPUT_WAIT_KEY:
                 owner, ref = self._owner(pid)
                 if self._is_interaction(owner) and ref is not None:
@@ -365,12 +375,27 @@ class TreeTranscripts:
         elif "tool_call" in payload and self._processes.get(pid, {}).get("role") == "tool":
             self._effects[effect_id] = {"kind": "tool", "process": pid}
 
+    def _rebuilt_input(self, parent: str, payload: dict[str, Any]) -> Any:
+        """A child input stored as changes (``input_patch``) from the input of an earlier child of
+        ``parent``: rebuilt when that child is the last of its Program ``parent`` started (what
+        agentfold writes: a team's turns, each from the one before), else None."""
+        patch = payload.get(INPUT_PATCH)
+        base = patch.get("base") if isinstance(patch, dict) else None
+        for key, value in self._last_inputs.get(parent, {}).values():
+            if key == base:
+                try:
+                    return apply_changes(value, patch.get("ops"))  # type: ignore[union-attr]
+                except ValueError:
+                    return None
+        return None
+
     def _on_ProcessStarted(self, pid: str, p: dict[str, Any]) -> None:
         start = self._starts.pop(str(p.get("start_effect_id")), {})
         parent = str(p.get("parent_id"))
         key = str(start.get("key") or "")
         process: dict[str, Any] = {"parent": parent, "key": key, "role": None, "input": start.get("input")}
         self._processes[pid] = process
+        self._last_inputs.setdefault(parent, {})[str(start.get("program"))] = [key, start.get("input")]
         if not self._is_interaction(parent):
             return
         if key.startswith(TOOL_CHILD_PREFIX):
@@ -602,6 +627,7 @@ class TreeTranscripts:
             output, unresolved = self._output(pid, p)
             p = {**p, "output": output}
         self._settled.pop(pid, None)
+        self._last_inputs.pop(pid, None)
         process = self._processes.pop(pid, {})
         status = str(p.get("status"))
         ending = {k: p[k] for k in ("cause", "reason", "failure") if p.get(k) not in (None, "")}
