@@ -280,13 +280,35 @@ def test_a_topic_whose_schema_version_does_not_fit_the_declaration_is_refused() 
     v2 = events[patched[0]]
     v1 = next(e for e in events if isinstance(e, EffectDeclared) and event_version(e) == 1)
     mapper = PydanticMapper(transcoder=None)  # type: ignore[arg-type]
-    for event, tag in ((v2, "EffectDeclared"), (v1, "EffectDeclared@2"), (v1, "EffectDeclared@3")):
+    for event, tag in ((v1, "EffectDeclared@2"), (v1, "EffectDeclared@3"), (v2, "EffectDeclared@3")):
         with pytest.raises(DecodeError) as caught:
             mapper.decode("tree:00000000000000000000000000000001", _stored(event, tag), None)
         assert caught.value.rule == "stream.schema_version", str(caught.value)
     for event, tag in ((v2, "EffectDeclared@2"), (v1, "EffectDeclared")):
         decoded = mapper.decode("tree:00000000000000000000000000000001", _stored(event, tag), None)
         assert decoded.event == event
+
+
+def test_a_version_1_start_with_an_input_patch_member_and_no_input_is_read_as_earlier_releases_read_it() -> None:
+    """Before 2026-12-05 a Step's own start_child payload could hold an input_patch member and no
+    input: releases then stored it at version 1 and started the child with no input. Such a
+    history still decodes (the payload marked UnreadPatch), folds as then, and re-encodes to
+    the very bytes stored (its digest chain holds)."""
+    from agentfold.domain.input_changes import UnreadPatch
+
+    events, patched = _team_events()
+    index = patched[-1]
+    stored = _stored(events[index], "EffectDeclared")  # the same body, under a version-1 topic
+    mapper = PydanticMapper(transcoder=None)  # type: ignore[arg-type]
+    decoded = mapper.decode("tree:00000000000000000000000000000001", stored, None).event
+    assert isinstance(decoded, EffectDeclared) and type(decoded.payload) is UnreadPatch
+    assert event_version(decoded) == 1
+    assert content_bytes(event_body(decoded), "2026-01-01T00:00:00.000000Z") == content_bytes(
+        event_body(events[index]), "2026-01-01T00:00:00.000000Z")
+    old = [*events[:index], decoded, *events[index + 1:]]
+    tree = fold_tree(old)
+    child = next(p for p in tree.processes.values() if p.start_effect_id == decoded.effect_id)
+    assert child.input is None  # no input, as the releases that wrote it read it
 
 
 # -- the kernel ----------------------------------------------------------------------------------
@@ -565,3 +587,101 @@ def test_a_coordinator_that_changes_the_turn_it_is_given_changes_no_later_turn(t
                    key=lambda p: int(str(p.child_key).rsplit(".", 1)[-1]))
     assert [p.input for p in turns] == seen
     assert tree.to_json() == live.to_json()
+
+
+class _StartsThree(JsonStrategy):
+    """Starts ``a``, ``b`` and ``c`` (one per Step, same Program), ``c`` with ``input_like``
+    ``like``, and ``b`` with an extra ``payload`` member; completes once all three started."""
+
+    def __init__(self, like: str, child: Any, extra: dict[str, Any]) -> None:
+        self.like, self.child, self.extra = like, child, extra
+
+    def decide(self, state: Any, window: list[Signal]) -> Step:
+        from agentfold.domain.ids import ChildKey
+        from agentfold.domain.program import ChildSpec, Complete, start_child_effect
+
+        phase = state.get("phase", "start")
+        if phase == "start":
+            return Step(0, Continue((start_child_effect(ChildSpec(ChildKey("a"), self.child.ref, BIG)),)),
+                        {"phase": "a"})
+        if phase == "a":
+            b = start_child_effect(ChildSpec(ChildKey("b"), self.child.ref, {**BIG, "n": 2}))
+            if self.extra:
+                b = Effect(Target.FRAMEWORK, {**b.payload, **self.extra})  # type: ignore[dict-item]
+            return Step(1, Continue((b,)), {"phase": "b"})
+        if phase == "b":
+            spec = ChildSpec(ChildKey("c"), self.child.ref, {**BIG, "n": 3})
+            return Step(1, Continue((start_child_effect(spec, input_like=self.like),)), {"phase": "c"})
+        return Step(1, Complete(None), {"phase": "done"})
+
+
+@pytest.mark.parametrize(("like", "stored_as"), [("b", "changes"), ("a", "whole")])
+def test_changes_are_stored_only_from_the_last_child_of_the_same_program(like: str, stored_as: str) -> None:
+    """A consumer of the feed keeps the last child input of each Program a Process started
+    (docs/kafka.md): a hint naming an earlier one is ignored, the input stored whole."""
+    child = Program(Descriptor("once.three.child", input_schema={"type": "object"}), _Keys(), IMPL,
+                    config_digest("once.three.child"))
+    parent = Program(Descriptor(f"once.three.{like}", input_schema={"type": "object"}),
+                     _StartsThree(like, child, {}), IMPL, config_digest(f"once.three.{like}"), children=(child,))
+    store = EventStore("memory:")
+    with Runtime(store, Catalog([parent])) as runtime:
+        handle = runtime.start(parent, {}, start_id=f"three-{like}")
+        assert handle.result(timeout=30).status == "completed"
+    declared = [orjson.loads(stored_json(s.state))["event"]["payload"] for s in store.read_raw(handle.tree_id)
+                if "EffectDeclared" in s.topic]
+    third = declared[2]
+    assert ("input_patch" in third) == (stored_as == "changes"), third
+    tree = store.load(handle.tree_id).state
+    assert next(p for p in tree.processes.values() if p.child_key == "c").input == {**BIG, "n": 3}
+
+
+def test_a_step_start_with_both_an_input_and_an_input_patch_member_keeps_the_member_unread() -> None:
+    """As releases before 2026-12-05 did (the kernel refuses only a patch it would take for its own)."""
+    child = Program(Descriptor("once.both.child", input_schema={"type": "object"}), _Keys(), IMPL,
+                    config_digest("once.both.child"))
+    extra = {"input_patch": {"base": "a", "ops": [{"op": "set", "path": ["n"], "value": 99}]}}
+    parent = Program(Descriptor("once.both", input_schema={"type": "object"}), _StartsThree("nobody", child, extra),
+                     IMPL, config_digest("once.both"), children=(child,))
+    store = EventStore("memory:")
+    with Runtime(store, Catalog([parent])) as runtime:
+        handle = runtime.start(parent, {}, start_id="both")
+        assert handle.result(timeout=30).status == "completed"
+    assert TOPIC_PREFIX + "EffectDeclared@2" not in [s.topic for s in store.read_raw(handle.tree_id)]
+    tree = store.load(handle.tree_id, use_snapshot=False).state
+    assert next(p for p in tree.processes.values() if p.child_key == "b").input == {**BIG, "n": 2}
+
+
+def test_the_transcript_builder_keeps_no_turn_in_its_saved_state(tmp_path: Path) -> None:
+    """It keeps only the members it reads of the last inputs (a coordinator's Turn has none)."""
+    from agentfold.adapters.feed import envelope_of
+    from agentfold.projections.transcripts import TreeTranscripts, check_envelope
+
+    store = EventStore(f"sqlite:///{tmp_path / 'state.db'}")
+    tree_id, _ = _run(store, 12, [], name="once.state", output_bytes=1024)
+    builder = TreeTranscripts(str(tree_id))
+    largest = 0
+    for n in store.recorder.select_notifications(start=1, limit=10_000):
+        builder.apply(check_envelope(envelope_of(n)))
+        largest = max(largest, len(orjson.dumps(builder.to_json())))
+    # 12 one-KiB outputs: the last Turn alone is over 12 KB.
+    assert largest < 6_000, largest
+
+
+def test_folding_a_team_history_keeps_memory_linear_in_its_turns() -> None:
+    """The rebuilt Turns share what they repeat with the Turn before (a copy of each whole Turn
+    made a fold's memory grow with the square of the turns again)."""
+    import tracemalloc
+
+    kept = []
+    for tasks in (10, 40):
+        store = EventStore("memory:")
+        tree_id, _ = _run(store, tasks, [], name=f"once.memory{tasks}", output_bytes=1024)
+        events = [r.event for r in store.read(tree_id)]
+        tracemalloc.start()
+        try:
+            tree = fold_tree(events)
+            kept.append(tracemalloc.get_traced_memory()[0])
+        finally:
+            tracemalloc.stop()
+        assert tree.root.terminal
+    assert kept[1] < 6 * kept[0], kept  # 4x the turns: ~4x linear, ~16x quadratic

@@ -35,6 +35,7 @@ from agentfold.domain.errors import InvalidInput
 from agentfold.domain.events import (
     EVENT_TYPES,
     EVENT_VERSIONS,
+    EffectDeclared,
     TreeEvent,
     TreeStarted,
     event_body,
@@ -42,6 +43,7 @@ from agentfold.domain.events import (
     event_type,
     event_version,
 )
+from agentfold.domain.input_changes import UnreadPatch, holds_input_patch
 from agentfold.domain.integrity import SealError, chain_digest, content_bytes, seal, unseal
 
 TOPIC_PREFIX = "domain.events:"
@@ -244,6 +246,10 @@ class PydanticMapper(Mapper[uuid.UUID]):
             event = event_from_body(name, unsealed.body)
         except Exception as exc:
             raise DecodeError(position, "stream.event_invalid", f"{name}: {exc}") from exc
+        if schema_version == 1 and type(event) is EffectDeclared and holds_input_patch(event.target, event.payload):
+            # Written before 2026-12-05 by a Step whose own start_child payload held an input_patch
+            # member and no input (kept unread then): read as then, and it stays version 1.
+            event = event.model_copy(update={"payload": UnreadPatch(event.payload)})
         if event_version(event) != schema_version:
             raise DecodeError(
                 position, "stream.schema_version",

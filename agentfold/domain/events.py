@@ -32,6 +32,7 @@ from agentfold.domain.ids import (
     TreeIncarnationID,
     WaitID,
 )
+from agentfold.domain.input_changes import holds_input_patch
 from agentfold.domain.program import ProgramRef
 
 SCHEMA_VERSION = 1
@@ -334,8 +335,6 @@ def event_version(event: TreeEvent) -> int:
     if cls is ProcessTerminated:
         return 2 if event.output_of is not None else 1  # type: ignore[attr-defined]
     if cls is EffectDeclared:
-        from agentfold.domain.input_changes import holds_input_patch
-
         return 2 if holds_input_patch(event.target, event.payload) else 1  # type: ignore[attr-defined]
     return 1
 

@@ -25,18 +25,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from agentfold.domain.canonical import JSON, canonical_bytes
 
 INPUT_PATCH = "input_patch"
+
+
+class UnreadPatch(dict[str, Any]):
+    """A version-1 ``start_child`` payload that happens to hold an ``input_patch`` member and no
+    ``input`` (a Step's own member, before 2026-12-05, which releases then kept unread): decoded
+    as this type, it is read as it was then (no input), and stays version 1."""
 
 
 def holds_input_patch(target: Any, payload: Any) -> bool:
     """Whether an ``EffectDeclared`` stores its child's input as changes (schema version 2): a
     framework ``start_child`` payload with ``input_patch`` and without ``input``. Any other
     payload holding an ``input_patch`` member is what older releases stored too (a framework
-    payload's unknown members were kept, unread): read as it always was."""
+    payload's unknown members were kept, unread): read as it always was. The decoder marks a
+    version-1 payload of this shape as :class:`UnreadPatch` (not a ``dict`` here)."""
     return (
         target == "framework"
         and type(payload) is dict
@@ -85,14 +90,15 @@ def _diff(old: Any, new: Any, path: list[JSON], ops: list[JSON]) -> None:
 
 
 def apply_changes(base: JSON, ops: Any) -> JSON:
-    """``base`` with ``ops`` applied, as a value of its own in canonical form (object members
-    in key order, nothing shared with ``base`` or ``ops``): what decoding the stored input
-    would give. ``base`` is left unchanged (every array and object on an op's path is copied
-    once). Raises ``ValueError`` naming the first op that is not one or does not apply."""
+    """``base`` with ``ops`` applied, its objects' members in key order (as decoding the stored
+    input would give them). ``base`` is left unchanged: every array and object on an op's path
+    is copied once, and what no op touches is shared with it (a Turn repeats the one before:
+    copying it all made folding a team's history quadratic again). Raises ``ValueError``
+    naming the first op that is not one or does not apply."""
     if not isinstance(ops, list):
         raise ValueError(f"ops must be a list, not {type(ops).__name__}")
     root: list[Any] = [base]
-    copied: set[int] = set()
+    copied: dict[int, Any] = {}  # the containers this apply copied (and may change), by id
     for number, op in enumerate(ops):
         if not isinstance(op, dict) or not isinstance(op.get("path"), list):
             raise ValueError(f"op {number} is not an object with a path list")
@@ -117,7 +123,6 @@ def apply_changes(base: JSON, ops: Any) -> JSON:
             if kind == "drop":
                 raise ValueError(f"op {number} drops the whole input")
             root[0] = op["value"]
-            copied.clear()
             continue
         container = _copy(holder, at, copied)
         last = path[-1]
@@ -135,20 +140,25 @@ def apply_changes(base: JSON, ops: Any) -> JSON:
                 container[last] = op["value"]
         else:
             raise ValueError(f"op {number} does not apply at {_shown(path)}")
-    return orjson.loads(canonical_bytes(root[0]))
+    for container in copied.values():
+        if isinstance(container, dict) and list(container) != sorted(container):
+            ordered = sorted(container.items())
+            container.clear()
+            container.update(ordered)
+    return root[0]
 
 
-def _copy(holder: Any, at: Any, copied: set[int]) -> Any:
+def _copy(holder: Any, at: Any, copied: dict[int, Any]) -> Any:
     """The container at ``holder[at]``, replaced there by a copy the first time this apply meets it."""
     value = holder[at]
     if isinstance(value, (dict, list)) and id(value) not in copied:
         value = dict(value) if isinstance(value, dict) else list(value)
         holder[at] = value
-        copied.add(id(value))
+        copied[id(value)] = value
     return value
 
 
-def _enter(holder: Any, at: Any, step: Any, copied: set[int], number: int) -> tuple[Any, Any]:
+def _enter(holder: Any, at: Any, step: Any, copied: dict[int, Any], number: int) -> tuple[Any, Any]:
     container = _copy(holder, at, copied)
     if isinstance(container, dict) and type(step) is str and step in container:
         return container, step
@@ -161,4 +171,4 @@ def _shown(path: list[Any]) -> str:
     return "/" + "/".join(str(p) for p in path)
 
 
-__all__ = ["INPUT_PATCH", "apply_changes", "holds_input_patch", "input_changes"]
+__all__ = ["INPUT_PATCH", "UnreadPatch", "apply_changes", "holds_input_patch", "input_changes"]

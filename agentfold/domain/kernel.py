@@ -67,7 +67,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.input_changes import INPUT_PATCH, input_changes
+from agentfold.domain.input_changes import INPUT_PATCH, holds_input_patch, input_changes
 from agentfold.domain.json_schema import check_schema, schema_errors
 from agentfold.domain.mailbox import check_admission
 from agentfold.domain.program import (
@@ -638,10 +638,17 @@ class Kernel:
         earlier child ``like`` names (``Effect.input_like``), when that is shorter; else as is."""
         if not isinstance(payload, dict) or payload.get("operation") != Operation.START_CHILD.value:
             return payload
-        base = process.child_keys.get(like) if isinstance(like, str) else None  # type: ignore[call-overload]
+        # Only from the last child of the same Program this Process started (what a consumer of
+        # the feed keeps to rebuild it: docs/kafka.md); any other hint is ignored (a hint, not a rule).
+        base = None
+        for cid in reversed(process.children):
+            child = self.tree.processes[cid]
+            if str(child.program) == payload.get("program"):
+                base = child if child.child_key == like else None
+                break
         if base is None:
-            return payload  # names no earlier child: a hint, not a rule
-        patch = input_changes(self.tree.processes[base].input, payload.get("input"), str(like))
+            return payload
+        patch = input_changes(base.input, payload.get("input"), str(like))
         if patch is None:
             return payload
         stored = {k: v for k, v in payload.items() if k != "input"}
@@ -763,9 +770,9 @@ class Kernel:
                 op = Operation(str(payload.get("operation")))
             except ValueError:
                 raise refuse(EngineCode.EFFECT_INVALID, f"unknown framework operation {payload.get('operation')!r}") from None
-            if op is Operation.START_CHILD and INPUT_PATCH in payload:
-                raise refuse(EngineCode.EFFECT_INVALID, f"a start-child payload holds no {INPUT_PATCH}: the kernel "
-                             "writes it (give the whole input, and start_child_effect(..., input_like=key))")
+            if op is Operation.START_CHILD and holds_input_patch("framework", payload):
+                raise refuse(EngineCode.EFFECT_INVALID, f"a start-child payload without an input holds no {INPUT_PATCH}: "
+                             "the kernel writes it (give the whole input, and start_child_effect(..., input_like=key))")
             try:
                 if op in (Operation.WAIT, Operation.WAIT_CHILDREN):
                     key = WaitKey(payload["key"])

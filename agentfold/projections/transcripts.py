@@ -59,6 +59,16 @@ SCHEMA_VERSIONS: dict[str, int] = {"ProcessTerminated": 2, "EffectDeclared": 2}
 SETTLED_KEPT = 4
 
 
+#: The members of a child's input the builder reads: an Interaction's ``messages``, a Tool
+#: child's ``call``. Only these are kept to rebuild a later input stored as changes (a team's
+#: Turns, which have neither, are not kept whole in the builder's saved state).
+READ_MEMBERS = ("messages", "call")
+
+
+def _read_members(value: Any) -> Any:
+    return {k: value[k] for k in READ_MEMBERS if k in value} if isinstance(value, dict) else None
+
+
 def supported_version(type_name: Any, version: Any) -> bool:
     return isinstance(version, int) and 1 <= version <= SCHEMA_VERSIONS.get(str(type_name), 1)
 ENVELOPE_MEMBERS = (
@@ -349,7 +359,8 @@ class TreeTranscripts:
             if operation == "start_child":
                 self._starts[effect_id] = {
                     "parent": pid, "key": payload.get("key"), "program": payload.get("program"),
-                    "input": self._rebuilt_input(pid, payload) if holds_input_patch("framework", payload)
+                    "input": self._rebuilt_input(pid, payload)
+                    if self._env.get("schema_version") == 2 and holds_input_patch("framework", payload)
                     else payload.get("input"),
                 }
             elif operation == "wait" and payload.get("key") == TOOL_INPUT_WAIT_KEY:
@@ -381,10 +392,14 @@ class TreeTranscripts:
         agentfold writes: a team's turns, each from the one before), else None."""
         patch = payload.get(INPUT_PATCH)
         base = patch.get("base") if isinstance(patch, dict) else None
+        ops = patch.get("ops") if isinstance(patch, dict) else None
         for key, value in self._last_inputs.get(parent, {}).values():
-            if key == base:
+            if key == base and isinstance(ops, list):
+                # Only the members the builder reads are kept (``_read_members``), and the ops on them.
+                read = [op for op in ops if isinstance(op, dict) and isinstance(op.get("path"), list)
+                        and (not op["path"] or op["path"][0] in READ_MEMBERS)]
                 try:
-                    return apply_changes(value, patch.get("ops"))  # type: ignore[union-attr]
+                    return _read_members(apply_changes(value, read))
                 except ValueError:
                     return None
         return None
@@ -395,7 +410,7 @@ class TreeTranscripts:
         key = str(start.get("key") or "")
         process: dict[str, Any] = {"parent": parent, "key": key, "role": None, "input": start.get("input")}
         self._processes[pid] = process
-        self._last_inputs.setdefault(parent, {})[str(start.get("program"))] = [key, start.get("input")]
+        self._last_inputs.setdefault(parent, {})[str(start.get("program"))] = [key, _read_members(start.get("input"))]
         if not self._is_interaction(parent):
             return
         if key.startswith(TOOL_CHILD_PREFIX):
