@@ -38,7 +38,7 @@ from agentfold.domain.events import (
     event_type,
 )
 from agentfold.domain.ids import EffectAttemptID, TreeIncarnationID
-from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch
+from agentfold.domain.input_changes import INPUT_PATCH, holds_input_patch, with_whole_input
 from agentfold.domain.kernel import Kernel, Progress
 from agentfold.domain.program import ProgramResolver
 from agentfold.domain.tree import _MISSING, FAILURE_CAUSE, FoldError, ProcessState, TreeState
@@ -185,12 +185,9 @@ def _whole_input(event: TreeEvent, tree: TreeState) -> TreeEvent:
     if base is None:
         return event
     try:
-        value = apply_changes(tree.processes[base].input, patch.get("ops"))
+        return event.model_copy(update={"payload": with_whole_input(event.payload, tree.processes[base].input)})
     except ValueError:
         return event
-    whole = {k: v for k, v in event.payload.items() if k != INPUT_PATCH}
-    whole["input"] = value
-    return event.model_copy(update={"payload": whole})
 
 
 def _compare(

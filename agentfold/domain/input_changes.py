@@ -148,6 +148,15 @@ def apply_changes(base: JSON, ops: Any) -> JSON:
     return root[0]
 
 
+def with_whole_input(payload: dict[str, Any], base_input: JSON) -> dict[str, Any]:
+    """A start-child payload holding ``input_patch``, with ``input`` rebuilt from ``base_input``
+    (the input of the child its ``base`` names) in its place. Raises ``ValueError`` as
+    :func:`apply_changes` does."""
+    whole = {k: v for k, v in payload.items() if k != INPUT_PATCH}
+    whole["input"] = apply_changes(base_input, payload[INPUT_PATCH].get("ops"))
+    return whole
+
+
 def _copy(holder: Any, at: Any, copied: dict[int, Any]) -> Any:
     """The container at ``holder[at]``, replaced there by a copy the first time this apply meets it."""
     value = holder[at]
@@ -171,4 +180,4 @@ def _shown(path: list[Any]) -> str:
     return "/" + "/".join(str(p) for p in path)
 
 
-__all__ = ["INPUT_PATCH", "UnreadPatch", "apply_changes", "holds_input_patch", "input_changes"]
+__all__ = ["INPUT_PATCH", "UnreadPatch", "apply_changes", "holds_input_patch", "input_changes", "with_whole_input"]

@@ -635,7 +635,8 @@ class Kernel:
 
     def _input_as_changes(self, process: ProcessState, payload: JSON, like: object) -> JSON:
         """A start-child payload whose input is stored as its changes from the input of the
-        earlier child ``like`` names (``Effect.input_like``), when that is shorter; else as is."""
+        child ``like`` names (``Effect.input_like``), when that child is the last of the same
+        Program this Process started and the changes are shorter; else the payload as is."""
         if not isinstance(payload, dict) or payload.get("operation") != Operation.START_CHILD.value:
             return payload
         # Only from the last child of the same Program this Process started (what a consumer of

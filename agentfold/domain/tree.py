@@ -63,7 +63,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch
+from agentfold.domain.input_changes import INPUT_PATCH, holds_input_patch, with_whole_input
 from agentfold.domain.json_schema import recorded_schema_errors
 from agentfold.domain.program import (
     Boundary,
@@ -1100,12 +1100,9 @@ class TreeState:
             raise self.fail(pos, "effect.input_patch",
                             f"its base {patch['base']!r} is not a child {process.process_id} started before")
         try:
-            value = apply_changes(self.processes[base].input, patch["ops"])
+            return with_whole_input(payload, self.processes[base].input)
         except ValueError as exc:
             raise self.fail(pos, "effect.input_patch", f"its changes do not apply to {patch['base']}'s input: {exc}") from exc
-        resolved = {k: v for k, v in payload.items() if k != INPUT_PATCH}
-        resolved["input"] = value
-        return resolved
 
     # EffectDispatched -------------------------------------------------------
 
