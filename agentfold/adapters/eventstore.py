@@ -103,7 +103,9 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 #: runtime's next append writes a current snapshot. Bump it whenever the tree's JSON changes
 #: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
 #: 3: sealed (``snapshot_seal``): a snapshot whose tree was edited under its digest is not used.
-SNAPSHOT_FORMAT = 3
+#: 4: a Process whose start stored its input as changes (``input_patch``, a team's Turns) holds
+#: that patch in place of its input (2026-12-05); a release reading 3 would take it for no input.
+SNAPSHOT_FORMAT = 4
 
 
 def snapshot_seal(tree: dict[str, Any], digest: str) -> str:

@@ -3118,7 +3118,8 @@ def _copy_of(driver: _Driver) -> TreeState | None:
     """A private copy of an owner line's folded tree (under its lock); None when a Program's
     ``encode_state``/``decode_state`` fails on it (the caller reads the tree from the store)."""
     try:
-        return TreeState.from_json(driver.tree.to_json(), driver.tree.programs)
+        # Compact, as a storage snapshot: the copy keeps which inputs were stored as changes.
+        return TreeState.from_json(driver.tree.to_json(compact=True), driver.tree.programs)
     except Exception as exc:  # noqa: BLE001 - the Program's own code
         log.warning("tree %s: its folded state does not copy (%s: %s); read from the store instead",
                     driver.tree_id, type(exc).__name__, recorded_text(exc))

@@ -63,7 +63,7 @@ from agentfold.domain.ids import (
 from agentfold.domain.ids import (
     effect_id as derive_effect_id,
 )
-from agentfold.domain.input_changes import INPUT_PATCH, holds_input_patch, with_whole_input
+from agentfold.domain.input_changes import INPUT_PATCH, apply_changes, holds_input_patch, with_whole_input
 from agentfold.domain.json_schema import recorded_schema_errors
 from agentfold.domain.program import (
     Boundary,
@@ -255,6 +255,10 @@ class EffectRecord:
     incarnation_id: TreeIncarnationID | None = None
     resolved_by: str | None = None
     attempts: int = 0
+    input_patch: JSON = None
+    """A start-child Effect stored with ``input_patch`` (its input as the changes from an earlier
+    child's): that patch, as stored. ``payload`` holds the input rebuilt; storage snapshots write
+    the patch, so that they hold each repeated part of a team's Turns once, as the events do."""
 
     @property
     def operation(self) -> str | None:
@@ -275,7 +279,8 @@ class EffectRecord:
     def in_flight(self) -> bool:
         return self.phase == "pending"
 
-    def to_json(self) -> dict[str, JSON]:
+    def to_json(self, compact: bool = False) -> dict[str, JSON]:
+        """``compact`` (storage snapshots): with the ``input_patch`` its input was stored as."""
         body: dict[str, JSON] = {
             "effect_id": self.effect_id,
             "step": self.step,
@@ -298,6 +303,8 @@ class EffectRecord:
             body["attempts"] = self.attempts
         if self.resolved_by is not None:
             body["resolved_by"] = self.resolved_by
+        if compact and self.input_patch is not None:
+            body[INPUT_PATCH] = self.input_patch
         return body
 
 
@@ -332,6 +339,9 @@ class ProcessState:
     capabilities: tuple[str, ...]
     limits_max_pending: int
     start_effect_id: EffectID | None = None
+    input_patch: JSON = None
+    """The ``input_patch`` its start stored (``EffectRecord.input_patch``), or None: its input was
+    stored whole. A storage snapshot writes it in place of the input (``TreeState.to_json``)."""
     status: str = "running"
     committed_steps: int = 0
     prepared_effects: int = 0
@@ -856,6 +866,7 @@ class TreeState:
             capabilities=capabilities,
             limits_max_pending=parent.limits_max_pending,
             start_effect_id=e.start_effect_id,
+            input_patch=record.input_patch,
         )
         self._init_state(pos, child, next_state)
         child.ordinal = len(self.processes)
@@ -1031,7 +1042,9 @@ class TreeState:
         if e.effect_id != derive_effect_id(e.process_id, e.step, e.index):
             raise self.fail(pos, "effect.identity", f"effect id {e.effect_id} is not derived from its step and index")
         payload = e.payload
+        patch: JSON = None
         if holds_input_patch(e.target, payload):
+            patch = payload[INPUT_PATCH]
             payload = self._input_from_changes(pos, process, payload)
         if not process.budget.effects.allows(process.prepared_effects + process.allocated.effects, 1):
             raise self.fail(pos, "budget.effects", f"effect {e.effect_id} exceeds the effects budget")
@@ -1078,7 +1091,8 @@ class TreeState:
             # would have the call made with capabilities its Process never held.
             raise self.fail(pos, "effect.capabilities", f"effect {e.effect_id} requires capabilities "
                             f"{sorted(set(e.capabilities) - set(process.capabilities))} its process does not hold")
-        record = EffectRecord(e.effect_id, e.step, e.index, e.target, payload, e.replay, tuple(e.capabilities))
+        record = EffectRecord(e.effect_id, e.step, e.index, e.target, payload, e.replay, tuple(e.capabilities),
+                              input_patch=patch)
         process.batch.append(record)
         process.batch_index[e.effect_id] = record
         process.prepared_effects += 1
@@ -1589,12 +1603,18 @@ class TreeState:
                 "current_wait_id": p.current_wait,
                 "pause_reason": p.pause_reason,
                 "pending_control": {k: {"owner": o, "reason": r} for k, (o, r) in p.intents.items()},
-                "prepared": {"step": p.batch_step, "effects": [r.to_json() for r in p.batch]} if p.batch else None,
+                "prepared": {"step": p.batch_step, "effects": [r.to_json(compact) for r in p.batch]} if p.batch else None,
                 "children": list(p.children),
                 "start_effect_id": p.start_effect_id,
                 "termination": p.termination.to_json() if p.termination else None,
                 "output": p.output,
             }
+            if compact and p.input_patch is not None:
+                # As its start stored it: the changes from an earlier sibling's input (a team's
+                # Turn repeats every earlier task). Whole, a snapshot grew with the square of the
+                # turns; ``from_json`` rebuilds the input as the fold does.
+                del body["input"]
+                body[INPUT_PATCH] = p.input_patch
             if with_state and p.has_state and self.programs is not None:
                 program = self.programs(p.program)
                 if program is not None:
@@ -1634,7 +1654,9 @@ class TreeState:
         tree.limits = TreeLimits.model_validate(data["limits"])
         tree.configuration = data.get("configuration")
         tree.bound = {ref.digest: ref for ref in (ProgramRef.from_json(r) for r in data.get("programs", []))}
+        started: dict[tuple[str, str], ProcessState] = {}  # (parent id, child key): each child so far
         for body in data["processes"]:
+            patch = body.get(INPUT_PATCH)
             p = ProcessState(
                 process_id=ProcessID(body["process_id"]),
                 root_id=ProcessID(body["root_id"]),
@@ -1646,12 +1668,15 @@ class TreeState:
                     if isinstance(body["program"], str)
                     else ProgramRef.from_json(body["program"])
                 ),
-                input=body["input"],
+                input=body["input"] if patch is None else _input_from_snapshot(body, patch, started),
                 budget=Budget.from_json(body["budget"]),
                 capabilities=tuple(body["capabilities"]),
                 limits_max_pending=tree.limits.max_pending_signals,
                 start_effect_id=EffectID(body["start_effect_id"]) if body.get("start_effect_id") else None,
+                input_patch=patch,
             )
+            if p.parent_id is not None and p.child_key is not None:
+                started[(p.parent_id, p.child_key)] = p
             p.status = body["status"]
             p.committed_steps = body["committed_steps"]
             p.prepared_effects = body["usage"]["effects"]
@@ -1698,7 +1723,7 @@ class TreeState:
                         Failure.from_json(r["diagnostic"]) if r.get("diagnostic") else None,
                         EffectAttemptID(r["attempt_id"]) if r.get("attempt_id") else None,
                         TreeIncarnationID(r["incarnation_id"]) if r.get("incarnation_id") else None,
-                        r.get("resolved_by"), r.get("attempts", 0),
+                        r.get("resolved_by"), r.get("attempts", 0), r.get(INPUT_PATCH),
                     )
                     p.batch.append(rec)
                     p.batch_index[rec.effect_id] = rec
@@ -1754,6 +1779,20 @@ _HANDLERS: dict[type, Any] = {
 
 #: Events that may change another Process than their own (``TreeState._touch_relatives``).
 _RELATIVES = frozenset({ProcessStarted, ProcessTerminated})
+
+
+def _input_from_snapshot(body: dict[str, Any], patch: Any, started: dict[tuple[str, str], ProcessState]) -> JSON:
+    """A snapshot's Process input written as its ``input_patch`` (``TreeState.to_json``), rebuilt
+    from the input of the sibling it names, which was started, and so written, before it."""
+    if not isinstance(patch, dict) or set(patch) != {"base", "ops"} or not isinstance(patch["base"], str) \
+            or "input" in body:
+        raise ValueError(f"process {body['process_id']}: {INPUT_PATCH} is an object with exactly base and ops, "
+                         "in place of input")
+    base = started.get((body["parent_id"], patch["base"]))
+    if base is None:
+        raise ValueError(f"process {body['process_id']}: its {INPUT_PATCH} base {patch['base']!r} is no earlier "
+                         "child of its parent")
+    return apply_changes(base.input, patch["ops"])
 
 
 def fold_tree(events: Sequence[TreeEvent], programs: ProgramResolver | None = None) -> TreeState:

@@ -1,0 +1,194 @@
+"""A storage snapshot holds a team's Turns as the events do: each Process whose start stored
+its input as changes (``input_patch``) is written with those changes, not its whole input.
+
+Written whole (snapshot format 3), a team's snapshot row held every turn's whole Turn, so
+it grew with the square of the turns (80 one-KiB tasks: a 5.3 MB snapshot for 837 KB of
+events, rewritten as the tree grew) although the events had become linear.
+
+What a user observes: the snapshot grows linearly with the turns; a tree loaded from its
+snapshot has every Turn the coordinator got, and writes the same snapshot again; ``audit
+verify`` finds the snapshot equal to the fold; a snapshot whose changes do not apply, or of
+the format before (whole Turns), is not used: the load folds the events.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from eventsourcing.persistence import StoredEvent
+
+from agentfold.adapters.audit import verify_tree
+from agentfold.adapters.catalog import Catalog
+from agentfold.adapters.codec import stored_json
+from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, SNAPSHOT_TOPIC, EventStore, snapshot_seal
+from agentfold.adapters.runtime import Runtime, _copy_of
+from agentfold.domain.events import EffectDeclared, event_version
+from agentfold.domain.ids import TreeID
+from agentfold.domain.tree import TreeState, fold_tree
+from tests.test_input_stored_once import _team
+
+TURN = "collaboration.turn."
+
+
+def _run(url: str, tasks: int, seen: list[dict[str, Any]], name: str, snapshot_every: int = 1000,
+         output_bytes: int = 600) -> tuple[EventStore, TreeID, Catalog]:
+    team, catalog = _team(tasks, output_bytes, seen, name)
+    store = EventStore(url)
+    with Runtime(store, catalog, snapshot_every=snapshot_every) as runtime:
+        handle = runtime.start(team, "state", start_id=f"{name}-{tasks}")
+        assert handle.result(timeout=120).status == "completed"
+        runtime.wait_idle(handle.tree_id)
+    return store, handle.tree_id, catalog
+
+
+def _turn_inputs(tree: TreeState) -> list[Any]:
+    turns = [p for p in tree.processes.values() if str(p.child_key or "").startswith(TURN)]
+    return [p.input for p in sorted(turns, key=lambda p: int(str(p.child_key)[len(TURN):]))]
+
+
+def _outputs(turn: dict[str, Any]) -> list[str]:
+    return [t["outcome"]["result"]["output"] for t in turn["tasks"] if "outcome" in t]
+
+
+def _stored_snapshot(store: EventStore, tree_id: TreeID) -> tuple[int, dict[str, Any]]:
+    [row] = store.snapshots.select_events(tree_id.uuid, desc=True, limit=1)
+    return row.originator_version, orjson.loads(stored_json(row.state))
+
+
+def _put_snapshot(store: EventStore, tree_id: TreeID, version: int, data: dict[str, Any]) -> None:
+    store.snapshots.prune(tree_id.uuid, version + 1)  # drops every row before version + 1
+    store.snapshots.insert_events([StoredEvent(tree_id.uuid, version, SNAPSHOT_TOPIC, orjson.dumps(data))])
+
+
+def test_a_team_snapshot_grows_linearly_with_its_turns() -> None:
+    per_task = []
+    for tasks in (5, 20):
+        store, tree_id, _ = _run("memory:", tasks, [], f"snap.linear{tasks}")
+        loaded = store.load(tree_id, None, use_snapshot=False)
+        per_task.append(len(EventStore.encode_snapshot(loaded.state, loaded.digest)) / tasks)
+        store.close()
+    # Whole Turns: 4x the tasks made ~3x the snapshot bytes per task.
+    assert per_task[1] < 1.25 * per_task[0], per_task
+
+
+def test_a_tree_loaded_from_its_snapshot_has_every_turn_and_writes_the_same_snapshot(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'snap.db'}"
+    seen: list[dict[str, Any]] = []
+    tasks = 10
+    store, tree_id, catalog = _run(url, tasks, seen, "snap.team", snapshot_every=1)
+    store.close()
+    store = EventStore(url)
+    try:
+        version, data = _stored_snapshot(store, tree_id)
+        assert data["format"] == SNAPSHOT_FORMAT == 4
+        body = orjson.dumps(data)
+        outputs = _outputs(seen[-1])
+        assert len(outputs) == tasks
+        for index, text in enumerate(outputs):
+            # The worker's output, the team's state, the one Turn that first holds it and the last
+            # Turn's coordinator state: not once more in every later Turn (task 0: 13 copies).
+            copies = body.count(text.encode())
+            assert copies <= 4, (index, copies)
+        turns = [p for p in data["tree"]["processes"] if str(p["child_key"]).startswith(TURN)]
+        assert len(turns) >= tasks // 2  # the latest snapshot is taken before the run's end
+        # Every Turn after the first was stored as changes, and is written so.
+        assert ["input" in p for p in turns] == [True] + [False] * (len(turns) - 1)
+        assert all("input_patch" in p for p in turns[1:])
+
+        folded = store.load(tree_id, catalog.resolve, use_snapshot=False)
+        loaded = store.load(tree_id, catalog.resolve)
+        assert loaded.snapshot_version == version > 0  # the snapshot was used
+        assert _turn_inputs(loaded.state) == seen == _turn_inputs(folded.state)
+        assert loaded.state.to_json() == folded.state.to_json()
+        assert EventStore.encode_snapshot(loaded.state, loaded.digest) == EventStore.encode_snapshot(
+            folded.state, folded.digest)
+        # The snapshot is what the fold at its version gives.
+        at = store.load(tree_id, catalog.resolve, use_snapshot=False, upto=version)
+        assert orjson.loads(EventStore.encode_snapshot(at.state, at.digest)) == data
+
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        assert check.ok and check.problems == [], check.to_json()
+    finally:
+        store.close()
+
+
+def test_a_snapshot_taken_at_any_step_boundary_folds_on_to_the_same_tree() -> None:
+    """From a snapshot at any position between whole Steps (including one whose Turn's start
+    is declared but its Process not yet started), folding the rest gives the fold's tree."""
+    store, tree_id, catalog = _run("memory:", 4, [], "snap.every")
+    events = [r.event for r in store.read(tree_id)]
+    store.close()
+    assert sum(isinstance(e, EffectDeclared) and event_version(e) == 2 for e in events) == 4
+    whole = fold_tree(events, catalog.resolve).to_json(compact=True)
+    tree = TreeState(catalog.resolve)
+    boundaries = 0
+    for at, event in enumerate(events):
+        tree.apply(event)
+        if tree._expect is not None:
+            continue
+        boundaries += 1
+        again = TreeState.from_json(orjson.loads(orjson.dumps(tree.to_json(compact=True))), catalog.resolve)
+        assert again.to_json(compact=True) == tree.to_json(compact=True), at
+        for later in events[at + 1:]:
+            again.apply(later)
+        assert again.to_json(compact=True) == whole, at
+    assert boundaries > 20
+
+
+def test_a_runtime_copy_of_a_tree_keeps_its_inputs_as_changes() -> None:
+    store, tree_id, catalog = _run("memory:", 3, [], "snap.copy")
+    tree = store.load(tree_id, catalog.resolve, use_snapshot=False).state
+    store.close()
+    copied = _copy_of(SimpleNamespace(tree=tree, tree_id=tree_id))  # type: ignore[arg-type]
+    assert copied is not None
+    assert copied.to_json(compact=True) == tree.to_json(compact=True)
+    assert _turn_inputs(copied) == _turn_inputs(tree)
+
+
+@pytest.mark.parametrize("case", ["unknown-base", "ops-not-applying", "beside-an-input", "format-3-whole-turns"])
+def test_a_snapshot_whose_inputs_do_not_rebuild_or_of_the_format_before_is_not_used(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"sqlite:///{tmp_path / 'bad.db'}"
+    seen: list[dict[str, Any]] = []
+    store, tree_id, catalog = _run(url, 4, seen, "snap.bad", snapshot_every=1)
+    try:
+        version, data = _stored_snapshot(store, tree_id)
+        tree = data["tree"]
+        patched = [p for p in tree["processes"] if "input_patch" in p]
+        assert patched
+        last = patched[-1]
+        if case == "unknown-base":
+            last["input_patch"]["base"] = "collaboration.turn.99"
+        elif case == "ops-not-applying":
+            last["input_patch"]["ops"] = [{"op": "set", "path": ["no", "such", "path"], "value": 1}]
+        elif case == "beside-an-input":
+            last["input"] = seen[-1]
+        else:  # what format 3 wrote: every input whole
+            whole = store.load(tree_id, catalog.resolve, use_snapshot=False, upto=version).state
+            for p in tree["processes"]:
+                if "input_patch" in p:
+                    del p["input_patch"]
+                    p["input"] = whole.processes[p["process_id"]].input
+            data["format"] = 3
+        data["tree"] = tree
+        data["seal"] = snapshot_seal(tree, data["digest"])  # sealed: only its inputs are wrong
+        _put_snapshot(store, tree_id, version, data)
+        caplog.set_level(logging.INFO, logger="agentfold")
+        loaded = store.load(tree_id, catalog.resolve)
+        assert loaded.snapshot_version == 0  # folded from the first event
+        assert _turn_inputs(loaded.state) == seen
+        said = caplog.text
+        assert ("in format 3" in said) if case == "format-3-whole-turns" else ("unreadable" in said), said
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        if case == "format-3-whole-turns":
+            assert check.ok  # another format: not checked, as loads do not use it
+        else:
+            assert [f.rule for f in check.problems] == ["snapshot.mismatch"], check.to_json()
+    finally:
+        store.close()
