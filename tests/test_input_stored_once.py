@@ -186,6 +186,15 @@ def test_changes_rebuild_exactly_the_new_input_and_leave_the_base_unchanged() ->
     assert stored > 500  # the property was exercised, not skipped
 
 
+def test_a_change_of_sign_of_a_zero_is_a_change() -> None:
+    # 0.0 == -0.0 in Python, but they are different JSON: without an op the input was stored whole.
+    base = {"score": 0.0, "history": "x" * 200}
+    for new in ({"score": -0.0, "history": "x" * 200}, {"score": [0.0, -0.0], "history": "x" * 200}):
+        patch = input_changes(base, new, "k")
+        assert patch is not None
+        assert canonical_bytes(apply_changes(base, patch["ops"])) == canonical_bytes(new)
+
+
 @pytest.mark.parametrize(("ops", "why"), [
     ({"op": "set"}, "must be a list"),
     ([{"op": "set", "path": ["a"]}], "exactly its members"),

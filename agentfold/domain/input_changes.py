@@ -23,6 +23,7 @@ are shorter than it; otherwise the input is stored whole, as before.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from agentfold.domain.canonical import JSON, canonical_bytes
@@ -85,7 +86,9 @@ def _diff(old: Any, new: Any, path: list[JSON], ops: list[JSON]) -> None:
             _diff(old[index], new[index], [*path, index], ops)
         for index in range(shared, len(new)):
             ops.append({"op": "set", "path": [*path, index], "value": new[index]})
-    elif type(old) is not type(new) or old != new:
+    elif type(old) is not type(new) or old != new or (
+        type(old) is float and math.copysign(1.0, old) != math.copysign(1.0, new)  # 0.0 and -0.0 differ in JSON
+    ):
         ops.append({"op": "set", "path": list(path), "value": new})
 
 
