@@ -29,8 +29,10 @@ from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, SNAPSHOT_TOPIC, Event
 from agentfold.adapters.runtime import Runtime, _copy_of
 from agentfold.domain.events import EffectDeclared, event_version
 from agentfold.domain.ids import TreeID
+from agentfold.domain.program import Descriptor, Program
 from agentfold.domain.tree import TreeState, fold_tree
-from tests.test_input_stored_once import _team
+from tests.kernel_programs import IMPL, config_digest
+from tests.test_input_stored_once import _StartsTwo, _team
 
 TURN = "collaboration.turn."
 
@@ -117,14 +119,42 @@ def test_a_tree_loaded_from_its_snapshot_has_every_turn_and_writes_the_same_snap
         store.close()
 
 
-def test_a_snapshot_taken_at_any_step_boundary_folds_on_to_the_same_tree() -> None:
+def _two_teams(snapshot_every: int = 1000) -> tuple[EventStore, TreeID, Catalog]:
+    """Two teams started by one parent: the same Turn keys (``collaboration.turn.N``) under two
+    parents, each Turn stored as the changes from its own team's previous Turn."""
+    team, _ = _team(5, 300, [], "snap.pair")
+    parent = Program(Descriptor("snap.parent", input_schema={"type": "object"}),
+                     _StartsTwo("a", team, "one", "two"), IMPL, config_digest("snap.parent"), children=(team,))
+    catalog = Catalog([parent])
+    store = EventStore("memory:")
+    with Runtime(store, catalog, snapshot_every=snapshot_every) as runtime:
+        handle = runtime.start(parent, {}, start_id="snap-two-teams")
+        assert handle.result(timeout=120).status == "completed"
+        runtime.wait_idle(handle.tree_id)
+    return store, handle.tree_id, catalog
+
+
+@pytest.mark.parametrize("shape", ["one team", "two teams"])
+def test_a_snapshot_taken_at_any_step_boundary_folds_on_to_the_same_tree(shape: str) -> None:
     """From a snapshot at any position between whole Steps (including one whose Turn's start
     is declared but its Process not yet started), folding the rest gives the fold's tree."""
-    store, tree_id, catalog = _run("memory:", 4, [], "snap.every")
+    store, tree_id, catalog = _run("memory:", 4, [], "snap.every") if shape == "one team" else _two_teams()
     events = [r.event for r in store.read(tree_id)]
     store.close()
-    assert sum(isinstance(e, EffectDeclared) and event_version(e) == 2 for e in events) == 4
-    whole = fold_tree(events, catalog.resolve).to_json(compact=True)
+    patched = sum(isinstance(e, EffectDeclared) and event_version(e) == 2 for e in events)
+    assert patched == (4 if shape == "one team" else 10)
+    if shape == "two teams":  # each team's Turns under their own parent, under the same keys
+        tree = fold_tree(events, catalog.resolve)
+        turns = [p for p in tree.processes.values() if str(p.child_key).startswith(TURN)]
+        assert len({p.parent_id for p in turns}) == 2
+        assert len({(p.parent_id, p.child_key) for p in turns}) == len(turns) > len({p.child_key for p in turns})
+        assert len({orjson.dumps(p.input) for p in turns}) == len(turns)
+        # Interleaved: a Turn of one team started between two of the other's, so a lookup of the
+        # base by key alone finds the other team's Turn.
+        owners = [p.parent_id for p in turns]
+        assert any(owners[i] != owners[i + 1] != owners[i + 2] for i in range(len(owners) - 2)), owners
+    folded = fold_tree(events, catalog.resolve)
+    whole = (folded.to_json(compact=True), folded.to_json())  # as stored, and as shown (inputs whole)
     tree = TreeState(catalog.resolve)
     boundaries = 0
     for at, event in enumerate(events):
@@ -133,10 +163,10 @@ def test_a_snapshot_taken_at_any_step_boundary_folds_on_to_the_same_tree() -> No
             continue
         boundaries += 1
         again = TreeState.from_json(orjson.loads(orjson.dumps(tree.to_json(compact=True))), catalog.resolve)
-        assert again.to_json(compact=True) == tree.to_json(compact=True), at
+        assert (again.to_json(compact=True), again.to_json()) == (tree.to_json(compact=True), tree.to_json()), at
         for later in events[at + 1:]:
             again.apply(later)
-        assert again.to_json(compact=True) == whole, at
+        assert (again.to_json(compact=True), again.to_json()) == whole, at
     assert boundaries > 20
 
 
@@ -190,5 +220,28 @@ def test_a_snapshot_whose_inputs_do_not_rebuild_or_of_the_format_before_is_not_u
             assert check.ok  # another format: not checked, as loads do not use it
         else:
             assert [f.rule for f in check.problems] == ["snapshot.mismatch"], check.to_json()
+    finally:
+        store.close()
+
+
+def test_audit_verify_reads_the_snapshot_back_and_compares_what_it_rebuilds(monkeypatch: pytest.MonkeyPatch) -> None:
+    store, tree_id, catalog = _two_teams(snapshot_every=1)
+    try:
+        version, data = _stored_snapshot(store, tree_id)
+        assert sum("input_patch" in p for p in data["tree"]["processes"]) >= 4
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        assert check.ok and check.problems == [], check.to_json()
+
+        # A reader that rebuilds an input wrongly: the stored snapshot still equals the fold, but
+        # loads would start from another tree. Seen only by reading it back.
+        import agentfold.domain.tree as tree_module
+
+        rebuild = tree_module._input_from_snapshot
+        monkeypatch.setattr(tree_module, "_input_from_snapshot",
+                            lambda body, patch, started: {**rebuild(body, patch, started), "number": -1})
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        [finding] = check.problems
+        assert finding.rule == "snapshot.mismatch" and finding.position == version
+        assert "reads back as another tree" in finding.detail and ".input.number" in finding.detail, finding.detail
     finally:
         store.close()

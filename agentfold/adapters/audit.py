@@ -420,16 +420,18 @@ def _without_state(tree: Any) -> Any:
 
 
 def _snapshot_findings(
-    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool] | None, last: int,
+    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool, Any] | None, last: int,
     programs: ProgramResolver | None = None,
 ) -> list[Finding]:
-    """The latest storage snapshot (what loads start from) must be the fold at its version."""
+    """The latest storage snapshot (what loads start from) must be the fold at its version, and
+    read back (as a load reads it) give the fold's tree: ``seen`` is the fold's compact JSON there
+    (as a snapshot holds it), its digest, whether Programs were bound, and its whole JSON."""
     version, body = snapshot
     name = str(tree_id)
     if seen is None or version > last:
         return [Finding(name, version, "snapshot.mismatch",
                         f"a snapshot claims version {version}; the stream ends at position {last}")]
-    folded_tree, digest, bound = seen
+    folded_tree, digest, bound, folded_whole = seen
     try:
         stored = decode_snapshot(body)
     except (orjson.JSONDecodeError, KeyError, TypeError, SealError) as exc:
@@ -452,15 +454,23 @@ def _snapshot_findings(
     if not stored.sealed:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} does not match its seal (loads do not use it)")]
-    if programs is not None:
-        # Equal to the fold, yet a load must also read it back (a Program's decode_state may
-        # refuse the very state its fold reached): loads would then fold from the first event.
-        try:
-            TreeState.from_json(stored.tree, programs)
-        except Exception as exc:  # noqa: BLE001 - whatever a Program's decode_state raises
-            return [Finding(name, version, "snapshot.mismatch",
-                            f"the snapshot at version {version} equals the fold but cannot be read back "
-                            f"({type(exc).__name__}: {exc}); loads fold from the first event instead")]
+    # Equal to the fold, yet a load must also read it back (a Program's decode_state may refuse
+    # the very state its fold reached: loads would then fold from the first event), and what it
+    # rebuilds (inputs stored as changes) must be the fold's.
+    try:
+        read = TreeState.from_json(stored.tree, programs)
+    except Exception as exc:  # noqa: BLE001 - whatever a Program's decode_state raises
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} equals the fold but cannot be read back "
+                        f"({type(exc).__name__}: {exc}); loads fold from the first event instead")]
+    read_whole = _normalized(read.to_json())
+    if not bound:
+        read_whole, folded_whole = _without_state(read_whole), _without_state(folded_whole)
+    path = first_difference(read_whole, folded_whole)
+    if path is not None:
+        return [Finding(name, version, "snapshot.mismatch",
+                        f"the snapshot at version {version} equals the fold but reads back as another tree (at "
+                        f"{path}): loads start from it")]
     return []
 
 
@@ -498,7 +508,8 @@ def verify_tree(
     if snapshot is not None:
 
         def capture_snapshot(state: TreeState, programs: ProgramResolver | None, digest: str | None) -> None:
-            seen["snapshot"] = (_normalized(state.to_json(compact=True)), digest, programs is not None)
+            seen["snapshot"] = (_normalized(state.to_json(compact=True)), digest, programs is not None,
+                                _normalized(state.to_json()))
 
         watch.setdefault(snapshot[0], []).append(capture_snapshot)
     folded = fold_stored(tree_id, stored, store.mapper, catalog, watch=watch)

@@ -104,7 +104,7 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 #: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
 #: 3: sealed (``snapshot_seal``): a snapshot whose tree was edited under its digest is not used.
 #: 4: a Process whose start stored its input as changes (``input_patch``, a team's Turns) holds
-#: that patch in place of its input (2026-12-05); a release reading 3 would take it for no input.
+#: that patch in place of its input (2026-12-05): a reader of format 3 would fail on it (no input).
 SNAPSHOT_FORMAT = 4
 
 
