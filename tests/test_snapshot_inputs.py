@@ -25,13 +25,15 @@ from eventsourcing.persistence import StoredEvent
 from agentfold.adapters.audit import verify_tree
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import stored_json
+from agentfold.adapters.dispatch import FunctionDispatcher
 from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, SNAPSHOT_TOPIC, EventStore, snapshot_seal
 from agentfold.adapters.runtime import Runtime, _copy_of
 from agentfold.domain.events import EffectDeclared, event_version
 from agentfold.domain.ids import TreeID
 from agentfold.domain.program import Descriptor, Program
+from agentfold.domain.requests import Settlement
 from agentfold.domain.tree import TreeState, fold_tree
-from tests.kernel_programs import IMPL, config_digest
+from tests.kernel_programs import IMPL, Chain, config_digest
 from tests.test_input_stored_once import _StartsTwo, _team
 
 TURN = "collaboration.turn."
@@ -182,9 +184,9 @@ def test_a_runtime_copy_of_a_tree_keeps_its_inputs_as_changes() -> None:
 
 @pytest.mark.parametrize("case", ["unknown-base", "ops-not-applying", "beside-an-input", "format-3-whole-turns"])
 def test_a_snapshot_whose_inputs_do_not_rebuild_or_of_the_format_before_is_not_used(
-    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+    durable_store_url: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'bad.db'}"
+    url = durable_store_url
     seen: list[dict[str, Any]] = []
     store, tree_id, catalog = _run(url, 4, seen, "snap.bad", snapshot_every=1)
     try:
@@ -243,5 +245,39 @@ def test_audit_verify_reads_the_snapshot_back_and_compares_what_it_rebuilds(monk
         [finding] = check.problems
         assert finding.rule == "snapshot.mismatch" and finding.position == version
         assert "reads back as another tree" in finding.detail and ".input.number" in finding.detail, finding.detail
+    finally:
+        store.close()
+
+
+def test_a_format_3_snapshot_of_a_tree_with_no_input_stored_as_changes_is_still_used(durable_store_url: str) -> None:
+    """Format 4 differs from 3 only for inputs stored as changes: an upgrade leaves every other
+    tree's snapshot in use (a finished tree never writes another), and audit verify checks it."""
+    program = Program(Descriptor("snap.chain", input_schema={"type": "object"}), Chain(), IMPL,
+                      config_digest("snap.chain"),
+                      dispatcher=FunctionDispatcher(lambda request, context: Settlement.succeeded({"value": 1})))
+    catalog = Catalog([program])
+    store = EventStore(durable_store_url)
+    try:
+        with Runtime(store, catalog, snapshot_every=1) as runtime:
+            handle = runtime.start(program, {"n": 6})
+            assert handle.result(20).status == "completed"
+        tree_id = handle.tree_id
+        version, data = _stored_snapshot(store, tree_id)
+        assert version > 1
+        data["format"] = 3  # as the release before wrote it: the same tree, the same seal
+        _put_snapshot(store, tree_id, version, data)
+        folded = store.load(tree_id, catalog.resolve, use_snapshot=False)
+        loaded = store.load(tree_id, catalog.resolve)
+        assert loaded.snapshot_version == version  # used
+        assert loaded.state.to_json() == folded.state.to_json()
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        assert check.ok, check.to_json()
+
+        # Used by loads, it is checked as a current one: edited and sealed again, audit finds it.
+        data["tree"]["processes"][0]["committed_steps"] += 1
+        data["seal"] = snapshot_seal(data["tree"], data["digest"])
+        _put_snapshot(store, tree_id, version, data)
+        check, _, _ = verify_tree(store, tree_id, catalog)
+        assert [f.rule for f in check.problems] == ["snapshot.mismatch"], check.to_json()
     finally:
         store.close()

@@ -32,7 +32,15 @@ from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEv
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
-from agentfold.adapters.eventstore import SNAPSHOT_FORMAT, CorruptStream, EventStore, decode_snapshot, read_failure
+from agentfold.adapters.eventstore import (
+    FORMAT_WITHOUT_INPUT_PATCHES,
+    PATCHED_START_TOPIC,
+    SNAPSHOT_FORMAT,
+    CorruptStream,
+    EventStore,
+    decode_snapshot,
+    read_failure,
+)
 from agentfold.adapters.read_models import ReadModels
 from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, PROCESSES_TABLE, IndexHeadMismatch, TreeHead
 from agentfold.adapters.runtime import index_head
@@ -419,9 +427,18 @@ def _without_state(tree: Any) -> Any:
     return {**tree, "processes": [{k: v for k, v in p.items() if k != "state"} for p in tree.get("processes", [])]}
 
 
+def _loads_use(given: int, version: int, stored: Sequence[StoredEvent]) -> bool:
+    """Whether loads use a snapshot of format ``given`` taken at ``version`` (``EventStore.reads_snapshot_format``,
+    answered from the tree's records already read)."""
+    if given == SNAPSHOT_FORMAT:
+        return True
+    return given == FORMAT_WITHOUT_INPUT_PATCHES and not any(
+        s.topic == PATCHED_START_TOPIC for s in stored if s.originator_version <= version)
+
+
 def _snapshot_findings(
     tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool, Any] | None, last: int,
-    programs: ProgramResolver | None = None,
+    programs: ProgramResolver | None = None, *, reads_format: Callable[[int], bool] = lambda given: given == SNAPSHOT_FORMAT,
 ) -> list[Finding]:
     """The latest storage snapshot (what loads start from) must be the fold at its version, and
     read back (as a load reads it) give the fold's tree: ``seen`` is the fold's compact JSON there
@@ -439,7 +456,7 @@ def _snapshot_findings(
     if stored.format == -1:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} is malformed: its format is not a number")]
-    if stored.format != SNAPSHOT_FORMAT:
+    if not reads_format(stored.format):
         return []  # another release's format: loads do not start from it (they fold the events)
     stored_tree, stored_digest = stored.tree, stored.digest
     if stored_digest != digest:
@@ -529,7 +546,8 @@ def verify_tree(
         check.problems.extend(_index_findings(tree_id, head, folded, store))
     if snapshot is not None:
         check.problems.extend(
-            _snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version, folded.programs)
+            _snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version, folded.programs,
+                               reads_format=lambda given: _loads_use(given, snapshot[0], stored))
         )
     if rows is not None:
         last = folded.state.version

@@ -60,10 +60,12 @@ from eventsourcing.utils import Environment
 from agentfold.adapters.codec import (
     MAX_SNAPSHOT_BYTES,
     STATE_COMPRESSOR,
+    TOPIC_PREFIX,
     DecodeError,
     OrjsonTranscoder,
     PydanticMapper,
     RecordedEvent,
+    chain_tag,
     stored_json,
 )
 from agentfold.adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases, RefusedLeases
@@ -99,13 +101,20 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 #: The shape of a storage snapshot's tree. 1: before mailbox compaction (every consumed record
 #: kept, no ``arrivals``/``consumed_through`` counters; releases before 2026-11-29 21:20 UTC);
 #: 2: compacted mailboxes. Snapshots of 2 written before the member existed have no ``format``.
-#: A snapshot of another format is not used: the load folds the events (the truth), and the
-#: runtime's next append writes a current snapshot. Bump it whenever the tree's JSON changes
+#: A snapshot of another format is not used (but see ``FORMAT_WITHOUT_INPUT_PATCHES``): the load
+#: folds the events (the truth), and the runtime's next append writes a current snapshot.
+#: Bump it whenever the tree's JSON changes
 #: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
 #: 3: sealed (``snapshot_seal``): a snapshot whose tree was edited under its digest is not used.
 #: 4: a Process whose start stored its input as changes (``input_patch``, a team's Turns) holds
 #: that patch in place of its input (2026-12-05): a reader of format 3 would fail on it (no input).
 SNAPSHOT_FORMAT = 4
+
+#: A format-3 snapshot is format 4 for a tree with no input stored as changes up to its version
+#: (the only difference): loads use it when no event there is ``EffectDeclared@2`` (what stores
+#: one), so an upgrade leaves every other tree's snapshot in use.
+FORMAT_WITHOUT_INPUT_PATCHES = 3
+PATCHED_START_TOPIC = TOPIC_PREFIX + chain_tag("EffectDeclared", 2)
 
 
 def snapshot_seal(tree: dict[str, Any], digest: str) -> str:
@@ -1652,6 +1661,16 @@ class EventStore:
         # with the square of a long conversation.
         self.snapshots.prune(tree_id.uuid, state_version)
 
+    def reads_snapshot_format(self, tree_id: TreeID, format: int, version: int) -> bool:
+        """Whether a load uses a snapshot of ``format`` taken at ``version`` of the tree: the current
+        format, or 3 when no event up to it stored an input as changes (``PATCHED_START_TOPIC``):
+        one query of the tree's topics up to ``version``, no state read."""
+        if format == SNAPSHOT_FORMAT:
+            return True
+        if format != FORMAT_WITHOUT_INPUT_PATCHES:
+            return False
+        return not self.index.holds_topic(tree_id.uuid, PATCHED_START_TOPIC, version)
+
     def latest_snapshot(
         self, tree_id: TreeID, programs: ProgramResolver | None, *, upto: int | None = None
     ) -> tuple[TreeState, str] | None:
@@ -1660,8 +1679,10 @@ class EventStore:
         if not rows:
             return None
         stored = decode_snapshot(rows[0].state)
-        if stored.format != SNAPSHOT_FORMAT:
-            raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}")
+        if not self.reads_snapshot_format(tree_id, stored.format, rows[0].originator_version):
+            raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}"
+                                   + (" (and 3 for a tree with no input stored as changes before it)"
+                                      if stored.format == FORMAT_WITHOUT_INPUT_PATCHES else ""))
         if not stored.sealed:
             raise UnsealedSnapshot("its tree is not the one sealed with its digest (changed after it was written)")
         state = TreeState.from_json(stored.tree, programs)

@@ -294,6 +294,10 @@ class IndexQueries:
     def tree_of_unknown_effect(self, effect_id: str) -> str | None:
         raise NotImplementedError
 
+    def holds_topic(self, originator_id: UUID, topic: str, upto: int) -> bool:
+        """Whether an event of the tree at a position up to ``upto`` has ``topic`` (no state read)."""
+        raise NotImplementedError
+
     def select_changes(self, after: int, upto: int, limit: int) -> list[tuple[str | None, int, int, int, int]]:
         """Which trees the first ``limit`` events after notification ``after`` (up to ``upto``)
         belong to, without reading their states: per tree (uuid hex), its first notification id
@@ -570,6 +574,12 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
             row = c.fetchone()
         return str(row[0]) if row else None
 
+    def holds_topic(self, originator_id: UUID, topic: str, upto: int) -> bool:
+        with self.datastore.transaction(commit=False) as c:
+            c.execute(f"SELECT 1 FROM {self.events_table_name} WHERE originator_id = ? AND originator_version <= ? "
+                      "AND topic = ? LIMIT 1", (originator_id.hex, upto, topic))
+            return c.fetchone() is not None
+
     def processes_of_tree(self, tree_id: str) -> list[str]:
         with self.datastore.transaction(commit=False) as c:
             c.execute(f"SELECT process_id FROM {PROCESSES_TABLE} WHERE tree_id = ? ORDER BY process_id", (tree_id,))
@@ -739,6 +749,9 @@ class MemoryTreeRecorder(POPOApplicationRecorder, IndexQueries):
     def tree_of_process(self, process_id: str) -> str | None:
         with self._index_lock:
             return self._processes.get(process_id)
+
+    def holds_topic(self, originator_id: UUID, topic: str, upto: int) -> bool:
+        return any(s.topic == topic for s in self.select_events(originator_id, lte=upto))
 
     def processes_of_tree(self, tree_id: str) -> list[str]:
         with self._index_lock:

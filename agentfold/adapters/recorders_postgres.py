@@ -520,6 +520,12 @@ class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQuerie
         )
         return str(rows[0]["tree_id"]) if rows else None
 
+    def holds_topic(self, originator_id: UUID, topic: str, upto: int) -> bool:
+        return bool(self._select(
+            f'SELECT 1 FROM "{self._schema}".{self.events_table_name} WHERE originator_id = %s '
+            "AND originator_version <= %s AND topic = %s LIMIT 1", (originator_id, upto, topic)
+        ))
+
     def processes_of_tree(self, tree_id: str) -> list[str]:
         rows = self._select(
             f'SELECT process_id FROM "{self._schema}".{PROCESSES_TABLE} WHERE tree_id = %s ORDER BY process_id',
