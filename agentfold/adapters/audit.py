@@ -45,7 +45,7 @@ from agentfold.adapters.read_models import ReadModels
 from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, PROCESSES_TABLE, IndexHeadMismatch, TreeHead
 from agentfold.adapters.runtime import index_head
 from agentfold.adapters.sources import ProgramSources
-from agentfold.domain.canonical import JSON
+from agentfold.domain.canonical import JSON, digest_of
 from agentfold.domain.drift import DriftReport, find_drift, first_difference
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, Rejected, StoreFailure
 from agentfold.domain.events import TreeEvent, TreeStarted, event_body, event_version
@@ -437,18 +437,19 @@ def _loads_use(given: int, version: int, stored: Sequence[StoredEvent]) -> bool:
 
 
 def _snapshot_findings(
-    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool, Any] | None, last: int,
+    tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool, dict[str, str]] | None, last: int,
     programs: ProgramResolver | None = None, *, reads_format: Callable[[int], bool] = lambda given: given == SNAPSHOT_FORMAT,
 ) -> list[Finding]:
     """The latest storage snapshot (what loads start from) must be the fold at its version, and
     read back (as a load reads it) give the fold's tree: ``seen`` is the fold's compact JSON there
-    (as a snapshot holds it), its digest, whether Programs were bound, and its whole JSON."""
+    (as a snapshot holds it), its digest, whether Programs were bound, and the digests of the inputs it
+    holds as changes (``_rebuilt_inputs``)."""
     version, body = snapshot
     name = str(tree_id)
     if seen is None or version > last:
         return [Finding(name, version, "snapshot.mismatch",
                         f"a snapshot claims version {version}; the stream ends at position {last}")]
-    folded_tree, digest, bound, folded_whole = seen
+    folded_tree, digest, bound, folded_inputs = seen
     try:
         stored = decode_snapshot(body)
     except (orjson.JSONDecodeError, KeyError, TypeError, SealError) as exc:
@@ -472,23 +473,27 @@ def _snapshot_findings(
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} does not match its seal (loads do not use it)")]
     # Equal to the fold, yet a load must also read it back (a Program's decode_state may refuse
-    # the very state its fold reached: loads would then fold from the first event), and what it
-    # rebuilds (inputs stored as changes) must be the fold's.
+    # the very state its fold reached: loads would then fold from the first event), and the
+    # inputs it rebuilds (those stored as changes: the JSON holds the changes) must be the fold's.
     try:
         read = TreeState.from_json(stored.tree, programs)
     except Exception as exc:  # noqa: BLE001 - whatever a Program's decode_state raises
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} equals the fold but cannot be read back "
                         f"({type(exc).__name__}: {exc}); loads fold from the first event instead")]
-    read_whole = _normalized(read.to_json())
-    if not bound:
-        read_whole, folded_whole = _without_state(read_whole), _without_state(folded_whole)
-    path = first_difference(read_whole, folded_whole)
-    if path is not None:
-        return [Finding(name, version, "snapshot.mismatch",
-                        f"the snapshot at version {version} equals the fold but reads back as another tree (at "
-                        f"{path}): loads start from it")]
+    rebuilt = _rebuilt_inputs(read)
+    for pid in sorted(set(rebuilt) | set(folded_inputs)):
+        if rebuilt.get(pid) != folded_inputs.get(pid):
+            return [Finding(name, version, "snapshot.mismatch",
+                            f"the snapshot at version {version} equals the fold but reads back as another tree "
+                            f"(the input of {pid}, stored as changes, rebuilds differently): loads start from it")]
     return []
+
+
+def _rebuilt_inputs(state: TreeState) -> dict[str, str]:
+    """The digest of each input a tree holds as changes (``ProcessState.input_patch``), by Process:
+    a digest each, not a copy (a team's Turns repeat each other: copies grew with the square)."""
+    return {str(p.process_id): digest_of(p.input) for p in state.processes.values() if p.input_patch is not None}
 
 
 def _normalized(value: Any) -> Any:
@@ -526,7 +531,7 @@ def verify_tree(
 
         def capture_snapshot(state: TreeState, programs: ProgramResolver | None, digest: str | None) -> None:
             seen["snapshot"] = (_normalized(state.to_json(compact=True)), digest, programs is not None,
-                                _normalized(state.to_json()))
+                                _rebuilt_inputs(state))
 
         watch.setdefault(snapshot[0], []).append(capture_snapshot)
     folded = fold_stored(tree_id, stored, store.mapper, catalog, watch=watch)
