@@ -441,9 +441,9 @@ def _snapshot_findings(
     programs: ProgramResolver | None = None, *, reads_format: Callable[[int], bool] = lambda given: given == SNAPSHOT_FORMAT,
 ) -> list[Finding]:
     """The latest storage snapshot (what loads start from) must be the fold at its version, and
-    read back (as a load reads it) give the fold's tree: ``seen`` is the fold's compact JSON there
-    (as a snapshot holds it), its digest, whether Programs were bound, and the digests of the inputs it
-    holds as changes (``_rebuilt_inputs``)."""
+    read back (as a load reads it) rebuild the fold's inputs: ``seen`` is the fold's compact JSON
+    there (as a snapshot holds it), its digest, whether Programs were bound, and the digests of the
+    inputs it holds as changes (``_rebuilt_inputs``). ``reads_format``: whether loads use a format."""
     version, body = snapshot
     name = str(tree_id)
     if seen is None or version > last:

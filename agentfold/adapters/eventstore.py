@@ -102,9 +102,9 @@ SNAPSHOT_TOPIC = "agentfold:TreeSnapshot"
 #: kept, no ``arrivals``/``consumed_through`` counters; releases before 2026-11-29 21:20 UTC);
 #: 2: compacted mailboxes. Snapshots of 2 written before the member existed have no ``format``.
 #: A snapshot of another format is not used (but see ``FORMAT_WITHOUT_INPUT_PATCHES``): the load
-#: folds the events (the truth), and the runtime's next append writes a current snapshot.
-#: Bump it whenever the tree's JSON changes
-#: in a way ``TreeState.from_json`` cannot read back to the state a fold gives.
+#: folds the events (the truth), and the runtime's next append writes a current snapshot. Bump it
+#: whenever the tree's JSON changes in a way ``TreeState.from_json`` cannot read back to the state
+#: a fold gives.
 #: 3: sealed (``snapshot_seal``): a snapshot whose tree was edited under its digest is not used.
 #: 4: a Process whose start stored its input as changes (``input_patch``, a team's Turns) holds
 #: that patch in place of its input (2026-12-05): a reader of format 3 would fail on it (no input).
@@ -1681,7 +1681,7 @@ class EventStore:
         stored = decode_snapshot(rows[0].state)
         if not self.reads_snapshot_format(tree_id, stored.format, rows[0].originator_version):
             raise OutdatedSnapshot(f"it is in format {stored.format}, this release reads format {SNAPSHOT_FORMAT}"
-                                   + (" (and 3 for a tree with no input stored as changes before it)"
+                                   + (" (and 3 for a tree with no input stored as changes up to its version)"
                                       if stored.format == FORMAT_WITHOUT_INPUT_PATCHES else ""))
         if not stored.sealed:
             raise UnsealedSnapshot("its tree is not the one sealed with its digest (changed after it was written)")
