@@ -23,7 +23,7 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.kernel_demo import payment_program, read_log
+from agentfold.adapters.kernel_demo import charge_id_for, payment_program, read_log
 from agentfold.adapters.runtime import Runtime
 from agentfold.domain.ids import TreeID
 from agentfold.domain.requests import Settlement
@@ -148,6 +148,8 @@ def test_crash_inside_the_charge_recovers_to_an_unknown_that_a_host_resolves(
 
     charge = next(line for line in read_log(log) if line["action"] == "charge")
     assert charge["effect_id"] == effect_id
+    # What the host looks up at the provider: the charge id derived from the unknown Effect's id.
+    assert charge["charge_id"] == charge_id_for(effect_id)
     receipt = {"charge_id": charge["charge_id"], "customer": "ada", "amount_cents": 1250}
     resolved = ok(agentfold("resolve", effect_id, "--output", json.dumps(receipt), "--json", store=store)).json()
     assert resolved["effect_id"] == effect_id
@@ -169,6 +171,16 @@ def test_crash_inside_the_charge_recovers_to_an_unknown_that_a_host_resolves(
     assert len(shown["incarnations"]) == 3  # the crashed writer, `recover`, `resolve`
     assert ok(agentfold("unknown", "--json", store=store)).json() == {"unknown_effects": []}
     assert ok(agentfold("recover", "--json", store=store)).json() == {"trees": []}
+
+
+def test_the_payment_demo_charges_the_customer_and_amount_it_was_given(tmp_path: Path) -> None:
+    log = tmp_path / "side-effects.jsonl"
+    ran = agentfold("kernel-demo-run", "--start-id", "order-bob", "--side-effect-log", str(log), "--customer", "bob",
+                    "--amount-cents", "999", "--crash-after", "in-dispatch:1", store=sqlite_url(tmp_path))
+    assert ran.code == 75, ran.stderr
+    [charge] = [line for line in read_log(log) if line["action"] == "charge"]
+    assert (charge["customer"], charge["amount_cents"]) == ("bob", 999)
+    assert charge["charge_id"] == charge_id_for(charge["effect_id"])
 
 
 def test_a_same_identity_effect_interrupted_by_a_crash_is_dispatched_again_not_left_unknown(tmp_path: Path) -> None:

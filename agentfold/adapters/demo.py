@@ -75,6 +75,8 @@ def run_demo(say: Callable[[str], None] = print, workdir: str | None = None) -> 
         raise DemoFailed(f"expected one unknown tool call, got {unknown}")
     entry = unknown[0]
     call = entry["request"]["tool_call"]["invocation"]["call"]
+    if call["name"] != "book_hotel":  # the call the process was killed inside, as step 1 says
+        raise DemoFailed(f"expected the hotel booking to be the unknown call, got {call['name']}")
     say("3. `agentfold unknown` shows what a host must investigate:")
     say(f"   effect {entry['effect_id']}")
     say(f"   tool call {entry['tool_call_ref']}: {call['name']}({call['arguments']})")
