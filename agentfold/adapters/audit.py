@@ -32,15 +32,7 @@ from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEv
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import STATE_COMPRESSOR, DecodeError, OrjsonTranscoder, PydanticMapper, stored_json
-from agentfold.adapters.eventstore import (
-    FORMAT_WITHOUT_INPUT_PATCHES,
-    PATCHED_START_TOPIC,
-    SNAPSHOT_FORMAT,
-    CorruptStream,
-    EventStore,
-    decode_snapshot,
-    read_failure,
-)
+from agentfold.adapters.eventstore import CorruptStream, EventStore, decode_snapshot, read_failure
 from agentfold.adapters.read_models import ReadModels
 from agentfold.adapters.recorders import EVENTS_TABLE, MALFORMED_VERSION, PROCESSES_TABLE, IndexHeadMismatch, TreeHead
 from agentfold.adapters.runtime import index_head
@@ -427,23 +419,14 @@ def _without_state(tree: Any) -> Any:
     return {**tree, "processes": [{k: v for k, v in p.items() if k != "state"} for p in tree.get("processes", [])]}
 
 
-def _loads_use(given: int, version: int, stored: Sequence[StoredEvent]) -> bool:
-    """Whether loads use a snapshot of format ``given`` taken at ``version`` (``EventStore.reads_snapshot_format``,
-    answered from the tree's records already read)."""
-    if given == SNAPSHOT_FORMAT:
-        return True
-    return given == FORMAT_WITHOUT_INPUT_PATCHES and not any(
-        s.topic == PATCHED_START_TOPIC for s in stored if s.originator_version <= version)
-
-
 def _snapshot_findings(
     tree_id: TreeID, snapshot: tuple[int, bytes], seen: tuple[Any, str | None, bool, dict[str, str]] | None, last: int,
-    programs: ProgramResolver | None = None, *, reads_format: Callable[[int], bool] = lambda given: given == SNAPSHOT_FORMAT,
+    programs: ProgramResolver | None, store: EventStore,
 ) -> list[Finding]:
     """The latest storage snapshot (what loads start from) must be the fold at its version, and
     read back (as a load reads it) rebuild the fold's inputs: ``seen`` is the fold's compact JSON
     there (as a snapshot holds it), its digest, whether Programs were bound, and the digests of the
-    inputs it holds as changes (``_rebuilt_inputs``). ``reads_format``: whether loads use a format."""
+    inputs it holds as changes (``_rebuilt_inputs``)."""
     version, body = snapshot
     name = str(tree_id)
     if seen is None or version > last:
@@ -457,7 +440,7 @@ def _snapshot_findings(
     if stored.format == -1:
         return [Finding(name, version, "snapshot.mismatch",
                         f"the snapshot at version {version} is malformed: its format is not a number")]
-    if not reads_format(stored.format):
+    if not store.reads_snapshot_format(tree_id, stored.format, version):
         return []  # another release's format: loads do not start from it (they fold the events)
     stored_tree, stored_digest = stored.tree, stored.digest
     if stored_digest != digest:
@@ -551,8 +534,7 @@ def verify_tree(
         check.problems.extend(_index_findings(tree_id, head, folded, store))
     if snapshot is not None:
         check.problems.extend(
-            _snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version, folded.programs,
-                               reads_format=lambda given: _loads_use(given, snapshot[0], stored))
+            _snapshot_findings(tree_id, snapshot, seen.get("snapshot"), folded.state.version, folded.programs, store)
         )
     if rows is not None:
         last = folded.state.version
