@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchContext
-from agentfold.adapters.eventstore import EventStore
+from agentfold.adapters.eventstore import PATCHED_START_TOPIC, EventStore
 from agentfold.adapters.recorders import HeadFilter, StatementCachingSQLitePool
 from agentfold.adapters.runtime import Runtime, index_head
 from agentfold.domain.ids import TreeID
@@ -31,7 +32,7 @@ from agentfold.domain.requests import EffectRequest, Settlement
 from tests.kernel_programs import chain_program, parent_program
 
 TREE_INDEXES = ("agentfold_trees_by_created", "agentfold_trees_live", "agentfold_trees_with_unknown")
-INDEXES = (*TREE_INDEXES, "agentfold_processes_by_tree")
+INDEXES = (*TREE_INDEXES, "agentfold_processes_by_tree", "agentfold_events_patched_starts")
 
 
 def _row_matches_the_fold(store: EventStore, runtime: Runtime, tree_id: TreeID) -> dict[str, Any]:
@@ -121,6 +122,9 @@ READS: list[tuple[str, Callable[[EventStore], object], str]] = [
     ("latest", lambda store: store.heads(only=HeadFilter(last=10)), "agentfold_trees_by_created"),
     ("page", lambda store: store.heads(only=HeadFilter(limit=10, after=("2026", "tree:"))), "agentfold_trees_by_created"),
     ("processes", lambda store: store.processes_of_tree(TreeID(f"tree:{7:032x}")), "agentfold_processes_by_tree"),
+    # A load of a tree whose snapshot is of format 3: does its history store an input as changes?
+    ("patched starts", lambda store: store.index.holds_topic(uuid.UUID(int=7), PATCHED_START_TOPIC, 10**9) or None,
+     "agentfold_events_patched_starts"),
 ]
 
 
@@ -162,7 +166,7 @@ def test_sqlite_reads_live_runs_unknown_effects_and_pages_from_indexes(
     assert index in plan and "TEMP B-TREE" not in plan.split("SCAN newest")[0], (query, plan)
 
 
-@pytest.mark.parametrize("name,read,index", READS[:3], ids=[r[0] for r in READS[:3]])
+@pytest.mark.parametrize("name,read,index", [*READS[:3], READS[-1]], ids=[r[0] for r in [*READS[:3], READS[-1]]])
 def test_postgresql_reads_live_runs_and_unknown_effects_from_partial_indexes(
     pg_database: str, name: str, read: Callable[[EventStore], object], index: str
 ) -> None:
@@ -328,11 +332,11 @@ def _indexes(store: EventStore) -> set[str]:
     if store.backend == "sqlite":
         with store.factory.datastore.transaction(commit=False) as c:
             c.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                      "AND tbl_name IN ('agentfold_trees', 'agentfold_processes')")
+                      "AND tbl_name IN ('agentfold_trees', 'agentfold_processes', 'agentfold_events')")
             return {str(r[0]) for r in c.fetchall()} & set(INDEXES)
     with store.factory.datastore.get_connection() as conn:
         rows = conn.execute("SELECT indexname FROM pg_indexes "
-                            "WHERE tablename IN ('agentfold_trees', 'agentfold_processes')").fetchall()
+                            "WHERE tablename IN ('agentfold_trees', 'agentfold_processes', 'agentfold_events')").fetchall()
     return {str(r["indexname"]) for r in rows} & set(INDEXES)
 
 

@@ -129,6 +129,12 @@ def chain_tag(name: str, version: int) -> str:
     return name if version == 1 else f"{name}@{version}"
 
 
+#: The stored topic of an input held as changes (``EffectDeclared@2``: a team's Turns). The
+#: only topic a reader looks events up by (``holds_topic``); the events table has a partial
+#: index on it (``EVENTS_INDEXES``).
+PATCHED_START_TOPIC = TOPIC_PREFIX + chain_tag("EffectDeclared", 2)
+
+
 @dataclass(frozen=True, slots=True)
 class RecordedEvent:
     """One event as stored: its tree, position, timestamp, chained digest and domain event.

@@ -59,13 +59,12 @@ from eventsourcing.utils import Environment
 
 from agentfold.adapters.codec import (
     MAX_SNAPSHOT_BYTES,
+    PATCHED_START_TOPIC,
     STATE_COMPRESSOR,
-    TOPIC_PREFIX,
     DecodeError,
     OrjsonTranscoder,
     PydanticMapper,
     RecordedEvent,
-    chain_tag,
     stored_json,
 )
 from agentfold.adapters.leases import FileLeases, LeaseManager, MemoryLeases, PostgresLeases, RefusedLeases
@@ -114,7 +113,6 @@ SNAPSHOT_FORMAT = 4
 #: (the only difference): loads use it when no event there is ``EffectDeclared@2`` (what stores
 #: one), so an upgrade leaves every other tree's snapshot in use.
 FORMAT_WITHOUT_INPUT_PATCHES = 3
-PATCHED_START_TOPIC = TOPIC_PREFIX + chain_tag("EffectDeclared", 2)
 
 
 def snapshot_seal(tree: dict[str, Any], digest: str) -> str:

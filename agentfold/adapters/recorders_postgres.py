@@ -43,6 +43,7 @@ from agentfold.adapters.recorders import (
     head_params,
     index_statements,
     on_a_live_connection,
+    topic_condition,
 )
 from agentfold.domain.errors import StoreFailure
 
@@ -521,9 +522,10 @@ class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQuerie
         return str(rows[0]["tree_id"]) if rows else None
 
     def holds_topic(self, originator_id: UUID, topic: str, upto: int) -> bool:
+        # The condition as a literal: a bound parameter would not prove the partial index's.
         return bool(self._select(
             f'SELECT 1 FROM "{self._schema}".{self.events_table_name} WHERE originator_id = %s '
-            "AND originator_version <= %s AND topic = %s LIMIT 1", (originator_id, upto, topic)
+            f"AND originator_version <= %s AND {topic_condition(topic)} LIMIT 1", (originator_id, upto)
         ))
 
     def processes_of_tree(self, tree_id: str) -> list[str]:
