@@ -30,6 +30,7 @@ from agentfold.adapters.cli import PROG, Context, Outcome, poll_seconds, positiv
 from agentfold.adapters.eventstore import redact
 from agentfold.adapters.feed import (
     DEFAULT_BATCH,
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_PARTITIONS,
     DEFAULT_POLL_INTERVAL,
     HeldTree,
@@ -162,8 +163,8 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
             publisher = Publisher(
                 store, args.bootstrap, args.topic, partitions=args.partitions,
                 replication_factor=args.replication_factor, batch_size=args.batch_size,
-                poll_interval=args.poll_interval, on_held=on_held, on_released=on_released,
-                on_still_held=on_still_held,
+                poll_interval=args.poll_interval, connect_timeout=args.connect_timeout, on_held=on_held,
+                on_released=on_released, on_still_held=on_still_held,
             )
             interrupts.append(publisher.interrupt)
             start = publisher.position
@@ -222,7 +223,7 @@ def cmd_transcripts(ctx: Context, args: argparse.Namespace) -> Outcome:
         try:
             consumer = TranscriptConsumer(
                 store, args.bootstrap, args.topic, args.group, group_instance_id=args.group_instance_id,
-                max_records=args.max_records,
+                max_records=args.max_records, connect_timeout=args.connect_timeout,
             )
             interrupts.append(consumer.interrupt)
             try:
@@ -318,6 +319,14 @@ def transcript_text(t: dict[str, Any]) -> str:
     return "\n".join(_escaped(line) for line in lines)
 
 
+def _connect_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--connect-timeout", type=positive_seconds, default=DEFAULT_CONNECT_TIMEOUT, metavar="SECONDS",
+        help="how long to wait for a first answer from --bootstrap before failing with feed.unavailable "
+        f"(default {DEFAULT_CONNECT_TIMEOUT:g})",
+    )
+
+
 def register(command: Any) -> None:
     """Add this module's commands with ``command(name, handler, help, timeout=False)`` (agentfold.adapters.cli)."""
     publish = command(
@@ -336,6 +345,7 @@ def register(command: Any) -> None:
                          help="replication factor of a topic this command creates (default 1)")
     publish.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH, metavar="N",
                          help=f"events per acknowledged batch (default {DEFAULT_BATCH})")
+    _connect_timeout(publish)
     publish.add_argument("--poll-interval", type=poll_seconds, default=DEFAULT_POLL_INTERVAL, metavar="SECONDS",
                          help="when following: SQLite polls this often; PostgreSQL listens and re-checks every "
                          f"10 x SECONDS as a safety net (default {DEFAULT_POLL_INTERVAL})")
@@ -349,6 +359,7 @@ def register(command: Any) -> None:
     transcripts.add_argument("--group", required=True, help="the consumer group id")
     transcripts.add_argument("--db", required=True, metavar="URL", help="sqlite:///path.db or postgresql://... for the tables")
     transcripts.add_argument("--group-instance-id", metavar="ID", help="static membership (faster restarts)")
+    _connect_timeout(transcripts)
     transcripts.add_argument("--max-records", type=_positive, default=1000, metavar="N",
                              help="records per batch (one database transaction each; default 1000)")
     transcripts.add_argument("--once", action="store_true", help="exit once nothing new arrived for 1 s after joining")

@@ -68,6 +68,9 @@ APPLICATION_PREFIX = "agentfold.publisher:"
 DEFAULT_PARTITIONS = 3
 DEFAULT_BATCH = 500
 DEFAULT_POLL_INTERVAL = 0.05  # seconds; a PostgreSQL follower's safety net is 10 x this
+#: Seconds a Kafka client waits for its first broker connection (kafka-python's
+#: ``bootstrap_timeout_ms``) before the command fails with ``feed.unavailable``; ``--connect-timeout``.
+DEFAULT_CONNECT_TIMEOUT = 30.0
 CRASH_EXIT = 75
 # Seconds of one wait for acknowledgements, so that ``Publisher.interrupt`` ends the wait soon.
 ACK_SLICE = 0.25
@@ -89,6 +92,19 @@ class FeedError(AgentfoldError):
     def __init__(self, message: str, *, retriable: bool = True) -> None:
         super().__init__("feed.unavailable", message, "check --bootstrap and the broker; run again: the publisher and the transcripts consumer resume where they stopped")
         self.retriable = retriable
+
+
+def bootstrap_config(bootstrap: str, connect_timeout: float) -> dict[str, Any]:
+    """The servers and the wait for the first connection, as every Kafka client of the feed takes them."""
+    return {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": max(1, round(connect_timeout * 1000))}
+
+
+def unreachable(bootstrap: str, connect_timeout: float, exc: BaseException) -> FeedError:
+    """A Kafka client that could not be set up: when no broker answered, after how long."""
+    from kafka.errors import KafkaTimeoutError
+
+    waited = f" within {connect_timeout:g} s (--connect-timeout)" if isinstance(exc, KafkaTimeoutError) else ""
+    return FeedError(f"cannot reach the broker at {bootstrap}{waited}: {exc}")
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -506,15 +522,18 @@ def released_line(held: HeldTree, published: int) -> str:
 # Kafka
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS, replication_factor: int = 1) -> bool:
+def ensure_topic(
+    bootstrap: str, topic: str, partitions: int = DEFAULT_PARTITIONS, replication_factor: int = 1,
+    *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> bool:
     """Create the topic if it is missing; True when this call created it."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="agentfold-publisher-admin")
+        admin = KafkaAdminClient(**bootstrap_config(bootstrap, connect_timeout), client_id="agentfold-publisher-admin")
     except KafkaError as exc:
-        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+        raise unreachable(bootstrap, connect_timeout, exc) from exc
     try:
         admin.create_topics(
             {topic: {"num_partitions": partitions, "replication_factor": replication_factor,
@@ -548,15 +567,15 @@ def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
     return config
 
 
-def new_producer(bootstrap: str) -> Any:
+def new_producer(bootstrap: str, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Any:
     """A kafka-python producer with ``producer_config`` (FeedError when the broker cannot be reached)."""
     from kafka import KafkaProducer
     from kafka.errors import KafkaError
 
     try:
-        return KafkaProducer(**producer_config(bootstrap))
+        return KafkaProducer(**producer_config(bootstrap, **bootstrap_config(bootstrap, connect_timeout)))
     except KafkaError as exc:
-        raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+        raise unreachable(bootstrap, connect_timeout, exc) from exc
 
 
 def discard_producer(producer: Any) -> None:
@@ -611,6 +630,7 @@ class Publisher:
         batch_size: int = DEFAULT_BATCH,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         ack_timeout: float = 60.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         producer: Any = None,
         on_held: Callable[[HeldTree], None] | None = None,
         on_released: Callable[[HeldTree, int], None] | None = None,
@@ -632,6 +652,7 @@ class Publisher:
         self.batch_size = batch_size
         self.poll_interval = poll_interval
         self.ack_timeout = ack_timeout
+        self.connect_timeout = connect_timeout
         self._position = PublisherPosition(store, topic)
         # Before the position is read: the position is this publisher's while it holds the lease.
         self._lease = PublisherLease(store, topic)
@@ -658,10 +679,10 @@ class Publisher:
         # Per tree, the last position produced ahead of its notification (a release, or a row
         # restored by hand under a later notification id): the main loop passes those over.
         self._ahead: dict[str, int] = {}
-        ensure_topic(bootstrap, topic, partitions, replication_factor)
+        ensure_topic(bootstrap, topic, partitions, replication_factor, connect_timeout=self.connect_timeout)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
-        self.producer: Any = producer if producer is not None else new_producer(bootstrap)
+        self.producer: Any = producer if producer is not None else new_producer(bootstrap, self.connect_timeout)
         self._crash = crash_hook_from_env()
         self._interrupted = threading.Event()
         self.batches = 0
@@ -997,7 +1018,7 @@ class Publisher:
             nonlocal again
             if again:
                 if self.producer is None and self._bootstrap is not None:
-                    self.producer = new_producer(self._bootstrap)
+                    self.producer = new_producer(self._bootstrap, self.connect_timeout)
                 self.start_again()
                 say(f"following again from position {self.position}")
             again = True

@@ -60,7 +60,15 @@ from agentfold.adapters.eventstore import (
     redact,
     set_server_tcp,
 )
-from agentfold.adapters.feed import ChainCheck, FeedError, check_topic, store_envelopes
+from agentfold.adapters.feed import (
+    DEFAULT_CONNECT_TIMEOUT,
+    ChainCheck,
+    FeedError,
+    bootstrap_config,
+    check_topic,
+    store_envelopes,
+    unreachable,
+)
 from agentfold.adapters.recorders import SQLITE_DURABLE_COMMITS
 from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure
 from agentfold.domain.ids import TreeID
@@ -715,6 +723,7 @@ class TranscriptConsumer:
         *,
         group_instance_id: str | None = None,
         max_records: int = 1000,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         consumer: Any = None,
     ) -> None:
         self.store = store
@@ -725,9 +734,11 @@ class TranscriptConsumer:
             from kafka.errors import KafkaError
 
             try:
-                consumer = KafkaConsumer(**consumer_config(bootstrap, group, group_instance_id=group_instance_id))
+                consumer = KafkaConsumer(**consumer_config(
+                    bootstrap, group, group_instance_id=group_instance_id, **bootstrap_config(bootstrap, connect_timeout)
+                ))
             except KafkaError as exc:
-                raise FeedError(f"cannot reach the broker at {bootstrap}: {exc}") from exc
+                raise unreachable(bootstrap, connect_timeout, exc) from exc
             self._subscribed = False  # once the topic exists (run)
         else:
             self._subscribed = True

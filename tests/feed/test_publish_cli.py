@@ -244,3 +244,53 @@ def test_project_refuses_a_poll_interval_outside_a_millisecond_to_thirty_days(tm
                             store=f"sqlite:///{tmp_path / 'missing.db'}"))
     error = ran.error()
     assert error["code"] == "cli.usage" and "from 0.001 up to 2592000" in error["message"], error
+
+
+class _SilentBroker:
+    """A TCP listener that accepts connections and never answers (a wrong port of a live host,
+    a firewall that swallows packets after the handshake): nothing refuses, nothing replies."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.bootstrap = f"127.0.0.1:{self.server.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("broker", ["refusing", "silent"])
+@pytest.mark.parametrize("command", ["publish", "transcripts --once", "transcripts"])
+def test_an_unreachable_broker_fails_the_feed_commands_after_connect_timeout(
+    tmp_path: Path, broker: str, command: str
+) -> None:
+    # Before --connect-timeout, each waited kafka-python's 30 s bootstrap timeout, untested.
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    EventStore(url).close()
+    silent = _SilentBroker() if broker == "silent" else None
+    bootstrap = silent.bootstrap if silent is not None else "127.0.0.1:9"
+    name, *rest = command.split()
+    extra = ["--once"] if name == "publish" else ["--group", "g", "--db", f"sqlite:///{tmp_path / 't.db'}", *rest]
+    try:
+        began = time.monotonic()
+        ran = agentfold(name, "--bootstrap", bootstrap, "--topic", "feed", "--connect-timeout", "1", *extra, "--json",
+                        store=url, timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if silent is not None:
+            silent.close()
+    assert ran.code == 1, ran.stderr
+    error = json.loads(ran.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "feed.unavailable", error
+    assert f"cannot reach the broker at {bootstrap} within 1 s (--connect-timeout)" in error["message"], error
+    assert took < 15, took  # the default (30 s) would still be waiting
+
+
+def test_connect_timeout_must_be_a_positive_number_of_seconds(tmp_path: Path) -> None:
+    for command in (["publish", "--once"], ["transcripts", "--group", "g", "--db", f"sqlite:///{tmp_path / 't.db'}"]):
+        for value in ("0", "-1", "soon"):
+            ran = refused(agentfold(command[0], "--bootstrap", "127.0.0.1:9", "--topic", "feed", *command[1:],
+                                    "--connect-timeout", value, "--json", store=f"sqlite:///{tmp_path / 'missing.db'}"))
+            error = ran.error()
+            assert error["code"] == "cli.usage" and "--connect-timeout" in error["message"], error

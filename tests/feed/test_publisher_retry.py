@@ -114,8 +114,8 @@ def test_a_following_publisher_whose_batch_fails_at_the_broker_still_publishes_a
     made: list[FailingOnce] = []
     real_new_producer = feed.new_producer
 
-    def new_producer(bootstrap: str) -> Any:
-        made.append(FailingOnce(real_new_producer(bootstrap), 1 if not made else 0))
+    def new_producer(bootstrap: str, *args: Any) -> Any:
+        made.append(FailingOnce(real_new_producer(bootstrap, *args), 1 if not made else 0))
         return made[-1]
 
     monkeypatch.setattr(feed, "new_producer", new_producer)
