@@ -102,6 +102,8 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
         ("cancel", unknown["process_id"], "--json"),
         # A command that creates runs says so too (it said "unable to open database file").
         ("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--json"),
+        # A snapshot is a write too: refused before any tree is folded.
+        ("snapshot", "--all", "--min-events", "1", "--json"),
     )
     for command, text in expected.items():
         if command.startswith("audit"):  # its timing differs; the verdict must not
@@ -112,7 +114,7 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
             continue
         assert json.loads(got[command]) == json.loads(text), command
     assert ok(exported).stdout == ok(original_export).stdout
-    assert len(refusals) == 3
+    assert len(refusals) == 4
     for refusal in refusals:
         read_only_refusal(refusal)
     assert sorted(p.name for p in mount_point.iterdir()) == ["agentfold.db"]

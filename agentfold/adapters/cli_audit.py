@@ -1,4 +1,4 @@
-"""CLI commands: `audit verify`, `audit drift`, `replay`, `export`, `import` (docs/audit.md).
+"""CLI commands: `audit verify`, `audit drift`, `replay`, `export`, `import` (docs/audit.md), `snapshot`.
 
 Exit status: 0 when the history is intact (no drift; the export or import succeeded),
 1 when a check found something wrong (the report says what, where and which rule) or the
@@ -20,11 +20,17 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
+from eventsourcing.persistence import PersistenceError
+
 from agentfold.adapters import audit
+from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError, json_text
-from agentfold.adapters.eventstore import redact
+from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES
+from agentfold.adapters.eventstore import EventStore, redact
+from agentfold.adapters.runtime import DEFAULT_SNAPSHOT_EVERY
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import AgentfoldError, InvalidInput
+from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, recorded_text
+from agentfold.domain.events import TreeStarted
 from agentfold.domain.ids import TreeID
 
 
@@ -214,6 +220,17 @@ def _position(text: str) -> int:
     return value
 
 
+def _min_events(text: str) -> int:
+    """``snapshot --min-events``: a whole number of events, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of events") from None
+    if not 1 <= value < (1 << 63):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of events from 1")
+    return value
+
+
 def cmd_export(ctx: Context, args: argparse.Namespace) -> Outcome:
     as_json = bool(getattr(args, "json", False))
     if args.out is None and as_json:
@@ -334,6 +351,80 @@ def cmd_import(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 # ---------------------------------------------------------------------------
+# snapshot
+
+
+def cmd_snapshot(ctx: Context, args: argparse.Namespace) -> Outcome:
+    """Write a current snapshot of each tree whose loads fold ``--min-events`` events or more."""
+    if bool(args.trees) == bool(args.all):
+        raise _UsageError("cli.usage", "name the trees to snapshot, or pass --all (not both)",
+                          f"see `{PROG} snapshot --help`")
+    store = ctx.open_store()
+    entries: list[dict[str, JSON]] = []
+    try:
+        store.check_writable()  # a read-only store: refused before any tree is folded
+        tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
+        catalog = ctx.sources.catalog()
+        for tree_id in tree_ids:
+            entries.append(_snapshot_tree(store, catalog, tree_id, args.min_events))
+    finally:
+        store.close()
+    written, skipped, failed = (sum(1 for e in entries if e["outcome"] == o) for o in ("written", "skipped", "failed"))
+    summary = (f"wrote {written} snapshot(s) of {len(entries)} tree(s)" + (f"; {skipped} skipped" if skipped else "")
+               + (f"; {failed} failed" if failed else ""))
+    if not entries:
+        summary = f"no trees in {redact(ctx.store_url)}"
+    lines = [summary] + [f"{e['tree_id']}  {e['outcome']}: {e['reason']}" for e in entries]
+    data: dict[str, JSON] = {"trees": list(entries), "written": written, "skipped": skipped, "failed": failed}
+    return Outcome(data, "\n".join(lines), 1 if failed else 0)
+
+
+def _snapshot_tree(store: EventStore, catalog: Catalog, tree_id: TreeID | str, min_events: int) -> dict[str, JSON]:
+    """One tree of ``agentfold snapshot``: its entry (``outcome`` written, current, skipped or failed)."""
+    if not isinstance(tree_id, TreeID):
+        return {"tree_id": tree_id, "outcome": "failed", "reason": "its index row names no tree id (written by hand)"}
+    entry: dict[str, JSON] = {"tree_id": str(tree_id)}
+    try:
+        first = store.first_event(tree_id)
+        started = first.event if first is not None else None
+        if not isinstance(started, TreeStarted):
+            return {**entry, "outcome": "failed", "reason": "it has no TreeStarted event at position 1"}
+        try:
+            programs = catalog.bound(catalog.load(started.program, started.configuration))
+        except NotFound as exc:
+            return {**entry, "outcome": "skipped", "reason": f"{exc.message}: a snapshot is written where the "
+                    "tree's Programs are bound (their states are part of it)"}
+        loaded = store.load(tree_id, programs)
+        state = loaded.state
+        folded = state.version - loaded.snapshot_version
+        entry.update(version=state.version, snapshot_version=loaded.snapshot_version or None, folded=folded)
+        unbound = next((p for p in state.processes.values() if programs(p.program) is None), None)
+        if unbound is not None:
+            return {**entry, "outcome": "skipped", "reason": f"the Program {unbound.program.name} of "
+                    f"{unbound.process_id} is not bound here: a snapshot taken without it would lack its state"}
+        if folded < min_events:
+            since = f"its snapshot at version {loaded.snapshot_version}" if loaded.snapshot_version else "position 1"
+            return {**entry, "outcome": "current", "reason": f"a load folds {folded} event(s) from {since}, fewer "
+                    f"than --min-events {min_events}"}
+        body = store.encode_snapshot(state, loaded.digest or "")
+        if len(body) > MAX_SNAPSHOT_BYTES:
+            return {**entry, "outcome": "skipped", "reason": f"its snapshot would be {len(body)} bytes, above the "
+                    f"{MAX_SNAPSHOT_BYTES} a reader takes (loads go on from the last one under the bound)"}
+        store.write_snapshot(tree_id, state.version, body, replace=True)
+    except AgentfoldError as exc:  # a corrupt history (store.corrupt), an unknown tree: the others go on
+        return {**entry, "outcome": "failed", "reason": f"{exc.code}: {exc.message}"}
+    except PersistenceError:
+        raise  # the store itself failed: every other tree would too
+    except Exception as exc:  # noqa: BLE001 - a Program's encode_state: that tree only
+        return {**entry, "outcome": "failed", "reason": f"encoding its snapshot failed: {type(exc).__name__}: "
+                f"{recorded_text(exc)}"}
+    before = (f"the last usable one was at version {loaded.snapshot_version}" if loaded.snapshot_version
+              else "there was no usable one")
+    return {**entry, "outcome": "written", "reason": f"at version {state.version} ({before}; loads folded {folded} "
+            "event(s))"}
+
+
+# ---------------------------------------------------------------------------
 # Registration
 
 
@@ -367,6 +458,18 @@ def register(command: Any) -> None:
     export = command("export", cmd_export, "write a tree's stored events as JSON Lines (docs/audit.md)")
     export.add_argument("tree", metavar="TREE", help="a tree id, a start id or a process id")
     export.add_argument("--out", metavar="FILE", default=None, help="write to FILE (default: standard output)")
+
+    snapshot = command(
+        "snapshot", cmd_snapshot,
+        "write a current snapshot of trees whose loads fold many events (after an upgrade, an import)",
+    )
+    snapshot.add_argument("trees", metavar="TREE", nargs="*", help="a tree id, a start id or a process id")
+    snapshot.add_argument("--all", action="store_true", help="every tree of the store")
+    snapshot.add_argument(
+        "--min-events", type=_min_events, default=DEFAULT_SNAPSHOT_EVERY, metavar="N",
+        help="only trees whose loads fold at least N events after their last usable snapshot (default "
+        f"{DEFAULT_SNAPSHOT_EVERY}, a runtime's snapshot interval)",
+    )
 
     imported = command("import", cmd_import, "verify an export file, then write it into --store in one append")
     imported.add_argument("file", metavar="FILE", help="a file written by `agentfold export` (- reads stdin)")

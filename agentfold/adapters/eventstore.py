@@ -1640,9 +1640,12 @@ class EventStore:
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
 
-    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes) -> None:
+    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes, *, replace: bool = False) -> None:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
-        states are: a long conversation's snapshot holds every message) and drop older ones."""
+        states are: a long conversation's snapshot holds every message) and drop older ones.
+
+        ``replace``: a snapshot already stored at ``version`` is replaced (``agentfold snapshot``:
+        one that loads do not use, of another format or edited); else it is kept."""
         self.check_writable()
         if len(body) > MAX_SNAPSHOT_BYTES:
             # Readers refuse it: loads go on from the last snapshot under the bound.
@@ -1651,10 +1654,18 @@ class EventStore:
             return
         state_version = version
         body = STATE_COMPRESSOR.compress(body)
+        row = StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)
         try:
-            self.snapshots.insert_events([StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)])
+            self.snapshots.insert_events([row])
         except IntegrityError:
-            return  # the same version was already snapshotted
+            if not replace:
+                return  # the same version was already snapshotted
+            # Meanwhile a load folds the events (the truth); a newer snapshot is not touched.
+            self.snapshots.prune(tree_id.uuid, state_version + 1)
+            try:
+                self.snapshots.insert_events([row])
+            except IntegrityError:
+                return  # another writer stored this version meanwhile, from the same events
         # Only the newest snapshot is ever read; keeping the others would grow storage
         # with the square of a long conversation.
         self.snapshots.prune(tree_id.uuid, state_version)

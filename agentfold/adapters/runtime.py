@@ -329,6 +329,8 @@ class _Job:
 #: Dispatcher calls a runtime has in flight at once, by default (``Runtime(dispatch_workers=N)``,
 #: ``serve --dispatch-workers N``), and the most it accepts (each call in flight has its thread).
 DEFAULT_DISPATCH_WORKERS = 32
+#: Events between a tree's storage snapshots (``Runtime(snapshot_every=...)``): a load folds fewer.
+DEFAULT_SNAPSHOT_EVERY = 1000
 MAX_DISPATCH_WORKERS = 4096
 #: Abandoned calls (cancellation grace over, owner line stopped) whose dispatcher still runs
 #: that give their slot back: past that many, an abandoned call keeps its slot until its
@@ -1470,7 +1472,7 @@ class Runtime:
         *,
         dispatch_workers: int = DEFAULT_DISPATCH_WORKERS,
         owner_workers: int = 4,
-        snapshot_every: int = 1000,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
         poll_interval: float = 0.2,
         cancel_grace: float = 5.0,
         crash: CrashPlan | None = None,
