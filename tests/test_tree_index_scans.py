@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from eventsourcing.persistence import StoredEvent
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.dispatch import DispatchContext
@@ -273,6 +274,55 @@ def test_postgresql_builds_again_an_index_an_interrupted_build_left_invalid(pg_d
     live = [r for r in rows if r["name"] == "agentfold_trees_live"]
     assert len(live) == 1 and live[0]["indisvalid"] and "WHERE (classification <> 'terminal'" in live[0]["definition"]
     assert {r["name"] for r in rows if r["indisvalid"]} >= set(TREE_INDEXES)
+
+
+def test_postgresql_builds_the_events_index_of_an_earlier_release_s_store_behind_a_long_reader(
+    pg_database: str,
+) -> None:
+    """The events table's index is built plainly in the open's transaction, not CONCURRENTLY:
+    every append locks that table, so a concurrent build held appends as long, and behind an
+    older transaction (a long report, a backup) it waited for that transaction while appends
+    waited for it, until PostgreSQL broke the cycle as a deadlock: the open (``serve``, ``run``)
+    failed and left the index invalid (found by a review, 3 runs of 3)."""
+    tree = uuid.UUID(int=41)
+    store = EventStore(pg_database)
+    try:
+        store.recorder.insert_events(
+            [StoredEvent(tree, v, "domain.events:StepCommitted", b"{}") for v in range(1, 2001)])
+        with store.factory.datastore.get_connection() as conn:
+            conn.execute("DROP INDEX agentfold_events_patched_starts")
+    finally:
+        store.close()
+    opened = threading.Event()
+    failures: list[BaseException] = []
+
+    def open_store() -> None:
+        try:
+            EventStore(pg_database).close()  # an open that may create (serve, run, import)
+            opened.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    with psycopg.connect(pg_database) as reader:
+        reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        reader.execute("SELECT count(*) FROM agentfold_trees").fetchone()  # its snapshot taken, held open
+        thread = threading.Thread(target=open_store, daemon=True)
+        thread.start()
+        try:
+            assert opened.wait(20), f"the open waited for an older transaction: {failures}"
+            writer = EventStore(pg_database, create=False)
+            try:
+                writer.recorder.insert_events([StoredEvent(tree, 2001, "domain.events:StepCommitted", b"{}")])
+            finally:
+                writer.close()
+        finally:
+            reader.rollback()
+            thread.join(30)
+    assert not failures
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        valid = conn.execute(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = 'agentfold_events_patched_starts'::regclass").fetchone()
+    assert valid == (True,)
 
 
 def _waiting_builds(conn: psycopg.Connection[Any]) -> int:

@@ -682,7 +682,7 @@ class Publisher:
         ensure_topic(bootstrap, topic, partitions, replication_factor, connect_timeout=self.connect_timeout)
         # A producer of its own is replaced after a broker failure (see follow_until_stopped).
         self._bootstrap = bootstrap if producer is None else None
-        self.producer: Any = producer if producer is not None else new_producer(bootstrap, self.connect_timeout)
+        self.producer: Any = producer if producer is not None else self._new_producer()
         self._crash = crash_hook_from_env()
         self._interrupted = threading.Event()
         self.batches = 0
@@ -690,6 +690,11 @@ class Publisher:
         self.events = 0
         self.bytes = 0
         self.failures = 0  # failures retried while following, counted as they happen
+
+    def _new_producer(self) -> Any:
+        """A producer of this publisher's own: at the start, and after a broker failure."""
+        assert self._bootstrap is not None
+        return new_producer(self._bootstrap, self.connect_timeout)
 
     # -- one batch ---------------------------------------------------------------
 
@@ -1018,7 +1023,7 @@ class Publisher:
             nonlocal again
             if again:
                 if self.producer is None and self._bootstrap is not None:
-                    self.producer = new_producer(self._bootstrap, self.connect_timeout)
+                    self.producer = self._new_producer()
                 self.start_again()
                 say(f"following again from position {self.position}")
             again = True

@@ -294,3 +294,56 @@ def test_connect_timeout_must_be_a_positive_number_of_seconds(tmp_path: Path) ->
                                     "--connect-timeout", value, "--json", store=f"sqlite:///{tmp_path / 'missing.db'}"))
             error = ran.error()
             assert error["code"] == "cli.usage" and "--connect-timeout" in error["message"], error
+
+
+class _Client:
+    """Stands in for a kafka-python client class: records how each instance was built."""
+
+    def __init__(self, built: list[tuple[str, dict[str, object]]], kind: str) -> None:
+        self.built, self.kind = built, kind
+
+    def __call__(self, *args: object, **config: object) -> _Client:
+        self.built.append((self.kind, config))
+        return self
+
+    def create_topics(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def flush(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def close(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def test_every_kafka_client_of_the_feed_waits_connect_timeout_for_its_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admin client, the producer (at the start and each one made again after a broker
+    failure) and the transcripts consumer: each waits ``connect_timeout`` for a first answer."""
+    import kafka
+
+    from agentfold.adapters.transcripts import TranscriptConsumer, TranscriptStore
+
+    built: list[tuple[str, dict[str, object]]] = []
+    for kind in ("KafkaAdminClient", "KafkaProducer", "KafkaConsumer"):
+        monkeypatch.setattr(kafka, kind, _Client(built, kind))
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = EventStore(url)
+    transcripts = TranscriptStore(f"sqlite:///{tmp_path / 't.db'}")
+    try:
+        publisher = Publisher(store, "127.0.0.1:9", "feed", connect_timeout=2.5)
+        try:
+            publisher._new_producer()  # what following makes after a broker failure
+        finally:
+            publisher.close()
+        TranscriptConsumer(transcripts, "127.0.0.1:9", "feed", "g", connect_timeout=0.25)
+    finally:
+        transcripts.close()
+        store.close()
+    assert [(kind, config["bootstrap_servers"], config["bootstrap_timeout_ms"]) for kind, config in built] == [
+        ("KafkaAdminClient", "127.0.0.1:9", 2500),
+        ("KafkaProducer", "127.0.0.1:9", 2500),
+        ("KafkaProducer", "127.0.0.1:9", 2500),
+        ("KafkaConsumer", "127.0.0.1:9", 250),
+    ]
