@@ -9,6 +9,7 @@ Programs bound; loads then read it, and ``audit verify`` checks it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
@@ -25,17 +26,17 @@ from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.ids import StartID, TreeID
 from agentfold.domain.program import Program
 from tests.audit.support import chain_sources, cli
-from tests.kernel_programs import chain_program
+from tests.kernel_programs import Chain, chain_program
 
 
-def _finished(url: str, program: Program, *sizes: int) -> list[TreeID]:
+def _finished(url: str, program: Program, *sizes: int, prefix: str = "snap") -> list[TreeID]:
     """Completed chain runs of ``sizes`` effects, written without any snapshot."""
     store = EventStore(url)
     try:
         with Runtime(store, Catalog([program]), snapshot_every=0) as runtime:
             trees = []
             for i, n in enumerate(sizes):
-                handle = runtime.start(program, {"n": n}, start_id=StartID(f"snap-{i}"))
+                handle = runtime.start(program, {"n": n}, start_id=StartID(f"{prefix}-{i}"))
                 assert handle.result(timeout=60).status == "completed"
                 trees.append(handle.tree_id)
             return trees
@@ -93,11 +94,11 @@ def test_snapshot_writes_the_snapshot_loads_then_start_from(
 
 
 def test_a_snapshot_loads_do_not_use_is_replaced_at_the_same_version(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], durable_store_url: str
 ) -> None:
     """A finished tree's last snapshot is often at its last event: one of another format (a
     release before) sits at the very version the new one is written at."""
-    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    url = durable_store_url
     program = chain_program()
     (tree_id,) = _finished(url, program, 30)
     store = EventStore(url)
@@ -176,3 +177,104 @@ def test_bad_input_is_refused_and_writes_nothing(
     ran = cli(capsys, "snapshot", *argv, "--store", url, sources=chain_sources(program))
     assert ran.code == 2 and message in ran.stderr and ran.stdout == "", (ran.code, ran.stdout, ran.stderr)
     assert _snapshot_rows(url, tree_id) == []
+
+
+def test_exactly_min_events_folded_is_written_and_older_snapshots_go(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    program = chain_program()
+    (tree_id,) = _finished(url, program, 30)
+    store = EventStore(url)
+    try:
+        early = store.load(tree_id, Catalog([program]).resolve, use_snapshot=False, upto=40)
+        store.save_snapshot(tree_id, early.state, early.digest or "")  # usable, 40 events behind... and more
+        version = store.load(tree_id, Catalog([program]).resolve).state.version
+    finally:
+        store.close()
+    folded = version - 40
+    ran = cli(capsys, "snapshot", str(tree_id), "--min-events", str(folded + 1), "--json", "--store", url,
+              sources=chain_sources(program))
+    assert json.loads(ran.stdout)["trees"][0]["outcome"] == "current", ran.stdout
+    ran = cli(capsys, "snapshot", str(tree_id), "--min-events", str(folded), "--json", "--store", url,
+              sources=chain_sources(program))
+    (entry,) = json.loads(ran.stdout)["trees"]
+    assert (entry["outcome"], entry["snapshot_version"], entry["folded"]) == ("written", 40, folded), entry
+    assert _snapshot_rows(url, tree_id) == [version]  # the older one is gone, as after a runtime's
+
+
+def test_a_snapshot_row_beyond_the_folded_version_is_reported_not_hidden_behind(
+    capsys: pytest.CaptureFixture[str], durable_store_url: str
+) -> None:
+    """Loads read only the newest row: one beyond the tree's end (a history cut or restored by
+    hand) would hide the snapshot written under it, and "written" would be untrue."""
+    url = durable_store_url
+    program = chain_program()
+    (tree_id,) = _finished(url, program, 30)
+    version = _loaded(url, program, tree_id)[1]
+    store = EventStore(url)
+    try:
+        store.snapshots.insert_events([StoredEvent(tree_id.uuid, version + 7, SNAPSHOT_TOPIC, b"{}")])
+    finally:
+        store.close()
+    ran = cli(capsys, "snapshot", str(tree_id), "--min-events", "10", "--json", "--store", url,
+              sources=chain_sources(program))
+    assert ran.code == 0, ran.stderr
+    (entry,) = json.loads(ran.stdout)["trees"]
+    assert entry["outcome"] == "skipped" and f"a snapshot at version {version + 7}" in entry["reason"], entry
+    assert _snapshot_rows(url, tree_id) == [version + 7]
+
+
+class _Unencodable(Chain):
+    def encode_state(self, state: Any) -> Any:
+        raise RuntimeError("this state has no JSON form")
+
+
+def test_a_program_whose_state_cannot_be_encoded_fails_its_tree_only(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
+    sound = chain_program()
+    broken = dataclasses.replace(chain_program(name="test.unencodable"), strategy=_Unencodable())
+    (bad,) = _finished(url, broken, 30)
+    (good,) = _finished(url, sound, 30, prefix="sound")
+    ran = cli(capsys, "snapshot", str(bad), str(good), "--min-events", "10", "--json", "--store", url,
+              sources=chain_sources(broken, sound))
+    assert ran.code == 1, (ran.stdout, ran.stderr)
+    first, second = json.loads(ran.stdout)["trees"]
+    assert first["outcome"] == "failed" and "RuntimeError: this state has no JSON form" in first["reason"], first
+    assert second["outcome"] == "written"
+    assert _snapshot_rows(url, bad) == []
+
+
+def test_a_store_that_fails_stops_the_command_saying_how_far_it_got(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds SQLite's write lock: every tree would wait it out (30 s each; 1 s
+    here), so the command stops at the first, with what it wrote so far."""
+    from agentfold.adapters import eventstore
+
+    real = eventstore.parse_store_url
+
+    def short_lock_wait(url: str) -> tuple[str, dict[str, str]]:
+        backend, env = real(url)
+        return backend, {**env, "SQLITE_LOCK_TIMEOUT": "1"}
+
+    db = tmp_path / "agentfold.db"
+    url = f"sqlite:///{db}"
+    program = chain_program()
+    trees = _finished(url, program, 30, 30)
+    monkeypatch.setattr(eventstore, "parse_store_url", short_lock_wait)
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        ran = cli(capsys, "snapshot", "--all", "--min-events", "10", "--json", "--store", url,
+                  sources=chain_sources(program))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert ran.code == 1 and ran.stdout == "", (ran.stdout, ran.stderr)
+    error = json.loads(ran.stderr)["error"]
+    assert error["code"] == "store.unavailable", error
+    assert "write lock" in error["message"] and "stopped after 0 of 2 tree(s), 0 snapshot(s) written" in error["message"]
+    assert [_snapshot_rows(url, t) for t in trees] == [[], []]

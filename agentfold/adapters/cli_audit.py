@@ -26,10 +26,10 @@ from agentfold.adapters import audit
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.cli import PROG, Context, Outcome, Ticker, _short, _show_text, _UsageError, json_text
 from agentfold.adapters.codec import MAX_SNAPSHOT_BYTES
-from agentfold.adapters.eventstore import EventStore, redact
+from agentfold.adapters.eventstore import CorruptStream, EventStore, redact
 from agentfold.adapters.runtime import DEFAULT_SNAPSHOT_EVERY
 from agentfold.domain.canonical import JSON
-from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, recorded_text
+from agentfold.domain.errors import AgentfoldError, InvalidInput, NotFound, StoreFailure, recorded_text
 from agentfold.domain.events import TreeStarted
 from agentfold.domain.ids import TreeID
 
@@ -366,23 +366,47 @@ def cmd_snapshot(ctx: Context, args: argparse.Namespace) -> Outcome:
         tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
         catalog = ctx.sources.catalog()
         for tree_id in tree_ids:
-            entries.append(_snapshot_tree(store, catalog, tree_id, args.min_events))
+            try:
+                entries.append(_snapshot_tree(store, catalog, tree_id, args.min_events))
+            except (StoreFailure, PersistenceError) as exc:
+                # The store itself failed (an outage, the write lock held): every other tree
+                # would wait as long, so it stops; what it wrote stays (a run again says current).
+                raise _snapshot_stopped(exc, entries, len(tree_ids)) from exc
     finally:
         store.close()
-    written, skipped, failed = (sum(1 for e in entries if e["outcome"] == o) for o in ("written", "skipped", "failed"))
-    summary = (f"wrote {written} snapshot(s) of {len(entries)} tree(s)" + (f"; {skipped} skipped" if skipped else "")
-               + (f"; {failed} failed" if failed else ""))
+    counts = {o: sum(1 for e in entries if e["outcome"] == o) for o in ("written", "current", "skipped", "failed")}
+    summary = f"wrote {counts['written']} snapshot(s) of {len(entries)} tree(s)" + "".join(
+        f"; {counts[o]} {o}" for o in ("current", "skipped", "failed") if counts[o])
     if not entries:
         summary = f"no trees in {redact(ctx.store_url)}"
     lines = [summary] + [f"{e['tree_id']}  {e['outcome']}: {e['reason']}" for e in entries]
-    data: dict[str, JSON] = {"trees": list(entries), "written": written, "skipped": skipped, "failed": failed}
-    return Outcome(data, "\n".join(lines), 1 if failed else 0)
+    data: dict[str, JSON] = {"trees": list(entries), **counts}
+    return Outcome(data, "\n".join(lines), 1 if counts["failed"] else 0)
+
+
+def _snapshot_stopped(exc: StoreFailure | PersistenceError, entries: list[dict[str, JSON]], total: int) -> StoreFailure:
+    """The store failed under ``agentfold snapshot``: stop, saying how far it got."""
+    written = sum(1 for e in entries if e["outcome"] == "written")
+    done = (f"stopped after {len(entries)} of {total} tree(s), {written} snapshot(s) written (they stay; run it "
+            "again to go on: those trees are then current)")
+    if isinstance(exc, StoreFailure):
+        return StoreFailure(exc.code, f"{exc.message}; {done}", hint=exc.hint)
+    if "database is locked" in str(exc):
+        return StoreFailure(
+            "store.unavailable", f"the store failed: {exc} (another process held the store's write lock for the whole "
+            f"lock wait); {done}",
+            hint="run it again once the process holding the lock has finished (a stopped or hung agentfold process, "
+            "an open sqlite3 shell)",
+        )
+    return StoreFailure("store.unavailable", f"the store failed: {type(exc).__name__}: {recorded_text(exc)}; {done}",
+                        hint="check that the store is reachable and writable, then run it again")
 
 
 def _snapshot_tree(store: EventStore, catalog: Catalog, tree_id: TreeID | str, min_events: int) -> dict[str, JSON]:
     """One tree of ``agentfold snapshot``: its entry (``outcome`` written, current, skipped or failed)."""
     if not isinstance(tree_id, TreeID):
-        return {"tree_id": tree_id, "outcome": "failed", "reason": "its index row names no tree id (written by hand)"}
+        return {"tree_id": tree_id, "outcome": "failed",
+                "reason": "this is no tree id: rows of the tree index or of the events written by hand"}
     entry: dict[str, JSON] = {"tree_id": str(tree_id)}
     try:
         first = store.first_event(tree_id)
@@ -406,17 +430,29 @@ def _snapshot_tree(store: EventStore, catalog: Catalog, tree_id: TreeID | str, m
             since = f"its snapshot at version {loaded.snapshot_version}" if loaded.snapshot_version else "position 1"
             return {**entry, "outcome": "current", "reason": f"a load folds {folded} event(s) from {since}, fewer "
                     f"than --min-events {min_events}"}
+        newest = store.snapshots.select_events(tree_id.uuid, desc=True, limit=1)
+        if newest and newest[0].originator_version > state.version:
+            # Loads read only the newest row: one written meanwhile by the tree's owner (a live
+            # tree), or one beyond the tree's end (a history cut or restored by hand) that no
+            # load can use and that would hide the one written here.
+            return {**entry, "outcome": "skipped", "reason": f"a snapshot at version "
+                    f"{newest[0].originator_version}, after the {state.version} folded, is the one loads read: "
+                    "written meanwhile by the tree's owner, or beyond its end (`agentfold audit verify` says which)"}
         body = store.encode_snapshot(state, loaded.digest or "")
         if len(body) > MAX_SNAPSHOT_BYTES:
             return {**entry, "outcome": "skipped", "reason": f"its snapshot would be {len(body)} bytes, above the "
                     f"{MAX_SNAPSHOT_BYTES} a reader takes (loads go on from the last one under the bound)"}
         store.write_snapshot(tree_id, state.version, body, replace=True)
-    except AgentfoldError as exc:  # a corrupt history (store.corrupt), an unknown tree: the others go on
+    except StoreFailure as exc:
+        if not isinstance(exc, CorruptStream):
+            raise  # the store itself failed: every other tree would too (cmd_snapshot stops)
+        return {**entry, "outcome": "failed", "reason": f"{exc.code}: {exc.message}"}
+    except AgentfoldError as exc:  # an unknown tree, a Program that refuses its history: the others go on
         return {**entry, "outcome": "failed", "reason": f"{exc.code}: {exc.message}"}
     except PersistenceError:
-        raise  # the store itself failed: every other tree would too
-    except Exception as exc:  # noqa: BLE001 - a Program's encode_state: that tree only
-        return {**entry, "outcome": "failed", "reason": f"encoding its snapshot failed: {type(exc).__name__}: "
+        raise
+    except Exception as exc:  # noqa: BLE001 - a Program's encode_state, say: that tree only
+        return {**entry, "outcome": "failed", "reason": f"building its snapshot failed: {type(exc).__name__}: "
                 f"{recorded_text(exc)}"}
     before = (f"the last usable one was at version {loaded.snapshot_version}" if loaded.snapshot_version
               else "there was no usable one")

@@ -1664,7 +1664,11 @@ class EventStore:
             self.snapshots.prune(tree_id.uuid, state_version + 1)
             try:
                 self.snapshots.insert_events([row])
-            except IntegrityError:
+            except IntegrityError as exc:
+                if not self.snapshots.select_events(tree_id.uuid, gt=state_version - 1, lte=state_version):
+                    # Not another writer's row at this version: a constraint refused the write.
+                    raise StoreFailure("store.append_failed", f"the snapshot of tree {tree_id} at version "
+                                       f"{state_version} was refused: {exc}") from exc
                 return  # another writer stored this version meanwhile, from the same events
         # Only the newest snapshot is ever read; keeping the others would grow storage
         # with the square of a long conversation.
