@@ -177,7 +177,7 @@ def count_live_statements(table: str) -> tuple[str, str]:
 PROCESSES_INDEXES = ((f"{PROCESSES_TABLE}_by_tree", "(tree_id, process_id)"),)
 
 
-#: The events' one secondary index: the inputs stored as changes (``EffectDeclared@2``, a
+#: The events' partial index: the inputs stored as changes (``EffectDeclared@2``, a
 #: team's Turns), by tree and position. A load of a tree whose snapshot is of format 3 asks
 #: whether its history holds one up to the snapshot (``EventStore.reads_snapshot_format``):
 #: without the index that read walked the tree's rows (20 ms at 100,000 events on SQLite).
