@@ -107,17 +107,22 @@ def cmd_audit_verify(ctx: Context, args: argparse.Namespace) -> Outcome:
 
 
 class _ProgressLine:
-    """Says on stderr how far a long verification is (every ``PROGRESS_EVERY`` seconds)."""
+    """Says on stderr how far a long store-wide command is (every ``PROGRESS_EVERY`` seconds):
+    ``audit verify`` counts events (and their rate), ``snapshot`` the snapshots it wrote (and
+    the trees' rate)."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, command: str = "audit verify", counted: str = "events") -> None:
         self.total = total
+        self.command = command
+        self.counted = counted
         self.ticker = Ticker()
 
-    def __call__(self, trees: int, events: int) -> None:
+    def __call__(self, trees: int, count: int) -> None:
         if trees == self.total or not self.ticker.due():
             return
-        print(f"{PROG}: audit verify: {trees:,} of {self.total:,} trees, {events:,} events "
-              f"({self.ticker.rate(events):,.0f} events/s)", file=sys.stderr, flush=True)
+        rated, unit = (count, "events") if self.counted == "events" else (trees, "trees")
+        print(f"{PROG}: {self.command}: {trees:,} of {self.total:,} trees, {count:,} {self.counted} "
+              f"({self.ticker.rate(rated):,.0f} {unit}/s)", file=sys.stderr, flush=True)
 
 
 def _unique(tree_ids: Any) -> list[TreeID]:
@@ -365,6 +370,8 @@ def cmd_snapshot(ctx: Context, args: argparse.Namespace) -> Outcome:
         store.check_writable()  # a read-only store: refused before any tree is folded
         tree_ids = audit.all_trees(store) if args.all else _unique(audit.tree_of(store, ref) for ref in args.trees)
         catalog = ctx.sources.catalog()
+        progress = _ProgressLine(len(tree_ids), "snapshot", "snapshot(s) written")
+        written = 0
         for tree_id in tree_ids:
             try:
                 entries.append(_snapshot_tree(store, catalog, tree_id, args.min_events))
@@ -372,6 +379,8 @@ def cmd_snapshot(ctx: Context, args: argparse.Namespace) -> Outcome:
                 # The store itself failed (an outage, the write lock held): every other tree
                 # would wait as long, so it stops; what it wrote stays (a run again says current).
                 raise _snapshot_stopped(exc, entries, len(tree_ids)) from exc
+            written += entries[-1]["outcome"] == "written"
+            progress(len(entries), written)
     finally:
         store.close()
     counts = {o: sum(1 for e in entries if e["outcome"] == o) for o in ("written", "current", "skipped", "failed")}
