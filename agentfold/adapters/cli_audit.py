@@ -430,11 +430,9 @@ def _snapshot_tree(store: EventStore, catalog: Catalog, tree_id: TreeID | str, m
         loaded = store.load(tree_id, programs)
         state = loaded.state
         folded = state.version - loaded.snapshot_version
+        # Every child's Program is bound with the root's: the fold refuses a child outside its
+        # parent's bindings, and the catalog binds all the root's, so every state is encoded.
         entry.update(version=state.version, snapshot_version=loaded.snapshot_version or None, folded=folded)
-        unbound = next((p for p in state.processes.values() if programs(p.program) is None), None)
-        if unbound is not None:
-            return {**entry, "outcome": "skipped", "reason": f"the Program {unbound.program.name} of "
-                    f"{unbound.process_id} is not bound here: a snapshot taken without it would lack its state"}
         if folded < min_events:
             since = f"its snapshot at version {loaded.snapshot_version}" if loaded.snapshot_version else "position 1"
             return {**entry, "outcome": "current", "reason": f"a load folds {folded} event(s) from {since}, fewer "
@@ -448,10 +446,9 @@ def _snapshot_tree(store: EventStore, catalog: Catalog, tree_id: TreeID | str, m
                     f"{newest[0].originator_version}, after the {state.version} folded, is the one loads read: "
                     "written meanwhile by the tree's owner, or beyond its end (`agentfold audit verify` says which)"}
         body = store.encode_snapshot(state, loaded.digest or "")
-        if len(body) > MAX_SNAPSHOT_BYTES:
+        if not store.write_snapshot(tree_id, state.version, body, replace=True):
             return {**entry, "outcome": "skipped", "reason": f"its snapshot would be {len(body)} bytes, above the "
                     f"{MAX_SNAPSHOT_BYTES} a reader takes (loads go on from the last one under the bound)"}
-        store.write_snapshot(tree_id, state.version, body, replace=True)
     except StoreFailure as exc:
         if not isinstance(exc, CorruptStream):
             raise  # the store itself failed: every other tree would too (cmd_snapshot stops)

@@ -1640,9 +1640,10 @@ class EventStore:
     def save_snapshot(self, tree_id: TreeID, state: TreeState, digest: str) -> None:
         self.write_snapshot(tree_id, state.version, self.encode_snapshot(state, digest))
 
-    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes, *, replace: bool = False) -> None:
+    def write_snapshot(self, tree_id: TreeID, version: int, body: bytes, *, replace: bool = False) -> bool:
         """Store a snapshot's JSON taken at ``version`` (deflated when that is smaller, as event
-        states are: a long conversation's snapshot holds every message) and drop older ones.
+        states are: a long conversation's snapshot holds every message) and drop older ones;
+        False when it is too large to be read back (``MAX_SNAPSHOT_BYTES``) and was not written.
 
         ``replace``: a snapshot already stored at ``version`` is replaced (``agentfold snapshot``:
         one that loads do not use, of another format or edited); else it is kept."""
@@ -1651,7 +1652,7 @@ class EventStore:
             # Readers refuse it: loads go on from the last snapshot under the bound.
             log.warning("tree %s: no snapshot at version %s: its %d bytes exceed %d", tree_id, version,
                         len(body), MAX_SNAPSHOT_BYTES)
-            return
+            return False
         state_version = version
         body = STATE_COMPRESSOR.compress(body)
         row = StoredEvent(tree_id.uuid, state_version, SNAPSHOT_TOPIC, body)
@@ -1659,7 +1660,7 @@ class EventStore:
             self.snapshots.insert_events([row])
         except IntegrityError:
             if not replace:
-                return  # the same version was already snapshotted
+                return True  # the same version was already snapshotted
             # Meanwhile a load folds the events (the truth); a newer snapshot is not touched.
             self.snapshots.prune(tree_id.uuid, state_version + 1)
             try:
@@ -1669,10 +1670,11 @@ class EventStore:
                     # Not another writer's row at this version: a constraint refused the write.
                     raise StoreFailure("store.append_failed", f"the snapshot of tree {tree_id} at version "
                                        f"{state_version} was refused: {exc}") from exc
-                return  # another writer stored this version meanwhile, from the same events
+                return True  # another writer stored this version meanwhile, from the same events
         # Only the newest snapshot is ever read; keeping the others would grow storage
         # with the square of a long conversation.
         self.snapshots.prune(tree_id.uuid, state_version)
+        return True
 
     def reads_snapshot_format(self, tree_id: TreeID, format: int, version: int) -> bool:
         """Whether a load uses a snapshot of ``format`` taken at ``version`` of the tree: the current

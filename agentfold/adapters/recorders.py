@@ -198,18 +198,20 @@ INDEXED_TOPICS = {PATCHED_START_TOPIC: PATCHED_START_CONDITION}
 CONCURRENT_BUILD_TABLES = (TREES_TABLE, PROCESSES_TABLE)
 
 
-def index_statements(schema: str = "", *, concurrently: bool = False) -> list[tuple[str, str]]:
-    """(index name, its CREATE INDEX statement) for each of ``TREES_INDEXES``,
-    ``PROCESSES_INDEXES`` and ``EVENTS_INDEXES``; ``schema`` prefixes the table names
-    (PostgreSQL: ``'"public".'``); ``concurrently`` applies to ``CONCURRENT_BUILD_TABLES``."""
-    return [
-        (name, f"CREATE INDEX {'CONCURRENTLY ' if concurrently and table in CONCURRENT_BUILD_TABLES else ''}"
-         f"IF NOT EXISTS {name} ON {schema}{table} {spec}")
-        for table, indexes in (
-            (TREES_TABLE, TREES_INDEXES), (PROCESSES_TABLE, PROCESSES_INDEXES), (EVENTS_TABLE, EVENTS_INDEXES)
-        )
-        for name, spec in indexes
-    ]
+def index_statements(schema: str = "", *, concurrently: bool = False) -> list[tuple[str, str, bool]]:
+    """(index name, its CREATE INDEX statement, whether it is built CONCURRENTLY) for each of
+    ``TREES_INDEXES``, ``PROCESSES_INDEXES`` and ``EVENTS_INDEXES``; ``schema`` prefixes the
+    table names (PostgreSQL: ``'"public".'``); ``concurrently`` applies to
+    ``CONCURRENT_BUILD_TABLES``."""
+    statements = []
+    for table, indexes in (
+        (TREES_TABLE, TREES_INDEXES), (PROCESSES_TABLE, PROCESSES_INDEXES), (EVENTS_TABLE, EVENTS_INDEXES)
+    ):
+        concurrent = concurrently and table in CONCURRENT_BUILD_TABLES
+        for name, spec in indexes:
+            how = "CONCURRENTLY " if concurrent else ""
+            statements.append((name, f"CREATE INDEX {how}IF NOT EXISTS {name} ON {schema}{table} {spec}", concurrent))
+    return statements
 
 
 def topic_condition(topic: str) -> str:
@@ -495,7 +497,7 @@ class SQLiteTreeRecorder(SQLiteApplicationRecorder, IndexQueries):
         statements.append(
             f"CREATE TABLE IF NOT EXISTS {PROCESSES_TABLE} (process_id TEXT PRIMARY KEY, tree_id TEXT NOT NULL)"
         )
-        statements += [sql for _, sql in index_statements()]  # an earlier release's store too
+        statements += [sql for _, sql, _ in index_statements()]  # an earlier release's store too
         return statements
 
     def _insert_events(self, c: SQLiteCursor, stored_events: Sequence[StoredEvent], **kwargs: Any) -> Sequence[int] | None:

@@ -395,15 +395,15 @@ class PostgresTreeRecorder(_NullStates, PostgresApplicationRecorder, IndexQuerie
         # the whole index (0.9 s at 1,000,000 rows, measured). The events table's own index is
         # built here in any case (``CONCURRENT_BUILD_TABLES``: appends would wait for a
         # concurrent build as long, and deadlock with it behind an older transaction).
-        for name, statement in index_statements(f'"{self._schema}".', concurrently=not new_table):
+        for name, statement, concurrent in index_statements(f'"{self._schema}".', concurrently=not new_table):
             valid = self._index_valid(curs, name)
             if not valid:  # missing, or left invalid by an interrupted build
-                if new_table or " CONCURRENTLY " not in statement:
-                    if valid is False:
-                        curs.execute(f'DROP INDEX "{self._schema}".{name}')
-                    curs.execute(statement)
-                else:
+                if concurrent:
                     self._build_later.append((name, statement))
+                    continue
+                if valid is False:
+                    curs.execute(f'DROP INDEX "{self._schema}".{name}')
+                curs.execute(statement)
 
     def _index_valid(self, curs: Any, name: str) -> bool | None:
         """Whether index ``name`` is valid; None when it does not exist."""
