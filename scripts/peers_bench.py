@@ -807,6 +807,20 @@ def fmt_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def reference_loop_seconds(repeat=3):
+    """Best of ``repeat`` runs of a fixed pure-Python loop of 10,000,000 additions: this VM's
+    speed varies by day, and absolute ms per round compare across days through it (the same
+    loop as scripts/bench's "reference loop")."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(10**7):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def versions() -> dict:
     from importlib import metadata
     v = {"python": platform.python_version(), "platform": platform.platform(),
@@ -868,7 +882,7 @@ def main(argv=None):
         print(f"started throwaway PostgreSQL on {pg_url}", flush=True)
     results, skipped = [], []
     try:
-        meta = {"versions": versions(), "args": vars(a),
+        meta = {"versions": versions(), "args": vars(a), "reference_loop_s": [reference_loop_seconds()],
                 "postgres": pg_server_info(pg_url) if needs_pg else None,
                 "pg_server": "throwaway" if server else ("--pg-url" if needs_pg else None)}
         baseline_ms = {}
@@ -896,6 +910,7 @@ def main(argv=None):
         for row in results:
             if "skipped" not in row and row["R"] in baseline_ms:
                 row["overhead_ms_per_round"] = row["ms_per_round_median"] - baseline_ms[row["R"]]
+        meta["reference_loop_s"].append(reference_loop_seconds())
     finally:
         if server:
             server.stop()
@@ -908,6 +923,10 @@ def main(argv=None):
         p = meta["postgres"]
         print(f"PostgreSQL {p['version']} ({meta['pg_server']}): fsync={p['fsync']} "
               f"synchronous_commit={p['synchronous_commit']} wal_sync_method={p['wal_sync_method']}")
+    if len(meta["reference_loop_s"]) == 2:
+        before, after = meta["reference_loop_s"]
+        print(f"reference loop (10,000,000 Python additions, best of 3): {before:.2f} s before the "
+              f"systems ran, {after:.2f} s after (compare other days' ms per round through it)")
     print(fmt_table(results))
     for s in skipped:
         print("skipped:", s)
