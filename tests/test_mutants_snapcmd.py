@@ -7,8 +7,6 @@ behaviours no earlier test held.
 - a tree with an event changed under its digest (still readable JSON) fails its entry: no
   snapshot is written from a history the load did not verify (loads would never read that
   event again);
-- the newest snapshot row decides: a row beyond the tree's end beside an older usable one
-  still skips the tree (loads would read the newer row, not the one written);
 - an index row whose tree id is no tree id (written by hand) fails its own entry, saying so,
   and the other trees are done;
 - a snapshot above the size a reader takes is ``skipped`` and not written;
@@ -37,7 +35,7 @@ from eventsourcing.persistence import StoredEvent
 from agentfold.adapters import cli_audit, eventstore
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.codec import PATCHED_START_TOPIC
-from agentfold.adapters.eventstore import SNAPSHOT_TOPIC, CorruptStream, EventStore
+from agentfold.adapters.eventstore import CorruptStream, EventStore
 from agentfold.domain.ids import TreeID
 from tests.audit.support import Sql, chain_sources, cli
 from tests.kernel_programs import chain_program
@@ -120,30 +118,6 @@ def test_a_tree_with_an_event_changed_under_its_digest_gets_no_snapshot(
             store.load(changed, Catalog([program]).resolve)
     finally:
         store.close()
-
-
-def test_a_row_beyond_the_end_beside_an_older_usable_one_still_skips_the_tree(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """Two rows (a prune that did not run, a snapshots table restored from another backup than
-    the events): loads read the newest; the one the command would write is never read."""
-    url = f"sqlite:///{tmp_path / 'agentfold.db'}"
-    program = chain_program()
-    (tree_id,) = _finished(url, program, 30)
-    store = EventStore(url)
-    try:
-        early = store.load(tree_id, Catalog([program]).resolve, use_snapshot=False, upto=40)
-        store.save_snapshot(tree_id, early.state, early.digest or "")
-        version = store.load(tree_id, Catalog([program]).resolve).state.version
-        store.snapshots.insert_events([StoredEvent(tree_id.uuid, version + 7, SNAPSHOT_TOPIC, b"{}")])
-    finally:
-        store.close()
-    ran = cli(capsys, "snapshot", str(tree_id), "--min-events", "10", "--json", "--store", url,
-              sources=chain_sources(program))
-    assert ran.code == 0, ran.stderr
-    (entry,) = json.loads(ran.stdout)["trees"]
-    assert entry["outcome"] == "skipped" and f"a snapshot at version {version + 7}" in entry["reason"], entry
-    assert _snapshot_rows(url, tree_id) == [40, version + 7]
 
 
 def test_an_index_row_that_names_no_tree_fails_its_own_entry_and_the_others_are_written(
