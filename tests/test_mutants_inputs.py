@@ -16,7 +16,6 @@ with its mutant planted and passes without it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,9 @@ import pytest
 
 from agentfold.adapters.catalog import Catalog
 from agentfold.adapters.eventstore import EventStore
-from agentfold.adapters.interaction import InteractionConfig, compile_interaction
-from agentfold.adapters.models import ScriptedModel
 from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.scenario import ScenarioError, validate_scenario
-from agentfold.adapters.tools import ToolInvocation, ToolOutput
 from agentfold.domain.budget import Budget, Quota
-from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import AgentfoldError, EngineCode, InvalidInput, ResourceLimitExceeded
 from agentfold.domain.events import TreeLimits
 from agentfold.domain.ids import ChildKey, SignalID, TreeID
@@ -50,7 +45,7 @@ from agentfold.domain.program import (
 )
 from agentfold.domain.requests import Settlement
 from tests.bad_input_programs import listener_program, pair_program
-from tests.interaction.tools import call, chat_input, final, text_of, tool_round
+from tests.interaction.tools import RecordingTool, one_tool_round
 from tests.kernel_programs import IMPL, JsonStrategy, config_digest
 
 WAIT = 30.0
@@ -96,45 +91,11 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-class Forecast:
-    """A real tool that records the arguments of every call it runs."""
-
-    name = "forecast"
-    description = "Forecasts the weather."
-    parameters: JSON = FORECAST
-
-    def __init__(self) -> None:
-        self.ran: list[JSON] = []
-        self._lock = threading.Lock()
-
-    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
-        with self._lock:
-            self.ran.append(arguments)
-        return ToolOutput.text("sunny")
-
-
 def test_a_tool_call_breaking_one_keyword_of_its_parameters_never_runs_and_the_model_is_told_why() -> None:
-    tool = Forecast()
-    calls = [call(cid, "forecast", args) for cid, args, _ in REFUSED] + [
-        call(cid, "forecast", args) for cid, args in ACCEPTED
-    ]
-    model = ScriptedModel([tool_round(*calls), final("done")])
-    program = compile_interaction(
-        InteractionConfig(name="inputs.forecast", model=model, tools=[tool], max_concurrent_tool_calls=2)
-    )
-    store = EventStore("memory:")
-    try:
-        with Runtime(store) as runtime:
-            handle = runtime.start(program, chat_input("weather?"))
-            assert handle.result(WAIT).status == "completed"
-    finally:
-        store.close()
+    tool = RecordingTool("forecast", FORECAST, "sunny")
+    results = one_tool_round(tool, [(cid, args) for cid, args, _ in REFUSED] + ACCEPTED)
     # Only the calls at the bounds ran, with exactly their arguments.
     assert sorted(tool.ran, key=lambda a: a["days"]) == [args for _, args in ACCEPTED]
-    tool_messages = [m for m in model.requests[1].messages if m["role"] == "tool"]
-    results = {
-        r["id"]: (text_of(r["output"]), bool(r.get("is_error"))) for m in tool_messages for r in m["tool_results"]
-    }
     for cid, _, said in REFUSED:
         text, is_error = results[cid]
         assert is_error and said in text, (cid, text)

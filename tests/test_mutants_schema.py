@@ -27,7 +27,6 @@ waiting. The keywords below were ignored or misread by a planted bug without any
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from agentfold.adapters.runtime import Runtime
 from agentfold.adapters.tools import ToolInputRequired, ToolInvocation, ToolOutput
 from agentfold.domain.canonical import JSON
 from agentfold.domain.errors import InvalidInput
-from tests.interaction.tools import call, chat_input, final, text_of, tool_round
+from tests.interaction.tools import RecordingTool, call, chat_input, final, one_tool_round, tool_round
 
 WAIT = 30.0
 
@@ -110,47 +109,15 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-class Configure:
-    """A real tool that records the arguments of every call it runs."""
-
-    name = "configure"
-    description = "Changes the job's settings."
-    parameters: JSON = SETTINGS
-
-    def __init__(self) -> None:
-        self.ran: list[JSON] = []
-        self._lock = threading.Lock()
-
-    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
-        with self._lock:
-            self.ran.append(arguments)
-        return ToolOutput.text("applied")
-
-
 def test_a_tool_call_misreading_a_keyword_never_runs_and_the_model_is_told_which_value() -> None:
-    tool = Configure()
-    calls = [call(cid, "configure", args) for cid, args, _ in REFUSED] + [
-        call(cid, "configure", args) for cid, args in ACCEPTED
-    ]
-    model = ScriptedModel([tool_round(*calls), final("done")])
-    program = compile_interaction(
-        InteractionConfig(name="schema.configure", model=model, tools=[tool], max_concurrent_tool_calls=2)
-    )
-    store = EventStore("memory:")
-    try:
-        with Runtime(store) as runtime:
-            assert runtime.start(program, chat_input("tune it")).result(WAIT).status == "completed"
-    finally:
-        store.close()
+    tool = RecordingTool("configure", SETTINGS, "applied")
+    results = one_tool_round(tool, [(cid, args) for cid, args, _ in REFUSED] + ACCEPTED)
+
     # Only the calls at the edges ran, with exactly their arguments.
     def by_retries(arguments: Any) -> str:
         return str(arguments.get("retries"))
 
     assert sorted(tool.ran, key=by_retries) == sorted([args for _, args in ACCEPTED], key=by_retries)
-    results = {
-        r["id"]: (text_of(r["output"]), bool(r.get("is_error")))
-        for m in model.requests[1].messages if m["role"] == "tool" for r in m["tool_results"]
-    }
     for cid, _, said in REFUSED:
         text, is_error = results[cid]
         assert is_error and text.startswith("error: invalid arguments: ") and said in text, (cid, text)

@@ -324,3 +324,44 @@ def keyed_parent(child: Any, key: str, child_input: JSON) -> Any:
         Digest.of(key.encode()),
         children=(child,),
     )
+
+
+class RecordingTool:
+    """A real tool that records the arguments of every call it runs and answers ``answer``."""
+
+    description = "Records its calls."
+
+    def __init__(self, name: str, parameters: JSON, answer: str) -> None:
+        self.name = name
+        self.parameters = parameters
+        self.answer = answer
+        self.ran: list[JSON] = []
+        self._lock = threading.Lock()
+
+    def call(self, invocation: ToolInvocation, arguments: JSON) -> ToolOutput:
+        with self._lock:
+            self.ran.append(arguments)
+        return ToolOutput.text(self.answer)
+
+
+def one_tool_round(tool: RecordingTool, calls: Sequence[tuple[str, JSON]]) -> dict[str, tuple[str, bool]]:
+    """Run an Interaction whose model makes ``calls`` (id, arguments) of ``tool`` in one round,
+    then answers; the model's view of each call's result: {call id: (text, is_error)}."""
+    from agentfold.adapters.eventstore import EventStore
+    from agentfold.adapters.interaction import InteractionConfig, compile_interaction
+    from agentfold.adapters.runtime import Runtime
+
+    model = ScriptedModel([tool_round(*(call(cid, tool.name, args) for cid, args in calls)), final("done")])
+    program = compile_interaction(
+        InteractionConfig(name=f"round.{tool.name}", model=model, tools=[tool], max_concurrent_tool_calls=2)
+    )
+    store = EventStore("memory:")
+    try:
+        with Runtime(store) as runtime:
+            assert runtime.start(program, chat_input("go")).result(WAIT).status == "completed"
+    finally:
+        store.close()
+    return {
+        r["id"]: (text_of(r["output"]), bool(r.get("is_error")))
+        for m in model.requests[1].messages if m["role"] == "tool" for r in m["tool_results"]
+    }
