@@ -4,10 +4,12 @@ server whose runtime stopped)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agentfold.adapters.eventstore import EventStore, connect_failure
-from agentfold.adapters.http_api import ApiService, create_app
+from agentfold.adapters.follower import retry_until_stopped
+from agentfold.adapters.http_api import ApiService, FollowerThread, create_app
 from agentfold.adapters.read_models import APPLICATION
 from agentfold.adapters.sources import ProgramSources
 from agentfold.domain.errors import AgentfoldError
@@ -163,6 +166,98 @@ def test_project_follow_says_the_server_cannot_be_reached_while_it_stays_down(
         assert "administrator command" not in line and "server closed the connection" not in line, follower.stderr
         assert "no PostgreSQL connection within 1 s" in line and "down or unreachable" in line, follower.stderr
         assert "Connection refused" in line, follower.stderr  # what the pool's last attempt met
+
+
+def _query(store: EventStore) -> None:
+    """A statement on a pooled session, as the read models' writes run (no retry: a recorder's reads retry)."""
+    with store.recorder.datastore.transaction(commit=False) as c:
+        c.execute("SELECT 1")
+
+
+def _cut_sessions(admin: psycopg.Connection[Any], database: str) -> None:
+    """End every session of ``database`` (as a server shutting down does) and wait until they are gone."""
+    pids = [row[0] for row in admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", (database,))]
+    for pid in pids:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    deadline = time.monotonic() + 15
+    while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchone() != (0,):
+        assert time.monotonic() < deadline, f"sessions {pids} did not end"
+        time.sleep(0.02)
+
+
+# CI run166: after `pg_ctl stop -m fast`, a retry of `project --follow` met "server closed the
+# connection" again: an idle pooled session passed the check made right after the first lost
+# session (its backend had not ended yet) and was cut before the next attempt took it. In the
+# two tests below a session is cut during the wait, deterministically: the next attempt must
+# not take it.
+
+
+def test_an_idle_session_the_server_cut_while_a_following_command_waited_to_retry_is_not_the_next_attempts(
+    pg_database: str,
+) -> None:
+    database = pg_database.rsplit("/", 1)[1]
+    store = EventStore(pg_database)
+    said: list[str] = []
+    reads: list[int] = []
+    stop = threading.Event()
+    with psycopg.connect(require_postgres(), autocommit=True) as admin:
+        def attempt() -> None:
+            if not said:
+                _query(store)  # a pooled session, idle,
+                _cut_sessions(admin, database)  # then cut: this attempt fails on it
+            _query(store)
+            reads.append(1)
+            stop.set()
+
+        def say(line: str) -> None:
+            said.append(line)
+            if len(said) == 1:  # the first failure, after the check of the idle sessions:
+                _query(store)  # one more idle session, working then,
+                time.sleep(0.3)  # (and any the pool opened beside it in the background)
+                _cut_sessions(admin, database)  # ended while the loop waits to retry
+
+        try:
+            failures = retry_until_stopped(attempt, stop, say, backoff=0.2, recheck=store.check_sessions)
+        finally:
+            store.close()
+    assert failures == 1 and len(reads) == 1, said
+    assert "administrator command" in said[0], said
+
+
+def test_an_idle_session_the_server_cut_while_serves_follower_waited_to_retry_is_not_the_next_attempts(
+    pg_database: str,
+) -> None:
+    database = pg_database.rsplit("/", 1)[1]
+    store = EventStore(pg_database)
+    failed: list[str] = []
+    with psycopg.connect(require_postgres(), autocommit=True) as admin:
+        class OnFailure(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if record.getMessage().startswith("read-model follower failed"):
+                    failed.append(record.getMessage())
+                    if len(failed) == 1:  # in the follower thread, after the check of the idle sessions:
+                        _query(store)  # one more idle session, working then,
+                        _cut_sessions(admin, database)  # ended while the thread waits to retry
+
+        handler = OnFailure()
+        logger = logging.getLogger("agentfold.http")
+        logger.addHandler(handler)
+        thread = FollowerThread(store, ProgramSources(), retry=0.3)
+        try:
+            thread.start()
+            time.sleep(1.0)  # following: its LISTEN session open, pooled sessions idle
+            _cut_sessions(admin, database)
+            deadline = time.monotonic() + 15
+            while not failed or thread.state != "running":  # failed, then retried
+                assert time.monotonic() < deadline, (thread.state, failed)
+                time.sleep(0.05)
+            time.sleep(1.0)  # a second failure would come within the next step
+        finally:
+            thread.close()
+            logger.removeHandler(handler)
+            store.close()
+    assert len(failed) == 1, failed
 
 
 # ---------------------------------------------------------------------------

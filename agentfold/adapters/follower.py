@@ -487,7 +487,10 @@ def retry_until_stopped(
     due to administrator command") while the server stays down; the broken ones let go
     (``EventStore.check_sessions``), the next attempt connects anew and says what is true
     then (no connection: the server is down or unreachable), and the pool holds no more
-    sessions after the outage than before (``renew_sessions``).
+    sessions after the outage than before (``renew_sessions``). ``recheck`` is called again
+    at the end of the wait, before the next attempt: a shutting-down server's backends do
+    not all end at once, and an idle session that still answered the first check may have
+    been cut since.
     """
     failures = 0
     delay = backoff
@@ -505,6 +508,7 @@ def retry_until_stopped(
                 return failures
             failures += 1
             renew_sessions(exc, renew, recheck)
+            lost = lost_session(exc)
             if on_failure is not None:
                 on_failure()
             if progress is not None:
@@ -517,6 +521,8 @@ def retry_until_stopped(
             deadline = time.monotonic() + delay
             while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
                 stop.wait(min(left, 0.25))  # a signal handler sets stop; look at least every 0.25 s
+            if lost and recheck is not None and not stop.is_set():
+                recheck()  # and those the server ended during the wait (CI run166: a shutdown's stragglers)
             delay = min(delay * 2, max_backoff)
     return failures
 

@@ -60,7 +60,7 @@ from agentfold.adapters.eventstore import (
     sqlite_damage,
 )
 from agentfold.adapters.feed import held_trees_by_topic, publisher_positions
-from agentfold.adapters.follower import Follower, one_line, renew_sessions
+from agentfold.adapters.follower import Follower, lost_session, one_line, renew_sessions
 from agentfold.adapters.host import (
     answer_signal,
     checked_resolution,
@@ -558,8 +558,10 @@ class FollowerThread:
                 # let go (only idle ones: those the requests hold are left alone), so the next
                 # failure says what is true then, not the old disconnect text again.
                 renew_sessions(exc, self.store.forget_sessions, self.store.check_sessions)
+                lost = lost_session(exc)
                 log.error("read-model follower failed (reads fold until it recovers): %s", one_line(exc))
-                self._stop.wait(self.retry)
+                if not self._stop.wait(self.retry) and lost:
+                    self.store.check_sessions()  # and those the server ended during the wait
         self.state = "stopped"
 
     def close(self, timeout: float = 10.0) -> None:
