@@ -121,15 +121,24 @@ def cmd_publish(ctx: Context, args: argparse.Namespace) -> Outcome:
                 "the broker); the next run goes on from the stored position",
             )
         events, position, failures = publisher.events, publisher.position, publisher.failures
+        released = publisher.released_events
         data: dict[str, Any] = {
             "topic": args.topic, "events": events, "batches": publisher.batches,
             "from_position": start, "position": position, "failures": failures,
         }
+        if released:
+            data["released_events"] = released
+        # Records of a tree held back earlier go out when it verifies again: they are older than
+        # the stored position, so they are not in the range of notification ids this run moved on.
+        parts = [f"notification ids {start + 1}..{position}"] if position > start else []
+        if released:
+            parts.append(f"{released} record(s) of trees held back earlier, released once they verified again")
+        if publisher.held_events:
+            parts.append(f"{publisher.held_events} event(s) of held trees passed over")
         text = (
-            f"published {events} event(s) from {redact(ctx.store_url)} to topic {args.topic} "
-            f"(notification ids {start + 1}..{position}"
-            + (f"; {publisher.held_events} event(s) of held trees passed over" if publisher.held_events else "")
-            + ")" if events else
+            f"published {events} event(s) from {redact(ctx.store_url)} to topic {args.topic}"
+            + (f" ({'; '.join(parts)})" if parts else "")
+            if events else
             f"nothing to publish: topic {args.topic} has every event up to notification id {position}"
             + (" but those of the held trees below" if publisher.held else "")
         ) + (f" ({failures} failure(s) retried)" if failures else "")

@@ -676,6 +676,7 @@ class Publisher:
         self.on_released = on_released or _log_released
         self.on_still_held = on_still_held
         self.held_events = 0  # events of held trees this publisher passed over (not produced)
+        self.released_events = 0  # records of held trees it produced once they verified again (in ``events``)
         # Per tree, the last position produced ahead of its notification (a release, or a row
         # restored by hand under a later notification id): the main loop passes those over.
         self._ahead: dict[str, int] = {}
@@ -894,6 +895,7 @@ class Publisher:
                 self.produce(envelopes)
                 published += len(envelopes)
                 self.events += len(envelopes)
+                self.released_events += len(envelopes)
                 last = int(envelopes[-1]["position"])
                 self._ahead[held.tree_id] = last
                 self._chain.seed(tree_id, last, str(envelopes[-1]["digest"]))

@@ -170,7 +170,8 @@ def test_a_held_tree_stays_held_for_new_events_and_is_published_in_order_once_re
     assert "held_trees" not in report
     held_records = [e for e in envelopes if e["tree_id"] == tree_id and e["position"] >= 4]
     assert len(held_records) > 3  # produced in more than one page
-    assert report["events"] == len(held_records)
+    assert report["events"] == report["released_events"] == len(held_records)
+    assert report["position"] == report["from_position"]  # older records: the stored position did not move
     assert f"tree {tree_id} verifies again: published its {len(held_records)} held record(s)" in ran.stderr
 
     everything = stored_envelopes(url)
@@ -183,6 +184,48 @@ def test_a_held_tree_stays_held_for_new_events_and_is_published_in_order_once_re
 
     again = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--json", store=url)
     assert again.code == 0 and json.loads(again.stdout)["events"] == 0, again.stderr
+
+
+def test_the_report_of_a_run_that_released_a_repaired_tree_names_its_records_not_a_backwards_range(
+    tmp_path: Path, kafka_bootstrap: str,
+) -> None:
+    # Found by a docs walk: the released records are older than the stored position, and the
+    # text said "notification ids 347..346".
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    _runs(url, 2)
+    envelopes = stored_envelopes(url)
+    tree_id = envelopes[0]["tree_id"]
+    original = _tamper(url, tree_id, 4)
+    topic = f"released-{uuid.uuid4().hex[:8]}"
+    _publish_holds(url, kafka_bootstrap, topic, envelopes, tree_id, 4)
+    sql = Sql(url)
+    sql.set_row(TreeID(tree_id), 4, next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4), original)
+    held = len([e for e in envelopes if e["tree_id"] == tree_id and e["position"] >= 4])
+    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", store=url)
+    assert ran.code == 0, ran.stderr
+    assert ran.stdout.strip() == (
+        f"published {held} event(s) from {url} to topic {topic} ({held} record(s) of trees held back earlier, "
+        "released once they verified again)"
+    ), ran.stdout
+
+    # A run that also publishes new events: their range of notification ids, then the released records.
+    published = _last_id(url)
+    _runs(url, 1)
+    newer = [e for e in stored_envelopes(url) if e["notification_id"] > published]
+    tree_id = newer[0]["tree_id"]
+    original = _tamper(url, tree_id, 4)
+    code, _, errors = _publish_once(url, kafka_bootstrap, topic)
+    assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id]
+    held = len([e for e in newer if e["position"] >= 4])
+    start = _last_id(url)
+    last = _runs(url, 1)
+    sql.set_row(TreeID(tree_id), 4, next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4), original)
+    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", store=url)
+    assert ran.code == 0, ran.stderr
+    assert ran.stdout.strip() == (
+        f"published {last - start + held} event(s) from {url} to topic {topic} (notification ids {start + 1}..{last}; "
+        f"{held} record(s) of trees held back earlier, released once they verified again)"
+    ), ran.stdout
 
 
 def test_a_publisher_killed_after_producing_a_batch_that_found_a_corrupt_tree_holds_it_when_run_again(
