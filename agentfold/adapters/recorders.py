@@ -28,7 +28,13 @@ from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
 
 import orjson
-from eventsourcing.persistence import InterfaceError, Notification, OperationalError, StoredEvent
+from eventsourcing.persistence import (
+    ConnectionPoolClosedError,
+    InterfaceError,
+    Notification,
+    OperationalError,
+    StoredEvent,
+)
 from eventsourcing.popo import POPOAggregateRecorder, POPOApplicationRecorder
 from eventsourcing.sqlite import (
     SQLITE3_DEFAULT_LOCK_TIMEOUT,
@@ -374,6 +380,33 @@ SQLITE_STATEMENT_CACHE = 128
 SQLITE_DURABLE_COMMITS = "PRAGMA synchronous=FULL"
 
 
+class _SQLiteCursor(SQLiteCursor):
+    """eventsourcing's cursor, with nothing to close once its connection is closed."""
+
+    def __init__(self, sqlite_cursor: sqlite3.Cursor, connection: SQLiteConnection) -> None:
+        super().__init__(sqlite_cursor)
+        self._connection = connection
+
+    def __exit__(self, *args: object, **kwargs: Any) -> None:
+        if not self._connection.closed:
+            super().__exit__(*args, **kwargs)
+
+
+class _SQLiteConnection(SQLiteConnection):
+    """eventsourcing's SQLite connection, with nothing to close or roll back once it is closed:
+    a command ending on Ctrl-C while a call waits for another process's write lock closes its
+    store (and the connection in use) under the call, whose cleanup then raised "Cannot operate
+    on a closed database" (printed as a traceback after the command's one error line). Closing
+    the connection closed its cursors, and SQLite rolled the transaction back."""
+
+    def cursor(self) -> SQLiteCursor:
+        return _SQLiteCursor(self._sqlite_conn.cursor(), self)
+
+    def rollback(self) -> None:
+        if not self.closed:
+            super().rollback()
+
+
 class StatementCachingSQLitePool(SQLiteConnectionPool):
     """eventsourcing's SQLite connections, with a statement cache that holds an append's statements.
 
@@ -424,7 +457,18 @@ class StatementCachingSQLitePool(SQLiteConnectionPool):
                 raise InterfaceError(exc) from exc
         connection.row_factory = sqlite3.Row
         self._opened_once = True
-        return SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
+        return _SQLiteConnection(sqlite_conn=connection, max_age=self.max_age)
+
+    def put_connection(self, conn: SQLiteConnection) -> None:
+        """As eventsourcing's, except when the store was closed under the call handing ``conn``
+        back: a command that ends on Ctrl-C while a call waits for another process's write lock
+        closes its store, and the call's cleanup, once the wait ends, met ``Pool is closed``
+        (printed as a traceback after the command's one error line). Closing the pool closed
+        ``conn`` with the others; there is nothing to give back."""
+        try:
+            super().put_connection(conn)
+        except ConnectionPoolClosedError:
+            conn.close()
 
 
 class _MostRecentFirst(collections.deque[Any]):
