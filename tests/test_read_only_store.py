@@ -104,6 +104,10 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
         ("run", str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json"), "--json"),
         # A snapshot is a write too: refused before any tree is folded.
         ("snapshot", "--all", "--min-events", "1", "--json"),
+        # The followers keep their tables and position in the store (`project` blamed the
+        # file's permissions: "give this user write access", the wrong fix on a read-only mount).
+        ("project", "--json"),
+        ("publish", "--bootstrap", "127.0.0.1:1", "--topic", "t", "--once", "--json"),
     )
     for command, text in expected.items():
         if command.startswith("audit"):  # its timing differs; the verdict must not
@@ -114,9 +118,10 @@ def test_read_commands_answer_on_a_read_only_copy_as_on_the_original_and_writes_
             continue
         assert json.loads(got[command]) == json.loads(text), command
     assert ok(exported).stdout == ok(original_export).stdout
-    assert len(refusals) == 4
+    assert len(refusals) == 6
     for refusal in refusals:
         read_only_refusal(refusal)
+        assert "read-only file system" in json.loads(refusal.stderr)["error"]["message"], refusal.stderr
     assert sorted(p.name for p in mount_point.iterdir()) == ["agentfold.db"]
     assert json.loads(ok(agentfold("trees", "--json", store=store)).stdout) == json.loads(expected["trees"])
 

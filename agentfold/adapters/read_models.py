@@ -224,6 +224,8 @@ def table_exists(cursor: Any, backend: str, name: str) -> bool:
 def tracking_recorder(store: EventStore, *, create: bool = True) -> Any:
     """eventsourcing's tracking recorder on ``agentfold_tracking`` in a SQLite or PostgreSQL store
     (one row per follower: the read models, each Kafka publisher), its table created unless not ``create``."""
+    if create:
+        store.check_writable()  # a store on a read-only file system: said so, not "give this user write access"
     datastore = store.factory.datastore
     if store.backend == "sqlite":
         recorder: Any = _SQLiteTracking(datastore)
