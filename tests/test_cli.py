@@ -589,9 +589,9 @@ def test_empty_or_misplaced_values_are_refused_not_guessed(tmp_path: Path) -> No
     assert refused(agentfold("run", demo, "--json", store="", cwd=tmp_path)).error()["code"] == "store.url_invalid"
     assert not (tmp_path / "agentfold.db").exists()
     # The same mistake in the environment (AGENTFOLD_STORE=$UNSET_VAR): it ran on ./agentfold.db.
-    for empty in ("", " "):
+    for empty, said in (("", "AGENTFOLD_STORE is set but empty"), (" ", "AGENTFOLD_STORE is set but blank")):
         error = refused(agentfold("run", demo, "--json", env={"AGENTFOLD_STORE": empty}, cwd=tmp_path)).error()
-        assert error["code"] == "store.url_invalid" and "AGENTFOLD_STORE" in error["message"], error
+        assert error["code"] == "store.url_invalid" and error["message"] == said, error
     assert not (tmp_path / "agentfold.db").exists()
     assert refused(agentfold("run", demo, "--crash-after", "", "--json", store=store)).error()["code"] == (
         "crash.point_invalid")
@@ -712,3 +712,10 @@ def test_refusals_found_by_the_error_code_audit_say_what_to_do(tmp_path: Path) -
     # "@" alone named the current folder: "cannot read : Is a directory".
     empty = refused(agentfold("answer", "process:" + "0" * 32, "wait:" + "0" * 64, "@", "--json", store=store)).error()
     assert empty["code"] == "cli.argument_invalid" and "names no file" in empty["message"], empty
+
+
+def test_version_prints_the_installed_version_and_exits_0() -> None:
+    from importlib.metadata import version
+
+    ran = ok(agentfold("--version"))
+    assert ran.stdout == f"agentfold {version('agentfold')}\n" and ran.stderr == ""

@@ -1148,6 +1148,27 @@ def _seconds_within(text: str, least: float, what: str) -> float:
     return value
 
 
+def _installed_version() -> str:
+    """The version of the installed ``agentfold`` distribution (``unknown`` when run from a bare
+    source tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentfold")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked (importlib.metadata costs every
+    other command line milliseconds of start-up)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        sys.stdout.write(f"{PROG} {_installed_version()}\n")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument(
@@ -1160,6 +1181,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, parents=[common],
         description="Operate agentfold process trees: list, inspect, recover, and settle unknown effects.",
     )
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the installed version of agentfold and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     def command(name: str, fn: Command, help: str, timeout: bool = False) -> argparse.ArgumentParser:

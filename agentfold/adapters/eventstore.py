@@ -2222,7 +2222,7 @@ def store_url_from_env(explicit: str | None = None) -> str:
     env = os.environ.get("AGENTFOLD_STORE")
     if env is not None and not env.strip():
         # Set but empty (``AGENTFOLD_STORE=$UNSET_VAR``): the same mistake, in the environment.
-        raise InvalidInput("store.url_invalid", "AGENTFOLD_STORE is set but empty",
+        raise InvalidInput("store.url_invalid", f"AGENTFOLD_STORE is set but {'empty' if not env else 'blank'}",
                            hint="set it to sqlite:///path.db, postgresql://... or memory:, or unset it "
                            "for the default store")
     return env or DEFAULT_STORE
