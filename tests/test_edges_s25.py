@@ -238,6 +238,7 @@ def test_an_idle_session_the_server_cut_while_serves_follower_waited_to_retry_is
                     failed.append(record.getMessage())
                     if len(failed) == 1:  # in the follower thread, after the check of the idle sessions:
                         _query(store)  # one more idle session, working then,
+                        time.sleep(0.3)  # (and any the pool opened beside it in the background)
                         _cut_sessions(admin, database)  # ended while the thread waits to retry
 
         handler = OnFailure()
@@ -246,7 +247,11 @@ def test_an_idle_session_the_server_cut_while_serves_follower_waited_to_retry_is
         thread = FollowerThread(store, ProgramSources(), retry=0.3)
         try:
             thread.start()
-            time.sleep(1.0)  # following: its LISTEN session open, pooled sessions idle
+            deadline = time.monotonic() + 15
+            while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND query LIKE 'LISTEN%%'",
+                                (database,)).fetchone() != (1,):  # following: its LISTEN session open
+                assert time.monotonic() < deadline, "the follower never listened"
+                time.sleep(0.05)
             _cut_sessions(admin, database)
             deadline = time.monotonic() + 15
             while not failed or thread.state != "running":  # failed, then retried

@@ -1149,8 +1149,8 @@ def _seconds_within(text: str, least: float, what: str) -> float:
 
 
 def _installed_version() -> str:
-    """The version of the installed ``agentfold`` distribution (``unknown`` when run from a bare
-    source tree that was never installed)."""
+    """The version of the installed ``agentfold`` distribution (``unknown (not installed)`` when
+    run from a source tree that was never installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
