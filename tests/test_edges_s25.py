@@ -186,6 +186,14 @@ def _cut_sessions(admin: psycopg.Connection[Any], database: str) -> None:
         time.sleep(0.02)
 
 
+def _cut_one_more_idle_session(store: EventStore, admin: psycopg.Connection[Any], database: str) -> None:
+    """After the check of the idle sessions: one more idle session, working then, ended by the
+    server while the follower waits to retry."""
+    _query(store)
+    time.sleep(0.3)  # (and any the pool opened beside it in the background)
+    _cut_sessions(admin, database)
+
+
 # CI run166: after `pg_ctl stop -m fast`, a retry of `project --follow` met "server closed the
 # connection" again: an idle pooled session passed the check made right after the first lost
 # session (its backend had not ended yet) and was cut before the next attempt took it. In the
@@ -212,10 +220,8 @@ def test_an_idle_session_the_server_cut_while_a_following_command_waited_to_retr
 
         def say(line: str) -> None:
             said.append(line)
-            if len(said) == 1:  # the first failure, after the check of the idle sessions:
-                _query(store)  # one more idle session, working then,
-                time.sleep(0.3)  # (and any the pool opened beside it in the background)
-                _cut_sessions(admin, database)  # ended while the loop waits to retry
+            if len(said) == 1:  # the first failure
+                _cut_one_more_idle_session(store, admin, database)
 
         try:
             failures = retry_until_stopped(attempt, stop, say, backoff=0.2, recheck=store.check_sessions)
@@ -236,10 +242,8 @@ def test_an_idle_session_the_server_cut_while_serves_follower_waited_to_retry_is
             def emit(self, record: logging.LogRecord) -> None:
                 if record.getMessage().startswith("read-model follower failed"):
                     failed.append(record.getMessage())
-                    if len(failed) == 1:  # in the follower thread, after the check of the idle sessions:
-                        _query(store)  # one more idle session, working then,
-                        time.sleep(0.3)  # (and any the pool opened beside it in the background)
-                        _cut_sessions(admin, database)  # ended while the thread waits to retry
+                    if len(failed) == 1:  # the first failure, in the follower thread
+                        _cut_one_more_idle_session(store, admin, database)
 
         handler = OnFailure()
         logger = logging.getLogger("agentfold.http")

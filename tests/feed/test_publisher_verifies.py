@@ -40,6 +40,12 @@ def _tamper(url: str, tree_id: str, position: int) -> bytes:
     return state
 
 
+def _repair(url: str, tree_id: str, position: int, state: bytes) -> None:
+    """Put a tampered event's state back (``_tamper`` returned it), as a restore from a backup would."""
+    sql = Sql(url)
+    sql.set_row(TreeID(tree_id), position, next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == position), state)
+
+
 def _position(url: str, topic: str) -> int:
     store = EventStore(url, create=False)
     try:
@@ -160,9 +166,7 @@ def test_a_held_tree_stays_held_for_new_events_and_is_published_in_order_once_re
     assert report["events"] == last - envelopes[-1]["notification_id"] > 0
 
     # Repaired (the changed row put back): the next run publishes the held records and exits 0.
-    sql = Sql(url)
-    topic_name = next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4)
-    sql.set_row(TreeID(tree_id), 4, topic_name, original)
+    _repair(url, tree_id, 4, original)
     ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", "--batch-size", "3",
                     "--json", store=url)
     assert ran.code == 0, ran.stderr
@@ -192,40 +196,33 @@ def test_the_report_of_a_run_that_released_a_repaired_tree_names_its_records_not
     # Found by a docs walk: the released records are older than the stored position, and the
     # text said "notification ids 347..346".
     url = f"sqlite:///{tmp_path / 'runs.db'}"
-    _runs(url, 2)
-    envelopes = stored_envelopes(url)
-    tree_id = envelopes[0]["tree_id"]
-    original = _tamper(url, tree_id, 4)
     topic = f"released-{uuid.uuid4().hex[:8]}"
-    _publish_holds(url, kafka_bootstrap, topic, envelopes, tree_id, 4)
-    sql = Sql(url)
-    sql.set_row(TreeID(tree_id), 4, next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4), original)
-    held = len([e for e in envelopes if e["tree_id"] == tree_id and e["position"] >= 4])
-    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", store=url)
-    assert ran.code == 0, ran.stderr
-    assert ran.stdout.strip() == (
-        f"published {held} event(s) from {url} to topic {topic} ({held} record(s) of trees held back earlier, "
-        "released once they verified again)"
-    ), ran.stdout
+    released = "record(s) of trees held back earlier, released once they verified again"
+
+    def repaired_run(envelopes: list[dict[str, Any]], new_runs: int) -> tuple[int, int, int, str]:
+        """Damage the first tree of ``envelopes``, publish (it is held), add ``new_runs`` runs,
+        repair it and publish in text: (records held, position before, position after, the report)."""
+        tree_id = envelopes[0]["tree_id"]
+        original = _tamper(url, tree_id, 4)
+        code, _, errors = _publish_once(url, kafka_bootstrap, topic)
+        assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id]
+        start = _last_id(url)
+        last = _runs(url, new_runs) if new_runs else start
+        _repair(url, tree_id, 4, original)
+        ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", store=url)
+        assert ran.code == 0, ran.stderr
+        return len([e for e in envelopes if e["tree_id"] == tree_id and e["position"] >= 4]), start, last, ran.stdout
+
+    _runs(url, 2)
+    held, _, _, said = repaired_run(stored_envelopes(url), 0)
+    assert said.strip() == f"published {held} event(s) from {url} to topic {topic} ({held} {released})"
 
     # A run that also publishes new events: their range of notification ids, then the released records.
     published = _last_id(url)
     _runs(url, 1)
-    newer = [e for e in stored_envelopes(url) if e["notification_id"] > published]
-    tree_id = newer[0]["tree_id"]
-    original = _tamper(url, tree_id, 4)
-    code, _, errors = _publish_once(url, kafka_bootstrap, topic)
-    assert code == 1 and [e["detail"]["tree_id"] for e in errors] == [tree_id]
-    held = len([e for e in newer if e["position"] >= 4])
-    start = _last_id(url)
-    last = _runs(url, 1)
-    sql.set_row(TreeID(tree_id), 4, next(r[1] for r in sql.rows(TreeID(tree_id)) if r[0] == 4), original)
-    ran = agentfold("publish", "--bootstrap", kafka_bootstrap, "--topic", topic, "--once", store=url)
-    assert ran.code == 0, ran.stderr
-    assert ran.stdout.strip() == (
-        f"published {last - start + held} event(s) from {url} to topic {topic} (notification ids {start + 1}..{last}; "
-        f"{held} record(s) of trees held back earlier, released once they verified again)"
-    ), ran.stdout
+    held, start, last, said = repaired_run([e for e in stored_envelopes(url) if e["notification_id"] > published], 1)
+    assert said.strip() == (f"published {last - start + held} event(s) from {url} to topic {topic} "
+                            f"(notification ids {start + 1}..{last}; {held} {released})")
 
 
 def test_a_publisher_killed_after_producing_a_batch_that_found_a_corrupt_tree_holds_it_when_run_again(
