@@ -618,6 +618,18 @@ class ApiService:
     #: Set when the server starts stopping (``stop``): requests stop waiting and answer with
     #: what is stored (a write: ``idle: false``), instead of waiting past the requests' grace.
     stopping: threading.Event = field(init=False, default_factory=threading.Event)
+    #: The first ``store.damaged`` a request met (SQLite found the file damaged): ``GET /health``
+    #: answers it from then on. Its own reads touch a few pages only, often cached, and a
+    #: damaged file does not mend itself: it is restored from a backup (a new file, which
+    #: ``check_file`` sees) and the server restarted.
+    damage: StoreFailure | None = field(init=False, default=None)
+
+    def found_damage(self, failure: StoreFailure) -> None:
+        """Remember the first ``store.damaged`` a request met (see ``damage``)."""
+        if failure.code == "store.damaged" and self.damage is None:
+            self.damage = failure
+            log.error("the store's file is damaged (GET /health answers 503 store.damaged from now on): %s",
+                      failure.message)
 
     def __post_init__(self) -> None:
         # The runtime's catalog: a run's Programs are built once and held once, by whichever of
@@ -704,6 +716,9 @@ class ApiService:
                 hint="the server reconnects by itself; check that PostgreSQL is reachable",
             )
         self.store.check_file()  # an SQLite file removed or replaced under the server
+        if self.damage is not None:
+            raise StoreFailure("store.damaged", f"a request found the store's file damaged: {self.damage.message}",
+                               hint=self.damage.hint)
         positions = self._bounded("positions", self.queries.position)  # a store that is down answers 503
         if self._bounded("writes", self.store.refuses_writes_now):
             raise read_only_server("the store accepts no writes now")
@@ -1559,6 +1574,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def agentfold_error(request: Request, exc: AgentfoldError) -> Response:
         if isinstance(exc, Unauthorized):
             return unauthorized_response(exc)
+        service: ApiService | None = getattr(request.app.state, "service", None)
+        if isinstance(exc, StoreFailure) and service is not None:
+            service.found_damage(exc)
         return problem_response(exc.http_status, exc.code, exc.message, http_hint(exc.hint), exc.members())
 
     async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -1636,6 +1654,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.warning("store error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         damaged = sqlite_damage(exc) or (read_only_server("the store refused a write") if refuses_writes(exc) else None)
         if damaged is not None:  # retrying does not help: the operator restores the file or moves the URL
+            service: ApiService | None = getattr(request.app.state, "service", None)
+            if service is not None:
+                service.found_damage(damaged)
             return problem_response(503, damaged.code, damaged.message, damaged.hint)
         return problem_response(503, "store.unavailable", f"the store failed ({type(exc).__name__})",
                                 "retry; read the run first if the request may have taken effect")

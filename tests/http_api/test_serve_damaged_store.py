@@ -57,3 +57,37 @@ def test_a_store_damaged_under_a_running_server_is_503_store_damaged(tmp_path: P
         assert health.json()["code"] == "store.damaged", health.text
     finally:
         server.stop()
+
+
+def test_once_a_request_found_the_file_damaged_health_says_so_though_its_own_reads_pass(tmp_path: Path) -> None:
+    # Found by a docs walk: with pages damaged that /health's own reads do not touch (its
+    # positions), every listing answered 503 store.damaged while /health kept answering 200,
+    # and a load balancer kept sending requests to a server whose reads all failed.
+    db = tmp_path / "store.db"
+    store = f"sqlite:///{db}"
+    demo = str(ROOT / "agentfold" / "adapters" / "scenarios" / "demo.json")
+    assert agentfold("run", demo, "--start-id", "before-damage", store=store).code == 0
+    server = start_server(store, tmp_path, "--no-follow")
+    try:
+        c = server.client()
+        assert [r["start_id"] for r in ok(c.get("/runs"))["runs"]] == ["before-damage"]
+        with sqlite3.connect(db) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            [(root,)] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'agentfold_trees'").fetchall()
+        data = bytearray(db.read_bytes())
+        start = (root - 1) * PAGE
+        data[start + 3 : start + 5] = b"\xff\xff"  # the tree index's page only: an impossible cell count
+        with db.open("r+b") as f:
+            f.write(bytes(data))
+        with sqlite3.connect(db) as conn:
+            conn.execute("PRAGMA user_version = 7")  # the file changes through SQLite: caches are dropped
+
+        assert ok(c.get("/health"))["status"] == "ok"  # its own reads do not touch that page
+        body = problem(c.get("/runs"), 503, "store.damaged")
+        assert "malformed" in body["detail"], body
+        health = problem(c.get("/health"), 503, "store.damaged")
+        assert "a request found the store's file damaged" in health["detail"] and "malformed" in health["detail"]
+        assert health["hint"] == body["hint"]
+        assert problem(c.get("/health"), 503, "store.damaged") == health  # until the server is restarted
+    finally:
+        server.stop()
