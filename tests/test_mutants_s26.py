@@ -130,6 +130,15 @@ def test_a_context_preparation_the_host_resolves_as_failed_fails_the_run_with_it
     program = context_program()
     with running(tmp_path, program, "failed.db") as (runtime, store):
         handle, effect = _parked(runtime, program, {"messages": [{"role": "user", "content": "hi"}]})
+        # Its output is the failure's text (a docs walk found an empty list accepted as the
+        # failure, the run then failing with a generic message), refused before anything is stored.
+        before = store.load(handle.tree_id).state.version
+        for output in ([], " ", {"messages": []}):
+            with pytest.raises(InvalidInput) as refused:
+                Host(runtime).resolve(effect, output=output, status="failed")
+            assert refused.value.code == "host.resolution_invalid", refused.value
+            assert "a failed context preparation is resolved with output: the failure's text" in refused.value.message
+        assert store.load(handle.tree_id).state.version == before
         Host(runtime).resolve(effect, output="the summarizer is down for good", status="failed")
         result = runtime.result(handle.tree_id, timeout=30)
         assert result.status == "failed", result

@@ -102,7 +102,15 @@ def settlement_for(
         raise usage(f"give {name('output')} (or {name('model_response')} for a model call)")
     if is_model:
         raise wrong_kind(f"effect {effect_id} is a model call; give {name('model_response')}")
-    if is_context and program is not None and request is not None and status != "failed":
+    if is_context and status == "failed":
+        # The run fails with this text (interaction.host.failed): a failure without one (an
+        # empty list, as if the messages were given) left only a generic message.
+        if disposition is not None:
+            raise usage(f"{name('disposition')} applies to tool calls only; use {name('status')}")
+        if not isinstance(output, str) or not output.strip():
+            raise usage(f"a failed context preparation is resolved with {name('output')}: the failure's text")
+        return Settlement.failed(bounded_text(output))
+    if is_context and program is not None and request is not None:
         # The messages the context processor produced: a list of messages, {"messages": [...]}
         # or the settlement's own form {"prepared_context": {"messages": [...]}}, written as the
         # helper writes them (settle_prepared_context), as a live dispatcher's.
