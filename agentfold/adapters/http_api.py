@@ -479,12 +479,14 @@ class Answered(_Written):
     signal_id: str
     process_id: str
     wait_id: str
+    driven: bool = Field(..., description="false: another runtime owns the tree and drives it on")
 
 
 class Steered(_Written):
     accepted: bool
     signal_id: str
     process_id: str
+    driven: bool = Field(..., description="false: another runtime owns the tree and drives it on")
 
 
 class Resolved(_Written):
@@ -497,6 +499,7 @@ class Resolved(_Written):
 class Controlled(_Written):
     recorded: bool = Field(..., description="false: the same request was already recorded (nothing changed)")
     process_id: str
+    driven: bool = Field(..., description="false: another runtime owns the tree and drives it on")
 
 
 # ---------------------------------------------------------------------------
@@ -1001,7 +1004,8 @@ class ApiService:
         signal = answer_signal(tree, programs, pid, wid, body.response, sid,
                                listing_hint="list pending inputs with GET /pending-inputs")
         accepted = deliver_answer(self.runtime, tree_id, pid, signal)
-        return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
+        written = self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
+        return {**written, "driven": self.runtime.drives(tree_id)}  # after the wait, as resolve's
 
     def steer(self, process_id: str, body: Steer) -> dict[str, Any]:
         """``agentfold steer``: user messages for the Interaction's next model request."""
@@ -1015,7 +1019,8 @@ class ApiService:
         signal = steer_signal(signal_id, *messages)
         tree_id = self._tree_of_process(pid)
         accepted = self.runtime.deliver_signals(pid, [signal])
-        return self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
+        written = self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
+        return {**written, "driven": self.runtime.drives(tree_id)}
 
     def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
         """``agentfold resolve``: validated on a private fold first, then settled."""
@@ -1046,7 +1051,7 @@ class ApiService:
             recorded = self.runtime.pause(pid, "paused by host" if reason is None else reason)
         else:
             recorded = self.runtime.resume(pid)
-        return self._written(tree_id, wait, recorded=recorded, process_id=pid)
+        return {**self._written(tree_id, wait, recorded=recorded, process_id=pid), "driven": self.runtime.drives(tree_id)}
 
 
 def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str, Any]:

@@ -418,9 +418,10 @@ def test_an_answer_is_validated_against_the_wait_then_drives_the_run_to_completi
 
     answered = written(ok(c.post(answer_url, json={"response": {"approved": True, "note": "ok"},
                                                    "signal_id": "approve-1", "wait": 30})),
-                       "accepted", "signal_id", "process_id", "wait_id")
+                       "accepted", "signal_id", "process_id", "wait_id", "driven")
     assert (answered["accepted"], answered["signal_id"], answered["process_id"], answered["wait_id"]) == (
         True, "approve-1", pid, wid)
+    assert answered["driven"] is True  # this server drives the run (a CLI beside it says false)
     assert (answered["idle"], answered["tree"]["status"], answered["tree"]["classification"]) == (
         True, "completed", "terminal")
     assert run(c, tree_id, min_position=answered["position"])["output"]["model_calls"] == 2
@@ -551,8 +552,9 @@ def test_steering_is_admitted_once_refused_for_a_tool_child_and_reaches_the_next
     root, tree_id = tree["root_process_id"], tree["tree_id"]
     url = f"/processes/{root}/steer"
     steered = written(ok(c.post(url, json={"text": "Also book a window seat.", "signal_id": "steer-1"})),
-                      "accepted", "signal_id", "process_id")
-    assert (steered["accepted"], steered["signal_id"], steered["process_id"]) == (True, "steer-1", root)
+                      "accepted", "signal_id", "process_id", "driven")
+    assert (steered["accepted"], steered["signal_id"], steered["process_id"], steered["driven"]) == (
+        True, "steer-1", root, True)
     again = ok(c.post(url, json={"text": "Also book a window seat.", "signal_id": "steer-1"}))
     assert again["accepted"] is False
     version = run(c, tree_id)["version"]
@@ -583,8 +585,9 @@ def test_pause_resume_and_cancel_control_a_run_and_refuse_what_its_state_forbids
     root, tree_id = tree["root_process_id"], tree["tree_id"]
 
     paused = written(ok(c.post(f"/processes/{root}/pause", json={"reason": "lunch", "wait": 30})),
-                     "recorded", "process_id")
-    assert (paused["recorded"], paused["process_id"], paused["tree"]["status"]) == (True, root, "paused")
+                     "recorded", "process_id", "driven")
+    assert (paused["recorded"], paused["process_id"], paused["tree"]["status"], paused["driven"]) == (
+        True, root, "paused", True)
     assert run(c, tree_id, min_position=paused["position"])["status"] == "paused"
     assert ok(c.post(f"/processes/{root}/pause"))["recorded"] is False  # already paused: nothing changes
     resumed = ok(c.post(f"/processes/{root}/resume", json={"wait": 30}))
