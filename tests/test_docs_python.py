@@ -1,4 +1,4 @@
-"""docs/python.md and docs/team.md run as written: every example, in order, in one empty folder.
+"""docs/python.md, docs/team.md and docs/interaction.md run as written: every example, in order, in one empty folder.
 
 A block starting with ``# file: NAME.py`` is saved as that module (and must import); every other ``python``
 block is run as its own ``python`` process (the package importable as installed), and when a
@@ -32,6 +32,10 @@ def test_every_python_example_in_the_embedding_guide_runs_and_prints_what_the_gu
 
 def test_the_team_guide_example_runs_and_prints_what_the_guide_shows(tmp_path: Path) -> None:
     assert run_examples(ROOT / "docs" / "team.md", tmp_path) == (1, 2, 2)
+
+
+def test_the_interaction_guide_example_of_context_hooks_runs_and_prints_what_the_guide_shows(tmp_path: Path) -> None:
+    assert run_examples(ROOT / "docs" / "interaction.md", tmp_path) == (1, 1, 1)
 
 
 def run_examples(doc: Path, tmp_path: Path) -> tuple[int, int, int]:
