@@ -402,7 +402,8 @@ def cmd_unknown(ctx: Context, args: argparse.Namespace) -> Outcome:
     lines.append("")
     lines.append(
         f"resolve each with: {PROG} resolve EFFECT_ID --output JSON [--disposition D]  (tool calls), "
-        "--model-response JSON (model calls), or --output JSON [--status S] (other effects)"
+        "--model-response JSON (model calls), --output MESSAGES (context preparations), "
+        "or --output JSON [--status S] (other effects)"
     )
     return _listed(data, "\n".join(lines), entries, "unknown effects")
 

@@ -232,7 +232,7 @@ def cmd_serve(ctx: Any, args: argparse.Namespace) -> Any:
     if not 0 <= adopt_every <= MAX_TIMEOUT:  # NaN compares false; beyond, the scan's timer overflows
         raise InvalidInput("cli.argument_invalid",
                            f"--adopt-every must be a number of seconds from 0 to {MAX_TIMEOUT:.0f} (30 days), "
-                           f"got {adopt_every:g}", hint="0 turns the scan off")
+                           f"got {adopt_every:.15g}", hint="0 turns the scan off")
     workers = args.dispatch_workers
     if not 1 <= workers <= MAX_DISPATCH_WORKERS:
         raise InvalidInput("cli.argument_invalid",

@@ -153,7 +153,7 @@ class GateInput:
             raise InvalidInput(
                 "engine.signal.schema",
                 "the answer does not satisfy the gate's answer schema: " + "; ".join(problems[:3]),
-                hint="answer with JSON matching the answer_schema of the gate (agentfold.projections.host_views.gate_inputs)",
+                hint="answer with JSON matching the gate's answer_schema (each gate of the run's gates listing shows it)",
             )
         return SignalRequest(SignalID(signal_id), value, self.wait_id)
 
