@@ -928,11 +928,14 @@ class ApiService:
     def _tree_of_process(self, process_id: ProcessID) -> TreeID:
         return self.store.find_process_tree(process_id)
 
-    def _written(self, tree_id: TreeID, wait: float, **data: Any) -> dict[str, Any]:
+    def _written(self, tree_id: TreeID, wait: float, *, driven: bool = False, **data: Any) -> dict[str, Any]:
         """The answer to a write: the tree after waiting up to ``wait`` s, and a position.
 
         A run left with nothing under way but timers due after the wait (a Deadline's) is
-        parked until their instants: answered at once, ``idle``, its ``timers`` listed."""
+        parked until their instants: answered at once, ``idle``, its ``timers`` listed.
+        ``driven``: the answer says whether this server drives the run, after the wait (input
+        recorded beside a lease held for a moment is taken over at its next polls, which the
+        wait covers)."""
         drive_error = None
         timers: list[tuple[EffectID, float]] = []
         deadline = time.monotonic() + wait
@@ -962,6 +965,8 @@ class ApiService:
             body["timers"] = timers_json(timers)
         if drive_error is not None:
             body["drive_error"] = drive_error
+        if driven:
+            body["driven"] = self.runtime.drives(tree_id)
         return body
 
     def start(self, body: StartRun) -> tuple[dict[str, Any], bool]:
@@ -1004,8 +1009,8 @@ class ApiService:
         signal = answer_signal(tree, programs, pid, wid, body.response, sid,
                                listing_hint="list pending inputs with GET /pending-inputs")
         accepted = deliver_answer(self.runtime, tree_id, pid, signal)
-        written = self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid, wait_id=wid)
-        return {**written, "driven": self.runtime.drives(tree_id)}  # after the wait, as resolve's
+        return self._written(tree_id, body.wait, driven=True, accepted=accepted, signal_id=signal.id, process_id=pid,
+                             wait_id=wid)
 
     def steer(self, process_id: str, body: Steer) -> dict[str, Any]:
         """``agentfold steer``: user messages for the Interaction's next model request."""
@@ -1019,8 +1024,7 @@ class ApiService:
         signal = steer_signal(signal_id, *messages)
         tree_id = self._tree_of_process(pid)
         accepted = self.runtime.deliver_signals(pid, [signal])
-        written = self._written(tree_id, body.wait, accepted=accepted, signal_id=signal.id, process_id=pid)
-        return {**written, "driven": self.runtime.drives(tree_id)}
+        return self._written(tree_id, body.wait, driven=True, accepted=accepted, signal_id=signal.id, process_id=pid)
 
     def resolve(self, effect_id: str, body: Resolve) -> dict[str, Any]:
         """``agentfold resolve``: validated on a private fold first, then settled."""
@@ -1032,13 +1036,10 @@ class ApiService:
         # make this server take ownership (WriterActivated).
         process_id = checked_resolution(probe, eid, settlement)
         self.runtime.resolve_unknown_effect(eid, settlement, process_id=process_id)
-        written = self._written(
-            tree_id, body.wait, effect_id=eid, process_id=process_id,
+        return self._written(
+            tree_id, body.wait, driven=True, effect_id=eid, process_id=process_id,
             resolution={"status": settlement.status.value, "payload": settlement.payload},
         )
-        # After the wait: input recorded beside a lease held for a moment is taken over by this
-        # server at its next poll (Runtime._take_over_recorded), which the wait waits for.
-        return {**written, "driven": self.runtime.drives(tree_id)}
 
     def control(self, process_id: str, control: Literal["cancel", "pause", "resume"], reason: str | None,
                 wait: float) -> dict[str, Any]:
@@ -1051,7 +1052,7 @@ class ApiService:
             recorded = self.runtime.pause(pid, "paused by host" if reason is None else reason)
         else:
             recorded = self.runtime.resume(pid)
-        return {**self._written(tree_id, wait, recorded=recorded, process_id=pid), "driven": self.runtime.drives(tree_id)}
+        return self._written(tree_id, wait, driven=True, recorded=recorded, process_id=pid)
 
 
 def _complete(body: dict[str, Any], listing: Listing, missing: str) -> dict[str, Any]:
